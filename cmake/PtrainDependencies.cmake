@@ -1,0 +1,88 @@
+# Finds ptrain's dependencies and links them to an interface target. Used both
+# by the build tree and by the installed ptrainConfig.cmake, so a consumer of
+# the installed package gets the same backends the package was built with.
+#
+# Inputs: PTRAIN_WITH_{CUDA,MPI,GLOO,NCCL} = ON, OFF or AUTO.
+# Outputs: PTRAIN_HAVE_{CUDA,MPI,GLOO,NCCL} = TRUE/FALSE.
+
+include(CMakeFindDependencyMacro)
+
+# find_dependency returns from the including file on failure, which is what an
+# installed config wants; the build tree wants find_package's plain behaviour.
+macro(_ptrain_find name)
+  if(PTRAIN_FROM_CONFIG)
+    find_dependency(${name} ${ARGN})
+  else()
+    find_package(${name} ${ARGN})
+  endif()
+endmacro()
+
+_ptrain_find(Eigen3 3.3 REQUIRED NO_MODULE)
+_ptrain_find(nlohmann_json 3.9 REQUIRED)
+_ptrain_find(ZLIB REQUIRED)
+_ptrain_find(Threads REQUIRED)
+
+function(_ptrain_optional var found)
+  if(PTRAIN_WITH_${var} STREQUAL "AUTO")
+    set(PTRAIN_HAVE_${var} ${found} PARENT_SCOPE)
+  elseif(PTRAIN_WITH_${var})
+    if(NOT ${found})
+      message(FATAL_ERROR "PTRAIN_WITH_${var}=ON but its dependency was not found; "
+                          "install it (see tools/install-deps.sh) or set PTRAIN_WITH_${var}=OFF")
+    endif()
+    set(PTRAIN_HAVE_${var} TRUE PARENT_SCOPE)
+  else()
+    set(PTRAIN_HAVE_${var} FALSE PARENT_SCOPE)
+  endif()
+endfunction()
+
+if(PTRAIN_WITH_MPI STREQUAL "AUTO" OR PTRAIN_WITH_MPI)
+  find_package(MPI COMPONENTS CXX QUIET)
+endif()
+_ptrain_optional(MPI "${MPI_CXX_FOUND}")
+
+if(PTRAIN_WITH_GLOO STREQUAL "AUTO" OR PTRAIN_WITH_GLOO)
+  find_package(Gloo QUIET)
+endif()
+_ptrain_optional(GLOO "${Gloo_FOUND}")
+
+if(PTRAIN_WITH_CUDA STREQUAL "AUTO" OR PTRAIN_WITH_CUDA)
+  find_package(CUDAToolkit QUIET)
+endif()
+_ptrain_optional(CUDA "${CUDAToolkit_FOUND}")
+
+set(_ptrain_nccl_found FALSE)
+if(PTRAIN_HAVE_CUDA AND (PTRAIN_WITH_NCCL STREQUAL "AUTO" OR PTRAIN_WITH_NCCL))
+  find_library(PTRAIN_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+  find_path(PTRAIN_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+  if(PTRAIN_NCCL_LIBRARY AND PTRAIN_NCCL_INCLUDE)
+    set(_ptrain_nccl_found TRUE)
+  endif()
+endif()
+_ptrain_optional(NCCL "${_ptrain_nccl_found}")
+
+function(ptrain_link_dependencies target)
+  target_link_libraries(${target} INTERFACE Eigen3::Eigen nlohmann_json::nlohmann_json
+                                            ZLIB::ZLIB Threads::Threads)
+  if(PTRAIN_HAVE_MPI)
+    target_link_libraries(${target} INTERFACE MPI::MPI_CXX)
+    target_compile_definitions(${target} INTERFACE PTRAIN_MPI=1)
+  endif()
+  if(PTRAIN_HAVE_GLOO)
+    target_link_libraries(${target} INTERFACE gloo)
+    target_compile_definitions(${target} INTERFACE PTRAIN_GLOO=1)
+  endif()
+  if(PTRAIN_HAVE_CUDA)
+    # Host code that includes ptrain headers needs only the runtime and cuBLAS
+    # link lines; kernels compile when a .cu file includes the .cuh headers.
+    target_link_libraries(${target} INTERFACE CUDA::cudart CUDA::cublas CUDA::cublasLt)
+  endif()
+  if(PTRAIN_HAVE_NCCL)
+    target_include_directories(${target} INTERFACE ${PTRAIN_NCCL_INCLUDE})
+    target_link_libraries(${target} INTERFACE ${PTRAIN_NCCL_LIBRARY})
+    target_compile_definitions(${target} INTERFACE PTRAIN_NCCL=1)
+  endif()
+endfunction()
+
+message(STATUS "ptrain backends: MPI=${PTRAIN_HAVE_MPI} Gloo=${PTRAIN_HAVE_GLOO} "
+               "CUDA=${PTRAIN_HAVE_CUDA} NCCL=${PTRAIN_HAVE_NCCL}")
