@@ -1,0 +1,64 @@
+"""PyTorch twin of benchmarks/train_step.cpp: same MLP, batch, AdamW, one thread.
+
+Prints one JSON line with the same fields. Run with Debian's python3-torch
+(/usr/bin/python3) and libopenblas0-pthread installed.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    dims = [784] + [a.hidden] * a.layers
+    mods = []
+    for i in range(a.layers):
+        mods += [torch.nn.Linear(dims[i], dims[i + 1]), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*mods, torch.nn.Linear(dims[-1], 10))
+    opt = torch.optim.AdamW(model.parameters())
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.rand(a.batch, 784)
+    y = torch.randint(0, 10, (a.batch,))
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for _ in range(a.warmup):
+        step()
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append((time.perf_counter() - t0) * 1e3)
+
+    flops = 0.0
+    w = 784
+    for l in range(a.layers + 1):
+        out = a.hidden if l < a.layers else 10
+        flops += 2.0 * a.batch * w * out * (2 if l == 0 else 3)
+        w = out
+    ms = statistics.median(times)
+    print(json.dumps({"bench": "train_step", "impl": "pytorch", "torch": torch.__version__,
+                      "hidden": a.hidden, "layers": a.layers, "batch": a.batch, "steps": a.steps,
+                      "step_ms_median": ms, "samples_per_s": 1000.0 * a.batch / ms,
+                      "gflop_per_step": flops / 1e9, "gflops": flops / (ms * 1e6), "final_loss": loss}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+#pragma once
+// Flat parameter storage: every parameter of a module tree becomes a view into
+// one values buffer, and every gradient a view into one grads buffer, at the
+// same offsets. The optimizer updates the whole model in one pass, DDP buckets
+// are ranges of the grads buffer and FSDP shards ranges of the values buffer.
+//
+// Each parameter starts at a multiple of `align` elements (64 bytes for float)
+// so that vector loads in kernels stay aligned; the gaps hold zeros in both
+// buffers and stay zero under SGD and AdamW.
+
+#include <string>
+#include <vector>
+
+#include "ptrain/nn/module.hpp"
+
+namespace ptrain::nn {
+
+template <class T>
+struct FlatEntry {
+  std::string name;
+  std::int64_t offset;  ///< first element in the flat buffers
+  Shape shape;
+  Parameter<T>* param;
+  std::int64_t numel() const { return shape.numel(); }
+};
+
+template <class T>
+class FlatParameters {
+ public:
+  /// Packs the parameters of `module` (in named_parameters() order) and rebinds
+  /// them to views. Values are copied in; gradients start at zero.
+  explicit FlatParameters(Module<T>& module, std::int64_t align = 16) {
+    auto params = module.named_parameters();
+    PTRAIN_CHECK(!params.empty(), Error, "[ptrain.flat] module ", module.describe(), " has no parameters");
+    const Device device = params.front().param->value.device();
+    std::int64_t total = 0;
+    for (auto& p : params) {
+      PTRAIN_CHECK(p.param->value.device() == device, Error, "[ptrain.flat] parameter ", p.name, " is on ",
+                   p.param->value.device(), " but the first parameter is on ", device, "; move the module with to()");
+      entries_.push_back({p.name, total, p.param->value.shape(), p.param});
+      total += (p.param->value.numel() + align - 1) / align * align;
+    }
+    values_ = Tensor<T>::zeros({total}, device);
+    grads_ = Tensor<T>::zeros({total}, device);
+    for (auto& e : entries_) {
+      auto v = values_.view(e.offset, e.shape);
+      v.copy_(e.param->value);
+      e.param->value = v;
+      e.param->grad = grads_.view(e.offset, e.shape);
+    }
+  }
+
+  Tensor<T>& values() { return values_; }
+  Tensor<T>& grads() { return grads_; }
+  const std::vector<FlatEntry<T>>& entries() const { return entries_; }
+  std::int64_t numel() const { return values_.numel(); }
+  void zero_grad() { grads_.zero_(); }
+
+ private:
+  Tensor<T> values_, grads_;
+  std::vector<FlatEntry<T>> entries_;
+};
+
+}  // namespace ptrain::nn

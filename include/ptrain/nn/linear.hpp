@@ -1,0 +1,62 @@
+#pragma once
+// Linear: y = x W^T + b over the last dimension.
+
+#include <cmath>
+
+#include "ptrain/nn/module.hpp"
+#include "ptrain/ops/init.hpp"
+#include "ptrain/ops/linear.hpp"
+
+namespace ptrain::nn {
+
+/// x [..., in] -> y [..., out]; weight [out, in], bias [out] (PyTorch's layout and init).
+template <class T>
+class Linear : public Module<T> {
+ public:
+  /// Weights and bias ~ U(-1/sqrt(in), 1/sqrt(in)), as torch.nn.Linear.
+  Linear(std::int64_t in, std::int64_t out, bool bias = true, Generator& gen = default_generator())
+      : in_(in), out_(out) {
+    PTRAIN_CHECK(in > 0 && out > 0, ShapeError, "[ptrain.linear] features must be positive, got ", in, " -> ", out);
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    auto w = Tensor<T>::empty({out, in});
+    ops::uniform_(w, -bound, bound, gen);
+    weight_ = &this->register_parameter("weight", w);
+    if (bias) {
+      auto b = Tensor<T>::empty({out});
+      ops::uniform_(b, -bound, bound, gen);
+      bias_ = &this->register_parameter("bias", b);
+    }
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    cache.tensors = {x};
+    return ops::linear(x, weight_->value, bias_ ? bias_->value : Tensor<T>());
+  }
+
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    PTRAIN_CHECK(!cache.tensors.empty(), Error, "[ptrain.backward] Linear::backward without a forward in this cache");
+    auto dx = ops::linear_backward(cache.tensors[0], weight_->value, dy, weight_->grad, bias_ ? &bias_->grad : nullptr,
+                                   need_input_grad_);
+    weight_->mark_grad_ready();
+    if (bias_) bias_->mark_grad_ready();
+    cache.clear();
+    return dx;
+  }
+
+  /// The first layer of a model needs no dx; skipping it saves one GEMM.
+  void set_need_input_grad(bool need) { need_input_grad_ = need; }
+
+  std::string describe() const override {
+    return "Linear(" + std::to_string(in_) + ", " + std::to_string(out_) + (bias_ ? ")" : ", bias=false)");
+  }
+  Parameter<T>& weight() { return *weight_; }
+  Parameter<T>* bias() { return bias_; }
+
+ private:
+  std::int64_t in_, out_;
+  Parameter<T>* weight_ = nullptr;
+  Parameter<T>* bias_ = nullptr;
+  bool need_input_grad_ = true;
+};
+
+}  // namespace ptrain::nn

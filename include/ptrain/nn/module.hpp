@@ -1,0 +1,140 @@
+#pragma once
+// Module, Parameter and Cache: explicit forward and backward passes.
+//
+// forward(x, cache) stores what backward needs in a Cache that the caller owns;
+// backward(dy, cache) returns dx and accumulates (+=) parameter gradients. No
+// global tape: several micro-batches can be in flight at once, each with its
+// own cache (pipeline 1F1B), and a cache is freed as soon as its backward ran.
+//
+// Gradient-ready hook: as soon as a parameter's gradient for this backward pass
+// is final, the module calls param.mark_grad_ready(), which runs the
+// parameter's on_grad_ready callback. DDP uses it to start bucket all-reduces
+// while backward goes on.
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ptrain/core/tensor.hpp"
+
+namespace ptrain::nn {
+
+/// A trainable tensor and its gradient (same shape and device).
+template <class T>
+struct Parameter {
+  Tensor<T> value;
+  Tensor<T> grad;
+  /// Called by mark_grad_ready(); set by wrappers such as DDP.
+  std::function<void(Parameter&)> on_grad_ready;
+
+  void mark_grad_ready() {
+    if (on_grad_ready) on_grad_ready(*this);
+  }
+};
+
+/// What one forward call saved for its backward call. Modules with children
+/// give each child its own sub-cache (child(i)).
+template <class T>
+class Cache {
+ public:
+  std::vector<Tensor<T>> tensors;
+  std::vector<Tensor<std::int32_t>> indices;
+  std::vector<std::uint64_t> values;
+
+  /// Sub-cache i, created on first use (references stay valid).
+  Cache& child(std::size_t i) {
+    while (children_.size() <= i) children_.emplace_back();
+    return children_[i];
+  }
+  void clear() {
+    tensors.clear();
+    indices.clear();
+    values.clear();
+    children_.clear();
+  }
+  bool empty() const { return tensors.empty() && indices.empty() && values.empty() && children_.empty(); }
+
+ private:
+  std::deque<Cache> children_;
+};
+
+template <class T>
+struct NamedParameter {
+  std::string name;  ///< dotted path, e.g. "layers.0.weight"
+  Parameter<T>* param;
+};
+
+/// Base of every layer and model.
+template <class T>
+class Module {
+ public:
+  virtual ~Module() = default;
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  virtual Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) = 0;
+  /// Returns dx for the forward call that filled `cache`; accumulates parameter gradients.
+  virtual Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) = 0;
+  /// Short description, e.g. "Linear(784, 256)".
+  virtual std::string describe() const = 0;
+
+  /// All parameters of this module and its children, depth-first in registration order.
+  std::vector<NamedParameter<T>> named_parameters(const std::string& prefix = "") {
+    std::vector<NamedParameter<T>> out;
+    collect(prefix, out);
+    return out;
+  }
+  std::int64_t num_parameters() {
+    std::int64_t n = 0;
+    for (auto& p : named_parameters()) n += p.param->value.numel();
+    return n;
+  }
+  void zero_grad() {
+    for (auto& p : named_parameters()) p.param->grad.zero_();
+  }
+  /// Training mode (dropout active) or evaluation mode, recursively.
+  void train(bool on = true) {
+    training_ = on;
+    for (auto& c : children_) c.second->train(on);
+  }
+  bool training() const { return training_; }
+  /// Moves parameters and gradients to a device, recursively.
+  void to(Device device) {
+    for (auto& p : named_parameters()) {
+      p.param->value = p.param->value.to(device);
+      p.param->grad = p.param->grad.to(device);
+    }
+  }
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
+
+ protected:
+  /// Registers a parameter with a zero gradient of the same shape.
+  Parameter<T>& register_parameter(const std::string& name, Tensor<T> value) {
+    auto p = std::make_unique<Parameter<T>>();
+    p->grad = Tensor<T>::zeros(value.shape(), value.device());
+    p->value = std::move(value);
+    params_.emplace_back(name, std::move(p));
+    return *params_.back().second;
+  }
+  template <class M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
+    children_.emplace_back(name, m);
+    return m;
+  }
+
+ private:
+  void collect(const std::string& prefix, std::vector<NamedParameter<T>>& out) {
+    for (auto& [name, p] : params_) out.push_back({prefix + name, p.get()});
+    for (auto& [name, child] : children_) child->collect(prefix + name + ".", out);
+  }
+
+  std::vector<std::pair<std::string, std::unique_ptr<Parameter<T>>>> params_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+}  // namespace ptrain::nn

@@ -1,0 +1,85 @@
+#pragma once
+// Activations and dropout on tensors of any shape.
+
+#include "ptrain/ops/dispatch.hpp"
+
+namespace ptrain::ops {
+
+template <class T>
+Tensor<T> relu(const Tensor<T>& x) {
+  auto y = Tensor<T>::empty(x.shape(), x.device());
+  PTRAIN_DISPATCH(x.device(), relu_forward, x.numel(), x.data(), y.data());
+  return y;
+}
+
+/// Gradient of relu given the forward input x.
+template <class T>
+Tensor<T> relu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
+  check_shape(dy, x.shape(), "relu output gradient");
+  auto dx = Tensor<T>::empty(x.shape(), x.device());
+  PTRAIN_DISPATCH(x.device(), relu_backward, x.numel(), x.data(), dy.data(), dx.data());
+  return dx;
+}
+
+/// GELU, tanh approximation (as in GPT-2).
+template <class T>
+Tensor<T> gelu(const Tensor<T>& x) {
+  auto y = Tensor<T>::empty(x.shape(), x.device());
+  PTRAIN_DISPATCH(x.device(), gelu_forward, x.numel(), x.data(), y.data());
+  return y;
+}
+
+template <class T>
+Tensor<T> gelu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
+  check_shape(dy, x.shape(), "gelu output gradient");
+  auto dx = Tensor<T>::empty(x.shape(), x.device());
+  PTRAIN_DISPATCH(x.device(), gelu_backward, x.numel(), x.data(), dy.data(), dx.data());
+  return dx;
+}
+
+/// Inverted dropout with the mask drawn from stream positions [offset, offset + numel) of seed.
+/// Applying it to dy with the same (seed, offset) is its backward.
+template <class T>
+Tensor<T> dropout(const Tensor<T>& x, double p, std::uint64_t seed, std::uint64_t offset) {
+  PTRAIN_CHECK(p >= 0.0 && p < 1.0, Error, "[ptrain.dropout] probability ", p, " must be in [0, 1)");
+  auto y = Tensor<T>::empty(x.shape(), x.device());
+  PTRAIN_DISPATCH(x.device(), dropout, x.numel(), x.data(), y.data(), p, seed, offset);
+  return y;
+}
+
+/// y += alpha * x
+template <class T>
+void axpy_(T alpha, const Tensor<T>& x, Tensor<T>& y) {
+  PTRAIN_CHECK(x.numel() == y.numel(), ShapeError, "[ptrain.axpy] ", x.shape(), " vs ", y.shape());
+  detail::check_devices("axpy", x.device(), y);
+  PTRAIN_DISPATCH(x.device(), axpy, x.numel(), alpha, x.data(), y.data());
+}
+
+/// x *= alpha
+template <class T>
+void scale_(Tensor<T>& x, T alpha) {
+  PTRAIN_DISPATCH(x.device(), scale, x.numel(), alpha, x.data());
+}
+
+/// Sum of all elements, accumulated in double.
+template <class T>
+double sum(const Tensor<T>& x) {
+  return PTRAIN_DISPATCH(x.device(), sum, x.numel(), x.data());
+}
+
+/// Sum of squares of all elements, accumulated in double.
+template <class T>
+double sum_squares(const Tensor<T>& x) {
+  return PTRAIN_DISPATCH(x.device(), sum_squares, x.numel(), x.data());
+}
+
+/// Index of the largest element of each row of a [rows, cols] tensor.
+template <class T>
+Tensor<std::int32_t> argmax_rows(const Tensor<T>& x) {
+  PTRAIN_CHECK(x.dim() == 2, ShapeError, "[ptrain.argmax] needs a 2-D tensor, got ", x.shape());
+  auto out = Tensor<std::int32_t>::empty({x.size(0)}, x.device());
+  PTRAIN_DISPATCH(x.device(), argmax_rows, x.size(0), x.size(1), x.data(), out.data());
+  return out;
+}
+
+}  // namespace ptrain::ops

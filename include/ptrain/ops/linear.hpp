@@ -1,0 +1,71 @@
+#pragma once
+// Matrix products and the affine map y = x W^T + b (PyTorch's Linear layout:
+// W is [out, in], so checkpoints exchange weights without transposes).
+
+#include "ptrain/ops/dispatch.hpp"
+
+namespace ptrain::ops {
+
+/// c = alpha * op(a) op(b) + beta * c for 2-D tensors.
+template <class T>
+void matmul_into(const Tensor<T>& a, const Tensor<T>& b, Tensor<T>& c, bool trans_a = false, bool trans_b = false,
+                 T alpha = T(1), T beta = T(0)) {
+  PTRAIN_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2, ShapeError, "[ptrain.matmul] needs 2-D tensors, got ",
+               a.shape(), " ", b.shape(), " ", c.shape());
+  const std::int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
+  const std::int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
+  PTRAIN_CHECK(k == kb && c.size(0) == m && c.size(1) == n, ShapeError, "[ptrain.matmul] shapes ", a.shape(),
+               trans_a ? "^T" : "", " x ", b.shape(), trans_b ? "^T" : "", " -> ", c.shape(), " do not match");
+  detail::check_devices("matmul", a.device(), b, c);
+  PTRAIN_DISPATCH(a.device(), gemm, trans_a, trans_b, m, n, k, alpha, a.data(), a.size(1), b.data(), b.size(1), beta,
+                  c.data(), c.size(1));
+}
+
+/// op(a) op(b) as a new tensor.
+template <class T>
+Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b, bool trans_a = false, bool trans_b = false) {
+  PTRAIN_CHECK(a.dim() == 2 && b.dim() == 2, ShapeError, "[ptrain.matmul] needs 2-D tensors, got ", a.shape(), " ",
+               b.shape());
+  auto c = Tensor<T>::empty({trans_a ? a.size(1) : a.size(0), trans_b ? b.size(0) : b.size(1)}, a.device());
+  matmul_into(a, b, c, trans_a, trans_b);
+  return c;
+}
+
+/// y[..., out] = x[..., in] W^T + b, with W [out, in] and b [out] (b may be undefined).
+template <class T>
+Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
+  PTRAIN_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), ShapeError, "[ptrain.linear] input ",
+               x.shape(), " does not match weight ", w.shape(), " (expected last dimension ", w.size(1), ")");
+  const std::int64_t rows = x.numel() / w.size(1), out = w.size(0);
+  std::vector<std::int64_t> yshape(x.shape().begin(), x.shape().end());
+  yshape.back() = out;
+  auto y = Tensor<T>::empty(Shape(yshape), x.device());
+  auto y2 = y.reshape({rows, out});
+  matmul_into(x.reshape({rows, w.size(1)}), w, y2, false, true);
+  if (b.defined()) {
+    check_shape(b, {out}, "linear bias");
+    PTRAIN_DISPATCH(x.device(), bias_add, rows, out, y.data(), b.data());
+  }
+  return y;
+}
+
+/// Backward of linear: dw += dy^T x, db += column sums of dy, returns dx = dy W
+/// (undefined when need_dx is false, which saves a GEMM for the first layer).
+template <class T>
+Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& dy, Tensor<T>& dw, Tensor<T>* db,
+                          bool need_dx = true) {
+  const std::int64_t in = w.size(1), out = w.size(0), rows = x.numel() / in;
+  PTRAIN_CHECK(dy.numel() == rows * out, ShapeError, "[ptrain.linear.backward] output gradient ", dy.shape(),
+               " does not match input ", x.shape(), " and weight ", w.shape());
+  auto dy2 = dy.reshape({rows, out});
+  auto x2 = x.reshape({rows, in});
+  matmul_into(dy2, x2, dw, true, false, T(1), T(1));
+  if (db) PTRAIN_DISPATCH(x.device(), bias_grad, rows, out, dy.data(), db->data());
+  if (!need_dx) return {};
+  auto dx = Tensor<T>::empty(x.shape(), x.device());
+  auto dx2 = dx.reshape({rows, in});
+  matmul_into(dy2, w, dx2);
+  return dx;
+}
+
+}  // namespace ptrain::ops

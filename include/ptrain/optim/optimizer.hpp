@@ -1,0 +1,95 @@
+#pragma once
+// Optimizer base: updates run over flat buffers (parameters, gradients and
+// state share offsets), so one kernel call updates a whole model or a whole
+// FSDP shard. Weight decay can be switched off per parameter; the buffer is
+// then split into as few contiguous ranges as the decay pattern allows.
+//
+// State is reachable by name for checkpoints: state_tensors() gives one view
+// per parameter and state kind ("0.weight.exp_avg"), and steps() the count.
+
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ptrain/nn/flat_parameters.hpp"
+
+namespace ptrain::optim {
+
+/// Which parameters get weight decay; default: all (as torch.optim).
+using DecayFilter = std::function<bool(const std::string& param_name)>;
+
+template <class T>
+class Optimizer {
+ public:
+  /// Optimizes the parameters packed in `params` (which must outlive the optimizer).
+  explicit Optimizer(nn::FlatParameters<T>& params, double lr, DecayFilter decay = {})
+      : Optimizer(params.values(), params.grads(), params.entries(), lr, std::move(decay)) {}
+
+  /// Optimizes a flat range given explicitly (FSDP passes its local shard).
+  Optimizer(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, double lr,
+            DecayFilter decay = {})
+      : values_(std::move(values)), grads_(std::move(grads)), entries_(std::move(entries)), lr_(lr) {
+    PTRAIN_CHECK(values_.numel() == grads_.numel(), ShapeError, "[ptrain.optim] values ", values_.shape(),
+                 " and grads ", grads_.shape(), " differ");
+    build_ranges(decay);
+  }
+  virtual ~Optimizer() = default;
+
+  /// One update from the current gradients.
+  virtual void step() = 0;
+  void zero_grad() { grads_.zero_(); }
+
+  double lr() const { return lr_; }
+  void set_lr(double lr) { lr_ = lr; }
+  std::int64_t steps() const { return steps_; }
+  void set_steps(std::int64_t s) { steps_ = s; }
+
+  /// Per-parameter views of every state buffer, named "<param>.<state>".
+  std::vector<std::pair<std::string, Tensor<T>>> state_tensors() {
+    std::vector<std::pair<std::string, Tensor<T>>> out;
+    for (auto& [kind, buf] : state_)
+      for (auto& e : entries_) out.emplace_back(e.name + "." + kind, buf.view(e.offset, e.shape));
+    return out;
+  }
+  /// The flat state buffers by kind ("exp_avg", "momentum_buffer", ...).
+  const std::deque<std::pair<std::string, Tensor<T>>>& flat_state() const { return state_; }
+
+ protected:
+  struct Range {
+    std::int64_t begin, end;
+    bool decay;
+  };
+  Tensor<T>& add_state(const std::string& kind) {
+    state_.emplace_back(kind, Tensor<T>::zeros(values_.shape(), values_.device()));
+    return state_.back().second;
+  }
+
+  Tensor<T> values_, grads_;
+  std::vector<nn::FlatEntry<T>> entries_;
+  std::vector<Range> ranges_;
+  double lr_;
+  std::int64_t steps_ = 0;
+
+ private:
+  // Padding after an entry belongs to that entry; the first range starts at 0
+  // and the last ends at the buffer's end, so every element is updated.
+  void build_ranges(const DecayFilter& decay) {
+    const std::int64_t n = values_.numel();
+    if (!decay || entries_.empty()) {
+      ranges_ = {{0, n, true}};
+      return;
+    }
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      const bool d = decay(entries_[i].name);
+      const std::int64_t begin = i == 0 ? 0 : entries_[i].offset;
+      const std::int64_t end = i + 1 < entries_.size() ? entries_[i + 1].offset : n;
+      if (!ranges_.empty() && ranges_.back().decay == d) ranges_.back().end = end;
+      else ranges_.push_back({begin, end, d});
+    }
+  }
+
+  std::deque<std::pair<std::string, Tensor<T>>> state_;  // deque: add_state() references stay valid
+};
+
+}  // namespace ptrain::optim

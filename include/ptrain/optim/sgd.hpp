@@ -1,0 +1,48 @@
+#pragma once
+// SGD with momentum, dampening, Nesterov and (coupled) weight decay, with
+// torch.optim.SGD's semantics.
+
+#include "ptrain/ops/dispatch.hpp"
+#include "ptrain/optim/optimizer.hpp"
+
+namespace ptrain::optim {
+
+struct SGDOptions {
+  double lr = 0.01;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool nesterov = false;
+  double weight_decay = 0.0;
+};
+
+template <class T>
+class SGD : public Optimizer<T> {
+ public:
+  SGD(nn::FlatParameters<T>& params, SGDOptions opt, DecayFilter decay = {})
+      : SGD(params.values(), params.grads(), params.entries(), opt, std::move(decay)) {}
+  SGD(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, SGDOptions opt,
+      DecayFilter decay = {})
+      : Optimizer<T>(std::move(values), std::move(grads), std::move(entries), opt.lr, std::move(decay)), opt_(opt) {
+    PTRAIN_CHECK(!opt.nesterov || (opt.momentum > 0 && opt.dampening == 0), Error,
+                 "[ptrain.optim.sgd] Nesterov momentum needs momentum > 0 and dampening = 0");
+    if (opt.momentum != 0) momentum_ = &this->add_state("momentum_buffer");
+  }
+
+  void step() override {
+    const Device dev = this->values_.device();
+    for (const auto& r : this->ranges_) {
+      T* buf = momentum_ ? momentum_->data() + r.begin : nullptr;
+      PTRAIN_DISPATCH(dev, sgd_update, r.end - r.begin, this->values_.data() + r.begin,
+                      static_cast<const T*>(this->grads_.data() + r.begin), buf, static_cast<T>(this->lr_),
+                      static_cast<T>(opt_.momentum), static_cast<T>(opt_.dampening), opt_.nesterov,
+                      static_cast<T>(r.decay ? opt_.weight_decay : 0.0), this->steps_ == 0);
+    }
+    ++this->steps_;
+  }
+
+ private:
+  SGDOptions opt_;
+  Tensor<T>* momentum_ = nullptr;
+};
+
+}  // namespace ptrain::optim

@@ -1,0 +1,39 @@
+#pragma once
+// ptrain umbrella header: every part the build enables, in layer order.
+
+#include "ptrain/config.hpp"
+
+#include "ptrain/core/allocator.hpp"
+#include "ptrain/core/device.hpp"
+#include "ptrain/core/dtype.hpp"
+#include "ptrain/core/error.hpp"
+#include "ptrain/core/random.hpp"
+#include "ptrain/core/shape.hpp"
+#include "ptrain/core/tensor.hpp"
+
+#include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/init.hpp"
+#include "ptrain/ops/linear.hpp"
+#include "ptrain/ops/loss.hpp"
+#include "ptrain/ops/norm.hpp"
+
+#include "ptrain/nn/activation.hpp"
+#include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/nn/layer_norm.hpp"
+#include "ptrain/nn/linear.hpp"
+#include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/models/mlp.hpp"
+#include "ptrain/nn/module.hpp"
+#include "ptrain/nn/sequential.hpp"
+
+#include "ptrain/optim/adamw.hpp"
+#include "ptrain/optim/clip.hpp"
+#include "ptrain/optim/optimizer.hpp"
+#include "ptrain/optim/schedule.hpp"
+#include "ptrain/optim/sgd.hpp"
+
+#include "ptrain/data/batches.hpp"
+#include "ptrain/data/idx.hpp"
+
+#include "ptrain/train/metrics.hpp"
+#include "ptrain/train/progress.hpp"
