@@ -1,0 +1,65 @@
+#pragma once
+// Training metrics as JSON lines: one JSON object per line, one line per record.
+//
+// The format is what pandas (read_json(lines=True)), jq and plotting scripts
+// read directly. Each line is flushed as it is written, so a run that is
+// killed or preempted keeps every record up to its last step.
+//
+//   MetricsWriter metrics(rank == 0 ? cli.metrics_path : "");  // "" disables
+//   metrics.write({{"step", step}, {"epoch", epoch}, {"loss", loss}, {"lr", lr}});
+//   // -> {"epoch":1,"loss":0.4312,"lr":0.001,"step":100,"time":12.84}
+
+#include <chrono>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "ptrain/core/error.hpp"
+
+namespace ptrain {
+
+/// Appends JSON objects, one per line, to a file; adds "time" (seconds since the writer was created).
+/// A writer made with an empty path is disabled and writes nothing.
+class MetricsWriter {
+ public:
+  /// Disabled writer.
+  MetricsWriter() = default;
+  /// Opens `path` (truncating it, or appending when `append`, e.g. for a resumed run); "" disables.
+  explicit MetricsWriter(const std::string& path, bool append = false)
+      : path_(path), start_(std::chrono::steady_clock::now()) {
+    if (path_.empty()) return;
+    out_.open(path_, append ? std::ios::out | std::ios::app : std::ios::out | std::ios::trunc);
+    PTRAIN_CHECK(out_.is_open(), Error, "[ptrain.metrics.open] cannot open metrics file '", path_,
+                 "' for writing; check that its directory exists and is writable, or pass another --metrics path");
+  }
+  MetricsWriter(MetricsWriter&&) = default;
+  MetricsWriter& operator=(MetricsWriter&&) = default;
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+
+  bool enabled() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+  /// Seconds since the writer was created (the "time" field).
+  double elapsed() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+
+  /// Writes `record` (a JSON object) plus "time" as one line and flushes it. No-op when disabled.
+  /// A "time" the caller set is kept. Non-finite numbers are written as null (JSON has no NaN).
+  void write(nlohmann::json record) {
+    if (!enabled()) return;
+    PTRAIN_CHECK(record.is_object(), Error, "[ptrain.metrics.record] a metrics record must be a JSON object, got ",
+                 record.type_name(), "; pass {{\"key\", value}, ...}");
+    if (!record.contains("time")) record["time"] = elapsed();
+    out_ << record.dump() << '\n';
+    out_.flush();
+    PTRAIN_CHECK(out_.good(), Error, "[ptrain.metrics.write] writing to metrics file '", path_,
+                 "' failed; the disk may be full or the file removed");
+  }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+}  // namespace ptrain

@@ -1,0 +1,108 @@
+#pragma once
+// A one-line progress report every N training steps.
+//
+//   Progress progress(total_steps, /*every=*/100);
+//   for (...) { ...; progress.update(step, epoch, loss, lr, batch_size); }
+//   // step 100/4690 | epoch 1 | loss 0.5123 | lr 1.00e-03 | 20531 samples/s | elapsed 0:03 | eta 2:14
+//
+// Throughput is measured over the last reporting window only, so it shows the
+// current speed (after warm-up, after an evaluation pause) rather than a
+// since-start average; the ETA uses the average step time since the start,
+// which is steadier than the last window. The loss shown is the mean over the
+// window's steps, which is less noisy than the last step's loss.
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <iostream>
+#include <ostream>
+#include <string>
+
+#include "ptrain/core/error.hpp"
+
+namespace ptrain {
+
+/// Wall-clock seconds since construction or the last reset().
+struct Stopwatch {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+  void reset() { start = std::chrono::steady_clock::now(); }
+};
+
+/// "m:ss" below an hour, "h:mm:ss" above; "?" for a negative or non-finite time.
+inline std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto s = static_cast<long long>(std::llround(seconds));
+  char buf[48];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
+  else std::snprintf(buf, sizeof buf, "%lld:%02lld", s / 60, s % 60);
+  return buf;
+}
+
+/// Prints a report line every `every` steps (and at the last step) to a stream.
+class Progress {
+ public:
+  /// total_steps: the step count of the whole run; every: report interval (0 disables printing);
+  /// start_step: steps already done before this run (a resumed run), so that the ETA counts only new ones.
+  Progress(std::int64_t total_steps, std::int64_t every, std::ostream& out = std::cout, std::int64_t start_step = 0)
+      : total_(total_steps), every_(every), out_(&out), start_step_(start_step) {
+    PTRAIN_CHECK(total_steps >= 0 && every >= 0 && start_step >= 0, Error, "[ptrain.progress] invalid total_steps ",
+                 total_steps, ", every ", every, " or start_step ", start_step, "; all must be >= 0");
+  }
+
+  /// Records finished step `step` (1-based, counted over the whole run) that processed `samples`
+  /// samples; prints a line when step is a multiple of `every` or the last step. Returns whether it printed.
+  bool update(std::int64_t step, std::int64_t epoch, double loss, double lr, std::int64_t samples) {
+    return update_at(clock_.seconds(), step, epoch, loss, lr, samples);
+  }
+
+  /// update() with the time given explicitly (seconds since construction); for tests and own clocks.
+  bool update_at(double now, std::int64_t step, std::int64_t epoch, double loss, double lr, std::int64_t samples) {
+    window_samples_ += samples;
+    window_loss_ += loss;
+    ++window_steps_;
+    if (every_ == 0 || (step % every_ != 0 && step != total_)) return false;
+
+    const double window_time = now - window_start_;
+    const double samples_per_s = window_time > 0 ? static_cast<double>(window_samples_) / window_time : 0.0;
+    const std::int64_t done = step - start_step_;
+    const double eta = done > 0 ? now / static_cast<double>(done) * static_cast<double>(total_ - step) : -1.0;
+
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "step %lld/%lld | epoch %lld | loss %.4f | lr %.2e | %.0f samples/s",
+                  static_cast<long long>(step), static_cast<long long>(total_), static_cast<long long>(epoch),
+                  window_loss_ / static_cast<double>(window_steps_), lr, samples_per_s);
+    last_line_ = std::string(buf) + " | elapsed " + format_duration(now) + " | eta " + format_duration(eta);
+    last_samples_per_s_ = samples_per_s;
+    *out_ << last_line_ << '\n' << std::flush;
+
+    window_start_ = now;
+    window_samples_ = 0;
+    window_loss_ = 0;
+    window_steps_ = 0;
+    return true;
+  }
+
+  /// The most recent report line (without newline); empty before the first.
+  const std::string& last_line() const { return last_line_; }
+  /// Throughput of the most recent reporting window.
+  double last_samples_per_s() const { return last_samples_per_s_; }
+  /// Seconds since construction.
+  double elapsed() const { return clock_.seconds(); }
+
+ private:
+  std::int64_t total_;
+  std::int64_t every_;
+  std::ostream* out_;
+  std::int64_t start_step_;
+  Stopwatch clock_;
+  double window_start_ = 0;
+  std::int64_t window_samples_ = 0;
+  double window_loss_ = 0;
+  std::int64_t window_steps_ = 0;
+  std::string last_line_;
+  double last_samples_per_s_ = 0;
+};
+
+}  // namespace ptrain

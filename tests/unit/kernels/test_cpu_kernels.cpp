@@ -1,0 +1,113 @@
+// CPU kernels against naive loops in double.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <ptrain/kernels/cpu/elementwise.hpp>
+#include <ptrain/kernels/cpu/gemm.hpp>
+#include <ptrain/kernels/cpu/layer_norm.hpp>
+#include <ptrain/kernels/cpu/reduce.hpp>
+#include <ptrain/kernels/cpu/softmax.hpp>
+#include <vector>
+
+using namespace ptrain;
+namespace k = ptrain::kernels::cpu;
+
+namespace {
+std::vector<double> random_vec(std::size_t n, std::uint64_t seed) {
+  std::vector<double> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = 2.0 * random_uniform(seed, i) - 1.0;
+  return v;
+}
+}  // namespace
+
+TEST_CASE("gemm matches a naive triple loop for every transpose and stride", "[kernels][gemm]") {
+  const std::int64_t m = 7, n = 5, kk = 9, pad = 3;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (double beta : {0.0, 1.0, -0.5}) {
+        const std::int64_t lda = (ta ? m : kk) + pad, ldb = (tb ? kk : n) + pad, ldc = n + pad;
+        auto a = random_vec(static_cast<std::size_t>((ta ? kk : m) * lda), 1);
+        auto b = random_vec(static_cast<std::size_t>((tb ? n : kk) * ldb), 2);
+        auto c = random_vec(static_cast<std::size_t>(m * ldc), 3);
+        auto ref = c;
+        const double alpha = 1.5;
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (std::int64_t p = 0; p < kk; ++p)
+              s += (ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
+            ref[i * ldc + j] = alpha * s + beta * c[i * ldc + j];
+          }
+        k::gemm<double>(ta, tb, m, n, kk, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t j = 0; j < ldc; ++j) {
+            const auto idx = static_cast<std::size_t>(i * ldc + j);
+            // Padding columns must stay untouched (they equal ref, which copied c).
+            REQUIRE(c[idx] == Approx(ref[idx]).epsilon(1e-12));
+          }
+      }
+}
+
+TEST_CASE("softmax cross-entropy matches log-sum-exp in double and is stable", "[kernels][loss]") {
+  const std::int64_t rows = 4, cols = 6;
+  auto x = random_vec(rows * cols, 5);
+  x[3] = 1000.0;  // would overflow a naive exp
+  std::vector<std::int32_t> t = {3, 0, -100, 5};
+  std::vector<double> lse(rows), d(rows * cols);
+  std::int64_t valid = 0;
+  const double loss = k::cross_entropy_forward<double>(rows, cols, x.data(), t.data(), lse.data(), valid);
+  REQUIRE(valid == 3);
+  double ref = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (t[r] < 0) continue;
+    double mx = -1e300;
+    for (std::int64_t c = 0; c < cols; ++c) mx = std::max(mx, x[r * cols + c]);
+    double s = 0;
+    for (std::int64_t c = 0; c < cols; ++c) s += std::exp(x[r * cols + c] - mx);
+    ref += mx + std::log(s) - x[r * cols + t[r]];
+  }
+  REQUIRE(loss == Approx(ref / 3).epsilon(1e-12));
+  REQUIRE(std::isfinite(loss));
+  k::cross_entropy_backward<double>(rows, cols, x.data(), lse.data(), t.data(), valid, 1.0, d.data());
+  for (std::int64_t c = 0; c < cols; ++c) REQUIRE(d[2 * cols + c] == 0.0);  // ignored row
+  double row_sum = 0;
+  for (std::int64_t c = 0; c < cols; ++c) row_sum += d[c];
+  REQUIRE(std::abs(row_sum) < 1e-12);  // softmax - onehot sums to zero
+}
+
+TEST_CASE("layer norm forward normalises rows", "[kernels][layer_norm]") {
+  const std::int64_t rows = 3, dd = 8;
+  auto x = random_vec(rows * dd, 9);
+  std::vector<double> g(dd, 2.0), b(dd, 0.5), y(rows * dd), mean(rows), rstd(rows);
+  k::layer_norm_forward<double>(rows, dd, x.data(), g.data(), b.data(), 1e-5, y.data(), mean.data(), rstd.data());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double m = 0, v = 0;
+    for (std::int64_t i = 0; i < dd; ++i) m += x[r * dd + i] / dd;
+    for (std::int64_t i = 0; i < dd; ++i) v += (x[r * dd + i] - m) * (x[r * dd + i] - m) / dd;
+    for (std::int64_t i = 0; i < dd; ++i)
+      REQUIRE(y[r * dd + i] == Approx(2.0 * (x[r * dd + i] - m) / std::sqrt(v + 1e-5) + 0.5).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("dropout keeps about 1-p of the elements, scaled, with a reproducible mask", "[kernels][dropout]") {
+  const std::int64_t n = 100000;
+  std::vector<float> x(n, 1.0f), y(n), y2(n);
+  k::dropout<float>(n, x.data(), y.data(), 0.25, 11, 1000);
+  k::dropout<float>(n, x.data(), y2.data(), 0.25, 11, 1000);
+  std::int64_t kept = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    REQUIRE(y[i] == y2[i]);
+    REQUIRE((y[i] == 0.0f || y[i] == Approx(1.0f / 0.75f)));
+    kept += y[i] != 0.0f;
+  }
+  REQUIRE(std::abs(static_cast<double>(kept) / n - 0.75) < 0.007);  // ~5 sigma
+}
+
+TEST_CASE("reductions and argmax", "[kernels][reduce]") {
+  std::vector<float> x = {1, -2, 3, 3, 0.5f, -1};
+  REQUIRE(k::sum<float>(6, x.data()) == Approx(4.5));
+  REQUIRE(k::sum_squares<float>(6, x.data()) == Approx(1 + 4 + 9 + 9 + 0.25 + 1));
+  std::int32_t am[2];
+  k::argmax_rows<float>(2, 3, x.data(), am);
+  REQUIRE(am[0] == 2);
+  REQUIRE(am[1] == 0);
+}

@@ -1,0 +1,162 @@
+#include <catch2/catch.hpp>
+#include <ptrain/nn/activation.hpp>
+#include <ptrain/nn/flat_parameters.hpp>
+#include <ptrain/nn/layer_norm.hpp>
+#include <ptrain/nn/linear.hpp>
+#include <ptrain/nn/loss.hpp>
+#include <ptrain/nn/models/mlp.hpp>
+
+#include "unit/gradcheck.hpp"
+
+using namespace ptrain;
+using ptrain::testing::check_module_gradients;
+
+namespace {
+Tensor<double> random_input(const Shape& s, std::uint64_t seed, double scale = 1.0) {
+  auto x = Tensor<double>::empty(s);
+  Generator g(seed);
+  ops::uniform_(x, -scale, scale, g);
+  return x;
+}
+}  // namespace
+
+TEST_CASE("Linear gradients match finite differences", "[nn][gradcheck]") {
+  Generator gen(1);
+  nn::Linear<double> lin(5, 4, true, gen);
+  check_module_gradients(lin, random_input({3, 5}, 2));
+  nn::Linear<double> nobias(5, 4, false, gen);
+  check_module_gradients(nobias, random_input({2, 3, 5}, 3));  // leading dims flatten
+}
+
+TEST_CASE("Linear matches an explicit x W^T + b", "[nn][linear]") {
+  Generator gen(4);
+  nn::Linear<double> lin(3, 2, true, gen);
+  auto x = random_input({4, 3}, 5);
+  nn::Cache<double> c;
+  auto y = lin.forward(x, c);
+  auto& w = lin.weight().value;
+  auto& b = lin.bias()->value;
+  for (std::int64_t i = 0; i < 4; ++i)
+    for (std::int64_t o = 0; o < 2; ++o) {
+      double s = b.at({o});
+      for (std::int64_t k = 0; k < 3; ++k) s += x.at({i, k}) * w.at({o, k});
+      REQUIRE(y.at({i, o}) == Approx(s).epsilon(1e-14));
+    }
+  for (std::int64_t i = 0; i < w.numel(); ++i) REQUIRE(std::abs(w.data()[i]) <= 1.0 / std::sqrt(3.0));
+  REQUIRE_THROWS_AS(lin.forward(random_input({4, 5}, 1), c), ShapeError);
+}
+
+TEST_CASE("activation gradients match finite differences", "[nn][gradcheck]") {
+  nn::ReLU<double> relu;
+  check_module_gradients(relu, random_input({4, 7}, 6));
+  nn::GELU<double> gelu;
+  check_module_gradients(gelu, random_input({4, 7}, 7, 3.0));
+}
+
+TEST_CASE("GELU forward matches the tanh formula", "[nn][gelu]") {
+  nn::GELU<double> gelu;
+  nn::Cache<double> c;
+  auto x = random_input({50}, 8, 4.0);
+  auto y = gelu.forward(x, c);
+  for (std::int64_t i = 0; i < 50; ++i) {
+    const double v = x.data()[i];
+    REQUIRE(y.data()[i] ==
+            Approx(0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)))).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("LayerNorm gradients match finite differences", "[nn][gradcheck]") {
+  nn::LayerNorm<double> ln(6);
+  Generator g(9);
+  for (auto& p : ln.named_parameters()) ops::uniform_(p.param->value, 0.5, 1.5, g);
+  check_module_gradients(ln, random_input({5, 6}, 10));
+}
+
+TEST_CASE("Dropout is identity in eval mode and its backward reuses the mask", "[nn][dropout]") {
+  nn::Dropout<double> drop(0.5, 3);
+  auto x = random_input({200}, 11);
+  nn::Cache<double> c;
+  auto y = drop.forward(x, c);
+  auto dy = Tensor<double>::full({200}, 1.0);
+  auto dx = drop.backward(dy, c);
+  int zeros = 0;
+  for (std::int64_t i = 0; i < 200; ++i) {
+    // d(y_i)/d(x_i) is the mask value: y = x * m, so dx = m = y / x.
+    REQUIRE(dx.data()[i] == Approx(y.data()[i] / x.data()[i]));
+    zeros += y.data()[i] == 0.0;
+  }
+  REQUIRE(zeros > 60);
+  REQUIRE(zeros < 140);
+  drop.train(false);
+  auto ye = drop.forward(x, c);
+  for (std::int64_t i = 0; i < 200; ++i) REQUIRE(ye.data()[i] == x.data()[i]);
+}
+
+TEST_CASE("MLP gradients match finite differences", "[nn][gradcheck]") {
+  Generator gen(12);
+  nn::MLP<double> mlp(6, {5, 4}, 3, nn::Activation::GELU, gen);
+  check_module_gradients(mlp, random_input({4, 6}, 13));
+  nn::MLP<double> relu_mlp(6, {8}, 3, nn::Activation::ReLU, gen);
+  check_module_gradients(relu_mlp, random_input({4, 6}, 14));
+  auto names = relu_mlp.named_parameters();
+  REQUIRE(names.size() == 4);
+  REQUIRE(names[0].name == "0.weight");
+  REQUIRE(names[3].name == "2.bias");
+}
+
+TEST_CASE("CrossEntropyLoss gradient matches finite differences", "[nn][gradcheck]") {
+  auto logits = random_input({5, 4}, 15, 3.0);
+  auto targets = Tensor<std::int32_t>::from({0, 3, -100, 1, 2}, {5});
+  nn::CrossEntropyLoss<double> ce;
+  nn::Cache<double> c;
+  ce.forward(logits, targets, c);
+  auto d = ce.backward(c, 2.0);
+  for (std::int64_t i = 0; i < logits.numel(); ++i) {
+    const double h = 1e-6, orig = logits.data()[i];
+    nn::Cache<double> c2;
+    logits.data()[i] = orig + h;
+    const double lp = ce.forward(logits, targets, c2);
+    logits.data()[i] = orig - h;
+    const double lm = ce.forward(logits, targets, c2);
+    logits.data()[i] = orig;
+    REQUIRE(d.data()[i] == Approx(2.0 * (lp - lm) / (2 * h)).margin(1e-8));
+  }
+  auto bad = Tensor<std::int32_t>::from({0, 4, 1, 1, 1}, {5});
+  REQUIRE_THROWS_WITH(ce.forward(logits, bad, c), Catch::Contains("target 4 at row 1"));
+}
+
+TEST_CASE("gradient-ready hooks fire in reverse order of use", "[nn][hooks]") {
+  Generator gen(16);
+  nn::MLP<double> mlp(3, {4}, 2, nn::Activation::ReLU, gen);
+  std::vector<std::string> order;
+  for (auto& p : mlp.named_parameters()) {
+    const std::string name = p.name;
+    p.param->on_grad_ready = [&order, name](nn::Parameter<double>&) { order.push_back(name); };
+  }
+  nn::Cache<double> c;
+  auto y = mlp.forward(random_input({2, 3}, 17), c);
+  mlp.backward(Tensor<double>::full(y.shape(), 1.0), c);
+  REQUIRE(order == std::vector<std::string>{"2.weight", "2.bias", "0.weight", "0.bias"});
+  REQUIRE(c.empty());
+}
+
+TEST_CASE("flat parameters alias the module's parameters", "[nn][flat]") {
+  Generator gen(18);
+  nn::MLP<float> mlp(5, {3}, 2, nn::Activation::ReLU, gen);
+  std::vector<std::vector<float>> before;
+  for (auto& p : mlp.named_parameters()) before.push_back(p.param->value.to_vector());
+  nn::FlatParameters<float> flat(mlp, 16);
+  const auto& e = flat.entries();
+  REQUIRE(e.size() == 4);
+  // 15 weights padded to 16, 3 biases to 16, 6 weights to 16, 2 biases to 16.
+  REQUIRE(e[1].offset == 16);
+  REQUIRE(e[3].offset == 48);
+  REQUIRE(flat.numel() == 64);
+  auto params = mlp.named_parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    REQUIRE(params[i].param->value.to_vector() == before[i]);
+    REQUIRE(params[i].param->value.data() == flat.values().data() + e[i].offset);
+    REQUIRE(params[i].param->grad.data() == flat.grads().data() + e[i].offset);
+  }
+  for (std::int64_t i = 15; i < 16; ++i) REQUIRE(flat.values().data()[i] == 0.0f);  // padding
+}

@@ -1,0 +1,105 @@
+// Optimizer steps against values worked out by hand.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <ptrain/nn/linear.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/optim/clip.hpp>
+#include <ptrain/optim/schedule.hpp>
+#include <ptrain/optim/sgd.hpp>
+
+using namespace ptrain;
+
+namespace {
+// A one-parameter "model": values and grads of a few elements, no padding.
+struct Tiny {
+  Tensor<double> values, grads;
+  std::vector<nn::FlatEntry<double>> entries;
+  Tiny(std::vector<double> v, std::vector<double> g) {
+    const auto n = static_cast<std::int64_t>(v.size());
+    values = Tensor<double>::from(v, {n});
+    grads = Tensor<double>::from(g, {n});
+    entries = {{"w", 0, Shape{n}, nullptr}};
+  }
+};
+}  // namespace
+
+TEST_CASE("SGD with momentum follows torch.optim.SGD", "[optim][sgd]") {
+  // p = 1, g = 0.5, lr 0.1, momentum 0.9:
+  // step 1: buf = 0.5,                p = 1 - 0.05 = 0.95
+  // step 2: buf = 0.9*0.5 + 0.5 = 0.95, p = 0.95 - 0.095 = 0.855
+  Tiny t({1.0}, {0.5});
+  optim::SGD<double> sgd(t.values, t.grads, t.entries, {.lr = 0.1, .momentum = 0.9});
+  sgd.step();
+  REQUIRE(t.values.data()[0] == Approx(0.95).epsilon(1e-15));
+  sgd.step();
+  REQUIRE(t.values.data()[0] == Approx(0.855).epsilon(1e-15));
+
+  // Nesterov with weight decay 0.1: d = 0.5 + 0.1*1 = 0.6; buf = 0.6; d = 0.6 + 0.9*0.6 = 1.14; p = 1 - 0.114
+  Tiny n({1.0}, {0.5});
+  optim::SGD<double> nes(n.values, n.grads, n.entries,
+                         {.lr = 0.1, .momentum = 0.9, .nesterov = true, .weight_decay = 0.1});
+  nes.step();
+  REQUIRE(n.values.data()[0] == Approx(0.886).epsilon(1e-15));
+  REQUIRE_THROWS_AS(optim::SGD<double>(n.values, n.grads, n.entries, {.nesterov = true}), Error);
+}
+
+TEST_CASE("AdamW follows torch.optim.AdamW", "[optim][adamw]") {
+  // p = 1, g = 0.5, lr 0.1, wd 0.01, betas (0.9, 0.999), eps 1e-8.
+  // step 1: p = 1*(1 - 0.001) = 0.999; m = 0.05, v = 0.00025; m_hat = 0.5, v_hat = 0.25
+  //         p -= 0.1 * 0.5 / (0.5 + 1e-8)  ->  0.899 (+2e-9)
+  Tiny t({1.0, -2.0}, {0.5, 0.0});
+  optim::AdamW<double> opt(t.values, t.grads, t.entries, {.lr = 0.1, .weight_decay = 0.01});
+  opt.step();
+  REQUIRE(t.values.data()[0] == Approx(0.999 - 0.1 * 0.5 / (0.5 + 1e-8)).epsilon(1e-15));
+  REQUIRE(t.values.data()[1] == Approx(-2.0 * 0.999).epsilon(1e-15));  // zero gradient: only decay
+  // step 2 with g = 0.5 again: m = 0.095, v = 0.00049975; bc1 = 0.19, bc2 = 0.001999
+  //   m_hat = 0.5, v_hat = 0.25 -> the step is again lr * 0.5 / (0.5 + eps) after decay
+  const double p1 = t.values.data()[0];
+  opt.step();
+  REQUIRE(t.values.data()[0] == Approx(p1 * 0.999 - 0.1 * 0.5 / (0.5 + 1e-8)).epsilon(1e-13));
+  REQUIRE(opt.steps() == 2);
+  auto state = opt.state_tensors();
+  REQUIRE(state.size() == 2);
+  REQUIRE(state[0].first == "w.exp_avg");
+  REQUIRE(state[0].second.data()[0] == Approx(0.095).epsilon(1e-15));
+  REQUIRE(state[1].first == "w.exp_avg_sq");
+  REQUIRE(state[1].second.data()[0] == Approx(0.00049975).epsilon(1e-12));
+}
+
+TEST_CASE("a decay filter exempts parameters from weight decay", "[optim][adamw]") {
+  Generator gen(3);
+  nn::Linear<double> lin(3, 2, true, gen);
+  nn::FlatParameters<double> flat(lin);
+  const auto w0 = lin.weight().value.to_vector();
+  const auto b0 = lin.bias()->value.to_vector();
+  // Zero gradients: AdamW moves a parameter only through its decay.
+  optim::AdamW<double> opt(flat, {.lr = 0.5, .weight_decay = 0.1},
+                           [](const std::string& name) { return name != "bias"; });
+  opt.step();
+  const auto w1 = lin.weight().value.to_vector();
+  const auto b1 = lin.bias()->value.to_vector();
+  for (std::size_t i = 0; i < w0.size(); ++i) REQUIRE(w1[i] == Approx(w0[i] * 0.95).epsilon(1e-15));
+  for (std::size_t i = 0; i < b0.size(); ++i) REQUIRE(b1[i] == b0[i]);
+}
+
+TEST_CASE("warmup + cosine schedule", "[optim][schedule]") {
+  optim::WarmupCosine s{.base_lr = 1.0, .warmup = 10, .total = 110, .min_lr = 0.1};
+  REQUIRE(s(0) == Approx(0.1));
+  REQUIRE(s(9) == Approx(1.0));
+  REQUIRE(s(10) == Approx(1.0));
+  REQUIRE(s(60) == Approx(0.55));  // half way: min + (base - min) / 2
+  REQUIRE(s(110) == Approx(0.1));
+  REQUIRE(s(500) == Approx(0.1));
+}
+
+TEST_CASE("global-norm clipping", "[optim][clip]") {
+  auto g = Tensor<double>::from({3.0, 4.0}, {2});
+  REQUIRE(optim::clip_grad_norm_(g, 10.0) == Approx(5.0));
+  REQUIRE(g.data()[0] == 3.0);  // below the limit: unchanged
+  REQUIRE(optim::clip_grad_norm_(g, 1.0) == Approx(5.0));
+  REQUIRE(g.data()[0] == Approx(0.6).epsilon(1e-6));
+  REQUIRE(g.data()[1] == Approx(0.8).epsilon(1e-6));
+  // A reduce function sees the local sum of squares (here: pretend 3 ranks hold equal parts).
+  auto h = Tensor<double>::from({1.0, 1.0}, {2});
+  REQUIRE(optim::clip_grad_norm_(h, 100.0, [](double s) { return 3 * s; }) == Approx(std::sqrt(6.0)));
+}
