@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what ptrain's build, tests and examples need on Debian 12 (bookworm).
+#   tools/install-deps.sh          build, tests, examples (and Fashion-MNIST)
+#   tools/install-deps.sh --bench  also PyTorch and OpenBLAS for the side-by-side benchmarks
+# CUDA is not installed here: the CUDA toolkit at /usr/local/cuda is used when present.
+set -euo pipefail
+
+packages=(
+  cmake make g++ git pkg-config
+  libeigen3-dev          # CPU kernels (GEMM, vectorised math)
+  catch2                 # tests
+  nlohmann-json3-dev     # metrics, safetensors headers, checkpoint index
+  libcli11-dev           # command lines of examples, benchmarks, ptrun
+  zlib1g-dev             # gzip'ed IDX files
+  libopenmpi-dev openmpi-bin  # MPI communicator, mpirun
+  libgloo-dev            # Gloo communicator (torchrun / Kubernetes launches)
+  dataset-fashion-mnist  # the main example's data
+  python3 python3-numpy  # independent readers in tests
+)
+if [[ "${1:-}" == "--bench" ]]; then
+  packages+=(python3-torch libopenblas0-pthread)
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: everything is installed"
+  exit 0
+fi
+
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
