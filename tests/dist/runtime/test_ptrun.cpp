@@ -1,0 +1,150 @@
+// ptrun with real processes: the variables each rank sees, exit-status
+// propagation, one failing rank stopping the others, signal forwarding and
+// the SIGKILL escalation.
+
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "process_util.hpp"
+
+using namespace std::chrono_literals;
+using ptrain_test::Process;
+using ptrain_test::TempDir;
+
+namespace {
+
+std::vector<std::string> ptrun(std::vector<std::string> args) {
+  args.insert(args.begin(), PTRAIN_TEST_PTRUN);
+  return args;
+}
+
+// Pids the workers wrote; waits until all `n` are there.
+std::vector<pid_t> worker_pids(const TempDir& dir, int n) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::string f = dir.file("pid_" + std::to_string(r));
+    REQUIRE(ptrain_test::wait_for_file(f, 20s));
+    pids.push_back(std::stoi(ptrain_test::read_text(f)));
+  }
+  return pids;
+}
+
+}  // namespace
+
+TEST_CASE("ptrun: every rank sees torchrun's variables", "[ptrun]") {
+  TempDir dir;
+  const int nproc = 3, nnodes = 2, node_rank = 1;
+  // Node 1 of 2 with torchrun's underscore spellings and --no-python; the
+  // program's own arguments (including ones that look like ptrun options) pass through.
+  Process p(ptrun({"--nproc_per_node=3", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.9.8.7",
+                   "--master_port", "4242", "--no-python", PTRAIN_TEST_WORKER, "env", dir.path(), "--nnodes", "x"}));
+  auto st = p.wait(30s);
+  REQUIRE(st.has_value());
+  REQUIRE(ptrain_test::exit_code(*st) == 0);
+  for (int local = 0; local < nproc; ++local) {
+    int rank = node_rank * nproc + local;
+    auto kv = ptrain_test::read_kv(dir.file("env_" + std::to_string(rank)));
+    INFO("rank " << rank);
+    CHECK(kv["RANK"] == std::to_string(rank));
+    CHECK(kv["LOCAL_RANK"] == std::to_string(local));
+    CHECK(kv["WORLD_SIZE"] == std::to_string(nproc * nnodes));
+    CHECK(kv["LOCAL_WORLD_SIZE"] == std::to_string(nproc));
+    CHECK(kv["GROUP_RANK"] == std::to_string(node_rank));
+    CHECK(kv["GROUP_WORLD_SIZE"] == std::to_string(nnodes));
+    CHECK(kv["MASTER_ADDR"] == "10.9.8.7");
+    CHECK(kv["MASTER_PORT"] == "4242");
+    CHECK(kv["TORCHELASTIC_USE_AGENT_STORE"] == "False");
+    CHECK(kv["ARGS"] == "--nnodes x");
+  }
+  // Ranks of node 0 were not started here.
+  CHECK_FALSE(ptrain_test::file_exists(dir.file("env_0")));
+}
+
+TEST_CASE("ptrun: ranks rendezvous through the store rank 0 serves", "[ptrun]") {
+  TempDir dir;
+  const int n = 4;
+  Process p(ptrun({"--nproc-per-node", std::to_string(n), "--master-port", "0", PTRAIN_TEST_WORKER, "rendezvous",
+                   dir.path()}));
+  auto st = p.wait(60s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 0);
+  for (int r = 0; r < n; ++r) {
+    auto kv = ptrain_test::read_kv(dir.file("rank_" + std::to_string(r)));
+    CHECK(kv["launcher"] == "torchrun");
+    CHECK(kv["rank"] == std::to_string(r));
+    CHECK(kv["local_rank"] == std::to_string(r));
+    CHECK(kv["local_world_size"] == std::to_string(n));
+    CHECK(kv["sum"] == std::to_string(n * (n + 1) / 2));
+  }
+}
+
+TEST_CASE("ptrun: a failing rank stops the others and sets the exit status", "[ptrun]") {
+  struct Case {
+    std::string code;
+    int expect;
+  };
+  for (auto c : {Case{"7", 7}, Case{"sig9", 128 + SIGKILL}}) {
+    TempDir dir;
+    const int n = 4;
+    auto t0 = std::chrono::steady_clock::now();
+    Process p(ptrun({"--nproc-per-node", std::to_string(n), "--master-port", "0", PTRAIN_TEST_WORKER, "fail", "2",
+                     c.code, dir.path()}));
+    auto st = p.wait(30s);
+    REQUIRE(st.has_value());
+    INFO("rank 2 ends with " << c.code);
+    CHECK(ptrain_test::exit_code(*st) == c.expect);
+    // The others sleep for 60 s unless stopped; ptrun's SIGTERM ends them at once.
+    CHECK(std::chrono::steady_clock::now() - t0 < 20s);
+    for (pid_t pid : worker_pids(dir, n)) CHECK(ptrain_test::process_gone(pid));
+  }
+}
+
+TEST_CASE("ptrun: a program that cannot start is reported", "[ptrun]") {
+  Process p(ptrun({"--nproc-per-node", "2", "/nonexistent/program"}));
+  auto st = p.wait(20s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 127);
+  Process bad(ptrun({"--nproc-per-node", "0", PTRAIN_TEST_WORKER}));
+  auto st2 = bad.wait(20s);
+  REQUIRE(st2.has_value());
+  CHECK(ptrain_test::exit_code(*st2) != 0);
+}
+
+TEST_CASE("ptrun: SIGTERM and SIGINT are forwarded to every rank", "[ptrun]") {
+  for (int sig : {SIGTERM, SIGINT}) {
+    TempDir dir;
+    const int n = 3;
+    Process p(ptrun({"--nproc-per-node", std::to_string(n), PTRAIN_TEST_WORKER, "sleep", dir.path()}));
+    auto pids = worker_pids(dir, n);
+    ::kill(p.pid(), sig);
+    auto st = p.wait(20s);
+    REQUIRE(st.has_value());
+    CHECK(ptrain_test::exit_code(*st) == 128 + sig);
+    for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+    // The workers' SIGTERM handler ran (SIGTERM case); SIGINT's default action kills them.
+    if (sig == SIGTERM)
+      for (int r = 0; r < n; ++r) CHECK(ptrain_test::file_exists(dir.file("term_" + std::to_string(r))));
+  }
+}
+
+TEST_CASE("ptrun: ranks that ignore SIGTERM get SIGKILL after the grace period", "[ptrun]") {
+  TempDir dir;
+  const int n = 2;
+  Process p(ptrun({"--nproc-per-node", std::to_string(n), "--grace-period", "0.5", PTRAIN_TEST_WORKER, "sleep",
+                   dir.path(), "ignore"}));
+  auto pids = worker_pids(dir, n);
+  auto t0 = std::chrono::steady_clock::now();
+  ::kill(p.pid(), SIGTERM);
+  auto st = p.wait(20s);
+  REQUIRE(st.has_value());
+  auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(ptrain_test::exit_code(*st) == 128 + SIGTERM);
+  CHECK(took >= 400ms);  // it did wait for the grace period
+  CHECK(took < 10s);
+  for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+}

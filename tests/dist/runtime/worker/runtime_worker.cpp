@@ -1,0 +1,126 @@
+// Helper program the runtime tests start as real processes (under ptrun,
+// mpirun, or with a hand-made environment). Each mode leaves files in OUTDIR
+// that the test then checks against what the launch should have produced.
+//
+//   env OUTDIR               write the launcher variables to OUTDIR/env_<RANK>
+//   rendezvous OUTDIR        detect the launch, meet through the store, write OUTDIR/rank_<rank>
+//   fail R CODE OUTDIR       write a pid file; rank R exits with CODE ("sig9": SIGKILL itself) once
+//                            every rank has started, the others sleep
+//   sleep OUTDIR [ignore]    write a pid file and sleep; on SIGTERM write OUTDIR/term_<rank> and exit 0
+//                            ("ignore": SIGTERM is ignored, so only SIGKILL ends it)
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "ptrain/dist/launch_env.hpp"
+#include "ptrain/dist/store.hpp"
+
+namespace {
+
+std::string out_dir;
+int my_rank = 0;
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+  }
+  std::rename(tmp.c_str(), path.c_str());  // readers never see half a file
+}
+
+bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
+void write_pid() { write_file(out_dir + "/pid_" + std::to_string(my_rank), std::to_string(::getpid())); }
+
+void on_term(int) {
+  std::string path = out_dir + "/term_" + std::to_string(my_rank);
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f) std::fclose(f);
+  ::_exit(0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) return 2;
+  std::string mode = argv[1];
+  my_rank = std::atoi(env_or("RANK", "0").c_str());
+
+  if (mode == "env") {
+    out_dir = argv[2];
+    std::string text;
+    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                          "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS"})
+      text += std::string(v) + "=" + env_or(v, "<unset>") + "\n";
+    text += "ARGS=";
+    for (int i = 3; i < argc; ++i) text += std::string(i > 3 ? " " : "") + argv[i];
+    text += "\n";
+    write_file(out_dir + "/env_" + env_or("RANK", "x"), text);
+    return 0;
+  }
+
+  if (mode == "rendezvous") {
+    out_dir = argv[2];
+    try {
+      auto env = ptrain::dist::detect_launch_env();
+      auto store = ptrain::dist::make_store(env, std::chrono::seconds(30));
+      store->set("who/" + std::to_string(env.rank), std::to_string(::getpid()));
+      store->barrier("start", env.world_size);
+      store->add("sum", env.rank + 1);
+      store->barrier("summed", env.world_size);
+      std::string sum = store->get("sum");
+      // Every rank reads every other rank's key: the store really is shared.
+      int seen = 0;
+      for (int r = 0; r < env.world_size; ++r) seen += store->check({"who/" + std::to_string(r)}) ? 1 : 0;
+      store->barrier("end", env.world_size);
+      write_file(out_dir + "/rank_" + std::to_string(env.rank),
+                 ptrain::detail::cat("launcher=", env.launcher_name(), "\nrank=", env.rank, "\nworld_size=",
+                                     env.world_size, "\nlocal_rank=", env.local_rank, "\nlocal_world_size=",
+                                     env.local_world_size, "\nsum=", sum, "\nseen=", seen, "\n"));
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "runtime_worker: %s\n", e.what());
+      write_file(out_dir + "/error_" + std::to_string(::getpid()), e.what());
+      return 3;
+    }
+  }
+
+  if (mode == "fail" && argc >= 5) {
+    int victim = std::atoi(argv[2]);
+    std::string code = argv[3];
+    out_dir = argv[4];
+    write_pid();
+    int world = std::atoi(env_or("WORLD_SIZE", "1").c_str());
+    if (my_rank == victim) {
+      for (int r = 0; r < world; ++r)
+        while (!exists(out_dir + "/pid_" + std::to_string(r))) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      if (code == "sig9") ::raise(SIGKILL);
+      return std::atoi(code.c_str());
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+
+  if (mode == "sleep") {
+    out_dir = argv[2];
+    bool ignore = argc >= 4 && std::string(argv[3]) == "ignore";
+    ::signal(SIGTERM, ignore ? SIG_IGN : on_term);
+    write_pid();
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+  return 2;
+}
