@@ -1,0 +1,176 @@
+#pragma once
+// Elementwise CUDA kernels: bias, activations, dropout, axpy.
+//
+// Same names and arguments as kernels/cpu/elementwise.hpp, on device pointers
+// of the current device; each launches on current_stream() and returns without
+// waiting. Grid-stride loops, so any n runs with a bounded grid.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ptrain/core/random.hpp"
+#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/device.cuh"
+
+namespace ptrain::kernels::cuda {
+
+namespace detail {
+
+template <class T>
+__global__ void bias_add_kernel(std::int64_t rows, std::int64_t cols, T* y, const T* bias) {
+  for (std::int64_t i = global_index(); i < rows * cols; i += grid_stride()) y[i] += bias[i % cols];
+}
+
+// Column sums in the kColTile x kColRows layout (see device.cuh). Deterministic
+// (no atomics): the same input gives the same bits every run.
+template <class T>
+__global__ void bias_grad_kernel(std::int64_t rows, std::int64_t cols, const T* dy, T* dbias) {
+  __shared__ T partial[kColRows][kColTile + 1];  // +1: no bank conflicts when reading a column
+  const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  T acc = T(0);
+  if (col < cols)
+    for (std::int64_t r = threadIdx.y; r < rows; r += kColRows) acc += dy[r * cols + col];
+  partial[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    T s = T(0);
+    for (int j = 0; j < kColRows; ++j) s += partial[j][threadIdx.x];
+    dbias[col] += s;
+  }
+}
+
+template <class T>
+__global__ void relu_forward_kernel(std::int64_t n, const T* x, T* y) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] = x[i] > T(0) ? x[i] : T(0);
+}
+
+template <class T>
+__global__ void relu_backward_kernel(std::int64_t n, const T* x, const T* dy, T* dx) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) dx[i] = x[i] > T(0) ? dy[i] : T(0);
+}
+
+template <class T>
+__global__ void gelu_forward_kernel(std::int64_t n, const T* x, T* y) {
+  const T k0 = T(0.7978845608028654), k1 = T(0.044715);
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
+    const T v = x[i];
+    y[i] = T(0.5) * v * (T(1) + dev_tanh(k0 * (v + k1 * v * v * v)));
+  }
+}
+
+template <class T>
+__global__ void gelu_backward_kernel(std::int64_t n, const T* x, const T* dy, T* dx) {
+  const T k0 = T(0.7978845608028654), k1 = T(0.044715);
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
+    const T v = x[i];
+    const T t = dev_tanh(k0 * (v + k1 * v * v * v));
+    dx[i] = dy[i] * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * k0 * (T(1) + T(3) * k1 * v * v));
+  }
+}
+
+// The mask comes from random_uniform(seed, offset + i), the CPU's formula, in
+// double as on the CPU, so both devices drop exactly the same elements.
+template <class T>
+__global__ void dropout_kernel(std::int64_t n, const T* x, T* y, double p, T scale, std::uint64_t seed,
+                               std::uint64_t offset) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride())
+    y[i] = random_uniform(seed, offset + static_cast<std::uint64_t>(i)) >= p ? x[i] * scale : T(0);
+}
+
+template <class T>
+__global__ void axpy_kernel(std::int64_t n, T alpha, const T* x, T* y) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] += alpha * x[i];
+}
+
+template <class T>
+__global__ void scale_kernel(std::int64_t n, T alpha, T* x) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) x[i] *= alpha;
+}
+
+}  // namespace detail
+
+/// y[r, :] += bias for each of `rows` rows of width `cols`.
+template <class T>
+void bias_add(std::int64_t rows, std::int64_t cols, T* y, const T* bias) {
+  detail::check_element_type<T>();
+  if (rows <= 0 || cols <= 0) return;
+  detail::bias_add_kernel<T><<<detail::grid_for(rows * cols), detail::kBlock, 0, current_stream()>>>(rows, cols, y, bias);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// dbias += sum over rows of dy (column sums of a [rows, cols] array).
+template <class T>
+void bias_grad(std::int64_t rows, std::int64_t cols, const T* dy, T* dbias) {
+  detail::check_element_type<T>();
+  if (rows <= 0 || cols <= 0) return;
+  const dim3 block(detail::kColTile, detail::kColRows);
+  const auto grid = static_cast<unsigned>((cols + detail::kColTile - 1) / detail::kColTile);
+  detail::bias_grad_kernel<T><<<grid, block, 0, current_stream()>>>(rows, cols, dy, dbias);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+template <class T>
+void relu_forward(std::int64_t n, const T* x, T* y) {
+  detail::check_element_type<T>();
+  if (n <= 0) return;
+  detail::relu_forward_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// dx = dy where x > 0, else 0 (x is the forward input).
+template <class T>
+void relu_backward(std::int64_t n, const T* x, const T* dy, T* dx) {
+  detail::check_element_type<T>();
+  if (n <= 0) return;
+  detail::relu_backward_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, dy, dx);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// GELU, tanh form (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+template <class T>
+void gelu_forward(std::int64_t n, const T* x, T* y) {
+  detail::check_element_type<T>();
+  if (n <= 0) return;
+  detail::gelu_forward_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+template <class T>
+void gelu_backward(std::int64_t n, const T* x, const T* dy, T* dx) {
+  detail::check_element_type<T>();
+  if (n <= 0) return;
+  detail::gelu_backward_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, dy, dx);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// Inverted dropout: y = x * mask / (1 - p), mask[i] = uniform(seed, offset + i) >= p.
+/// The same mask as kernels::cpu::dropout for the same (seed, offset).
+template <class T>
+void dropout(std::int64_t n, const T* x, T* y, double p, std::uint64_t seed, std::uint64_t offset) {
+  detail::check_element_type<T>();
+  if (n <= 0) return;
+  const T scale = T(1.0 / (1.0 - p));  // rounded as the CPU rounds it
+  detail::dropout_kernel<T>
+      <<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y, p, scale, seed, offset);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// y += alpha * x
+template <class T>
+void axpy(std::int64_t n, T alpha, const T* x, T* y) {
+  detail::check_element_type<T>();
+  if (n <= 0) return;
+  detail::axpy_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, alpha, x, y);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+template <class T>
+void scale(std::int64_t n, T alpha, T* x) {
+  detail::check_element_type<T>();
+  if (n <= 0) return;
+  detail::scale_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, alpha, x);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+}  // namespace ptrain::kernels::cuda

@@ -1,0 +1,149 @@
+#pragma once
+// GEMM on row-major device buffers through cuBLAS.
+//
+//   C[M,N] = alpha * op(A) * op(B) + beta * C,  op(X) = X or X^T
+//
+// Same signature and meaning as kernels::cpu::gemm. cuBLAS is column-major; a
+// row-major [M,N] matrix with leading dimension ldc is, read column-major, its
+// transpose [N,M] with the same leading dimension. So C^T = op(B)^T op(A)^T is
+// one column-major GEMM with the operands swapped and no copies:
+//   cublas(op_b, op_a, N, M, K, B, ldb, A, lda, C, ldc).
+//
+// Float GEMMs use full FP32 arithmetic unless set_tf32(true): TF32 tensor cores
+// are several times faster but keep only 10 mantissa bits of each input
+// (relative error near 1e-3), which the training code opts into explicitly.
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "ptrain/core/error.hpp"
+#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/device.cuh"
+
+namespace ptrain::kernels::cuda {
+
+/// An owned cuBLAS handle created on one device. Move-only.
+class CublasHandle {
+ public:
+  explicit CublasHandle(int device) : device_(device) {
+    DeviceGuard guard(device);
+    PTRAIN_CHECK_CUBLAS(cublasCreate(&handle_));
+  }
+  ~CublasHandle() {
+    if (handle_) (void)cublasDestroy(handle_);
+  }
+  CublasHandle(CublasHandle&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_) {}
+  CublasHandle& operator=(CublasHandle&& o) noexcept {
+    if (this != &o) {
+      if (handle_) (void)cublasDestroy(handle_);
+      handle_ = std::exchange(o.handle_, nullptr);
+      device_ = o.device_;
+    }
+    return *this;
+  }
+  CublasHandle(const CublasHandle&) = delete;
+  CublasHandle& operator=(const CublasHandle&) = delete;
+
+  cublasHandle_t get() const { return handle_; }
+  int device() const { return device_; }
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+  int device_ = 0;
+};
+
+namespace detail {
+
+inline std::atomic<bool>& tf32_flag() {
+  static std::atomic<bool> enabled{false};
+  return enabled;
+}
+
+/// The calling thread's cuBLAS handle for `device`, bound to that device's current stream.
+inline cublasHandle_t cublas_handle(int device) {
+  // One handle per thread and device, as cuBLAS advises: a handle must not be
+  // used by two threads at once, and rebinding a shared handle's stream would
+  // race. Created on first use (cublasCreate costs milliseconds and device
+  // memory), destroyed when the thread exits.
+  struct Entry {
+    std::unique_ptr<CublasHandle> handle;
+    cudaStream_t stream = nullptr;
+  };
+  thread_local std::array<Entry, kMaxDevices> cache;
+  PTRAIN_CHECK(device >= 0 && device < kMaxDevices, CudaError, "[ptrain.cuda.device] device index ", device,
+               " is out of range [0, ", kMaxDevices, ")");
+  Entry& e = cache[static_cast<std::size_t>(device)];
+  const cudaStream_t stream = current_stream(device);
+  if (!e.handle) {
+    e.handle = std::make_unique<CublasHandle>(device);
+    PTRAIN_CHECK_CUBLAS(cublasSetStream(e.handle->get(), stream));
+    e.stream = stream;
+  } else if (e.stream != stream) {
+    // Rebinding also resets cuBLAS's workspace, so do it only when the stream changed.
+    PTRAIN_CHECK_CUBLAS(cublasSetStream(e.handle->get(), stream));
+    e.stream = stream;
+  }
+  return e.handle->get();
+}
+
+// C = beta * C for the K == 0 case (op(A) op(B) is an empty sum). beta == 0
+// writes zeros without reading C, as BLAS does, so NaN in C does not survive.
+template <class T>
+__global__ void scale_matrix_kernel(std::int64_t m, std::int64_t n, T beta, T* c, std::int64_t ldc) {
+  for (std::int64_t i = global_index(); i < m * n; i += grid_stride()) {
+    T& x = c[(i / n) * ldc + i % n];
+    x = beta == T(0) ? T(0) : beta * x;
+  }
+}
+
+}  // namespace detail
+
+/// Lets float GEMMs use TF32 tensor cores (faster, ~1e-3 relative error); off by default.
+inline void set_tf32(bool enabled) { detail::tf32_flag().store(enabled, std::memory_order_relaxed); }
+/// Whether float GEMMs may use TF32.
+inline bool tf32_enabled() { return detail::tf32_flag().load(std::memory_order_relaxed); }
+
+/// C = alpha * op(A) op(B) + beta * C on row-major device data with leading dimensions lda, ldb, ldc.
+/// A is [M,K] (or [K,M] when trans_a), B is [K,N] (or [N,K] when trans_b). Runs on the
+/// current device's current_stream(); float or double.
+template <class T>
+void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a,
+          std::int64_t lda, const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc) {
+  static_assert(detail::is_float_or_double<T>, "ptrain::kernels::cuda::gemm: element type must be float or double");
+  if (m == 0 || n == 0) return;
+  const int device = current_device();
+  if (k == 0) {
+    detail::scale_matrix_kernel<T>
+        <<<detail::grid_for(m * n), detail::kBlock, 0, current_stream(device)>>>(m, n, beta, c, ldc);
+    PTRAIN_CHECK_CUDA_LAUNCH();
+    return;
+  }
+  PTRAIN_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX,
+               ShapeError, "[ptrain.cuda.gemm] sizes m=", m, " n=", n, " k=", k, " lda=", lda, " ldb=", ldb,
+               " ldc=", ldc, " exceed cuBLAS's 32-bit limit; split the GEMM");
+  const cublasHandle_t handle = detail::cublas_handle(device);
+  // Swapped operands: see the header comment.
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int cm = static_cast<int>(n), cn = static_cast<int>(m), ck = static_cast<int>(k);
+  if constexpr (std::is_same_v<T, float>) {
+    // The compute type, not the handle's math mode, selects TF32, so two
+    // threads can disagree about set_tf32 without touching shared state.
+    const cublasComputeType_t compute = tf32_enabled() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    PTRAIN_CHECK_CUBLAS(cublasGemmEx(handle, op_b, op_a, cm, cn, ck, &alpha, b, CUDA_R_32F, static_cast<int>(ldb), a,
+                                     CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F, static_cast<int>(ldc),
+                                     compute, CUBLAS_GEMM_DEFAULT));
+  } else {
+    PTRAIN_CHECK_CUBLAS(cublasDgemm(handle, op_b, op_a, cm, cn, ck, &alpha, b, static_cast<int>(ldb), a,
+                                    static_cast<int>(lda), &beta, c, static_cast<int>(ldc)));
+  }
+}
+
+}  // namespace ptrain::kernels::cuda

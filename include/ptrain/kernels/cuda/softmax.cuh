@@ -1,0 +1,191 @@
+#pragma once
+// Row softmax and softmax cross-entropy on device arrays, numerically stable
+// (max subtracted before exp, log-sum-exp kept per row).
+//
+// Same names and arguments as kernels/cpu/softmax.hpp. One thread block per
+// row: the row's max and sum are block reductions, so a row is read from
+// global memory two or three times and never leaves the block.
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "ptrain/core/tensor.hpp"
+#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/device.cuh"
+#include "ptrain/kernels/cuda/reduce.cuh"
+
+namespace ptrain::kernels::cuda {
+
+namespace detail {
+
+template <class T>
+__device__ __forceinline__ T row_max(const T* xr, std::int64_t cols) {
+  T mx = T(-INFINITY);
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) mx = xr[c] > mx ? xr[c] : mx;
+  return block_max(mx);
+}
+
+template <class T>
+__global__ void softmax_rows_kernel(std::int64_t rows, std::int64_t cols, const T* x, T* y) {
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * cols;
+    T* yr = y + r * cols;
+    const T mx = row_max(xr, cols);
+    T s = T(0);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += (yr[c] = dev_exp(xr[c] - mx));
+    const T inv = T(1) / block_sum(s);
+    // Each thread rescales the elements it wrote itself: no barrier needed.
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) yr[c] *= inv;
+  }
+}
+
+template <class T>
+__global__ void softmax_rows_backward_kernel(std::int64_t rows, std::int64_t cols, const T* y, const T* dy, T* dx) {
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* yr = y + r * cols;
+    const T* dyr = dy + r * cols;
+    T* dxr = dx + r * cols;
+    T dot = T(0);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dot += yr[c] * dyr[c];
+    dot = block_sum(dot);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dxr[c] = yr[c] * (dyr[c] - dot);
+  }
+}
+
+// Writes lse[r] and row_loss[r] = lse[r] - logits[r, target] (0 for ignored
+// rows, NaN for targets outside [0, cols), which the host then reports).
+template <class T>
+__global__ void cross_entropy_forward_kernel(std::int64_t rows, std::int64_t cols, const T* logits,
+                                             const std::int32_t* targets, T* lse, double* row_loss,
+                                             std::int32_t ignore_index) {
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = logits + r * cols;
+    const T mx = row_max(xr, cols);
+    T s = T(0);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += dev_exp(xr[c] - mx);
+    s = block_sum(s);
+    if (threadIdx.x == 0) {
+      const T l = mx + dev_log(s);
+      lse[r] = l;
+      const std::int32_t t = targets[r];
+      if (t == ignore_index) row_loss[r] = 0.0;
+      else if (t < 0 || t >= cols) row_loss[r] = NAN;
+      else row_loss[r] = static_cast<double>(l - xr[t]);
+    }
+  }
+}
+
+// One block: out = {sum of row losses, counted rows, targets out of range}.
+// A fixed summation order, so the loss is the same bits every run.
+template <class Index>
+__global__ void cross_entropy_total_kernel(std::int64_t rows, std::int64_t cols, const double* row_loss,
+                                           const Index* targets, Index ignore_index, double* out) {
+  double total = 0, valid = 0, bad = 0;
+  for (std::int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+    const Index t = targets[r];
+    if (t == ignore_index) continue;
+    if (t < 0 || t >= cols) {
+      bad += 1;
+      continue;
+    }
+    total += row_loss[r];
+    valid += 1;
+  }
+  total = block_sum(total);
+  valid = block_sum(valid);
+  bad = block_sum(bad);
+  if (threadIdx.x == 0) {
+    out[0] = total;
+    out[1] = valid;
+    out[2] = bad;
+  }
+}
+
+template <class T>
+__global__ void cross_entropy_backward_kernel(std::int64_t rows, std::int64_t cols, const T* logits, const T* lse,
+                                              const std::int32_t* targets, T scale, T* dlogits,
+                                              std::int32_t ignore_index) {
+  for (std::int64_t i = global_index(); i < rows * cols; i += grid_stride()) {
+    const std::int64_t r = i / cols, c = i % cols;
+    const std::int32_t t = targets[r];
+    if (t == ignore_index) {
+      dlogits[i] = T(0);
+      continue;
+    }
+    T d = scale * dev_exp(logits[i] - lse[r]);
+    if (c == t) d -= scale;
+    dlogits[i] = d;
+  }
+}
+
+}  // namespace detail
+
+/// y[r, :] = softmax(x[r, :]) for a [rows, cols] array.
+template <class T>
+void softmax_rows(std::int64_t rows, std::int64_t cols, const T* x, T* y) {
+  detail::check_element_type<T>();
+  if (rows <= 0 || cols <= 0) return;
+  detail::softmax_rows_kernel<T>
+      <<<detail::grid_for_rows(rows), detail::block_for_cols(cols), 0, current_stream()>>>(rows, cols, x, y);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// dx = y * (dy - sum(dy * y)) row by row, y being the softmax output.
+template <class T>
+void softmax_rows_backward(std::int64_t rows, std::int64_t cols, const T* y, const T* dy, T* dx) {
+  detail::check_element_type<T>();
+  if (rows <= 0 || cols <= 0) return;
+  detail::softmax_rows_backward_kernel<T>
+      <<<detail::grid_for_rows(rows), detail::block_for_cols(cols), 0, current_stream()>>>(rows, cols, y, dy, dx);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// Mean cross-entropy of logits [rows, cols] against integer targets [rows] (device arrays).
+/// Rows whose target equals ignore_index do not count. Writes each row's
+/// log-sum-exp to lse (device) and returns the mean loss and, through valid,
+/// the number of counted rows; waits for the current stream. Throws ShapeError
+/// when a target lies outside [0, cols).
+template <class T>
+double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const T* logits, const std::int32_t* targets,
+                             T* lse, std::int64_t& valid, std::int32_t ignore_index = -100) {
+  detail::check_element_type<T>();
+  valid = 0;
+  if (rows <= 0) return 0.0;
+  PTRAIN_CHECK(cols > 0, ShapeError, "[ptrain.cuda.cross_entropy] logits have ", rows, " rows but no columns");
+  const int device = current_device();
+  const cudaStream_t stream = current_stream(device);
+  // Per-row losses, then the three totals; from the device's allocator.
+  auto scratch = Tensor<double>::empty({rows + 3}, Device::cuda(device));
+  double* row_loss = scratch.data();
+  double* totals = row_loss + rows;
+  detail::cross_entropy_forward_kernel<T><<<detail::grid_for_rows(rows), detail::block_for_cols(cols), 0, stream>>>(
+      rows, cols, logits, targets, lse, row_loss, ignore_index);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::cross_entropy_total_kernel<std::int32_t><<<1, 1024, 0, stream>>>(rows, cols, row_loss, targets, ignore_index, totals);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+  double host[3] = {0, 0, 0};
+  PTRAIN_CHECK_CUDA(cudaMemcpyAsync(host, totals, sizeof(host), cudaMemcpyDeviceToHost, stream));
+  PTRAIN_CHECK_CUDA(cudaStreamSynchronize(stream));
+  PTRAIN_CHECK(host[2] == 0, ShapeError, "[ptrain.cuda.cross_entropy] ", static_cast<std::int64_t>(host[2]),
+               " target(s) lie outside [0, ", cols, ") and are not ignore_index (", ignore_index,
+               "); check the labels and the number of classes");
+  valid = static_cast<std::int64_t>(host[1]);
+  return valid ? host[0] / static_cast<double>(valid) : 0.0;
+}
+
+/// dlogits = dloss * (softmax(logits) - onehot(target)) / valid; ignored rows get 0.
+template <class T>
+void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const T* logits, const T* lse,
+                            const std::int32_t* targets, std::int64_t valid, T dloss, T* dlogits,
+                            std::int32_t ignore_index = -100) {
+  detail::check_element_type<T>();
+  if (rows <= 0 || cols <= 0) return;
+  const T scale = valid ? dloss / static_cast<T>(valid) : T(0);  // as the CPU computes it
+  detail::cross_entropy_backward_kernel<T><<<detail::grid_for(rows * cols), detail::kBlock, 0, current_stream()>>>(
+      rows, cols, logits, lse, targets, scale, dlogits, ignore_index);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+}  // namespace ptrain::kernels::cuda

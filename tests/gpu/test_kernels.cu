@@ -1,0 +1,597 @@
+// CUDA kernels against the CPU kernels computed in double.
+//
+// Every kernel runs on fresh random inputs (seed printed on failure; set
+// PTRAIN_TEST_SEED to repeat a run). Outputs start as NaN, so an element a
+// kernel forgets to write fails the comparison. Error measure: max |gpu - ref|
+// / max |ref| over the output, a norm-wise relative error; per-element relative
+// error is meaningless where outputs cancel to ~0 (GELU near x = -3, a
+// LayerNorm gradient). Bounds: float 1e-5 (FP32 arithmetic, a few ulp per
+// element plus accumulation), double 1e-12. Discrete results (argmax, dropout
+// masks, counts) must match exactly.
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ptrain/core/random.hpp"
+#include "ptrain/core/tensor.hpp"
+#include "ptrain/kernels/cpu/elementwise.hpp"
+#include "ptrain/kernels/cpu/gemm.hpp"
+#include "ptrain/kernels/cpu/layer_norm.hpp"
+#include "ptrain/kernels/cpu/optimizer.hpp"
+#include "ptrain/kernels/cpu/reduce.hpp"
+#include "ptrain/kernels/cpu/softmax.hpp"
+#include "ptrain/kernels/cuda/all.cuh"
+
+using namespace ptrain;
+namespace kc = ptrain::kernels::cuda;
+namespace kp = ptrain::kernels::cpu;
+
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+std::uint64_t test_seed() {
+  static const std::uint64_t seed = [] {
+    if (const char* s = std::getenv("PTRAIN_TEST_SEED")) return static_cast<std::uint64_t>(std::strtoull(s, nullptr, 10));
+    std::random_device rd;
+    return (static_cast<std::uint64_t>(rd()) << 32) | rd();
+  }();
+  return seed;
+}
+
+Generator& rng() {
+  static Generator g(test_seed());
+  return g;
+}
+
+template <class T>
+std::vector<T> uniform(std::int64_t n, double lo, double hi) {
+  std::vector<T> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = static_cast<T>(lo + (hi - lo) * rng().uniform());
+  return v;
+}
+
+template <class T>
+std::vector<double> to_double(const std::vector<T>& v) {
+  return {v.begin(), v.end()};
+}
+
+template <class T>
+Tensor<T> on_gpu(const std::vector<T>& v) {
+  return Tensor<T>::from(v, {static_cast<std::int64_t>(v.size())}).to(kGpu);
+}
+
+/// A device array of n NaNs: any element a kernel does not write stays NaN.
+template <class T>
+Tensor<T> poisoned(std::int64_t n) {
+  return on_gpu(std::vector<T>(static_cast<std::size_t>(n), std::numeric_limits<T>::quiet_NaN()));
+}
+
+template <class T>
+std::vector<T> host(const Tensor<T>& t) {
+  return t.to_vector();
+}
+
+/// max |got - ref| / max |ref|; infinity when got has a non-finite value where ref is finite.
+template <class T>
+double rel_err(const std::vector<T>& got, const std::vector<double>& ref) {
+  REQUIRE(got.size() == ref.size());
+  double max_diff = 0, max_ref = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double g = static_cast<double>(got[i]);
+    if (!std::isfinite(g) && std::isfinite(ref[i])) return std::numeric_limits<double>::infinity();
+    max_diff = std::max(max_diff, std::abs(g - ref[i]));
+    max_ref = std::max(max_ref, std::abs(ref[i]));
+  }
+  return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
+using Dims = std::vector<std::pair<std::int64_t, std::int64_t>>;
+
+template <class T>
+constexpr double tol() {
+  return std::is_same_v<T, float> ? 1e-5 : 1e-12;
+}
+
+#define CHECK_CLOSE(got, ref)                         \
+  do {                                                \
+    INFO("seed " << test_seed());                     \
+    const double err_ = rel_err((got), (ref));        \
+    INFO("relative error " << err_);                  \
+    CHECK(err_ <= tol<TestType>());                   \
+  } while (0)
+
+}  // namespace
+
+// ---------------------------------------------------------------- no GPU ----
+
+TEST_CASE("cuda backend registers and fails clearly without a device", "[.][nogpu]") {
+  REQUIRE(ptrain::detail::cuda_backend_slot() != nullptr);
+  CHECK(kc::device_count() == 0);
+  try {
+    (void)Tensor<float>::empty({4}, Device::cuda(0));
+    FAIL("allocating on cuda:0 without a device did not throw");
+  } catch (const CudaError& e) {
+    CHECK(std::string(e.what()).find("[ptrain.cuda.device]") != std::string::npos);
+  }
+}
+
+// ------------------------------------------------------------ device, tensor ----
+
+TEST_CASE("cuda: tensor round trip cpu -> cuda -> cpu", "[gpu]") {
+  const auto values = uniform<float>(1000, -5, 5);
+  auto cpu = Tensor<float>::from(values, {10, 100});
+  auto gpu = cpu.to(kGpu);
+  CHECK(gpu.device() == kGpu);
+  CHECK(gpu.shape() == Shape{10, 100});
+  auto back = gpu.to(Device::cpu());
+  CHECK(back.device() == Device::cpu());
+  CHECK(back.to_vector() == values);
+
+  // device -> device copy, a view along rows, copy_ and zero_.
+  auto twin = gpu.clone();
+  CHECK(!twin.shares_storage(gpu));
+  CHECK(twin.to_vector() == values);
+  auto rows = gpu.narrow(3, 2);
+  const std::vector<float> expect_rows(values.begin() + 300, values.begin() + 500);
+  CHECK(rows.to_vector() == expect_rows);
+  auto target = poisoned<float>(200);
+  target.copy_(rows);
+  CHECK(target.to_vector() == expect_rows);
+  target.zero_();
+  CHECK(target.to_vector() == std::vector<float>(200, 0.0f));
+  CHECK(Tensor<double>::zeros({7, 3}, kGpu).to_vector() == std::vector<double>(21, 0.0));
+}
+
+TEST_CASE("cuda: allocator counts the bytes tensors ask for on cuda:0", "[gpu]") {
+  auto& alloc = allocator_for(kGpu);
+  CHECK(&alloc == &allocator_for(Device::cuda(0)));
+  CHECK(&alloc != &allocator_for(Device::cpu()));
+  alloc.empty_cache();  // from here every allocation is a fresh cudaMalloc
+  const MemoryStats before = memory_stats(kGpu);
+  reset_peak_memory(kGpu);
+  {
+    auto a = Tensor<float>::empty({1000}, kGpu);   // 4000 bytes, a 4032-byte block (64-byte rounding)
+    auto b = Tensor<double>::empty({3, 5}, kGpu);  // 120 bytes, a 128-byte block
+    const MemoryStats s = memory_stats(kGpu);
+    CHECK(s.live_bytes == before.live_bytes + 4120);
+    CHECK(s.peak_bytes == before.live_bytes + 4120);
+    CHECK(s.allocations == before.allocations + 2);
+    CHECK(s.reserved_bytes == before.reserved_bytes + 4032 + 128);
+    cudaPointerAttributes attr{};
+    REQUIRE(cudaPointerGetAttributes(&attr, a.data()) == cudaSuccess);
+    CHECK(attr.type == cudaMemoryTypeDevice);
+    CHECK(attr.device == 0);
+  }
+  const MemoryStats after = memory_stats(kGpu);
+  CHECK(after.live_bytes == before.live_bytes);
+  CHECK(after.peak_bytes == before.live_bytes + 4120);
+  CHECK(after.reserved_bytes == before.reserved_bytes + 4032 + 128);  // kept for reuse
+  // The freed 4032-byte block serves the next request of that size: no new cudaMalloc.
+  { auto again = Tensor<float>::empty({1008}, kGpu); }
+  CHECK(memory_stats(kGpu).reserved_bytes == after.reserved_bytes);
+  CHECK(memory_stats(kGpu).allocations == before.allocations + 3);
+  alloc.empty_cache();
+  CHECK(memory_stats(kGpu).reserved_bytes == before.reserved_bytes);
+}
+
+TEST_CASE("cuda: errors name the call and the device", "[gpu]") {
+  try {
+    PTRAIN_CHECK_CUDA(cudaSetDevice(kc::device_count() + 7));
+    FAIL("cudaSetDevice on a missing device did not throw");
+  } catch (const CudaError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("[ptrain.cuda]") != std::string::npos);
+    CHECK(what.find("cudaSetDevice") != std::string::npos);
+    CHECK(what.find("cudaErrorInvalidDevice") != std::string::npos);
+    CHECK(what.find("test_kernels.cu:") != std::string::npos);
+  }
+  CHECK(cudaGetLastError() == cudaSuccess);  // the failure did not linger as a sticky "last error"
+  try {
+    PTRAIN_CHECK_CUBLAS(CUBLAS_STATUS_INVALID_VALUE);
+    FAIL("a failing cuBLAS status did not throw");
+  } catch (const CudaError& e) {
+    CHECK(std::string(e.what()).find("CUBLAS_STATUS_INVALID_VALUE") != std::string::npos);
+  }
+  CHECK_THROWS_AS(Tensor<float>::empty({4}, Device::cuda(kc::device_count())), CudaError);
+}
+
+TEST_CASE("cuda: streams, events and the current stream", "[gpu]") {
+  CHECK(kc::current_stream() == nullptr);  // the default stream until a guard says otherwise
+  kc::Stream stream(0);
+  REQUIRE(stream.get() != nullptr);
+  const auto values = uniform<float>(1 << 20, -1, 1);
+  auto x = on_gpu(values);
+  kc::Event start(true), stop(true);
+  {
+    kc::StreamGuard guard(stream);
+    CHECK(kc::current_stream() == stream.get());
+    start.record();
+    kc::scale<float>(x.numel(), 2.0f, x.data());  // runs on `stream`
+    stop.record();
+  }
+  CHECK(kc::current_stream() == nullptr);
+  // The default (legacy) stream would not wait for a non-blocking stream: order it with the event.
+  stop.synchronize();
+  CHECK(stop.query());
+  CHECK(stream.query());
+  CHECK(stop.elapsed_ms(start) >= 0.0f);
+  std::vector<double> expect(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) expect[i] = 2.0 * values[i];
+  const auto got = x.to_vector();
+  CHECK(rel_err(got, expect) == 0.0);
+
+  kc::Stream moved = std::move(stream);
+  CHECK(stream.get() == nullptr);
+  CHECK(moved.get() != nullptr);
+  kc::Event e;
+  e.record(moved);
+  moved.wait(e);
+  moved.synchronize();
+}
+
+// ------------------------------------------------------------------ GEMM ----
+
+namespace {
+template <class T>
+void check_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, T beta, double bound) {
+  // Leading dimensions larger than the rows, so strides are exercised.
+  const std::int64_t a_rows = ta ? k : m, a_cols = ta ? m : k;
+  const std::int64_t b_rows = tb ? n : k, b_cols = tb ? k : n;
+  const std::int64_t lda = a_cols + 3, ldb = b_cols + 5, ldc = n + 2;
+  const auto a = uniform<T>(a_rows * lda, -1, 1);
+  const auto b = uniform<T>(b_rows * ldb, -1, 1);
+  std::vector<T> c0 = uniform<T>(m * ldc, -1, 1);
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  if (beta == T(0)) c0.assign(c0.size(), nan);  // beta = 0 must not read C
+  // The padding columns of C are never written by either side.
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = n; j < ldc; ++j) c0[i * ldc + j] = nan;
+
+  auto da = on_gpu(a), db = on_gpu(b), dc = on_gpu(c0);
+  kc::gemm<T>(ta, tb, m, n, k, alpha, da.data(), lda, db.data(), ldb, beta, dc.data(), ldc);
+  const auto got = host(dc);
+
+  auto ref = to_double(c0);
+  const auto ra = to_double(a), rb = to_double(b);
+  kp::gemm<double>(ta, tb, m, n, k, alpha, ra.data(), lda, rb.data(), ldb, beta, ref.data(), ldc);
+
+  std::vector<T> got_inner;
+  std::vector<double> ref_inner;
+  bool padding_untouched = true;
+  for (std::int64_t i = 0; i < m; ++i) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      got_inner.push_back(got[i * ldc + j]);
+      ref_inner.push_back(ref[i * ldc + j]);
+    }
+    for (std::int64_t j = n; j < ldc; ++j) padding_untouched &= std::isnan(static_cast<double>(got[i * ldc + j]));
+  }
+  INFO("trans_a " << ta << " trans_b " << tb << " m " << m << " n " << n << " k " << k << " beta " << beta
+                  << " seed " << test_seed());
+  const double err = rel_err(got_inner, ref_inner);
+  INFO("relative error " << err);
+  CHECK(err <= bound);
+  CHECK(padding_untouched);
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda: gemm matches the CPU in all transpose cases", "[gpu]", float, double) {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      check_gemm<TestType>(ta, tb, 37, 53, 29, TestType(1.5), TestType(0), tol<TestType>());
+      check_gemm<TestType>(ta, tb, 37, 53, 29, TestType(-0.5), TestType(0.75), tol<TestType>());
+      check_gemm<TestType>(ta, tb, 256, 384, 512, TestType(1), TestType(1), tol<TestType>());
+    }
+  // K = 0: C = beta C (and zeros for beta = 0, whatever C held).
+  check_gemm<TestType>(false, false, 9, 11, 0, TestType(1), TestType(0), 0.0);
+  check_gemm<TestType>(false, true, 9, 11, 0, TestType(1), TestType(2), 0.0);
+}
+
+// TF32 keeps 10 of float's 23 mantissa bits. Where the conversion truncates
+// (tensor cores reading FP32 operands do), every product is biased low by
+// about 2^-10, so the error reaches ~1e-3 of |C| on its own: the bound is 2e-3.
+// The FP32 test above runs at 1e-5, which TF32 would fail, so it also proves
+// that TF32 is off by default.
+TEST_CASE("cuda: gemm with TF32 stays within 2e-3", "[gpu]") {
+  kc::set_tf32(true);
+  CHECK(kc::tf32_enabled());
+  check_gemm<float>(false, true, 256, 384, 1024, 1.0f, 0.0f, 2e-3);
+  kc::set_tf32(false);
+  CHECK(!kc::tf32_enabled());
+}
+
+// ----------------------------------------------------------- elementwise ----
+
+TEMPLATE_TEST_CASE("cuda: bias_add and bias_grad", "[gpu]", float, double) {
+  using T = TestType;
+  for (auto [rows, cols] : Dims{{1, 1}, {67, 10}, {300, 771}}) {
+    const auto y = uniform<T>(rows * cols, -1, 1), bias = uniform<T>(cols, -1, 1);
+    auto dy = on_gpu(y);
+    auto db = on_gpu(bias);
+    kc::bias_add<T>(rows, cols, dy.data(), db.data());
+    auto ref = to_double(y);
+    const auto rbias = to_double(bias);
+    kp::bias_add<double>(rows, cols, ref.data(), rbias.data());
+    CHECK_CLOSE(host(dy), ref);
+
+    // bias_grad accumulates into dbias, so it starts from random values, not NaN.
+    auto dgrad = on_gpu(bias);
+    auto dyy = on_gpu(y);
+    kc::bias_grad<T>(rows, cols, dyy.data(), dgrad.data());
+    auto rgrad = to_double(bias);
+    const auto ry = to_double(y);
+    kp::bias_grad<double>(rows, cols, ry.data(), rgrad.data());
+    CHECK_CLOSE(host(dgrad), rgrad);
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda: relu and gelu, forward and backward", "[gpu]", float, double) {
+  using T = TestType;
+  const std::int64_t n = 100003;  // not a multiple of the block size
+  auto x = uniform<T>(n, -4, 4);
+  x[0] = T(0);  // relu's boundary: x > 0 is false at 0
+  const auto g = uniform<T>(n, -1, 1);
+  const auto rx = to_double(x), rg = to_double(g);
+  auto dx = on_gpu(x), dg = on_gpu(g);
+  std::vector<double> ref(static_cast<std::size_t>(n));
+
+  auto out = poisoned<T>(n);
+  kc::relu_forward<T>(n, dx.data(), out.data());
+  kp::relu_forward<double>(n, rx.data(), ref.data());
+  CHECK_CLOSE(host(out), ref);
+
+  out = poisoned<T>(n);
+  kc::relu_backward<T>(n, dx.data(), dg.data(), out.data());
+  kp::relu_backward<double>(n, rx.data(), rg.data(), ref.data());
+  CHECK_CLOSE(host(out), ref);
+
+  out = poisoned<T>(n);
+  kc::gelu_forward<T>(n, dx.data(), out.data());
+  kp::gelu_forward<double>(n, rx.data(), ref.data());
+  CHECK_CLOSE(host(out), ref);
+
+  out = poisoned<T>(n);
+  kc::gelu_backward<T>(n, dx.data(), dg.data(), out.data());
+  kp::gelu_backward<double>(n, rx.data(), rg.data(), ref.data());
+  CHECK_CLOSE(host(out), ref);
+}
+
+TEMPLATE_TEST_CASE("cuda: dropout gives the CPU's mask and values exactly", "[gpu]", float, double) {
+  using T = TestType;
+  const std::int64_t n = 200001;
+  const auto x = uniform<T>(n, 0.5, 1.5);  // never zero, so a zero output means dropped
+  const std::uint64_t seed = rng().below(1ull << 62);
+  for (std::uint64_t offset : {std::uint64_t{0}, std::uint64_t{12345}, (std::uint64_t{1} << 40) + 7}) {
+    for (double p : {0.1, 0.5}) {
+      auto dx = on_gpu(x);
+      auto out = poisoned<T>(n);
+      kc::dropout<T>(n, dx.data(), out.data(), p, seed, offset);
+      std::vector<T> ref(static_cast<std::size_t>(n));
+      kp::dropout<T>(n, x.data(), ref.data(), p, seed, offset);
+      const auto got = host(out);
+      std::int64_t mismatches = 0, dropped = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        mismatches += !(got[i] == ref[i]);
+        dropped += ref[i] == T(0);
+      }
+      INFO("seed " << seed << " offset " << offset << " p " << p);
+      CHECK(mismatches == 0);
+      // The mask is not degenerate: the drop rate is p within 5 standard deviations.
+      CHECK(std::abs(static_cast<double>(dropped) / n - p) < 5 * std::sqrt(p * (1 - p) / n));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda: axpy and scale", "[gpu]", float, double) {
+  using T = TestType;
+  const std::int64_t n = 77777;
+  const auto x = uniform<T>(n, -1, 1), y = uniform<T>(n, -1, 1);
+  auto dx = on_gpu(x), dy = on_gpu(y);
+  kc::axpy<T>(n, T(-0.75), dx.data(), dy.data());
+  auto ref = to_double(y);
+  const auto rx = to_double(x);
+  kp::axpy<double>(n, -0.75, rx.data(), ref.data());
+  CHECK_CLOSE(host(dy), ref);
+
+  kc::scale<T>(n, T(3.25), dx.data());
+  auto rs = to_double(x);
+  kp::scale<double>(n, 3.25, rs.data());
+  CHECK_CLOSE(host(dx), rs);
+}
+
+// ------------------------------------------------------------ reductions ----
+
+TEMPLATE_TEST_CASE("cuda: sum and sum_squares", "[gpu]", float, double) {
+  using T = TestType;
+  for (std::int64_t n : {std::int64_t{1}, std::int64_t{1000}, std::int64_t{1000003}, std::int64_t{5000000}}) {
+    const auto x = uniform<T>(n, -0.5, 1.0);
+    auto dx = on_gpu(x);
+    const auto rx = to_double(x);
+    INFO("n " << n << " seed " << test_seed());
+    // Both sides add the same values in double, in different orders.
+    const double s = kc::sum<T>(n, dx.data()), rs = kp::sum<double>(n, rx.data());
+    CHECK(std::abs(s - rs) <= 1e-12 * std::abs(rs) + 1e-12);  // the mean is 0.25: no cancellation
+    const double q = kc::sum_squares<T>(n, dx.data()), rq = kp::sum_squares<double>(n, rx.data());
+    CHECK(std::abs(q - rq) <= 1e-12 * rq);
+  }
+  CHECK(kc::sum<T>(0, static_cast<const T*>(nullptr)) == 0.0);
+}
+
+TEMPLATE_TEST_CASE("cuda: argmax_rows takes the first maximum", "[gpu]", float, double) {
+  using T = TestType;
+  for (auto [rows, cols] : Dims{{67, 10}, {5, 3000}, {70000, 3}}) {
+    // Few distinct values, so ties are common and "first on ties" is tested.
+    auto x = uniform<T>(rows * cols, 0, 4);
+    for (auto& v : x) v = std::floor(v);
+    auto dx = on_gpu(x);
+    auto out = on_gpu(std::vector<std::int32_t>(static_cast<std::size_t>(rows), -1));
+    kc::argmax_rows<T>(rows, cols, dx.data(), out.data());
+    std::vector<std::int32_t> ref(static_cast<std::size_t>(rows));
+    kp::argmax_rows<T>(rows, cols, x.data(), ref.data());
+    INFO("rows " << rows << " cols " << cols);
+    CHECK(host(out) == ref);
+  }
+}
+
+// ------------------------------------------------ softmax, cross-entropy ----
+
+TEMPLATE_TEST_CASE("cuda: softmax_rows forward and backward", "[gpu]", float, double) {
+  using T = TestType;
+  for (auto [rows, cols] : Dims{{65, 7}, {33, 1000}, {9, 3001}}) {
+    const auto x = uniform<T>(rows * cols, -8, 8);
+    auto dx = on_gpu(x);
+    auto y = poisoned<T>(rows * cols);
+    kc::softmax_rows<T>(rows, cols, dx.data(), y.data());
+    const auto rx = to_double(x);
+    std::vector<double> ref(rx.size());
+    kp::softmax_rows<double>(rows, cols, rx.data(), ref.data());
+    CHECK_CLOSE(host(y), ref);
+
+    const auto yy = uniform<T>(rows * cols, 0, 1), g = uniform<T>(rows * cols, -1, 1);
+    auto dyy = on_gpu(yy), dg = on_gpu(g);
+    auto out = poisoned<T>(rows * cols);
+    kc::softmax_rows_backward<T>(rows, cols, dyy.data(), dg.data(), out.data());
+    const auto ryy = to_double(yy), rg = to_double(g);
+    kp::softmax_rows_backward<double>(rows, cols, ryy.data(), rg.data(), ref.data());
+    CHECK_CLOSE(host(out), ref);
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda: cross_entropy forward and backward", "[gpu]", float, double) {
+  using T = TestType;
+  for (auto [rows, cols] : Dims{{97, 10}, {40, 5000}}) {
+    const auto logits = uniform<T>(rows * cols, -3, 3);
+    std::vector<std::int32_t> targets(static_cast<std::size_t>(rows));
+    for (auto& t : targets) t = static_cast<std::int32_t>(rng().below(static_cast<std::uint64_t>(cols)));
+    targets[1] = -100;  // ignored rows
+    targets[static_cast<std::size_t>(rows) - 1] = -100;
+
+    auto dlogits = on_gpu(logits);
+    auto dtargets = on_gpu(targets);
+    auto lse = poisoned<T>(rows);
+    std::int64_t valid = -1;
+    const double loss = kc::cross_entropy_forward<T>(rows, cols, dlogits.data(), dtargets.data(), lse.data(), valid);
+
+    const auto rl = to_double(logits);
+    std::vector<double> rlse(static_cast<std::size_t>(rows));
+    std::int64_t rvalid = -1;
+    const double rloss = kp::cross_entropy_forward<double>(rows, cols, rl.data(), targets.data(), rlse.data(), rvalid);
+    INFO("rows " << rows << " cols " << cols << " seed " << test_seed());
+    CHECK(valid == rvalid);
+    CHECK(valid == rows - 2);
+    CHECK(std::abs(loss - rloss) <= tol<T>() * std::abs(rloss));
+    CHECK_CLOSE(host(lse), rlse);
+
+    // Backward from the GPU's lse, against the CPU in double from the same values.
+    const auto glse = host(lse);
+    auto grad = poisoned<T>(rows * cols);
+    kc::cross_entropy_backward<T>(rows, cols, dlogits.data(), lse.data(), dtargets.data(), valid, T(1.3),
+                                  grad.data());
+    std::vector<double> rgrad(rl.size());
+    const auto rglse = to_double(glse);
+    kp::cross_entropy_backward<double>(rows, cols, rl.data(), rglse.data(), targets.data(), rvalid, 1.3,
+                                       rgrad.data());
+    CHECK_CLOSE(host(grad), rgrad);
+  }
+
+  // A label outside [0, cols) is reported instead of reading out of bounds.
+  std::int64_t valid = 0;
+  auto logits = on_gpu(uniform<T>(4 * 5, -1, 1));
+  auto bad = on_gpu(std::vector<std::int32_t>{0, 5, 1, -100});
+  auto lse = poisoned<T>(4);
+  CHECK_THROWS_AS(kc::cross_entropy_forward<T>(4, 5, logits.data(), bad.data(), lse.data(), valid), ShapeError);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+// ------------------------------------------------------------- LayerNorm ----
+
+TEMPLATE_TEST_CASE("cuda: layer_norm forward and backward", "[gpu]", float, double) {
+  using T = TestType;
+  for (auto [rows, d] : Dims{{33, 5}, {64, 768}, {7, 2001}}) {
+    // An offset mean, so a one-pass variance would lose digits and fail.
+    auto x = uniform<T>(rows * d, 2, 4);
+    const auto gamma = uniform<T>(d, 0.5, 1.5), beta = uniform<T>(d, -0.5, 0.5);
+    const T eps = T(1e-5);
+    auto dx = on_gpu(x), dgamma_in = on_gpu(gamma), dbeta_in = on_gpu(beta);
+    auto y = poisoned<T>(rows * d), mean = poisoned<T>(rows), rstd = poisoned<T>(rows);
+    kc::layer_norm_forward<T>(rows, d, dx.data(), dgamma_in.data(), dbeta_in.data(), eps, y.data(), mean.data(),
+                              rstd.data());
+    const auto rx = to_double(x), rgamma = to_double(gamma), rbeta = to_double(beta);
+    std::vector<double> ry(rx.size()), rmean(static_cast<std::size_t>(rows)), rrstd(static_cast<std::size_t>(rows));
+    kp::layer_norm_forward<double>(rows, d, rx.data(), rgamma.data(), rbeta.data(), static_cast<double>(eps),
+                                   ry.data(), rmean.data(), rrstd.data());
+    INFO("rows " << rows << " d " << d);
+    CHECK_CLOSE(host(y), ry);
+    CHECK_CLOSE(host(mean), rmean);
+    CHECK_CLOSE(host(rstd), rrstd);
+
+    // Backward from the GPU's saved statistics; dgamma and dbeta accumulate.
+    const auto gmean = host(mean), grstd = host(rstd);
+    const auto dy = uniform<T>(rows * d, -1, 1);
+    const auto dgamma0 = uniform<T>(d, -1, 1), dbeta0 = uniform<T>(d, -1, 1);
+    auto ddy = on_gpu(dy), ddgamma = on_gpu(dgamma0), ddbeta = on_gpu(dbeta0);
+    auto ddx = poisoned<T>(rows * d);
+    kc::layer_norm_backward<T>(rows, d, dx.data(), mean.data(), rstd.data(), dgamma_in.data(), ddy.data(), ddx.data(),
+                               ddgamma.data(), ddbeta.data());
+    const auto rdy = to_double(dy), rm = to_double(gmean), rr = to_double(grstd);
+    auto rdgamma = to_double(dgamma0), rdbeta = to_double(dbeta0);
+    std::vector<double> rdx(rx.size());
+    kp::layer_norm_backward<double>(rows, d, rx.data(), rm.data(), rr.data(), rgamma.data(), rdy.data(), rdx.data(),
+                                    rdgamma.data(), rdbeta.data());
+    CHECK_CLOSE(host(ddx), rdx);
+    CHECK_CLOSE(host(ddgamma), rdgamma);
+    CHECK_CLOSE(host(ddbeta), rdbeta);
+  }
+}
+
+// ------------------------------------------------------------ optimizers ----
+
+TEMPLATE_TEST_CASE("cuda: sgd_update in every mode", "[gpu]", float, double) {
+  using T = TestType;
+  const std::int64_t n = 50001;
+  struct Mode {
+    double momentum, dampening;
+    bool nesterov, first;
+  };
+  for (const Mode mode : {Mode{0, 0, false, true}, Mode{0.9, 0, false, true}, Mode{0.9, 0.1, false, false},
+                          Mode{0.9, 0, true, false}}) {
+    const auto p = uniform<T>(n, -1, 1), g = uniform<T>(n, -1, 1), buf = uniform<T>(n, -1, 1);
+    auto dp = on_gpu(p), dg = on_gpu(g), dbuf = on_gpu(buf);
+    T* buf_ptr = mode.momentum == 0 ? nullptr : dbuf.data();  // null buffer allowed without momentum
+    kc::sgd_update<T>(n, dp.data(), dg.data(), buf_ptr, T(0.05), T(mode.momentum), T(mode.dampening), mode.nesterov,
+                      T(0.01), mode.first);
+    auto rp = to_double(p), rbuf = to_double(buf);
+    const auto rg = to_double(g);
+    kp::sgd_update<double>(n, rp.data(), rg.data(), mode.momentum == 0 ? nullptr : rbuf.data(), 0.05,
+                           mode.momentum, mode.dampening, mode.nesterov, 0.01, mode.first);
+    INFO("momentum " << mode.momentum << " nesterov " << mode.nesterov << " first " << mode.first);
+    CHECK_CLOSE(host(dp), rp);
+    if (mode.momentum != 0) CHECK_CLOSE(host(dbuf), rbuf);
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda: adamw_update", "[gpu]", float, double) {
+  using T = TestType;
+  const std::int64_t n = 50001;
+  for (std::int64_t step : {std::int64_t{1}, std::int64_t{7}}) {
+    const auto p = uniform<T>(n, -1, 1), g = uniform<T>(n, -1, 1);
+    const auto m = uniform<T>(n, -0.1, 0.1), v = uniform<T>(n, 0, 0.01);
+    auto dp = on_gpu(p), dg = on_gpu(g), dm = on_gpu(m), dv = on_gpu(v);
+    kc::adamw_update<T>(n, dp.data(), dg.data(), dm.data(), dv.data(), T(1e-3), T(0.9), T(0.999), T(1e-8), T(0.01),
+                        step);
+    auto rp = to_double(p), rm = to_double(m), rv = to_double(v);
+    const auto rg = to_double(g);
+    kp::adamw_update<double>(n, rp.data(), rg.data(), rm.data(), rv.data(), 1e-3, 0.9, 0.999, 1e-8, 0.01, step);
+    INFO("step " << step);
+    CHECK_CLOSE(host(dp), rp);
+    CHECK_CLOSE(host(dm), rm);
+    CHECK_CLOSE(host(dv), rv);
+  }
+}
