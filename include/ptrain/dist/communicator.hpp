@@ -1,0 +1,475 @@
+#pragma once
+// Communicator: the collective and point-to-point interface that DDP, FSDP and
+// pipeline parallelism call, independent of the backend (MPI, Gloo, NCCL).
+//
+// Note [Collective order contract]
+// Every rank of a communicator calls its collectives (all_reduce, reduce_scatter,
+// all_gather, broadcast, barrier, split) in the same order, with the same count,
+// dtype, op and root. Backends match operations by their position in that order,
+// so a rank that skips or reorders a call deadlocks or corrupts the group; the
+// timeout below turns such a hang into a CommError. Point-to-point operations
+// pair up by (peer, tag) and may be posted in any order.
+//
+// Note [Async execution]
+// Each communicator owns one worker thread. *_async calls validate their
+// arguments on the caller's thread, then queue the operation and return a Work
+// at once; the worker runs queued operations strictly in submission order (like
+// PyTorch's ProcessGroupMPI/Gloo). DDP starts a bucket's all-reduce while
+// backward goes on and waits on the Work before the optimizer step. Buffers must
+// stay alive and untouched until the Work completes. Send/recv are *started* in
+// order on the worker and finish asynchronously, so a ring where every rank
+// first sends and then receives does not deadlock.
+//
+// Note [Failure]
+// Every wait is bounded by a timeout (PTRAIN_COMM_TIMEOUT_S, default 300 s).
+// An operation that fails or times out raises CommError naming the operation,
+// the rank, the peer when known, and the timeout. After a failure inside the
+// backend the communicator is aborted: every later operation fails at once
+// with [ptrain.comm.aborted] quoting the first error. Create a new process group
+// to continue.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+
+#include "ptrain/core/dtype.hpp"
+#include "ptrain/core/error.hpp"
+#if __has_include("ptrain/core/tensor.hpp")
+#include "ptrain/core/tensor.hpp"
+#define PTRAIN_COMM_HAVE_TENSOR 1
+#endif
+
+namespace ptrain::dist {
+
+/// Reduction applied element-wise by all_reduce and reduce_scatter.
+/// Avg is Sum followed by division by size(); for I32/I64 that division
+/// truncates toward zero (as NCCL's ncclAvg does for integers).
+enum class ReduceOp { Sum, Avg, Min, Max };
+
+/// "sum", "avg", "min" or "max".
+inline const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Max: return "max";
+  }
+  return "?";
+}
+
+/// Default timeout for every communicator wait: $PTRAIN_COMM_TIMEOUT_S seconds, or 300 s.
+inline std::chrono::milliseconds default_comm_timeout() {
+  constexpr std::chrono::milliseconds kDefault{300'000};
+  const char* v = std::getenv("PTRAIN_COMM_TIMEOUT_S");
+  if (v == nullptr || *v == '\0') return kDefault;
+  char* end = nullptr;
+  double s = std::strtod(v, &end);
+  PTRAIN_CHECK(end != v && *end == '\0' && s > 0 && s < 1e7, LaunchError,
+               "[ptrain.comm.timeout_env] PTRAIN_COMM_TIMEOUT_S='", v,
+               "' is not a positive number of seconds; set it to e.g. 300 or unset it");
+  return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0));
+}
+
+namespace detail {
+using ::ptrain::detail::cat;
+class OpQueue;
+
+// "all_reduce(F32 x 1000, sum)": how operations are named in errors.
+inline std::string op_desc(const char* op, std::size_t count, DType dt, const char* extra = nullptr) {
+  return detail::cat(op, "(", dtype_name(dt), " x ", count, extra ? ", " : "", extra ? extra : "", ")");
+}
+}  // namespace detail
+
+/// Handle of an operation started by a *_async call.
+/// wait() throws CommError on failure or timeout; destroying a Work without
+/// waiting is allowed (the operation still runs to completion).
+class Work {
+ public:
+  /// Made by backends; `what` names the operation, `peer` is -1 when not a single peer.
+  Work(std::string what, int rank, int peer, std::chrono::milliseconds default_timeout)
+      : what_(std::move(what)), rank_(rank), peer_(peer), default_timeout_(default_timeout) {}
+  virtual ~Work() = default;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  /// Waits up to the communicator's timeout.
+  void wait() { wait(default_timeout_); }
+
+  /// Waits up to `timeout`; rethrows the operation's CommError, or throws one on timeout.
+  void wait(std::chrono::milliseconds timeout) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    {
+      std::unique_lock lock(m_);
+      wait_timeout_ = timeout;
+      if (!cv_.wait_until(lock, deadline, [&] { return queued_done_; })) throw_timeout();
+      if (error_) std::rethrow_exception(error_);
+      if (finished_) return;
+    }
+    // Second stage (p2p): the transfer was started in order and finishes here.
+    std::lock_guard finish_lock(finish_m_);
+    if (finished_.load()) return;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    finish(std::max(left, std::chrono::milliseconds(0)));
+    finished_ = true;
+  }
+
+  /// True once the operation finished (successfully or not); never blocks.
+  bool is_completed() {
+    {
+      std::lock_guard lock(m_);
+      if (!queued_done_) return false;
+      if (error_ || finished_) return true;
+    }
+    std::unique_lock finish_lock(finish_m_, std::try_to_lock);
+    if (!finish_lock.owns_lock()) return false;
+    try {
+      if (!finished_ && try_finish()) finished_ = true;
+    } catch (...) {
+      std::lock_guard lock(m_);
+      error_ = std::current_exception();
+      return true;
+    }
+    return finished_;
+  }
+
+  /// The operation, e.g. "all_reduce(F32 x 1000, sum)".
+  const std::string& what() const { return what_; }
+  /// The peer rank of a send/recv, or -1.
+  int peer() const { return peer_; }
+
+ protected:
+  /// Second stage for operations whose queued part only starts a transfer.
+  /// Blocks up to `timeout`; throws CommError on failure or timeout.
+  virtual void finish(std::chrono::milliseconds timeout) {}
+  /// Non-blocking form of finish(): true when done.
+  virtual bool try_finish() { return true; }
+  /// Backends without a second stage mark the operation finished when queued work ends.
+  void set_single_stage() { finished_ = true; }
+
+  /// Throws the timeout CommError for the wait() in progress.
+  [[noreturn]] void throw_timeout() const {
+    auto timeout = wait_timeout_.load();
+    PTRAIN_THROW(CommError, "[ptrain.comm.timeout] ", what_, " on rank ", rank_,
+                 peer_ >= 0 ? detail::cat(" with peer ", peer_) : std::string(), " did not complete within ",
+                 timeout.count(), " ms; a peer may have died or ranks called collectives in different "
+                 "orders (see Note [Collective order contract]); raise PTRAIN_COMM_TIMEOUT_S if the work is just slow");
+  }
+
+ private:
+  friend class detail::OpQueue;
+
+  void complete_queued(std::exception_ptr e) {
+    {
+      std::lock_guard lock(m_);
+      error_ = std::move(e);
+      queued_done_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  std::string what_;
+  int rank_;
+  int peer_;
+  std::chrono::milliseconds default_timeout_;
+  std::atomic<std::chrono::milliseconds> wait_timeout_{std::chrono::milliseconds(0)};
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool queued_done_ = false;
+  std::exception_ptr error_;
+  std::mutex finish_m_;
+  std::atomic<bool> finished_{false};
+};
+
+namespace detail {
+
+// One worker thread running queued operations in order (Note [Async execution]).
+// After an operation throws, the queue is aborted and fails the rest fast.
+class OpQueue {
+ public:
+  OpQueue() : state_(std::make_shared<State>()) {
+    thread_ = std::thread([s = state_] { run(*s); });
+  }
+  OpQueue(const OpQueue&) = delete;
+  OpQueue& operator=(const OpQueue&) = delete;
+
+  // Runs what is queued, then stops. Waits at most `limit` for the worker: one
+  // stuck in a backend call that cannot be interrupted (MPI) is detached rather
+  // than hanging the process; returns false in that case, and the owner must
+  // then leak the backend handles the worker may still use.
+  bool shutdown(std::chrono::milliseconds limit) {
+    if (!thread_.joinable()) return true;
+    std::unique_lock lock(state_->m);
+    state_->stop = true;
+    state_->cv.notify_all();
+    bool idle = state_->cv_idle.wait_for(lock, limit, [&] { return state_->exited; });
+    lock.unlock();
+    if (idle) thread_.join();
+    else thread_.detach();
+    return idle;
+  }
+  ~OpQueue() { shutdown(std::chrono::hours(24 * 365)); }
+
+  // Queues fn; its exception (or success) completes `work`.
+  void submit(std::shared_ptr<Work> work, std::function<void()> fn) {
+    {
+      std::lock_guard lock(state_->m);
+      PTRAIN_CHECK(!state_->stop, CommError, "[ptrain.comm.closed] ", work->what(),
+                   " submitted to a communicator that is shutting down");
+      state_->tasks.push_back({std::move(work), std::move(fn)});
+    }
+    state_->cv.notify_one();
+  }
+
+  // Marks the queue aborted from outside (watchdog); later operations fail fast.
+  void abort(const std::string& reason) {
+    std::lock_guard lock(state_->m);
+    if (state_->aborted.empty()) state_->aborted = reason;
+  }
+  std::string aborted_reason() const {
+    std::lock_guard lock(state_->m);
+    return state_->aborted;
+  }
+
+ private:
+  struct Task {
+    std::shared_ptr<Work> work;
+    std::function<void()> fn;
+  };
+  struct State {
+    mutable std::mutex m;
+    std::condition_variable cv, cv_idle;
+    std::deque<Task> tasks;
+    bool stop = false, exited = false;
+    std::string aborted;
+  };
+
+  static void run(State& s) {
+    for (;;) {
+      Task t;
+      std::string aborted;
+      {
+        std::unique_lock lock(s.m);
+        s.cv.wait(lock, [&] { return s.stop || !s.tasks.empty(); });
+        if (s.tasks.empty()) break;
+        t = std::move(s.tasks.front());
+        s.tasks.pop_front();
+        aborted = s.aborted;
+      }
+      std::exception_ptr err;
+      if (!aborted.empty()) {
+        err = std::make_exception_ptr(CommError(detail::cat("[ptrain.comm.aborted] ", t.work->what(),
+                                                    " not run: the communicator failed earlier: ", aborted,
+                                                    "; create a new process group to continue")));
+      } else {
+        try {
+          t.fn();
+        } catch (const std::exception& e) {
+          err = std::current_exception();
+          std::lock_guard lock(s.m);
+          if (s.aborted.empty()) s.aborted = e.what();
+        } catch (...) {
+          err = std::current_exception();
+          std::lock_guard lock(s.m);
+          if (s.aborted.empty()) s.aborted = "unknown exception";
+        }
+      }
+      t.work->complete_queued(std::move(err));
+    }
+    std::lock_guard lock(s.m);
+    s.exited = true;
+    s.cv_idle.notify_all();
+  }
+
+  std::shared_ptr<State> state_;
+  std::thread thread_;
+};
+
+// dst[i] = op(dst[i], src[i]) on the host; used by backends without a native
+// reduction for a dtype (bf16) and by Gloo's reduction callbacks.
+template <class T>
+void reduce_into(T* dst, const T* a, const T* b, std::size_t n, ReduceOp op) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    for (std::size_t i = 0; i < n; ++i) {
+      float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
+      float r = op == ReduceOp::Min ? std::min(x, y) : op == ReduceOp::Max ? std::max(x, y) : x + y;
+      dst[i] = bf16(r);
+    }
+  } else {
+    switch (op) {
+      case ReduceOp::Min: for (std::size_t i = 0; i < n; ++i) dst[i] = std::min(a[i], b[i]); break;
+      case ReduceOp::Max: for (std::size_t i = 0; i < n; ++i) dst[i] = std::max(a[i], b[i]); break;
+      default: for (std::size_t i = 0; i < n; ++i) dst[i] = a[i] + b[i]; break;
+    }
+  }
+}
+
+// Calls f(T{}) with T the C++ type of dt (F32, F64, BF16, I32, I64).
+template <class F>
+decltype(auto) visit_dtype(DType dt, F&& f) {
+  switch (dt) {
+    case DType::F32: return f(float{});
+    case DType::F64: return f(double{});
+    case DType::BF16: return f(bf16{});
+    case DType::I32: return f(std::int32_t{});
+    case DType::I64: return f(std::int64_t{});
+    default: break;
+  }
+  PTRAIN_THROW(CommError, "[ptrain.comm.dtype] dtype ", dtype_name(dt),
+               " is not supported by communicators; use F32, F64, BF16, I32 or I64");
+}
+
+// The division that turns a Sum into an Avg (Note on ReduceOp::Avg).
+inline void divide_by(void* buf, std::size_t n, DType dt, int size) {
+  visit_dtype(dt, [&](auto t) {
+    using T = decltype(t);
+    T* p = static_cast<T*>(buf);
+    if constexpr (std::is_same_v<T, bf16>) {
+      for (std::size_t i = 0; i < n; ++i) p[i] = bf16(static_cast<float>(p[i]) / static_cast<float>(size));
+    } else {
+      for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(size));
+    }
+  });
+}
+
+}  // namespace detail
+
+/// A group of ranks that run collectives together (MPI communicator, Gloo
+/// context, NCCL communicator). Move-only in spirit: not copyable, owned by
+/// unique_ptr. See Note [Collective order contract] and Note [Failure].
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  /// This process's rank in the group, 0 <= rank() < size().
+  virtual int rank() const = 0;
+  /// Number of ranks in the group.
+  virtual int size() const = 0;
+  /// "mpi", "gloo" or "nccl".
+  virtual std::string backend() const = 0;
+
+  /// Timeout of every blocking form and of Work::wait().
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// Changes the timeout for operations started afterwards.
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+
+  /// recv[i] = op over ranks of send[i], count elements; in place when send == recv.
+  virtual std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
+                                                 ReduceOp op) = 0;
+  /// send holds size()*recv_count elements; recv gets block rank() of their reduction.
+  /// In place when send == recv (result in the first recv_count elements).
+  virtual std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count,
+                                                     DType dt, ReduceOp op) = 0;
+  /// recv (size()*send_count) gets every rank's send block in rank order.
+  /// In place when send == recv + rank()*send_count.
+  virtual std::shared_ptr<Work> all_gather_async(const void* send, void* recv, std::size_t send_count,
+                                                 DType dt) = 0;
+  /// Copies root's buf to every rank's buf.
+  virtual std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) = 0;
+  /// Sends count elements to peer (!= rank()); matched by a recv with the same tag.
+  virtual std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer,
+                                           int tag = 0) = 0;
+  /// Receives count elements from peer (!= rank()).
+  virtual std::shared_ptr<Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag = 0) = 0;
+  /// Completes when every rank has entered it.
+  virtual std::shared_ptr<Work> barrier_async() = 0;
+  /// Collective: ranks with equal color form a new group ordered by (key, rank),
+  /// like MPI_Comm_split. A negative color returns nullptr (not in any group).
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  /// Blocking forms: the async form, then wait(timeout()).
+  void all_reduce(const void* send, void* recv, std::size_t count, DType dt, ReduceOp op) {
+    all_reduce_async(send, recv, count, dt, op)->wait(timeout_);
+  }
+  /// In-place all-reduce.
+  void all_reduce(void* buf, std::size_t count, DType dt, ReduceOp op) { all_reduce(buf, buf, count, dt, op); }
+  void reduce_scatter(const void* send, void* recv, std::size_t recv_count, DType dt, ReduceOp op) {
+    reduce_scatter_async(send, recv, recv_count, dt, op)->wait(timeout_);
+  }
+  void all_gather(const void* send, void* recv, std::size_t send_count, DType dt) {
+    all_gather_async(send, recv, send_count, dt)->wait(timeout_);
+  }
+  void broadcast(void* buf, std::size_t count, DType dt, int root) {
+    broadcast_async(buf, count, dt, root)->wait(timeout_);
+  }
+  void send(const void* buf, std::size_t count, DType dt, int peer, int tag = 0) {
+    send_async(buf, count, dt, peer, tag)->wait(timeout_);
+  }
+  void recv(void* buf, std::size_t count, DType dt, int peer, int tag = 0) {
+    recv_async(buf, count, dt, peer, tag)->wait(timeout_);
+  }
+  void barrier() { barrier_async()->wait(timeout_); }
+
+#ifdef PTRAIN_COMM_HAVE_TENSOR
+  /// Tensor forms: in place on the tensor's storage (contiguous by design).
+  template <class T>
+  void all_reduce(Tensor<T>& t, ReduceOp op) {
+    all_reduce(t.data(), t.data(), static_cast<std::size_t>(t.numel()), dtype_of<T>(), op);
+  }
+  template <class T>
+  std::shared_ptr<Work> all_reduce_async(Tensor<T>& t, ReduceOp op) {
+    return all_reduce_async(t.data(), t.data(), static_cast<std::size_t>(t.numel()), dtype_of<T>(), op);
+  }
+  /// out.numel() * size() == in.numel().
+  template <class T>
+  void reduce_scatter(const Tensor<T>& in, Tensor<T>& out, ReduceOp op) {
+    check_numel(static_cast<std::size_t>(in.numel()), static_cast<std::size_t>(out.numel()) * size(), "reduce_scatter");
+    reduce_scatter(in.data(), out.data(), static_cast<std::size_t>(out.numel()), dtype_of<T>(), op);
+  }
+  /// out.numel() == in.numel() * size().
+  template <class T>
+  void all_gather(const Tensor<T>& in, Tensor<T>& out) {
+    check_numel(static_cast<std::size_t>(out.numel()), static_cast<std::size_t>(in.numel()) * size(), "all_gather");
+    all_gather(in.data(), out.data(), static_cast<std::size_t>(in.numel()), dtype_of<T>());
+  }
+  template <class T>
+  void broadcast(Tensor<T>& t, int root) {
+    broadcast(t.data(), static_cast<std::size_t>(t.numel()), dtype_of<T>(), root);
+  }
+  template <class T>
+  void send(const Tensor<T>& t, int peer, int tag = 0) {
+    send(t.data(), static_cast<std::size_t>(t.numel()), dtype_of<T>(), peer, tag);
+  }
+  template <class T>
+  void recv(Tensor<T>& t, int peer, int tag = 0) {
+    recv(t.data(), static_cast<std::size_t>(t.numel()), dtype_of<T>(), peer, tag);
+  }
+#endif
+
+ protected:
+  explicit Communicator(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+
+  // Argument checks shared by backends; they run on the caller's thread so a
+  // bad call throws at once instead of aborting the communicator.
+  void check_peer(int peer, const char* op) const {
+    PTRAIN_CHECK(peer >= 0 && peer < size() && peer != rank(), CommError, "[ptrain.comm.peer] ", op, " on rank ",
+                 rank(), ": peer ", peer, " is not another rank of this group of ", size(),
+                 " (0..", size() - 1, ", excluding self)");
+  }
+  void check_root(int root, const char* op) const {
+    PTRAIN_CHECK(root >= 0 && root < size(), CommError, "[ptrain.comm.root] ", op, ": root ", root,
+                 " is outside this group of ", size(), " ranks");
+  }
+  static void check_numel(std::size_t got, std::size_t want, const char* op) {
+    PTRAIN_CHECK(got == want, ShapeError, "[ptrain.comm.numel] ", op, ": tensor has ", got,
+                 " elements, expected ", want);
+  }
+
+ private:
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace ptrain::dist

@@ -1,0 +1,490 @@
+#pragma once
+// Gloo backend (CPU buffers; torchrun/ptrun/Kubernetes launches). Built when
+// PTRAIN_GLOO is set. Ranks meet through ptrain's TCP store (dist/store.hpp):
+// every rank publishes its TCP pair addresses under a per-communicator key
+// prefix and Gloo connects a full mesh.
+//
+// all_reduce, all_gather, broadcast and barrier are Gloo's algorithms;
+// reduce_scatter is a ring over Gloo's unbound buffers (each rank sends
+// (n-1)/n of the data, the bandwidth optimum) and send/recv are unbound
+// buffer transfers. bf16 reductions run in float and round once per step.
+//
+// Note [Gloo failure]
+// A dead peer shows up in Gloo as a reset or closed TCP pair, but its message
+// names a socket address, not a rank. On the first failure a rank (1) marks
+// itself alive under <prefix>/failed/alive/<rank> in the store, (2) closes all
+// its pairs so that ranks waiting on it fail at once instead of at the timeout,
+// and (3) waits up to kFailureGrace for the other ranks' marks. Ranks without a
+// mark are named as the failed peers. When the store itself is unreachable,
+// rank 0 (which serves it) is named.
+
+#ifdef PTRAIN_GLOO
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/types.h>
+#include <unistd.h>
+
+#include <vector>
+
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/store.hpp"
+
+namespace ptrain::dist {
+namespace detail {
+
+// How long a rank that saw a failure waits for the others' alive marks.
+inline constexpr std::chrono::milliseconds kFailureGrace{2000};
+// Slot prefixes for ptrain's own unbound-buffer traffic; Gloo uses 0x01..0x08.
+inline constexpr std::uint8_t kGlooReduceScatterSlot = 0x40;
+inline constexpr std::uint8_t kGlooP2PSlot = 0x41;
+
+// ptrain's Store shared by a communicator and the groups split from it; the
+// mutex keeps one request at a time on the store's connection.
+struct SharedStore {
+  explicit SharedStore(std::shared_ptr<Store> s) : store(std::move(s)) {}
+  std::shared_ptr<Store> store;
+  std::mutex m;
+};
+
+// Gloo's rendezvous::Store on top of ptrain's Store.
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  GlooStoreAdapter(std::shared_ptr<SharedStore> s, std::string prefix, std::chrono::milliseconds timeout)
+      : s_(std::move(s)), prefix_(std::move(prefix)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    std::lock_guard lock(s_->m);
+    s_->store->set(prefix_ + key, std::string(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    std::lock_guard lock(s_->m);
+    s_->store->wait({prefix_ + key}, timeout_);
+    std::string v = s_->store->get(prefix_ + key);
+    return std::vector<char>(v.begin(), v.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    for (const auto& k : keys) full.push_back(prefix_ + k);
+    std::lock_guard lock(s_->m);
+    s_->store->wait(full, timeout);
+  }
+
+ private:
+  std::shared_ptr<SharedStore> s_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
+};
+
+// Gloo reduction callback: out[i] = op(a[i], b[i]); Avg reduces as Sum.
+inline gloo::AllreduceOptions::Func gloo_reduce_fn(DType dt, ReduceOp op) {
+  return visit_dtype(dt, [op](auto t) -> gloo::AllreduceOptions::Func {
+    using T = decltype(t);
+    return [op](void* out, const void* a, const void* b, std::size_t n) {
+      reduce_into(static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n, op);
+    };
+  });
+}
+
+// The TCP device: GLOO_SOCKET_IFNAME names an interface; otherwise the
+// hostname given (the launch's master address when it is loopback, so
+// single-node runs never leave the machine), otherwise gethostname().
+inline std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& hostname) {
+  gloo::transport::tcp::attr attr;
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    attr.iface = ifname;
+  } else if (!hostname.empty()) {
+    attr.hostname = hostname;
+  } else {
+    char buf[256] = {};
+    ::gethostname(buf, sizeof(buf) - 1);
+    attr.hostname = buf;
+  }
+  try {
+    return gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    PTRAIN_THROW(CommError, "[ptrain.gloo.device] cannot create Gloo's TCP device on '",
+                 attr.iface.empty() ? attr.hostname : attr.iface, "': ", e.what(),
+                 "; set GLOO_SOCKET_IFNAME to the network interface to use (e.g. eth0)");
+  }
+}
+
+// Send/recv: the worker posts the unbound-buffer transfer in order; the
+// communicator's completion thread waits for it (Gloo's own wait with a
+// timeout would close every pair when it expires, so a user's shorter
+// Work::wait(timeout) must not call it) and reports here.
+class GlooP2PWork : public Work {
+ public:
+  using Work::Work;
+  std::shared_ptr<gloo::Context> context;  // keeps the pair alive until the transfer ends
+  std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
+  bool is_send = false;
+
+  // Called by the completion thread: waits up to `timeout` for the transfer.
+  void complete(std::chrono::milliseconds timeout) {
+    std::exception_ptr err;
+    try {
+      if (is_send) buffer->waitSend(timeout);
+      else buffer->waitRecv(timeout);
+    } catch (const std::exception& e) {
+      err = std::make_exception_ptr(CommError(detail::cat(
+          "[ptrain.gloo.p2p] ", what(), " failed: ", e.what(), "; peer ", peer(),
+          " may have died, or it never posted the matching ", is_send ? "recv" : "send", " (timeout ",
+          timeout.count(), " ms)")));
+    }
+    {
+      std::lock_guard lock(m_);
+      done_ = true;
+      error_ = err;
+    }
+    cv_.notify_all();
+  }
+  void complete_empty() {
+    std::lock_guard lock(m_);
+    done_ = true;
+  }
+
+ protected:
+  void finish(std::chrono::milliseconds timeout) override {
+    std::unique_lock lock(m_);
+    if (!cv_.wait_for(lock, timeout, [&] { return done_; })) throw_timeout();
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool try_finish() override {
+    std::lock_guard lock(m_);
+    if (error_) std::rethrow_exception(error_);
+    return done_;
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+}  // namespace detail
+
+/// Communicator over a Gloo TCP full mesh; rendezvous through a ptrain Store.
+class GlooCommunicator : public Communicator {
+ public:
+  /// Collective over `size` ranks sharing `store`: connects the mesh under key `prefix`.
+  /// `hostname` is the address peers reach this rank at (see detail::gloo_device).
+  GlooCommunicator(std::shared_ptr<Store> store, int rank, int size,
+                   std::chrono::milliseconds timeout = default_comm_timeout(), std::string hostname = "",
+                   std::string prefix = "ptrain/gloo/world")
+      : GlooCommunicator(std::make_shared<detail::SharedStore>(std::move(store)), rank,
+                         size, timeout, std::move(hostname), std::move(prefix)) {}
+
+  ~GlooCommunicator() override {
+    // Posting first, then completion: the worker may still hand transfers to the completion thread.
+    queue_.shutdown(std::chrono::hours(24 * 365));
+    p2p_done_.shutdown(std::chrono::hours(24 * 365));
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "gloo"; }
+
+  std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
+                                         ReduceOp op) override {
+    auto w = make_work(detail::op_desc("all_reduce", count, dt, reduce_op_name(op)));
+    auto fn = detail::gloo_reduce_fn(dt, op);
+    queue_.submit(w, [=, this, what = w->what()] {
+      std::size_t bytes = count * dtype_size(dt);
+      if (send != recv && bytes) std::memcpy(recv, send, bytes);
+      // The copy above makes every all-reduce in place, which Gloo handles best.
+      if (size_ > 1 && count > 0) {
+        guarded(what, [&] {
+          gloo::AllreduceOptions o(ctx_);
+          set_output(o, recv, count, dt);
+          o.setReduceFunction(fn);
+          o.setTag(next_tag());
+          o.setTimeout(timeout());
+          gloo::allreduce(o);
+        });
+      }
+      if (op == ReduceOp::Avg) detail::divide_by(recv, count, dt, size_);
+    });
+    return w;
+  }
+
+  std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
+                                             ReduceOp op) override {
+    auto w = make_work(detail::op_desc("reduce_scatter", recv_count, dt, reduce_op_name(op)));
+    queue_.submit(w, [=, this, what = w->what()] {
+      ring_reduce_scatter(what, send, recv, recv_count, dt, op);
+      if (op == ReduceOp::Avg) detail::divide_by(recv, recv_count, dt, size_);
+    });
+    return w;
+  }
+
+  std::shared_ptr<Work> all_gather_async(const void* send, void* recv, std::size_t send_count,
+                                         DType dt) override {
+    detail::visit_dtype(dt, [](auto) { return 0; });
+    auto w = make_work(detail::op_desc("all_gather", send_count, dt));
+    queue_.submit(w, [=, this, what = w->what()] {
+      std::size_t bytes = send_count * dtype_size(dt);
+      char* mine = static_cast<char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
+      if (send != mine && bytes) std::memcpy(mine, send, bytes);
+      if (size_ == 1 || bytes == 0) return;
+      guarded(what, [&] {
+        // Input unset: Gloo takes this rank's block from the output (in place).
+        gloo::AllgatherOptions o(ctx_);
+        o.setOutput(static_cast<char*>(recv), bytes * static_cast<std::size_t>(size_));
+        o.setTag(next_tag());
+        o.setTimeout(timeout());
+        gloo::allgather(o);
+      });
+    });
+    return w;
+  }
+
+  std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
+    check_root(root, "broadcast");
+    detail::visit_dtype(dt, [](auto) { return 0; });
+    auto w = make_work(detail::op_desc("broadcast", count, dt, detail::cat("root ", root).c_str()));
+    queue_.submit(w, [=, this, what = w->what()] {
+      std::size_t bytes = count * dtype_size(dt);
+      if (size_ == 1 || bytes == 0) return;
+      guarded(what, [&] {
+        gloo::BroadcastOptions o(ctx_);
+        o.setOutput(static_cast<char*>(buf), bytes);
+        o.setRoot(root);
+        o.setTag(next_tag());
+        o.setTimeout(timeout());
+        gloo::broadcast(o);
+      });
+    });
+    return w;
+  }
+
+  std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
+    return p2p(true, const_cast<void*>(buf), count, dt, peer, tag);
+  }
+  std::shared_ptr<Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag) override {
+    return p2p(false, buf, count, dt, peer, tag);
+  }
+
+  std::shared_ptr<Work> barrier_async() override {
+    auto w = make_work("barrier()");
+    queue_.submit(w, [this, what = w->what()] {
+      if (size_ == 1) return;
+      guarded(what, [&] {
+        gloo::BarrierOptions o(ctx_);
+        o.setTag(next_tag());
+        o.setTimeout(timeout());
+        gloo::barrier(o);
+      });
+    });
+    return w;
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    // Every rank learns every (color, key) through an all-gather on this
+    // group, then the members of each color build a fresh mesh under a prefix
+    // unique to this split (the split counter is the same on every rank).
+    std::int64_t mine[2] = {color, key};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size_));
+    all_gather(mine, all.data(), 2, DType::I64);
+    int split_id = splits_++;
+    if (color < 0) return nullptr;
+    std::vector<std::pair<std::int64_t, int>> members;  // (key, old rank)
+    for (int r = 0; r < size_; ++r)
+      if (all[2 * r] == color) members.emplace_back(all[2 * r + 1], r);
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    for (std::size_t i = 0; i < members.size(); ++i)
+      if (members[i].second == rank_) new_rank = static_cast<int>(i);
+    return std::unique_ptr<Communicator>(new GlooCommunicator(
+        store_, new_rank, static_cast<int>(members.size()), timeout(), hostname_,
+        detail::cat(prefix_, "/split", split_id, "/color", color)));
+  }
+
+ private:
+  GlooCommunicator(std::shared_ptr<detail::SharedStore> store, int rank, int size, std::chrono::milliseconds timeout,
+                   std::string hostname, std::string prefix)
+      : Communicator(timeout), store_(std::move(store)), rank_(rank), size_(size), hostname_(std::move(hostname)),
+        prefix_(std::move(prefix)) {
+    PTRAIN_CHECK(size >= 1 && rank >= 0 && rank < size, CommError, "[ptrain.gloo.rank] rank ", rank,
+                 " and size ", size, " do not describe a group; need 0 <= rank < size");
+    if (size_ == 1) return;  // a group of one never talks to anyone
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+    ctx->setTimeout(timeout);
+    detail::GlooStoreAdapter adapter(store_, prefix_ + "/", timeout);
+    auto device = detail::gloo_device(hostname_);
+    try {
+      ctx->connectFullMesh(adapter, device);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      PTRAIN_THROW(CommError, "[ptrain.gloo.connect] rank ", rank_, " of ", size_,
+                   " could not connect to its peers under store prefix '", prefix_, "' within ", timeout.count(),
+                   " ms: ", e.what(), "; check that every rank started and that peers can reach this host (",
+                   device->str(), "); set GLOO_SOCKET_IFNAME to pick the interface");
+    }
+    ctx_ = std::move(ctx);
+  }
+
+  struct SingleStageWork : Work {
+    SingleStageWork(std::string what, int rank, std::chrono::milliseconds t) : Work(std::move(what), rank, -1, t) {
+      set_single_stage();
+    }
+  };
+  std::shared_ptr<Work> make_work(std::string what) {
+    return std::make_shared<SingleStageWork>(std::move(what), rank_, timeout());
+  }
+
+  // Gloo tags must match across ranks; all ranks run the same sequence of operations.
+  std::uint32_t next_tag() { return tag_++; }
+
+  template <class Opts>
+  static void set_output(Opts& o, void* buf, std::size_t count, DType dt) {
+    detail::visit_dtype(dt, [&](auto t) {
+      using T = decltype(t);
+      o.template setOutput<T>(static_cast<T*>(buf), count);
+      return 0;
+    });
+  }
+
+  // Runs a Gloo call; turns its failure into a CommError naming the operation
+  // and the failed peers (Note [Gloo failure]).
+  template <class F>
+  void guarded(const std::string& what, F&& f) {
+    PTRAIN_CHECK(ctx_, CommError, "[ptrain.comm.aborted] ", what, " on rank ", rank_,
+                 ": the Gloo context was closed after an earlier failure");
+    try {
+      f();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      std::string gloo_msg = e.what();
+      std::string peers = diagnose_failure();
+      PTRAIN_THROW(CommError, "[ptrain.gloo.failed] ", what, " failed on rank ", rank_, " of ", size_, " (", prefix_,
+                   "): ", peers, "; Gloo: ", gloo_msg, " (timeout ", timeout().count(),
+                   " ms). The communicator is aborted; restart the job or create a new process group");
+    }
+  }
+
+  std::string diagnose_failure() {
+    auto key = [&](int r) { return detail::cat(prefix_, "/failed/alive/", r); };
+    std::string store_error;
+    try {
+      std::lock_guard lock(store_->m);
+      store_->store->set(key(rank_), "1");
+    } catch (const std::exception& e) {
+      store_error = e.what();
+    }
+    // Closing the pairs turns the peers' waits on this rank into errors now.
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) {
+        try {
+          ctx_->getPair(r)->close();
+        } catch (...) {
+        }
+      }
+    ctx_.reset();
+    if (!store_error.empty())
+      return detail::cat("peer rank 0 (it serves the store) is probably dead: the store is unreachable (", store_error, ")");
+    auto deadline = std::chrono::steady_clock::now() + std::min(detail::kFailureGrace, timeout());
+    std::vector<int> missing;
+    for (;;) {
+      missing.clear();
+      try {
+        std::lock_guard lock(store_->m);
+        for (int r = 0; r < size_; ++r)
+          if (r != rank_ && !store_->store->check({key(r)})) missing.push_back(r);
+      } catch (const std::exception& e) {
+        return detail::cat("peer rank 0 (it serves the store) is probably dead: the store became unreachable (", e.what(), ")");
+      }
+      if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (missing.empty()) return "every peer is still alive (a peer reported a transport error)";
+    std::string list;
+    for (std::size_t i = 0; i < missing.size(); ++i) list += (i ? ", " : "") + std::to_string(missing[i]);
+    return detail::cat("peer rank", missing.size() > 1 ? "s " : " ", list,
+               " failed (died, or is stuck outside this collective)");
+  }
+
+  // Ring reduce-scatter: at step s rank r sends block (r-s-1) to r+1 and
+  // reduces block (r-s-2) received from r-1; after n-1 steps block r is
+  // complete. A scratch copy keeps `send` untouched when out of place.
+  void ring_reduce_scatter(const std::string& what, const void* send, void* recv, std::size_t rc, DType dt,
+                           ReduceOp op) {
+    std::size_t es = dtype_size(dt), block = rc * es;
+    if (size_ == 1 || block == 0) {
+      if (send != recv && block) std::memcpy(recv, send, block);
+      return;
+    }
+    std::vector<char> work(static_cast<const char*>(send), static_cast<const char*>(send) + block * size_);
+    std::vector<char> incoming(block);
+    int n = size_, right = (rank_ + 1) % n, left = (rank_ - 1 + n) % n;
+    std::uint32_t tag = next_tag();
+    guarded(what, [&] {
+      auto out = ctx_->createUnboundBuffer(work.data(), work.size());
+      auto in = ctx_->createUnboundBuffer(incoming.data(), incoming.size());
+      auto slot = gloo::Slot::build(detail::kGlooReduceScatterSlot, tag);
+      auto fn = detail::gloo_reduce_fn(dt, op);
+      for (int s = 0; s < n - 1; ++s) {
+        std::size_t send_idx = static_cast<std::size_t>((rank_ - s - 1 + 2 * n) % n);
+        std::size_t recv_idx = static_cast<std::size_t>((rank_ - s - 2 + 2 * n) % n);
+        in->recv(left, slot, 0, block);
+        out->send(right, slot, send_idx * block, block);
+        in->waitRecv(timeout());
+        char* dst = work.data() + recv_idx * block;
+        fn(dst, dst, incoming.data(), rc);
+        out->waitSend(timeout());
+      }
+    });
+    std::memcpy(recv, work.data() + static_cast<std::size_t>(rank_) * block, block);
+  }
+
+  std::shared_ptr<Work> p2p(bool is_send, void* buf, std::size_t count, DType dt, int peer, int tag) {
+    const char* op = is_send ? "send" : "recv";
+    check_peer(peer, op);
+    detail::visit_dtype(dt, [](auto) { return 0; });
+    PTRAIN_CHECK(tag >= 0, CommError, "[ptrain.comm.tag] ", op, ": tag ", tag, " must be >= 0");
+    auto w = std::make_shared<detail::GlooP2PWork>(
+        detail::op_desc(op, count, dt, detail::cat(is_send ? "to " : "from ", peer, ", tag ", tag).c_str()), rank_, peer,
+        timeout());
+    w->is_send = is_send;
+    std::size_t bytes = count * dtype_size(dt);
+    queue_.submit(w, [=, this] {
+      if (bytes == 0) {
+        w->complete_empty();  // both sides skip: nothing to match
+        return;
+      }
+      guarded(w->what(), [&] {
+        w->context = ctx_;
+        w->buffer = ctx_->createUnboundBuffer(buf, bytes);
+        auto slot = gloo::Slot::build(detail::kGlooP2PSlot, static_cast<std::uint32_t>(tag));
+        if (is_send) w->buffer->send(peer, slot);
+        else w->buffer->recv(peer, slot);
+      });
+      auto ticket = make_work("p2p completion");
+      p2p_done_.submit(ticket, [w, t = timeout()] { w->complete(t); });
+    });
+    return w;
+  }
+
+  std::shared_ptr<detail::SharedStore> store_;
+  int rank_, size_;
+  std::string hostname_, prefix_;
+  std::shared_ptr<gloo::Context> ctx_;
+  std::uint32_t tag_ = 0;
+  int splits_ = 0;
+  detail::OpQueue queue_;      // runs operations in order (Note [Async execution])
+  detail::OpQueue p2p_done_;   // waits for posted send/recv transfers, in posting order
+};
+
+}  // namespace ptrain::dist
+
+#endif  // PTRAIN_GLOO

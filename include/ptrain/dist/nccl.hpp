@@ -1,0 +1,409 @@
+#pragma once
+// NCCL backend (CUDA device buffers). Built when PTRAIN_NCCL is set.
+//
+// Unlike the CPU backends there is no worker thread: NCCL calls are enqueued
+// from the caller's thread on the communicator's own CUDA stream, which is
+// ordered after the caller's stream (an event, so the host never waits). A
+// Work is a CUDA event recorded after the operation; wait() polls it up to the
+// timeout.
+//
+// Note [NCCL watchdog]
+// A dead peer makes NCCL kernels spin forever, so a watchdog thread per
+// communicator polls ncclCommGetAsyncError and the pending Works' events every
+// kWatchdogPeriod. On an asynchronous NCCL error, or when a Work has been
+// pending longer than the timeout, it calls ncclCommAbort, which makes the
+// spinning kernels return; every later wait and operation then throws
+// CommError quoting the reason. ncclCommAbort is the one NCCL call documented
+// as safe from another thread while operations are in flight.
+//
+// The unique id comes from rank 0 through ptrain's Store or through an
+// existing (MPI or Gloo) communicator's broadcast.
+
+#if defined(PTRAIN_NCCL)
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <utility>
+#include <vector>
+
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/store.hpp"
+
+namespace ptrain::dist::detail {
+// Rank shown in CUDA/NCCL error messages; set by the last NCCL communicator created.
+inline std::atomic<int>& cuda_error_rank() {
+  static std::atomic<int> r{-1};
+  return r;
+}
+}  // namespace ptrain::dist::detail
+
+/// Throws CudaError with file:line, the call, CUDA's message and the rank when a CUDA runtime call fails.
+#define PTRAIN_CHECK_CUDA(call)                                                                               \
+  do {                                                                                                        \
+    cudaError_t ptrain_cuda_rc_ = (call);                                                                     \
+    if (ptrain_cuda_rc_ != cudaSuccess)                                                                       \
+      ::ptrain::detail::throw_at<::ptrain::CudaError>(                                                        \
+          __FILE__, __LINE__,                                                                                 \
+          ::ptrain::detail::cat("[ptrain.cuda] ", #call, " failed on rank ",                                  \
+                                ::ptrain::dist::detail::cuda_error_rank().load(), ": ",                       \
+                                cudaGetErrorName(ptrain_cuda_rc_), ": ", cudaGetErrorString(ptrain_cuda_rc_))); \
+  } while (0)
+
+/// Throws CommError with file:line, the call, NCCL's message (and last error) and the rank when an NCCL call fails.
+#define PTRAIN_CHECK_NCCL(call)                                                                               \
+  do {                                                                                                        \
+    ncclResult_t ptrain_nccl_rc_ = (call);                                                                    \
+    if (ptrain_nccl_rc_ != ncclSuccess && ptrain_nccl_rc_ != ncclInProgress)                                  \
+      ::ptrain::detail::throw_at<::ptrain::CommError>(                                                        \
+          __FILE__, __LINE__,                                                                                 \
+          ::ptrain::detail::cat("[ptrain.nccl] ", #call, " failed on rank ",                                  \
+                                ::ptrain::dist::detail::cuda_error_rank().load(), ": ",                       \
+                                ncclGetErrorString(ptrain_nccl_rc_), " (", ncclGetLastError(nullptr), ")"));  \
+  } while (0)
+
+namespace ptrain::dist {
+namespace detail {
+
+inline constexpr std::chrono::milliseconds kWatchdogPeriod{100};
+
+inline ncclDataType_t nccl_type(DType dt) {
+  switch (dt) {
+    case DType::F32: return ncclFloat32;
+    case DType::F64: return ncclFloat64;
+    case DType::BF16: return ncclBfloat16;
+    case DType::I32: return ncclInt32;
+    case DType::I64: return ncclInt64;
+    default: break;
+  }
+  PTRAIN_THROW(CommError, "[ptrain.comm.dtype] the NCCL backend has no ", dtype_name(dt),
+               "; use F32, F64, BF16, I32 or I64");
+}
+
+inline ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return ncclSum;
+    case ReduceOp::Avg: return ncclAvg;  // integers: truncating division, as documented on ReduceOp
+    case ReduceOp::Min: return ncclMin;
+    case ReduceOp::Max: return ncclMax;
+  }
+  return ncclSum;
+}
+
+// Owns a CUDA event; destroying a pending event is allowed (CUDA frees it on completion).
+class CudaEvent {
+ public:
+  CudaEvent() { PTRAIN_CHECK_CUDA(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  ~CudaEvent() {
+    if (e_) cudaEventDestroy(e_);
+  }
+  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  CudaEvent& operator=(CudaEvent&& o) noexcept {
+    std::swap(e_, o.e_);
+    return *this;
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  cudaEvent_t get() const { return e_; }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+// State the watchdog and the Works share; outlives the communicator while Works exist.
+struct NcclShared {
+  std::mutex m;
+  std::string abort_reason;  // non-empty once aborted
+  std::atomic<bool> aborted{false};
+};
+
+class NcclWork : public Work {
+ public:
+  NcclWork(std::string what, int rank, int peer, std::chrono::milliseconds timeout, std::shared_ptr<NcclShared> s,
+           int device)
+      : Work(std::move(what), rank, peer, timeout), shared_(std::move(s)), device_(device),
+        deadline_(std::chrono::steady_clock::now() + timeout) {}
+  CudaEvent event;
+  std::chrono::steady_clock::time_point deadline() const { return deadline_; }
+
+  // Event state without throwing: 1 done, 0 pending, -1 error.
+  int poll() {
+    cudaError_t e = cudaEventQuery(event.get());
+    if (e == cudaSuccess) return 1;
+    if (e == cudaErrorNotReady) return 0;
+    return -1;
+  }
+
+ protected:
+  void finish(std::chrono::milliseconds timeout) override {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::microseconds(2);
+    while (!try_finish()) {
+      if (std::chrono::steady_clock::now() >= deadline) throw_timeout();
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(500));
+    }
+  }
+  bool try_finish() override {
+    if (shared_->aborted) {
+      std::lock_guard lock(shared_->m);
+      PTRAIN_THROW(CommError, "[ptrain.nccl.aborted] ", what(), ": the communicator was aborted: ",
+                   shared_->abort_reason, "; create a new process group to continue");
+    }
+    int s = poll();
+    if (s < 0) {
+      cudaError_t e = cudaEventQuery(event.get());
+      PTRAIN_THROW(CudaError, "[ptrain.cuda] ", what(), " on device ", device_, ": ", cudaGetErrorString(e));
+    }
+    return s == 1;
+  }
+
+ private:
+  std::shared_ptr<NcclShared> shared_;
+  int device_;
+  std::chrono::steady_clock::time_point deadline_;
+};
+
+}  // namespace detail
+
+/// Communicator over an NCCL communicator on one CUDA device.
+class NcclCommunicator : public Communicator {
+ public:
+  /// Collective over `size` ranks: rank 0 publishes the unique id in `store` under `key`.
+  NcclCommunicator(Store& store, int rank, int size, int device,
+                   std::chrono::milliseconds timeout = default_comm_timeout(), const std::string& key = "ptrain/nccl/id")
+      : Communicator(timeout), rank_(rank), size_(size), device_(device) {
+    ncclUniqueId id{};
+    if (rank == 0) {
+      PTRAIN_CHECK_NCCL(ncclGetUniqueId(&id));
+      store.set(key, std::string(id.internal, sizeof(id.internal)));
+    } else {
+      store.wait({key}, timeout);
+      std::string v = store.get(key);
+      PTRAIN_CHECK(v.size() == sizeof(id.internal), CommError, "[ptrain.nccl.id] store key '", key, "' holds ",
+                   v.size(), " bytes, not an NCCL unique id (", sizeof(id.internal), "); is another job using it?");
+      std::memcpy(id.internal, v.data(), v.size());
+    }
+    init(id);
+  }
+
+  /// Collective over `bootstrap`'s ranks: the unique id travels by its broadcast (MPI or Gloo).
+  NcclCommunicator(Communicator& bootstrap, int device, std::chrono::milliseconds timeout = default_comm_timeout())
+      : Communicator(timeout), rank_(bootstrap.rank()), size_(bootstrap.size()), device_(device) {
+    ncclUniqueId id{};
+    static_assert(sizeof(id.internal) % 8 == 0);
+    if (rank_ == 0) PTRAIN_CHECK_NCCL(ncclGetUniqueId(&id));
+    bootstrap.broadcast(id.internal, sizeof(id.internal) / 8, DType::I64, 0);
+    init(id);
+  }
+
+  ~NcclCommunicator() override {
+    stop_ = true;
+    if (watchdog_.joinable()) watchdog_.join();
+    cudaSetDevice(device_);
+    // After a watchdog abort the handle is already freed.
+    if (comm_ && !shared_->aborted) {
+      if (stream_) cudaStreamSynchronize(stream_);
+      ncclCommDestroy(comm_);
+    }
+    if (scratch_) cudaFree(scratch_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "nccl"; }
+  /// The CUDA device this communicator runs on.
+  int device() const { return device_; }
+  /// The communicator's stream; operations run there in call order.
+  cudaStream_t stream() const { return stream_; }
+  /// The stream whose earlier work every operation waits for (default: the legacy stream 0).
+  void set_user_stream(cudaStream_t s) { user_stream_ = s; }
+  /// The raw NCCL handle.
+  ncclComm_t native() const { return comm_; }
+
+  /// Fuses the send/recv calls until group_end() (needed for rings: NCCL's p2p blocks until matched).
+  void group_start() { PTRAIN_CHECK_NCCL(ncclGroupStart()); }
+  void group_end() { PTRAIN_CHECK_NCCL(ncclGroupEnd()); }
+
+  std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
+                                         ReduceOp op) override {
+    auto t = detail::nccl_type(dt);
+    return enqueue(detail::op_desc("all_reduce", count, dt, reduce_op_name(op)), -1, [&] {
+      PTRAIN_CHECK_NCCL(ncclAllReduce(send, recv, count, t, detail::nccl_op(op), comm_, stream_));
+    });
+  }
+
+  std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
+                                             ReduceOp op) override {
+    auto t = detail::nccl_type(dt);
+    std::size_t bytes = recv_count * dtype_size(dt);
+    return enqueue(detail::op_desc("reduce_scatter", recv_count, dt, reduce_op_name(op)), -1, [&] {
+      if (send == recv) {
+        // ptrain's in-place form keeps the result at the front; NCCL's reads it in block rank().
+        char* mine = static_cast<char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
+        PTRAIN_CHECK_NCCL(ncclReduceScatter(send, mine, recv_count, t, detail::nccl_op(op), comm_, stream_));
+        if (rank_ > 0 && bytes)
+          PTRAIN_CHECK_CUDA(cudaMemcpyAsync(recv, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
+      } else {
+        PTRAIN_CHECK_NCCL(ncclReduceScatter(send, recv, recv_count, t, detail::nccl_op(op), comm_, stream_));
+      }
+    });
+  }
+
+  std::shared_ptr<Work> all_gather_async(const void* send, void* recv, std::size_t send_count,
+                                         DType dt) override {
+    auto t = detail::nccl_type(dt);
+    return enqueue(detail::op_desc("all_gather", send_count, dt), -1, [&] {
+      PTRAIN_CHECK_NCCL(ncclAllGather(send, recv, send_count, t, comm_, stream_));
+    });
+  }
+
+  std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
+    check_root(root, "broadcast");
+    auto t = detail::nccl_type(dt);
+    return enqueue(detail::op_desc("broadcast", count, dt, detail::cat("root ", root).c_str()), -1, [&] {
+      PTRAIN_CHECK_NCCL(ncclBroadcast(buf, buf, count, t, root, comm_, stream_));
+    });
+  }
+
+  std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
+    check_peer(peer, "send");
+    check_tag(tag, "send");
+    auto t = detail::nccl_type(dt);
+    return enqueue(detail::op_desc("send", count, dt, detail::cat("to ", peer).c_str()), peer,
+                   [&] { PTRAIN_CHECK_NCCL(ncclSend(buf, count, t, peer, comm_, stream_)); });
+  }
+  std::shared_ptr<Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag) override {
+    check_peer(peer, "recv");
+    check_tag(tag, "recv");
+    auto t = detail::nccl_type(dt);
+    return enqueue(detail::op_desc("recv", count, dt, detail::cat("from ", peer).c_str()), peer,
+                   [&] { PTRAIN_CHECK_NCCL(ncclRecv(buf, count, t, peer, comm_, stream_)); });
+  }
+
+  std::shared_ptr<Work> barrier_async() override {
+    // NCCL has no barrier: a one-element all-reduce on a device scratch word.
+    return enqueue("barrier()", -1, [&] {
+      PTRAIN_CHECK_NCCL(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_));
+    });
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    check_alive("split");
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+    ncclComm_t out = nullptr;
+    PTRAIN_CHECK_NCCL(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &out, nullptr));
+    if (out == nullptr) return nullptr;
+    return std::unique_ptr<Communicator>(new NcclCommunicator(out, device_, timeout()));
+  }
+
+ private:
+  NcclCommunicator(ncclComm_t comm, int device, std::chrono::milliseconds timeout)
+      : Communicator(timeout), device_(device) {
+    comm_ = comm;
+    PTRAIN_CHECK_NCCL(ncclCommUserRank(comm_, &rank_));
+    PTRAIN_CHECK_NCCL(ncclCommCount(comm_, &size_));
+    start();
+  }
+
+  void init(const ncclUniqueId& id) {
+    detail::cuda_error_rank() = rank_;
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_CHECK_NCCL(ncclCommInitRank(&comm_, size_, id, rank_));
+    start();
+  }
+
+  void start() {
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    PTRAIN_CHECK_CUDA(cudaMalloc(&scratch_, sizeof(int)));
+    PTRAIN_CHECK_CUDA(cudaMemset(scratch_, 0, sizeof(int)));
+    ready_ = std::make_unique<detail::CudaEvent>();  // created on device_, like the stream
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  static void check_tag(int tag, const char* op) {
+    // NCCL matches p2p by order per peer, not by tag; only tag 0 keeps the meaning honest.
+    PTRAIN_CHECK(tag == 0, CommError, "[ptrain.nccl.tag] ", op, ": NCCL has no tags (got ", tag,
+                 "); use tag 0 and post transfers to one peer in matching order");
+  }
+
+  void check_alive(const std::string& what) {
+    if (shared_->aborted) {
+      std::lock_guard lock(shared_->m);
+      PTRAIN_THROW(CommError, "[ptrain.comm.aborted] ", what, " on rank ", rank_,
+                   ": the NCCL communicator was aborted: ", shared_->abort_reason);
+    }
+  }
+
+  // Orders the comm stream after the user's stream, runs `call`, records the Work's event.
+  template <class F>
+  std::shared_ptr<Work> enqueue(std::string what, int peer, F&& call) {
+    check_alive(what);
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_CHECK_CUDA(cudaEventRecord(ready_->get(), user_stream_));
+    PTRAIN_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
+    call();
+    auto w = std::make_shared<detail::NcclWork>(std::move(what), rank_, peer, timeout(), shared_, device_);
+    PTRAIN_CHECK_CUDA(cudaEventRecord(w->event.get(), stream_));
+    std::lock_guard lock(pending_m_);
+    pending_.push_back(w);
+    return w;
+  }
+
+  // Note [NCCL watchdog].
+  void watch() {
+    cudaSetDevice(device_);
+    while (!stop_) {
+      std::this_thread::sleep_for(detail::kWatchdogPeriod);
+      if (shared_->aborted) continue;
+      std::string reason;
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+        reason = detail::cat("asynchronous NCCL error on rank ", rank_, ": ", ncclGetErrorString(async), " (",
+                     ncclGetLastError(comm_), "); a peer probably died");
+      {
+        std::lock_guard lock(pending_m_);
+        auto now = std::chrono::steady_clock::now();
+        for (auto it = pending_.begin(); it != pending_.end();) {
+          const auto& w = *it;
+          int s = w->poll();
+          if (s == 1) {
+            it = pending_.erase(it);
+            continue;
+          }
+          if (reason.empty() && now > w->deadline())
+            reason = detail::cat(w->what(), " on rank ", rank_, " did not complete within ", timeout().count(),
+                         " ms; a peer may have died or ranks called collectives in different orders");
+          ++it;
+        }
+      }
+      if (!reason.empty()) {
+        {
+          std::lock_guard lock(shared_->m);
+          shared_->abort_reason = reason;
+        }
+        shared_->aborted = true;
+        ncclCommAbort(comm_);  // kernels waiting on dead peers return; the handle is freed
+      }
+    }
+  }
+
+  int rank_ = 0, size_ = 1, device_ = 0;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t user_stream_ = nullptr;
+  int* scratch_ = nullptr;
+  std::unique_ptr<detail::CudaEvent> ready_;
+  std::shared_ptr<detail::NcclShared> shared_ = std::make_shared<detail::NcclShared>();
+  std::mutex pending_m_;
+  std::vector<std::shared_ptr<detail::NcclWork>> pending_;  // until their event completes
+  std::atomic<bool> stop_{false};
+  std::thread watchdog_;
+};
+
+}  // namespace ptrain::dist
+
+#endif  // PTRAIN_NCCL

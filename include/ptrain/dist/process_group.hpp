@@ -1,0 +1,159 @@
+#pragma once
+// init_process_group: the world communicator for this launch, with the backend
+// picked from the device and the launch environment.
+//
+//   backend "auto" (default, or $PTRAIN_BACKEND):
+//     device cuda:N                        -> NCCL (unique id via MPI under mpirun, else the store)
+//     launched by mpirun/mpiexec or srun   -> MPI, when ptrain was built with MPI
+//     torchrun, ptrun, Kubernetes, none    -> Gloo, rendezvous through the TCP store
+//                                             (MPI when built without Gloo)
+//   "mpi", "gloo", "nccl" force a backend; an error names what is missing.
+
+#include <memory>
+#include <string>
+
+#include "ptrain/core/device.hpp"
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/launch_env.hpp"
+#include "ptrain/dist/store.hpp"
+#ifdef PTRAIN_MPI
+#include "ptrain/dist/mpi.hpp"
+#endif
+#ifdef PTRAIN_GLOO
+#include "ptrain/dist/gloo.hpp"
+#endif
+#ifdef PTRAIN_NCCL
+#include "ptrain/dist/nccl.hpp"
+#endif
+
+namespace ptrain::dist {
+
+/// Options of init_process_group.
+struct ProcessGroupOptions {
+  /// "auto", "mpi", "gloo" or "nccl"; empty reads $PTRAIN_BACKEND (default "auto").
+  std::string backend;
+  /// Where the buffers passed to collectives live; cuda:N selects NCCL under "auto".
+  Device device = Device::cpu();
+  /// Timeout of every wait (store rendezvous included).
+  std::chrono::milliseconds timeout = default_comm_timeout();
+  /// Launch environment; detected from the process environment when not given.
+  std::optional<LaunchEnv> env;
+};
+
+/// Backends this build of ptrain has, e.g. "mpi gloo".
+inline std::string compiled_backends() {
+  std::string s;
+#ifdef PTRAIN_MPI
+  s += "mpi ";
+#endif
+#ifdef PTRAIN_GLOO
+  s += "gloo ";
+#endif
+#ifdef PTRAIN_NCCL
+  s += "nccl ";
+#endif
+  if (s.empty()) return "none";
+  s.pop_back();
+  return s;
+}
+
+/// The backend init_process_group would use for these options and environment ("mpi", "gloo", "nccl").
+inline std::string select_backend(const ProcessGroupOptions& opts, const LaunchEnv& env) {
+  std::string b = opts.backend;
+  if (b.empty()) {
+    const char* v = std::getenv("PTRAIN_BACKEND");
+    b = v && *v ? v : "auto";
+  }
+  PTRAIN_CHECK(b == "auto" || b == "mpi" || b == "gloo" || b == "nccl", LaunchError, "[ptrain.pg.backend] backend '",
+               b, "' is unknown; use auto, mpi, gloo or nccl (this build has: ", compiled_backends(), ")");
+  bool has_mpi = false, has_gloo = false, has_nccl = false;
+#ifdef PTRAIN_MPI
+  has_mpi = true;
+#endif
+#ifdef PTRAIN_GLOO
+  has_gloo = true;
+#endif
+#ifdef PTRAIN_NCCL
+  has_nccl = true;
+#endif
+  if (b == "auto") {
+    bool mpi_launch = env.launcher == Launcher::OpenMPI || env.launcher == Launcher::MPICH ||
+                      env.launcher == Launcher::Slurm;
+    if (opts.device.is_cuda()) b = "nccl";
+    else if (mpi_launch && has_mpi) b = "mpi";
+    else if (has_gloo) b = "gloo";
+    else if (has_mpi) b = "mpi";
+    else
+      PTRAIN_THROW(LaunchError, "[ptrain.pg.no_backend] no CPU communicator in this build (launcher: ",
+                   env.launcher_name(), "); configure ptrain with -DPTRAIN_WITH_GLOO=ON (libgloo-dev) or "
+                   "-DPTRAIN_WITH_MPI=ON (libopenmpi-dev)");
+  }
+  if (b == "mpi")
+    PTRAIN_CHECK(has_mpi, LaunchError, "[ptrain.pg.no_mpi] backend 'mpi' needs ptrain built with MPI; install "
+                 "libopenmpi-dev and configure with -DPTRAIN_WITH_MPI=ON (this build has: ", compiled_backends(), ")");
+  if (b == "gloo")
+    PTRAIN_CHECK(has_gloo, LaunchError, "[ptrain.pg.no_gloo] backend 'gloo' needs ptrain built with Gloo; install "
+                 "libgloo-dev and configure with -DPTRAIN_WITH_GLOO=ON (this build has: ", compiled_backends(), ")");
+  if (b == "nccl") {
+    PTRAIN_CHECK(has_nccl, LaunchError, "[ptrain.pg.no_nccl] backend 'nccl' (device ", opts.device.str(),
+                 ") needs ptrain built with NCCL and CUDA; configure with -DPTRAIN_WITH_NCCL=ON, or use "
+                 "device cpu (this build has: ", compiled_backends(), ")");
+    PTRAIN_CHECK(opts.device.is_cuda(), LaunchError, "[ptrain.pg.nccl_cpu] backend 'nccl' needs a CUDA device, "
+                 "got ", opts.device.str(), "; pass device cuda:<local rank> or pick mpi/gloo for CPU buffers");
+  }
+  return b;
+}
+
+namespace detail {
+inline bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+#ifdef PTRAIN_MPI
+// mpirun gave MPI its own world; it must agree with what the environment says.
+inline void check_mpi_world(const Communicator& c, const LaunchEnv& env) {
+  PTRAIN_CHECK(c.size() == env.world_size && c.rank() == env.rank, LaunchError,
+               "[ptrain.pg.mpi_mismatch] MPI says rank ", c.rank(), " of ", c.size(), " but the launch environment (",
+               env.launcher_name(), ") says rank ", env.rank, " of ", env.world_size,
+               "; launch MPI programs with mpirun/srun --mpi=pmix, or force backend gloo");
+}
+#endif
+}  // namespace detail
+
+/// The world communicator of this launch; collective over every rank.
+inline std::unique_ptr<Communicator> init_process_group(ProcessGroupOptions opts = {}) {
+  LaunchEnv env = opts.env ? *opts.env : detect_launch_env();
+  std::string b = select_backend(opts, env);
+#ifdef PTRAIN_MPI
+  if (b == "mpi") {
+    auto c = std::make_unique<MpiCommunicator>(opts.timeout);
+    detail::check_mpi_world(*c, env);
+    return c;
+  }
+#endif
+#ifdef PTRAIN_GLOO
+  if (b == "gloo") {
+    std::shared_ptr<Store> store = make_store(env, opts.timeout);
+    std::string host = detail::is_loopback(env.master_addr) || env.master_addr.empty() ? "127.0.0.1" : "";
+    if (env.world_size > 1 && env.master_addr.empty()) host.clear();
+    return std::make_unique<GlooCommunicator>(std::move(store), env.rank, env.world_size, opts.timeout, host);
+  }
+#endif
+#ifdef PTRAIN_NCCL
+  if (b == "nccl") {
+#ifdef PTRAIN_MPI
+    if (env.launcher == Launcher::OpenMPI || env.launcher == Launcher::MPICH) {
+      MpiCommunicator boot(opts.timeout);
+      detail::check_mpi_world(boot, env);
+      return std::make_unique<NcclCommunicator>(boot, opts.device.index, opts.timeout);
+    }
+#endif
+    auto store = make_store(env, opts.timeout);
+    return std::make_unique<NcclCommunicator>(*store, env.rank, env.world_size, opts.device.index, opts.timeout);
+  }
+#endif
+  PTRAIN_THROW(LaunchError, "[ptrain.pg.backend] backend '", b, "' is not available in this build (",
+               compiled_backends(), ")");
+}
+
+}  // namespace ptrain::dist
