@@ -1,0 +1,283 @@
+#pragma once
+// Distributed data parallel: every rank holds the whole model, computes
+// gradients on its own part of the batch, and the gradients are averaged
+// across ranks before each optimizer step.
+//
+//   nn::FlatParameters<float> params(model);
+//   parallel::DDP<float> ddp(model, params, comm);     // broadcasts rank 0's parameters
+//   params.zero_grad();
+//   auto logits = ddp.forward(x, cache);
+//   ... loss ...
+//   ddp.backward(dlogits, cache);                       // all-reduces start during backward
+//   ddp.finish_gradient_sync();                         // waits; grads are now averaged
+//   opt.step();
+//
+// Note [Bucketing]
+// Gradients live in one flat buffer (nn::FlatParameters), parameters in
+// registration order. Backward produces them roughly in reverse order, so
+// buckets are contiguous ranges of the flat buffer taken from its end: bucket
+// 0 holds the last parameters (ready first), bucket 1 the ones before, and so
+// on. A bucket is all-reduced in place as soon as all of its parameters have
+// announced their gradient (Module's gradient-ready hook), while backward goes
+// on with earlier layers; no gradient is copied. Bucket 0 is small (default
+// 1 MiB) so the first all-reduce starts early; the others hold up to
+// bucket_cap_bytes (default 25 MiB, as PyTorch). Buckets are always launched in
+// index order, on every rank, so the collective order is identical everywhere
+// (see Note [Collective order contract] in dist/communicator.hpp) even if
+// hooks fire in a different order on different ranks.
+//
+// Note [Unused parameters]
+// A parameter that gets no gradient in a step (an unused branch) never
+// announces it, so its bucket is not launched during backward.
+// finish_gradient_sync() launches every bucket not launched yet, in index
+// order, and waits for all. All ranks therefore make the same calls in the
+// same order whatever each used, and nothing deadlocks; the unused parameter's
+// (zero or accumulated) gradient is averaged like any other.
+//
+// Note [Determinism]
+// The reduction of a bucket is one collective over a fixed range of a fixed
+// buffer, in a fixed order; with a deterministic backend (MPI, Gloo, NCCL for a
+// fixed size and world) the same run gives bitwise-equal parameters.
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/nn/flat_parameters.hpp"
+
+namespace ptrain::parallel {
+
+/// How gradients travel over the wire.
+enum class GradCompression {
+  None,  ///< all-reduce in the gradient's own dtype
+  BF16,  ///< round to bf16, all-reduce in bf16, widen back (half the bytes; ~3 significant digits)
+};
+
+struct DDPOptions {
+  std::int64_t bucket_cap_bytes = 25 << 20;
+  std::int64_t first_bucket_bytes = 1 << 20;
+  /// Copy rank 0's parameters to every rank at construction (as PyTorch DDP).
+  bool broadcast_parameters = true;
+  GradCompression compression = GradCompression::None;
+};
+
+/// Timing of one bucket's all-reduce in the last backward (steady-clock seconds).
+struct BucketEvent {
+  int bucket;
+  double launched;  ///< when the all-reduce was started
+};
+
+template <class T>
+class DDP : public nn::Module<T> {
+ public:
+  /// Wraps `module`, whose parameters `params` packs; both and `comm` must outlive the wrapper.
+  /// Verifies that every rank has the same parameters (names, shapes, dtype) and broadcasts rank 0's values.
+  DDP(nn::Module<T>& module, nn::FlatParameters<T>& params, dist::Communicator& comm, DDPOptions opt = {})
+      : module_(module), params_(params), comm_(comm), opt_(opt) {
+    PTRAIN_CHECK(opt.bucket_cap_bytes > 0 && opt.first_bucket_bytes > 0, Error,
+                 "[ptrain.ddp.options] bucket sizes must be positive");
+    verify_same_parameters();
+    if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
+    build_buckets();
+    install_hooks();
+  }
+  ~DDP() override {
+    for (auto& e : params_.entries()) e.param->on_grad_ready = nullptr;
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override { return module_.forward(x, cache); }
+
+  /// Backward of the wrapped module; full buckets start their all-reduce while it runs.
+  /// Call finish_gradient_sync() before reading gradients or stepping the optimizer.
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    if (sync_ && !in_backward_) begin_sync();
+    return module_.backward(dy, cache);
+  }
+
+  /// Launches buckets that backward left (unused parameters), waits for all
+  /// all-reduces, and leaves the averaged gradients in the flat buffer.
+  /// A no-op inside no_sync(). Throws CommError naming the bucket on failure or timeout.
+  void finish_gradient_sync() {
+    if (!in_backward_) return;
+    for (std::size_t b = next_launch_; b < buckets_.size(); ++b) buckets_[b].ready = buckets_[b].expected;
+    launch_ready();
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      try {
+        buckets_[b].work->wait(comm_.timeout());
+      } catch (const CommError& e) {
+        in_backward_ = false;
+        PTRAIN_THROW(CommError, "[ptrain.ddp.sync] gradient bucket ", b, " (", buckets_[b].names, ") failed: ",
+                     e.what());
+      }
+      if (opt_.compression == GradCompression::BF16) unpack_bf16(buckets_[b]);
+      buckets_[b].work.reset();
+    }
+    in_backward_ = false;
+  }
+
+  /// While the returned guard lives, backward accumulates gradients locally
+  /// without communication (gradient accumulation); the first backward after
+  /// it synchronises the accumulated gradients.
+  [[nodiscard]] auto no_sync() {
+    sync_ = false;
+    auto restore = [this](void*) { sync_ = true; };
+    return std::unique_ptr<void, decltype(restore)>(this, restore);
+  }
+
+  /// Mean of a scalar over ranks (loss, accuracy); a blocking collective every rank must call.
+  double average(double local) {
+    comm_.all_reduce(&local, 1, DType::F64, dist::ReduceOp::Avg);
+    return local;
+  }
+
+  std::string describe() const override { return "DDP(" + module_.describe() + ")"; }
+  dist::Communicator& communicator() { return comm_; }
+  std::size_t num_buckets() const { return buckets_.size(); }
+  /// Element range [begin, end) of bucket b in the flat gradient buffer.
+  std::pair<std::int64_t, std::int64_t> bucket_range(std::size_t b) const {
+    return {buckets_.at(b).begin, buckets_.at(b).end};
+  }
+  /// When each bucket's all-reduce started in the last synchronised backward.
+  const std::vector<BucketEvent>& bucket_events() const { return events_; }
+
+ private:
+  struct Bucket {
+    std::int64_t begin = 0, end = 0;  // element range of the flat buffers
+    int expected = 0;                 // parameters in the bucket
+    int ready = 0;                    // announced in this backward
+    std::string names;                // for error messages
+    std::shared_ptr<dist::Work> work;
+    std::vector<bf16> wire;           // BF16 compression buffer
+  };
+
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  // Every rank describes its parameters; a mismatch is reported on every rank
+  // with the first differing parameter. Fixed-size collectives only, so ranks
+  // with different models still make identical calls and nothing hangs.
+  void verify_same_parameters() {
+    const int n = comm_.size();
+    if (n == 1) return;
+    const auto& entries = params_.entries();
+    std::vector<std::string> desc;
+    for (auto& e : entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
+    std::int64_t count = static_cast<std::int64_t>(desc.size()), max_count = count;
+    comm_.all_reduce(&max_count, 1, DType::I64, dist::ReduceOp::Max);
+    // Per-parameter hashes (0 = no such parameter), gathered from all ranks.
+    std::vector<std::int64_t> mine(static_cast<std::size_t>(max_count), 0);
+    for (std::size_t i = 0; i < desc.size(); ++i)
+      mine[i] = static_cast<std::int64_t>(std::hash<std::string>{}(desc[i]) | 1);
+    std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(n));
+    comm_.all_gather(mine.data(), all.data(), mine.size(), DType::I64);
+    std::int64_t first_diff = -1;
+    for (std::int64_t i = 0; i < max_count && first_diff < 0; ++i)
+      for (int r = 1; r < n; ++r)
+        if (all[static_cast<std::size_t>(r * max_count + i)] != all[static_cast<std::size_t>(i)]) first_diff = i;
+    if (first_diff < 0) return;
+    // Second round: every rank's description of the first differing parameter.
+    // Text travels as I64 words: every backend has I64.
+    constexpr std::size_t kLen = 256;
+    std::vector<char> text(kLen, 0), texts(kLen * static_cast<std::size_t>(n));
+    const std::string d = first_diff < count ? desc[static_cast<std::size_t>(first_diff)] : "(none)";
+    std::memcpy(text.data(), d.data(), std::min(d.size(), kLen - 1));
+    comm_.all_gather(text.data(), texts.data(), kLen / 8, DType::I64);
+    std::string report;
+    for (int r = 0; r < n; ++r) report += detail::cat("\n  rank ", r, ": ", texts.data() + r * kLen);
+    PTRAIN_THROW(Error, "[ptrain.ddp.mismatch] ranks build different models: parameter #", first_diff,
+                 " differs:", report, "\nEvery rank must construct the same model (same layers, sizes and order).");
+  }
+
+  // Note [Bucketing]: walk the entries from the last, cut when a bucket is full.
+  void build_buckets() {
+    const auto& entries = params_.entries();
+    const std::int64_t n = params_.numel();
+    const std::int64_t elem = static_cast<std::int64_t>(sizeof(T));
+    entry_bucket_.assign(entries.size(), 0);
+    std::int64_t end = n;
+    Bucket cur;
+    cur.end = n;
+    for (std::size_t i = entries.size(); i-- > 0;) {
+      const std::int64_t begin = i == 0 ? 0 : entries[i].offset;
+      const std::int64_t cap = buckets_.empty() ? opt_.first_bucket_bytes : opt_.bucket_cap_bytes;
+      if (cur.expected > 0 && (end - begin) * elem > cap) {
+        cur.begin = entries[i + 1].offset;
+        buckets_.push_back(std::move(cur));
+        cur = Bucket{};
+        cur.end = end = buckets_.back().begin;
+      }
+      entry_bucket_[i] = static_cast<int>(buckets_.size());
+      ++cur.expected;
+      cur.names = entries[i].name + (cur.names.empty() ? "" : ", " + cur.names);
+    }
+    cur.begin = 0;
+    buckets_.push_back(std::move(cur));
+  }
+
+  void install_hooks() {
+    const auto& entries = params_.entries();
+    announced_.assign(entries.size(), 0);
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      entries[i].param->on_grad_ready = [this, i](nn::Parameter<T>&) { on_ready(i); };
+  }
+
+  void begin_sync() {
+    in_backward_ = true;
+    next_launch_ = 0;
+    events_.clear();
+    for (auto& b : buckets_) b.ready = 0;
+    std::fill(announced_.begin(), announced_.end(), 0);
+  }
+
+  void on_ready(std::size_t entry) {
+    if (!sync_ || !in_backward_) return;
+    PTRAIN_CHECK(!announced_[entry], Error, "[ptrain.ddp.hook] parameter ", params_.entries()[entry].name,
+                 " announced its gradient twice in one backward; a module must call mark_grad_ready() once, "
+                 "when the gradient is final (a shared weight announces after its last use)");
+    announced_[entry] = 1;
+    ++buckets_[static_cast<std::size_t>(entry_bucket_[entry])].ready;
+    launch_ready();
+  }
+
+  // Launches ready buckets strictly in index order (Note [Bucketing]).
+  void launch_ready() {
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready == buckets_[next_launch_].expected) {
+      Bucket& b = buckets_[next_launch_];
+      T* data = params_.grads().data() + b.begin;
+      const auto count = static_cast<std::size_t>(b.end - b.begin);
+      events_.push_back({static_cast<int>(next_launch_), now()});
+      if (opt_.compression == GradCompression::BF16) {
+        b.wire.resize(count);
+        for (std::size_t i = 0; i < count; ++i) b.wire[i] = bf16(static_cast<float>(data[i]));
+        b.work = comm_.all_reduce_async(b.wire.data(), b.wire.data(), count, DType::BF16, dist::ReduceOp::Avg);
+      } else {
+        b.work = comm_.all_reduce_async(data, data, count, dtype_of<T>(), dist::ReduceOp::Avg);
+      }
+      ++next_launch_;
+    }
+  }
+
+  void unpack_bf16(Bucket& b) {
+    T* data = params_.grads().data() + b.begin;
+    for (std::size_t i = 0; i < b.wire.size(); ++i) data[i] = static_cast<T>(static_cast<float>(b.wire[i]));
+  }
+
+  nn::Module<T>& module_;
+  nn::FlatParameters<T>& params_;
+  dist::Communicator& comm_;
+  DDPOptions opt_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> entry_bucket_;
+  std::vector<char> announced_;
+  std::vector<BucketEvent> events_;
+  std::size_t next_launch_ = 0;
+  bool sync_ = true;
+  bool in_backward_ = false;
+};
+
+}  // namespace ptrain::parallel
