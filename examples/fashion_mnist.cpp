@@ -1,7 +1,13 @@
-// Trains an MLP on Fashion-MNIST and reports test accuracy.
+// Trains an MLP on Fashion-MNIST and reports test accuracy, on one process or
+// data-parallel on several.
 //
-//   build/examples/fashion_mnist                       # defaults: 784-512-256-10, AdamW, 10 epochs
-//   build/examples/fashion_mnist --epochs 3 --metrics run.jsonl
+//   build/examples/fashion_mnist                       # one process: 784-512-256-10, AdamW, 10 epochs
+//   build/launcher/ptrun --nproc-per-node 2 build/examples/fashion_mnist --parallel ddp
+//   mpirun -np 2 build/examples/fashion_mnist --parallel ddp --metrics run.jsonl
+//
+// With --parallel ddp, --batch is the batch of each rank (global batch =
+// ranks x batch), every rank reads its own shard of each epoch
+// (DistributedSampler), and rank 0 prints and writes the metrics.
 //
 // Data: the files of Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist);
 // --data DIR reads the same four IDX files from elsewhere.
@@ -24,20 +30,25 @@ struct Options {
   std::string data = default_fashion_mnist_dir();
   std::string metrics;
   std::int64_t log_every = 100;
+  std::string parallel = "none";
 };
 
-// Accuracy of the model on a whole split, in evaluation mode, in chunks.
-double evaluate(nn::Module<float>& model, const MnistSplit& split) {
+// Accuracy on a whole split in evaluation mode. Each rank scores a contiguous
+// part of the split and the counts are summed across ranks.
+double evaluate(nn::Module<float>& model, const MnistSplit& split, dist::Communicator* comm) {
   model.train(false);
   const std::int64_t n = split.images.size(0), chunk = 1000;
+  const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
+  const std::int64_t lo = n * rank / world, hi = n * (rank + 1) / world;
   std::int64_t correct = 0;
   nn::Cache<float> cache;
-  for (std::int64_t start = 0; start < n; start += chunk) {
-    const std::int64_t len = std::min(chunk, n - start);
+  for (std::int64_t start = lo; start < hi; start += chunk) {
+    const std::int64_t len = std::min(chunk, hi - start);
     auto pred = ops::argmax_rows(model.forward(split.images.narrow(start, len), cache));
     cache.clear();
     for (std::int64_t i = 0; i < len; ++i) correct += pred.data()[i] == split.labels.data()[start + i];
   }
+  if (comm) comm->all_reduce(&correct, 1, DType::I64, dist::ReduceOp::Sum);
   model.train(true);
   return static_cast<double>(correct) / static_cast<double>(n);
 }
@@ -55,43 +66,58 @@ int main(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "seed for initialisation and shuffling");
   app.add_option("--data", opt.data, "directory with the Fashion-MNIST IDX files");
   app.add_option("--metrics", opt.metrics, "write JSON-lines metrics to this file");
-  app.add_option("--log-every", opt.log_every, "progress line every N steps (0: none)");
+  app.add_option("--log-every", opt.log_every, "progress line and metrics record every N steps (0: none)");
+  app.add_option("--parallel", opt.parallel, "none (one process) or ddp (data parallel over the launched ranks)")
+      ->check(CLI::IsMember({"none", "ddp"}));
   CLI11_PARSE(app, argc, argv);
 
   try {
     Stopwatch wall;
+    std::unique_ptr<dist::Communicator> comm;
+    if (opt.parallel == "ddp") comm = dist::init_process_group();
+    const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
+    const bool lead = rank == 0;
+
     const MnistSplit train = load_mnist(opt.data, true);
     const MnistSplit test = load_mnist(opt.data, false);
-    const std::int64_t n = train.images.size(0), features = train.images.size(1);
+    const std::int64_t features = train.images.size(1);
 
     manual_seed(opt.seed);
-    nn::MLP<float> model(features, opt.hidden, 10);
-    model.set_need_input_grad(false);
-    nn::FlatParameters<float> params(model);
+    nn::MLP<float> mlp(features, opt.hidden, 10);
+    mlp.set_need_input_grad(false);
+    nn::FlatParameters<float> params(mlp);
+    std::unique_ptr<parallel::DDP<float>> ddp;
+    if (comm) ddp = std::make_unique<parallel::DDP<float>>(mlp, params, *comm);
+    nn::Module<float>& model = ddp ? static_cast<nn::Module<float>&>(*ddp) : mlp;
     optim::AdamW<float> optimizer(params, {.lr = opt.lr, .weight_decay = opt.weight_decay});
     nn::CrossEntropyLoss<float> loss_fn;
 
-    const std::int64_t steps_per_epoch = num_batches(n, opt.batch, false);
+    DistributedSampler sampler(train.images.size(0), rank, world, opt.seed);
+    const std::int64_t steps_per_epoch = num_batches(sampler.num_samples(), opt.batch, false);
     const std::int64_t total_steps = steps_per_epoch * opt.epochs;
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = std::max<std::int64_t>(1, total_steps / 100),
                                        .total = total_steps};
-    MetricsWriter metrics(opt.metrics);
-    Progress progress(total_steps, opt.log_every);
-    std::printf("model %s, %lld parameters, %lld steps\n", model.describe().c_str(),
-                static_cast<long long>(model.num_parameters()), static_cast<long long>(total_steps));
+    MetricsWriter metrics(lead ? opt.metrics : "");
+    Progress progress(total_steps, lead ? opt.log_every : 0);
+    if (lead)
+      std::printf("model %s, %lld parameters, %d rank(s)%s, %lld steps\n", mlp.describe().c_str(),
+                  static_cast<long long>(mlp.num_parameters()), world,
+                  comm ? (" (" + comm->backend() + ")").c_str() : "", static_cast<long long>(total_steps));
 
     auto x = Tensor<float>::empty({opt.batch, features});
     auto y = Tensor<std::int32_t>::empty({opt.batch});
     nn::Cache<float> cache, loss_cache;
     std::int64_t step = 0;
-    double accuracy = 0;
+    double accuracy = 0, window_loss = 0;
+    Stopwatch window;
     for (int epoch = 0; epoch < opt.epochs; ++epoch) {
-      const auto order = shuffled_indices(n, opt.seed, static_cast<std::uint64_t>(epoch));
+      sampler.set_epoch(static_cast<std::uint64_t>(epoch));
       Stopwatch epoch_time;
-      for (std::int64_t start = 0; start < n; start += opt.batch) {
-        const std::int64_t len = std::min(opt.batch, n - start);
-        gather_rows(train.images, order.data() + start, len, x);
-        gather_rows(train.labels, order.data() + start, len, y);
+      while (!sampler.epoch_done()) {
+        const auto idx = sampler.next(opt.batch);
+        const auto len = static_cast<std::int64_t>(idx.size());
+        gather_rows(train.images, idx.data(), len, x);
+        gather_rows(train.labels, idx.data(), len, y);
         auto xb = x.narrow(0, len);
         auto yb = y.narrow(0, len);
 
@@ -99,17 +125,30 @@ int main(int argc, char** argv) {
         params.zero_grad();
         const double loss = loss_fn.forward(model.forward(xb, cache), yb, loss_cache);
         model.backward(loss_fn.backward(loss_cache), cache);
+        if (ddp) ddp->finish_gradient_sync();
         optimizer.step();
         ++step;
-        progress.update(step, epoch + 1, loss, optimizer.lr(), len);
-        metrics.write({{"step", step}, {"epoch", epoch + 1}, {"loss", loss}, {"lr", optimizer.lr()}});
+        progress.update(step, epoch + 1, loss, optimizer.lr(), len * world);
+
+        // Every rank takes part in the loss average at the same steps.
+        window_loss += loss;
+        if (opt.log_every > 0 && (step % opt.log_every == 0 || step == total_steps)) {
+          const std::int64_t steps_in_window = (step - 1) % opt.log_every + 1;
+          double mean_loss = window_loss / static_cast<double>(steps_in_window);
+          if (ddp) mean_loss = ddp->average(mean_loss);
+          const double sps = static_cast<double>(steps_in_window * opt.batch * world) / window.seconds();
+          metrics.write({{"step", step}, {"epoch", epoch + 1}, {"loss", mean_loss}, {"lr", optimizer.lr()},
+                         {"samples_per_s", sps}});
+          window_loss = 0;
+          window.reset();
+        }
       }
-      accuracy = evaluate(model, test);
-      const double sps = static_cast<double>(n) / epoch_time.seconds();
-      std::printf("epoch %d: test_accuracy %.4f, %.0f samples/s\n", epoch + 1, accuracy, sps);
+      accuracy = evaluate(model, test, comm.get());
+      const double sps = static_cast<double>(sampler.num_samples() * world) / epoch_time.seconds();
+      if (lead) std::printf("epoch %d: test_accuracy %.4f, %.0f samples/s\n", epoch + 1, accuracy, sps);
       metrics.write({{"step", step}, {"epoch", epoch + 1}, {"test_accuracy", accuracy}, {"samples_per_s", sps}});
     }
-    std::printf("final test_accuracy %.4f, wall time %.1f s\n", accuracy, wall.seconds());
+    if (lead) std::printf("final test_accuracy %.4f, wall time %.1f s\n", accuracy, wall.seconds());
   } catch (const Error& e) {
     std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
     return 1;

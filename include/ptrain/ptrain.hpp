@@ -32,8 +32,16 @@
 #include "ptrain/optim/schedule.hpp"
 #include "ptrain/optim/sgd.hpp"
 
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/launch_env.hpp"
+#include "ptrain/dist/process_group.hpp"
+#include "ptrain/dist/store.hpp"
+
+#include "ptrain/parallel/ddp.hpp"
+
 #include "ptrain/data/batches.hpp"
 #include "ptrain/data/idx.hpp"
+#include "ptrain/data/sampler.hpp"
 
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"
