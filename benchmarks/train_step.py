@@ -11,6 +11,24 @@ import time
 import torch
 
 
+def make_model(a):
+    dims = [784] + [a.hidden] * a.layers
+    mods = []
+    for i in range(a.layers):
+        mods += [torch.nn.Linear(dims[i], dims[i + 1]), torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods, torch.nn.Linear(dims[-1], 10))
+
+
+def mlp_flops(a):
+    """FLOPs of one step, counted as in benchmarks/mlp_bench.hpp."""
+    flops, w = 0.0, 784
+    for l in range(a.layers + 1):
+        out = a.hidden if l < a.layers else 10
+        flops += 2.0 * a.batch * w * out * (2 if l == 0 else 3)
+        w = out
+    return flops
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=1024)
@@ -22,11 +40,7 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
-    dims = [784] + [a.hidden] * a.layers
-    mods = []
-    for i in range(a.layers):
-        mods += [torch.nn.Linear(dims[i], dims[i + 1]), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*mods, torch.nn.Linear(dims[-1], 10))
+    model = make_model(a)
     opt = torch.optim.AdamW(model.parameters())
     loss_fn = torch.nn.CrossEntropyLoss()
     x = torch.rand(a.batch, 784)
@@ -47,15 +61,10 @@ def main():
         loss = step()
         times.append((time.perf_counter() - t0) * 1e3)
 
-    flops = 0.0
-    w = 784
-    for l in range(a.layers + 1):
-        out = a.hidden if l < a.layers else 10
-        flops += 2.0 * a.batch * w * out * (2 if l == 0 else 3)
-        w = out
     ms = statistics.median(times)
+    flops = mlp_flops(a)
     print(json.dumps({"bench": "train_step", "impl": "pytorch", "torch": torch.__version__,
-                      "hidden": a.hidden, "layers": a.layers, "batch": a.batch, "steps": a.steps,
+                      "hidden": a.hidden, "layers": a.layers, "batch": a.batch, "ranks": 1, "steps": a.steps,
                       "step_ms_median": ms, "samples_per_s": 1000.0 * a.batch / ms,
                       "gflop_per_step": flops / 1e9, "gflops": flops / (ms * 1e6), "final_loss": loss}))
 

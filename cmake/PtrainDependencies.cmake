@@ -2,8 +2,8 @@
 # by the build tree and by the installed ptrainConfig.cmake, so a consumer of
 # the installed package gets the same backends the package was built with.
 #
-# Inputs: PTRAIN_WITH_{CUDA,MPI,GLOO,NCCL} = ON, OFF or AUTO.
-# Outputs: PTRAIN_HAVE_{CUDA,MPI,GLOO,NCCL} = TRUE/FALSE.
+# Inputs: PTRAIN_WITH_{BLAS,CUDA,MPI,GLOO,NCCL} = ON, OFF or AUTO.
+# Outputs: PTRAIN_HAVE_{BLAS,CUDA,MPI,GLOO,NCCL} = TRUE/FALSE.
 
 include(CMakeFindDependencyMacro)
 
@@ -36,6 +36,19 @@ function(_ptrain_optional var found)
   endif()
 endfunction()
 
+# OpenBLAS for float/double GEMM on the CPU (the BLAS PyTorch uses on Debian);
+# Eigen's GEMM is the fallback.
+if(PTRAIN_WITH_BLAS STREQUAL "AUTO" OR PTRAIN_WITH_BLAS)
+  find_path(PTRAIN_CBLAS_INCLUDE cblas.h PATH_SUFFIXES x86_64-linux-gnu/openblas-pthread openblas-pthread openblas)
+  find_library(PTRAIN_OPENBLAS_LIBRARY openblas PATH_SUFFIXES openblas-pthread)
+endif()
+if(PTRAIN_CBLAS_INCLUDE AND PTRAIN_OPENBLAS_LIBRARY)
+  set(_ptrain_blas_found TRUE)
+else()
+  set(_ptrain_blas_found FALSE)
+endif()
+_ptrain_optional(BLAS "${_ptrain_blas_found}")
+
 if(PTRAIN_WITH_MPI STREQUAL "AUTO" OR PTRAIN_WITH_MPI)
   find_package(MPI COMPONENTS CXX QUIET)
 endif()
@@ -64,6 +77,11 @@ _ptrain_optional(NCCL "${_ptrain_nccl_found}")
 function(ptrain_link_dependencies target)
   target_link_libraries(${target} INTERFACE Eigen3::Eigen nlohmann_json::nlohmann_json
                                             ZLIB::ZLIB Threads::Threads)
+  if(PTRAIN_HAVE_BLAS)
+    target_include_directories(${target} INTERFACE ${PTRAIN_CBLAS_INCLUDE})
+    target_link_libraries(${target} INTERFACE ${PTRAIN_OPENBLAS_LIBRARY})
+    target_compile_definitions(${target} INTERFACE PTRAIN_BLAS=1)
+  endif()
   if(PTRAIN_HAVE_MPI)
     target_link_libraries(${target} INTERFACE MPI::MPI_CXX)
     target_compile_definitions(${target} INTERFACE PTRAIN_MPI=1)
@@ -84,5 +102,5 @@ function(ptrain_link_dependencies target)
   endif()
 endfunction()
 
-message(STATUS "ptrain backends: MPI=${PTRAIN_HAVE_MPI} Gloo=${PTRAIN_HAVE_GLOO} "
+message(STATUS "ptrain backends: BLAS=${PTRAIN_HAVE_BLAS} MPI=${PTRAIN_HAVE_MPI} Gloo=${PTRAIN_HAVE_GLOO} "
                "CUDA=${PTRAIN_HAVE_CUDA} NCCL=${PTRAIN_HAVE_NCCL}")

@@ -7,7 +7,8 @@ set -euo pipefail
 
 packages=(
   cmake make g++ git pkg-config
-  libeigen3-dev          # CPU kernels (GEMM, vectorised math)
+  libeigen3-dev          # CPU kernels (vectorised math, fallback GEMM)
+  libopenblas-dev        # CPU GEMM (float, double)
   catch2                 # tests
   nlohmann-json3-dev     # metrics, safetensors headers, checkpoint index
   libcli11-dev           # command lines of examples, benchmarks, ptrun

@@ -37,12 +37,26 @@ TEST_CASE("gemm matches a naive triple loop for every transpose and stride", "[k
               s += (ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
             ref[i * ldc + j] = alpha * s + beta * c[i * ldc + j];
           }
+        // The build's GEMM (OpenBLAS when present) and the Eigen fallback.
+        auto c2 = c;
         k::gemm<double>(ta, tb, m, n, kk, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+        k::gemm_eigen<double>(ta, tb, m, n, kk, alpha, a.data(), lda, b.data(), ldb, beta, c2.data(), ldc);
         for (std::int64_t i = 0; i < m; ++i)
           for (std::int64_t j = 0; j < ldc; ++j) {
             const auto idx = static_cast<std::size_t>(i * ldc + j);
             // Padding columns must stay untouched (they equal ref, which copied c).
             REQUIRE(c[idx] == Approx(ref[idx]).epsilon(1e-12));
+            REQUIRE(c2[idx] == Approx(ref[idx]).epsilon(1e-12));
+          }
+        // float through the same paths.
+        std::vector<float> af(a.begin(), a.end()), bf(b.begin(), b.end()), cf(c.size(), 0.0f);
+        k::gemm<float>(ta, tb, m, n, kk, 1.0f, af.data(), lda, bf.data(), ldb, 0.0f, cf.data(), ldc);
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (std::int64_t p = 0; p < kk; ++p)
+              s += (ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
+            REQUIRE(cf[i * ldc + j] == Approx(s).margin(1e-5));
           }
       }
 }

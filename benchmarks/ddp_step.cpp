@@ -1,0 +1,35 @@
+// One data-parallel training step of the MLP of train_step: each rank runs its
+// own batch, DDP all-reduces the gradients (overlapped with backward), AdamW
+// updates. Launch with mpirun or ptrun; rank 0 prints one JSON line with the
+// global throughput. benchmarks/ddp_step.py is the PyTorch DDP twin and
+// benchmarks/run_ddp_step.sh runs both side by side.
+
+#include <cstdio>
+
+#include "mlp_bench.hpp"
+
+using namespace ptrain;
+
+int main(int argc, char** argv) {
+  CLI::App app{"ptrain MLP data-parallel training-step benchmark"};
+  bench::MlpOptions o;
+  o.add_to(app);
+  CLI11_PARSE(app, argc, argv);
+
+  auto comm = dist::init_process_group();
+  manual_seed(0);
+  bench::MlpStep s(o, 1 + static_cast<std::uint64_t>(comm->rank()));
+  parallel::DDP<float> ddp(s.model, s.params, *comm);
+  comm->barrier();
+  // Each step ends with the gradient sync, so ranks stay in lock step; the
+  // slowest rank's median is the step time.
+  auto times = bench::time_runs(o.warmup, o.steps, [&] { s.step(ddp, [&] { ddp.finish_gradient_sync(); }); });
+  double ms = bench::median(times);
+  comm->all_reduce(&ms, 1, DType::F64, dist::ReduceOp::Max);
+  if (comm->rank() == 0) {
+    auto j = bench::mlp_record("ddp_step", o, {ms}, comm->size(), s.loss);
+    j["backend"] = comm->backend();
+    j["buckets"] = ddp.num_buckets();
+    std::printf("%s\n", j.dump().c_str());
+  }
+}
