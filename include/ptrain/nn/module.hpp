@@ -111,6 +111,16 @@ class Module {
   }
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
 
+  /// Parameters this module (or a child) uses without owning them, e.g. an LM
+  /// head tied to the token embedding. Wrappers that place or shard parameters
+  /// per module (FSDP units, pipeline stages) use this to keep them together.
+  virtual std::vector<Parameter<T>*> borrowed_parameters() {
+    std::vector<Parameter<T>*> out;
+    for (auto& c : children_)
+      for (auto* p : c.second->borrowed_parameters()) out.push_back(p);
+    return out;
+  }
+
  protected:
   /// Registers a parameter with a zero gradient of the same shape.
   Parameter<T>& register_parameter(const std::string& name, Tensor<T> value) {

@@ -35,6 +35,8 @@ class Sequential : public Module<T> {
     return s + ")";
   }
   std::size_t size() const { return layers_.size(); }
+  /// The layers in order (what FSDP wraps and pipelines cut between, as GPT::units()).
+  const std::vector<std::shared_ptr<Module<T>>>& units() const { return layers_; }
   Module<T>& operator[](std::size_t i) { return *layers_.at(i); }
 
  private:

@@ -40,7 +40,6 @@
 // fixed size and world) the same run gives bitwise-equal parameters.
 
 #include <chrono>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -48,6 +47,7 @@
 
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/parallel/model_check.hpp"
 
 namespace ptrain::parallel {
 
@@ -158,39 +158,10 @@ class DDP : public nn::Module<T> {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
 
-  // Every rank describes its parameters; a mismatch is reported on every rank
-  // with the first differing parameter. Fixed-size collectives only, so ranks
-  // with different models still make identical calls and nothing hangs.
   void verify_same_parameters() {
-    const int n = comm_.size();
-    if (n == 1) return;
-    const auto& entries = params_.entries();
     std::vector<std::string> desc;
-    for (auto& e : entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
-    std::int64_t count = static_cast<std::int64_t>(desc.size()), max_count = count;
-    comm_.all_reduce(&max_count, 1, DType::I64, dist::ReduceOp::Max);
-    // Per-parameter hashes (0 = no such parameter), gathered from all ranks.
-    std::vector<std::int64_t> mine(static_cast<std::size_t>(max_count), 0);
-    for (std::size_t i = 0; i < desc.size(); ++i)
-      mine[i] = static_cast<std::int64_t>(std::hash<std::string>{}(desc[i]) | 1);
-    std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(n));
-    comm_.all_gather(mine.data(), all.data(), mine.size(), DType::I64);
-    std::int64_t first_diff = -1;
-    for (std::int64_t i = 0; i < max_count && first_diff < 0; ++i)
-      for (int r = 1; r < n; ++r)
-        if (all[static_cast<std::size_t>(r * max_count + i)] != all[static_cast<std::size_t>(i)]) first_diff = i;
-    if (first_diff < 0) return;
-    // Second round: every rank's description of the first differing parameter.
-    // Text travels as I64 words: every backend has I64.
-    constexpr std::size_t kLen = 256;
-    std::vector<char> text(kLen, 0), texts(kLen * static_cast<std::size_t>(n));
-    const std::string d = first_diff < count ? desc[static_cast<std::size_t>(first_diff)] : "(none)";
-    std::memcpy(text.data(), d.data(), std::min(d.size(), kLen - 1));
-    comm_.all_gather(text.data(), texts.data(), kLen / 8, DType::I64);
-    std::string report;
-    for (int r = 0; r < n; ++r) report += detail::cat("\n  rank ", r, ": ", texts.data() + r * kLen);
-    PTRAIN_THROW(Error, "[ptrain.ddp.mismatch] ranks build different models: parameter #", first_diff,
-                 " differs:", report, "\nEvery rank must construct the same model (same layers, sizes and order).");
+    for (auto& e : params_.entries()) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
+    check_same_model(comm_, desc);
   }
 
   // Note [Bucketing]: walk the entries from the last, cut when a bucket is full.

@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cmath>
 #include <ptrain/dist/process_group.hpp>
+
+#include "dist/parallel/world.hpp"
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>
@@ -15,22 +17,9 @@
 #include <ptrain/parallel/ddp.hpp>
 
 using namespace ptrain;
+using ptrain::testing::world;
 
 namespace {
-
-struct WorldHolder {
-  std::unique_ptr<dist::Communicator> comm;
-  ~WorldHolder() {
-    try {
-      if (comm) comm->barrier();
-    } catch (...) {
-    }
-  }
-};
-dist::Communicator& world() {
-  static WorldHolder h{dist::init_process_group()};
-  return *h.comm;
-}
 
 // A deterministic global batch: features in [-1, 1), labels in [0, classes).
 template <class T>
@@ -313,7 +302,7 @@ TEST_CASE("ranks with different models get a clear error on every rank", "[ddp]"
   } catch (const Error& e) {
     threw = true;
     const std::string msg = e.what();
-    CHECK(msg.find("[ptrain.ddp.mismatch]") != std::string::npos);
+    CHECK(msg.find("[ptrain.parallel.mismatch]") != std::string::npos);
     CHECK(msg.find("parameter #0") != std::string::npos);
     CHECK(msg.find("rank 1: 0.weight [9, 6] F32") != std::string::npos);
     CHECK(msg.find("rank 0: 0.weight [8, 6] F32") != std::string::npos);

@@ -1,0 +1,476 @@
+#pragma once
+// Fully sharded data parallel (ZeRO): each rank keeps 1/N of the parameters,
+// gradients and optimizer state, and gathers a unit's parameters just before
+// the unit runs.
+//
+//   parallel::FSDP<float> fsdp(gpt.units(), comm);         // shards; the model's own tensors are released
+//   optim::AdamW<float> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), {...});
+//   fsdp.zero_grad();
+//   auto logits = fsdp.forward(ids, cache);                // all-gather unit by unit, prefetching the next
+//   ... loss ...
+//   fsdp.backward(dlogits, cache);                         // gather again, reduce-scatter each unit's grads
+//   fsdp.finish_gradient_sync();
+//   fsdp.optimizer_step(opt);                              // steps the local shard (and re-gathers if needed)
+//
+// Note [FSDP units and groups]
+// The model is an ordered list of units (GPT::units(), Sequential::units()),
+// run in order by forward and in reverse by backward. Parameters are flattened
+// per *group*: normally one group per unit, but units that share a parameter
+// (a module's borrowed_parameters(), e.g. an LM head tied to the embedding)
+// are merged into one group, which then stays gathered from its first unit to
+// its last (PyTorch keeps such parameters in the root unit). Units without
+// parameters have no group. A group's flat buffer is padded to a multiple of
+// the shard-group size Ns and rank r owns elements [r S, (r + 1) S), S = padded / Ns.
+// All local shards live in one flat buffer, so the optimizer updates a rank's
+// whole shard in one call.
+//
+// Note [Sharding strategies]   (memory per rank for fp32 AdamW, Ψ parameters)
+//   FullShard (ZeRO-3)      shards params, grads, optimizer state         16Ψ/N
+//   ShardGradOp (ZeRO-2)    full params kept; grads + state sharded       4Ψ + 16Ψ/N
+//   ShardOptimizer (ZeRO-1) full params and grads kept; state sharded     8Ψ + 16Ψ/N
+//   NoShard                 DDP-equivalent (local shard = everything)     16Ψ
+//   Hybrid                  FullShard inside groups of Ns consecutive
+//                           ranks, replicated across the N/Ns groups     16Ψ/Ns
+// The 16Ψ/N of ZeRO-1/2 counts the optimizer's master copy of the shard
+// (4Ψ/N) besides grads and state: the full parameters live in per-group
+// buffers, and the shard the optimizer updates must be one contiguous buffer.
+//
+// Note [Prefetch and overlap]
+// Before a unit computes, the all-gather of the next group it will need is
+// issued (forward: the next unit; backward: the previous one), so the
+// communicator's worker thread gathers while this unit computes. A group's
+// reduce-scatter starts as soon as its first unit's backward ends and is waited
+// for when the next group's starts (so at most two full gradient buffers are
+// alive) or in finish_gradient_sync().
+//
+// Note [Accumulation]
+// With sharded gradients (FullShard, ShardGradOp, Hybrid) every backward
+// reduce-scatters into the local shard, which accumulates across backward
+// passes: accumulating k micro-batches never keeps full gradients between
+// them. ShardOptimizer and NoShard keep full gradients; inside no_sync() they
+// accumulate locally and the next synchronised backward reduces them.
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/ops/activation.hpp"
+#include "ptrain/optim/optimizer.hpp"
+#include "ptrain/parallel/model_check.hpp"
+
+namespace ptrain::parallel {
+
+enum class ShardingStrategy { FullShard, ShardGradOp, ShardOptimizer, NoShard, Hybrid };
+
+inline const char* strategy_name(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::FullShard: return "full_shard";
+    case ShardingStrategy::ShardGradOp: return "shard_grad_op";
+    case ShardingStrategy::ShardOptimizer: return "shard_optimizer";
+    case ShardingStrategy::NoShard: return "no_shard";
+    case ShardingStrategy::Hybrid: return "hybrid";
+  }
+  return "?";
+}
+
+struct FSDPOptions {
+  ShardingStrategy strategy = ShardingStrategy::FullShard;
+  /// Hybrid: ranks per shard group (consecutive ranks); must divide the world size.
+  int hybrid_shard_size = 0;
+  /// Issue the next group's all-gather before the current unit computes.
+  bool prefetch = true;
+  /// Mixed-precision policy for gradient reduction: F32, or BF16 (half the bytes on the wire).
+  DType reduce_dtype = DType::F32;
+};
+
+/// One entry of the step timeline (steady-clock seconds), for overlap checks.
+struct FSDPEvent {
+  std::string what;  ///< "gather", "forward_begin", "forward_end", "backward_begin", "backward_end", "reduce"
+  int index;         ///< group for gather/reduce, unit otherwise
+  double time;
+};
+
+template <class T>
+class FSDP : public nn::Module<T> {
+ public:
+  /// Shards the parameters of `units` (run in this order) over `comm`. Every
+  /// rank must build the same units; rank 0's initial values are used.
+  /// After this, the units' parameters are bound only while gathered.
+  FSDP(std::vector<std::shared_ptr<nn::Module<T>>> units, dist::Communicator& comm, FSDPOptions opt = {})
+      : units_(std::move(units)), world_(comm), opt_(opt) {
+    PTRAIN_CHECK(opt.reduce_dtype == DType::F32 || opt.reduce_dtype == DType::BF16, Error,
+                 "[ptrain.fsdp.options] reduce_dtype must be F32 or BF16");
+    setup_communicators();
+    build_groups();
+    shard_parameters();
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    Tensor<T> h = x;
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      const int g = unit_group_[i];
+      if (g >= 0) wait_gathered(g);
+      if (opt_.prefetch) prefetch_after(i, +1);
+      record("forward_begin", static_cast<int>(i));
+      h = units_[i]->forward(h, cache.child(i));
+      record("forward_end", static_cast<int>(i));
+      if (g >= 0 && reshard_ && groups_[static_cast<std::size_t>(g)].last_unit == static_cast<int>(i)) release(g);
+    }
+    return h;
+  }
+
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    Tensor<T> d = dy;
+    for (std::size_t i = units_.size(); i-- > 0;) {
+      const int g = unit_group_[i];
+      auto* grp = g >= 0 ? &groups_[static_cast<std::size_t>(g)] : nullptr;
+      if (grp && grp->last_unit == static_cast<int>(i)) {
+        wait_gathered(g);
+        bind_grads(*grp);
+      }
+      if (opt_.prefetch) prefetch_after(i, -1);
+      record("backward_begin", static_cast<int>(i));
+      d = units_[i]->backward(d, cache.child(i));
+      record("backward_end", static_cast<int>(i));
+      if (grp && grp->first_unit == static_cast<int>(i)) {
+        if (reshard_) release(g);
+        reduce_gradients(g);
+      }
+    }
+    cache.clear();
+    return d;
+  }
+
+  /// Waits for the outstanding gradient reductions; the local shard's gradients are then final.
+  void finish_gradient_sync() {
+    while (!pending_.empty()) complete_reduction();
+  }
+
+  /// Steps the optimizer on the local shard, then refreshes the full parameters
+  /// of strategies that keep them (ZeRO-1/2); FullShard gathers at the next forward.
+  void optimizer_step(optim::Optimizer<T>& opt) {
+    finish_gradient_sync();
+    opt.step();
+    if (!reshard_ && shard_size_ > 1)
+      for (std::size_t g = 0; g < groups_.size(); ++g) {
+        auto& grp = groups_[g];
+        shard_comm_->all_gather(local_values_.data() + grp.local_offset, grp.full.data(),
+                                static_cast<std::size_t>(grp.shard), dtype_of<T>());
+      }
+  }
+
+  /// Zeroes the local gradient shard (and kept full gradients).
+  void zero_grad() {
+    local_grads_.zero_();
+    if (full_grads_.defined()) full_grads_.zero_();
+  }
+
+  /// While the guard lives, strategies that keep full gradients (ShardOptimizer,
+  /// NoShard) accumulate without communication; sharded-gradient strategies
+  /// reduce every backward anyway (Note [Accumulation]).
+  [[nodiscard]] auto no_sync() {
+    sync_ = false;
+    auto restore = [this](void*) { sync_ = true; };
+    return std::unique_ptr<void, decltype(restore)>(this, restore);
+  }
+
+  /// This rank's shard of every group, one flat buffer (what the optimizer updates).
+  Tensor<T>& local_values() { return local_values_; }
+  Tensor<T>& local_grads() { return local_grads_; }
+  /// Pieces of parameters in the local shard: name, offset in the local buffer, [length].
+  const std::vector<nn::FlatEntry<T>>& local_entries() const { return local_entries_; }
+
+  /// Collective: every parameter, full and unsharded, by name (for export or inspection).
+  std::vector<std::pair<std::string, Tensor<T>>> full_parameters() {
+    std::vector<std::pair<std::string, Tensor<T>>> out;
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      auto& grp = groups_[g];
+      Tensor<T> full = grp.full.defined() && !grp.gather_work ? grp.full : Tensor<T>::empty({grp.padded});
+      if (!(grp.full.defined() && !grp.gather_work))
+        shard_comm_->all_gather(local_values_.data() + grp.local_offset, full.data(),
+                                static_cast<std::size_t>(grp.shard), dtype_of<T>());
+      for (auto& e : grp.entries) out.emplace_back(e.name, full.view(e.offset, e.shape).clone());
+    }
+    return out;
+  }
+
+  std::string describe() const override {
+    return std::string("FSDP(") + strategy_name(opt_.strategy) + ", " + std::to_string(groups_.size()) + " groups)";
+  }
+  std::size_t num_groups() const { return groups_.size(); }
+  /// Elements of group g: unpadded, padded, and per shard.
+  std::int64_t group_numel(std::size_t g) const { return groups_.at(g).numel; }
+  std::int64_t group_padded(std::size_t g) const { return groups_.at(g).padded; }
+  int shard_size() const { return shard_size_; }
+  const std::vector<FSDPEvent>& events() const { return events_; }
+  void clear_events() { events_.clear(); }
+
+ private:
+  struct Group {
+    std::vector<nn::Parameter<T>*> params;
+    std::vector<nn::FlatEntry<T>> entries;  // offsets inside the group's flat buffer
+    std::int64_t numel = 0, padded = 0, shard = 0;
+    std::int64_t local_offset = 0;  // of this rank's shard in local_values_
+    std::int64_t full_offset = 0;   // of the group in full_values_/full_grads_ (kept buffers)
+    int first_unit = 0, last_unit = 0;
+    Tensor<T> full;       // gathered values (always, when not resharding)
+    Tensor<T> full_grad;  // gradients during backward (views of full_grads_ when kept)
+    std::shared_ptr<dist::Work> gather_work;
+  };
+  struct Pending {
+    int group;
+    Tensor<T> grad;            // full gradient being reduced (kept alive until done)
+    Tensor<T> out;             // reduce-scatter output [shard]
+    std::vector<bf16> wire;    // BF16 reduction buffers
+    std::vector<bf16> wire_out;
+    std::shared_ptr<dist::Work> work;
+  };
+
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  void record(const char* what, int index) { events_.push_back({what, index, now()}); }
+
+  void setup_communicators() {
+    const int n = world_.size(), r = world_.rank();
+    switch (opt_.strategy) {
+      case ShardingStrategy::Hybrid: {
+        const int s = opt_.hybrid_shard_size;
+        PTRAIN_CHECK(s >= 1 && n % s == 0, Error, "[ptrain.fsdp.hybrid] hybrid_shard_size ", s,
+                     " must divide the world size ", n, "; e.g. the number of ranks per node");
+        // Both splits are collective on the world, in the same order everywhere.
+        owned_shard_ = world_.split(r / s, r);
+        owned_replicate_ = world_.split(r % s, r);
+        shard_comm_ = owned_shard_.get();
+        replicate_comm_ = owned_replicate_.get();
+        break;
+      }
+      case ShardingStrategy::NoShard:
+        replicate_comm_ = &world_;
+        break;
+      default:
+        shard_comm_ = &world_;
+    }
+    shard_size_ = shard_comm_ ? shard_comm_->size() : 1;
+    shard_rank_ = shard_comm_ ? shard_comm_->rank() : 0;
+    reshard_ = opt_.strategy == ShardingStrategy::FullShard || opt_.strategy == ShardingStrategy::Hybrid;
+    keep_full_grads_ = opt_.strategy == ShardingStrategy::ShardOptimizer || opt_.strategy == ShardingStrategy::NoShard;
+  }
+
+  // Note [FSDP units and groups]: union-find over units that share parameters.
+  void build_groups() {
+    const std::size_t n = units_.size();
+    std::vector<std::size_t> parent(n);
+    std::iota(parent.begin(), parent.end(), 0);
+    auto find = [&](std::size_t u) {
+      while (parent[u] != u) u = parent[u] = parent[parent[u]];
+      return u;
+    };
+    std::map<nn::Parameter<T>*, std::size_t> owner;
+    std::vector<std::vector<nn::NamedParameter<T>>> owned(n);
+    for (std::size_t u = 0; u < n; ++u) {
+      owned[u] = units_[u]->named_parameters("u" + std::to_string(u) + ".");
+      for (auto& p : owned[u]) owner.emplace(p.param, u);
+    }
+    for (std::size_t u = 0; u < n; ++u)
+      for (auto* p : units_[u]->borrowed_parameters()) {
+        auto it = owner.find(p);
+        PTRAIN_CHECK(it != owner.end(), Error, "[ptrain.fsdp.borrowed] unit ", u,
+                     " uses a parameter that no unit owns; register it in one of the units");
+        parent[find(u)] = find(it->second);
+      }
+    std::map<std::size_t, int> root_group;
+    unit_group_.assign(n, -1);
+    for (std::size_t u = 0; u < n; ++u) {
+      if (owned[u].empty() && units_[u]->borrowed_parameters().empty()) continue;
+      auto [it, fresh] = root_group.emplace(find(u), static_cast<int>(groups_.size()));
+      if (fresh) {
+        groups_.emplace_back();
+        groups_.back().first_unit = static_cast<int>(u);
+      }
+      auto& grp = groups_[static_cast<std::size_t>(it->second)];
+      grp.last_unit = static_cast<int>(u);
+      unit_group_[u] = it->second;
+      for (auto& p : owned[u]) {
+        grp.entries.push_back({p.name, grp.numel, p.param->value.shape(), p.param});
+        grp.params.push_back(p.param);
+        grp.numel += p.param->value.numel();
+      }
+    }
+  }
+
+  // Copies rank 0's values into every rank's shard and releases the units' tensors.
+  void shard_parameters() {
+    std::vector<std::string> desc;
+    for (auto& grp : groups_)
+      for (auto& e : grp.entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
+    check_same_model(world_, desc);
+
+    const Device dev = groups_.empty() ? Device::cpu() : groups_.front().params.front()->value.device();
+    std::int64_t local_total = 0, full_total = 0;
+    for (auto& grp : groups_) {
+      grp.padded = (grp.numel + shard_size_ - 1) / shard_size_ * shard_size_;
+      grp.shard = grp.padded / shard_size_;
+      grp.local_offset = local_total;
+      grp.full_offset = full_total;
+      local_total += grp.shard;
+      full_total += grp.padded;
+    }
+    if (!reshard_) full_values_ = Tensor<T>::zeros({full_total}, dev);
+    if (keep_full_grads_) full_grads_ = Tensor<T>::zeros({full_total}, dev);
+    if (shard_size_ == 1 && !reshard_) {
+      // NoShard: the local shard is the whole model; no second copy.
+      local_values_ = full_values_;
+      local_grads_ = keep_full_grads_ ? full_grads_ : Tensor<T>::zeros({local_total}, dev);
+    } else {
+      local_values_ = Tensor<T>::zeros({local_total}, dev);
+      local_grads_ = Tensor<T>::zeros({local_total}, dev);
+    }
+
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      auto& grp = groups_[g];
+      auto full = reshard_ ? Tensor<T>::zeros({grp.padded}, dev) : full_values_.view(grp.full_offset, {grp.padded});
+      for (auto& e : grp.entries) full.view(e.offset, e.shape).copy_(e.param->value);
+      world_.broadcast(full, 0);
+      auto mine = full.view(static_cast<std::int64_t>(shard_rank_) * grp.shard, {grp.shard});
+      local_values_.view(grp.local_offset, {grp.shard}).copy_(mine);
+      for (auto* p : grp.params) p->grad = Tensor<T>();
+      if (reshard_) {
+        for (auto* p : grp.params) p->value = Tensor<T>();
+      } else {
+        grp.full = full;
+        bind_values(grp);
+      }
+      // Local pieces of parameters: the overlap of each entry with this rank's range.
+      const std::int64_t lo = static_cast<std::int64_t>(shard_rank_) * grp.shard, hi = lo + grp.shard;
+      for (auto& e : grp.entries) {
+        const std::int64_t b = std::max(lo, e.offset), en = std::min(hi, e.offset + e.numel());
+        if (b < en) local_entries_.push_back({e.name, grp.local_offset + (b - lo), Shape{en - b}, nullptr});
+      }
+    }
+  }
+
+  void bind_values(Group& grp) {
+    for (auto& e : grp.entries) e.param->value = grp.full.view(e.offset, e.shape);
+  }
+
+  void bind_grads(Group& grp) {
+    grp.full_grad = keep_full_grads_ ? full_grads_.view(grp.full_offset, {grp.padded})
+                                     : Tensor<T>::zeros({grp.padded}, local_values_.device());
+    for (auto& e : grp.entries) e.param->grad = grp.full_grad.view(e.offset, e.shape);
+  }
+
+  void issue_gather(int g) {
+    auto& grp = groups_[static_cast<std::size_t>(g)];
+    if (grp.full.defined()) return;  // gathered or in flight
+    grp.full = Tensor<T>::empty({grp.padded}, local_values_.device());
+    record("gather", g);
+    grp.gather_work = shard_comm_->all_gather_async(local_values_.data() + grp.local_offset, grp.full.data(),
+                                                    static_cast<std::size_t>(grp.shard), dtype_of<T>());
+  }
+
+  void wait_gathered(int g) {
+    auto& grp = groups_[static_cast<std::size_t>(g)];
+    if (!reshard_) return;
+    issue_gather(g);
+    if (grp.gather_work) {
+      grp.gather_work->wait(shard_comm_->timeout());
+      grp.gather_work.reset();
+      bind_values(grp);
+    }
+  }
+
+  // Issues the gather of the next group (in direction dir) that is not gathered yet.
+  void prefetch_after(std::size_t unit, int dir) {
+    if (!reshard_) return;
+    const int current = unit_group_[unit];
+    for (auto u = static_cast<std::ptrdiff_t>(unit) + dir; u >= 0 && u < static_cast<std::ptrdiff_t>(units_.size());
+         u += dir) {
+      const int g = unit_group_[static_cast<std::size_t>(u)];
+      if (g < 0 || g == current) continue;
+      issue_gather(g);
+      return;
+    }
+  }
+
+  void release(int g) {
+    auto& grp = groups_[static_cast<std::size_t>(g)];
+    for (auto* p : grp.params) p->value = Tensor<T>();
+    grp.full = Tensor<T>();
+  }
+
+  // Starts group g's reduction (Note [Prefetch and overlap]); completes the previous one first.
+  void reduce_gradients(int g) {
+    auto& grp = groups_[static_cast<std::size_t>(g)];
+    for (auto* p : grp.params) p->grad = Tensor<T>();
+    Tensor<T> grad = grp.full_grad;
+    grp.full_grad = Tensor<T>();
+    if (!sync_ && keep_full_grads_) return;  // accumulate locally (no_sync)
+    while (!pending_.empty()) complete_reduction();
+    record("reduce", g);
+    Pending p{g, grad, {}, {}, {}, {}};
+    const auto shard = static_cast<std::size_t>(grp.shard);
+    if (shard_size_ > 1) {
+      p.out = Tensor<T>::empty({grp.shard}, grad.device());
+      if (opt_.reduce_dtype == DType::BF16) {
+        p.wire.resize(static_cast<std::size_t>(grp.padded));
+        p.wire_out.resize(shard);
+        for (std::size_t i = 0; i < p.wire.size(); ++i) p.wire[i] = bf16(static_cast<float>(grad.data()[i]));
+        p.work = shard_comm_->reduce_scatter_async(p.wire.data(), p.wire_out.data(), shard, DType::BF16,
+                                                   dist::ReduceOp::Avg);
+      } else {
+        p.work = shard_comm_->reduce_scatter_async(grad.data(), p.out.data(), shard, dtype_of<T>(),
+                                                   dist::ReduceOp::Avg);
+      }
+    } else {
+      p.out = grad;  // NoShard: the "shard" is the whole group, reduced across replicas below
+    }
+    pending_.push_back(std::move(p));
+  }
+
+  void complete_reduction() {
+    Pending p = std::move(pending_.front());
+    pending_.erase(pending_.begin());
+    auto& grp = groups_[static_cast<std::size_t>(p.group)];
+    const auto what = [&](const char* op) { return ::ptrain::detail::cat(op, " of FSDP group ", p.group); };
+    try {
+      if (p.work) p.work->wait(shard_comm_->timeout());
+      if (!p.wire_out.empty())
+        for (std::size_t i = 0; i < p.wire_out.size(); ++i) p.out.data()[i] = static_cast<T>(static_cast<float>(p.wire_out[i]));
+      if (replicate_comm_ && replicate_comm_->size() > 1) replicate_comm_->all_reduce(p.out, dist::ReduceOp::Avg);
+    } catch (const CommError& e) {
+      PTRAIN_THROW(CommError, "[ptrain.fsdp.reduce] ", what("gradient reduction"), " failed: ", e.what());
+    }
+    auto local = local_grads_.view(grp.local_offset, {grp.shard});
+    if (keep_full_grads_) {
+      // The full gradients hold the accumulation; the shard takes this step's reduced value.
+      if (!local.shares_storage(p.out) || local.data() != p.out.data()) local.copy_(p.out);
+    } else {
+      ops::axpy_(T(1), p.out, local);
+    }
+  }
+
+  std::vector<std::shared_ptr<nn::Module<T>>> units_;
+  dist::Communicator& world_;
+  FSDPOptions opt_;
+  std::unique_ptr<dist::Communicator> owned_shard_, owned_replicate_;
+  dist::Communicator* shard_comm_ = nullptr;
+  dist::Communicator* replicate_comm_ = nullptr;
+  int shard_size_ = 1, shard_rank_ = 0;
+  bool reshard_ = true, keep_full_grads_ = false, sync_ = true;
+  std::vector<Group> groups_;
+  std::vector<int> unit_group_;
+  Tensor<T> local_values_, local_grads_, full_values_, full_grads_;
+  std::vector<nn::FlatEntry<T>> local_entries_;
+  std::vector<Pending> pending_;
+  std::vector<FSDPEvent> events_;
+};
+
+}  // namespace ptrain::parallel

@@ -1,0 +1,554 @@
+#pragma once
+// Pipeline parallelism: a model given as an ordered list of units (embedding,
+// blocks..., head) is cut into p contiguous stages, one per rank of a pipeline
+// group. A batch is split into m micro-batches along its first dimension;
+// activations travel forward and gradients backward between neighbouring
+// stages by send/recv; the loss is computed on the last stage; gradients
+// accumulate over the m micro-batches, and the user steps the optimizer once
+// per batch.
+//
+//   auto part = parallel::partition_balanced(unit_costs, comm.size());
+//   parallel::Pipeline<float> pipe(comm, num_units, make_unit, part,
+//                                  {.schedule = parallel::Schedule::OneFOneB, .micro_batches = 8});
+//   optim::AdamW<float> opt(pipe.parameters(), {.lr = 1e-3});
+//   double loss = pipe.train_step(x, y);   // x used on the first stage, y on the last
+//   opt.step();
+//
+// Each rank calls the factory only for its own units, so a stage never holds
+// the rest of the model.
+//
+// Note [Schedules]
+// GPipe runs every forward, then every backward: each stage holds m
+// micro-batch caches at its peak. 1F1B (PipeDream-flush, as Megatron-LM) lets
+// stage s run w = min(p - s - 1, m) warm-up forwards, then alternates one
+// forward and one backward, then drains w backwards: at most min(p - s, m) <= p
+// caches are alive at once, whatever m is. Both schedules do the same
+// arithmetic per micro-batch and have the same bubble, (p - 1) / (m + p - 1) of
+// each stage's time when forward and backward times are equal across stages;
+// 1F1B only bounds activation memory. Interleaved 1F1B (v chunks per rank) is
+// not offered: see docs/pipeline.md.
+//
+// Note [Communication order]
+// A stage posts a send as soon as the tensor exists and never waits on it
+// before the end of the step (the tensor stays alive in a pending list). A
+// receive is posted just before the compute that needs it, never earlier.
+// Posting receives ahead would be unsafe: the Gloo backend reports p2p
+// completions in posting order, so waiting on a later gradient could then
+// depend on an earlier activation whose sender is itself waiting for us.
+// Tags: 2i for micro-batch i's activation, 2i + 1 for its gradient.
+//
+// Note [Shapes]
+// Shapes are agreed once, on the first train_step: each stage sends the shape
+// of its output (rank and dimensions as I64) to the next stage before the
+// first activation; gradients flowing back have the shape of the activation
+// they belong to. Later steps must use the same micro-batch shape; a stage
+// that sees another one throws ShapeError (its neighbours then fail with a
+// CommError when it stops, or after the timeout).
+//
+// Note [Loss scaling]
+// Each micro-batch's loss is the mean over its rows (CrossEntropyLoss); its
+// gradient is scaled by 1/m, so the accumulated gradient is the gradient of
+// the mean over micro-batches, which equals the full-batch mean when every
+// micro-batch counts the same number of targets (no ignore_index rows). The
+// returned loss is the mean of the micro-batch losses.
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/module.hpp"
+
+namespace ptrain::parallel {
+
+/// Which units each stage holds: stage s owns units [begin(s), end(s)).
+class StagePartition {
+ public:
+  StagePartition() = default;
+  /// bounds = {0, c1, ..., c_{p-1}, num_units}, strictly increasing.
+  explicit StagePartition(std::vector<std::size_t> bounds) : bounds_(std::move(bounds)) {
+    PTRAIN_CHECK(bounds_.size() >= 2 && bounds_.front() == 0, Error,
+                 "[ptrain.pipeline.partition] bounds must start at 0 and have at least two entries");
+    for (std::size_t i = 1; i < bounds_.size(); ++i)
+      PTRAIN_CHECK(bounds_[i] > bounds_[i - 1], Error, "[ptrain.pipeline.partition] stage ", i - 1,
+                   " would be empty (bounds ", bounds_[i - 1], " -> ", bounds_[i],
+                   "); every stage needs at least one unit");
+  }
+  int num_stages() const { return static_cast<int>(bounds_.size()) - 1; }
+  std::size_t num_units() const { return bounds_.back(); }
+  std::size_t begin(int stage) const { return bounds_.at(static_cast<std::size_t>(stage)); }
+  std::size_t end(int stage) const { return bounds_.at(static_cast<std::size_t>(stage) + 1); }
+  /// The stage that owns `unit`.
+  int stage_of(std::size_t unit) const {
+    PTRAIN_CHECK(unit < num_units(), Error, "[ptrain.pipeline.partition] unit ", unit, " >= ", num_units());
+    return static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), unit) - bounds_.begin()) - 1;
+  }
+  const std::vector<std::size_t>& bounds() const { return bounds_; }
+  /// "[0,3) [3,6)".
+  std::string str() const {
+    std::string s;
+    for (int i = 0; i < num_stages(); ++i)
+      s += detail::cat(i ? " " : "", "[", begin(i), ",", end(i), ")");
+    return s;
+  }
+
+ private:
+  std::vector<std::size_t> bounds_;
+};
+
+/// Stages cut before the given units: partition_by_cuts(6, {2, 4}) gives [0,2) [2,4) [4,6).
+inline StagePartition partition_by_cuts(std::size_t num_units, const std::vector<std::size_t>& cuts) {
+  std::vector<std::size_t> b{0};
+  for (std::size_t c : cuts) {
+    PTRAIN_CHECK(c > b.back() && c < num_units, Error, "[ptrain.pipeline.cuts] cut points must be strictly "
+                 "increasing and inside (0, ", num_units, "); got ", c, " after ", b.back());
+    b.push_back(c);
+  }
+  b.push_back(num_units);
+  return StagePartition(std::move(b));
+}
+
+/// Contiguous stages that minimise the largest stage cost (cost[u] of unit u:
+/// parameter count, measured time, FLOPs). Ties go to the cut that puts more
+/// units early. Exact dynamic programme, O(p n^2).
+inline StagePartition partition_balanced(const std::vector<double>& cost, int stages) {
+  const std::size_t n = cost.size();
+  PTRAIN_CHECK(stages >= 1 && n >= static_cast<std::size_t>(stages), Error, "[ptrain.pipeline.balance] cannot "
+               "split ", n, " units into ", stages, " non-empty stages; use fewer stages or finer units");
+  for (double c : cost)
+    PTRAIN_CHECK(c >= 0 && std::isfinite(c), Error, "[ptrain.pipeline.balance] unit costs must be finite and >= 0");
+  std::vector<double> prefix(n + 1, 0.0);
+  for (std::size_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto p = static_cast<std::size_t>(stages);
+  // best[k][j]: smallest max-cost of the first j units in k stages; from[k][j]: where stage k-1 starts.
+  std::vector<std::vector<double>> best(p + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<std::size_t>> from(p + 1, std::vector<std::size_t>(n + 1, 0));
+  best[0][0] = 0;
+  for (std::size_t k = 1; k <= p; ++k)
+    for (std::size_t j = k; j <= n; ++j)
+      for (std::size_t i = k - 1; i < j; ++i) {
+        const double v = std::max(best[k - 1][i], prefix[j] - prefix[i]);
+        if (v <= best[k][j]) {  // <=: a later start makes earlier stages longer
+          best[k][j] = v;
+          from[k][j] = i;
+        }
+      }
+  std::vector<std::size_t> b(p + 1);
+  b[p] = n;
+  for (std::size_t k = p; k >= 1; --k) b[k - 1] = from[k][b[k]];
+  return StagePartition(std::move(b));
+}
+
+enum class Schedule {
+  GPipe,     ///< all forwards, then all backwards (m caches alive per stage)
+  OneFOneB,  ///< warm-up, one forward one backward, drain (at most p caches alive)
+};
+
+inline const char* schedule_name(Schedule s) { return s == Schedule::GPipe ? "gpipe" : "1f1b"; }
+
+/// One step of a stage's schedule.
+struct PipelineAction {
+  enum Kind : char { Forward = 'F', Backward = 'B' } kind;
+  int micro_batch;
+};
+
+/// The order in which `stage` of `stages` runs forwards and backwards of m micro-batches (Note [Schedules]).
+inline std::vector<PipelineAction> make_schedule(Schedule s, int stage, int stages, int m) {
+  PTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && m >= 1, Error, "[ptrain.pipeline.schedule] stage ",
+               stage, " of ", stages, " with ", m, " micro-batches is invalid");
+  std::vector<PipelineAction> out;
+  if (s == Schedule::GPipe) {
+    for (int i = 0; i < m; ++i) out.push_back({PipelineAction::Forward, i});
+    for (int i = 0; i < m; ++i) out.push_back({PipelineAction::Backward, i});
+    return out;
+  }
+  const int warmup = std::min(stages - stage - 1, m);
+  int f = 0, b = 0;
+  for (; f < warmup; ++f) out.push_back({PipelineAction::Forward, f});
+  for (; f < m; ++f, ++b) {
+    out.push_back({PipelineAction::Forward, f});
+    out.push_back({PipelineAction::Backward, b});
+  }
+  for (; b < m; ++b) out.push_back({PipelineAction::Backward, b});
+  return out;
+}
+
+/// Start and end of one forward or backward (steady-clock seconds, comparable across processes of one host).
+struct PipelineEvent {
+  int stage;
+  int micro_batch;
+  char kind;  ///< 'F' or 'B'
+  double start, end;
+};
+
+/// Loss of the last stage: returns the loss of one micro-batch and sets dout to
+/// the gradient of scale * loss with respect to the output.
+template <class T>
+using PipelineLoss = std::function<double(const Tensor<T>& output, const Tensor<std::int32_t>& targets,
+                                          Tensor<T>& dout, T scale)>;
+
+template <class T>
+struct PipelineOptions {
+  Schedule schedule = Schedule::OneFOneB;
+  int micro_batches = 1;  ///< m; the batch's first dimension must be divisible by it
+  /// Parameter-name prefix of each unit (e.g. GPT's unit_names()); default: the unit index.
+  std::vector<std::string> unit_names = {};
+  /// Loss on the last stage; default: mean cross-entropy over the rows of the output.
+  PipelineLoss<T> loss = {};
+  /// Replicas of this stage in other pipelines (data parallel): gradients are averaged over this group
+  /// after the stage's last backward, overlapping the stages still running. Must outlive the pipeline.
+  dist::Communicator* data_parallel = nullptr;
+  /// Zero the stage's gradients at the start of each train_step (off: accumulate across steps).
+  bool zero_grad = true;
+  /// Broadcast the loss from the last stage so train_step returns it on every stage.
+  bool broadcast_loss = true;
+};
+
+namespace detail {
+using ::ptrain::detail::cat;
+
+// The units of one stage, named by their global unit name so parameter names
+// match the full model's (checkpoints, error messages).
+template <class T>
+class StageModule : public nn::Module<T> {
+ public:
+  void add(const std::string& name, std::shared_ptr<nn::Module<T>> unit) {
+    units_.push_back(unit);
+    this->register_module(name, std::move(unit));
+  }
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    Tensor<T> h = x;
+    for (std::size_t i = 0; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
+    return h;
+  }
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    Tensor<T> g = dy;
+    for (std::size_t i = units_.size(); i-- > 0;) g = units_[i]->backward(g, cache.child(i));
+    cache.clear();
+    return g;
+  }
+  std::string describe() const override {
+    std::string s = "Stage(";
+    for (std::size_t i = 0; i < units_.size(); ++i) s += (i ? ", " : "") + units_[i]->describe();
+    return s + ")";
+  }
+  std::size_t size() const { return units_.size(); }
+  nn::Module<T>& unit(std::size_t i) { return *units_.at(i); }
+
+ private:
+  std::vector<std::shared_ptr<nn::Module<T>>> units_;
+};
+
+constexpr int kShapeTag = 1 << 20;   // tag of the one-time shape message (Note [Shapes])
+constexpr int kMaxShapeDims = 8;
+
+inline double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace detail
+
+/// One rank's stage of a pipeline over the ranks of `comm` (stage = comm.rank()).
+template <class T>
+class Pipeline {
+ public:
+  /// Builds unit u of the model; called only for this stage's units, in increasing u.
+  using UnitFactory = std::function<std::shared_ptr<nn::Module<T>>(std::size_t unit)>;
+
+  /// Collective over `comm` (size == partition.num_stages()). `comm` (and
+  /// options.data_parallel) must outlive the pipeline.
+  Pipeline(dist::Communicator& comm, std::size_t num_units, const UnitFactory& factory, StagePartition partition,
+           PipelineOptions<T> options = {})
+      : comm_(comm), part_(std::move(partition)), opt_(std::move(options)) {
+    PTRAIN_CHECK(part_.num_units() == num_units, Error, "[ptrain.pipeline.partition] the partition covers ",
+                 part_.num_units(), " units but the model has ", num_units);
+    PTRAIN_CHECK(part_.num_stages() == comm_.size(), Error, "[ptrain.pipeline.stages] the partition has ",
+                 part_.num_stages(), " stages but the pipeline group has ", comm_.size(),
+                 " ranks; cut the model into exactly one stage per rank of the group");
+    PTRAIN_CHECK(opt_.micro_batches >= 1, Error, "[ptrain.pipeline.micro_batches] micro_batches must be >= 1, got ",
+                 opt_.micro_batches);
+    PTRAIN_CHECK(opt_.unit_names.empty() || opt_.unit_names.size() == num_units, Error,
+                 "[ptrain.pipeline.names] ", opt_.unit_names.size(), " unit names for ", num_units, " units");
+    stage_ = comm_.rank();
+    for (std::size_t u = part_.begin(stage_); u < part_.end(stage_); ++u) {
+      auto unit = factory(u);
+      PTRAIN_CHECK(unit != nullptr, Error, "[ptrain.pipeline.factory] the unit factory returned null for unit ", u);
+      reject_tied_head(*unit, u);
+      module_.add(opt_.unit_names.empty() ? std::to_string(u) : opt_.unit_names[u], std::move(unit));
+    }
+    if (!module_.named_parameters().empty()) flat_ = std::make_unique<nn::FlatParameters<T>>(module_);
+  }
+
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  /// One batch: forward and backward of m micro-batches in the configured schedule,
+  /// gradients accumulated into parameters().grads() (and averaged over options.data_parallel).
+  /// input [B, ...] is read on the first stage and targets [B, ...] on the last; other
+  /// stages may pass empty tensors. B must be divisible by m and the same every step.
+  /// Returns the mean micro-batch loss (every stage with broadcast_loss, else NaN off the last stage).
+  double train_step(const Tensor<T>& input, const Tensor<std::int32_t>& targets) {
+    const int m = opt_.micro_batches, p = num_stages();
+    if (is_first()) check_batch(input, "input");
+    if (is_last()) check_batch(targets, "targets");
+    if (opt_.zero_grad && flat_) flat_->zero_grad();
+    events_.clear();
+    caches_.clear();
+    peak_live_ = backwards_done_ = 0;
+    agreeing_ = !shapes_agreed_;
+    double loss_sum = 0;
+    step_start_ = detail::steady_seconds();
+    try {
+      for (const PipelineAction& a : make_schedule(opt_.schedule, stage_, p, m)) {
+        if (a.kind == PipelineAction::Forward) loss_sum += forward_one(a.micro_batch, input, targets);
+        else backward_one(a.micro_batch);
+        reap_sends(false);
+      }
+      reap_sends(true);
+      shapes_agreed_ = true;
+      if (dp_work_) {
+        doing_ = "averaging gradients over the data-parallel group";
+        dp_work_->wait();
+        dp_work_.reset();
+      }
+    } catch (const CommError& e) {
+      abandon();
+      PTRAIN_THROW(CommError, "[ptrain.pipeline.comm] stage ", stage_, " of ", p, " (rank ", comm_.rank(),
+                   ") while ", doing_, ": ", e.what(), "; a neighbouring stage failed or died; every stage must call train_step "
+                   "with the same micro_batches and schedule");
+    } catch (...) {
+      abandon();
+      throw;
+    }
+    double loss = is_last() ? loss_sum / m : std::numeric_limits<double>::quiet_NaN();
+    if (opt_.broadcast_loss && p > 1) comm_.broadcast(&loss, 1, DType::F64, p - 1);
+    if (opt_.broadcast_loss && opt_.data_parallel && opt_.data_parallel->size() > 1)
+      opt_.data_parallel->all_reduce(&loss, 1, DType::F64, dist::ReduceOp::Avg);
+    return loss;
+  }
+
+  int stage() const { return stage_; }
+  int num_stages() const { return part_.num_stages(); }
+  bool is_first() const { return stage_ == 0; }
+  bool is_last() const { return stage_ == num_stages() - 1; }
+  const StagePartition& partition() const { return part_; }
+  const PipelineOptions<T>& options() const { return opt_; }
+  /// Changes the number of micro-batches for later steps (shapes are re-agreed).
+  void set_micro_batches(int m) {
+    PTRAIN_CHECK(m >= 1, Error, "[ptrain.pipeline.micro_batches] micro_batches must be >= 1, got ", m);
+    opt_.micro_batches = m;
+    shapes_agreed_ = false;
+  }
+  void set_schedule(Schedule s) { opt_.schedule = s; }
+
+  /// This stage's units in one module; parameter names are "<unit name>.<param>".
+  nn::Module<T>& module() { return module_; }
+  bool has_parameters() const { return flat_ != nullptr; }
+  /// The stage's parameters in flat buffers (for the optimizer); throws for a stage without parameters.
+  nn::FlatParameters<T>& parameters() {
+    PTRAIN_CHECK(flat_ != nullptr, Error, "[ptrain.pipeline.no_params] stage ", stage_,
+                 " has no parameters; cut the model so every stage holds a layer with weights");
+    return *flat_;
+  }
+
+  /// Forward/backward events of the last train_step, in execution order.
+  const std::vector<PipelineEvent>& timeline() const { return events_; }
+  /// Steady-clock time at which the last train_step started on this stage.
+  double step_start() const { return step_start_; }
+  /// Most micro-batch caches alive at once in the last train_step (Note [Schedules]).
+  int peak_live_caches() const { return peak_live_; }
+  /// Micro-batch caches alive now (0 between steps: each is freed when its backward ran).
+  int live_caches() const { return static_cast<int>(caches_.size()); }
+
+ private:
+  // What one micro-batch keeps between its forward and its backward.
+  struct MicroBatch {
+    nn::Cache<T> cache;       // the stage's activations
+    Tensor<T> dout;           // last stage: gradient of the scaled loss
+  };
+  struct PendingSend {
+    std::shared_ptr<dist::Work> work;
+    Tensor<T> keep;  // the buffer must outlive the transfer
+  };
+
+  void check_batch(const auto& t, const char* what) const {
+    PTRAIN_CHECK(t.defined() && t.dim() >= 1, ShapeError, "[ptrain.pipeline.batch] stage ", stage_, " needs the ",
+                 what, " batch (first dimension = batch rows)");
+    PTRAIN_CHECK(t.size(0) % opt_.micro_batches == 0, ShapeError, "[ptrain.pipeline.batch] ", what, " has ",
+                 t.size(0), " rows, not divisible by micro_batches = ", opt_.micro_batches,
+                 "; pick a batch size that is a multiple of m");
+  }
+
+  // A GPT head tied to the embedding would keep a pointer into another
+  // stage's unit (Note [Weight tying] in nn/models/gpt.hpp).
+  static void reject_tied_head(nn::Module<T>& unit, std::size_t u) {
+    if (auto* head = dynamic_cast<nn::LMHead<T>*>(&unit); head && head->tied())
+      PTRAIN_THROW(Error, "[ptrain.pipeline.tied] unit ", u, " is an LM head tied to the token embedding; a "
+                   "pipeline cannot share a weight between stages: build the model with tie_weights = false");
+  }
+
+  void record(char kind, int mb, double t0) {
+    events_.push_back({stage_, mb, kind, t0, detail::steady_seconds()});
+  }
+
+  // Note [Shapes]: sends this stage's output shape once, before the first activation.
+  void send_shape(const Shape& s) {
+    PTRAIN_CHECK(s.size() <= detail::kMaxShapeDims, ShapeError, "[ptrain.pipeline.shape] activations of rank ",
+                 s.size(), " exceed ", detail::kMaxShapeDims, " dimensions");
+    auto& msg = shape_msgs_.emplace_back();
+    msg.fill(0);
+    msg[0] = s.size();
+    for (int i = 0; i < s.size(); ++i) msg[static_cast<std::size_t>(i) + 1] = s[i];
+    sends_int_.push_back(comm_.send_async(msg.data(), msg.size(), DType::I64, stage_ + 1, detail::kShapeTag));
+  }
+  Shape recv_shape() {
+    std::vector<std::int64_t> msg(detail::kMaxShapeDims + 1, 0);
+    doing_ = detail::cat("receiving the activation shape from stage ", stage_ - 1);
+    comm_.recv(msg.data(), msg.size(), DType::I64, stage_ - 1, detail::kShapeTag);
+    PTRAIN_CHECK(msg[0] >= 1 && msg[0] <= detail::kMaxShapeDims, CommError, "[ptrain.pipeline.shape] stage ",
+                 stage_, " got a corrupt shape message from stage ", stage_ - 1);
+    return Shape(std::vector<std::int64_t>(msg.begin() + 1, msg.begin() + 1 + msg[0]));
+  }
+
+  double forward_one(int mb, const Tensor<T>& input, const Tensor<std::int32_t>& targets) {
+    const int m = opt_.micro_batches;
+    Tensor<T> x;
+    if (is_first()) {
+      const std::int64_t rows = input.size(0) / m;
+      x = input.narrow(mb * rows, rows);
+      if (agreeing_ && mb == 0) in_shape_ = x.shape();
+      PTRAIN_CHECK(x.shape() == in_shape_, ShapeError, "[ptrain.pipeline.shape] the micro-batch shape ", x.shape(),
+                   " differs from ", in_shape_, " agreed on the first step; keep the batch size fixed (drop a "
+                   "last partial batch) or call set_micro_batches() on every stage to agree again");
+    } else {
+      if (agreeing_ && mb == 0) in_shape_ = recv_shape();
+      x = Tensor<T>::empty(in_shape_);
+      doing_ = detail::cat("receiving the activation of micro-batch ", mb, " from stage ", stage_ - 1);
+      comm_.recv(x.data(), static_cast<std::size_t>(x.numel()), dtype_of<T>(), stage_ - 1, 2 * mb);
+    }
+    const double t0 = detail::steady_seconds();
+    auto [it, fresh] = caches_.try_emplace(mb);
+    PTRAIN_CHECK(fresh, Error, "[ptrain.pipeline.schedule] micro-batch ", mb, " ran forward twice");
+    peak_live_ = std::max(peak_live_, static_cast<int>(caches_.size()));
+    MicroBatch& state = it->second;
+    Tensor<T> y = module_.forward(x, state.cache);
+    double loss = 0;
+    if (is_last()) {
+      const std::int64_t rows = targets.size(0) / m;
+      loss = compute_loss(y, targets.narrow(mb * rows, rows), state.dout);
+      record('F', mb, t0);
+      return loss;
+    }
+    record('F', mb, t0);
+    if (agreeing_ && mb == 0) {
+      out_shape_ = y.shape();
+      send_shape(out_shape_);
+    }
+    PTRAIN_CHECK(y.shape() == out_shape_, ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
+                 " produced an activation of shape ", y.shape(), " but the shape agreed on the first step is ",
+                 out_shape_, "; keep the batch size and sequence length fixed across steps");
+    sends_.push_back({comm_.send_async(y.data(), static_cast<std::size_t>(y.numel()), dtype_of<T>(), stage_ + 1,
+                                       2 * mb),
+                      y});
+    return 0;
+  }
+
+  double compute_loss(const Tensor<T>& y, const Tensor<std::int32_t>& t, Tensor<T>& dout) {
+    const T scale = static_cast<T>(1.0 / opt_.micro_batches);
+    if (opt_.loss) return opt_.loss(y, t, dout, scale);
+    nn::CrossEntropyLoss<T> ce;
+    nn::Cache<T> lc;
+    const double loss = ce.forward(y, t, lc);
+    dout = ce.backward(lc, scale);
+    return loss;
+  }
+
+  void backward_one(int mb) {
+    auto it = caches_.find(mb);
+    PTRAIN_CHECK(it != caches_.end(), Error, "[ptrain.pipeline.schedule] backward of micro-batch ", mb,
+                 " before its forward");
+    Tensor<T> dy;
+    if (is_last()) {
+      dy = it->second.dout;
+    } else {
+      dy = Tensor<T>::empty(out_shape_);
+      doing_ = detail::cat("receiving the gradient of micro-batch ", mb, " from stage ", stage_ + 1);
+      comm_.recv(dy.data(), static_cast<std::size_t>(dy.numel()), dtype_of<T>(), stage_ + 1, 2 * mb + 1);
+    }
+    const double t0 = detail::steady_seconds();
+    Tensor<T> dx = module_.backward(dy, it->second.cache);
+    caches_.erase(it);  // the activations of this micro-batch are no longer needed
+    // The stage's gradients are final: average them over the replicas while
+    // earlier stages still run their backwards.
+    if (++backwards_done_ == opt_.micro_batches && opt_.data_parallel && opt_.data_parallel->size() > 1 && flat_)
+      dp_work_ = opt_.data_parallel->all_reduce_async(flat_->grads(), dist::ReduceOp::Avg);
+    record('B', mb, t0);
+    if (!is_first()) {
+      PTRAIN_CHECK(dx.defined() && dx.shape() == in_shape_, ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
+                   " returned an input gradient of shape ", dx.defined() ? dx.shape().str() : std::string("(none)"),
+                   " for an input of shape ", in_shape_, "; every unit after the first must return dx");
+      sends_.push_back({comm_.send_async(dx.data(), static_cast<std::size_t>(dx.numel()), dtype_of<T>(),
+                                         stage_ - 1, 2 * mb + 1),
+                        dx});
+    }
+  }
+
+  // Frees the buffers of finished sends; with `all`, waits for every one (end of step).
+  void reap_sends(bool all) {
+    doing_ = "completing sends to the neighbouring stages";
+    if (all) {
+      for (auto& s : sends_) s.work->wait();
+      sends_.clear();
+      for (auto& w : sends_int_) w->wait();
+      sends_int_.clear();
+      shape_msgs_.clear();
+      return;
+    }
+    // Completions arrive in posting order, so only a prefix can be done.
+    std::size_t done = 0;
+    while (done < sends_.size() && sends_[done].work->is_completed()) ++done;
+    if (done) sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(done));
+  }
+
+  // After a failure: drop every micro-batch. Send buffers stay alive (the
+  // failed communicator may still hold them) until the pipeline is destroyed.
+  void abandon() {
+    caches_.clear();
+    abandoned_.insert(abandoned_.end(), sends_.begin(), sends_.end());
+    sends_.clear();
+    sends_int_.clear();
+    dp_work_.reset();
+  }
+
+  dist::Communicator& comm_;
+  StagePartition part_;
+  PipelineOptions<T> opt_;
+  int stage_ = 0;
+  detail::StageModule<T> module_;
+  std::unique_ptr<nn::FlatParameters<T>> flat_;
+  std::map<int, MicroBatch> caches_;
+  int peak_live_ = 0, backwards_done_ = 0;
+  bool shapes_agreed_ = false, agreeing_ = false;
+  Shape in_shape_, out_shape_;
+  std::vector<PendingSend> sends_, abandoned_;
+  std::vector<std::shared_ptr<dist::Work>> sends_int_;
+  std::deque<std::array<std::int64_t, detail::kMaxShapeDims + 1>> shape_msgs_;
+  std::shared_ptr<dist::Work> dp_work_;
+  std::vector<PipelineEvent> events_;
+  double step_start_ = 0;
+  std::string doing_;  // the communication in progress, for error messages
+};
+
+}  // namespace ptrain::parallel

@@ -1,0 +1,224 @@
+// FSDP against one process training on the global batch (which DDP equals,
+// see test_ddp.cpp). Every rank runs every test case in the same order;
+// checks use CHECK so no rank skips collectives.
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ptrain/dist/process_group.hpp>
+
+#include "dist/parallel/world.hpp"
+#include <ptrain/nn/loss.hpp>
+#include <ptrain/nn/models/gpt.hpp>
+#include <ptrain/nn/models/mlp.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/fsdp.hpp>
+
+using namespace ptrain;
+using ptrain::testing::world;
+using parallel::ShardingStrategy;
+
+namespace {
+
+nn::GPTConfig tiny_gpt(bool tie) {
+  // 11-token vocabulary and odd widths: group sizes are not multiples of 2, 3 or 4.
+  return {.vocab_size = 11, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 10, .tie_weights = tie};
+}
+
+// Tokens in [0, vocab) as T values, and next-token targets.
+struct TokenBatch {
+  Tensor<float> ids;
+  Tensor<std::int32_t> targets;
+};
+TokenBatch make_tokens(std::int64_t rows, std::int64_t seq, std::int64_t vocab, std::uint64_t seed) {
+  Generator g(seed);
+  TokenBatch b{Tensor<float>::empty({rows, seq}), Tensor<std::int32_t>::empty({rows * seq})};
+  for (std::int64_t i = 0; i < rows * seq; ++i) {
+    b.ids.data()[i] = static_cast<float>(g.below(static_cast<std::uint64_t>(vocab)));
+    b.targets.data()[i] = static_cast<std::int32_t>(g.below(static_cast<std::uint64_t>(vocab)));
+  }
+  return b;
+}
+TokenBatch rows_of(const TokenBatch& b, std::int64_t start, std::int64_t rows, std::int64_t seq) {
+  return {b.ids.narrow(start, rows), b.targets.narrow(start * seq, rows * seq)};
+}
+
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return diff / scale;
+}
+
+parallel::FSDPOptions options_for(ShardingStrategy s) {
+  const int n = world().size();
+  return {.strategy = s, .hybrid_shard_size = n % 2 == 0 ? n / 2 : n};
+}
+
+// K AdamW steps of a tiny GPT: FSDP on this rank's rows vs one process on all rows.
+void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int micro_batches) {
+  auto& comm = world();
+  const int n = comm.size(), r = comm.rank();
+  const auto cfg = tiny_gpt(tie);
+  const std::int64_t B = 2, S = 6, steps = 3;
+  Generator ga(11), gb(11);
+  nn::GPT<float> ref(cfg, ga);
+  nn::GPT<float> model(cfg, gb);
+  nn::FlatParameters<float> ref_p(ref);
+  const optim::AdamWOptions adam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
+  optim::AdamW<float> ref_opt(ref_p, adam);
+  parallel::FSDP<float> fsdp(model.units(), comm, options_for(strategy));
+  optim::AdamW<float> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
+  nn::CrossEntropyLoss<float> ce;
+
+  for (std::int64_t s = 0; s < steps; ++s) {
+    // Global batch: micro_batches x n x B rows; micro-batch j of rank r is rows [(j n + r) B, + B).
+    auto global = make_tokens(micro_batches * n * B, S, cfg.vocab_size, 500 + static_cast<std::uint64_t>(s));
+    {
+      nn::Cache<float> c, lc;
+      ref_p.zero_grad();
+      ce.forward(ref.forward(global.ids, c), global.targets, lc);
+      ref.backward(ce.backward(lc), c);
+      ref_opt.step();
+    }
+    fsdp.zero_grad();
+    for (int j = 0; j < micro_batches; ++j) {
+      auto mine = rows_of(global, (j * n + r) * B, B, S);
+      nn::Cache<float> c, lc;
+      ce.forward(fsdp.forward(mine.ids, c), mine.targets, lc);
+      auto d = ce.backward(lc, 1.0f / static_cast<float>(micro_batches));
+      if (j + 1 < micro_batches) {
+        auto guard = fsdp.no_sync();
+        fsdp.backward(d, c);
+      } else {
+        fsdp.backward(d, c);
+      }
+    }
+    fsdp.optimizer_step(opt);
+  }
+  std::vector<float> got, want;
+  for (auto& [name, t] : fsdp.full_parameters()) {
+    auto v = t.to_vector();
+    got.insert(got.end(), v.begin(), v.end());
+  }
+  for (auto& p : ref.named_parameters()) {
+    auto v = p.param->value.to_vector();
+    want.insert(want.end(), v.begin(), v.end());
+  }
+  REQUIRE(got.size() == want.size());
+  const double err = rel_error(got, want);
+  INFO(parallel::strategy_name(strategy) << (tie ? " tied" : " untied") << ", " << micro_batches
+                                         << " micro-batches, rank " << r << " of " << n << ": relative error " << err);
+  CHECK(err <= 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("FSDP strategies equal one process on a GPT", "[fsdp]") {
+  for (auto s : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::ShardOptimizer,
+                 ShardingStrategy::NoShard, ShardingStrategy::Hybrid})
+    check_gpt_matches_single_process(s, false, 1);
+}
+
+TEST_CASE("FSDP gradient accumulation over micro-batches", "[fsdp]") {
+  check_gpt_matches_single_process(ShardingStrategy::FullShard, false, 3);
+  check_gpt_matches_single_process(ShardingStrategy::ShardOptimizer, false, 2);
+}
+
+TEST_CASE("FSDP shards each unit evenly, padding to the world size", "[fsdp]") {
+  auto& comm = world();
+  Generator g(1);
+  nn::MLP<float> mlp(7, {5}, 3, nn::Activation::ReLU, g);  // groups of 40 and 18 elements
+  parallel::FSDP<float> fsdp(mlp.units(), comm);
+  REQUIRE(fsdp.num_groups() == 2);
+  const std::int64_t n = comm.size();
+  CHECK(fsdp.group_numel(0) == 7 * 5 + 5);
+  CHECK(fsdp.group_padded(0) == (40 + n - 1) / n * n);
+  CHECK(fsdp.local_values().numel() == fsdp.group_padded(0) / n + fsdp.group_padded(1) / n);
+  // The pieces of parameters on all ranks cover every parameter exactly once.
+  std::int64_t mine = 0;
+  for (auto& e : fsdp.local_entries()) mine += e.numel();
+  comm.all_reduce(&mine, 1, DType::I64, dist::ReduceOp::Sum);
+  CHECK(mine == 40 + 18);
+}
+
+TEST_CASE("FSDP persistent memory follows the ZeRO formulas", "[fsdp][memory]") {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto cfg = nn::GPTConfig{.vocab_size = 64, .block_size = 16, .n_layer = 4, .n_head = 2, .n_embd = 32,
+                                 .tie_weights = false};
+  const double psi = static_cast<double>(cfg.num_parameters());
+  if (comm.rank() == 0) std::printf("FSDP memory, GPT with %.0f parameters, %d ranks (bytes per rank)\n", psi, n);
+  for (auto s : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::ShardOptimizer,
+                 ShardingStrategy::NoShard, ShardingStrategy::Hybrid}) {
+    const auto before = memory_stats().live_bytes;
+    std::int64_t persistent = 0, peak = 0, padding = 0;
+    {
+      Generator g(3);
+      nn::GPT<float> model(cfg, g);
+      parallel::FSDP<float> fsdp(model.units(), comm, options_for(s));
+      optim::AdamW<float> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), {});
+      persistent = memory_stats().live_bytes - before;
+      for (std::size_t gi = 0; gi < fsdp.num_groups(); ++gi) padding += fsdp.group_padded(gi) - fsdp.group_numel(gi);
+      // One step, for the peak.
+      auto b = make_tokens(2, 8, cfg.vocab_size, 9);
+      nn::CrossEntropyLoss<float> ce;
+      nn::Cache<float> c, lc;
+      reset_peak_memory();
+      fsdp.zero_grad();
+      ce.forward(fsdp.forward(b.ids, c), b.targets, lc);
+      fsdp.backward(ce.backward(lc), c);
+      fsdp.optimizer_step(opt);
+      peak = memory_stats().peak_bytes - before;
+    }
+    const int ns = s == ShardingStrategy::NoShard ? 1 : (s == ShardingStrategy::Hybrid ? options_for(s).hybrid_shard_size : n);
+    const double pad = 4.0 * static_cast<double>(padding);
+    double formula = 16.0 * (psi + static_cast<double>(padding)) / ns;  // FullShard, Hybrid, NoShard
+    if (s == ShardingStrategy::ShardGradOp) formula = 4.0 * psi + pad + 16.0 * (psi + static_cast<double>(padding)) / n;
+    if (s == ShardingStrategy::ShardOptimizer) formula = 8.0 * (psi + static_cast<double>(padding)) + 16.0 * (psi + static_cast<double>(padding)) / n;
+    if (comm.rank() == 0)
+      std::printf("  %-16s persistent %9lld  formula %9.0f  peak %9lld\n", parallel::strategy_name(s),
+                  static_cast<long long>(persistent), formula, static_cast<long long>(peak));
+    INFO(parallel::strategy_name(s) << ": persistent " << persistent << " bytes, formula " << formula);
+    CHECK(static_cast<double>(persistent) <= formula + 1e-9);
+    CHECK(static_cast<double>(persistent) >= formula - pad - 1e-9);
+  }
+}
+
+TEST_CASE("FSDP prefetches the next unit's parameters before the current unit finishes", "[fsdp]") {
+  auto& comm = world();
+  if (comm.size() == 1) return;
+  Generator g(5);
+  nn::GPT<float> model(tiny_gpt(false), g);
+  parallel::FSDP<float> fsdp(model.units(), comm);
+  auto b = make_tokens(2, 6, 11, 3);
+  nn::CrossEntropyLoss<float> ce;
+  nn::Cache<float> c, lc;
+  fsdp.clear_events();
+  ce.forward(fsdp.forward(b.ids, c), b.targets, lc);
+  fsdp.backward(ce.backward(lc), c);
+  fsdp.finish_gradient_sync();
+  // Forward: the gather of group 1 (block 0) is issued before unit 0 (embedding) ends.
+  double gather1 = -1, fwd0_end = -1;
+  const auto& ev = fsdp.events();
+  for (const auto& e : ev) {
+    if (e.what == "gather" && e.index == 1 && gather1 < 0) gather1 = e.time;
+    if (e.what == "forward_end" && e.index == 0 && fwd0_end < 0) fwd0_end = e.time;
+  }
+  CHECK(gather1 >= 0);
+  CHECK(gather1 < fwd0_end);
+  // Backward: the last block's group (released after forward) is gathered again
+  // before the head's backward ends, i.e. while the head computes.
+  const int head = static_cast<int>(model.units().size()) - 1;
+  double fwd_head_end = -1, bwd_head_end = -1, regather = -1;
+  for (const auto& e : ev) {
+    if (e.what == "forward_end" && e.index == head) fwd_head_end = e.time;
+    if (e.what == "backward_end" && e.index == head) bwd_head_end = e.time;
+  }
+  for (const auto& e : ev)
+    if (e.what == "gather" && e.index == head - 1 && e.time > fwd_head_end && regather < 0) regather = e.time;
+  CHECK(regather > 0);
+  CHECK(regather < bwd_head_end);
+}
