@@ -224,13 +224,17 @@ class FSDP : public nn::Module<T> {
     Tensor<T> full_grad;  // gradients during backward (views of full_grads_ when kept)
     std::shared_ptr<dist::Work> gather_work;
   };
+  // A group's gradient reduction in flight: a reduce-scatter over the shard
+  // group, then (Hybrid, NoShard) an all-reduce over the replicas. Both stages
+  // run asynchronously; the second starts when the first is found complete.
   struct Pending {
     int group;
-    Tensor<T> grad;            // full gradient being reduced (kept alive until done)
-    Tensor<T> out;             // reduce-scatter output [shard]
-    std::vector<bf16> wire;    // BF16 reduction buffers
+    Tensor<T> grad;             // full gradient being reduced (kept alive until done)
+    Tensor<T> out;              // the shard's reduced gradient [shard]
+    std::vector<bf16> wire;     // BF16 reduction buffers
     std::vector<bf16> wire_out;
     std::shared_ptr<dist::Work> work;
+    bool replicated = false;    // the replica all-reduce was started
   };
 
   static double now() {
@@ -430,28 +434,42 @@ class FSDP : public nn::Module<T> {
                                                    dist::ReduceOp::Avg);
       }
     } else {
-      p.out = grad;  // NoShard: the "shard" is the whole group, reduced across replicas below
+      p.out = grad;  // NoShard: the "shard" is the whole group, reduced across replicas
+      start_replication(p);
     }
     pending_.push_back(std::move(p));
+  }
+
+  void start_replication(Pending& p) {
+    p.replicated = true;
+    if (replicate_comm_ && replicate_comm_->size() > 1)
+      p.work = replicate_comm_->all_reduce_async(p.out.data(), p.out.data(), static_cast<std::size_t>(p.out.numel()),
+                                                 dtype_of<T>(), dist::ReduceOp::Avg);
+    else
+      p.work.reset();
   }
 
   void complete_reduction() {
     Pending p = std::move(pending_.front());
     pending_.erase(pending_.begin());
     auto& grp = groups_[static_cast<std::size_t>(p.group)];
-    const auto what = [&](const char* op) { return ::ptrain::detail::cat(op, " of FSDP group ", p.group); };
     try {
-      if (p.work) p.work->wait(shard_comm_->timeout());
-      if (!p.wire_out.empty())
-        for (std::size_t i = 0; i < p.wire_out.size(); ++i) p.out.data()[i] = static_cast<T>(static_cast<float>(p.wire_out[i]));
-      if (replicate_comm_ && replicate_comm_->size() > 1) replicate_comm_->all_reduce(p.out, dist::ReduceOp::Avg);
+      if (p.work) p.work->wait(shard_comm_ && !p.replicated ? shard_comm_->timeout() : replicate_comm_->timeout());
+      if (!p.replicated) {
+        if (!p.wire_out.empty())
+          for (std::size_t i = 0; i < p.wire_out.size(); ++i)
+            p.out.data()[i] = static_cast<T>(static_cast<float>(p.wire_out[i]));
+        start_replication(p);
+        if (p.work) p.work->wait(replicate_comm_->timeout());
+      }
     } catch (const CommError& e) {
-      PTRAIN_THROW(CommError, "[ptrain.fsdp.reduce] ", what("gradient reduction"), " failed: ", e.what());
+      PTRAIN_THROW(CommError, "[ptrain.fsdp.reduce] gradient reduction of FSDP group ", p.group, " failed: ",
+                   e.what());
     }
     auto local = local_grads_.view(grp.local_offset, {grp.shard});
     if (keep_full_grads_) {
       // The full gradients hold the accumulation; the shard takes this step's reduced value.
-      if (!local.shares_storage(p.out) || local.data() != p.out.data()) local.copy_(p.out);
+      if (local.data() != p.out.data()) local.copy_(p.out);
     } else {
       ops::axpy_(T(1), p.out, local);
     }
