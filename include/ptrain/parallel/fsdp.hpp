@@ -62,6 +62,7 @@
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/ops/activation.hpp"
+#include "ptrain/optim/clip.hpp"
 #include "ptrain/optim/optimizer.hpp"
 #include "ptrain/parallel/model_check.hpp"
 
@@ -164,6 +165,17 @@ class FSDP : public nn::Module<T> {
         shard_comm_->all_gather(local_values_.data() + grp.local_offset, grp.full.data(),
                                 static_cast<std::size_t>(grp.shard), dtype_of<T>());
       }
+  }
+
+  /// Global-norm clipping of the sharded gradients (collective): the squared
+  /// norm of each shard is summed over the shard group, whose shards together
+  /// hold every gradient once; replicas (Hybrid) hold the same shards.
+  double clip_grad_norm_(double max_norm) {
+    finish_gradient_sync();
+    return optim::clip_grad_norm_(local_grads_, max_norm, [this](double sq) {
+      if (shard_comm_ && shard_comm_->size() > 1) shard_comm_->all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
+      return sq;
+    });
   }
 
   /// Zeroes the local gradient shard (and kept full gradients).

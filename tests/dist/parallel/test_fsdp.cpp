@@ -222,3 +222,34 @@ TEST_CASE("FSDP prefetches the next unit's parameters before the current unit fi
   CHECK(regather > 0);
   CHECK(regather < bwd_head_end);
 }
+
+TEST_CASE("FSDP global-norm clipping equals clipping the full gradient", "[fsdp]") {
+  auto& comm = world();
+  const auto cfg = tiny_gpt(false);
+  Generator ga(13), gb(13);
+  nn::GPT<float> ref(cfg, ga);
+  nn::GPT<float> model(cfg, gb);
+  nn::FlatParameters<float> ref_p(ref);
+  parallel::FSDP<float> fsdp(model.units(), comm, options_for(ShardingStrategy::Hybrid));
+  const int n = comm.size(), r = comm.rank();
+  auto global = make_tokens(2 * n, 6, cfg.vocab_size, 77);
+  nn::CrossEntropyLoss<float> ce;
+  {
+    nn::Cache<float> c, lc;
+    ce.forward(ref.forward(global.ids, c), global.targets, lc);
+    ref.backward(ce.backward(lc), c);
+  }
+  auto mine = rows_of(global, 2 * r, 2, 6);
+  nn::Cache<float> c, lc;
+  fsdp.zero_grad();
+  ce.forward(fsdp.forward(mine.ids, c), mine.targets, lc);
+  fsdp.backward(ce.backward(lc), c);
+  const double want = optim::clip_grad_norm_(ref_p.grads(), 1e-3);
+  const double got = fsdp.clip_grad_norm_(1e-3);
+  CHECK(got == Approx(want).epsilon(1e-5));
+  // The clipped local shard has norm 1e-3 / (norm + 1e-6) * norm over the shard group.
+  double sq = ops::sum_squares(fsdp.local_grads());
+  comm.all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
+  const int replicas = n / options_for(ShardingStrategy::Hybrid).hybrid_shard_size;
+  CHECK(std::sqrt(sq / replicas) == Approx(1e-3 * want / (want + 1e-6)).epsilon(1e-4));
+}
