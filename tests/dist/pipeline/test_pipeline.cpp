@@ -1,0 +1,529 @@
+// Pipeline parallelism against one process. The executable runs as a real
+// multi-process job (mpirun: MPI; ptrun: Gloo) and uses every rank as one stage
+// (p = world size), or, for meshes, every factorisation dp x pp of the world.
+// Every rank runs every test case in the same order; value checks use CHECK
+// (never REQUIRE) so a wrong value cannot make one rank skip communication the
+// others still do.
+//
+// Reference: the same units built by the same factory, chained in one process
+// and trained on the whole (global) batch without micro-batches.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <climits>
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <ptrain/dist/process_group.hpp>
+#include <ptrain/nn/activation.hpp>
+#include <ptrain/nn/linear.hpp>
+#include <ptrain/nn/models/gpt.hpp>
+#include <ptrain/nn/sequential.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/optim/sgd.hpp>
+#include <ptrain/parallel/mesh.hpp>
+#include <ptrain/parallel/pipeline.hpp>
+
+using namespace ptrain;
+using parallel::Schedule;
+
+namespace {
+
+struct WorldHolder {
+  std::unique_ptr<dist::Communicator> comm;
+  ~WorldHolder() {
+    try {
+      if (comm) comm->barrier();
+    } catch (...) {
+    }
+  }
+};
+dist::Communicator& world() {
+  static WorldHolder h{dist::init_process_group()};
+  return *h.comm;
+}
+
+// Eight MLP-style units: Linear + GELU, the last one a plain Linear to the
+// classes. Unit u draws its weights from its own seed, so a rank that builds
+// only some units gets exactly the values the full model has.
+constexpr std::int64_t kFeatures = 6, kClasses = 4;
+const std::vector<std::int64_t> kWidths{kFeatures, 12, 10, 14, 9, 11, 13, 8, kClasses};
+constexpr std::size_t kUnits = 8;
+
+std::shared_ptr<nn::Module<float>> make_unit(std::size_t u) {
+  Generator g(1000 + u);
+  auto s = std::make_shared<nn::Sequential<float>>();
+  s->add(std::make_shared<nn::Linear<float>>(kWidths[u], kWidths[u + 1], true, g));
+  if (u + 1 < kUnits) s->add(std::make_shared<nn::GELU<float>>());
+  return s;
+}
+
+std::unique_ptr<nn::Sequential<float>> full_model() {
+  auto m = std::make_unique<nn::Sequential<float>>();
+  for (std::size_t u = 0; u < kUnits; ++u) m->add(make_unit(u));
+  return m;
+}
+
+struct Batch {
+  Tensor<float> x;
+  Tensor<std::int32_t> y;
+};
+Batch make_batch(std::int64_t rows, std::uint64_t seed) {
+  Generator g(seed);
+  Batch b{Tensor<float>::empty({rows, kFeatures}), Tensor<std::int32_t>::empty({rows})};
+  ops::uniform_(b.x, -1.0, 1.0, g);
+  for (std::int64_t i = 0; i < rows; ++i) b.y.data()[i] = static_cast<std::int32_t>(g.below(kClasses));
+  return b;
+}
+
+enum class Opt { SGD, AdamW };
+std::unique_ptr<optim::Optimizer<float>> make_opt(Opt kind, nn::FlatParameters<float>& p) {
+  if (kind == Opt::SGD) return std::make_unique<optim::SGD<float>>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  // eps 1e-6: see the note in tests/dist/parallel/test_ddp.cpp (rounding noise on near-zero gradients).
+  return std::make_unique<optim::AdamW<float>>(p, optim::AdamWOptions{.lr = 0.01, .eps = 1e-6});
+}
+
+// Trains the reference on the full batches; returns each step's loss.
+template <class Model>
+std::vector<double> train_reference(Model& model, nn::FlatParameters<float>& p, Opt kind,
+                                    const std::vector<std::pair<Tensor<float>, Tensor<std::int32_t>>>& batches) {
+  auto opt = make_opt(kind, p);
+  std::vector<double> losses;
+  nn::CrossEntropyLoss<float> ce;
+  for (auto& [x, y] : batches) {
+    nn::Cache<float> c, lc;
+    p.zero_grad();
+    losses.push_back(ce.forward(model.forward(x, c), y, lc));
+    model.backward(ce.backward(lc), c);
+    opt->step();
+  }
+  return losses;
+}
+
+// max |a - b| / max |b| over this stage's parameters, matched by name with the reference.
+double rel_error(nn::Module<float>& stage, nn::Module<float>& ref) {
+  std::map<std::string, Tensor<float>> want;
+  for (auto& p : ref.named_parameters()) want[p.name] = p.param->value;
+  double diff = 0, scale = 0;
+  for (auto& p : stage.named_parameters()) {
+    auto it = want.find(p.name);
+    if (it == want.end()) return 1e30;  // a name the full model does not have
+    const auto& a = p.param->value;
+    const auto& b = it->second;
+    if (a.numel() != b.numel()) return 1e30;
+    for (std::int64_t i = 0; i < a.numel(); ++i) {
+      diff = std::max(diff, std::abs(static_cast<double>(a.data()[i]) - static_cast<double>(b.data()[i])));
+      scale = std::max(scale, std::abs(static_cast<double>(b.data()[i])));
+    }
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+std::vector<double> param_costs() {
+  std::vector<double> c;
+  for (std::size_t u = 0; u < kUnits; ++u) c.push_back(static_cast<double>(make_unit(u)->num_parameters()));
+  return c;
+}
+
+// Pipeline over `pp_comm` (one replica of `dp` with index `replica`) against the reference.
+void check_pipeline(dist::Communicator& pp_comm, dist::Communicator* dp_comm, Schedule sched, int m, Opt kind,
+                    const parallel::StagePartition& part) {
+  const int p = pp_comm.size(), s = pp_comm.rank();
+  const int dp = dp_comm ? dp_comm->size() : 1, replica = dp_comm ? dp_comm->rank() : 0;
+  // Global rows: divisible by dp * m (m = 4 in meshes, up to 8 without data parallelism).
+  const std::int64_t B = dp == 3 ? 24 : 16, steps = 3;
+  std::vector<std::pair<Tensor<float>, Tensor<std::int32_t>>> global;
+  for (std::int64_t i = 0; i < steps; ++i) {
+    auto b = make_batch(B, 77 + static_cast<std::uint64_t>(i));
+    global.emplace_back(b.x, b.y);
+  }
+  auto ref = full_model();
+  nn::FlatParameters<float> ref_p(*ref);
+  auto ref_losses = train_reference(*ref, ref_p, kind, global);
+
+  parallel::Pipeline<float> pipe(pp_comm, kUnits, make_unit, part,
+                                 {.schedule = sched, .micro_batches = m, .data_parallel = dp_comm});
+  auto opt = make_opt(kind, pipe.parameters());
+  const std::int64_t rows = B / dp;
+  for (std::int64_t i = 0; i < steps; ++i) {
+    auto& [x, y] = global[static_cast<std::size_t>(i)];
+    const double loss = pipe.train_step(x.narrow(replica * rows, rows), y.narrow(replica * rows, rows));
+    opt->step();
+    INFO("stage " << s << " of " << p << ", replica " << replica << " of " << dp << ", " << schedule_name(sched)
+                  << ", m = " << m << ", step " << i);
+    // Each replica's loss is the mean over its rows; averaged over replicas it is the global mean.
+    CHECK(std::abs(loss - ref_losses[static_cast<std::size_t>(i)]) <= 1e-5 * std::abs(ref_losses[static_cast<std::size_t>(i)]));
+    // Counted, not timed (Note [Schedules]): GPipe holds all m, 1F1B at most p - s.
+    const int want_peak = sched == Schedule::GPipe ? m : std::min(p - s, m);
+    CHECK(pipe.peak_live_caches() == want_peak);
+    CHECK(pipe.peak_live_caches() <= (sched == Schedule::GPipe ? m : p));
+    CHECK(pipe.live_caches() == 0);
+    // The timeline follows the schedule: 2m events, in make_schedule's order.
+    auto plan = parallel::make_schedule(sched, s, p, m);
+    const auto& tl = pipe.timeline();
+    CHECK(tl.size() == plan.size());
+    for (std::size_t k = 0; k < std::min(tl.size(), plan.size()); ++k) {
+      CHECK(tl[k].kind == static_cast<char>(plan[k].kind));
+      CHECK(tl[k].micro_batch == plan[k].micro_batch);
+      CHECK(tl[k].end >= tl[k].start);
+      if (k) CHECK(tl[k].start >= tl[k - 1].end);
+    }
+  }
+  const double err = rel_error(pipe.module(), *ref);
+  INFO("stage " << s << " of " << p << " (" << part.str() << "), replica " << replica << ", "
+                << schedule_name(sched) << ", m = " << m << ": relative error " << err);
+  CHECK(err <= 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("partition_by_cuts and partition_balanced", "[pipeline]") {
+  auto p = parallel::partition_by_cuts(6, {2, 4});
+  CHECK(p.bounds() == std::vector<std::size_t>{0, 2, 4, 6});
+  CHECK(p.stage_of(0) == 0);
+  CHECK(p.stage_of(3) == 1);
+  CHECK(p.stage_of(5) == 2);
+  CHECK_THROWS_WITH(parallel::partition_by_cuts(6, {4, 2}), Catch::Contains("[ptrain.pipeline.cuts]"));
+  CHECK_THROWS_WITH(parallel::partition_by_cuts(6, {0}), Catch::Contains("[ptrain.pipeline.cuts]"));
+  CHECK_THROWS_WITH(parallel::partition_balanced({1, 2}, 3), Catch::Contains("[ptrain.pipeline.balance]"));
+
+  // Against brute force over every set of cut points: the same smallest maximum.
+  Generator g(3);
+  for (int trial = 0; trial < 40; ++trial) {
+    const std::size_t n = 2 + g.below(7);
+    const int stages = 1 + static_cast<int>(g.below(std::min<std::uint64_t>(n, 4)));
+    std::vector<double> cost(n);
+    for (auto& c : cost) c = static_cast<double>(g.below(20));
+    auto part = parallel::partition_balanced(cost, stages);
+    REQUIRE(part.num_stages() == stages);
+    auto max_cost = [&](const std::vector<std::size_t>& b) {
+      double mx = 0;
+      for (std::size_t k = 0; k + 1 < b.size(); ++k) {
+        double sum = 0;
+        for (std::size_t u = b[k]; u < b[k + 1]; ++u) sum += cost[u];
+        mx = std::max(mx, sum);
+      }
+      return mx;
+    };
+    double best = 1e300;
+    for (std::uint64_t mask = 0; mask < (1ull << (n - 1)); ++mask) {  // bit i: cut before unit i + 1
+      if (__builtin_popcountll(mask) != stages - 1) continue;
+      std::vector<std::size_t> b{0};
+      for (std::size_t i = 0; i + 1 < n; ++i)
+        if (mask >> i & 1) b.push_back(i + 1);
+      b.push_back(n);
+      best = std::min(best, max_cost(b));
+    }
+    INFO("costs of " << n << " units in " << stages << " stages: " << part.str());
+    CHECK(max_cost(part.bounds()) == best);
+  }
+  // Parameter counts of the test units: the heavy middle units get stages of their own.
+  auto costs = param_costs();
+  auto bal = parallel::partition_balanced(costs, 4);
+  double total = 0;
+  for (double c : costs) total += c;
+  for (int s = 0; s < 4; ++s) {
+    double sum = 0;
+    for (std::size_t u = bal.begin(s); u < bal.end(s); ++u) sum += costs[u];
+    CHECK(sum <= 0.45 * total);
+  }
+}
+
+TEST_CASE("schedules: each micro-batch runs forward then backward once; 1F1B keeps at most p - s in flight",
+          "[pipeline]") {
+  for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
+    for (int p : {1, 2, 3, 4})
+      for (int m : {1, 2, 3, 4, 8})
+        for (int s = 0; s < p; ++s) {
+          auto plan = parallel::make_schedule(sched, s, p, m);
+          INFO(schedule_name(sched) << " p " << p << " m " << m << " stage " << s);
+          CHECK(plan.size() == static_cast<std::size_t>(2 * m));
+          std::set<int> live, done_f, done_b;
+          std::size_t peak = 0;
+          int next_f = 0, next_b = 0;
+          for (auto a : plan) {
+            if (a.kind == parallel::PipelineAction::Forward) {
+              CHECK(a.micro_batch == next_f++);  // forwards in order
+              live.insert(a.micro_batch);
+            } else {
+              CHECK(a.micro_batch == next_b++);  // backwards in order, after their forward
+              CHECK(live.count(a.micro_batch) == 1);
+              live.erase(a.micro_batch);
+            }
+            peak = std::max(peak, live.size());
+          }
+          CHECK(live.empty());
+          CHECK(peak == static_cast<std::size_t>(sched == Schedule::GPipe ? m : std::min(p - s, m)));
+        }
+}
+
+TEST_CASE("pipeline training equals one process on the full batch, every schedule and m", "[pipeline]") {
+  auto& comm = world();
+  const int p = comm.size();
+  // Balanced by parameter count, and explicit cuts (every stage gets kUnits / p units, the last the rest).
+  std::vector<std::size_t> cuts;
+  for (int s = 1; s < p; ++s) cuts.push_back(static_cast<std::size_t>(s) * (kUnits / static_cast<std::size_t>(p)));
+  const auto balanced = parallel::partition_balanced(param_costs(), p);
+  const auto explicit_cuts = parallel::partition_by_cuts(kUnits, cuts);
+  for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
+    for (int m : {1, 2, 4, 8}) {
+      check_pipeline(comm, nullptr, sched, m, m % 4 == 0 ? Opt::AdamW : Opt::SGD,
+                     m <= 2 ? balanced : explicit_cuts);
+    }
+}
+
+TEST_CASE("dp x pp meshes (2 x 2 on four ranks) equal one process", "[pipeline][mesh]") {
+  auto& comm = world();
+  const int n = comm.size();
+  for (int pp = 1; pp <= n; ++pp) {
+    if (n % pp) continue;
+    const int dp = n / pp;
+    parallel::Mesh mesh(comm, dp, pp);
+    CHECK(mesh.pipeline_group().size() == pp);
+    CHECK(mesh.data_group().size() == dp);
+    CHECK(mesh.world_rank(mesh.replica(), mesh.stage()) == comm.rank());
+    const auto part = parallel::partition_balanced(param_costs(), pp);
+    for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
+      check_pipeline(mesh.pipeline_group(), &mesh.data_group(), sched, 4, Opt::AdamW, part);
+  }
+}
+
+TEST_CASE("mesh broadcast_parameters copies replica 0's values", "[pipeline][mesh]") {
+  auto& comm = world();
+  if (comm.size() % 2) return;
+  parallel::Mesh mesh(comm, 2, comm.size() / 2);
+  // Each replica starts from other values; after the broadcast both hold replica 0's.
+  auto factory = [&](std::size_t u) {
+    auto unit = make_unit(u);
+    for (auto& p : unit->named_parameters()) ops::fill_(p.param->value, static_cast<float>(mesh.replica() + 1));
+    return unit;
+  };
+  parallel::Pipeline<float> pipe(mesh.pipeline_group(), kUnits, factory,
+                                 parallel::partition_balanced(param_costs(), mesh.pp_size()));
+  mesh.broadcast_parameters(pipe.parameters());
+  bool all_one = true;
+  for (auto& p : pipe.module().named_parameters())
+    for (float v : p.param->value.to_vector()) all_one = all_one && v == 1.0f;
+  CHECK(all_one);
+}
+
+TEST_CASE("GPT (untied) in a pipeline equals one process; a tied GPT is refused", "[pipeline][gpt]") {
+  auto& comm = world();
+  const int p = comm.size(), s = comm.rank();
+  nn::GPTConfig cfg{.vocab_size = 11, .block_size = 8, .n_layer = std::max(2, p - 1), .n_head = 2, .n_embd = 16,
+                    .tie_weights = false};
+  const std::size_t units = static_cast<std::size_t>(cfg.n_layer) + 2;
+  // Each rank builds a whole GPT and keeps its units: GPT's initialisation
+  // draws from one stream over the whole model, so that gives the same values.
+  auto factory_for = [](nn::GPTConfig c) {
+    return [c](std::size_t u) -> std::shared_ptr<nn::Module<float>> {
+      Generator g(7);
+      nn::GPT<float> gpt(c, g);
+      return gpt.units().at(u);
+    };
+  };
+  Generator gr(7);
+  nn::GPT<float> ref(cfg, gr);
+  nn::FlatParameters<float> ref_p(ref);
+  const std::int64_t B = 4, S = 8, steps = 2;
+  std::vector<std::pair<Tensor<float>, Tensor<std::int32_t>>> batches;
+  Generator gd(11);
+  for (std::int64_t i = 0; i < steps; ++i) {
+    auto ids = Tensor<float>::empty({B, S});
+    auto tgt = Tensor<std::int32_t>::empty({B, S});
+    for (std::int64_t k = 0; k < B * S; ++k) {
+      ids.data()[k] = static_cast<float>(gd.below(static_cast<std::uint64_t>(cfg.vocab_size)));
+      tgt.data()[k] = static_cast<std::int32_t>(gd.below(static_cast<std::uint64_t>(cfg.vocab_size)));
+    }
+    batches.emplace_back(ids, tgt);
+  }
+  auto ref_losses = train_reference(ref, ref_p, Opt::AdamW, batches);
+  for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB}) {
+    std::vector<double> cost;
+    for (std::size_t u = 0; u < units; ++u) cost.push_back(static_cast<double>(ref.units()[u]->num_parameters()));
+    parallel::Pipeline<float> pipe(comm, units, factory_for(cfg), parallel::partition_balanced(cost, p),
+                                   {.schedule = sched, .micro_batches = 2, .unit_names = ref.unit_names()});
+    auto opt = make_opt(Opt::AdamW, pipe.parameters());
+    for (std::int64_t i = 0; i < steps; ++i) {
+      const double loss = pipe.train_step(batches[static_cast<std::size_t>(i)].first, batches[static_cast<std::size_t>(i)].second);
+      opt->step();
+      CHECK(std::abs(loss - ref_losses[static_cast<std::size_t>(i)]) <= 1e-5 * ref_losses[static_cast<std::size_t>(i)]);
+    }
+    const double err = rel_error(pipe.module(), ref);
+    INFO("GPT stage " << s << " of " << p << ", " << schedule_name(sched) << ": relative error " << err);
+    CHECK(err <= 1e-5);
+  }
+  // Tied: the stage holding the head refuses to build (no communication in the constructor).
+  auto tied = cfg;
+  tied.tie_weights = true;
+  std::vector<std::size_t> cuts;
+  for (int k = 1; k < p; ++k) cuts.push_back(static_cast<std::size_t>(k));
+  const auto one_each = parallel::partition_by_cuts(units, cuts);  // the last stage holds the head
+  if (s == p - 1) {
+    CHECK_THROWS_WITH(parallel::Pipeline<float>(comm, units, factory_for(tied), one_each),
+                      Catch::Contains("[ptrain.pipeline.tied]") && Catch::Contains("tie_weights = false"));
+  } else {
+    CHECK_NOTHROW(parallel::Pipeline<float>(comm, units, factory_for(tied), one_each));
+  }
+}
+
+// ---- a stage that dies ------------------------------------------------------
+
+namespace {
+
+// Pass-through unit whose forward kills the process on its k-th call.
+class KillSwitch : public nn::Module<float> {
+ public:
+  explicit KillSwitch(int after) : after_(after) {}
+  Tensor<float> forward(const Tensor<float>& x, nn::Cache<float>&) override {
+    if (++calls_ == after_) std::raise(SIGKILL);
+    return x;
+  }
+  Tensor<float> backward(const Tensor<float>& dy, nn::Cache<float>&) override { return dy; }
+  std::string describe() const override { return "KillSwitch"; }
+
+ private:
+  int after_, calls_ = 0;
+};
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string self_exe() {
+  char buf[PATH_MAX] = {};
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+}
+
+// Spawns `world_size` Gloo ranks running [.pipe_kill_child]; `victim` kills
+// itself in the middle of a step. Every survivor must end with the pipeline's
+// CommError within the timeout, and no process may be left.
+void pipe_kill_scenario(int world_size, int victim, int timeout_s) {
+  std::string exe = self_exe(), port = std::to_string(free_port());
+  std::string dir = "/tmp/ptrain_pipe_kill_" + std::to_string(::getpid()) + "_" + std::to_string(victim);
+  REQUIRE(std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()) == 0);
+  std::vector<pid_t> pids;
+  const auto started = std::chrono::steady_clock::now();
+  for (int r = 0; r < world_size; ++r) {
+    pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      for (const char* v : {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "SLURM_PROCID"}) ::unsetenv(v);
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", port.c_str(), 1);
+      ::setenv("PTRAIN_BACKEND", "gloo", 1);
+      ::setenv("PTRAIN_COMM_TIMEOUT_S", std::to_string(timeout_s).c_str(), 1);
+      ::setenv("PTRAIN_KILL_RANK", std::to_string(victim).c_str(), 1);
+      ::setenv("PTRAIN_KILL_OUT", dir.c_str(), 1);
+      ::execl(exe.c_str(), exe.c_str(), "[.pipe_kill_child]", "--reporter", "compact", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> status(static_cast<std::size_t>(world_size), -1);
+  std::vector<bool> done(static_cast<std::size_t>(world_size), false);
+  const auto deadline = started + std::chrono::seconds(timeout_s + 10);  // start-up and rendezvous included
+  int left = world_size;
+  while (left > 0 && std::chrono::steady_clock::now() < deadline) {
+    for (std::size_t r = 0; r < pids.size(); ++r)
+      if (!done[r] && ::waitpid(pids[r], &status[r], WNOHANG) == pids[r]) {
+        done[r] = true;
+        --left;
+      }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (std::size_t r = 0; r < pids.size(); ++r)
+    if (!done[r]) {
+      ::kill(pids[r], SIGKILL);
+      ::waitpid(pids[r], &status[r], 0);
+    }
+  INFO("world " << world_size << ", victim stage " << victim);
+  CHECK(left == 0);
+  for (int r = 0; r < world_size; ++r) {
+    INFO("stage " << r);
+    const auto ur = static_cast<std::size_t>(r);
+    if (r == victim) {
+      CHECK((WIFSIGNALED(status[ur]) && WTERMSIG(status[ur]) == SIGKILL));
+      continue;
+    }
+    CHECK((WIFEXITED(status[ur]) && WEXITSTATUS(status[ur]) == 0));
+    std::ifstream f(dir + "/rank" + std::to_string(r) + ".txt");
+    REQUIRE(f.good());
+    long ms = -1;
+    f >> ms;
+    std::stringstream rest;
+    rest << f.rdbuf();
+    const std::string msg = rest.str();
+    INFO(msg);
+    CHECK(ms >= 0);
+    CHECK(ms < timeout_s * 1000);
+    CHECK(msg.find("[ptrain.pipeline.comm] stage " + std::to_string(r) + " of " + std::to_string(world_size)) !=
+          std::string::npos);
+    CHECK(msg.find("a neighbouring stage failed or died") != std::string::npos);
+  }
+  if (std::getenv("PTRAIN_KILL_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());
+}
+
+}  // namespace
+
+TEST_CASE("pipeline failure child (spawned by [.pipe_kill])", "[.pipe_kill_child]") {
+  auto comm = dist::init_process_group();
+  REQUIRE(comm->backend() == "gloo");
+  const int victim = std::atoi(std::getenv("PTRAIN_KILL_RANK"));
+  const int p = comm->size(), s = comm->rank();
+  // The victim's first unit dies in its 6th forward: micro-batch 1 of the second step.
+  auto factory = [&](std::size_t u) -> std::shared_ptr<nn::Module<float>> {
+    auto unit = make_unit(u);
+    if (s != victim || u != parallel::partition_balanced(param_costs(), p).begin(s)) return unit;
+    auto seq = std::make_shared<nn::Sequential<float>>();
+    seq->add(std::make_shared<KillSwitch>(6));
+    seq->add(unit);
+    return seq;
+  };
+  parallel::Pipeline<float> pipe(*comm, kUnits, factory, parallel::partition_balanced(param_costs(), p),
+                                 {.schedule = Schedule::OneFOneB, .micro_batches = 4});
+  auto batch = make_batch(16, 1);
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (int step = 0; step < 1000; ++step) {
+      t0 = std::chrono::steady_clock::now();
+      pipe.train_step(batch.x, batch.y);
+    }
+  } catch (const CommError& e) {
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    std::ofstream f(std::string(std::getenv("PTRAIN_KILL_OUT")) + "/rank" + std::to_string(s) + ".txt");
+    f << ms << "\n" << e.what() << "\n";
+    return;
+  }
+  FAIL("no CommError although stage " << victim << " was killed");
+}
+
+TEST_CASE("pipeline failure: a stage killed mid-step makes every other stage fail with a clear error",
+          "[.pipe_kill]") {
+  pipe_kill_scenario(4, 1, 20);  // a middle stage
+  pipe_kill_scenario(3, 2, 20);  // the last stage
+  pipe_kill_scenario(3, 0, 20);  // the first stage (it also serves the store)
+}
