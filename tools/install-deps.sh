@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what ptrain's build, tests and examples need on Debian 12 (bookworm).
 #   tools/install-deps.sh          build, tests, examples (and Fashion-MNIST)
-#   tools/install-deps.sh --bench  also PyTorch and OpenBLAS for the side-by-side benchmarks
+#   tools/install-deps.sh --bench  also PyTorch (side-by-side benchmarks) and matplotlib (timeline pictures)
 # CUDA is not installed here: the CUDA toolkit at /usr/local/cuda is used when present.
 set -euo pipefail
 
@@ -19,7 +19,7 @@ packages=(
   python3 python3-numpy  # independent readers in tests
 )
 if [[ "${1:-}" == "--bench" ]]; then
-  packages+=(python3-torch libopenblas0-pthread)
+  packages+=(python3-torch libopenblas0-pthread python3-matplotlib)
 fi
 
 missing=()
