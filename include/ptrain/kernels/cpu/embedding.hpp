@@ -1,0 +1,41 @@
+#pragma once
+// Embedding lookups: rows of a table gathered by integer ids, and the
+// scatter-add that is their backward pass.
+
+#include <cstdint>
+
+namespace ptrain::kernels::cpu {
+
+/// out[r, :] = table[ids[r], :] + pos[r % seq, :] for r < rows (pos may be null).
+template <class T>
+void embedding_forward(std::int64_t rows, std::int64_t dim, const std::int32_t* ids, const T* table, const T* pos,
+                       std::int64_t seq, T* out) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* t = table + static_cast<std::int64_t>(ids[r]) * dim;
+    T* o = out + r * dim;
+    if (pos) {
+      const T* p = pos + (r % seq) * dim;
+      for (std::int64_t c = 0; c < dim; ++c) o[c] = t[c] + p[c];
+    } else {
+      for (std::int64_t c = 0; c < dim; ++c) o[c] = t[c];
+    }
+  }
+}
+
+/// dtable[ids[r], :] += dout[r, :]; dpos[r % seq, :] += dout[r, :] (dpos may be null).
+/// Rows are visited in order, so repeated ids accumulate deterministically.
+template <class T>
+void embedding_backward(std::int64_t rows, std::int64_t dim, const std::int32_t* ids, const T* dout, T* dtable,
+                        T* dpos, std::int64_t seq) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* g = dout + r * dim;
+    T* t = dtable + static_cast<std::int64_t>(ids[r]) * dim;
+    for (std::int64_t c = 0; c < dim; ++c) t[c] += g[c];
+    if (dpos) {
+      T* p = dpos + (r % seq) * dim;
+      for (std::int64_t c = 0; c < dim; ++c) p[c] += g[c];
+    }
+  }
+}
+
+}  // namespace ptrain::kernels::cpu

@@ -1,0 +1,81 @@
+#pragma once
+// Causal multi-head self-attention, GPT-2 style.
+//
+//   x [B, S, C] -> c_attn (C -> 3C) -> per head: softmax(q k^T / sqrt(C/H), causal) v
+//               -> c_proj (C -> C) -> dropout
+//
+// Parameter names follow GPT-2: "c_attn.weight" [3C, C], "c_attn.bias",
+// "c_proj.weight" [C, C], "c_proj.bias". Dropout acts on the attention
+// probabilities (attn_drop, a counter-based stream owned here) and on the
+// output (resid_drop); both are identity in evaluation mode.
+
+#include <string>
+
+#include "ptrain/nn/activation.hpp"
+#include "ptrain/nn/linear.hpp"
+#include "ptrain/ops/attention.hpp"
+
+namespace ptrain::nn {
+
+template <class T>
+class CausalSelfAttention : public Module<T> {
+ public:
+  /// dropout_seed keys the two dropout streams (attn_drop: seed, resid_drop: seed + 1).
+  CausalSelfAttention(std::int64_t n_embd, std::int64_t n_head, double dropout = 0.0, std::uint64_t dropout_seed = 0,
+                      Generator& gen = default_generator())
+      : n_embd_(n_embd), n_head_(n_head), p_(dropout), attn_gen_(dropout_seed) {
+    PTRAIN_CHECK(n_head > 0 && n_embd % n_head == 0, ShapeError, "[ptrain.attention] n_embd ", n_embd,
+                 " is not divisible by n_head ", n_head);
+    PTRAIN_CHECK(dropout >= 0.0 && dropout < 1.0, Error, "[ptrain.dropout] probability ", dropout,
+                 " must be in [0, 1)");
+    c_attn_ = this->register_module("c_attn", std::make_shared<Linear<T>>(n_embd, 3 * n_embd, true, gen));
+    c_proj_ = this->register_module("c_proj", std::make_shared<Linear<T>>(n_embd, n_embd, true, gen));
+    resid_drop_ = this->register_module("resid_drop", std::make_shared<Dropout<T>>(dropout, dropout_seed + 1));
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.attention] input must be [B, S, ",
+                 n_embd_, "], got ", x.shape());
+    auto qkv = c_attn_->forward(x, cache.child(0));
+    const bool drop = this->training() && p_ > 0;
+    const std::uint64_t offset =
+        drop ? attn_gen_.reserve(static_cast<std::uint64_t>(x.size(0) * n_head_ * x.size(1) * x.size(1))) : 0;
+    ops::AttentionSaved<T> saved;
+    auto y = ops::causal_attention(qkv, n_head_, drop ? p_ : 0.0, attn_gen_.seed(), offset, saved);
+    cache.tensors = {qkv, saved.probs, saved.probs_drop};
+    cache.values = {drop ? 1u : 0u, offset};
+    auto out = c_proj_->forward(y, cache.child(1));
+    return resid_drop_->forward(out, cache.child(2));
+  }
+
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 3, Error, "[ptrain.backward] CausalSelfAttention::backward without a forward");
+    auto g = resid_drop_->backward(dy, cache.child(2));
+    g = c_proj_->backward(g, cache.child(1));
+    ops::AttentionSaved<T> saved{cache.tensors[1], cache.tensors[2], cache.values[0] ? p_ : 0.0, attn_gen_.seed(),
+                                 cache.values[1]};
+    auto dqkv = ops::causal_attention_backward(cache.tensors[0], saved, n_head_, g);
+    auto dx = c_attn_->backward(dqkv, cache.child(0));
+    cache.clear();
+    return dx;
+  }
+
+  std::string describe() const override {
+    return "CausalSelfAttention(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) + ")";
+  }
+  Linear<T>& c_attn() { return *c_attn_; }
+  Linear<T>& c_proj() { return *c_proj_; }
+  /// Stream of the attention-probability dropout masks (its offset goes into checkpoints).
+  Generator& attn_dropout_generator() { return attn_gen_; }
+  Dropout<T>& resid_dropout() { return *resid_drop_; }
+  std::int64_t n_head() const { return n_head_; }
+
+ private:
+  std::int64_t n_embd_, n_head_;
+  double p_;
+  Generator attn_gen_;
+  std::shared_ptr<Linear<T>> c_attn_, c_proj_;
+  std::shared_ptr<Dropout<T>> resid_drop_;
+};
+
+}  // namespace ptrain::nn

@@ -1,0 +1,274 @@
+#pragma once
+// GPT (GPT-2 architecture) as an ordered list of units:
+//
+//   unit 0        "embed"   TokenPositionEmbedding  ids [B, S] -> [B, S, C]
+//   unit 1..L     "h.i"     TransformerBlock        [B, S, C] -> [B, S, C]
+//   unit L+1      "head"    LMHead (ln_f + lm_head) [B, S, C] -> logits [B, S, V]
+//
+// Every unit is a Module<T>, so wrappers split the model without special
+// cases: FSDP wraps each unit, a pipeline cuts between units. Token ids enter
+// unit 0 as integral T values (see nn/embedding.hpp).
+//
+//   GPTConfig cfg{.vocab_size = 65, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 128};
+//   nn::GPT<float> model(cfg);
+//   nn::Cache<float> cache;
+//   auto logits = model.forward(ids, cache);              // ids [B, S] as float
+//
+// Note [Weight tying]
+// With tie_weights the LM head multiplies by the token embedding wte
+// ([V, C]): the head holds a pointer to the embedding unit's Parameter and
+// owns no weight of its own, so named_parameters() lists the weight once, as
+// "embed.wte.weight". Backward runs the head first: it adds dlogits^T h to
+// wte's gradient and does not announce it; the embedding unit, whose backward
+// runs last, adds the lookup part and calls mark_grad_ready() once. The head
+// reports the weight through borrowed_parameters(): FSDP then keeps the two
+// units in one group; a pipeline that would put them on different ranks
+// refuses a tied model ([ptrain.pipeline.tied]; build with tie_weights = false).
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "ptrain/nn/embedding.hpp"
+#include "ptrain/nn/layer_norm.hpp"
+#include "ptrain/nn/transformer_block.hpp"
+#include "ptrain/ops/linear.hpp"
+
+namespace ptrain::nn {
+
+/// GPT-2 style hyperparameters (nanoGPT's GPTConfig).
+struct GPTConfig {
+  std::int64_t vocab_size = 65;
+  std::int64_t block_size = 128;  ///< longest sequence (positions in wpe)
+  std::int64_t n_layer = 4;
+  std::int64_t n_head = 4;
+  std::int64_t n_embd = 128;
+  double dropout = 0.0;     ///< embedding, attention-probability, residual and MLP dropout
+  bool tie_weights = true;  ///< LM head = token embedding (Note [Weight tying])
+  std::uint64_t dropout_seed = 0;
+
+  /// Parameters of the model built from this config (tied weight counted once).
+  std::int64_t num_parameters() const {
+    const std::int64_t C = n_embd;
+    const std::int64_t block = 2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C);
+    return vocab_size * C + block_size * C + n_layer * block + 2 * C + (tie_weights ? 0 : vocab_size * C);
+  }
+  /// Training FLOPs per token (forward + backward) of the matrix products,
+  /// counting the causal attention products at full S x S (the usual convention).
+  double flops_per_token(std::int64_t seq) const {
+    const double C = static_cast<double>(n_embd), L = static_cast<double>(n_layer);
+    const double matmul = L * 12.0 * C * C + C * static_cast<double>(vocab_size);
+    const double attention = L * 2.0 * static_cast<double>(seq) * C;  // q k^T and p v, per token
+    return 6.0 * matmul + 6.0 * attention;
+  }
+};
+
+/// Final unit: logits [B, S, V] = ln_f(x) W^T, W = lm_head weight or the tied wte.
+template <class T>
+class LMHead : public Module<T> {
+ public:
+  /// `tied` is the token embedding's Parameter, or null for an own "lm_head.weight" [V, C].
+  LMHead(std::int64_t n_embd, std::int64_t vocab, Parameter<T>* tied = nullptr, Generator& gen = default_generator())
+      : n_embd_(n_embd), vocab_(vocab), tied_(tied) {
+    ln_f_ = this->register_module("ln_f", std::make_shared<LayerNorm<T>>(n_embd));
+    if (!tied_) lm_head_ = this->register_module("lm_head", std::make_shared<Linear<T>>(n_embd, vocab, false, gen));
+    if (tied_) check_shape(tied_->value, {vocab, n_embd}, "tied LM head weight");
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    auto h = ln_f_->forward(x, cache.child(0));
+    cache.tensors = {h};
+    return ops::linear(h, weight().value, Tensor<T>());
+  }
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 1, Error, "[ptrain.backward] LMHead::backward without a forward");
+    Parameter<T>& w = weight();
+    auto dh = ops::linear_backward(cache.tensors[0], w.value, dy, w.grad, static_cast<Tensor<T>*>(nullptr));
+    if (!tied_) w.mark_grad_ready();  // a tied weight is announced by the embedding (Note [Weight tying])
+    auto dx = ln_f_->backward(dh, cache.child(0));
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override {
+    return "LMHead(" + std::to_string(n_embd_) + " -> " + std::to_string(vocab_) + (tied_ ? ", tied)" : ")");
+  }
+  /// The tied embedding weight, which this unit uses but does not own (FSDP keeps the
+  /// two units in one group because of it; see Module::borrowed_parameters()).
+  std::vector<Parameter<T>*> borrowed_parameters() override {
+    auto out = Module<T>::borrowed_parameters();
+    if (tied_) out.push_back(tied_);
+    return out;
+  }
+  /// The output projection [V, C]: the tied embedding or the own lm_head weight.
+  Parameter<T>& weight() { return tied_ ? *tied_ : lm_head_->weight(); }
+  bool tied() const { return tied_ != nullptr; }
+  LayerNorm<T>& ln_f() { return *ln_f_; }
+
+ private:
+  std::int64_t n_embd_, vocab_;
+  Parameter<T>* tied_;
+  std::shared_ptr<LayerNorm<T>> ln_f_;
+  std::shared_ptr<Linear<T>> lm_head_;
+};
+
+/// GPT-2: ids [B, S] (integral T values) -> logits [B, S, vocab].
+template <class T>
+class GPT : public Module<T> {
+ public:
+  /// GPT-2 initialisation from `gen`, in named_parameters() order: every Linear and
+  /// embedding weight ~ N(0, 0.02), residual projections (attn.c_proj, mlp.c_proj)
+  /// ~ N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm 1 and 0.
+  explicit GPT(const GPTConfig& cfg, Generator& gen = default_generator()) : cfg_(cfg) {
+    PTRAIN_CHECK(cfg.vocab_size > 0 && cfg.block_size > 0 && cfg.n_layer >= 0 && cfg.n_embd > 0, Error,
+                 "[ptrain.gpt.config] vocab_size, block_size and n_embd must be positive and n_layer >= 0");
+    PTRAIN_CHECK(cfg.n_head > 0 && cfg.n_embd % cfg.n_head == 0, Error, "[ptrain.gpt.config] n_embd ", cfg.n_embd,
+                 " must be divisible by n_head ", cfg.n_head);
+    // Modules draw their own default init from a scratch stream; GPT-2's init below replaces it.
+    Generator scratch(0);
+    auto site = [&](std::uint64_t i) { return cfg.dropout_seed * 0x9E3779B97F4A7C15ull + 16 * i; };
+    embed_ = std::make_shared<TokenPositionEmbedding<T>>(cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.dropout,
+                                                         site(0), scratch);
+    add_unit("embed", embed_);
+    for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
+      blocks_.push_back(std::make_shared<TransformerBlock<T>>(cfg.n_embd, cfg.n_head, cfg.dropout,
+                                                              site(static_cast<std::uint64_t>(l) + 1), scratch));
+      add_unit("h." + std::to_string(l), blocks_.back());
+    }
+    head_ = std::make_shared<LMHead<T>>(cfg.n_embd, cfg.vocab_size,
+                                        cfg.tie_weights ? &embed_->wte().weight() : nullptr, scratch);
+    add_unit("head", head_);
+    init_weights(gen);
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    Tensor<T> h = x;
+    for (std::size_t i = 0; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
+    return h;
+  }
+  /// Runs the units in reverse; returns an undefined tensor (ids have no gradient).
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    Tensor<T> g = dy;
+    for (std::size_t i = units_.size(); i-- > 0;) g = units_[i]->backward(g, cache.child(i));
+    cache.clear();
+    return g;
+  }
+  std::string describe() const override {
+    return "GPT(vocab=" + std::to_string(cfg_.vocab_size) + ", block=" + std::to_string(cfg_.block_size) +
+           ", layers=" + std::to_string(cfg_.n_layer) + ", heads=" + std::to_string(cfg_.n_head) +
+           ", embd=" + std::to_string(cfg_.n_embd) + (cfg_.tie_weights ? ", tied)" : ")");
+  }
+
+  const GPTConfig& config() const { return cfg_; }
+  /// The units in order: embedding, blocks, head (what FSDP wraps and pipelines cut between).
+  const std::vector<std::shared_ptr<Module<T>>>& units() const { return units_; }
+  /// Parameter-name prefix of each unit ("embed", "h.0", ..., "head").
+  const std::vector<std::string>& unit_names() const { return unit_names_; }
+  TokenPositionEmbedding<T>& embedding() { return *embed_; }
+  TransformerBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
+  LMHead<T>& head() { return *head_; }
+  bool tied() const { return head_->tied(); }
+
+  /// Every dropout stream, named; a checkpoint saves each offset() and restores it with set_offset().
+  std::vector<std::pair<std::string, Generator*>> generators() {
+    std::vector<std::pair<std::string, Generator*>> out{{"embed.drop", &embed_->dropout().generator()}};
+    for (std::size_t l = 0; l < blocks_.size(); ++l) {
+      const std::string p = "h." + std::to_string(l) + ".";
+      out.push_back({p + "attn.attn_drop", &blocks_[l]->attn().attn_dropout_generator()});
+      out.push_back({p + "attn.resid_drop", &blocks_[l]->attn().resid_dropout().generator()});
+      out.push_back({p + "mlp.drop", &blocks_[l]->mlp().dropout().generator()});
+    }
+    return out;
+  }
+
+ private:
+  void add_unit(const std::string& name, std::shared_ptr<Module<T>> unit) {
+    units_.push_back(unit);
+    unit_names_.push_back(name);
+    this->register_module(name, std::move(unit));
+  }
+
+  static bool ends_with(const std::string& s, const std::string& suffix) {
+    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  }
+
+  void init_weights(Generator& gen) {
+    const double std_resid = 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<std::int64_t>(1, cfg_.n_layer)));
+    for (auto& p : this->named_parameters()) {
+      Tensor<T>& v = p.param->value;
+      if (p.name.find("ln_") != std::string::npos) continue;  // LayerNorm keeps 1 and 0
+      if (ends_with(p.name, ".bias")) ops::fill_(v, T(0));
+      else if (ends_with(p.name, "c_proj.weight")) ops::normal_(v, 0.0, std_resid, gen);
+      else ops::normal_(v, 0.0, 0.02, gen);
+    }
+  }
+
+  GPTConfig cfg_;
+  std::shared_ptr<TokenPositionEmbedding<T>> embed_;
+  std::vector<std::shared_ptr<TransformerBlock<T>>> blocks_;
+  std::shared_ptr<LMHead<T>> head_;
+  std::vector<std::shared_ptr<Module<T>>> units_;
+  std::vector<std::string> unit_names_;
+};
+
+/// Weight-decay filter for a GPT (pass to optim::AdamW): decay for the matrices of
+/// Linear layers, none for biases, LayerNorm parameters and embeddings (wte, wpe).
+inline std::function<bool(const std::string&)> gpt_decay_filter() {
+  return [](const std::string& name) {
+    const bool bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+    const bool norm = name.find("ln_") != std::string::npos;
+    const bool embedding = name.find("wte.") != std::string::npos || name.find("wpe.") != std::string::npos;
+    return !(bias || norm || embedding);
+  };
+}
+
+/// Samples one token from a row of logits: divide by temperature, keep the top_k
+/// largest (all when top_k <= 0), softmax, and invert the CDF at u in [0, 1).
+/// temperature 0 means greedy (the first largest logit).
+template <class T>
+std::int32_t sample_logits(const T* logits, std::int64_t vocab, double temperature, std::int64_t top_k, double u) {
+  PTRAIN_CHECK(temperature >= 0.0, Error, "[ptrain.sample] temperature ", temperature, " must be >= 0");
+  std::vector<std::int32_t> order(static_cast<std::size_t>(vocab));
+  std::iota(order.begin(), order.end(), 0);
+  // Stable: ties keep the lower id first, so greedy picks the first largest logit.
+  std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return logits[a] > logits[b]; });
+  if (temperature == 0.0) return order[0];
+  const std::size_t k = top_k > 0 ? std::min<std::size_t>(static_cast<std::size_t>(top_k), order.size()) : order.size();
+  std::vector<double> w(k);
+  const double mx = static_cast<double>(logits[order[0]]);
+  double total = 0;
+  for (std::size_t i = 0; i < k; ++i) total += (w[i] = std::exp((static_cast<double>(logits[order[i]]) - mx) / temperature));
+  double acc = 0;
+  for (std::size_t i = 0; i < k; ++i) {
+    acc += w[i] / total;
+    if (u < acc) return order[i];
+  }
+  return order[k - 1];
+}
+
+/// Continues `prompt` by max_new_tokens tokens, feeding at most block_size tokens
+/// of context each step; returns prompt + new tokens. Runs in evaluation mode
+/// (dropout off) and restores the previous mode. Draws one uniform per token from gen.
+template <class T>
+std::vector<std::int32_t> generate(GPT<T>& model, std::vector<std::int32_t> prompt, std::int64_t max_new_tokens,
+                                   double temperature, std::int64_t top_k, Generator& gen) {
+  PTRAIN_CHECK(!prompt.empty(), Error, "[ptrain.sample] the prompt needs at least one token");
+  const bool was_training = model.training();
+  model.train(false);
+  const std::int64_t V = model.config().vocab_size, block = model.config().block_size;
+  for (std::int64_t n = 0; n < max_new_tokens; ++n) {
+    const std::int64_t len = std::min<std::int64_t>(block, static_cast<std::int64_t>(prompt.size()));
+    auto x = Tensor<T>::empty({1, len});
+    for (std::int64_t i = 0; i < len; ++i)
+      x.data()[i] = static_cast<T>(prompt[prompt.size() - static_cast<std::size_t>(len - i)]);
+    Cache<T> cache;
+    auto logits = model.forward(x, cache);
+    prompt.push_back(sample_logits(logits.data() + (len - 1) * V, V, temperature, top_k, gen.uniform()));
+  }
+  model.train(was_training);
+  return prompt;
+}
+
+}  // namespace ptrain::nn

@@ -1,0 +1,102 @@
+#pragma once
+// Pre-LayerNorm transformer block (GPT-2):
+//
+//   h = x + attn(ln_1(x))
+//   y = h + mlp(ln_2(h)),   mlp = c_fc (C -> 4C) -> GELU -> c_proj (4C -> C) -> dropout
+//
+// Parameter names follow GPT-2: "ln_1.*", "attn.c_attn.*", "attn.c_proj.*",
+// "ln_2.*", "mlp.c_fc.*", "mlp.c_proj.*". A block is a self-contained unit:
+// FSDP wraps one block per unit, pipeline stages cut between blocks.
+
+#include <string>
+
+#include "ptrain/nn/activation.hpp"
+#include "ptrain/nn/attention.hpp"
+#include "ptrain/nn/layer_norm.hpp"
+#include "ptrain/nn/linear.hpp"
+
+namespace ptrain::nn {
+
+/// GELU feed-forward: x [..., C] -> dropout(c_proj(gelu(c_fc(x)))) [..., C], hidden width 4C.
+template <class T>
+class FeedForward : public Module<T> {
+ public:
+  FeedForward(std::int64_t n_embd, double dropout = 0.0, std::uint64_t dropout_seed = 0,
+              Generator& gen = default_generator())
+      : n_embd_(n_embd) {
+    c_fc_ = this->register_module("c_fc", std::make_shared<Linear<T>>(n_embd, 4 * n_embd, true, gen));
+    act_ = this->register_module("act", std::make_shared<GELU<T>>());
+    c_proj_ = this->register_module("c_proj", std::make_shared<Linear<T>>(4 * n_embd, n_embd, true, gen));
+    drop_ = this->register_module("drop", std::make_shared<Dropout<T>>(dropout, dropout_seed));
+  }
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    auto h = act_->forward(c_fc_->forward(x, cache.child(0)), cache.child(1));
+    return drop_->forward(c_proj_->forward(h, cache.child(2)), cache.child(3));
+  }
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    auto g = c_proj_->backward(drop_->backward(dy, cache.child(3)), cache.child(2));
+    auto dx = c_fc_->backward(act_->backward(g, cache.child(1)), cache.child(0));
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override { return "FeedForward(" + std::to_string(n_embd_) + ", GELU, 4x)"; }
+  Linear<T>& c_fc() { return *c_fc_; }
+  Linear<T>& c_proj() { return *c_proj_; }
+  Dropout<T>& dropout() { return *drop_; }
+
+ private:
+  std::int64_t n_embd_;
+  std::shared_ptr<Linear<T>> c_fc_, c_proj_;
+  std::shared_ptr<GELU<T>> act_;
+  std::shared_ptr<Dropout<T>> drop_;
+};
+
+/// x [B, S, C] -> [B, S, C].
+template <class T>
+class TransformerBlock : public Module<T> {
+ public:
+  /// dropout_seed keys this block's dropout streams (seed .. seed + 2).
+  TransformerBlock(std::int64_t n_embd, std::int64_t n_head, double dropout = 0.0, std::uint64_t dropout_seed = 0,
+                   Generator& gen = default_generator())
+      : n_embd_(n_embd), n_head_(n_head) {
+    ln_1_ = this->register_module("ln_1", std::make_shared<LayerNorm<T>>(n_embd));
+    attn_ = this->register_module(
+        "attn", std::make_shared<CausalSelfAttention<T>>(n_embd, n_head, dropout, dropout_seed, gen));
+    ln_2_ = this->register_module("ln_2", std::make_shared<LayerNorm<T>>(n_embd));
+    mlp_ = this->register_module("mlp", std::make_shared<FeedForward<T>>(n_embd, dropout, dropout_seed + 2, gen));
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    auto h = attn_->forward(ln_1_->forward(x, cache.child(0)), cache.child(1));
+    ops::axpy_(T(1), x, h);  // h = x + attn(ln_1(x)); h is a fresh tensor
+    auto y = mlp_->forward(ln_2_->forward(h, cache.child(2)), cache.child(3));
+    ops::axpy_(T(1), h, y);
+    return y;
+  }
+
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    // Each residual passes dy through unchanged and adds its branch's gradient.
+    auto dh = ln_2_->backward(mlp_->backward(dy, cache.child(3)), cache.child(2));
+    ops::axpy_(T(1), dy, dh);
+    auto dx = ln_1_->backward(attn_->backward(dh, cache.child(1)), cache.child(0));
+    ops::axpy_(T(1), dh, dx);
+    cache.clear();
+    return dx;
+  }
+
+  std::string describe() const override {
+    return "TransformerBlock(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) + ")";
+  }
+  LayerNorm<T>& ln_1() { return *ln_1_; }
+  LayerNorm<T>& ln_2() { return *ln_2_; }
+  CausalSelfAttention<T>& attn() { return *attn_; }
+  FeedForward<T>& mlp() { return *mlp_; }
+
+ private:
+  std::int64_t n_embd_, n_head_;
+  std::shared_ptr<LayerNorm<T>> ln_1_, ln_2_;
+  std::shared_ptr<CausalSelfAttention<T>> attn_;
+  std::shared_ptr<FeedForward<T>> mlp_;
+};
+
+}  // namespace ptrain::nn

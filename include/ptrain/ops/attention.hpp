@@ -1,0 +1,72 @@
+#pragma once
+// Causal multi-head self-attention on a packed qkv tensor (GPT-2 layout).
+//
+//   auto qkv = ops::linear(x, w_attn, b_attn);            // [B, S, 3C]
+//   AttentionSaved<float> saved;
+//   auto y = ops::causal_attention(qkv, n_head, 0.0, 0, 0, saved);   // [B, S, C]
+//   auto dqkv = ops::causal_attention_backward(qkv, saved, n_head, dy);
+//
+// CPU only for now: a CUDA tensor gets a CudaError that says so.
+
+#include <cmath>
+
+#include "ptrain/kernels/cpu/attention.hpp"
+#include "ptrain/ops/dispatch.hpp"
+
+namespace ptrain::ops {
+
+/// What the backward pass needs besides qkv: the probabilities and, with dropout, the dropped ones.
+template <class T>
+struct AttentionSaved {
+  Tensor<T> probs;       ///< [B, H, S, S], zero above the diagonal
+  Tensor<T> probs_drop;  ///< same shape, only when p > 0
+  double p = 0;
+  std::uint64_t seed = 0, offset = 0;
+};
+
+namespace detail {
+template <class T>
+void check_attention_input(const Tensor<T>& qkv, std::int64_t n_head) {
+  PTRAIN_CHECK(qkv.dim() == 3 && qkv.size(2) % 3 == 0, ShapeError, "[ptrain.attention] qkv must be [B, S, 3C], got ",
+               qkv.shape());
+  PTRAIN_CHECK(n_head > 0 && (qkv.size(2) / 3) % n_head == 0, ShapeError, "[ptrain.attention] width ",
+               qkv.size(2) / 3, " is not divisible by ", n_head, " heads");
+  PTRAIN_CHECK(qkv.device().is_cpu(), CudaError, "[ptrain.attention.cpu_only] causal attention has no CUDA kernel yet; ",
+               "run attention on a cpu tensor");
+}
+}  // namespace detail
+
+/// y [B, S, C] = softmax(q k^T / sqrt(D) + causal mask) v per head, with dropout p on the
+/// probabilities drawn from stream positions [offset, offset + B*H*S*S) of seed.
+template <class T>
+Tensor<T> causal_attention(const Tensor<T>& qkv, std::int64_t n_head, double p, std::uint64_t seed,
+                           std::uint64_t offset, AttentionSaved<T>& saved) {
+  detail::check_attention_input(qkv, n_head);
+  PTRAIN_CHECK(p >= 0.0 && p < 1.0, Error, "[ptrain.dropout] probability ", p, " must be in [0, 1)");
+  const std::int64_t B = qkv.size(0), S = qkv.size(1), C = qkv.size(2) / 3, D = C / n_head;
+  saved.probs = Tensor<T>::empty({B, n_head, S, S});
+  saved.probs_drop = p > 0 ? Tensor<T>::empty({B, n_head, S, S}) : Tensor<T>();
+  saved.p = p;
+  saved.seed = seed;
+  saved.offset = offset;
+  auto y = Tensor<T>::empty({B, S, C});
+  kernels::cpu::causal_attention_forward(B, S, n_head, D, qkv.data(), static_cast<T>(1.0 / std::sqrt(double(D))),
+                                         saved.probs.data(), saved.probs_drop.data(), p, seed, offset, y.data());
+  return y;
+}
+
+/// dqkv [B, S, 3C] for the output gradient dy [B, S, C].
+template <class T>
+Tensor<T> causal_attention_backward(const Tensor<T>& qkv, const AttentionSaved<T>& saved, std::int64_t n_head,
+                                    const Tensor<T>& dy) {
+  detail::check_attention_input(qkv, n_head);
+  const std::int64_t B = qkv.size(0), S = qkv.size(1), C = qkv.size(2) / 3, D = C / n_head;
+  check_shape(dy, {B, S, C}, "attention output gradient");
+  auto dqkv = Tensor<T>::empty(qkv.shape());
+  kernels::cpu::causal_attention_backward(B, S, n_head, D, qkv.data(), saved.probs.data(), saved.probs_drop.data(),
+                                          saved.p, saved.seed, saved.offset, dy.data(),
+                                          static_cast<T>(1.0 / std::sqrt(double(D))), dqkv.data());
+  return dqkv;
+}
+
+}  // namespace ptrain::ops

@@ -1,0 +1,139 @@
+// Token files, the character tokenizer, unigram entropy and random windows.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <ptrain/data/text.hpp>
+#include <set>
+#include <unistd.h>
+
+using namespace ptrain;
+
+namespace {
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("ptrain_text_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+}  // namespace
+
+TEST_CASE("CharTokenizer encodes, decodes, saves and loads", "[data][text]") {
+  const std::string text = "hello, world\n\tzz";
+  auto tok = CharTokenizer::fit(text);
+  REQUIRE(tok.vocab_size() == 12);  // h e l o , space w r d \n \t z
+  const auto ids = tok.encode(text);
+  // Ids follow byte order: '\t' (9) is the smallest byte, 'z' the largest.
+  REQUIRE(ids[14] == tok.vocab_size() - 1);
+  REQUIRE(ids[13] == 0);
+  REQUIRE(tok.decode(ids) == text);
+  REQUIRE_THROWS_WITH(tok.encode("hex"), Catch::Contains("[ptrain.data.tokenizer.unknown]") &&
+                                             Catch::Contains("byte 120 at offset 2"));
+  REQUIRE_THROWS_AS(tok.decode({0, 12}), DataError);
+
+  const std::string path = temp_path("tok.json");
+  tok.save(path);
+  auto back = CharTokenizer::load(path);
+  REQUIRE(back.chars() == tok.chars());
+  REQUIRE(back.encode(text) == ids);
+  write_bytes(path, "{\"type\": \"bpe\"}");
+  REQUIRE_THROWS_AS(CharTokenizer::load(path), DataError);
+  write_bytes(path, "not json");
+  REQUIRE_THROWS_AS(CharTokenizer::load(path), DataError);
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("Token files round-trip and are validated", "[data][text]") {
+  const std::string path = temp_path("tokens.bin");
+  auto t = Tensor<std::int32_t>::from({0, 1, 65535, 300}, {4});
+  write_token_file(path, t, TokenFormat::U16);
+  REQUIRE(std::filesystem::file_size(path) == 8);
+  REQUIRE(read_token_file(path, TokenFormat::U16).to_vector() == t.to_vector());
+  // Little-endian on disk: 300 = 0x012C -> bytes 2C 01.
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  REQUIRE(static_cast<unsigned char>(bytes[6]) == 0x2C);
+  REQUIRE(static_cast<unsigned char>(bytes[7]) == 0x01);
+  REQUIRE_THROWS_WITH(read_token_file(path, TokenFormat::U16, 1000),
+                      Catch::Contains("[ptrain.data.tokens.range]") && Catch::Contains("token 2"));
+
+  auto big = Tensor<std::int32_t>::from({70000, 5}, {2});
+  REQUIRE_THROWS_AS(write_token_file(path, big, TokenFormat::U16), DataError);
+  write_token_file(path, big, TokenFormat::I32);
+  REQUIRE(read_token_file(path, TokenFormat::I32).to_vector() == big.to_vector());
+
+  write_bytes(path, std::string("\x01\x00\x02", 3));
+  REQUIRE_THROWS_WITH(read_token_file(path, TokenFormat::U16), Catch::Contains("[ptrain.data.tokens.size]"));
+  write_bytes(path, "");
+  REQUIRE_THROWS_AS(read_token_file(path, TokenFormat::U16), DataError);
+  write_bytes(path, std::string("\xff\xff\xff\xff", 4));  // -1 as int32
+  REQUIRE_THROWS_AS(read_token_file(path, TokenFormat::I32), DataError);
+  std::filesystem::remove(path);
+  REQUIRE_THROWS_WITH(read_token_file(path), Catch::Contains("[ptrain.data.text.missing]"));
+}
+
+TEST_CASE("unigram_entropy matches hand-computed values", "[data][text]") {
+  REQUIRE(unigram_entropy(Tensor<std::int32_t>::from({0, 1, 0, 1}, {4}), 2) == Approx(std::log(2.0)));
+  REQUIRE(unigram_entropy(Tensor<std::int32_t>::from({2, 2, 2}, {3}), 3) == 0.0);
+  const double p = 0.25, q = 0.75;
+  REQUIRE(unigram_entropy(Tensor<std::int32_t>::from({1, 0, 0, 0}, {4}), 2) ==
+          Approx(-(p * std::log(p) + q * std::log(q))));
+}
+
+TEST_CASE("RandomWindows: targets are the next tokens, shards partition the single-process stream",
+          "[data][text]") {
+  const std::int64_t n = 500, S = 8;
+  auto tokens = Tensor<std::int32_t>::empty({n});
+  for (std::int64_t i = 0; i < n; ++i) tokens.data()[i] = static_cast<std::int32_t>(i);  // id = position
+  RandomWindows single(tokens, S, 42);
+  Tensor<double> x;
+  Tensor<std::int32_t> y;
+  std::set<std::int64_t> starts;
+  for (int step = 0; step < 20; ++step) {
+    single.next(4, x, y);
+    REQUIRE(x.shape() == Shape{4, S});
+    for (std::int64_t j = 0; j < 4; ++j) {
+      const auto s = static_cast<std::int64_t>(x.at({j, 0}));
+      starts.insert(s);
+      REQUIRE(s >= 0);
+      REQUIRE(s + S + 1 <= n);
+      for (std::int64_t i = 0; i < S; ++i) {
+        REQUIRE(x.at({j, i}) == static_cast<double>(s + i));
+        REQUIRE(y.data()[j * S + i] == s + i + 1);
+      }
+    }
+  }
+  REQUIRE(single.position() == 20);
+  REQUIRE(starts.size() > 60);  // 80 windows from 492 starts: nearly all distinct
+
+  // Two ranks with batch 2 == one process with batch 4, step by step.
+  RandomWindows ref(tokens, S, 7), r0(tokens, S, 7, 0, 2), r1(tokens, S, 7, 1, 2);
+  Tensor<float> xa, x0, x1;
+  Tensor<std::int32_t> ya, y0, y1;
+  for (int step = 0; step < 5; ++step) {
+    ref.next(4, xa, ya);
+    r0.next(2, x0, y0);
+    r1.next(2, x1, y1);
+    for (std::int64_t i = 0; i < 2 * S; ++i) {
+      REQUIRE(x0.data()[i] == xa.data()[i]);
+      REQUIRE(x1.data()[i] == xa.data()[2 * S + i]);
+      REQUIRE(y1.data()[i] == ya.data()[2 * S + i]);
+    }
+  }
+
+  // Resuming at a saved position continues the same stream.
+  RandomWindows a(tokens, S, 3), b(tokens, S, 3);
+  for (int i = 0; i < 6; ++i) a.next(3, xa, ya);
+  b.set_position(5);
+  a.set_position(5);
+  a.next(3, xa, ya);
+  b.next(3, x0, y0);
+  REQUIRE(xa.to_vector() == x0.to_vector());
+  RandomWindows other_seed(tokens, S, 4);
+  other_seed.set_position(5);
+  other_seed.next(3, x1, y1);
+  REQUIRE(x1.to_vector() != x0.to_vector());
+
+  REQUIRE_THROWS_AS(RandomWindows(tokens.narrow(0, S), S, 1), DataError);  // needs S + 1 tokens
+  REQUIRE_THROWS_AS(RandomWindows(tokens, S, 1, 2, 2), DataError);
+}

@@ -1,0 +1,423 @@
+// Embedding, causal attention, transformer block and GPT: finite-difference
+// gradients in double, a naive-loop reference for attention, the causal mask,
+// weight tying and its gradient announcement, sampling.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <map>
+#include <ptrain/nn/loss.hpp>
+#include <ptrain/nn/models/gpt.hpp>
+
+#include "unit/gradcheck.hpp"
+
+using namespace ptrain;
+using ptrain::testing::check_module_gradients;
+
+namespace {
+
+Tensor<double> random_tensor(const Shape& s, std::uint64_t seed, double scale = 1.0) {
+  auto x = Tensor<double>::empty(s);
+  Generator g(seed);
+  ops::uniform_(x, -scale, scale, g);
+  return x;
+}
+
+template <class T>
+Tensor<T> random_ids(std::int64_t b, std::int64_t s, std::int64_t vocab, std::uint64_t seed) {
+  auto x = Tensor<T>::empty({b, s});
+  Generator g(seed);
+  for (std::int64_t i = 0; i < x.numel(); ++i) x.data()[i] = static_cast<T>(g.below(static_cast<std::uint64_t>(vocab)));
+  return x;
+}
+
+// Parameters well away from GPT-2's tiny init, so every gradient is large enough to check.
+void randomize(nn::Module<double>& m, std::uint64_t seed) {
+  Generator g(seed);
+  for (auto& p : m.named_parameters()) {
+    if (p.name.find("ln_") != std::string::npos && p.name.find("weight") != std::string::npos)
+      ops::uniform_(p.param->value, 0.5, 1.5, g);
+    else
+      ops::uniform_(p.param->value, -0.5, 0.5, g);
+  }
+}
+
+// softmax(q k^T / sqrt(D) + causal mask) v with plain loops, from the layer's own weights.
+Tensor<double> naive_attention(nn::CausalSelfAttention<double>& attn, const Tensor<double>& x, std::int64_t H) {
+  const std::int64_t B = x.size(0), S = x.size(1), C = x.size(2), D = C / H;
+  auto& wa = attn.c_attn().weight().value;
+  auto& ba = attn.c_attn().bias()->value;
+  auto& wp = attn.c_proj().weight().value;
+  auto& bp = attn.c_proj().bias()->value;
+  std::vector<double> qkv(static_cast<std::size_t>(B * S * 3 * C));
+  for (std::int64_t r = 0; r < B * S; ++r)
+    for (std::int64_t o = 0; o < 3 * C; ++o) {
+      double s = ba.data()[o];
+      for (std::int64_t k = 0; k < C; ++k) s += x.data()[r * C + k] * wa.data()[o * C + k];
+      qkv[static_cast<std::size_t>(r * 3 * C + o)] = s;
+    }
+  auto at = [&](std::int64_t b, std::int64_t t, std::int64_t col) {
+    return qkv[static_cast<std::size_t>((b * S + t) * 3 * C + col)];
+  };
+  std::vector<double> y(static_cast<std::size_t>(B * S * C), 0.0);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t i = 0; i < S; ++i) {
+        std::vector<double> w(static_cast<std::size_t>(i + 1));
+        double mx = -1e300, z = 0;
+        for (std::int64_t j = 0; j <= i; ++j) {
+          double s = 0;
+          for (std::int64_t d = 0; d < D; ++d) s += at(b, i, h * D + d) * at(b, j, C + h * D + d);
+          w[static_cast<std::size_t>(j)] = s / std::sqrt(static_cast<double>(D));
+          mx = std::max(mx, w[static_cast<std::size_t>(j)]);
+        }
+        for (auto& v : w) z += (v = std::exp(v - mx));
+        for (std::int64_t d = 0; d < D; ++d) {
+          double s = 0;
+          for (std::int64_t j = 0; j <= i; ++j) s += w[static_cast<std::size_t>(j)] / z * at(b, j, 2 * C + h * D + d);
+          y[static_cast<std::size_t>((b * S + i) * C + h * D + d)] = s;
+        }
+      }
+  auto out = Tensor<double>::empty(x.shape());
+  for (std::int64_t r = 0; r < B * S; ++r)
+    for (std::int64_t o = 0; o < C; ++o) {
+      double s = bp.data()[o];
+      for (std::int64_t k = 0; k < C; ++k) s += y[static_cast<std::size_t>(r * C + k)] * wp.data()[o * C + k];
+      out.data()[r * C + o] = s;
+    }
+  return out;
+}
+
+// Runs the wrapped module with every dropout stream rewound first, so that
+// repeated forwards (finite differences) draw the same masks. It registers
+// no parameters: the check walks the inner module's.
+class FixedMasks : public nn::Module<double> {
+ public:
+  FixedMasks(nn::Module<double>& inner, std::vector<Generator*> gens) : inner_(inner), gens_(std::move(gens)) {}
+  Tensor<double> forward(const Tensor<double>& x, nn::Cache<double>& c) override {
+    for (auto* g : gens_) g->set_offset(0);
+    return inner_.forward(x, c);
+  }
+  Tensor<double> backward(const Tensor<double>& dy, nn::Cache<double>& c) override { return inner_.backward(dy, c); }
+  std::string describe() const override { return "FixedMasks"; }
+
+ private:
+  nn::Module<double>& inner_;
+  std::vector<Generator*> gens_;
+};
+
+nn::GPTConfig tiny_config(bool tie) {
+  return {.vocab_size = 7, .block_size = 6, .n_layer = 2, .n_head = 2, .n_embd = 8, .dropout = 0.0, .tie_weights = tie};
+}
+
+}  // namespace
+
+TEST_CASE("Embedding looks up rows and its gradients match finite differences", "[nn][embedding][gradcheck]") {
+  Generator gen(1);
+  nn::Embedding<double> emb(5, 3, gen);
+  auto ids = Tensor<double>::from({4, 0, 4, 2}, {2, 2});
+  nn::Cache<double> c;
+  auto y = emb.forward(ids, c);
+  REQUIRE(y.shape() == Shape{2, 2, 3});
+  for (std::int64_t r = 0; r < 4; ++r)
+    for (std::int64_t k = 0; k < 3; ++k)
+      REQUIRE(y.data()[r * 3 + k] == emb.weight().value.at({static_cast<std::int64_t>(ids.data()[r]), k}));
+  check_module_gradients(emb, ids, false);  // id 4 repeats: its gradient rows must add up
+
+  nn::TokenPositionEmbedding<double> tpe(5, 4, 3, 0.0, 0, gen);
+  check_module_gradients(tpe, Tensor<double>::from({1, 3, 1, 0, 4, 4}, {2, 3}), false);
+}
+
+TEST_CASE("Embedding rejects ids that are not integers in range", "[nn][embedding]") {
+  nn::TokenPositionEmbedding<float> tpe(5, 4, 3);
+  nn::Cache<float> c;
+  REQUIRE_THROWS_WITH(tpe.forward(Tensor<float>::from({1, 2, 3, 0, 1.5f, 2}, {2, 3}), c),
+                      Catch::Contains("[ptrain.embedding.id]") && Catch::Contains("1.5") &&
+                          Catch::Contains("position [1, 1]"));
+  REQUIRE_THROWS_AS(tpe.forward(Tensor<float>::from({1, 5}, {1, 2}), c), ShapeError);
+  REQUIRE_THROWS_AS(tpe.forward(Tensor<float>::from({-1, 2}, {1, 2}), c), ShapeError);
+  REQUIRE_THROWS_WITH(tpe.forward(Tensor<float>::zeros({1, 5}), c), Catch::Contains("block_size 4"));
+}
+
+TEST_CASE("Causal attention matches a naive loop, across row tiles", "[nn][attention]") {
+  for (std::int64_t S : {5, 70, 130}) {  // 70 and 130 cross the 64-row tiles of the kernel
+    Generator gen(2);
+    nn::CausalSelfAttention<double> attn(8, 2, 0.0, 0, gen);
+    auto x = random_tensor({2, S, 8}, 3);
+    nn::Cache<double> c;
+    auto y = attn.forward(x, c);
+    auto ref = naive_attention(attn, x, 2);
+    INFO("S = " << S);
+    for (std::int64_t i = 0; i < y.numel(); ++i) REQUIRE(y.data()[i] == Approx(ref.data()[i]).margin(1e-12));
+  }
+}
+
+TEST_CASE("Causal attention gradients match finite differences", "[nn][attention][gradcheck]") {
+  Generator gen(4);
+  nn::CausalSelfAttention<double> attn(8, 2, 0.0, 0, gen);
+  randomize(attn, 5);
+  check_module_gradients(attn, random_tensor({2, 5, 8}, 6));
+  nn::CausalSelfAttention<double> wide(4, 2, 0.0, 0, gen);  // S = 70: two row tiles, a partial one
+  randomize(wide, 7);
+  check_module_gradients(wide, random_tensor({1, 70, 4}, 8), true, 1e-7, 48);
+}
+
+TEST_CASE("Attention dropout: masks differ from eval mode and gradients use the same masks", "[nn][attention]") {
+  Generator gen(9);
+  nn::CausalSelfAttention<double> attn(8, 2, 0.3, 11, gen);
+  randomize(attn, 10);
+  auto x = random_tensor({2, 6, 8}, 12);
+  nn::Cache<double> c;
+  auto train_y = attn.forward(x, c);
+  attn.train(false);
+  auto eval_y = attn.forward(x, c);
+  attn.train(true);
+  double diff = 0;
+  for (std::int64_t i = 0; i < x.numel(); ++i) diff += std::abs(train_y.data()[i] - eval_y.data()[i]);
+  REQUIRE(diff > 1e-3);
+
+  FixedMasks fixed(attn, {&attn.attn_dropout_generator(), &attn.resid_dropout().generator()});
+  nn::Cache<double> cache;
+  auto y = fixed.forward(x, cache);
+  auto r = random_tensor(y.shape(), 13);
+  attn.zero_grad();
+  auto dx = fixed.backward(r, cache);
+  auto loss = [&] {
+    nn::Cache<double> cc;
+    return ptrain::testing::dot(fixed.forward(x, cc), r);
+  };
+  auto check = [&](Tensor<double> v, const Tensor<double>& analytic) {
+    for (std::int64_t i = 0; i < v.numel(); i += std::max<std::int64_t>(1, v.numel() / 40)) {
+      const double h = 1e-5, orig = v.data()[i];
+      v.data()[i] = orig + h;
+      const double lp = loss();
+      v.data()[i] = orig - h;
+      const double lm = loss();
+      v.data()[i] = orig;
+      REQUIRE(analytic.data()[i] == Approx((lp - lm) / (2 * h)).margin(1e-7));
+    }
+  };
+  check(x, dx);
+  for (auto& p : attn.named_parameters()) check(p.param->value, p.param->grad);
+}
+
+TEST_CASE("Transformer block gradients match finite differences", "[nn][block][gradcheck]") {
+  Generator gen(14);
+  nn::TransformerBlock<double> block(8, 2, 0.0, 0, gen);
+  randomize(block, 15);
+  check_module_gradients(block, random_tensor({2, 4, 8}, 16));
+  const auto names = block.named_parameters();
+  REQUIRE(names.size() == 12);
+  REQUIRE(names[0].name == "ln_1.weight");
+  REQUIRE(names[2].name == "attn.c_attn.weight");
+  REQUIRE(names[11].name == "mlp.c_proj.bias");
+}
+
+TEST_CASE("Whole tiny GPT gradients match finite differences, tied and untied", "[nn][gpt][gradcheck]") {
+  for (bool tie : {true, false}) {
+    INFO("tie_weights = " << tie);
+    Generator gen(17);
+    nn::GPT<double> model(tiny_config(tie), gen);
+    randomize(model, 18);
+    check_module_gradients(model, random_ids<double>(2, 5, 7, 19), false, 1e-7, 40);
+  }
+}
+
+TEST_CASE("GPT loss gradient matches finite differences of the cross-entropy", "[nn][gpt][gradcheck]") {
+  Generator gen(20);
+  nn::GPT<double> model(tiny_config(true), gen);
+  randomize(model, 21);
+  auto x = random_ids<double>(2, 6, 7, 22);
+  auto targets = Tensor<std::int32_t>::empty({12});
+  Generator tg(23);
+  for (std::int64_t i = 0; i < 12; ++i) targets.data()[i] = static_cast<std::int32_t>(tg.below(7));
+  nn::CrossEntropyLoss<double> ce;
+  auto loss = [&] {
+    nn::Cache<double> c, lc;
+    return ce.forward(model.forward(x, c), targets, lc);
+  };
+  nn::Cache<double> c, lc;
+  ce.forward(model.forward(x, c), targets, lc);
+  model.zero_grad();
+  model.backward(ce.backward(lc), c);
+  for (auto& p : model.named_parameters()) {
+    Tensor<double> v = p.param->value;
+    for (std::int64_t i = 0; i < v.numel(); i += std::max<std::int64_t>(1, v.numel() / 16)) {
+      const double orig = v.data()[i], h = 1e-5;
+      v.data()[i] = orig + h;
+      const double lp = loss();
+      v.data()[i] = orig - h;
+      const double lm = loss();
+      v.data()[i] = orig;
+      INFO(p.name << "[" << i << "]");
+      REQUIRE(p.param->grad.data()[i] == Approx((lp - lm) / (2 * h)).margin(1e-8));
+    }
+  }
+}
+
+TEST_CASE("Causal mask: a later token never changes earlier outputs", "[nn][gpt][causal]") {
+  Generator gen(24);
+  nn::GPTConfig cfg{.vocab_size = 11, .block_size = 80, .n_layer = 2, .n_head = 2, .n_embd = 8};
+  nn::GPT<double> model(cfg, gen);
+  randomize(model, 25);
+  const std::int64_t S = 75;  // two attention row tiles
+  auto x = random_ids<double>(1, S, 11, 26);
+  nn::Cache<double> c;
+  auto base = model.forward(x, c);
+  for (std::int64_t t : {0, 10, 63, 64, 73}) {
+    auto x2 = x.clone();
+    x2.data()[t + 1] = std::fmod(x2.data()[t + 1] + 3, 11.0);
+    auto y = model.forward(x2, c);
+    INFO("changed token " << t + 1);
+    for (std::int64_t i = 0; i <= t; ++i)
+      for (std::int64_t v = 0; v < 11; ++v) REQUIRE(y.at({0, i, v}) == base.at({0, i, v}));
+    double later = 0;
+    for (std::int64_t v = 0; v < 11; ++v) later += std::abs(y.at({0, t + 1, v}) - base.at({0, t + 1, v}));
+    REQUIRE(later > 1e-6);  // the changed position itself does see it
+  }
+}
+
+TEST_CASE("GPT is a list of units whose composition is the model", "[nn][gpt]") {
+  for (bool tie : {true, false}) {
+    Generator gen(27);
+    auto cfg = tiny_config(tie);
+    nn::GPT<float> model(cfg, gen);
+    REQUIRE(model.units().size() == 4);
+    REQUIRE(model.unit_names() == std::vector<std::string>{"embed", "h.0", "h.1", "head"});
+    REQUIRE(model.num_parameters() == cfg.num_parameters());
+    std::map<std::string, int> names;
+    for (auto& p : model.named_parameters()) ++names[p.name];
+    REQUIRE(names.count("embed.wte.weight") == 1);
+    REQUIRE(names.count("head.lm_head.weight") == (tie ? 0u : 1u));
+    for (auto& [n, count] : names) REQUIRE(count == 1);
+
+    auto x = random_ids<float>(2, 6, 7, 28);
+    nn::Cache<float> c, cu;
+    auto y = model.forward(x, c);
+    Tensor<float> h = x;
+    for (auto& u : model.units()) {
+      nn::Cache<float> uc;
+      h = u->forward(h, uc);
+    }
+    REQUIRE(h.shape() == Shape{2, 6, 7});
+    for (std::int64_t i = 0; i < y.numel(); ++i) REQUIRE(h.data()[i] == y.data()[i]);
+    if (tie) REQUIRE(model.head().weight().value.data() == model.embedding().wte().weight().value.data());
+    const auto borrowed = model.head().borrowed_parameters();
+    if (tie) REQUIRE(borrowed == std::vector<nn::Parameter<float>*>{&model.embedding().wte().weight()});
+    else REQUIRE(borrowed.empty());
+    for (std::size_t u = 0; u + 1 < model.units().size(); ++u) REQUIRE(model.units()[u]->borrowed_parameters().empty());
+  }
+}
+
+TEST_CASE("Every gradient is announced exactly once, the tied one after both uses", "[nn][gpt][hooks]") {
+  for (bool tie : {true, false}) {
+    INFO("tie_weights = " << tie);
+    Generator gen(29);
+    nn::GPT<double> model(tiny_config(tie), gen);
+    randomize(model, 30);
+    std::map<std::string, int> count;
+    std::map<std::string, std::vector<double>> at_announce;
+    for (auto& p : model.named_parameters()) {
+      const std::string name = p.name;
+      p.param->on_grad_ready = [&, name](nn::Parameter<double>& param) {
+        ++count[name];
+        at_announce[name] = param.grad.to_vector();
+      };
+    }
+    nn::Cache<double> c;
+    auto y = model.forward(random_ids<double>(2, 5, 7, 31), c);
+    model.zero_grad();
+    model.backward(random_tensor(y.shape(), 32), c);
+    for (auto& p : model.named_parameters()) {
+      INFO(p.name);
+      REQUIRE(count[p.name] == 1);
+      REQUIRE(at_announce[p.name] == p.param->grad.to_vector());  // final when announced
+    }
+    // The wte gradient holds the head's part: rows of ids that never occur are non-zero only when tied.
+    auto& g = model.embedding().wte().weight().grad;
+    double unused_rows = 0;
+    auto ids = random_ids<double>(2, 5, 7, 31);
+    for (std::int64_t v = 0; v < 7; ++v) {
+      bool used = false;
+      for (std::int64_t i = 0; i < ids.numel(); ++i) used |= ids.data()[i] == v;
+      if (!used)
+        for (std::int64_t k = 0; k < 8; ++k) unused_rows += std::abs(g.at({v, k}));
+    }
+    if (tie) REQUIRE(unused_rows > 0);
+    else REQUIRE(unused_rows == 0);
+  }
+}
+
+TEST_CASE("GPT-2 initialisation and the decay filter", "[nn][gpt][init]") {
+  nn::GPTConfig cfg{.vocab_size = 50, .block_size = 32, .n_layer = 4, .n_head = 4, .n_embd = 64};
+  Generator gen(33);
+  nn::GPT<double> model(cfg, gen);
+  auto stddev = [](const Tensor<double>& t) {
+    double s = 0, s2 = 0;
+    for (std::int64_t i = 0; i < t.numel(); ++i) s += t.data()[i], s2 += t.data()[i] * t.data()[i];
+    const double n = static_cast<double>(t.numel());
+    return std::sqrt(s2 / n - (s / n) * (s / n));
+  };
+  auto decay = nn::gpt_decay_filter();
+  for (auto& p : model.named_parameters()) {
+    INFO(p.name);
+    const auto& v = p.param->value;
+    const bool bias = p.name.size() > 5 && p.name.substr(p.name.size() - 5) == ".bias";
+    if (p.name.find("ln_") != std::string::npos) {
+      REQUIRE(v.data()[0] == (bias ? 0.0 : 1.0));
+      REQUIRE_FALSE(decay(p.name));
+    } else if (bias) {
+      REQUIRE(stddev(v) == 0.0);
+      REQUIRE(v.data()[0] == 0.0);
+      REQUIRE_FALSE(decay(p.name));
+    } else if (p.name.find("c_proj.weight") != std::string::npos) {
+      REQUIRE(stddev(v) == Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
+      REQUIRE(decay(p.name));
+    } else {
+      REQUIRE(stddev(v) == Approx(0.02).epsilon(0.05));
+      REQUIRE(decay(p.name) == (p.name.find("wte") == std::string::npos && p.name.find("wpe") == std::string::npos));
+    }
+  }
+  // Same generator state, same model.
+  Generator g1(5), g2(5);
+  nn::GPT<float> a(cfg, g1), b(cfg, g2);
+  REQUIRE(a.named_parameters()[3].param->value.to_vector() == b.named_parameters()[3].param->value.to_vector());
+}
+
+TEST_CASE("sample_logits: greedy, top-k support and frequencies", "[nn][sample]") {
+  const std::vector<double> logits = {0.1, 2.0, -1.0, 1.5, 2.0, 0.3};
+  REQUIRE(nn::sample_logits(logits.data(), 6, 0.0, 0, 0.7) == 1);  // first of the tied maxima
+  REQUIRE(nn::sample_logits(logits.data(), 6, 1.0, 1, 0.99) == 1);
+  // top_k = 3 keeps ids 1, 4, 3; frequencies follow their softmax at temperature 0.5.
+  Generator g(34);
+  std::map<int, int> hits;
+  const int n = 20000;
+  for (int i = 0; i < n; ++i) ++hits[nn::sample_logits(logits.data(), 6, 0.5, 3, g.uniform())];
+  REQUIRE(hits.size() == 3);
+  const double z = 2 * std::exp(4.0) + std::exp(3.0);
+  REQUIRE(hits[1] / double(n) == Approx(std::exp(4.0) / z).margin(0.015));
+  REQUIRE(hits[4] / double(n) == Approx(std::exp(4.0) / z).margin(0.015));
+  REQUIRE(hits[3] / double(n) == Approx(std::exp(3.0) / z).margin(0.015));
+  REQUIRE_THROWS_AS(nn::sample_logits(logits.data(), 6, -1.0, 0, 0.5), Error);
+}
+
+TEST_CASE("generate: greedy continuation follows the model's argmax; crops the context", "[nn][sample]") {
+  Generator gen(35);
+  nn::GPT<double> model(tiny_config(true), gen);
+  randomize(model, 36);
+  Generator sg(0);
+  auto out = nn::generate(model, {1, 2}, 8, 0.0, 0, sg);
+  REQUIRE(out.size() == 10);
+  REQUIRE(model.training());
+  for (std::size_t n = 2; n < out.size(); ++n) {
+    const std::int64_t len = std::min<std::int64_t>(6, static_cast<std::int64_t>(n));
+    auto x = Tensor<double>::empty({1, len});
+    for (std::int64_t i = 0; i < len; ++i) x.data()[i] = out[n - static_cast<std::size_t>(len - i)];
+    nn::Cache<double> c;
+    auto logits = model.forward(x, c);
+    std::int32_t best = 0;
+    for (std::int32_t v = 1; v < 7; ++v)
+      if (logits.at({0, len - 1, v}) > logits.at({0, len - 1, best})) best = v;
+    REQUIRE(out[n] == best);
+  }
+  Generator s1(7), s2(7);
+  REQUIRE(nn::generate(model, {3}, 12, 1.0, 4, s1) == nn::generate(model, {3}, 12, 1.0, 4, s2));
+}
