@@ -16,6 +16,7 @@ packages=(
   libopenmpi-dev openmpi-bin  # MPI communicator, mpirun
   libgloo-dev            # Gloo communicator (torchrun / Kubernetes launches)
   dataset-fashion-mnist  # the main example's data
+  fortunes               # plain English text for the character-level GPT example
   python3 python3-numpy  # independent readers in tests
 )
 if [[ "${1:-}" == "--bench" ]]; then

@@ -12,19 +12,25 @@
 #include "ptrain/core/tensor.hpp"
 
 #include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/attention.hpp"
+#include "ptrain/ops/embedding.hpp"
 #include "ptrain/ops/init.hpp"
 #include "ptrain/ops/linear.hpp"
 #include "ptrain/ops/loss.hpp"
 #include "ptrain/ops/norm.hpp"
 
 #include "ptrain/nn/activation.hpp"
+#include "ptrain/nn/attention.hpp"
+#include "ptrain/nn/embedding.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/layer_norm.hpp"
 #include "ptrain/nn/linear.hpp"
 #include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/models/mlp.hpp"
 #include "ptrain/nn/module.hpp"
 #include "ptrain/nn/sequential.hpp"
+#include "ptrain/nn/transformer_block.hpp"
 
 #include "ptrain/optim/adamw.hpp"
 #include "ptrain/optim/clip.hpp"
@@ -38,10 +44,14 @@
 #include "ptrain/dist/store.hpp"
 
 #include "ptrain/parallel/ddp.hpp"
+#include "ptrain/parallel/fsdp.hpp"
+#include "ptrain/parallel/mesh.hpp"
+#include "ptrain/parallel/pipeline.hpp"
 
 #include "ptrain/data/batches.hpp"
 #include "ptrain/data/idx.hpp"
 #include "ptrain/data/sampler.hpp"
+#include "ptrain/data/text.hpp"
 
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"

@@ -89,6 +89,9 @@ struct FSDPOptions {
   bool prefetch = true;
   /// Mixed-precision policy for gradient reduction: F32, or BF16 (half the bytes on the wire).
   DType reduce_dtype = DType::F32;
+  /// Parameter-name prefix of each unit (e.g. GPT::unit_names()), so names match
+  /// the unwrapped model's; default "u<i>".
+  std::vector<std::string> unit_names;
 };
 
 /// One entry of the step timeline (steady-clock seconds), for overlap checks.
@@ -199,7 +202,8 @@ class FSDP : public nn::Module<T> {
   /// Pieces of parameters in the local shard: name, offset in the local buffer, [length].
   const std::vector<nn::FlatEntry<T>>& local_entries() const { return local_entries_; }
 
-  /// Collective: every parameter, full and unsharded, by name (for export or inspection).
+  /// Collective: every parameter, full and unsharded, by name (for export or inspection),
+  /// group by group (units that share a parameter form one group).
   std::vector<std::pair<std::string, Tensor<T>>> full_parameters() {
     std::vector<std::pair<std::string, Tensor<T>>> out;
     for (std::size_t g = 0; g < groups_.size(); ++g) {
@@ -291,8 +295,10 @@ class FSDP : public nn::Module<T> {
     };
     std::map<nn::Parameter<T>*, std::size_t> owner;
     std::vector<std::vector<nn::NamedParameter<T>>> owned(n);
+    PTRAIN_CHECK(opt_.unit_names.empty() || opt_.unit_names.size() == n, Error, "[ptrain.fsdp.names] ",
+                 opt_.unit_names.size(), " unit names for ", n, " units");
     for (std::size_t u = 0; u < n; ++u) {
-      owned[u] = units_[u]->named_parameters("u" + std::to_string(u) + ".");
+      owned[u] = units_[u]->named_parameters((opt_.unit_names.empty() ? "u" + std::to_string(u) : opt_.unit_names[u]) + ".");
       for (auto& p : owned[u]) owner.emplace(p.param, u);
     }
     for (std::size_t u = 0; u < n; ++u)

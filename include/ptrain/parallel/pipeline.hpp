@@ -62,13 +62,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
-#include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/module.hpp"
 
 namespace ptrain::parallel {
@@ -285,9 +285,9 @@ class Pipeline {
     for (std::size_t u = part_.begin(stage_); u < part_.end(stage_); ++u) {
       auto unit = factory(u);
       PTRAIN_CHECK(unit != nullptr, Error, "[ptrain.pipeline.factory] the unit factory returned null for unit ", u);
-      reject_tied_head(*unit, u);
       module_.add(opt_.unit_names.empty() ? std::to_string(u) : opt_.unit_names[u], std::move(unit));
     }
+    reject_borrowed_across_stages();
     if (!module_.named_parameters().empty()) flat_ = std::make_unique<nn::FlatParameters<T>>(module_);
   }
 
@@ -391,12 +391,16 @@ class Pipeline {
                  "; pick a batch size that is a multiple of m");
   }
 
-  // A GPT head tied to the embedding would keep a pointer into another
-  // stage's unit (Note [Weight tying] in nn/models/gpt.hpp).
-  static void reject_tied_head(nn::Module<T>& unit, std::size_t u) {
-    if (auto* head = dynamic_cast<nn::LMHead<T>*>(&unit); head && head->tied())
-      PTRAIN_THROW(Error, "[ptrain.pipeline.tied] unit ", u, " is an LM head tied to the token embedding; a "
-                   "pipeline cannot share a weight between stages: build the model with tie_weights = false");
+  // A unit that uses a parameter owned outside this stage (a GPT head tied to
+  // the token embedding, Note [Weight tying] in nn/models/gpt.hpp) would
+  // update a weight that lives on another rank.
+  void reject_borrowed_across_stages() {
+    std::set<nn::Parameter<T>*> owned;
+    for (auto& p : module_.named_parameters()) owned.insert(p.param);
+    for (auto* p : module_.borrowed_parameters())
+      PTRAIN_CHECK(owned.count(p), Error, "[ptrain.pipeline.tied] stage ", stage_, " has a unit that shares a "
+                   "parameter with a unit of another stage (e.g. an LM head tied to the token embedding); a "
+                   "pipeline cannot share a weight between stages: build the model untied (tie_weights = false)");
   }
 
   void record(char kind, int mb, double t0) {

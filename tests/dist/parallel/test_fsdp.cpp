@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <ptrain/dist/process_group.hpp>
 
 #include "dist/parallel/world.hpp"
@@ -52,9 +53,9 @@ double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   return diff / scale;
 }
 
-parallel::FSDPOptions options_for(ShardingStrategy s) {
+parallel::FSDPOptions options_for(ShardingStrategy s, std::vector<std::string> names = {}) {
   const int n = world().size();
-  return {.strategy = s, .hybrid_shard_size = n % 2 == 0 ? n / 2 : n};
+  return {.strategy = s, .hybrid_shard_size = n % 2 == 0 ? n / 2 : n, .unit_names = std::move(names)};
 }
 
 // K AdamW steps of a tiny GPT: FSDP on this rank's rows vs one process on all rows.
@@ -69,7 +70,7 @@ void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int m
   nn::FlatParameters<float> ref_p(ref);
   const optim::AdamWOptions adam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
   optim::AdamW<float> ref_opt(ref_p, adam);
-  parallel::FSDP<float> fsdp(model.units(), comm, options_for(strategy));
+  parallel::FSDP<float> fsdp(model.units(), comm, options_for(strategy, model.unit_names()));
   optim::AdamW<float> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
   nn::CrossEntropyLoss<float> ce;
 
@@ -98,16 +99,17 @@ void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int m
     }
     fsdp.optimizer_step(opt);
   }
+  // Compare by name: FSDP lists parameters group by group, the model unit by unit.
+  std::map<std::string, std::vector<float>> full;
+  for (auto& [name, t] : fsdp.full_parameters()) full[name] = t.to_vector();
   std::vector<float> got, want;
-  for (auto& [name, t] : fsdp.full_parameters()) {
-    auto v = t.to_vector();
-    got.insert(got.end(), v.begin(), v.end());
-  }
   for (auto& p : ref.named_parameters()) {
     auto v = p.param->value.to_vector();
     want.insert(want.end(), v.begin(), v.end());
+    REQUIRE(full.count(p.name) == 1);
+    got.insert(got.end(), full[p.name].begin(), full[p.name].end());
   }
-  REQUIRE(got.size() == want.size());
+  REQUIRE(full.size() == ref.named_parameters().size());
   const double err = rel_error(got, want);
   INFO(parallel::strategy_name(strategy) << (tie ? " tied" : " untied") << ", " << micro_batches
                                          << " micro-batches, rank " << r << " of " << n << ": relative error " << err);
@@ -120,6 +122,9 @@ TEST_CASE("FSDP strategies equal one process on a GPT", "[fsdp]") {
   for (auto s : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::ShardOptimizer,
                  ShardingStrategy::NoShard, ShardingStrategy::Hybrid})
     check_gpt_matches_single_process(s, false, 1);
+  // Tied LM head: the embedding and head units share one group (Note [FSDP units and groups]).
+  check_gpt_matches_single_process(ShardingStrategy::FullShard, true, 1);
+  check_gpt_matches_single_process(ShardingStrategy::Hybrid, true, 2);
 }
 
 TEST_CASE("FSDP gradient accumulation over micro-batches", "[fsdp]") {
