@@ -12,6 +12,7 @@
 
 #ifdef PTRAIN_MPI
 
+#include <cstdlib>
 #include <mpi.h>
 
 #include <climits>
@@ -89,6 +90,11 @@ class MpiRuntime {
     int init = 0;
     PTRAIN_CHECK_MPI(MPI_Initialized(&init));
     if (!init) {
+      // Collectives run on the communicator's worker thread while the main
+      // thread computes (DDP overlap). Open MPI busy-polls inside a blocking
+      // collective by default, which takes the compute thread's core; yielding
+      // made a 2-rank DDP step 1.6x faster on 2 cores. A user's setting wins.
+      ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0);
       PTRAIN_CHECK_MPI(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &level_));
       owned_ = true;
     } else {
