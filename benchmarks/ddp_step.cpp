@@ -14,12 +14,17 @@ int main(int argc, char** argv) {
   CLI::App app{"ptrain MLP data-parallel training-step benchmark"};
   bench::MlpOptions o;
   o.add_to(app);
+  double bucket_mb = 25, first_bucket_mb = 1;
+  app.add_option("--bucket-mb", bucket_mb, "DDP bucket cap in MiB");
+  app.add_option("--first-bucket-mb", first_bucket_mb, "size of DDP's first (small) bucket in MiB");
   CLI11_PARSE(app, argc, argv);
 
   auto comm = dist::init_process_group();
   manual_seed(0);
   bench::MlpStep s(o, 1 + static_cast<std::uint64_t>(comm->rank()));
-  parallel::DDP<float> ddp(s.model, s.params, *comm);
+  parallel::DDP<float> ddp(s.model, s.params, *comm,
+                          {.bucket_cap_bytes = static_cast<std::int64_t>(bucket_mb * (1 << 20)),
+                           .first_bucket_bytes = static_cast<std::int64_t>(first_bucket_mb * (1 << 20))});
   comm->barrier();
   // Each step ends with the gradient sync, so ranks stay in lock step; the
   // slowest rank's median is the step time.
