@@ -7,6 +7,7 @@ rank 0. Run with Debian's python3-torch (/usr/bin/python3).
 import argparse
 import json
 import os
+import socket
 import statistics
 import time
 
@@ -66,9 +67,14 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--port", type=int, default=29511)
+    p.add_argument("--port", type=int, default=0, help="rendezvous port (0: a free one)")
     a = p.parse_args()
-    mp.spawn(run, args=(a, a.port), nprocs=a.ranks)
+    port = a.port
+    if port == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    mp.spawn(run, args=(a, port), nprocs=a.ranks)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,15 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 out=$(mktemp)
 runs=${RUNS:-3}
+t="timeout 300"  # a stuck run is reported, not waited for
 for i in $(seq "$runs"); do
-  "$build/benchmarks/train_step" >> "$out"
-  $py benchmarks/train_step.py >> "$out"
-  mpirun -np 1 "$build/benchmarks/ddp_step" >> "$out"
-  mpirun -np 2 --bind-to none "$build/benchmarks/ddp_step" >> "$out"
-  "$build/launcher/ptrun" --nproc-per-node 2 --master-port 0 "$build/benchmarks/ddp_step" >> "$out"
-  $py benchmarks/ddp_step.py --ranks 1 >> "$out"
-  $py benchmarks/ddp_step.py --ranks 2 >> "$out"
+  $t "$build/benchmarks/train_step" >> "$out"
+  $t $py benchmarks/train_step.py >> "$out"
+  $t mpirun -np 1 "$build/benchmarks/ddp_step" >> "$out"
+  $t mpirun -np 2 --bind-to none "$build/benchmarks/ddp_step" >> "$out"
+  $t "$build/launcher/ptrun" --nproc-per-node 2 --master-port 0 "$build/benchmarks/ddp_step" >> "$out"
+  $t $py benchmarks/ddp_step.py --ranks 1 >> "$out"
+  $t $py benchmarks/ddp_step.py --ranks 2 >> "$out"
 done
 cat "$out"
 $py - "$out" <<'PY'
