@@ -9,11 +9,20 @@
 // ranks x batch), every rank reads its own shard of each epoch
 // (DistributedSampler), and rank 0 prints and writes the metrics.
 //
+// Checkpoints: --checkpoint-dir DIR saves every --checkpoint-every steps (in the
+// background), at the end, and when SIGTERM/SIGINT/SIGUSR1 arrives (all ranks
+// agree at the next step, save and exit 0); --resume continues from the newest
+// complete checkpoint in DIR when there is one (docs/checkpointing.md):
+//   ptrun --nproc-per-node 2 fashion_mnist --parallel ddp --checkpoint-dir ckpt --checkpoint-every 200 --resume
+//
 // Data: the files of Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist);
 // --data DIR reads the same four IDX files from elsewhere.
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <ptrain/ckpt/async_writer.hpp>
+#include <ptrain/ckpt/checkpoint.hpp>
+#include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/ptrain.hpp>
 
 using namespace ptrain;
@@ -31,6 +40,10 @@ struct Options {
   std::string metrics;
   std::int64_t log_every = 100;
   std::string parallel = "none";
+  std::string checkpoint_dir;
+  std::int64_t checkpoint_every = 0;
+  int keep_checkpoints = 3;
+  bool resume = false;
 };
 
 // Accuracy on a whole split in evaluation mode. Each rank scores a contiguous
@@ -69,7 +82,18 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", opt.log_every, "progress line and metrics record every N steps (0: none)");
   app.add_option("--parallel", opt.parallel, "none (one process) or ddp (data parallel over the launched ranks)")
       ->check(CLI::IsMember({"none", "ddp"}));
+  app.add_option("--checkpoint-dir", opt.checkpoint_dir,
+                 "save checkpoints here (every --checkpoint-every steps, at the end, and on SIGTERM/SIGINT/SIGUSR1)");
+  app.add_option("--checkpoint-every", opt.checkpoint_every, "steps between checkpoints (0: only at the end and on "
+                 "a signal)")->check(CLI::NonNegativeNumber);
+  app.add_option("--keep-checkpoints", opt.keep_checkpoints, "committed checkpoints kept (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", opt.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
   CLI11_PARSE(app, argc, argv);
+  if (opt.resume && opt.checkpoint_dir.empty()) {
+    std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");
+    return 2;
+  }
 
   try {
     Stopwatch wall;
@@ -97,7 +121,50 @@ int main(int argc, char** argv) {
     const std::int64_t total_steps = steps_per_epoch * opt.epochs;
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = std::max<std::int64_t>(1, total_steps / 100),
                                        .total = total_steps};
-    MetricsWriter metrics(lead ? opt.metrics : "");
+    // Checkpoints (optional): resume first, so that metrics append to the resumed run's file.
+    std::unique_ptr<ckpt::CheckpointManager> checkpoints;
+    std::unique_ptr<ckpt::AsyncCheckpointer> saver;
+    std::int64_t step = 0, last_saved = -1;
+    int start_epoch = 0;
+    bool resumed = false;
+    if (!opt.checkpoint_dir.empty()) {
+      checkpoints = std::make_unique<ckpt::CheckpointManager>(
+          opt.checkpoint_dir, comm.get(), ckpt::CheckpointOptions{.keep_last = opt.keep_checkpoints});
+      saver = std::make_unique<ckpt::AsyncCheckpointer>(*checkpoints);
+    }
+    if (checkpoints && opt.resume) {
+      const auto last = checkpoints->latest();
+      for (const auto& s : last.skipped)
+        if (lead) std::fprintf(stderr, "fashion_mnist: skipping %s: %s\n", s.path.c_str(), s.reason.c_str());
+      if (last.found()) {
+        const ckpt::TrainerState st = checkpoints->load(last.path, params, &optimizer);
+        PTRAIN_CHECK(st.sampler.has_value(), CheckpointError, "[fashion_mnist.resume] ", last.path.string(),
+                     " has no sampler position; it was not written by this program");
+        // Another world size continues the epoch as exactly as the sample count allows
+        // (Note [Sampler reshape]); the same world size resumes bit for bit.
+        ckpt::restore_sampler(sampler, *st.sampler, world, /*allow_repeat=*/st.world_size != world);
+        step = last_saved = st.step;
+        start_epoch = static_cast<int>(st.sampler->epoch);
+        resumed = true;
+        if (lead)
+          std::printf("resumed from %s: step %lld, epoch %d (saved on %d rank(s))\n", last.path.c_str(),
+                      static_cast<long long>(step), start_epoch + 1, st.world_size);
+      } else if (lead) {
+        std::printf("no checkpoint in %s; starting from step 0\n", opt.checkpoint_dir.c_str());
+      }
+    }
+    std::unique_ptr<ckpt::PreemptionHandler> preempt;
+    if (checkpoints) preempt = std::make_unique<ckpt::PreemptionHandler>();
+    auto trainer_state = [&] {
+      ckpt::TrainerState ts;
+      ts.sampler = ckpt::sampler_state(sampler, world);
+      ts.schedule = schedule;
+      ts.user = {{"program", "fashion_mnist"}, {"batch", opt.batch}, {"hidden", opt.hidden}, {"seed", opt.seed},
+                 {"epochs", opt.epochs}};
+      return ts;
+    };
+
+    MetricsWriter metrics(lead ? opt.metrics : "", resumed);
     Progress progress(total_steps, lead ? opt.log_every : 0);
     if (lead)
       std::printf("model %s, %lld parameters, %d rank(s)%s, %lld steps\n", mlp.describe().c_str(),
@@ -107,11 +174,10 @@ int main(int argc, char** argv) {
     auto x = Tensor<float>::empty({opt.batch, features});
     auto y = Tensor<std::int32_t>::empty({opt.batch});
     nn::Cache<float> cache, loss_cache;
-    std::int64_t step = 0;
     double accuracy = 0, window_loss = 0;
     Stopwatch window;
-    for (int epoch = 0; epoch < opt.epochs; ++epoch) {
-      sampler.set_epoch(static_cast<std::uint64_t>(epoch));
+    for (int epoch = start_epoch; epoch < opt.epochs; ++epoch) {
+      if (!(resumed && epoch == start_epoch)) sampler.set_epoch(static_cast<std::uint64_t>(epoch));
       Stopwatch epoch_time;
       while (!sampler.epoch_done()) {
         const auto idx = sampler.next(opt.batch);
@@ -142,11 +208,28 @@ int main(int argc, char** argv) {
           window_loss = 0;
           window.reset();
         }
+        if (saver && opt.checkpoint_every > 0 && step % opt.checkpoint_every == 0) {
+          saver->save(step, params, &optimizer, trainer_state());  // returns after a copy to host memory
+          last_saved = step;
+        }
+        // One all-reduce per step: every rank stops at the same step when any got a signal.
+        if (preempt && preempt->should_stop(comm.get())) {
+          saver->wait();
+          checkpoints->save(step, params, &optimizer, trainer_state());
+          if (lead)
+            std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
+                        static_cast<long long>(step), opt.checkpoint_dir.c_str());
+          return 0;
+        }
       }
       accuracy = evaluate(model, test, comm.get());
       const double sps = static_cast<double>(sampler.num_samples() * world) / epoch_time.seconds();
       if (lead) std::printf("epoch %d: test_accuracy %.4f, %.0f samples/s\n", epoch + 1, accuracy, sps);
       metrics.write({{"step", step}, {"epoch", epoch + 1}, {"test_accuracy", accuracy}, {"samples_per_s", sps}});
+    }
+    if (saver) {
+      saver->wait();
+      if (last_saved != step) checkpoints->save(step, params, &optimizer, trainer_state());
     }
     if (lead) std::printf("final test_accuracy %.4f, wall time %.1f s\n", accuracy, wall.seconds());
   } catch (const Error& e) {

@@ -1,0 +1,198 @@
+// A small deterministic data-parallel trainer for the checkpoint tests:
+// MLP + DDP + DistributedSampler + AdamW + warmup-cosine schedule on a
+// synthetic data set, with checkpoints, resume and preemption handling.
+//
+//   ptrun --nproc-per-node 2 ckpt_trainer --dir D --steps 12 --every 3 [--async] [--resume] --out final.safetensors
+//
+// Side files for the test driver: D/pid-rank<R> (this rank's pid, once its
+// signal handlers are installed),
+// --samples-log P (P.rank<R>: one line per step with the sample indices this
+// rank used), --dump-loaded P (P.rank<R>: parameters right after a resume,
+// raw bytes in parameter order). With --sharded, checkpoints go through
+// save_sharded as FSDP will use it: rank r writes elements
+// [r n / W, (r + 1) n / W) of the flat parameter and AdamW buffers as
+// "<buffer>@<offset>", and a resumed rank reassembles the whole buffers from
+// every shard listed in the index (any old world size). Exit code 0 after --steps steps or after a
+// preemption signal (then a checkpoint of the current step is committed).
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+#include <unistd.h>
+
+#include <ptrain/ckpt/async_writer.hpp>
+#include <ptrain/ckpt/checkpoint.hpp>
+#include <ptrain/ckpt/preemption.hpp>
+#include <ptrain/data/batches.hpp>
+#include <ptrain/data/sampler.hpp>
+#include <ptrain/dist/process_group.hpp>
+#include <ptrain/nn/loss.hpp>
+#include <ptrain/nn/models/mlp.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/ddp.hpp>
+
+using namespace ptrain;
+
+int main(int argc, char** argv) {
+  std::string dir, out, samples_log, dump_loaded;
+  std::int64_t steps = 12, every = 0, global_batch = 12, sleep_ms = 0;
+  bool resume = false, async = false, sharded = false;
+  CLI::App app{"checkpoint test trainer"};
+  app.add_option("--dir", dir, "checkpoint directory");
+  app.add_option("--steps", steps, "train until this many steps are done");
+  app.add_option("--every", every, "checkpoint every N steps (0: never)");
+  app.add_option("--global-batch", global_batch, "samples per step over all ranks");
+  app.add_option("--sleep-ms", sleep_ms, "pause after each step (gives tests time to send signals)");
+  app.add_option("--out", out, "rank 0 writes the final parameters here (safetensors)");
+  app.add_option("--samples-log", samples_log, "per-rank log of sample indices");
+  app.add_option("--dump-loaded", dump_loaded, "per-rank raw dump of parameters after resume");
+  app.add_flag("--resume", resume, "resume from the latest checkpoint in --dir if there is one");
+  app.add_flag("--async", async, "asynchronous checkpoints");
+  app.add_flag("--sharded", sharded, "one checkpoint file per rank (save_sharded)");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    auto comm = dist::init_process_group();
+    const int rank = comm->rank(), world = comm->size();
+    PTRAIN_CHECK(global_batch % world == 0, Error, "global batch ", global_batch, " not divisible by ", world);
+    const std::int64_t batch = global_batch / world;
+
+    // Data: 96 samples, 6 features, 3 classes, the same on every rank.
+    const std::int64_t n = 96, features = 6;
+    Generator data_gen(1234);
+    auto X = Tensor<float>::empty({n, features});
+    auto Y = Tensor<std::int32_t>::empty({n});
+    for (std::int64_t i = 0; i < X.numel(); ++i) X.data()[i] = static_cast<float>(data_gen.uniform() * 2 - 1);
+    for (std::int64_t i = 0; i < n; ++i) Y.data()[i] = static_cast<std::int32_t>(data_gen.below(3));
+
+    Generator init(42);
+    nn::MLP<float> model(features, {16}, 3, nn::Activation::ReLU, init);
+    model.set_need_input_grad(false);
+    nn::FlatParameters<float> params(model);
+    parallel::DDP<float> ddp(model, params, *comm);
+    optim::AdamW<float> opt(params, {.lr = 0.01});
+    const optim::WarmupCosine schedule{0.01, 3, 24, 1e-4};
+    DistributedSampler sampler(n, rank, world, 7);
+
+    ckpt::CheckpointManager mgr(dir, comm.get(), {.keep_last = 2});
+    std::optional<ckpt::AsyncCheckpointer> saver;
+    if (async) saver.emplace(mgr);
+    std::int64_t step = 0;
+    if (resume) {
+      auto last = mgr.latest();
+      for (const auto& s : last.skipped)
+        if (rank == 0) std::fprintf(stderr, "skipping %s: %s\n", s.path.c_str(), s.reason.c_str());
+      if (last.found()) {
+        ckpt::TrainerState ts;
+        if (sharded) {
+          ckpt::Checkpoint c(last.path);
+          std::vector<std::pair<std::string, Tensor<float>>> bufs = {{"values", params.values()}};
+          for (const auto& [kind, buf] : opt.flat_state()) bufs.emplace_back(kind, buf);
+          for (const auto& [name, file] : c.weight_map()) {
+            const auto at = name.find('@');
+            for (auto& [kind, buf] : bufs)
+              if (name.substr(0, at) == kind) {
+                const std::int64_t off = std::stoll(name.substr(at + 1));
+                auto view = buf.view(off, c.file(file).entry(name).shape);
+                c.read_into(name, view);
+              }
+          }
+          ts = c.trainer_state();
+          opt.set_steps(ts.optimizer_steps);
+          opt.set_lr(ts.lr);
+        } else {
+          ts = mgr.load(last.path, params, &opt);
+        }
+        step = ts.step;
+        ckpt::restore_sampler(sampler, *ts.sampler, world);
+        if (rank == 0) std::printf("resumed from step %lld (saved on %d ranks)\n", static_cast<long long>(step), ts.world_size);
+        if (!dump_loaded.empty()) {
+          std::ofstream f(dump_loaded + ".rank" + std::to_string(rank), std::ios::binary);
+          for (const auto& e : params.entries())
+            f.write(reinterpret_cast<const char*>(e.param->value.data()), static_cast<std::streamsize>(e.param->value.nbytes()));
+        }
+      }
+    }
+    std::ofstream log;
+    if (!samples_log.empty()) log.open(samples_log + ".rank" + std::to_string(rank), std::ios::app);
+
+    auto state = [&] {
+      ckpt::TrainerState ts;
+      ts.sampler = ckpt::sampler_state(sampler, world);
+      ts.schedule = schedule;
+      ts.user = {{"program", "ckpt_trainer"}};
+      ts.optimizer_steps = opt.steps();
+      ts.lr = opt.lr();
+      return ts;
+    };
+    // This rank's slice of every flat buffer, for save_sharded.
+    auto shard = [&] {
+      const std::int64_t n_all = params.numel(), lo = n_all * rank / world, hi = n_all * (rank + 1) / world;
+      std::vector<ckpt::TensorRef> refs = {
+          ckpt::tensor_ref("values@" + std::to_string(lo), params.values().view(lo, {hi - lo}))};
+      for (const auto& [kind, buf] : opt.flat_state())
+        refs.push_back(ckpt::tensor_ref(kind + "@" + std::to_string(lo), buf.view(lo, {hi - lo})));
+      return refs;
+    };
+    auto save = [&](bool allow_async) {
+      if (saver && allow_async) {
+        if (sharded) saver->save_sharded(step, shard(), state());
+        else saver->save(step, params, &opt, state());
+      } else {
+        if (sharded) mgr.save_sharded(step, shard(), state());
+        else mgr.save(step, params, &opt, state());
+      }
+    };
+    ckpt::PreemptionHandler preempt;
+    if (!dir.empty()) {  // after the handler: a test may signal this rank as soon as the file exists
+      std::filesystem::create_directories(dir);
+      std::ofstream(dir + "/pid-rank" + std::to_string(rank) + ".tmp") << ::getpid() << "\n";
+      std::filesystem::rename(dir + "/pid-rank" + std::to_string(rank) + ".tmp", dir + "/pid-rank" + std::to_string(rank));
+    }
+    auto x = Tensor<float>::empty({batch, features});
+    auto y = Tensor<std::int32_t>::empty({batch});
+    nn::CrossEntropyLoss<float> ce;
+    while (step < steps) {
+      if (sampler.epoch_done()) sampler.set_epoch(sampler.epoch() + 1);
+      const auto idx = sampler.next(batch);
+      PTRAIN_CHECK(static_cast<std::int64_t>(idx.size()) == batch, Error, "partial batch");
+      if (log.is_open()) {
+        log << step + 1;
+        for (auto i : idx) log << ' ' << i;
+        log << '\n' << std::flush;
+      }
+      gather_rows(X, idx.data(), batch, x);
+      gather_rows(Y, idx.data(), batch, y);
+      nn::Cache<float> c, lc;
+      params.zero_grad();
+      ce.forward(ddp.forward(x, c), y, lc);
+      ddp.backward(ce.backward(lc), c);
+      ddp.finish_gradient_sync();
+      opt.set_lr(schedule(step));
+      opt.step();
+      ++step;
+      if (every > 0 && step % every == 0) save(true);
+      if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+      if (preempt.should_stop(comm.get())) {
+        if (saver) saver->wait();
+        save(false);
+        std::printf("rank %d: signal %d, checkpoint of step %lld committed, exiting\n", rank, preempt.signal(),
+                    static_cast<long long>(step));
+        comm->barrier();
+        return 0;
+      }
+    }
+    if (saver) saver->wait();
+    if (rank == 0 && !out.empty()) {
+      std::vector<ckpt::TensorRef> refs;
+      for (const auto& e : params.entries()) refs.push_back(ckpt::tensor_ref(e.name, e.param->value));
+      ckpt::write_safetensors(out, refs);
+    }
+    comm->barrier();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ckpt_trainer: %s\n", e.what());
+    return 1;
+  }
+}
