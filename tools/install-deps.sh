@@ -18,6 +18,7 @@ packages=(
   dataset-fashion-mnist  # the main example's data
   fortunes               # plain English text for the character-level GPT example
   python3 python3-numpy  # independent readers in tests
+  clang libclang-rt-14-dev  # libFuzzer target for the safetensors parser
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(python3-torch libopenblas0-pthread python3-matplotlib)

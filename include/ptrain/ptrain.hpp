@@ -48,6 +48,11 @@
 #include "ptrain/parallel/mesh.hpp"
 #include "ptrain/parallel/pipeline.hpp"
 
+#include "ptrain/ckpt/async_writer.hpp"
+#include "ptrain/ckpt/checkpoint.hpp"
+#include "ptrain/ckpt/preemption.hpp"
+#include "ptrain/ckpt/safetensors.hpp"
+
 #include "ptrain/data/batches.hpp"
 #include "ptrain/data/idx.hpp"
 #include "ptrain/data/sampler.hpp"
