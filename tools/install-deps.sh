@@ -19,6 +19,7 @@ packages=(
   fortunes               # plain English text for the character-level GPT example
   python3 python3-numpy  # independent readers in tests
   clang libclang-rt-14-dev  # libFuzzer target for the safetensors parser
+  python3-yaml iproute2  # manifest checks and the multi-pod test (network namespaces)
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(python3-torch libopenblas0-pthread python3-matplotlib)
