@@ -43,6 +43,7 @@ struct Options {
   std::string checkpoint_dir;
   std::int64_t checkpoint_every = 0;
   int keep_checkpoints = 3;
+  int preempt_exit_code = 0;
   bool resume = false;
 };
 
@@ -89,6 +90,10 @@ int main(int argc, char** argv) {
   app.add_option("--keep-checkpoints", opt.keep_checkpoints, "committed checkpoints kept (0: all)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--resume", opt.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
+  app.add_option("--preempt-exit-code", opt.preempt_exit_code,
+                 "exit status after a signal-triggered checkpoint (0; Kubernetes manifests use 75 so that "
+                 "the Job restarts the pods instead of counting them as finished)")
+      ->check(CLI::Range(0, 125));
   CLI11_PARSE(app, argc, argv);
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");
@@ -219,7 +224,7 @@ int main(int argc, char** argv) {
           if (lead)
             std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
                         static_cast<long long>(step), opt.checkpoint_dir.c_str());
-          return 0;
+          return opt.preempt_exit_code;
         }
       }
       accuracy = evaluate(model, test, comm.get());

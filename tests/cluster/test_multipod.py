@@ -212,6 +212,14 @@ def fail(msg, pods=()):
 
 # ---------------------------------------------------------------- interruptions
 
+def preempt_code(args):
+    """The exit status the manifest asks for after a signal-triggered checkpoint (default 0)."""
+    for a in args:
+        if a.startswith("--preempt-exit-code="):
+            return int(a.split("=", 1)[1])
+    return 0
+
+
 def interrupt(pods_ns, spec, args, logdir, ckpt, total, tag, sig, expect_exit, timeout_error=False):
     """Starts all pods, sends `sig` to pod 1 after the first checkpoint, checks how the others end."""
     pods = start_pods(pods_ns, spec, args, logdir, tag)
@@ -239,8 +247,9 @@ def interrupt(pods_ns, spec, args, logdir, ckpt, total, tag, sig, expect_exit, t
                 fail(f"{tag}: pod {p.k} still running {took:.0f} s after pod 1 got {signal.Signals(sig).name} "
                      f"(PTRAIN_COMM_TIMEOUT_S={COMM_TIMEOUT_S})", pods)
             if expect_exit:
-                if code != 0:
-                    fail(f"{tag}: pod {p.k} exited {code}; a preempted job must checkpoint and exit 0", pods)
+                if code != preempt_code(args):
+                    fail(f"{tag}: pod {p.k} exited {code}; a preempted job must checkpoint and exit "
+                         f"{preempt_code(args)} (--preempt-exit-code)", pods)
                 continue
             if code == 0:
                 fail(f"{tag}: pod {p.k} exited 0 although pod 1 died mid-run", pods)
@@ -258,7 +267,7 @@ def interrupt(pods_ns, spec, args, logdir, ckpt, total, tag, sig, expect_exit, t
             if last < at or last >= total or marker.stat().st_mtime < sent_wall - 0.01:
                 fail(f"{tag}: expected a checkpoint committed after the signal, at a step in [{at}, {total}); "
                      f"newest is step {last}", pods)
-            log(f"{tag}: every pod exited 0 after a checkpoint at step {last}")
+            log(f"{tag}: every pod exited {preempt_code(args)} after a checkpoint at step {last}")
     finally:
         for p in pods:
             p.kill()
