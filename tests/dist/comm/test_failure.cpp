@@ -20,6 +20,8 @@
 
 #include "comm_util.hpp"
 
+#include "dist/spawn_util.hpp"
+
 using namespace comm_test;
 
 namespace {
@@ -51,23 +53,8 @@ void kill_child_body(Communicator& c, int victim) {
   FAIL("no CommError although rank " << victim << " was killed");
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-std::string self_exe() {
-  char buf[PATH_MAX] = {};
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
-}
+using ptrain::testing::free_port;
+using ptrain::testing::self_exe;
 
 void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
   std::string exe = self_exe(), port = std::to_string(free_port());

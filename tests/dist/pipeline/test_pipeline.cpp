@@ -34,6 +34,8 @@
 #include <ptrain/parallel/mesh.hpp>
 #include <ptrain/parallel/pipeline.hpp>
 
+#include "dist/spawn_util.hpp"
+
 using namespace ptrain;
 using parallel::Schedule;
 
@@ -396,23 +398,8 @@ class KillSwitch : public nn::Module<float> {
   int after_, calls_ = 0;
 };
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-std::string self_exe() {
-  char buf[PATH_MAX] = {};
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
-}
+using ptrain::testing::free_port;
+using ptrain::testing::self_exe;
 
 // Spawns `world_size` Gloo ranks running [.pipe_kill_child]; `victim` kills
 // itself in the middle of a step. Every survivor must end with the pipeline's
