@@ -55,9 +55,9 @@ class AsyncCheckpointer {
   }
 
   /// Sharded save (collective, like CheckpointManager::save_sharded).
-  void save_sharded(std::int64_t step, const std::vector<TensorRef>& rank_tensors, TrainerState state) {
+  void save_sharded(std::int64_t step, const ShardedState& mine, TrainerState state) {
     const std::string failed = finish_previous();
-    launch(mgr_.sharded_job(step, rank_tensors, std::move(state), true, buffers_), failed);
+    launch(mgr_.sharded_job(step, mine, std::move(state), true, buffers_), failed);
   }
 
   /// Blocks until the save in flight (if any) is written and, on rank 0,
@@ -103,7 +103,7 @@ class AsyncCheckpointer {
   std::thread thread_;
   std::exception_ptr error_;  // written by the thread, read after join()
   std::atomic<bool> done_{true};
-  std::vector<std::uint8_t> buffers_[2];  // host copies: model (or shard), optimizer
+  std::vector<std::uint8_t> buffers_[2];  // host copies: model, optimizer
 };
 
 }  // namespace ptrain::ckpt

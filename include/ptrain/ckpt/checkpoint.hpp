@@ -15,13 +15,26 @@
 //   DIR/step-00001234/
 //     model.safetensors       parameters, named as the module names them ("0.weight")
 //     optimizer.safetensors   optimizer state ("0.weight.exp_avg", ...)
-//     shard-00001-of-00004.safetensors   one per rank for save_sharded (FSDP)
-//     index.json              tensor -> file, and per file its size and CRC-32
+//     model-00001-of-00004.safetensors       save_sharded: each rank's model part
+//     optimizer-00001-of-00004.safetensors   and optimizer part (FSDP, pipeline stages)
+//     index.json              tensor -> file, per file its size and CRC-32, pieces
 //     trainer.json            step, sampler, RNG, LR schedule, user metadata
 //     COMMITTED               written last; holds the CRC-32 of index.json and trainer.json
 // Data-parallel ranks hold identical parameters and optimizer state, so save()
 // lets rank 0 write them (as PyTorch users do with `if rank == 0: torch.save`);
-// save_sharded() has every rank write its own file.
+// save_sharded() has every rank write its own files.
+//
+// Note [Sharded checkpoints]
+// A rank saves pieces of logical tensors: elements [offset, offset + n) of a
+// tensor in row-major order (an FSDP shard cuts parameters anywhere). A piece
+// that is the whole tensor is stored under the tensor's name with its shape
+// (a pipeline stage's files read like any safetensors file); a partial one
+// under "name@offset", 1-D, and index.json's "pieces" records its tensor, whole
+// shape, offset and length. The commit checks that each tensor's pieces tile
+// it exactly. Readers see logical tensors only: read_into() assembles a whole
+// tensor and read_range() any range of one, so a checkpoint saved on N ranks
+// loads on M ranks with any other sharding, or in one process, and
+// export_model() writes one unsharded file.
 //
 // Note [Commit protocol]
 // 1. prepare (collective): rank 0 removes a stale directory of this step
@@ -60,6 +73,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -205,6 +219,70 @@ struct LatestCheckpoint {
   bool found() const { return !path.empty(); }
 };
 
+/// Part of a logical tensor that one rank saves (Note [Sharded checkpoints]):
+/// elements [offset, offset + numel) of tensor `name`, whose whole shape is `shape`.
+struct TensorPiece {
+  std::string name;
+  Shape shape;              ///< of the whole tensor
+  std::int64_t offset = 0;  ///< first element of the piece, row-major
+  TensorRef data;           ///< the piece's elements (contiguous)
+  Device device = Device::cpu();
+  bool whole() const { return offset == 0 && data.shape.numel() == shape.numel(); }
+  /// Name in the shard file: `name` for a whole tensor, "name@offset" for a part.
+  std::string key() const { return whole() ? name : name + "@" + std::to_string(offset); }
+};
+
+/// The piece of tensor `name` (whole shape `whole_shape`) that starts at element
+/// `offset` and holds part's elements; part may live on any device.
+template <class T>
+TensorPiece piece(std::string name, Shape whole_shape, std::int64_t offset, const Tensor<T>& part) {
+  PTRAIN_CHECK(name.find('@') == std::string::npos && !name.empty(), CheckpointError, "[ptrain.ckpt.name] tensor "
+               "name '", name, "' is empty or contains '@' (reserved for pieces)");
+  PTRAIN_CHECK(offset >= 0 && offset + part.numel() <= whole_shape.numel(), CheckpointError, "[ptrain.ckpt.piece] "
+               "piece [", offset, ", ", offset + part.numel(), ") of '", name, "' lies outside its ", whole_shape.numel(),
+               " elements");
+  const bool all = offset == 0 && part.numel() == whole_shape.numel();
+  TensorPiece p{std::move(name), whole_shape, offset, {}, part.device()};
+  p.data = {"", dtype_of<T>(), all ? whole_shape : Shape{part.numel()}, part.data()};
+  return p;
+}
+/// All of tensor t, saved under `name`.
+template <class T>
+TensorPiece whole(std::string name, const Tensor<T>& t) {
+  return piece(std::move(name), t.shape(), 0, t);
+}
+
+/// What one rank writes with save_sharded(): model tensors go to
+/// model-RRRRR-of-WWWWW.safetensors, optimizer state to optimizer-RRRRR-of-WWWWW.safetensors.
+struct ShardedState {
+  std::vector<TensorPiece> model, optimizer;
+};
+
+/// Every tensor of `params` and of opt's state, whole: what a rank that holds
+/// its own distinct tensors (a pipeline stage) passes to save_sharded().
+template <class T>
+ShardedState whole_tensors(nn::FlatParameters<T>& params, std::type_identity_t<optim::Optimizer<T>>* opt) {
+  ShardedState s;
+  for (const auto& e : params.entries()) s.model.push_back(whole(e.name, e.param->value));
+  if (opt)
+    for (const auto& [n, t] : opt->state_tensors()) s.optimizer.push_back(whole(n, t));
+  return s;
+}
+
+/// Records the optimizer's step count and learning rate in `s` (save() does this itself).
+template <class T>
+void record_optimizer(TrainerState& s, const optim::Optimizer<T>& opt) {
+  s.optimizer_steps = opt.steps();
+  s.lr = opt.lr();
+}
+
+/// Options of CheckpointManager::load().
+struct LoadOptions {
+  /// Read only the given parameters' tensors and ignore others in the checkpoint
+  /// (a pipeline stage loading its part); missing ones are still an error.
+  bool partial = false;
+};
+
 namespace detail {
 
 inline constexpr const char* kMarker = "COMMITTED";
@@ -231,10 +309,62 @@ inline std::string rank_name(const char* prefix, int rank, const char* suffix) {
   std::snprintf(buf, sizeof buf, "%s%05d%s", prefix, rank, suffix);
   return buf;
 }
-inline std::string shard_file(int rank, int world) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "shard-%05d-of-%05d.safetensors", rank, world);
+/// "model-00001-of-00004.safetensors": rank 1's file of role "model" (Hugging Face's shard naming).
+inline std::string shard_file(const char* role, int rank, int world) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%s-%05d-of-%05d.safetensors", role, rank, world);
   return buf;
+}
+/// Role of a checkpoint file: "model" for model.safetensors and model-00001-of-00004.safetensors.
+inline std::string file_role(const std::string& file) { return file.substr(0, file.find_first_of(".-")); }
+
+/// Where the elements of one logical tensor are stored.
+struct PieceRef {
+  std::int64_t offset, numel;
+  std::string key;  // tensor name in the file
+};
+struct LogicalTensor {
+  Shape shape;
+  std::vector<PieceRef> pieces;  // sorted by offset, tiling [0, shape.numel())
+};
+
+/// Groups the "pieces" of an index ({key: {tensor, shape, offset, numel}}) by
+/// tensor and checks that each tensor's pieces tile it exactly, with one shape
+/// and no tensor also stored whole; `what` names the index in errors.
+inline std::map<std::string, LogicalTensor> group_pieces(const nlohmann::json& pieces,
+                                                         const std::map<std::string, std::string>& weight_map,
+                                                         const std::string& what) {
+  std::map<std::string, LogicalTensor> out;
+  try {
+    for (auto it = pieces.begin(); it != pieces.end(); ++it) {
+      const auto& v = it.value();
+      const std::string name = v.at("tensor").get<std::string>();
+      const Shape shape(v.at("shape").get<std::vector<std::int64_t>>());
+      PTRAIN_CHECK(!weight_map.count(name), CheckpointError, "[ptrain.ckpt.index] ", what, ": tensor '", name,
+                   "' is stored whole and in pieces");
+      auto [lt, fresh] = out.try_emplace(name, LogicalTensor{shape, {}});
+      PTRAIN_CHECK(lt->second.shape == shape, CheckpointError, "[ptrain.ckpt.index] ", what, ": pieces of '", name,
+                   "' disagree on its shape (", lt->second.shape, " and ", shape, ")");
+      lt->second.pieces.push_back({v.at("offset").get<std::int64_t>(), v.at("numel").get<std::int64_t>(), it.key()});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    PTRAIN_THROW(CheckpointError, "[ptrain.ckpt.index] ", what, ": bad piece entry: ", e.what());
+  } catch (const ShapeError& e) {
+    PTRAIN_THROW(CheckpointError, "[ptrain.ckpt.index] ", what, ": bad piece shape: ", e.what());
+  }
+  for (auto& [name, lt] : out) {
+    std::sort(lt.pieces.begin(), lt.pieces.end(), [](const PieceRef& a, const PieceRef& b) { return a.offset < b.offset; });
+    std::int64_t next = 0;
+    for (const auto& p : lt.pieces) {
+      PTRAIN_CHECK(p.offset == next && p.numel > 0, CheckpointError, "[ptrain.ckpt.pieces] ", what, ": the pieces of '",
+                   name, "' ", p.offset < next ? "overlap" : "leave a gap", " at element ", std::min(p.offset, next),
+                   "; every element must be saved by exactly one rank (with replicas, let one of them write)");
+      next += p.numel;
+    }
+    PTRAIN_CHECK(next == lt.shape.numel(), CheckpointError, "[ptrain.ckpt.pieces] ", what, ": the pieces of '", name,
+                 "' cover ", next, " of its ", lt.shape.numel(), " elements; a rank's part is missing");
+  }
+  return out;
 }
 
 inline void fsync_dir(const fs::path& dir) {
@@ -295,6 +425,7 @@ struct SaveJob {
   struct File {
     std::string name;
     std::vector<TensorRef> tensors;
+    nlohmann::json pieces = nlohmann::json::object();  // key -> {tensor, shape, offset, numel} of partial pieces
   };
   std::vector<File> files;     // this rank's files
   std::vector<int> writers;    // ranks whose manifests rank 0 waits for
@@ -324,21 +455,75 @@ class Checkpoint {
       it = readers_.emplace(file, std::make_shared<SafetensorsReader>((dir_ / file).string())).first;
     return *it->second;
   }
-  /// Copies tensor `name` into dst, checking dtype and shape; errors name the file and tensor.
+  /// Logical tensors (stored whole or in pieces), sorted; with a role ("model",
+  /// "optimizer") only those in that role's files.
+  std::vector<std::string> tensor_names(const std::string& role = "") const {
+    std::vector<std::string> out;
+    for (const auto& [name, lt] : logical_)
+      if (role.empty() || detail::file_role(weight_map_.at(lt.pieces.front().key)) == role) out.push_back(name);
+    return out;
+  }
+  /// Whole shape and dtype of logical tensor `name`.
+  Shape shape_of(const std::string& name) const { return logical(name).shape; }
+  DType dtype(const std::string& name) const {
+    const auto& key = logical(name).pieces.front().key;
+    return file(weight_map_.at(key)).entry(key).dtype;
+  }
+
+  /// Copies tensor `name` (whole, or assembled from its pieces) into dst,
+  /// checking dtype and shape; errors name the file and tensor.
   template <class T>
   void read_into(const std::string& name, Tensor<T>& dst) const {
-    file(file_of(name)).read_into(name, dst);
+    check_matches(name, dst);
+    read_range(name, 0, dst);
   }
   /// Checks, without copying, that read_into(name, dst) would succeed.
   template <class T>
   void check_matches(const std::string& name, const Tensor<T>& dst) const {
-    file(file_of(name)).check_matches(name, dst);
+    if (weight_map_.count(name)) {
+      file(weight_map_.at(name)).check_matches(name, dst);
+      return;
+    }
+    check_dtype<T>(name);
+    PTRAIN_CHECK(shape_of(name) == dst.shape(), CheckpointError, "[ptrain.ckpt.shape] ", dir_.string(), ": tensor '",
+                 name, "' has shape ", shape_of(name), " but the model expects ", dst.shape());
   }
-  /// The file holding `name`; CheckpointError when the index has no such tensor.
-  const std::string& file_of(const std::string& name) const {
-    auto it = weight_map_.find(name);
+  /// Copies elements [offset, offset + dst.numel()) of tensor `name` (row-major)
+  /// into dst, from whichever pieces hold them: a rank of another world size
+  /// reading its shard.
+  template <class T>
+  void read_range(const std::string& name, std::int64_t offset, Tensor<T>& dst) const {
+    check_dtype<T>(name);
+    copy_range(name, offset, dst.numel(), dst.data(), dst.device());
+  }
+
+  /// Writes every model tensor, whole, into one safetensors file at `path`
+  /// (atomically) for inference or PyTorch (safetensors.torch.load_file).
+  void export_model(const std::string& path) const {
+    std::vector<std::vector<std::uint8_t>> bufs;
+    std::vector<TensorRef> refs;
+    const auto names = tensor_names("model");
+    PTRAIN_CHECK(!names.empty(), CheckpointError, "[ptrain.ckpt.export] ", dir_.string(), " holds no model tensors");
+    bufs.reserve(names.size());
+    for (const auto& n : names) {
+      const Shape shape = shape_of(n);
+      const DType dt = dtype(n);
+      bufs.emplace_back(static_cast<std::size_t>(shape.numel()) * dtype_size(dt));
+      copy_range(n, 0, shape.numel(), bufs.back().data(), Device::cpu());
+      refs.push_back({n, dt, shape, bufs.back().data()});
+    }
+    const std::string tmp = path + ".tmp";
+    write_safetensors(tmp, refs, {{"format", "pt"}, {"ptrain.step", std::to_string(step())}});
+    std::error_code ec;
+    fs::rename(tmp, path, ec);
+    PTRAIN_CHECK(!ec, CheckpointError, "[ptrain.ckpt.io] renaming ", tmp, " to ", path, " failed: ", ec.message());
+  }
+
+  /// The file holding stored tensor `key` (a whole tensor's name or "name@offset").
+  const std::string& file_of(const std::string& key) const {
+    auto it = weight_map_.find(key);
     PTRAIN_CHECK(it != weight_map_.end(), CheckpointError, "[ptrain.ckpt.missing] ", (dir_ / detail::kIndex).string(),
-                 ": no tensor '", name, "' in this checkpoint; it was written by a different model or optimizer");
+                 ": no tensor '", key, "' in this checkpoint; it was written by a different model or optimizer");
     return it->second;
   }
   /// Names of the tensors stored in file `file`.
@@ -399,6 +584,53 @@ class Checkpoint {
       PTRAIN_CHECK(listed == names_in(f).size(), CheckpointError, "[ptrain.ckpt.index] ", idx, " lists ",
                    names_in(f).size(), " tensors in ", f, " but the file holds ", listed);
     }
+    // Logical tensors: pieces (Note [Sharded checkpoints]) and whole tensors.
+    std::map<std::string, std::string> whole;
+    for (const auto& [key, f] : weight_map_)
+      if (!index_.contains("pieces") || !index_["pieces"].contains(key)) whole.emplace(key, f);
+    logical_ = detail::group_pieces(index_.value("pieces", nlohmann::json::object()), whole, idx);
+    for (const auto& [name, lt] : logical_)
+      for (const auto& p : lt.pieces) {
+        PTRAIN_CHECK(weight_map_.count(p.key), CheckpointError, "[ptrain.ckpt.index] ", idx, ": piece '", p.key,
+                     "' is in no file");
+        const TensorEntry& e = file(weight_map_.at(p.key)).entry(p.key);
+        PTRAIN_CHECK(e.shape.numel() == p.numel && e.dtype == file(weight_map_.at(lt.pieces.front().key))
+                     .entry(lt.pieces.front().key).dtype, CheckpointError, "[ptrain.ckpt.index] ", idx, ": piece '",
+                     p.key, "' does not match its file's header");
+      }
+    for (const auto& [key, f] : whole) {
+      const Shape shape = file(f).entry(key).shape;
+      logical_.emplace(key, detail::LogicalTensor{shape, {{0, shape.numel(), key}}});
+    }
+  }
+
+  const detail::LogicalTensor& logical(const std::string& name) const {
+    auto it = logical_.find(name);
+    PTRAIN_CHECK(it != logical_.end(), CheckpointError, "[ptrain.ckpt.missing] ", (dir_ / detail::kIndex).string(),
+                 ": no tensor '", name, "' in this checkpoint; it was written by a different model or optimizer");
+    return it->second;
+  }
+  template <class T>
+  void check_dtype(const std::string& name) const {
+    PTRAIN_CHECK(dtype(name) == dtype_of<T>(), CheckpointError, "[ptrain.ckpt.dtype] ", dir_.string(), ": tensor '",
+                 name, "' is ", dtype_name(dtype(name)), " but the model expects ", dtype_name(dtype_of<T>()));
+  }
+
+  // Elements [offset, offset + n) of `name` into dst, piece by piece.
+  void copy_range(const std::string& name, std::int64_t offset, std::int64_t n, void* dst, Device dev) const {
+    const auto& lt = logical(name);
+    PTRAIN_CHECK(offset >= 0 && n >= 0 && offset + n <= lt.shape.numel(), CheckpointError, "[ptrain.ckpt.range] "
+                 "elements [", offset, ", ", offset + n, ") of '", name, "' are outside its ", lt.shape.numel());
+    const std::size_t es = dtype_size(dtype(name));
+    for (const auto& p : lt.pieces) {
+      const std::int64_t a = std::max(offset, p.offset), b = std::min(offset + n, p.offset + p.numel);
+      if (a >= b) continue;
+      const SafetensorsReader& r = file(weight_map_.at(p.key));
+      const TensorEntry& e = r.entry(p.key);
+      ptrain::detail::copy_bytes(static_cast<std::uint8_t*>(dst) + static_cast<std::size_t>(a - offset) * es, dev,
+                                 r.data(e) + static_cast<std::size_t>(a - p.offset) * es, Device::cpu(),
+                                 static_cast<std::size_t>(b - a) * es);
+    }
   }
 
   // Which part of a file whose CRC failed: the first tensor whose own CRC-32
@@ -417,6 +649,7 @@ class Checkpoint {
   TrainerState trainer_;
   std::map<std::string, std::string> weight_map_;
   std::map<std::string, FileDigest> digests_;
+  std::map<std::string, detail::LogicalTensor> logical_;
   mutable std::map<std::string, std::shared_ptr<SafetensorsReader>> readers_;
 };
 
@@ -445,15 +678,17 @@ class CheckpointManager {
   /// Fills in state.step, world_size, optimizer steps and lr, and rng["default"]
   /// (rank 0's default_generator()) unless given.
   template <class T>
-  void save(std::int64_t step, nn::FlatParameters<T>& params, optim::Optimizer<T>* opt, TrainerState state) {
+  void save(std::int64_t step, nn::FlatParameters<T>& params, std::type_identity_t<optim::Optimizer<T>>* opt,
+            TrainerState state) {
     auto job = replicated_job(step, params, opt, std::move(state), false);
     run_sync(job);
   }
 
-  /// Sharded save (collective): every rank writes its own tensors to
-  /// shard-RRRRR-of-WWWWW.safetensors; names must be unique across ranks.
-  void save_sharded(std::int64_t step, const std::vector<TensorRef>& rank_tensors, TrainerState state) {
-    auto job = sharded_job(step, rank_tensors, std::move(state), false);
+  /// Sharded save (collective; Note [Sharded checkpoints]): every rank writes
+  /// its own part, possibly empty; over all ranks the pieces must cover each
+  /// tensor exactly once. Fills in state.step, world_size and rng["default"].
+  void save_sharded(std::int64_t step, const ShardedState& mine, TrainerState state) {
+    auto job = sharded_job(step, mine, std::move(state), false);
     run_sync(job);
   }
 
@@ -478,12 +713,14 @@ class CheckpointManager {
   Checkpoint open(const fs::path& path) const { return Checkpoint(path); }
 
   /// Loads parameters (and optimizer state, steps and lr when `opt` is given)
-  /// from a checkpoint written by save(), restores default_generator() from
-  /// rng["default"], and returns the trainer state. Every
-  /// model tensor must be present with the same dtype and shape, and the model
-  /// file may hold no others (as PyTorch's strict load_state_dict).
+  /// from a checkpoint written by save() or save_sharded() at any world size,
+  /// restores default_generator() from rng["default"], and returns the trainer
+  /// state. Every model tensor must be present with the same dtype and shape,
+  /// and (unless lo.partial) the checkpoint may hold no other model tensors (as
+  /// PyTorch's strict load_state_dict).
   template <class T>
-  TrainerState load(const fs::path& path, nn::FlatParameters<T>& params, optim::Optimizer<T>* opt = nullptr) const {
+  TrainerState load(const fs::path& path, nn::FlatParameters<T>& params,
+                    std::type_identity_t<optim::Optimizer<T>>* opt = nullptr, LoadOptions lo = {}) const {
     Checkpoint c(path);
     // Check every tensor first, so a mismatch leaves the model untouched.
     std::vector<std::pair<std::string, Tensor<T>>> targets;
@@ -492,9 +729,10 @@ class CheckpointManager {
       targets.emplace_back(e.name, e.param->value);
       known[e.name] = 1;
     }
-    for (const auto& n : c.names_in("model.safetensors"))
-      PTRAIN_CHECK(known.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", (path / "model.safetensors").string(),
-                   ": tensor '", n, "' is not a parameter of the model; the checkpoint is from a different model");
+    if (!lo.partial)
+      for (const auto& n : c.tensor_names("model"))
+        PTRAIN_CHECK(known.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
+                     "' is not a parameter of the model; the checkpoint is from a different model");
     if (opt)
       for (auto& t : opt->state_tensors()) targets.push_back(t);
     for (const auto& [name, t] : targets) c.check_matches(name, t);
@@ -549,17 +787,34 @@ class CheckpointManager {
     return job;
   }
 
-  detail::SaveJob sharded_job(std::int64_t step, const std::vector<TensorRef>& tensors, TrainerState state, bool copy,
+  detail::SaveJob sharded_job(std::int64_t step, const ShardedState& mine, TrainerState state, bool copy,
                               std::vector<std::uint8_t>* reuse = nullptr) {
     detail::SaveJob job;
     job.step = step;
     for (int r = 0; r < world_size(); ++r) job.writers.push_back(r);
     state.step = step;
     state.world_size = world_size();
+    if (!state.rng.count("default")) state.rng["default"] = GeneratorState::of(default_generator());
     job.trainer_json = to_json(state).dump(2);
-    detail::SaveJob::File f{detail::shard_file(rank(), world_size()), tensors};
-    if (copy) copy_to_host(job, f, reuse);
-    job.files.push_back(std::move(f));
+    int k = 0;
+    for (const auto& [role, pieces] : {std::pair{"model", &mine.model}, std::pair{"optimizer", &mine.optimizer}}) {
+      if (pieces->empty()) continue;
+      detail::SaveJob::File f{detail::shard_file(role, rank(), world_size()), {}};
+      std::vector<Device> devices;
+      for (const auto& p : *pieces) {
+        TensorRef t = p.data;
+        t.name = p.key();
+        f.tensors.push_back(t);
+        devices.push_back(p.device);
+        if (!p.whole())
+          f.pieces[t.name] = {{"tensor", p.name}, {"shape", p.shape.vec()}, {"offset", p.offset},
+                              {"numel", t.shape.numel()}};
+      }
+      const bool on_device = std::any_of(devices.begin(), devices.end(), [](Device d) { return !d.is_cpu(); });
+      if (copy || on_device) copy_to_host(job, f, reuse ? reuse + k : nullptr, &devices);
+      job.files.push_back(std::move(f));
+      ++k;
+    }
     return job;
   }
 
@@ -677,10 +932,10 @@ class CheckpointManager {
         const FileDigest d = write_safetensors((dir / f.name).string(), f.tensors, meta);
         nlohmann::json names = nlohmann::json::object();
         for (std::size_t i = 0; i < f.tensors.size(); ++i) names[f.tensors[i].name] = d.tensor_crc32[i];
-        man["files"][f.name] = {{"bytes", d.bytes}, {"crc32", d.crc32}, {"tensors", names}};
+        man["files"][f.name] = {{"bytes", d.bytes}, {"crc32", d.crc32}, {"tensors", names}, {"pieces", f.pieces}};
       }
       // Only rank 0's commit reads the manifest, so it needs an atomic rename but no fsync.
-      if (!job.files.empty())
+      if (std::find(job.writers.begin(), job.writers.end(), rank()) != job.writers.end())
         detail::write_file_atomic(dir / detail::rank_name("rank-", rank(), ".json"), man.dump(), false);
     } catch (const std::exception& e) {
       // Lets rank 0 fail the commit at once instead of waiting for the timeout.
@@ -694,7 +949,8 @@ class CheckpointManager {
     const fs::path dir = step_path(job.step);
     nlohmann::json index = {{"format", "ptrain.index/1"}, {"step", job.step}, {"world_size", world_size()},
                             {"checksum", "crc32"}, {"files", nlohmann::json::object()},
-                            {"weight_map", nlohmann::json::object()}, {"tensor_crc32", nlohmann::json::object()}};
+                            {"weight_map", nlohmann::json::object()}, {"tensor_crc32", nlohmann::json::object()},
+                            {"pieces", nlohmann::json::object()}};
     const auto deadline = std::chrono::steady_clock::now() + opt_.commit_timeout;
     for (int r : job.writers) {
       const fs::path man = dir / detail::rank_name("rank-", r, ".json");
@@ -717,8 +973,13 @@ class CheckpointManager {
           index["weight_map"][t.key()] = it.key();
           index["tensor_crc32"][t.key()] = t.value();
         }
+        for (auto p = it.value().at("pieces").begin(); p != it.value().at("pieces").end(); ++p)
+          index["pieces"][p.key()] = p.value();
       }
     }
+    // A bad sharding (a missing or doubly saved range) fails here, before anything is committed.
+    detail::group_pieces(index["pieces"], index["weight_map"].get<std::map<std::string, std::string>>(), "step " +
+                         std::to_string(job.step));
     const std::string index_text = index.dump(2);
     detail::write_file_atomic(dir / detail::kIndex, index_text);
     detail::write_file_atomic(dir / detail::kTrainer, job.trainer_json);

@@ -9,11 +9,11 @@
 // --samples-log P (P.rank<R>: one line per step with the sample indices this
 // rank used), --dump-loaded P (P.rank<R>: parameters right after a resume,
 // raw bytes in parameter order). With --sharded, checkpoints go through
-// save_sharded as FSDP will use it: rank r writes elements
-// [r n / W, (r + 1) n / W) of the flat parameter and AdamW buffers as
-// "<buffer>@<offset>", and a resumed rank reassembles the whole buffers from
-// every shard listed in the index (any old world size). Exit code 0 after --steps steps or after a
-// preemption signal (then a checkpoint of the current step is committed).
+// save_sharded as FSDP uses it: rank r writes elements [r n / W, (r + 1) n / W)
+// of the flat parameter and AdamW buffers, as pieces of the parameters (and
+// their state) that range cuts, and a resumed rank of any world size loads
+// whole tensors assembled from the pieces. Exit code 0 after --steps steps or
+// after a preemption signal (then a checkpoint of the current step is committed).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -84,26 +84,7 @@ int main(int argc, char** argv) {
       for (const auto& s : last.skipped)
         if (rank == 0) std::fprintf(stderr, "skipping %s: %s\n", s.path.c_str(), s.reason.c_str());
       if (last.found()) {
-        ckpt::TrainerState ts;
-        if (sharded) {
-          ckpt::Checkpoint c(last.path);
-          std::vector<std::pair<std::string, Tensor<float>>> bufs = {{"values", params.values()}};
-          for (const auto& [kind, buf] : opt.flat_state()) bufs.emplace_back(kind, buf);
-          for (const auto& [name, file] : c.weight_map()) {
-            const auto at = name.find('@');
-            for (auto& [kind, buf] : bufs)
-              if (name.substr(0, at) == kind) {
-                const std::int64_t off = std::stoll(name.substr(at + 1));
-                auto view = buf.view(off, c.file(file).entry(name).shape);
-                c.read_into(name, view);
-              }
-          }
-          ts = c.trainer_state();
-          opt.set_steps(ts.optimizer_steps);
-          opt.set_lr(ts.lr);
-        } else {
-          ts = mgr.load(last.path, params, &opt);
-        }
+        const ckpt::TrainerState ts = mgr.load(last.path, params, &opt);
         step = ts.step;
         ckpt::restore_sampler(sampler, *ts.sampler, world);
         if (rank == 0) std::printf("resumed from step %lld (saved on %d ranks)\n", static_cast<long long>(step), ts.world_size);
@@ -122,18 +103,21 @@ int main(int argc, char** argv) {
       ts.sampler = ckpt::sampler_state(sampler, world);
       ts.schedule = schedule;
       ts.user = {{"program", "ckpt_trainer"}};
-      ts.optimizer_steps = opt.steps();
-      ts.lr = opt.lr();
+      ckpt::record_optimizer(ts, opt);
       return ts;
     };
-    // This rank's slice of every flat buffer, for save_sharded.
+    // This rank's slice of the flat buffers, cut into pieces of parameters, for save_sharded.
     auto shard = [&] {
       const std::int64_t n_all = params.numel(), lo = n_all * rank / world, hi = n_all * (rank + 1) / world;
-      std::vector<ckpt::TensorRef> refs = {
-          ckpt::tensor_ref("values@" + std::to_string(lo), params.values().view(lo, {hi - lo}))};
-      for (const auto& [kind, buf] : opt.flat_state())
-        refs.push_back(ckpt::tensor_ref(kind + "@" + std::to_string(lo), buf.view(lo, {hi - lo})));
-      return refs;
+      ckpt::ShardedState part;
+      for (const auto& e : params.entries()) {
+        const std::int64_t b = std::max(lo, e.offset), en = std::min(hi, e.offset + e.numel());
+        if (b >= en) continue;
+        part.model.push_back(ckpt::piece(e.name, e.shape, b - e.offset, params.values().view(b, {en - b})));
+        for (const auto& [kind, buf] : opt.flat_state())
+          part.optimizer.push_back(ckpt::piece(e.name + "." + kind, e.shape, b - e.offset, buf.view(b, {en - b})));
+      }
+      return part;
     };
     auto save = [&](bool allow_async) {
       if (saver && allow_async) {

@@ -217,25 +217,42 @@ TEST_CASE("sharded checkpoints: missing shard falls back, resume is bitwise, 2 s
   REQUIRE(run_ptrun(2, {"--steps", "12", "--out", ref}) == 0);
   REQUIRE(run_ptrun(2, {"--sharded", "--dir", dir, "--steps", "9", "--every", "3"}) == 0);
   {
+    // 176 flat elements (163 + alignment): rank 0 holds [0, 88), the first 88 of 0.weight's 96.
     ckpt::Checkpoint c(dir + "/step-00000009");
-    CHECK(c.weight_map().at("values@0") == "shard-00000-of-00002.safetensors");
-    CHECK(c.weight_map().at("exp_avg_sq@0") == "shard-00000-of-00002.safetensors");
-    std::size_t in_second = c.names_in("shard-00001-of-00002.safetensors").size();
-    CHECK(in_second == 3);  // values, exp_avg, exp_avg_sq of rank 1
+    CHECK(c.weight_map().at("0.weight@0") == "model-00000-of-00002.safetensors");
+    CHECK(c.weight_map().at("0.weight@88") == "model-00001-of-00002.safetensors");
+    CHECK(c.weight_map().at("0.bias") == "model-00001-of-00002.safetensors");  // whole: stored under its name
+    CHECK(c.weight_map().at("0.weight.exp_avg_sq@0") == "optimizer-00000-of-00002.safetensors");
+    CHECK(c.names_in("model-00001-of-00002.safetensors").size() == 4);
+    CHECK(c.names_in("optimizer-00001-of-00002.safetensors").size() == 8);
+    CHECK(c.tensor_names("model") == std::vector<std::string>{"0.bias", "0.weight", "2.bias", "2.weight"});
+    CHECK(c.tensor_names("optimizer").size() == 8);
+    CHECK(c.shape_of("0.weight") == Shape{16, 6});
+    // A range across the cut reads from both ranks' files.
+    auto all = Tensor<float>::empty({16, 6});
+    c.read_into("0.weight", all);
+    auto mid = Tensor<float>::empty({10});
+    c.read_range("0.weight", 83, mid);
+    for (int i = 0; i < 10; ++i) CHECK(mid.data()[i] == all.data()[83 + i]);
+    CHECK_THROWS_WITH(c.read_range("0.weight", 90, mid), Catch::Contains("[ptrain.ckpt.range]"));
   }
-  fs::remove(dir + "/step-00000009/shard-00001-of-00002.safetensors");
+  fs::remove(dir + "/step-00000009/model-00001-of-00002.safetensors");
   {
     ckpt::CheckpointManager mgr(dir);
     auto last = mgr.latest();
     CHECK(last.step == 6);
     REQUIRE(last.skipped.size() == 1);
-    CHECK_THAT(last.skipped[0].reason, Catch::Contains("shard-00001-of-00002.safetensors") &&
+    CHECK_THAT(last.skipped[0].reason, Catch::Contains("model-00001-of-00002.safetensors") &&
                                            Catch::Contains("missing"));
   }
   REQUIRE(run_ptrun(2, {"--sharded", "--dir", dir, "--steps", "12", "--every", "3", "--resume", "--out", out}) == 0);
   CHECK(tensors_of(out) == tensors_of(ref));
-  // Shards written by 2 ranks, read by 3: each rank reassembles the full buffers.
+  // One unsharded file, as the final parameters.
   CHECK(committed_step(dir) == 12);
+  const std::string exported = tmp.file("export.safetensors");
+  ckpt::Checkpoint(dir + "/step-00000012").export_model(exported);
+  CHECK(tensors_of(exported) == tensors_of(out));
+  // Shards written by 2 ranks, read by 3: each rank assembles the whole tensors.
   const std::string dump = tmp.file("loaded");
   REQUIRE(run_ptrun(3, {"--sharded", "--dir", dir, "--steps", "14", "--resume", "--dump-loaded", dump}) == 0);
   ckpt::SafetensorsReader final_params(out);

@@ -258,23 +258,89 @@ TEST_CASE("loading into a different model names the file and the tensor", "[ckpt
   CHECK_THROWS_AS(mgr.load(p, sp), CheckpointError);
 }
 
-TEST_CASE("sharded save writes one file per rank and an index", "[ckpt]") {
+TEST_CASE("sharded save: pieces are assembled, checked for coverage and exported", "[ckpt]") {
   TmpDir d;
   ckpt::CheckpointManager mgr(d.path);
   auto w = Tensor<float>::from({1, 2, 3, 4, 5, 6}, {2, 3});
   auto s = Tensor<std::int64_t>::from({42}, {1});
-  mgr.save_sharded(5, {ckpt::tensor_ref("flat.shard0", w), ckpt::tensor_ref("count", s)}, {});
+  // w in two pieces [0, 4) and [4, 6), as two ranks of FSDP would hold it.
+  ckpt::ShardedState part;
+  part.model = {ckpt::piece("w", w.shape(), 4, w.view(4, {2})), ckpt::piece("w", w.shape(), 0, w.view(0, {4}))};
+  part.optimizer = {ckpt::whole("count", s)};
+  mgr.save_sharded(5, part, {});
   auto last = mgr.latest();
   REQUIRE(last.step == 5);
   ckpt::Checkpoint c(last.path);
-  CHECK(c.weight_map().at("flat.shard0") == "shard-00000-of-00001.safetensors");
+  CHECK(c.weight_map().at("w@0") == "model-00000-of-00001.safetensors");
+  CHECK(c.weight_map().at("count") == "optimizer-00000-of-00001.safetensors");
+  CHECK(c.tensor_names() == std::vector<std::string>{"count", "w"});
+  CHECK(c.tensor_names("model") == std::vector<std::string>{"w"});
+  CHECK(c.shape_of("w") == Shape{2, 3});
   auto back = Tensor<float>::zeros({2, 3});
-  c.read_into("flat.shard0", back);
+  c.read_into("w", back);
   CHECK(back.to_vector() == w.to_vector());
+  auto mid = Tensor<float>::zeros({3});
+  c.read_range("w", 2, mid);
+  CHECK(mid.to_vector() == std::vector<float>{3, 4, 5});
   auto wrong = Tensor<float>::zeros({6});
-  CHECK_THROWS_WITH(c.read_into("flat.shard0", wrong), Catch::Contains("shard-00000-of-00001") &&
-                                                           Catch::Contains("'flat.shard0'"));
+  CHECK_THROWS_WITH(c.read_into("w", wrong), Catch::Contains("[ptrain.ckpt.shape]") && Catch::Contains("'w'"));
+  auto wrong_type = Tensor<double>::zeros({2, 3});
+  CHECK_THROWS_WITH(c.read_into("w", wrong_type), Catch::Contains("[ptrain.ckpt.dtype]"));
   CHECK_THROWS_WITH(c.read_into("nope", wrong), Catch::Contains("'nope'"));
+  // The export is a plain safetensors file holding w whole.
+  const std::string out = (d.path / "full.safetensors").string();
+  c.export_model(out);
+  ckpt::SafetensorsReader r(out);
+  REQUIRE(r.tensors().size() == 1);
+  CHECK(r.tensor<float>("w").to_vector() == w.to_vector());
+  CHECK(r.entry("w").shape == Shape{2, 3});
+
+  // A gap or an overlap fails the commit, and the failed step stays invisible.
+  ckpt::ShardedState gap;
+  gap.model = {ckpt::piece("w", w.shape(), 0, w.view(0, {4}))};
+  CHECK_THROWS_WITH(mgr.save_sharded(6, gap, {}), Catch::Contains("[ptrain.ckpt.pieces]") &&
+                                                      Catch::Contains("cover 4 of its 6"));
+  ckpt::ShardedState overlap;
+  overlap.model = {ckpt::piece("w", w.shape(), 0, w.view(0, {4})), ckpt::piece("w", w.shape(), 3, w.view(3, {3}))};
+  CHECK_THROWS_WITH(mgr.save_sharded(7, overlap, {}), Catch::Contains("overlap"));
+  CHECK(mgr.latest().step == 5);
+  CHECK_THROWS_WITH(ckpt::piece("w", w.shape(), 5, w.view(0, {2})), Catch::Contains("[ptrain.ckpt.piece]"));
+}
+
+TEST_CASE("load reads a sharded checkpoint whole, or only a stage's part", "[ckpt]") {
+  TmpDir d;
+  ckpt::CheckpointManager mgr(d.path);
+  Run a(1);
+  a.train(2);
+  // Each parameter (and its AdamW state) cut in two pieces at a different place.
+  ckpt::ShardedState part;
+  for (const auto& e : a.params.entries()) {
+    const std::int64_t cut = e.numel() / 3;
+    for (auto [lo, hi] : {std::pair{std::int64_t{0}, cut}, std::pair{cut, e.numel()}}) {
+      if (lo == hi) continue;
+      part.model.push_back(ckpt::piece(e.name, e.shape, lo, a.params.values().view(e.offset + lo, {hi - lo})));
+      for (const auto& [kind, buf] : a.opt.flat_state())
+        part.optimizer.push_back(ckpt::piece(e.name + "." + kind, e.shape, lo, buf.view(e.offset + lo, {hi - lo})));
+    }
+  }
+  ckpt::TrainerState ts;
+  ckpt::record_optimizer(ts, a.opt);
+  mgr.save_sharded(2, part, ts);
+  Run b(2);
+  mgr.load(mgr.latest().path, b.params, &b.opt);
+  CHECK(flat(b.params.values()) == flat(a.params.values()));
+  CHECK(state_of(b.opt) == state_of(a.opt));
+  CHECK(b.opt.steps() == a.opt.steps());
+  // A smaller model is refused unless the load is partial (a pipeline stage).
+  Generator g(3);
+  nn::Sequential<float> stage;
+  stage.add(std::make_shared<nn::Linear<float>>(4, 8, true, g));
+  nn::FlatParameters<float> sp(stage);
+  CHECK_THROWS_WITH(mgr.load(mgr.latest().path, sp), Catch::Contains("[ptrain.ckpt.unexpected]"));
+  mgr.load(mgr.latest().path, sp, nullptr, {.partial = true});
+  auto w = Tensor<float>::empty(sp.entries()[0].shape);
+  ckpt::Checkpoint(mgr.latest().path).read_into(sp.entries()[0].name, w);
+  CHECK(flat(sp.entries()[0].param->value) == flat(w));
 }
 
 TEST_CASE("asynchronous save snapshots at the call and reports failures at the next call", "[ckpt][async]") {
@@ -300,9 +366,9 @@ TEST_CASE("asynchronous save snapshots at the call and reports failures at the n
 
     // Invalid UTF-8 in a name fails inside the background thread.
     auto t = Tensor<float>::zeros({2});
-    saver.save_sharded(6, {ckpt::tensor_ref("bad\xff", t)}, {});
+    saver.save_sharded(6, {{ckpt::whole("bad\xff", t)}, {}}, {});
     CHECK_THROWS_WITH(saver.wait(), Catch::Contains("[ptrain.ckpt.async]") && Catch::Contains("UTF-8"));
-    saver.save_sharded(7, {ckpt::tensor_ref("bad\xff", t)}, {});
+    saver.save_sharded(7, {{ckpt::whole("bad\xff", t)}, {}}, {});
     CHECK_THROWS_WITH(saver.save(8, a.params, &a.opt, {}), Catch::Contains("[ptrain.ckpt.async]"));
     saver.save(9, a.params, &a.opt, {});  // the failure was reported once; saving works again
   }
