@@ -256,6 +256,14 @@ TensorPiece whole(std::string name, const Tensor<T>& t) {
 /// model-RRRRR-of-WWWWW.safetensors, optimizer state to optimizer-RRRRR-of-WWWWW.safetensors.
 struct ShardedState {
   std::vector<TensorPiece> model, optimizer;
+  std::int64_t optimizer_steps = -1;  ///< with lr: saved in trainer.json when >= 0
+  double lr = 0.0;
+  /// Records opt's step count and learning rate.
+  template <class T>
+  void record(const optim::Optimizer<T>& opt) {
+    optimizer_steps = opt.steps();
+    lr = opt.lr();
+  }
 };
 
 /// Every tensor of `params` and of opt's state, whole: what a rank that holds
@@ -264,16 +272,11 @@ template <class T>
 ShardedState whole_tensors(nn::FlatParameters<T>& params, std::type_identity_t<optim::Optimizer<T>>* opt) {
   ShardedState s;
   for (const auto& e : params.entries()) s.model.push_back(whole(e.name, e.param->value));
-  if (opt)
+  if (opt) {
     for (const auto& [n, t] : opt->state_tensors()) s.optimizer.push_back(whole(n, t));
+    s.record(*opt);
+  }
   return s;
-}
-
-/// Records the optimizer's step count and learning rate in `s` (save() does this itself).
-template <class T>
-void record_optimizer(TrainerState& s, const optim::Optimizer<T>& opt) {
-  s.optimizer_steps = opt.steps();
-  s.lr = opt.lr();
 }
 
 /// Options of CheckpointManager::load().
@@ -480,20 +483,20 @@ class Checkpoint {
   /// Checks, without copying, that read_into(name, dst) would succeed.
   template <class T>
   void check_matches(const std::string& name, const Tensor<T>& dst) const {
-    if (weight_map_.count(name)) {
-      file(weight_map_.at(name)).check_matches(name, dst);
-      return;
-    }
-    check_dtype<T>(name);
-    PTRAIN_CHECK(shape_of(name) == dst.shape(), CheckpointError, "[ptrain.ckpt.shape] ", dir_.string(), ": tensor '",
-                 name, "' has shape ", shape_of(name), " but the model expects ", dst.shape());
+    check(name, dst.shape(), dtype_of<T>());
+  }
+  /// Throws CheckpointError unless tensor `name` is stored with this shape and dtype.
+  void check(const std::string& name, const Shape& shape, DType dt) const {
+    check_dtype(name, dt);
+    PTRAIN_CHECK(shape_of(name) == shape, CheckpointError, "[ptrain.ckpt.shape] ", dir_.string(), ": tensor '", name,
+                 "' has shape ", shape_of(name), " but the model expects ", shape);
   }
   /// Copies elements [offset, offset + dst.numel()) of tensor `name` (row-major)
   /// into dst, from whichever pieces hold them: a rank of another world size
   /// reading its shard.
   template <class T>
   void read_range(const std::string& name, std::int64_t offset, Tensor<T>& dst) const {
-    check_dtype<T>(name);
+    check_dtype(name, dtype_of<T>());
     copy_range(name, offset, dst.numel(), dst.data(), dst.device());
   }
 
@@ -610,10 +613,9 @@ class Checkpoint {
                  ": no tensor '", name, "' in this checkpoint; it was written by a different model or optimizer");
     return it->second;
   }
-  template <class T>
-  void check_dtype(const std::string& name) const {
-    PTRAIN_CHECK(dtype(name) == dtype_of<T>(), CheckpointError, "[ptrain.ckpt.dtype] ", dir_.string(), ": tensor '",
-                 name, "' is ", dtype_name(dtype(name)), " but the model expects ", dtype_name(dtype_of<T>()));
+  void check_dtype(const std::string& name, DType dt) const {
+    PTRAIN_CHECK(dtype(name) == dt, CheckpointError, "[ptrain.ckpt.dtype] ", dir_.string(), ": tensor '", name,
+                 "' is ", dtype_name(dtype(name)), " but the model expects ", dtype_name(dt));
   }
 
   // Elements [offset, offset + n) of `name` into dst, piece by piece.
@@ -652,6 +654,19 @@ class Checkpoint {
   std::map<std::string, detail::LogicalTensor> logical_;
   mutable std::map<std::string, std::shared_ptr<SafetensorsReader>> readers_;
 };
+
+/// c's trainer state, after restoring default_generator() from rng["default"]
+/// and (when given) the optimizer's step count and learning rate.
+template <class T>
+TrainerState restore_trainer_state(const Checkpoint& c, optim::Optimizer<T>* opt) {
+  TrainerState s = c.trainer_state();
+  if (auto g = s.rng.find("default"); g != s.rng.end()) default_generator() = g->second.generator();
+  if (opt) {
+    opt->set_steps(s.optimizer_steps);
+    opt->set_lr(s.lr);
+  }
+  return s;
+}
 
 class AsyncCheckpointer;
 
@@ -737,13 +752,7 @@ class CheckpointManager {
       for (auto& t : opt->state_tensors()) targets.push_back(t);
     for (const auto& [name, t] : targets) c.check_matches(name, t);
     for (auto& [name, t] : targets) c.read_into(name, t);
-    TrainerState s = c.trainer_state();
-    if (auto g = s.rng.find("default"); g != s.rng.end()) default_generator() = g->second.generator();
-    if (opt) {
-      opt->set_steps(s.optimizer_steps);
-      opt->set_lr(s.lr);
-    }
-    return s;
+    return restore_trainer_state(c, opt);
   }
 
  private:
@@ -795,6 +804,10 @@ class CheckpointManager {
     state.step = step;
     state.world_size = world_size();
     if (!state.rng.count("default")) state.rng["default"] = GeneratorState::of(default_generator());
+    if (mine.optimizer_steps >= 0) {
+      state.optimizer_steps = mine.optimizer_steps;
+      state.lr = mine.lr;
+    }
     job.trainer_json = to_json(state).dump(2);
     int k = 0;
     for (const auto& [role, pieces] : {std::pair{"model", &mine.model}, std::pair{"optimizer", &mine.optimizer}}) {

@@ -37,6 +37,12 @@ class Sequential : public Module<T> {
   std::size_t size() const { return layers_.size(); }
   /// The layers in order (what FSDP wraps and pipelines cut between, as GPT::units()).
   const std::vector<std::shared_ptr<Module<T>>>& units() const { return layers_; }
+  /// Name prefix of each unit's parameters ("0", "1", ...), as GPT::unit_names().
+  std::vector<std::string> unit_names() const {
+    std::vector<std::string> names;
+    for (std::size_t i = 0; i < layers_.size(); ++i) names.push_back(std::to_string(i));
+    return names;
+  }
   Module<T>& operator[](std::size_t i) { return *layers_.at(i); }
 
  private:

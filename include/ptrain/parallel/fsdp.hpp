@@ -81,6 +81,14 @@ inline const char* strategy_name(ShardingStrategy s) {
   return "?";
 }
 
+/// A parameter's part in a rank's local shard: elements [param_offset, param_offset + numel)
+/// of parameter `name` (whole shape `shape`), at local_offset in local_values().
+struct ShardPiece {
+  std::string name;
+  Shape shape;
+  std::int64_t param_offset, local_offset, numel;
+};
+
 struct FSDPOptions {
   ShardingStrategy strategy = ShardingStrategy::FullShard;
   /// Hybrid: ranks per shard group (consecutive ranks); must divide the world size.
@@ -162,12 +170,24 @@ class FSDP : public nn::Module<T> {
   void optimizer_step(optim::Optimizer<T>& opt) {
     finish_gradient_sync();
     opt.step();
-    if (!reshard_ && shard_size_ > 1)
-      for (std::size_t g = 0; g < groups_.size(); ++g) {
-        auto& grp = groups_[g];
+    shards_updated();
+  }
+
+  /// Call (collectively) after changing local_values() other than through
+  /// optimizer_step(), e.g. after loading a checkpoint: strategies that keep
+  /// full parameters (ZeRO-1/2) gather them again, FullShard drops gathered copies.
+  void shards_updated() {
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      auto& grp = groups_[g];
+      if (reshard_) {
+        if (grp.gather_work) grp.gather_work->wait(shard_comm_->timeout());
+        grp.gather_work.reset();
+        if (grp.full.defined()) release(static_cast<int>(g));
+      } else if (shard_size_ > 1) {
         shard_comm_->all_gather(local_values_.data() + grp.local_offset, grp.full.data(),
                                 static_cast<std::size_t>(grp.shard), dtype_of<T>());
       }
+    }
   }
 
   /// Global-norm clipping of the sharded gradients (collective): the squared
@@ -201,6 +221,18 @@ class FSDP : public nn::Module<T> {
   Tensor<T>& local_grads() { return local_grads_; }
   /// Pieces of parameters in the local shard: name, offset in the local buffer, [length].
   const std::vector<nn::FlatEntry<T>>& local_entries() const { return local_entries_; }
+  /// The same pieces with their place in the whole parameters (for checkpoints).
+  const std::vector<ShardPiece>& shard_pieces() const { return shard_pieces_; }
+  /// Name and shape of every parameter, in group order.
+  std::vector<std::pair<std::string, Shape>> parameter_shapes() const {
+    std::vector<std::pair<std::string, Shape>> out;
+    for (const auto& grp : groups_)
+      for (const auto& e : grp.entries) out.emplace_back(e.name, e.shape);
+    return out;
+  }
+  /// Whether this rank's shard goes into sharded checkpoints: replicas (Hybrid,
+  /// NoShard) hold the same shard, so only the first of each replica group writes.
+  bool writes_checkpoint() const { return !replicate_comm_ || replicate_comm_->rank() == 0; }
 
   /// Collective: every parameter, full and unsharded, by name (for export or inspection),
   /// group by group (units that share a parameter form one group).
@@ -374,7 +406,9 @@ class FSDP : public nn::Module<T> {
       const std::int64_t lo = static_cast<std::int64_t>(shard_rank_) * grp.shard, hi = lo + grp.shard;
       for (auto& e : grp.entries) {
         const std::int64_t b = std::max(lo, e.offset), en = std::min(hi, e.offset + e.numel());
-        if (b < en) local_entries_.push_back({e.name, grp.local_offset + (b - lo), Shape{en - b}, nullptr});
+        if (b >= en) continue;
+        local_entries_.push_back({e.name, grp.local_offset + (b - lo), Shape{en - b}, nullptr});
+        shard_pieces_.push_back({e.name, e.shape, b - e.offset, grp.local_offset + (b - lo), en - b});
       }
     }
   }
@@ -505,6 +539,7 @@ class FSDP : public nn::Module<T> {
   std::vector<int> unit_group_;
   Tensor<T> local_values_, local_grads_, full_values_, full_grads_;
   std::vector<nn::FlatEntry<T>> local_entries_;
+  std::vector<ShardPiece> shard_pieces_;
   std::vector<Pending> pending_;
   std::vector<FSDPEvent> events_;
 };

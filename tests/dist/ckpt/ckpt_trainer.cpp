@@ -12,7 +12,9 @@
 // save_sharded as FSDP uses it: rank r writes elements [r n / W, (r + 1) n / W)
 // of the flat parameter and AdamW buffers, as pieces of the parameters (and
 // their state) that range cuts, and a resumed rank of any world size loads
-// whole tensors assembled from the pieces. Exit code 0 after --steps steps or
+// whole tensors assembled from the pieces. With --fsdp STRATEGY the model is
+// wrapped in FSDP instead of DDP and checkpoints are its shards (always
+// sharded; any world size loads them). Exit code 0 after --steps steps or
 // after a preemption signal (then a checkpoint of the current step is committed).
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -23,6 +25,7 @@
 
 #include <ptrain/ckpt/async_writer.hpp>
 #include <ptrain/ckpt/checkpoint.hpp>
+#include <ptrain/ckpt/fsdp_checkpoint.hpp>
 #include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/data/batches.hpp>
 #include <ptrain/data/sampler.hpp>
@@ -31,18 +34,20 @@
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/parallel/ddp.hpp>
+#include <ptrain/parallel/fsdp.hpp>
 
 using namespace ptrain;
 
 int main(int argc, char** argv) {
-  std::string dir, out, samples_log, dump_loaded;
-  std::int64_t steps = 12, every = 0, global_batch = 12, sleep_ms = 0;
+  std::string dir, out, samples_log, dump_loaded, fsdp_strategy;
+  std::int64_t steps = 12, every = 0, global_batch = 12, sleep_ms = 0, hidden = 16;
   bool resume = false, async = false, sharded = false;
   CLI::App app{"checkpoint test trainer"};
   app.add_option("--dir", dir, "checkpoint directory");
   app.add_option("--steps", steps, "train until this many steps are done");
   app.add_option("--every", every, "checkpoint every N steps (0: never)");
   app.add_option("--global-batch", global_batch, "samples per step over all ranks");
+  app.add_option("--hidden", hidden, "hidden width of the MLP");
   app.add_option("--sleep-ms", sleep_ms, "pause after each step (gives tests time to send signals)");
   app.add_option("--out", out, "rank 0 writes the final parameters here (safetensors)");
   app.add_option("--samples-log", samples_log, "per-rank log of sample indices");
@@ -50,6 +55,8 @@ int main(int argc, char** argv) {
   app.add_flag("--resume", resume, "resume from the latest checkpoint in --dir if there is one");
   app.add_flag("--async", async, "asynchronous checkpoints");
   app.add_flag("--sharded", sharded, "one checkpoint file per rank (save_sharded)");
+  app.add_option("--fsdp", fsdp_strategy, "FSDP instead of DDP: full_shard, shard_grad_op, shard_optimizer, no_shard, "
+                 "hybrid (shard groups of 2)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -67,11 +74,39 @@ int main(int argc, char** argv) {
     for (std::int64_t i = 0; i < n; ++i) Y.data()[i] = static_cast<std::int32_t>(data_gen.below(3));
 
     Generator init(42);
-    nn::MLP<float> model(features, {16}, 3, nn::Activation::ReLU, init);
+    nn::MLP<float> model(features, {hidden}, 3, nn::Activation::ReLU, init);
     model.set_need_input_grad(false);
-    nn::FlatParameters<float> params(model);
-    parallel::DDP<float> ddp(model, params, *comm);
-    optim::AdamW<float> opt(params, {.lr = 0.01});
+    // DDP over flat parameters, or FSDP over the MLP's layers; `values` is what the optimizer updates.
+    std::unique_ptr<nn::FlatParameters<float>> flat;
+    std::unique_ptr<nn::Module<float>> wrapped;
+    parallel::FSDP<float>* fsdp = nullptr;
+    std::unique_ptr<optim::AdamW<float>> adamw;
+    if (fsdp_strategy.empty()) {
+      flat = std::make_unique<nn::FlatParameters<float>>(model);
+      wrapped = std::make_unique<parallel::DDP<float>>(model, *flat, *comm);
+      adamw = std::make_unique<optim::AdamW<float>>(*flat, optim::AdamWOptions{.lr = 0.01});
+    } else {
+      parallel::FSDPOptions fo{.hybrid_shard_size = 2, .unit_names = model.unit_names()};
+      for (auto st : {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp,
+                      parallel::ShardingStrategy::ShardOptimizer, parallel::ShardingStrategy::NoShard,
+                      parallel::ShardingStrategy::Hybrid})
+        if (fsdp_strategy == parallel::strategy_name(st)) fo.strategy = st;
+      PTRAIN_CHECK(fsdp_strategy == parallel::strategy_name(fo.strategy), Error, "unknown --fsdp ", fsdp_strategy);
+      auto f = std::make_unique<parallel::FSDP<float>>(model.units(), *comm, fo);
+      fsdp = f.get();
+      wrapped = std::move(f);
+      adamw = std::make_unique<optim::AdamW<float>>(fsdp->local_values(), fsdp->local_grads(), fsdp->local_entries(),
+                                                    optim::AdamWOptions{.lr = 0.01});
+      sharded = true;
+    }
+    optim::AdamW<float>& opt = *adamw;
+    // The parameters by name, whole (collective under FSDP).
+    auto named_values = [&] {
+      if (fsdp) return fsdp->full_parameters();
+      std::vector<std::pair<std::string, Tensor<float>>> v;
+      for (const auto& e : flat->entries()) v.emplace_back(e.name, e.param->value);
+      return v;
+    };
     const optim::WarmupCosine schedule{0.01, 3, 24, 1e-4};
     DistributedSampler sampler(n, rank, world, 7);
 
@@ -84,14 +119,14 @@ int main(int argc, char** argv) {
       for (const auto& s : last.skipped)
         if (rank == 0) std::fprintf(stderr, "skipping %s: %s\n", s.path.c_str(), s.reason.c_str());
       if (last.found()) {
-        const ckpt::TrainerState ts = mgr.load(last.path, params, &opt);
+        const ckpt::TrainerState ts = fsdp ? ckpt::load_fsdp(last.path, *fsdp, &opt) : mgr.load(last.path, *flat, &opt);
         step = ts.step;
         ckpt::restore_sampler(sampler, *ts.sampler, world);
         if (rank == 0) std::printf("resumed from step %lld (saved on %d ranks)\n", static_cast<long long>(step), ts.world_size);
         if (!dump_loaded.empty()) {
           std::ofstream f(dump_loaded + ".rank" + std::to_string(rank), std::ios::binary);
-          for (const auto& e : params.entries())
-            f.write(reinterpret_cast<const char*>(e.param->value.data()), static_cast<std::streamsize>(e.param->value.nbytes()));
+          for (const auto& [name, t] : named_values())
+            f.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.nbytes()));
         }
       }
     }
@@ -103,11 +138,14 @@ int main(int argc, char** argv) {
       ts.sampler = ckpt::sampler_state(sampler, world);
       ts.schedule = schedule;
       ts.user = {{"program", "ckpt_trainer"}};
-      ckpt::record_optimizer(ts, opt);
+      ts.optimizer_steps = opt.steps();
+      ts.lr = opt.lr();
       return ts;
     };
     // This rank's slice of the flat buffers, cut into pieces of parameters, for save_sharded.
     auto shard = [&] {
+      if (fsdp) return ckpt::fsdp_state(*fsdp, &opt);
+      auto& params = *flat;
       const std::int64_t n_all = params.numel(), lo = n_all * rank / world, hi = n_all * (rank + 1) / world;
       ckpt::ShardedState part;
       for (const auto& e : params.entries()) {
@@ -122,10 +160,10 @@ int main(int argc, char** argv) {
     auto save = [&](bool allow_async) {
       if (saver && allow_async) {
         if (sharded) saver->save_sharded(step, shard(), state());
-        else saver->save(step, params, &opt, state());
+        else saver->save(step, *flat, &opt, state());
       } else {
         if (sharded) mgr.save_sharded(step, shard(), state());
-        else mgr.save(step, params, &opt, state());
+        else mgr.save(step, *flat, &opt, state());
       }
     };
     ckpt::PreemptionHandler preempt;
@@ -149,12 +187,20 @@ int main(int argc, char** argv) {
       gather_rows(X, idx.data(), batch, x);
       gather_rows(Y, idx.data(), batch, y);
       nn::Cache<float> c, lc;
-      params.zero_grad();
-      ce.forward(ddp.forward(x, c), y, lc);
-      ddp.backward(ce.backward(lc), c);
-      ddp.finish_gradient_sync();
       opt.set_lr(schedule(step));
-      opt.step();
+      if (fsdp) {
+        fsdp->zero_grad();
+        ce.forward(fsdp->forward(x, c), y, lc);
+        fsdp->backward(ce.backward(lc), c);
+        fsdp->optimizer_step(opt);
+      } else {
+        auto& ddp = static_cast<parallel::DDP<float>&>(*wrapped);
+        flat->zero_grad();
+        ce.forward(ddp.forward(x, c), y, lc);
+        ddp.backward(ce.backward(lc), c);
+        ddp.finish_gradient_sync();
+        opt.step();
+      }
       ++step;
       if (every > 0 && step % every == 0) save(true);
       if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
@@ -168,10 +214,11 @@ int main(int argc, char** argv) {
       }
     }
     if (saver) saver->wait();
-    if (rank == 0 && !out.empty()) {
+    if (!out.empty()) {
+      const auto final_values = named_values();
       std::vector<ckpt::TensorRef> refs;
-      for (const auto& e : params.entries()) refs.push_back(ckpt::tensor_ref(e.name, e.param->value));
-      ckpt::write_safetensors(out, refs);
+      for (const auto& [name, t] : final_values) refs.push_back(ckpt::tensor_ref(name, t));
+      if (rank == 0) ckpt::write_safetensors(out, refs);
     }
     comm->barrier();
     return 0;

@@ -264,6 +264,70 @@ TEST_CASE("sharded checkpoints: missing shard falls back, resume is bitwise, 2 s
   for (int r = 0; r < 3; ++r) CHECK(ptrain_test::read_text(dump + ".rank" + std::to_string(r)) == expect);
 }
 
+// Largest |a - b| over the largest |b|, over all tensors of two safetensors files.
+double max_rel_diff(const std::string& a_path, const std::string& b_path) {
+  auto a = tensors_of(a_path), b = tensors_of(b_path);
+  REQUIRE(a.size() == b.size());
+  double diff = 0, scale = 0;
+  for (auto& [name, bytes] : b) {
+    REQUIRE(a[name].size() == bytes.size());
+    const auto* x = reinterpret_cast<const float*>(a[name].data());
+    const auto* y = reinterpret_cast<const float*>(bytes.data());
+    for (std::size_t i = 0; i < bytes.size() / 4; ++i) {
+      diff = std::max(diff, static_cast<double>(std::abs(x[i] - y[i])));
+      scale = std::max(scale, static_cast<double>(std::abs(y[i])));
+    }
+  }
+  return diff / scale;
+}
+
+TEST_CASE("FSDP checkpoints: saved on 4 ranks, resumed on 2 and 3 with other strategies", "[ckpt][dist][fsdp]") {
+  ptrain_test::TempDir tmp;
+  const std::string ref = tmp.file("ref.safetensors"), dir = tmp.file("ckpt");
+  // Uninterrupted: 12 steps on 4 ranks, ZeRO-3.
+  REQUIRE(run_ptrun(4, {"--fsdp", "full_shard", "--steps", "12", "--out", ref}) == 0);
+  REQUIRE(run_ptrun(4, {"--fsdp", "full_shard", "--dir", dir, "--steps", "6", "--every", "6"}) == 0);
+  {
+    // The MLP's two groups (112 and 51 elements) cut over 4 ranks; every piece is recorded.
+    ckpt::Checkpoint c(dir + "/step-00000006");
+    CHECK(c.tensor_names("model") == std::vector<std::string>{"0.bias", "0.weight", "2.bias", "2.weight"});
+    CHECK(c.weight_map().count("0.weight@28"));
+    // Rank 3: elements [84, 112) of group 0 and [39, 52) of group 1 (51 padded to 52).
+    CHECK(c.names_in("model-00003-of-00004.safetensors") ==
+          std::vector<std::string>{"0.bias", "0.weight@84", "2.bias", "2.weight@39"});
+  }
+  fs::copy(dir, tmp.file("ckpt3"), fs::copy_options::recursive);
+  fs::copy(dir, tmp.file("ckpt_hybrid"), fs::copy_options::recursive);
+  const std::string on2 = tmp.file("on2.safetensors"), on3 = tmp.file("on3.safetensors");
+  REQUIRE(run_ptrun(2, {"--fsdp", "full_shard", "--dir", dir, "--steps", "12", "--every", "6", "--resume",
+                        "--out", on2}) == 0);
+  REQUIRE(run_ptrun(3, {"--fsdp", "shard_grad_op", "--dir", tmp.file("ckpt3"), "--steps", "12", "--resume",
+                        "--out", on3}) == 0);
+  CHECK(max_rel_diff(on2, ref) <= 1e-5);
+  CHECK(max_rel_diff(on3, ref) <= 1e-5);
+  // The 2-rank run's final checkpoint, exported whole, is its final parameters.
+  const std::string exported = tmp.file("export.safetensors");
+  ckpt::Checkpoint(dir + "/step-00000012").export_model(exported);
+  CHECK(tensors_of(exported) == tensors_of(on2));
+  // Hybrid (2 shard groups of 2): only one replica writes; 3 ranks resume from it.
+  const std::string hyb = tmp.file("ckpt_hybrid"), on3h = tmp.file("on3h.safetensors");
+  REQUIRE(run_ptrun(4, {"--fsdp", "hybrid", "--dir", hyb, "--steps", "9", "--every", "9", "--resume"}) == 0);
+  {
+    ckpt::Checkpoint c(hyb + "/step-00000009");
+    CHECK(c.names_in("model-00002-of-00004.safetensors").empty());
+    CHECK(c.names_in("model-00003-of-00004.safetensors").empty());
+  }
+  REQUIRE(run_ptrun(3, {"--fsdp", "full_shard", "--dir", hyb, "--steps", "12", "--resume", "--out", on3h}) == 0);
+  CHECK(max_rel_diff(on3h, ref) <= 1e-5);
+  // A data-parallel checkpoint (save(): whole tensors from rank 0) loads into FSDP too.
+  const std::string ddp = tmp.file("ddp"), from_ddp = tmp.file("from_ddp.safetensors");
+  REQUIRE(run_ptrun(2, {"--dir", ddp, "--steps", "6", "--every", "6"}) == 0);
+  REQUIRE(run_ptrun(3, {"--fsdp", "full_shard", "--dir", ddp, "--steps", "12", "--resume", "--out", from_ddp}) == 0);
+  CHECK(max_rel_diff(from_ddp, ref) <= 1e-5);
+  // A checkpoint of another model (hidden width 8) is refused: exit code 1, no hang.
+  CHECK(run_ptrun(2, {"--fsdp", "full_shard", "--hidden", "8", "--dir", ddp, "--steps", "14", "--resume"}) == 1);
+}
+
 TEST_CASE("an independent Python reader sees the same values", "[ckpt][dist][python]") {
   ptrain_test::TempDir tmp;
   const std::string dir = tmp.file("ckpt");

@@ -1,0 +1,77 @@
+#pragma once
+// Sharded checkpoints of an FSDP model (Note [Sharded checkpoints]): each rank
+// saves the pieces of parameters and optimizer state in its shard; a run of any
+// world size or sharding strategy loads them back, and one file can be exported.
+//
+//   ckpt::CheckpointManager mgr(dir, comm.get());
+//   if (auto last = mgr.latest(); last.found())
+//     state = ckpt::load_fsdp(last.path, fsdp, &opt);              // saved on any number of ranks
+//   ...
+//   mgr.save_sharded(step, ckpt::fsdp_state(fsdp, &opt), state);  // collective
+//   ckpt::Checkpoint(mgr.latest().path).export_model("model.safetensors");
+//
+// Names are the unwrapped model's (FSDPOptions::unit_names), so the same
+// checkpoint also loads into the plain model with CheckpointManager::load().
+
+#include <set>
+#include <type_traits>
+
+#include "ptrain/ckpt/checkpoint.hpp"
+#include "ptrain/parallel/fsdp.hpp"
+
+namespace ptrain::ckpt {
+
+/// This rank's part of `fsdp` (and of opt's state, named "<param>.<kind>") for
+/// save_sharded(). Replicas of a shard (Hybrid, NoShard) return an empty part
+/// except the first of each replica group.
+template <class T>
+ShardedState fsdp_state(parallel::FSDP<T>& fsdp, std::type_identity_t<optim::Optimizer<T>>* opt) {
+  ShardedState s;
+  if (opt) s.record(*opt);
+  if (!fsdp.writes_checkpoint()) return s;
+  for (const auto& p : fsdp.shard_pieces()) {
+    s.model.push_back(piece(p.name, p.shape, p.param_offset, fsdp.local_values().view(p.local_offset, {p.numel})));
+    if (opt)
+      for (const auto& [kind, buf] : opt->flat_state())
+        s.optimizer.push_back(piece(p.name + "." + kind, p.shape, p.param_offset, buf.view(p.local_offset, {p.numel})));
+  }
+  return s;
+}
+
+/// Loads a checkpoint written at any world size, by fsdp_state() + save_sharded()
+/// or by save(), into fsdp's local shard and opt's state; collective (the full
+/// parameters of ZeRO-1/2 are gathered again). Every parameter of the model must
+/// be in the checkpoint with its shape, and no others; everything is checked
+/// before anything is changed. Returns the trainer state.
+template <class T>
+TrainerState load_fsdp(const fs::path& path, parallel::FSDP<T>& fsdp,
+                       std::type_identity_t<optim::Optimizer<T>>* opt = nullptr) {
+  Checkpoint c(path);
+  std::set<std::string> names;
+  for (const auto& [name, shape] : fsdp.parameter_shapes()) names.insert(name);
+  for (const auto& n : c.tensor_names("model"))
+    PTRAIN_CHECK(names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
+                 "' is not a parameter of the model; the checkpoint is from a different model");
+  struct Read {
+    Tensor<T> dst;  // a view of the local shard or of the optimizer state
+    std::string name;
+    Shape shape;
+    std::int64_t offset;
+  };
+  std::vector<Read> reads;
+  for (const auto& [name, shape] : fsdp.parameter_shapes()) reads.push_back({Tensor<T>(), name, shape, 0});
+  for (const auto& p : fsdp.shard_pieces()) {
+    reads.push_back({fsdp.local_values().view(p.local_offset, {p.numel}), p.name, p.shape, p.param_offset});
+    if (opt)
+      for (const auto& [kind, buf] : opt->flat_state())
+        reads.push_back({buf.view(p.local_offset, {p.numel}), p.name + "." + kind, p.shape, p.param_offset});
+  }
+  // Everything is checked before the first copy, so a mismatch leaves the model untouched.
+  for (const auto& r : reads) c.check(r.name, r.shape, dtype_of<T>());
+  for (auto& r : reads)
+    if (r.dst.defined()) c.read_range(r.name, r.offset, r.dst);
+  fsdp.shards_updated();
+  return restore_trainer_state(c, opt);
+}
+
+}  // namespace ptrain::ckpt
