@@ -50,6 +50,7 @@
 
 #include "ptrain/ckpt/async_writer.hpp"
 #include "ptrain/ckpt/checkpoint.hpp"
+#include "ptrain/ckpt/fsdp_checkpoint.hpp"
 #include "ptrain/ckpt/preemption.hpp"
 #include "ptrain/ckpt/safetensors.hpp"
 
