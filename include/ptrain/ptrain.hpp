@@ -52,6 +52,7 @@
 #include "ptrain/ckpt/checkpoint.hpp"
 #include "ptrain/ckpt/fsdp_checkpoint.hpp"
 #include "ptrain/ckpt/preemption.hpp"
+#include "ptrain/ckpt/stage_checkpoint.hpp"
 #include "ptrain/ckpt/safetensors.hpp"
 
 #include "ptrain/data/batches.hpp"

@@ -34,6 +34,7 @@
 #include <ptrain/parallel/mesh.hpp>
 #include <ptrain/parallel/pipeline.hpp>
 
+#include "dist/pipeline/pipeline_util.hpp"
 #include "dist/spawn_util.hpp"
 
 using namespace ptrain;
@@ -41,59 +42,7 @@ using parallel::Schedule;
 
 namespace {
 
-struct WorldHolder {
-  std::unique_ptr<dist::Communicator> comm;
-  ~WorldHolder() {
-    try {
-      if (comm) comm->barrier();
-    } catch (...) {
-    }
-  }
-};
-dist::Communicator& world() {
-  static WorldHolder h{dist::init_process_group()};
-  return *h.comm;
-}
-
-// Eight MLP-style units: Linear + GELU, the last one a plain Linear to the
-// classes. Unit u draws its weights from its own seed, so a rank that builds
-// only some units gets exactly the values the full model has.
-constexpr std::int64_t kFeatures = 6, kClasses = 4;
-const std::vector<std::int64_t> kWidths{kFeatures, 12, 10, 14, 9, 11, 13, 8, kClasses};
-constexpr std::size_t kUnits = 8;
-
-std::shared_ptr<nn::Module<float>> make_unit(std::size_t u) {
-  Generator g(1000 + u);
-  auto s = std::make_shared<nn::Sequential<float>>();
-  s->add(std::make_shared<nn::Linear<float>>(kWidths[u], kWidths[u + 1], true, g));
-  if (u + 1 < kUnits) s->add(std::make_shared<nn::GELU<float>>());
-  return s;
-}
-
-std::unique_ptr<nn::Sequential<float>> full_model() {
-  auto m = std::make_unique<nn::Sequential<float>>();
-  for (std::size_t u = 0; u < kUnits; ++u) m->add(make_unit(u));
-  return m;
-}
-
-struct Batch {
-  Tensor<float> x;
-  Tensor<std::int32_t> y;
-};
-Batch make_batch(std::int64_t rows, std::uint64_t seed) {
-  Generator g(seed);
-  Batch b{Tensor<float>::empty({rows, kFeatures}), Tensor<std::int32_t>::empty({rows})};
-  ops::uniform_(b.x, -1.0, 1.0, g);
-  for (std::int64_t i = 0; i < rows; ++i) b.y.data()[i] = static_cast<std::int32_t>(g.below(kClasses));
-  return b;
-}
-
-enum class Opt { SGD, AdamW };
-std::unique_ptr<optim::Optimizer<float>> make_opt(Opt kind, nn::FlatParameters<float>& p) {
-  if (kind == Opt::SGD) return std::make_unique<optim::SGD<float>>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
-  // eps 1e-6: see the note in tests/dist/parallel/test_ddp.cpp (rounding noise on near-zero gradients).
-  return std::make_unique<optim::AdamW<float>>(p, optim::AdamWOptions{.lr = 0.01, .eps = 1e-6});
-}
+using namespace pipeline_test;
 
 // Trains the reference on the full batches; returns each step's loss.
 template <class Model>

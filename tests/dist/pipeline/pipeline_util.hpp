@@ -1,0 +1,81 @@
+#pragma once
+// Helpers shared by the pipeline tests (one executable, several sources): the
+// world communicator, the eight-unit test model, batches and optimizers.
+#include <memory>
+#include <vector>
+
+#include <ptrain/dist/process_group.hpp>
+#include <ptrain/nn/activation.hpp>
+#include <ptrain/nn/linear.hpp>
+#include <ptrain/nn/sequential.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/optim/sgd.hpp>
+
+namespace pipeline_test {
+
+using namespace ptrain;
+
+struct WorldHolder {
+  std::unique_ptr<dist::Communicator> comm;
+  ~WorldHolder() {
+    try {
+      if (comm) comm->barrier();
+    } catch (...) {
+    }
+  }
+};
+/// The process group of the whole job, created on first use (one per process).
+inline dist::Communicator& world() {
+  static WorldHolder h{dist::init_process_group()};
+  return *h.comm;
+}
+
+// Eight MLP-style units: Linear + GELU, the last one a plain Linear to the
+// classes. Unit u draws its weights from its own seed, so a rank that builds
+// only some units gets exactly the values the full model has.
+inline constexpr std::int64_t kFeatures = 6, kClasses = 4;
+inline const std::vector<std::int64_t> kWidths{kFeatures, 12, 10, 14, 9, 11, 13, 8, kClasses};
+inline constexpr std::size_t kUnits = 8;
+
+/// Unit u with weights drawn from seed `seed_base + u`; unit kUnits (past the
+/// classifier) is a parameter-free GELU, for models with a stage without weights.
+inline std::shared_ptr<nn::Module<float>> make_unit_seeded(std::size_t u, std::uint64_t seed_base) {
+  auto s = std::make_shared<nn::Sequential<float>>();
+  if (u == kUnits) {
+    s->add(std::make_shared<nn::GELU<float>>());
+    return s;
+  }
+  Generator g(seed_base + u);
+  s->add(std::make_shared<nn::Linear<float>>(kWidths[u], kWidths[u + 1], true, g));
+  if (u + 1 < kUnits) s->add(std::make_shared<nn::GELU<float>>());
+  return s;
+}
+inline std::shared_ptr<nn::Module<float>> make_unit(std::size_t u) { return make_unit_seeded(u, 1000); }
+
+/// The first `units` units (kUnits, or kUnits + 1 with the trailing GELU) in one module.
+inline std::unique_ptr<nn::Sequential<float>> full_model(std::size_t units = kUnits) {
+  auto m = std::make_unique<nn::Sequential<float>>();
+  for (std::size_t u = 0; u < units; ++u) m->add(make_unit(u));
+  return m;
+}
+
+struct Batch {
+  Tensor<float> x;
+  Tensor<std::int32_t> y;
+};
+inline Batch make_batch(std::int64_t rows, std::uint64_t seed) {
+  Generator g(seed);
+  Batch b{Tensor<float>::empty({rows, kFeatures}), Tensor<std::int32_t>::empty({rows})};
+  ops::uniform_(b.x, -1.0, 1.0, g);
+  for (std::int64_t i = 0; i < rows; ++i) b.y.data()[i] = static_cast<std::int32_t>(g.below(kClasses));
+  return b;
+}
+
+enum class Opt { SGD, AdamW };
+inline std::unique_ptr<optim::Optimizer<float>> make_opt(Opt kind, nn::FlatParameters<float>& p) {
+  if (kind == Opt::SGD) return std::make_unique<optim::SGD<float>>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  // eps 1e-6: see the note in tests/dist/parallel/test_ddp.cpp (rounding noise on near-zero gradients).
+  return std::make_unique<optim::AdamW<float>>(p, optim::AdamWOptions{.lr = 0.01, .eps = 1e-6});
+}
+
+}  // namespace pipeline_test
