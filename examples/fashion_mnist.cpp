@@ -221,9 +221,11 @@ int main(int argc, char** argv) {
         if (preempt && preempt->should_stop(comm.get())) {
           saver->wait();
           checkpoints->save(step, params, &optimizer, trainer_state());
-          if (lead)
+          if (lead) {
             std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
                         static_cast<long long>(step), opt.checkpoint_dir.c_str());
+            std::fflush(stdout);  // the launcher's SIGTERM may come before exit() flushes a pipe
+          }
           return opt.preempt_exit_code;
         }
       }

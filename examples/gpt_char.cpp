@@ -4,6 +4,14 @@
 //   build/examples/gpt_char --data input.txt --steps 5000     # any plain-text file
 //   mpirun -np 2 build/examples/gpt_char --parallel ddp       # data parallel (also under ptrun)
 //
+// Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
+// saves every --checkpoint-every steps (in the background), at the end, and when
+// SIGTERM/SIGINT/SIGUSR1 arrives (all ranks agree at the next step, save and exit
+// with --preempt-exit-code); --resume continues from the newest complete checkpoint
+// in DIR when there is one, bit for bit on the same ranks and flags
+// (docs/models.md, docs/checkpointing.md):
+//   ptrun --nproc-per-node 2 gpt_char --parallel ddp --checkpoint-dir ckpt --checkpoint-every 250 --resume
+//
 // Data: Debian's `fortunes` package (/usr/share/games/fortunes, about 2.5 MB of
 // English): every fortune file, in name order, without the "%" separator lines.
 // The last 10% of the characters are the validation split. Metrics (--metrics)
@@ -12,13 +20,17 @@
 //
 // The state a checkpoint needs is all in TrainState below: step, the train
 // windows' position, the dropout streams' offsets (model.generators()), the
-// parameters and the optimizer state.
+// parameters and the optimizer state; the LR schedule is a function of the step.
+// Note [gpt_char resume state] in main() says how each is saved and restored.
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <ptrain/ckpt/async_writer.hpp>
+#include <ptrain/ckpt/checkpoint.hpp>
+#include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/data/text.hpp>
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/nn/models/gpt.hpp>
@@ -57,6 +69,11 @@ struct Options {
   std::string prompt = "The ";
   std::string save_tokenizer;
   int threads = 0;  // 0: OpenBLAS's default alone, 1 per rank under --parallel ddp
+  std::string checkpoint_dir;
+  std::int64_t checkpoint_every = 0;
+  int keep_checkpoints = 3;
+  int preempt_exit_code = 0;
+  bool resume = false;
 };
 
 // The fortune files of Debian's `fortunes` package, concatenated in name order.
@@ -90,6 +107,51 @@ struct TrainState {
   nn::GPT<float>* model = nullptr;   // parameters; model->generators() = dropout stream offsets
   optim::AdamW<float>* optimizer = nullptr;
 };
+
+// The flags that fix the parameters' meaning, keyed by flag name ("vocab" comes
+// from --data). --heads changes no tensor shape, so only this check catches it.
+nlohmann::json model_flags(const nn::GPTConfig& c) {
+  return {{"vocab", c.vocab_size}, {"block", c.block_size}, {"layers", c.n_layer}, {"heads", c.n_head},
+          {"embd", c.n_embd}};
+}
+
+// Flags that a resumed run may change (the run goes on, but is no longer the
+// bit-exact continuation); keyed by flag name too.
+nlohmann::json train_flags(const Options& o) {
+  return {{"seed", o.seed},   {"batch", o.batch},   {"dropout", o.dropout},     {"steps", o.steps},
+          {"lr", o.lr},       {"min-lr", o.min_lr}, {"warmup", o.warmup},       {"weight-decay", o.weight_decay},
+          {"grad-clip", o.grad_clip}};
+}
+
+// Refuses a checkpoint of another program or model before any tensor is read,
+// naming every flag that differs; returns the training flags that differ (for a note).
+std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::json& model,
+                                    const nlohmann::json& train, const std::string& path) {
+  const std::string program = user.is_object() ? user.value("program", std::string()) : std::string();
+  PTRAIN_CHECK(program == "gpt_char" && user.contains("model") && user["model"].is_object(), CheckpointError,
+               "[ptrain.example.config] ", path, " was not written by gpt_char (program '", program,
+               "'); pass another --checkpoint-dir");
+  std::string model_diff;
+  for (const auto& [key, want] : model.items()) {
+    const nlohmann::json have = user.at("model").value(key, nlohmann::json());
+    if (have == want) continue;
+    model_diff += (key == "vocab" ? "; vocabulary size " : "; --" + key + " ") + have.dump() + " in the checkpoint, " +
+                  want.dump() + (key == "vocab" ? " from --data now" : " now");
+  }
+  PTRAIN_CHECK(model_diff.empty(), CheckpointError, "[ptrain.example.config] ", path,
+               " holds another model than the flags describe", model_diff,
+               ". Pass the checkpoint's values to resume it, or another --checkpoint-dir (or no --resume) to start "
+               "a new run");
+  std::string train_diff;
+  const nlohmann::json saved = user.value("train", nlohmann::json::object());
+  for (const auto& [key, want] : train.items()) {
+    const nlohmann::json have = saved.value(key, nlohmann::json());
+    if (have != want)
+      train_diff += (train_diff.empty() ? "--" : ", --") + key + " " + want.dump() + " (checkpoint: " + have.dump() +
+                    ")";
+  }
+  return train_diff;
+}
 
 // Mean loss over eval_batches fixed windows of the validation split (eval mode).
 double evaluate(nn::GPT<float>& model, RandomWindows& windows, std::int64_t batches, std::int64_t batch) {
@@ -139,7 +201,22 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", opt.prompt, "text the sample continues");
   app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file");
   app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp)");
+  app.add_option("--checkpoint-dir", opt.checkpoint_dir,
+                 "save checkpoints here (every --checkpoint-every steps, at the end, and on SIGTERM/SIGINT/SIGUSR1)");
+  app.add_option("--checkpoint-every", opt.checkpoint_every, "steps between checkpoints (0: only at the end and on "
+                 "a signal)")->check(CLI::NonNegativeNumber);
+  app.add_option("--keep-checkpoints", opt.keep_checkpoints, "committed checkpoints kept (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", opt.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
+  app.add_option("--preempt-exit-code", opt.preempt_exit_code,
+                 "exit status after a signal-triggered checkpoint (0; Kubernetes manifests use 75 so that "
+                 "the Job restarts the pods instead of counting them as finished)")
+      ->check(CLI::Range(0, 125));
   CLI11_PARSE(app, argc, argv);
+  if (opt.resume && opt.checkpoint_dir.empty()) {
+    std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir\n");
+    return 2;
+  }
 
   try {
     Stopwatch wall;
@@ -174,8 +251,80 @@ int main(int argc, char** argv) {
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = opt.warmup, .total = opt.steps,
                                        .min_lr = opt.min_lr};
 
-    MetricsWriter metrics(lead ? opt.metrics : "");
-    Progress progress(opt.steps, lead ? opt.log_every : 0);
+    TrainState state{0, &train_windows, &model, &optimizer};
+    // Checkpoints (optional): resume first, so that metrics append to the resumed run's file.
+    std::unique_ptr<ckpt::CheckpointManager> checkpoints;
+    std::unique_ptr<ckpt::AsyncCheckpointer> saver;
+    std::int64_t last_saved = -1;
+    bool resumed = false;
+    if (!opt.checkpoint_dir.empty()) {
+      checkpoints = std::make_unique<ckpt::CheckpointManager>(
+          opt.checkpoint_dir, comm.get(), ckpt::CheckpointOptions{.keep_last = opt.keep_checkpoints});
+      saver = std::make_unique<ckpt::AsyncCheckpointer>(*checkpoints);
+    }
+    // Note [gpt_char resume state]
+    // - Data: every rank takes one batch per step, so each rank's position() equals
+    //   the step, and rank r's batch at position t is global windows
+    //   (t*world + r)*batch + j: one number describes every rank's stream, and no
+    //   per-rank positions need gathering. It is saved as the global windows
+    //   consumed (SamplerState::consumed = position*world*batch), so a resume on
+    //   another world size or batch starts at the first batch that repeats no window.
+    // - Dropout: rank r's streams are seeded from --seed + r (GPTConfig::dropout_seed)
+    //   and every rank draws the same count per step (same shapes), so rank 0's
+    //   offsets are every rank's; rng["dropout/<name>"] holds them, and each rank
+    //   keeps its own seed and takes the offset.
+    // - Parameters, AdamW moments and step count: model/optimizer.safetensors and
+    //   trainer.json (written by rank 0: DDP replicas are identical). The LR is
+    //   schedule(step) of the flags' schedule; trainer.json keeps it for reference.
+    const nlohmann::json model_cfg = model_flags(cfg), train_cfg = train_flags(opt);
+    if (checkpoints && opt.resume) {
+      const auto last = checkpoints->latest();
+      for (const auto& s : last.skipped)
+        if (lead) std::fprintf(stderr, "gpt_char: skipping %s: %s\n", s.path.c_str(), s.reason.c_str());
+      if (last.found()) {
+        // The config check reads only trainer.json, so a mismatch leaves the model untouched.
+        std::string changed = check_checkpoint_config(ckpt::Checkpoint(last.path, false).trainer_state().user,
+                                                      model_cfg, train_cfg, last.path.string());
+        const ckpt::TrainerState st = checkpoints->load(last.path, params, &optimizer);
+        PTRAIN_CHECK(st.sampler.has_value(), CheckpointError, "[ptrain.example.config] ", last.path.string(),
+                     " has no data position; it was not written by this program");
+        const auto windows_per_step = static_cast<std::int64_t>(world) * opt.batch;
+        train_windows.set_position((st.sampler->consumed + windows_per_step - 1) / windows_per_step);
+        for (auto& [name, gen] : model.generators()) {
+          const auto it = st.rng.find("dropout/" + name);
+          PTRAIN_CHECK(it != st.rng.end(), CheckpointError, "[ptrain.example.config] ", last.path.string(),
+                       " has no offset for dropout stream '", name, "'; it was not written by this program");
+          gen->set_offset(it->second.offset);
+        }
+        state.step = last_saved = st.step;
+        resumed = true;
+        if (lead) {
+          std::printf("resumed from %s: step %lld (saved on %d rank(s))\n", last.path.c_str(),
+                      static_cast<long long>(state.step), st.world_size);
+          if (st.world_size != world)
+            changed += (changed.empty() ? "" : ", ") + std::to_string(world) + " rank(s) (checkpoint: " +
+                       std::to_string(st.world_size) + ")";
+          if (!changed.empty())
+            std::printf("note: resuming with other settings than the checkpoint's: %s; training continues, but "
+                        "is not the bit-exact continuation\n", changed.c_str());
+        }
+      } else if (lead) {
+        std::printf("no checkpoint in %s; starting from step 0\n", opt.checkpoint_dir.c_str());
+      }
+    }
+    std::unique_ptr<ckpt::PreemptionHandler> preempt;
+    if (checkpoints) preempt = std::make_unique<ckpt::PreemptionHandler>();
+    auto trainer_state = [&] {
+      ckpt::TrainerState ts;
+      ts.sampler = ckpt::SamplerState{0, train_windows.position() * world * opt.batch, world};
+      for (const auto& [name, gen] : model.generators()) ts.rng["dropout/" + name] = ckpt::GeneratorState::of(*gen);
+      ts.schedule = schedule;
+      ts.user = {{"program", "gpt_char"}, {"model", model_cfg}, {"train", train_cfg}};
+      return ts;
+    };
+
+    MetricsWriter metrics(lead ? opt.metrics : "", resumed);
+    Progress progress(opt.steps, lead ? opt.log_every : 0, std::cout, state.step);
     const double tokens_per_step = static_cast<double>(opt.batch * opt.block * world);
     if (lead) {
       std::printf("corpus %s: %lld characters, vocabulary %lld, unigram entropy %.4f nats/char\n",
@@ -185,10 +334,10 @@ int main(int argc, char** argv) {
                   model.describe().c_str(), static_cast<long long>(model.num_parameters()),
                   cfg.flops_per_token(opt.block) / 1e6, static_cast<long long>(opt.steps), tokens_per_step, world);
       metrics.write({{"event", "config"}, {"vocab_size", tok.vocab_size()}, {"characters", n},
-                     {"parameters", model.num_parameters()}, {"unigram_entropy", entropy}, {"world_size", world}});
+                     {"parameters", model.num_parameters()}, {"unigram_entropy", entropy}, {"world_size", world},
+                     {"start_step", state.step}});
     }
 
-    TrainState state{0, &train_windows, &model, &optimizer};
     Tensor<float> x;
     Tensor<std::int32_t> y;
     nn::Cache<float> cache, loss_cache;
@@ -221,14 +370,37 @@ int main(int argc, char** argv) {
         metrics.write({{"step", state.step}, {"loss", loss}, {"lr", optimizer.lr()}, {"grad_norm", norm},
                        {"data_position", train_windows.position()}});
       if (opt.eval_every > 0 && state.step % opt.eval_every == 0 && state.step < opt.steps) validate();
+      if (saver && opt.checkpoint_every > 0 && state.step % opt.checkpoint_every == 0) {
+        saver->save(state.step, params, &optimizer, trainer_state());  // returns after a copy to host memory
+        last_saved = state.step;
+      }
+      // One all-reduce per step: every rank stops at the same step when any got a signal.
+      if (preempt && preempt->should_stop(comm.get())) {
+        saver->wait();  // rank 0: the save in flight (perhaps of this very step) is committed
+        if (last_saved != state.step) checkpoints->save(state.step, params, &optimizer, trainer_state());
+        else if (comm) comm->barrier();  // a launcher stops every rank once one exits: not before rank 0 commits
+        if (lead) {
+          std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
+                      static_cast<long long>(state.step), opt.checkpoint_dir.c_str());
+          std::fflush(stdout);  // the launcher's SIGTERM may come before exit() flushes a pipe
+        }
+        return opt.preempt_exit_code;
+      }
+    }
+    // The final checkpoint comes before evaluation and sampling, which change no training state.
+    if (saver) {
+      saver->wait();
+      if (last_saved != state.step) checkpoints->save(state.step, params, &optimizer, trainer_state());
     }
     validate();
 
     if (lead) {
-      Generator sample_gen(opt.seed);
-      const auto out = nn::generate(model, tok.encode(opt.prompt), opt.sample_tokens, opt.temperature, opt.top_k,
-                                    sample_gen);
-      std::printf("--- sample ---\n%s\n--------------\n", tok.decode(out).c_str());
+      if (opt.sample_tokens > 0) {
+        Generator sample_gen(opt.seed);
+        const auto out = nn::generate(model, tok.encode(opt.prompt), opt.sample_tokens, opt.temperature, opt.top_k,
+                                      sample_gen);
+        std::printf("--- sample ---\n%s\n--------------\n", tok.decode(out).c_str());
+      }
       const double secs = wall.seconds();
       std::printf("final val_loss %.4f nats/char = %.3f x unigram entropy %.4f; wall time %.1f s\n", val_loss,
                   val_loss / entropy, entropy, secs);
