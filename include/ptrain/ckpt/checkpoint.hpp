@@ -312,7 +312,7 @@ inline std::string rank_name(const char* prefix, int rank, const char* suffix) {
   std::snprintf(buf, sizeof buf, "%s%05d%s", prefix, rank, suffix);
   return buf;
 }
-/// "model-00001-of-00004.safetensors": rank 1's file of role "model" (Hugging Face's shard naming).
+/// "model-00001-of-00004.safetensors": rank 1's file of role "model" (named like Hugging Face's shards).
 inline std::string shard_file(const char* role, int rank, int world) {
   char buf[96];
   std::snprintf(buf, sizeof buf, "%s-%05d-of-%05d.safetensors", role, rank, world);
@@ -488,7 +488,7 @@ class Checkpoint {
   /// Throws CheckpointError unless tensor `name` is stored with this shape and dtype.
   void check(const std::string& name, const Shape& shape, DType dt) const {
     check_dtype(name, dt);
-    PTRAIN_CHECK(shape_of(name) == shape, CheckpointError, "[ptrain.ckpt.shape] ", dir_.string(), ": tensor '", name,
+    PTRAIN_CHECK(shape_of(name) == shape, CheckpointError, "[ptrain.ckpt.shape] ", where(name), ": tensor '", name,
                  "' has shape ", shape_of(name), " but the model expects ", shape);
   }
   /// Copies elements [offset, offset + dst.numel()) of tensor `name` (row-major)
@@ -614,8 +614,12 @@ class Checkpoint {
     return it->second;
   }
   void check_dtype(const std::string& name, DType dt) const {
-    PTRAIN_CHECK(dtype(name) == dt, CheckpointError, "[ptrain.ckpt.dtype] ", dir_.string(), ": tensor '", name,
+    PTRAIN_CHECK(dtype(name) == dt, CheckpointError, "[ptrain.ckpt.dtype] ", where(name), ": tensor '", name,
                  "' is ", dtype_name(dtype(name)), " but the model expects ", dtype_name(dt));
+  }
+  // The file holding (the first piece of) `name`, for error messages.
+  std::string where(const std::string& name) const {
+    return (dir_ / weight_map_.at(logical(name).pieces.front().key)).string();
   }
 
   // Elements [offset, offset + n) of `name` into dst, piece by piece.
