@@ -3,14 +3,18 @@
 //   build/examples/gpt_char                                   # the fortunes corpus, single process
 //   build/examples/gpt_char --data input.txt --steps 5000     # any plain-text file
 //   mpirun -np 2 build/examples/gpt_char --parallel ddp       # data parallel (also under ptrun)
+//   ptrun --nproc-per-node 2 gpt_char --parallel fsdp          # fully sharded (--fsdp-strategy ...)
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
 // saves every --checkpoint-every steps (in the background), at the end, and when
 // SIGTERM/SIGINT/SIGUSR1 arrives (all ranks agree at the next step, save and exit
 // with --preempt-exit-code); --resume continues from the newest complete checkpoint
 // in DIR when there is one, bit for bit on the same ranks and flags
-// (docs/models.md, docs/checkpointing.md):
+// (docs/models.md, docs/checkpointing.md). Checkpoints of the three modes hold
+// the same tensor names, so a run of any mode and world size resumes any of them:
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --checkpoint-dir ckpt --checkpoint-every 250 --resume
+//   ptrun --nproc-per-node 4 gpt_char --parallel fsdp --checkpoint-dir ckpt --checkpoint-every 250 --resume
+// --export FILE writes the final parameters, whole, to one safetensors file.
 //
 // Data: Debian's `fortunes` package (/usr/share/games/fortunes, about 2.5 MB of
 // English): every fortune file, in name order, without the "%" separator lines.
@@ -27,14 +31,18 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <ptrain/ckpt/async_writer.hpp>
 #include <ptrain/ckpt/checkpoint.hpp>
+#include <ptrain/ckpt/fsdp_checkpoint.hpp>
 #include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/data/text.hpp>
+#include <ptrain/dist/launch_env.hpp>
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/parallel/ddp.hpp>
+#include <ptrain/parallel/fsdp.hpp>
 #include <ptrain/ptrain.hpp>
 
 using namespace ptrain;
@@ -46,6 +54,8 @@ constexpr const char* kFortunesDir = "/usr/share/games/fortunes";
 struct Options {
   std::string data;  // empty: the fortunes corpus
   std::string parallel = "none";
+  std::string fsdp_strategy = "full_shard";
+  int hybrid_shard_size = 0;  // 0: the launcher's ranks per node
   std::int64_t steps = 1500;
   std::int64_t batch = 16;  // per rank
   std::int64_t block = 128;
@@ -68,12 +78,13 @@ struct Options {
   std::int64_t top_k = 20;
   std::string prompt = "The ";
   std::string save_tokenizer;
-  int threads = 0;  // 0: OpenBLAS's default alone, 1 per rank under --parallel ddp
+  int threads = 0;  // 0: OpenBLAS's default alone, 1 per rank under --parallel ddp/fsdp
   std::string checkpoint_dir;
   std::int64_t checkpoint_every = 0;
   int keep_checkpoints = 3;
   int preempt_exit_code = 0;
   bool resume = false;
+  std::string export_path;
 };
 
 // The fortune files of Debian's `fortunes` package, concatenated in name order.
@@ -115,12 +126,18 @@ nlohmann::json model_flags(const nn::GPTConfig& c) {
           {"embd", c.n_embd}};
 }
 
+// --parallel, with the FSDP strategy: "none", "ddp", "fsdp full_shard", "fsdp hybrid 2".
+std::string parallel_layout(const Options& o) {
+  if (o.parallel != "fsdp") return o.parallel;
+  return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
+}
+
 // Flags that a resumed run may change (the run goes on, but is no longer the
 // bit-exact continuation); keyed by flag name too.
 nlohmann::json train_flags(const Options& o) {
   return {{"seed", o.seed},   {"batch", o.batch},   {"dropout", o.dropout},     {"steps", o.steps},
           {"lr", o.lr},       {"min-lr", o.min_lr}, {"warmup", o.warmup},       {"weight-decay", o.weight_decay},
-          {"grad-clip", o.grad_clip}};
+          {"grad-clip", o.grad_clip}, {"parallel", parallel_layout(o)}};
 }
 
 // Refuses a checkpoint of another program or model before any tensor is read,
@@ -146,15 +163,18 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
   const nlohmann::json saved = user.value("train", nlohmann::json::object());
   for (const auto& [key, want] : train.items()) {
     const nlohmann::json have = saved.value(key, nlohmann::json());
+    auto str = [](const nlohmann::json& j) { return j.is_string() ? j.get<std::string>() : j.dump(); };
     if (have != want)
-      train_diff += (train_diff.empty() ? "--" : ", --") + key + " " + want.dump() + " (checkpoint: " + have.dump() +
-                    ")";
+      train_diff += (train_diff.empty() ? "--" : ", --") + key + " " + str(want) + " (checkpoint: " +
+                    (have.is_null() ? "not recorded" : str(have)) + ")";
   }
   return train_diff;
 }
 
 // Mean loss over eval_batches fixed windows of the validation split (eval mode).
-double evaluate(nn::GPT<float>& model, RandomWindows& windows, std::int64_t batches, std::int64_t batch) {
+// `runner` computes the logits: the model itself, or its FSDP wrapper (collective).
+double evaluate(nn::GPT<float>& model, nn::Module<float>& runner, RandomWindows& windows, std::int64_t batches,
+                std::int64_t batch) {
   model.train(false);
   nn::CrossEntropyLoss<float> ce;
   Tensor<float> x;
@@ -164,7 +184,7 @@ double evaluate(nn::GPT<float>& model, RandomWindows& windows, std::int64_t batc
   for (std::int64_t b = 0; b < batches; ++b) {
     windows.next(batch, x, y);
     nn::Cache<float> c, lc;
-    total += ce.forward(model.forward(x, c), y, lc);
+    total += ce.forward(runner.forward(x, c), y, lc);
   }
   model.train(true);
   return total / static_cast<double>(batches);
@@ -176,8 +196,13 @@ int main(int argc, char** argv) {
   Options opt;
   CLI::App app{"Train a character-level GPT with ptrain"};
   app.add_option("--data", opt.data, "plain-text file (default: the fortunes corpus in /usr/share/games/fortunes)");
-  app.add_option("--parallel", opt.parallel, "none, or ddp (under mpirun or ptrun)")
-      ->check(CLI::IsMember({"none", "ddp"}));
+  app.add_option("--parallel", opt.parallel, "none, ddp or fsdp (under mpirun or ptrun)")
+      ->check(CLI::IsMember({"none", "ddp", "fsdp"}));
+  app.add_option("--fsdp-strategy", opt.fsdp_strategy, "with --parallel fsdp: full_shard (ZeRO-3), shard_grad_op "
+                 "(ZeRO-2), shard_optimizer (ZeRO-1), no_shard, or hybrid")
+      ->check(CLI::IsMember({"full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid"}));
+  app.add_option("--hybrid-shard-size", opt.hybrid_shard_size, "ranks per shard group of --fsdp-strategy hybrid "
+                 "(0: the launcher's ranks per node)")->check(CLI::NonNegativeNumber);
   app.add_option("--steps", opt.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", opt.batch, "sequences per step and rank")->check(CLI::PositiveNumber);
   app.add_option("--block", opt.block, "context length")->check(CLI::PositiveNumber);
@@ -200,7 +225,7 @@ int main(int argc, char** argv) {
   app.add_option("--top-k", opt.top_k, "sample among the k most likely characters (0: all)");
   app.add_option("--prompt", opt.prompt, "text the sample continues");
   app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file");
-  app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp)");
+  app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
   app.add_option("--checkpoint-dir", opt.checkpoint_dir,
                  "save checkpoints here (every --checkpoint-every steps, at the end, and on SIGTERM/SIGINT/SIGUSR1)");
   app.add_option("--checkpoint-every", opt.checkpoint_every, "steps between checkpoints (0: only at the end and on "
@@ -212,6 +237,8 @@ int main(int argc, char** argv) {
                  "exit status after a signal-triggered checkpoint (0; Kubernetes manifests use 75 so that "
                  "the Job restarts the pods instead of counting them as finished)")
       ->check(CLI::Range(0, 125));
+  app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "
+                 "safetensors file (PyTorch's safetensors.torch.load_file reads it)");
   CLI11_PARSE(app, argc, argv);
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir\n");
@@ -221,7 +248,7 @@ int main(int argc, char** argv) {
   try {
     Stopwatch wall;
     std::unique_ptr<dist::Communicator> comm;
-    if (opt.parallel == "ddp") comm = dist::init_process_group();
+    if (opt.parallel != "none") comm = dist::init_process_group();
     const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
     const bool lead = rank == 0;
     // Ranks of one node would oversubscribe the cores with a thread pool each.
@@ -241,12 +268,47 @@ int main(int argc, char** argv) {
                       .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout, .tie_weights = true,
                       .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank)};
     nn::GPT<float> model(cfg);
-    nn::FlatParameters<float> params(model);
-    optim::AdamW<float> optimizer(params, {.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay},
-                                  nn::gpt_decay_filter());
+    const std::int64_t num_parameters = model.num_parameters();  // FSDP releases the model's tensors
+    // none/ddp: the parameters packed in one flat buffer (DDP's buckets are ranges of it).
+    // fsdp: every unit (embedding, blocks, head) is sharded under the model's own
+    // parameter names, so checkpoints of all modes hold the same tensors.
+    std::unique_ptr<nn::FlatParameters<float>> params;
     std::unique_ptr<parallel::DDP<float>> ddp;
-    if (comm) ddp = std::make_unique<parallel::DDP<float>>(model, params, *comm);
-    nn::Module<float>& net = ddp ? static_cast<nn::Module<float>&>(*ddp) : model;
+    std::unique_ptr<parallel::FSDP<float>> fsdp;
+    if (opt.parallel == "fsdp") {
+      if (opt.fsdp_strategy == "hybrid" && opt.hybrid_shard_size == 0)
+        opt.hybrid_shard_size = dist::detect_launch_env().local_world_size;
+      parallel::FSDPOptions fo{.hybrid_shard_size = opt.hybrid_shard_size, .unit_names = model.unit_names()};
+      for (auto st : {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp,
+                      parallel::ShardingStrategy::ShardOptimizer, parallel::ShardingStrategy::NoShard,
+                      parallel::ShardingStrategy::Hybrid})
+        if (opt.fsdp_strategy == parallel::strategy_name(st)) fo.strategy = st;
+      fsdp = std::make_unique<parallel::FSDP<float>>(model.units(), *comm, fo);
+    } else {
+      params = std::make_unique<nn::FlatParameters<float>>(model);
+      if (comm) ddp = std::make_unique<parallel::DDP<float>>(model, *params, *comm);
+    }
+    // The same options and decay filter in every mode: FSDP's local entries carry
+    // the parameter names (1-D pieces of them), and the filter decides by name.
+    const optim::AdamWOptions adamw{.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay};
+    optim::AdamW<float> optimizer = [&] {
+      if (fsdp)
+        return optim::AdamW<float>(fsdp->local_values(), fsdp->local_grads(), fsdp->local_entries(), adamw,
+                                   nn::gpt_decay_filter());
+      return optim::AdamW<float>(*params, adamw, nn::gpt_decay_filter());
+    }();
+    nn::Module<float>& net = ddp ? static_cast<nn::Module<float>&>(*ddp)
+                                 : fsdp ? static_cast<nn::Module<float>&>(*fsdp) : model;
+    // Per-mode pieces of the loop; everything else is shared.
+    auto zero_grad = [&] { fsdp ? fsdp->zero_grad() : params->zero_grad(); };
+    auto average = [&](double v) {  // the same all-reduce as DDP::average
+      if (comm) comm->all_reduce(&v, 1, DType::F64, dist::ReduceOp::Avg);
+      return v;
+    };
+    auto clip = [&] {  // FSDP: collective over the shards, each holding part of the gradient
+      if (opt.grad_clip <= 0) return 0.0;
+      return fsdp ? fsdp->clip_grad_norm_(opt.grad_clip) : optim::clip_grad_norm_(params->grads(), opt.grad_clip);
+    };
     nn::CrossEntropyLoss<float> ce;
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = opt.warmup, .total = opt.steps,
                                        .min_lr = opt.min_lr};
@@ -276,6 +338,10 @@ int main(int argc, char** argv) {
     // - Parameters, AdamW moments and step count: model/optimizer.safetensors and
     //   trainer.json (written by rank 0: DDP replicas are identical). The LR is
     //   schedule(step) of the flags' schedule; trainer.json keeps it for reference.
+    //   Under fsdp each rank writes the pieces of parameters and moments in its shard
+    //   (model-RRRRR-of-WWWWW.safetensors, save_sharded), under the same names;
+    //   load_fsdp reshards any checkpoint (also save()'s) onto this run's shards, and
+    //   CheckpointManager::load assembles whole tensors from pieces for none/ddp.
     const nlohmann::json model_cfg = model_flags(cfg), train_cfg = train_flags(opt);
     if (checkpoints && opt.resume) {
       const auto last = checkpoints->latest();
@@ -285,7 +351,8 @@ int main(int argc, char** argv) {
         // The config check reads only trainer.json, so a mismatch leaves the model untouched.
         std::string changed = check_checkpoint_config(ckpt::Checkpoint(last.path, false).trainer_state().user,
                                                       model_cfg, train_cfg, last.path.string());
-        const ckpt::TrainerState st = checkpoints->load(last.path, params, &optimizer);
+        const ckpt::TrainerState st = fsdp ? ckpt::load_fsdp(last.path, *fsdp, &optimizer)
+                                           : checkpoints->load(last.path, *params, &optimizer);
         PTRAIN_CHECK(st.sampler.has_value(), CheckpointError, "[ptrain.example.config] ", last.path.string(),
                      " has no data position; it was not written by this program");
         const auto windows_per_step = static_cast<std::int64_t>(world) * opt.batch;
@@ -322,6 +389,19 @@ int main(int argc, char** argv) {
       ts.user = {{"program", "gpt_char"}, {"model", model_cfg}, {"train", train_cfg}};
       return ts;
     };
+    // Collective. In the background: returns after a copy to host memory.
+    auto save = [&](bool background) {
+      if (fsdp) {
+        const ckpt::ShardedState mine = ckpt::fsdp_state(*fsdp, &optimizer);
+        if (background) saver->save_sharded(state.step, mine, trainer_state());
+        else checkpoints->save_sharded(state.step, mine, trainer_state());
+      } else if (background) {
+        saver->save(state.step, *params, &optimizer, trainer_state());
+      } else {
+        checkpoints->save(state.step, *params, &optimizer, trainer_state());
+      }
+      last_saved = state.step;
+    };
 
     MetricsWriter metrics(lead ? opt.metrics : "", resumed);
     Progress progress(opt.steps, lead ? opt.log_every : 0, std::cout, state.step);
@@ -331,10 +411,13 @@ int main(int argc, char** argv) {
                   opt.data.empty() ? kFortunesDir : opt.data.c_str(), static_cast<long long>(n),
                   static_cast<long long>(tok.vocab_size()), entropy);
       std::printf("model %s: %lld parameters, %.1f MFLOP/token; %lld steps of %.0f tokens on %d rank(s)\n",
-                  model.describe().c_str(), static_cast<long long>(model.num_parameters()),
+                  model.describe().c_str(), static_cast<long long>(num_parameters),
                   cfg.flops_per_token(opt.block) / 1e6, static_cast<long long>(opt.steps), tokens_per_step, world);
+      if (fsdp)
+        std::printf("parallel: %s over %d rank(s) (shard groups of %d)\n", fsdp->describe().c_str(), world,
+                    fsdp->shard_size());
       metrics.write({{"event", "config"}, {"vocab_size", tok.vocab_size()}, {"characters", n},
-                     {"parameters", model.num_parameters()}, {"unigram_entropy", entropy}, {"world_size", world},
+                     {"parameters", num_parameters}, {"unigram_entropy", entropy}, {"world_size", world},
                      {"start_step", state.step}});
     }
 
@@ -343,8 +426,8 @@ int main(int argc, char** argv) {
     nn::Cache<float> cache, loss_cache;
     double val_loss = 0;
     auto validate = [&] {
-      val_loss = evaluate(model, val_windows, opt.eval_batches, opt.batch);
-      if (ddp) val_loss = ddp->average(val_loss);  // identical on every rank; keeps collectives in step
+      // Every rank evaluates (FSDP's forward is collective); the average is identical on every rank.
+      val_loss = average(evaluate(model, fsdp ? net : model, val_windows, opt.eval_batches, opt.batch));
       if (lead) {
         std::printf("step %lld: val_loss %.4f (%.3f x unigram entropy)\n", static_cast<long long>(state.step),
                     val_loss, val_loss / entropy);
@@ -355,29 +438,26 @@ int main(int argc, char** argv) {
     while (state.step < opt.steps) {
       train_windows.next(opt.batch, x, y);
       optimizer.set_lr(schedule(state.step));
-      params.zero_grad();
+      zero_grad();
       double loss = ce.forward(net.forward(x, cache), y, loss_cache);
       net.backward(ce.backward(loss_cache), cache);
-      if (ddp) {
-        ddp->finish_gradient_sync();
-        loss = ddp->average(loss);
-      }
-      const double norm = opt.grad_clip > 0 ? optim::clip_grad_norm_(params.grads(), opt.grad_clip) : 0.0;
-      optimizer.step();
+      if (ddp) ddp->finish_gradient_sync();
+      if (fsdp) fsdp->finish_gradient_sync();
+      loss = average(loss);
+      const double norm = clip();
+      if (fsdp) fsdp->optimizer_step(optimizer);  // steps the local shard; ZeRO-1/2 re-gather their full copy
+      else optimizer.step();
       ++state.step;
       progress.update(state.step, 1, loss, optimizer.lr(), static_cast<std::int64_t>(tokens_per_step));
       if (lead)
         metrics.write({{"step", state.step}, {"loss", loss}, {"lr", optimizer.lr()}, {"grad_norm", norm},
                        {"data_position", train_windows.position()}});
       if (opt.eval_every > 0 && state.step % opt.eval_every == 0 && state.step < opt.steps) validate();
-      if (saver && opt.checkpoint_every > 0 && state.step % opt.checkpoint_every == 0) {
-        saver->save(state.step, params, &optimizer, trainer_state());  // returns after a copy to host memory
-        last_saved = state.step;
-      }
+      if (saver && opt.checkpoint_every > 0 && state.step % opt.checkpoint_every == 0) save(true);
       // One all-reduce per step: every rank stops at the same step when any got a signal.
       if (preempt && preempt->should_stop(comm.get())) {
         saver->wait();  // rank 0: the save in flight (perhaps of this very step) is committed
-        if (last_saved != state.step) checkpoints->save(state.step, params, &optimizer, trainer_state());
+        if (last_saved != state.step) save(false);
         else if (comm) comm->barrier();  // a launcher stops every rank once one exits: not before rank 0 commits
         if (lead) {
           std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
@@ -390,9 +470,33 @@ int main(int argc, char** argv) {
     // The final checkpoint comes before evaluation and sampling, which change no training state.
     if (saver) {
       saver->wait();
-      if (last_saved != state.step) checkpoints->save(state.step, params, &optimizer, trainer_state());
+      if (last_saved != state.step) save(false);
     }
     validate();
+
+    // Sampling and --export need the whole parameters on rank 0. Under FSDP the
+    // model object is intact but FullShard/Hybrid released its tensors: every rank
+    // gathers them (full_parameters is collective) and rank 0 binds the model's own
+    // Parameters to the copies, so generate() and the tied head work unchanged and
+    // no second model is built. FSDP is not used after this.
+    if (fsdp && (opt.sample_tokens > 0 || !opt.export_path.empty())) {
+      auto full = fsdp->full_parameters();
+      if (lead) {
+        std::map<std::string, Tensor<float>> by_name(full.begin(), full.end());
+        for (auto& p : model.named_parameters()) {
+          const auto it = by_name.find(p.name);
+          PTRAIN_CHECK(it != by_name.end(), Error, "[ptrain.example.fsdp] FSDP has no parameter '", p.name, "'");
+          p.param->value = it->second;
+        }
+      }
+    }
+    if (lead && !opt.export_path.empty()) {
+      std::vector<ckpt::TensorRef> refs;
+      for (auto& p : model.named_parameters()) refs.push_back(ckpt::tensor_ref(p.name, p.param->value));
+      ckpt::write_safetensors(opt.export_path, refs, {{"format", "pt"}, {"ptrain.step", std::to_string(state.step)}});
+      std::printf("exported %zu tensors of step %lld to %s\n", refs.size(), static_cast<long long>(state.step),
+                  opt.export_path.c_str());
+    }
 
     if (lead) {
       if (opt.sample_tokens > 0) {

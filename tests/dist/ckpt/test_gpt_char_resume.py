@@ -5,9 +5,10 @@ usage: test_gpt_char_resume.py GPT_CHAR [PTRUN]
 
 A tiny GPT (1 layer, width 32, dropout 0.1, so the dropout streams matter) trains
 on a corpus written here. Each case compares the tensors of a resumed run's final
-checkpoint byte for byte with those of an uninterrupted run (model.safetensors and
-optimizer.safetensors, read by the parser below, not by ptrain), and trainer.json's
-step, data position, dropout offsets and optimizer step count:
+checkpoint byte for byte with those of an uninterrupted run (model and optimizer
+tensors, read by the parser below, not by ptrain: whole files, or the shards of
+--parallel fsdp assembled from index.json's pieces), and trainer.json's step, data
+position, dropout offsets and optimizer step count:
   single.copy    resume from the step-8 checkpoint of a 12-step run, to step 12
   single.signal  SIGTERM a longer run once a checkpoint exists: exit code
                  --preempt-exit-code, a committed checkpoint of the step it stopped at,
@@ -17,6 +18,16 @@ step, data position, dropout offsets and optimizer step count:
                  naming the flag, exit code != 0, within a timeout
   ddp.*          the same with 2 ranks under ptrun (--parallel ddp); the signal goes to
                  rank 1 only, and every rank must stop at the same step
+  fsdp.*         copy, config and signal with 2 ranks under --parallel fsdp (full_shard):
+                 sharded checkpoints, resumed bitwise on the same layout
+  fsdp.ddp       fsdp's final parameters equal ddp's within 1e-5 relative (same flags);
+                 --export equals the assembled checkpoint bitwise
+  fsdp.cross     a ddp checkpoint resumed with fsdp, and an fsdp one with ddp, end within
+                 1e-5 of the uninterrupted runs
+  fsdp.reshape   (dropout 0) a 2-rank fsdp checkpoint resumed by 1 process (--parallel
+                 none, --batch 8) and by 2 ranks with the other strategies: within 1e-5
+  fsdp.sample    1 process loading fsdp's final checkpoint evaluates and samples
+                 (greedy) exactly as the fsdp run did
 Exit 0 on success, 1 on failure.
 """
 
@@ -36,7 +47,10 @@ PREEMPT_CODE = 75
 TINY = ["--layers", "1", "--heads", "2", "--embd", "32", "--block", "32", "--batch", "4", "--dropout", "0.1",
         "--warmup", "3", "--eval-every", "1000000", "--sample-tokens", "0", "--log-every", "0", "--threads", "1"]
 LONG_STEPS = 1000  # the signal cases: long enough that the run is still going when the signal comes
+FSDP_LONG_STEPS = 400  # fsdp's steps cost about 3 ddp steps here (more, smaller collectives)
 LONG_EVERY = 50
+TOL = 1e-5  # relative, where the number of ranks or the reduction order changes
+SAMPLE = ["--sample-tokens", "40", "--temperature", "0"]
 
 
 class Failure(Exception):
@@ -91,10 +105,72 @@ def committed_steps(ckpt):
                   if d.startswith("step-") and os.path.exists(os.path.join(ckpt, d, "COMMITTED")))
 
 
+def read_checkpoint(d):
+    """role ("model", "optimizer") -> name -> (dtype, shape, raw bytes) of a checkpoint
+    directory, whole tensors: a tensor stored in pieces (sharded saves: key "name@offset",
+    1-D, elements [offset, offset + numel) of the flattened tensor, described in
+    index.json's "pieces") is assembled here, checking that the pieces tile it exactly."""
+    with open(os.path.join(d, "index.json")) as f:
+        index = json.load(f)
+    files = {name: read_safetensors(os.path.join(d, name)) for name in set(index["weight_map"].values())}
+    pieces = index.get("pieces", {})
+    out, parts = {}, {}
+    for key, fname in index["weight_map"].items():
+        role = fname.split("-")[0].split(".")[0]
+        if key not in files[fname]:
+            raise Failure(f"{d}: index.json puts {key} in {fname}, which does not hold it")
+        dtype, shape, raw = files[fname][key]
+        if key in pieces:
+            p = pieces[key]
+            if shape != (p["numel"],) or p["tensor"] != key.rsplit("@", 1)[0]:
+                raise Failure(f"{d}: piece {key} is {shape}, index.json says {p}")
+            parts.setdefault((role, p["tensor"]), []).append((p["offset"], p["numel"], tuple(p["shape"]), dtype, raw))
+        else:
+            out.setdefault(role, {})[key] = (dtype, shape, raw)
+    for (role, name), ps in parts.items():
+        ps.sort()
+        if len({p[2] for p in ps}) != 1 or len({p[3] for p in ps}) != 1 or name in out.get(role, {}):
+            raise Failure(f"{d}: pieces of {name} disagree on shape or dtype, or it is also stored whole")
+        shape, dtype = ps[0][2], ps[0][3]
+        total, pos, blob = 1, 0, b""
+        for n in shape:
+            total *= n
+        for off, n, _, _, raw in ps:
+            if off != pos:
+                raise Failure(f"{d}: pieces of {name} leave a gap or overlap at element {pos} (next at {off})")
+            blob += raw
+            pos += n
+        if pos != total:
+            raise Failure(f"{d}: pieces of {name} cover {pos} of {total} elements")
+        out.setdefault(role, {})[name] = (dtype, shape, blob)
+    return out
+
+
+def floats(t):
+    n = len(t[2]) // 4
+    return struct.unpack(f"<{n}f", t[2])
+
+
+def max_rel_diff(a, b, role="model"):
+    """Largest |a - b| over the largest |b|, over every tensor of `role` in two checkpoints."""
+    ta, tb = read_checkpoint(a)[role], read_checkpoint(b)[role]
+    if sorted(ta) != sorted(tb):
+        raise Failure(f"{a} vs {b}: {role} tensor names differ: {sorted(set(ta) ^ set(tb))}")
+    diff, scale = 0.0, 0.0
+    for name in ta:
+        if ta[name][:2] != tb[name][:2] or ta[name][0] != "F32":
+            raise Failure(f"{a} vs {b}: {name}: {ta[name][:2]} vs {tb[name][:2]}")
+        xb = floats(tb[name])
+        diff = max(diff, max(abs(x - y) for x, y in zip(floats(ta[name]), xb)))
+        scale = max(scale, max(abs(y) for y in xb))
+    return diff / scale
+
+
 def diff_checkpoints(a, b):
     """First difference between two checkpoint directories, or None when they are identical."""
-    for fname in ("model.safetensors", "optimizer.safetensors"):
-        ta, tb = read_safetensors(os.path.join(a, fname)), read_safetensors(os.path.join(b, fname))
+    ca, cb = read_checkpoint(a), read_checkpoint(b)
+    for fname in ("model", "optimizer"):
+        ta, tb = ca.get(fname, {}), cb.get(fname, {})
         if sorted(ta) != sorted(tb):
             return f"{fname}: tensor names differ: {sorted(set(ta) ^ set(tb))}"
         if not ta:
@@ -105,9 +181,7 @@ def diff_checkpoints(a, b):
             if ta[name][2] != tb[name][2]:
                 worst = 0.0
                 if ta[name][0] == "F32":
-                    n = len(ta[name][2]) // 4
-                    xa, xb = struct.unpack(f"<{n}f", ta[name][2]), struct.unpack(f"<{n}f", tb[name][2])
-                    worst = max(abs(x - y) for x, y in zip(xa, xb))
+                    worst = max(abs(x - y) for x, y in zip(floats(ta[name]), floats(tb[name])))
                 return f"{fname}: tensor {name} differs (max |diff| {worst:.3g})"
     ja, jb = (json.load(open(os.path.join(d, "trainer.json"))) for d in (a, b))
     for key in ("step", "sampler", "rng", "optimizer", "world_size"):
@@ -121,15 +195,29 @@ class Runner:
         self.exe, self.ptrun, self.work = exe, ptrun, work
         self.env = dict(os.environ, PTRAIN_COMM_TIMEOUT_S=os.environ.get("PTRAIN_COMM_TIMEOUT_S", "60"))
 
-    def argv(self, ranks, args):
-        base = [self.exe, "--data", os.path.join(self.work, "corpus.txt")] + TINY + args
-        if ranks == 1:
+    def argv(self, ranks, args, mode=None):
+        """TINY with args (a flag of TINY given in args takes args' value); mode: --parallel,
+        by default none on 1 rank and ddp on more."""
+        flags = list(TINY)
+        where = {TINY[k]: k for k in range(0, len(TINY), 2)}  # TINY is flag, value pairs
+        rest = []
+        i = 0
+        while i < len(args):
+            if args[i] in where and i + 1 < len(args):
+                flags[where[args[i]] + 1] = args[i + 1]
+                i += 2
+            else:
+                rest.append(args[i])
+                i += 1
+        base = [self.exe, "--data", os.path.join(self.work, "corpus.txt")] + flags + rest
+        mode = mode or ("none" if ranks == 1 else "ddp")
+        if mode == "none":
             return base
         # --standalone: a free store port, so that concurrent tests do not collide on 29500.
-        return [self.ptrun, "--standalone", "--nproc-per-node", str(ranks)] + base + ["--parallel", "ddp"]
+        return [self.ptrun, "--standalone", "--nproc-per-node", str(ranks)] + base + ["--parallel", mode]
 
-    def start(self, ranks, args):
-        return subprocess.Popen(self.argv(ranks, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    def start(self, ranks, args, mode=None):
+        return subprocess.Popen(self.argv(ranks, args, mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=self.env, start_new_session=True)
 
     def finish(self, proc, what):
@@ -141,8 +229,8 @@ class Runner:
             raise Failure(f"{what}: no exit within {TIMEOUT_S} s (hang)\n{out}\n{err}")
         return proc.returncode, out, err
 
-    def run(self, ranks, args, what, expect=0):
-        rc, out, err = self.finish(self.start(ranks, args), what)
+    def run(self, ranks, args, what, expect=0, mode=None):
+        rc, out, err = self.finish(self.start(ranks, args, mode), what)
         if expect is not None and rc != expect:
             raise Failure(f"{what}: exit code {rc}, expected {expect}\nstdout:\n{out}\nstderr:\n{err}")
         return rc, out, err
@@ -176,11 +264,12 @@ def expect_same(ref, got, what):
     print(f"ok   {what}: {got} == {ref} (model, optimizer, trainer state)")
 
 
-def case_copy(r, ranks, tag):
-    """Uninterrupted 12 steps (checkpoints 4, 8, 12), then resume from a copy of step 8."""
+def case_copy(r, ranks, tag, mode=None, extra=()):
+    """Uninterrupted 12 steps (checkpoints 4, 8, 12), then resume from copies of steps 4 and 8.
+    Returns the reference directory and the uninterrupted run's output."""
     ref = os.path.join(r.work, f"{tag}-ref")
-    r.run(ranks, ["--steps", "12", "--checkpoint-dir", ref, "--checkpoint-every", "4", "--keep-checkpoints", "0"],
-          f"{tag} uninterrupted run")
+    _, ref_out, _ = r.run(ranks, ["--steps", "12", "--checkpoint-dir", ref, "--checkpoint-every", "4",
+                                  "--keep-checkpoints", "0"] + list(extra), f"{tag} uninterrupted run", mode=mode)
     if committed_steps(ref) != [4, 8, 12]:
         raise Failure(f"{tag}: expected committed checkpoints 4, 8, 12 in {ref}, found {committed_steps(ref)}")
     if diff_checkpoints(step_dir(ref, 8), step_dir(ref, 12)) is None:
@@ -190,11 +279,11 @@ def case_copy(r, ranks, tag):
         os.makedirs(res)
         shutil.copytree(step_dir(ref, start), step_dir(res, start))
         _, out, _ = r.run(ranks, ["--steps", "12", "--checkpoint-dir", res, "--checkpoint-every", "4", "--resume"],
-                          f"{tag} resume from step {start}")
+                          f"{tag} resume from step {start}", mode=mode)
         if f"step {start}" not in out or "resumed from" not in out:
             raise Failure(f"{tag}: the resumed run did not report resuming from step {start}:\n{out}")
         expect_same(step_dir(ref, 12), step_dir(res, 12), f"{tag}.copy (from step {start})")
-    return ref
+    return ref, ref_out
 
 
 def case_control(r, ranks, tag, ref):
@@ -212,15 +301,15 @@ def case_control(r, ranks, tag, ref):
     print(f"ok   {tag}.control: another --seed differs, with a note")
 
 
-def case_signal(r, ranks, tag):
+def case_signal(r, ranks, tag, mode=None, long_steps=LONG_STEPS):
     """SIGTERM (to the only rank, or to rank 1 of 2) once a checkpoint exists; resume; compare."""
     ref = os.path.join(r.work, f"{tag}-long-ref")
-    long = ["--steps", str(LONG_STEPS)]
-    r.run(ranks, long + ["--checkpoint-dir", ref], f"{tag} uninterrupted {LONG_STEPS}-step run")
+    long = ["--steps", str(long_steps)]
+    r.run(ranks, long + ["--checkpoint-dir", ref], f"{tag} uninterrupted {long_steps}-step run", mode=mode)
     ckpt = os.path.join(r.work, f"{tag}-signal")
     args = long + ["--checkpoint-dir", ckpt, "--checkpoint-every", str(LONG_EVERY), "--preempt-exit-code",
                    str(PREEMPT_CODE), "--resume"]
-    proc = r.start(ranks, args)
+    proc = r.start(ranks, args, mode)
     target = proc.pid if ranks == 1 else rank_pid(proc.pid, 1)
     deadline = time.time() + TIMEOUT_S
     while not committed_steps(ckpt):
@@ -230,8 +319,8 @@ def case_signal(r, ranks, tag):
         time.sleep(0.002)
     os.kill(target, signal.SIGTERM)
     rc, out, err = r.finish(proc, f"{tag} signalled run")
-    if rc == 0 and f"step {LONG_STEPS}:" in out:
-        raise Failure(f"{tag}: the run finished before SIGTERM arrived; raise LONG_STEPS")
+    if rc == 0 and f"step {long_steps}:" in out:
+        raise Failure(f"{tag}: the run finished before SIGTERM arrived; raise {long_steps} (LONG_STEPS)")
     if rc != PREEMPT_CODE:
         raise Failure(f"{tag}: exit code {rc} after SIGTERM, expected --preempt-exit-code {PREEMPT_CODE}\n"
                       f"{out}\n{err}")
@@ -239,22 +328,22 @@ def case_signal(r, ranks, tag):
     if marker not in out:
         raise Failure(f"{tag}: rank 0 did not report the signal checkpoint:\n{out}\n{err}")
     stopped = int(out.split(marker, 1)[1].split()[0])
-    if not (LONG_EVERY <= stopped < LONG_STEPS) or committed_steps(ckpt)[-1] != stopped:
+    if not (LONG_EVERY <= stopped < long_steps) or committed_steps(ckpt)[-1] != stopped:
         raise Failure(f"{tag}: stopped at step {stopped}, committed {committed_steps(ckpt)}")
     print(f"ok   {tag}.signal: SIGTERM to {'rank 1 of 2' if ranks > 1 else 'the process'} -> exit {rc}, "
           f"checkpoint of step {stopped} committed")
-    _, out, _ = r.run(ranks, args, f"{tag} resume after the signal")
+    _, out, _ = r.run(ranks, args, f"{tag} resume after the signal", mode=mode)
     if f"resumed from {step_dir(ckpt, stopped)}: step {stopped}" not in out:
         raise Failure(f"{tag}: the resumed run did not start at step {stopped}:\n{out}")
-    expect_same(step_dir(ref, LONG_STEPS), step_dir(ckpt, LONG_STEPS), f"{tag}.signal (stopped at {stopped})")
+    expect_same(step_dir(ref, long_steps), step_dir(ckpt, long_steps), f"{tag}.signal (stopped at {stopped})")
 
 
-def case_config(r, ranks, tag, ref):
+def case_config(r, ranks, tag, ref, mode=None):
     """--resume with another model shape, or another --heads (same tensor shapes), is refused."""
     before = committed_steps(ref)
     for flag, value, saved in (("--layers", "2", "1"), ("--heads", "4", "2")):
         args = ["--steps", "12", "--checkpoint-dir", ref, "--resume"]
-        argv = r.argv(ranks, args)
+        argv = r.argv(ranks, args, mode)
         i = argv.index(flag)
         argv[i + 1] = value
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=r.env,
@@ -269,6 +358,92 @@ def case_config(r, ranks, tag, ref):
         raise Failure(f"{tag}.config: the refused resumes changed {ref}: {before} -> {committed_steps(ref)}")
 
 
+def expect_close(ref, got, what, tol=TOL):
+    rel = max_rel_diff(got, ref)
+    if rel > tol:
+        raise Failure(f"{what}: model tensors of {got} differ from {ref} by {rel:.3g} relative (> {tol:g})")
+    print(f"ok   {what}: model within {rel:.2g} relative of {ref}")
+
+
+def copy_step(src, step, dst):
+    os.makedirs(dst)
+    shutil.copytree(step_dir(src, step), step_dir(dst, step))
+    return dst
+
+
+def case_fsdp_vs_ddp(r, fsdp_ref, ddp_ref, export):
+    """Same flags, same 2 ranks: fsdp's checkpoints are sharded and end where ddp's do."""
+    names = sorted(os.listdir(step_dir(fsdp_ref, 12)))
+    want = [f"{role}-0000{k}-of-00002.safetensors" for role in ("model", "optimizer") for k in (0, 1)]
+    if any(w not in names for w in want) or "model.safetensors" in names:
+        raise Failure(f"fsdp: step 12 is not a 2-rank sharded checkpoint: {names}")
+    for k in (0, 1):  # each rank saved pieces of parameters, not a copy of the whole model
+        part = read_safetensors(os.path.join(step_dir(fsdp_ref, 12), f"model-0000{k}-of-00002.safetensors"))
+        if not any("@" in name for name in part):
+            raise Failure(f"fsdp: rank {k}'s file holds no pieces: {sorted(part)}")
+    scale = max_rel_diff(step_dir(ddp_ref, 8), step_dir(ddp_ref, 12))
+    if scale < 100 * TOL:
+        raise Failure(f"fsdp.ddp: steps 8 and 12 differ by only {scale:.3g}; the tolerance would not see an error")
+    expect_close(step_dir(ddp_ref, 12), step_dir(fsdp_ref, 12), f"fsdp.ddp (steps 8 and 12 differ by {scale:.2g})")
+    model = read_checkpoint(step_dir(fsdp_ref, 12))["model"]
+    if read_safetensors(export) != model:
+        raise Failure(f"fsdp: --export {export} differs from the assembled step-12 checkpoint")
+    print(f"ok   fsdp.export: {export} == the step-12 checkpoint's {len(model)} model tensors")
+
+
+def case_fsdp_cross(r, fsdp_ref, ddp_ref):
+    """A ddp checkpoint resumed with fsdp, and an fsdp checkpoint with ddp."""
+    for src, mode, other in ((ddp_ref, "fsdp", "ddp"), (fsdp_ref, "ddp", "fsdp")):
+        res = copy_step(src, 8, os.path.join(r.work, f"cross-{other}-to-{mode}"))
+        _, out, _ = r.run(2, ["--steps", "12", "--checkpoint-dir", res, "--resume"], f"{other} checkpoint resumed "
+                          f"with --parallel {mode}", mode=mode)
+        if f"--parallel {mode}" not in out or "not the bit-exact continuation" not in out:
+            raise Failure(f"fsdp.cross: no note about the changed --parallel:\n{out}")
+        expect_close(step_dir(src, 12), step_dir(res, 12), f"fsdp.cross ({other} step 8 -> {mode})")
+
+
+def case_fsdp_reshape(r):
+    """Without dropout a global batch of 8 is one batch of 8 on 1 process, or 4 on each of 2
+    ranks (same windows): a 2-rank fsdp checkpoint resumed on 1 process, and on 2 ranks with
+    each other strategy, ends where the uninterrupted 2-rank fsdp run does."""
+    ref = os.path.join(r.work, "fsdp0-ref")
+    r.run(2, ["--steps", "12", "--dropout", "0", "--checkpoint-dir", ref, "--checkpoint-every", "4",
+              "--keep-checkpoints", "0"], "fsdp uninterrupted run without dropout", mode="fsdp")
+    res = copy_step(ref, 8, os.path.join(r.work, "fsdp0-to-1"))
+    _, out, _ = r.run(1, ["--steps", "12", "--dropout", "0", "--batch", "8", "--checkpoint-dir", res, "--resume"],
+                      "2-rank fsdp checkpoint resumed by 1 process")
+    if "saved on 2 rank(s)" not in out:
+        raise Failure(f"fsdp.reshape: the 1-process run did not report a 2-rank checkpoint:\n{out}")
+    expect_close(step_dir(ref, 12), step_dir(res, 12), "fsdp.reshape (2 ranks fsdp -> 1 process none)")
+    for strategy in ("shard_grad_op", "shard_optimizer", "no_shard", "hybrid"):
+        res = copy_step(ref, 8, os.path.join(r.work, f"fsdp0-{strategy}"))
+        _, out, _ = r.run(2, ["--steps", "12", "--dropout", "0", "--checkpoint-dir", res, "--resume",
+                              "--fsdp-strategy", strategy, "--hybrid-shard-size", "1"],
+                          f"fsdp checkpoint resumed with {strategy}", mode="fsdp")
+        if f"FSDP({strategy}" not in out:
+            raise Failure(f"fsdp.reshape: the run did not report strategy {strategy}:\n{out}")
+        expect_close(step_dir(ref, 12), step_dir(res, 12), f"fsdp.reshape (full_shard -> {strategy})")
+
+
+def case_fsdp_sample(r, fsdp_ref, fsdp_out):
+    """1 process resumes fsdp's final checkpoint at its last step: it trains no step, and its
+    evaluation and greedy sample equal those the fsdp run printed (same parameters)."""
+    res = copy_step(fsdp_ref, 12, os.path.join(r.work, "fsdp-sample"))
+    _, out, _ = r.run(1, ["--steps", "12", "--checkpoint-dir", res, "--resume"] + SAMPLE, "1 process sampling "
+                      "from fsdp's checkpoint")
+    def tail(text):
+        lines = text.splitlines()
+        got = [ln for ln in lines if ln.startswith("step 12: val_loss")]
+        if "--- sample ---" not in lines:
+            raise Failure(f"fsdp.sample: no sample in\n{text}")
+        i = lines.index("--- sample ---")
+        return got + lines[i:i + 2]
+    want, got = tail(fsdp_out), tail(out)
+    if len(want) != 3 or want != got:
+        raise Failure(f"fsdp.sample: fsdp printed {want}, 1 process from its checkpoint {got}")
+    print(f"ok   fsdp.sample: evaluation and greedy sample as in the fsdp run ({want[0]!r})")
+
+
 def main():
     if len(sys.argv) not in (2, 3):
         print(__doc__)
@@ -280,16 +455,24 @@ def main():
         write_corpus(os.path.join(work, "corpus.txt"))
         r = Runner(exe, ptrun, work)
         try:
-            ref = case_copy(r, 1, "single")
+            ref, _ = case_copy(r, 1, "single")
             case_control(r, 1, "single", ref)
             case_config(r, 1, "single", ref)
             case_signal(r, 1, "single")
             if ptrun:
-                ref = case_copy(r, 2, "ddp")
-                case_config(r, 2, "ddp", ref)
+                ddp_ref, _ = case_copy(r, 2, "ddp")
+                case_config(r, 2, "ddp", ddp_ref)
                 case_signal(r, 2, "ddp")
+                export = os.path.join(work, "fsdp-export.safetensors")
+                fsdp_ref, fsdp_out = case_copy(r, 2, "fsdp", mode="fsdp", extra=["--export", export] + SAMPLE)
+                case_fsdp_vs_ddp(r, fsdp_ref, ddp_ref, export)
+                case_config(r, 2, "fsdp", fsdp_ref, mode="fsdp")
+                case_fsdp_cross(r, fsdp_ref, ddp_ref)
+                case_fsdp_reshape(r)
+                case_fsdp_sample(r, fsdp_ref, fsdp_out)
+                case_signal(r, 2, "fsdp", mode="fsdp", long_steps=FSDP_LONG_STEPS)
             else:
-                print("skip ddp cases: no ptrun given")
+                print("skip ddp and fsdp cases: no ptrun given")
         except Failure as e:
             print(f"FAIL {e}")
             return 1
