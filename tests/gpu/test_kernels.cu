@@ -11,6 +11,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -21,13 +22,17 @@
 
 #include "ptrain/core/random.hpp"
 #include "ptrain/core/tensor.hpp"
+#include "ptrain/kernels/cpu/attention.hpp"
 #include "ptrain/kernels/cpu/elementwise.hpp"
+#include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/kernels/cpu/gemm.hpp"
 #include "ptrain/kernels/cpu/layer_norm.hpp"
 #include "ptrain/kernels/cpu/optimizer.hpp"
 #include "ptrain/kernels/cpu/reduce.hpp"
 #include "ptrain/kernels/cpu/softmax.hpp"
 #include "ptrain/kernels/cuda/all.cuh"
+#include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/models/gpt.hpp"
 
 using namespace ptrain;
 namespace kc = ptrain::kernels::cuda;
@@ -593,5 +598,221 @@ TEMPLATE_TEST_CASE("cuda: adamw_update", "[gpu]", float, double) {
     CHECK_CLOSE(host(dp), rp);
     CHECK_CLOSE(host(dm), rm);
     CHECK_CLOSE(host(dv), rv);
+  }
+}
+
+// ------------------------------------------------------------- embedding ----
+
+TEMPLATE_TEST_CASE("cuda: token_ids, embedding forward and backward", "[gpu]", float, double) {
+  using T = TestType;
+  const std::int64_t vocab = 50, dim = 37;
+  for (auto [batch, seq] : Dims{{1, 1}, {3, 17}, {16, 300}}) {
+    const std::int64_t rows = batch * seq, block = seq + 3;
+    // 50 ids over up to 4800 rows: most ids repeat, the scatter-add's hard case.
+    std::vector<T> x(static_cast<std::size_t>(rows));
+    for (auto& v : x) v = static_cast<T>(rng().below(static_cast<std::uint64_t>(vocab)));
+    x[0] = static_cast<T>(vocab - 1);
+    auto dx = on_gpu(x);
+    auto ids = on_gpu(std::vector<std::int32_t>(static_cast<std::size_t>(rows), -7));
+    std::vector<std::int32_t> rids(static_cast<std::size_t>(rows));
+    REQUIRE(kp::token_ids<T>(rows, x.data(), vocab, rids.data()) == -1);
+    CHECK(kc::token_ids<T>(rows, dx.data(), vocab, ids.data()) == -1);
+    CHECK(host(ids) == rids);
+
+    const auto table = uniform<T>(vocab * dim, -1, 1), pos = uniform<T>(block * dim, -1, 1);
+    const auto rtable = to_double(table), rpos = to_double(pos);
+    auto dtable = on_gpu(table), dpos = on_gpu(pos);
+    for (bool with_pos : {false, true}) {
+      auto out = poisoned<T>(rows * dim);
+      kc::embedding_forward<T>(rows, dim, ids.data(), dtable.data(), with_pos ? dpos.data() : nullptr, seq,
+                               out.data());
+      std::vector<double> ref(static_cast<std::size_t>(rows * dim));
+      kp::embedding_forward<double>(rows, dim, rids.data(), rtable.data(), with_pos ? rpos.data() : nullptr, seq,
+                                    ref.data());
+      INFO("rows " << rows << " with positions " << with_pos);
+      CHECK_CLOSE(host(out), ref);
+    }
+
+    // The gradients accumulate into random values (a tied LM head adds first).
+    const auto dout = uniform<T>(rows * dim, -1, 1);
+    const auto gtable0 = uniform<T>(vocab * dim, -1, 1), gpos0 = uniform<T>(block * dim, -1, 1);
+    const auto rdout = to_double(dout);
+    for (bool with_pos : {false, true}) {
+      auto ddout = on_gpu(dout), gtable = on_gpu(gtable0), gpos = on_gpu(gpos0);
+      kc::embedding_backward<T>(rows, dim, ids.data(), ddout.data(), gtable.data(), with_pos ? gpos.data() : nullptr,
+                                seq);
+      auto rgtable = to_double(gtable0), rgpos = to_double(gpos0);
+      kp::embedding_backward<double>(rows, dim, rids.data(), rdout.data(), rgtable.data(),
+                                     with_pos ? rgpos.data() : nullptr, seq);
+      const auto got_table = host(gtable), got_pos = host(gpos);
+      INFO("rows " << rows << " with positions " << with_pos);
+      CHECK_CLOSE(got_table, rgtable);
+      CHECK_CLOSE(got_pos, rgpos);  // unchanged without positions
+      // Each table and position row adds its rows in the CPU kernel's order, so
+      // in T the results are the same bits (Note [Deterministic embedding backward]).
+      auto same_table = gtable0, same_pos = gpos0;
+      kp::embedding_backward<T>(rows, dim, rids.data(), dout.data(), same_table.data(),
+                                with_pos ? same_pos.data() : nullptr, seq);
+      CHECK(got_table == same_table);
+      CHECK(got_pos == same_pos);
+    }
+  }
+
+  // The first value that is not an id in [0, vocab) is reported, whatever the thread order.
+  std::vector<T> bad(5000, T(3));
+  bad[4000] = T(-1);
+  bad[1234] = T(2.5);
+  bad[3000] = static_cast<T>(vocab);
+  auto dbad = on_gpu(bad);
+  auto out = on_gpu(std::vector<std::int32_t>(bad.size(), 0));
+  CHECK(kc::token_ids<T>(5000, dbad.data(), vocab, out.data()) == 1234);
+  bad[1234] = T(std::numeric_limits<T>::quiet_NaN());
+  dbad = on_gpu(bad);
+  CHECK(kc::token_ids<T>(5000, dbad.data(), vocab, out.data()) == 1234);
+}
+
+TEST_CASE("cuda: embedding modules take token ids on the device and check them", "[gpu]") {
+  Generator gen(5);
+  nn::TokenPositionEmbedding<float> tpe(5, 4, 3, 0.0, 0, gen);
+  tpe.to(kGpu);
+  nn::Cache<float> c;
+  auto y = tpe.forward(Tensor<float>::from({1, 2, 3, 0, 4, 4}, {2, 3}).to(kGpu), c);
+  CHECK(y.device() == kGpu);
+  CHECK(y.shape() == Shape{2, 3, 3});
+  CHECK(c.indices.at(0).device() == kGpu);
+  c.clear();
+  REQUIRE_THROWS_WITH(tpe.forward(Tensor<float>::from({1, 2, 3, 0, 1.5f, 7}, {2, 3}).to(kGpu), c),
+                      Catch::Contains("[ptrain.embedding.id]") && Catch::Contains("1.5") &&
+                          Catch::Contains("position [1, 1]"));
+  CHECK_THROWS_AS(tpe.forward(Tensor<float>::from({-1, 2}, {1, 2}).to(kGpu), c), ShapeError);
+  // Ids on the cpu and a table on the gpu are refused, not dereferenced.
+  auto cpu_ids = ops::token_ids(Tensor<float>::from({1, 2}, {1, 2}), 5);
+  CHECK_THROWS_WITH(ops::embedding(cpu_ids, tpe.wte().weight().value, Tensor<float>()),
+                    Catch::Contains("[ptrain.device.mismatch]"));
+}
+
+// ------------------------------------------------------------- attention ----
+
+TEMPLATE_TEST_CASE("cuda: causal attention forward and backward, with and without dropout", "[gpu]", float,
+                   double) {
+  using T = TestType;
+  struct Case {
+    std::int64_t B, S, H, D;
+    double p;
+  };
+  // D = 5: head matrices off 16-byte boundaries, the one-GEMM-per-head path.
+  for (const Case cs : {Case{1, 1, 1, 4, 0.0}, Case{2, 70, 3, 16, 0.0}, Case{2, 130, 2, 8, 0.2},
+                        Case{1, 600, 2, 32, 0.1}, Case{2, 33, 3, 5, 0.1}}) {
+    const std::int64_t B = cs.B, S = cs.S, H = cs.H, D = cs.D, C = H * D;
+    const double p = cs.p;
+    const std::uint64_t seed = rng().below(1ull << 62), offset = rng().below(1ull << 40);
+    const auto qkv = uniform<T>(B * S * 3 * C, -1, 1), dy = uniform<T>(B * S * C, -1, 1);
+    const auto rqkv = to_double(qkv), rdy = to_double(dy);
+    auto dqkv_in = on_gpu(qkv), ddy = on_gpu(dy);
+    auto probs = poisoned<T>(B * H * S * S), probs_drop = poisoned<T>(B * H * S * S), y = poisoned<T>(B * S * C);
+    kc::causal_attention_forward<T>(B, S, H, D, dqkv_in.data(), static_cast<T>(1.0 / std::sqrt(double(D))),
+                                    probs.data(), p > 0 ? probs_drop.data() : nullptr, p, seed, offset, y.data());
+    std::vector<double> rprobs(static_cast<std::size_t>(B * H * S * S)), rdrop(rprobs.size()),
+        ry(static_cast<std::size_t>(B * S * C));
+    kp::causal_attention_forward<double>(B, S, H, D, rqkv.data(), 1.0 / std::sqrt(double(D)), rprobs.data(),
+                                         p > 0 ? rdrop.data() : nullptr, p, seed, offset, ry.data());
+    INFO("B " << B << " S " << S << " H " << H << " D " << D << " p " << p << " seed " << seed);
+    const auto gprobs = host(probs), gdrop = host(probs_drop);
+    CHECK_CLOSE(host(y), ry);
+    CHECK_CLOSE(gprobs, rprobs);
+    // Exact zeros above the diagonal, and with dropout the CPU's mask exactly.
+    std::int64_t nonzero_above = 0, mask_mismatches = 0;
+    for (std::int64_t r = 0; r < B * H * S; ++r)
+      for (std::int64_t j = 0; j < S; ++j) {
+        const std::size_t e = static_cast<std::size_t>(r * S + j);
+        if (j > r % S) nonzero_above += !(gprobs[e] == T(0)) + (p > 0 && !(gdrop[e] == T(0)));
+        else if (p > 0) mask_mismatches += (gdrop[e] == T(0)) != (rdrop[e] == 0.0);
+      }
+    CHECK(nonzero_above == 0);
+    CHECK(mask_mismatches == 0);
+    if (p > 0) CHECK_CLOSE(gdrop, rdrop);
+
+    // Backward from the GPU's probabilities, against the CPU in double on the same values.
+    auto dqkv = poisoned<T>(B * S * 3 * C);
+    kc::causal_attention_backward<T>(B, S, H, D, dqkv_in.data(), probs.data(), p > 0 ? probs_drop.data() : nullptr,
+                                     p, seed, offset, ddy.data(), static_cast<T>(1.0 / std::sqrt(double(D))),
+                                     dqkv.data());
+    const auto rgprobs = to_double(gprobs), rgdrop = to_double(gdrop);
+    std::vector<double> rdqkv(rqkv.size());
+    kp::causal_attention_backward<double>(B, S, H, D, rqkv.data(), rgprobs.data(), p > 0 ? rgdrop.data() : nullptr,
+                                          p, seed, offset, rdy.data(), 1.0 / std::sqrt(double(D)), rdqkv.data());
+    CHECK_CLOSE(host(dqkv), rdqkv);
+  }
+}
+
+// ----------------------------------------------------- GPT training step ----
+
+namespace {
+// One forward + backward of a GPT on `device` (ids and targets are cpu tensors); returns the loss.
+template <class T>
+double gpt_step(nn::GPT<T>& model, const Tensor<T>& ids, const Tensor<std::int32_t>& targets, Device device) {
+  nn::CrossEntropyLoss<T> loss_fn;
+  nn::Cache<T> cache, loss_cache;
+  auto logits = model.forward(ids.to(device), cache);
+  REQUIRE(logits.device() == device);
+  const double loss = loss_fn.forward(logits, targets.to(device), loss_cache);
+  model.backward(loss_fn.backward(loss_cache), cache);
+  return loss;
+}
+}  // namespace
+
+// The whole model on cuda:0 against the same model on the CPU: embedding,
+// attention (with its dropout), LayerNorm, GELU, the tied head and the loss,
+// in training mode so that every dropout mask must also agree. Both sides run
+// in T; they differ only in the order of floating-point additions.
+TEMPLATE_TEST_CASE("cuda: a GPT step (2 layers, 2 heads) matches the CPU", "[gpu]", float, double) {
+  using T = TestType;
+  const double bound = std::is_same_v<T, float> ? 1e-4 : 1e-10;
+  nn::GPTConfig cfg;
+  cfg.vocab_size = 37;
+  cfg.block_size = 24;
+  cfg.n_layer = 2;
+  cfg.n_head = 2;
+  cfg.n_embd = 32;
+  cfg.dropout = 0.1;
+  cfg.dropout_seed = rng().below(1ull << 62);
+  for (bool tied : {true, false}) {
+    cfg.tie_weights = tied;
+    const std::uint64_t init_seed = rng().below(1ull << 62);
+    Generator g_cpu(init_seed), g_gpu(init_seed);
+    nn::GPT<T> cpu_model(cfg, g_cpu), gpu_model(cfg, g_gpu);
+    gpu_model.to(kGpu);
+
+    const std::int64_t B = 3, S = 20;
+    std::vector<T> x(static_cast<std::size_t>(B * S));
+    std::vector<std::int32_t> t(x.size());
+    for (auto& v : x) v = static_cast<T>(rng().below(static_cast<std::uint64_t>(cfg.vocab_size)));
+    for (auto& v : t) v = static_cast<std::int32_t>(rng().below(static_cast<std::uint64_t>(cfg.vocab_size)));
+    t[5] = -100;  // an ignored position
+    const auto ids = Tensor<T>::from(x, {B, S});
+    const auto targets = Tensor<std::int32_t>::from(t, {B * S});
+
+    INFO("tied " << tied << " seed " << test_seed());
+    // Two steps: the second runs with accumulated gradients and advanced dropout streams.
+    for (int step = 0; step < 2; ++step) {
+      const double loss_cpu = gpt_step(cpu_model, ids, targets, Device::cpu());
+      const double loss_gpu = gpt_step(gpu_model, ids, targets, kGpu);
+      INFO("step " << step << " loss cpu " << loss_cpu << " gpu " << loss_gpu);
+      CHECK(std::abs(loss_gpu - loss_cpu) <= bound * std::abs(loss_cpu));
+    }
+    auto cpu_params = cpu_model.named_parameters();
+    auto gpu_params = gpu_model.named_parameters();
+    REQUIRE(cpu_params.size() == gpu_params.size());
+    for (std::size_t i = 0; i < cpu_params.size(); ++i) {
+      INFO("parameter " << cpu_params[i].name);
+      REQUIRE(gpu_params[i].name == cpu_params[i].name);
+      REQUIRE(gpu_params[i].param->grad.device() == kGpu);
+      const auto ref = to_double(cpu_params[i].param->grad.to_vector());
+      const double err = rel_err(gpu_params[i].param->grad.to_vector(), ref);
+      INFO("relative error " << err);
+      CHECK(err <= bound);
+      // A gradient of zeros would pass trivially; every parameter here gets one.
+      CHECK(std::any_of(ref.begin(), ref.end(), [](double g) { return g != 0.0; }));
+    }
   }
 }

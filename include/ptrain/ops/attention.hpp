@@ -6,7 +6,9 @@
 //   auto y = ops::causal_attention(qkv, n_head, 0.0, 0, 0, saved);   // [B, S, C]
 //   auto dqkv = ops::causal_attention_backward(qkv, saved, n_head, dy);
 //
-// CPU only for now: a CUDA tensor gets a CudaError that says so.
+// Runs on qkv's device: kernels/cpu/attention.hpp (causal row tiles) or
+// kernels/cuda/attention.cuh (batched cuBLAS products and a masked softmax).
+// saved.probs is [B, H, S, S] on that device, like PyTorch's eager attention.
 
 #include <cmath>
 
@@ -31,8 +33,6 @@ void check_attention_input(const Tensor<T>& qkv, std::int64_t n_head) {
                qkv.shape());
   PTRAIN_CHECK(n_head > 0 && (qkv.size(2) / 3) % n_head == 0, ShapeError, "[ptrain.attention] width ",
                qkv.size(2) / 3, " is not divisible by ", n_head, " heads");
-  PTRAIN_CHECK(qkv.device().is_cpu(), CudaError, "[ptrain.attention.cpu_only] causal attention has no CUDA kernel yet; ",
-               "run attention on a cpu tensor");
 }
 }  // namespace detail
 
@@ -44,14 +44,16 @@ Tensor<T> causal_attention(const Tensor<T>& qkv, std::int64_t n_head, double p, 
   detail::check_attention_input(qkv, n_head);
   PTRAIN_CHECK(p >= 0.0 && p < 1.0, Error, "[ptrain.dropout] probability ", p, " must be in [0, 1)");
   const std::int64_t B = qkv.size(0), S = qkv.size(1), C = qkv.size(2) / 3, D = C / n_head;
-  saved.probs = Tensor<T>::empty({B, n_head, S, S});
-  saved.probs_drop = p > 0 ? Tensor<T>::empty({B, n_head, S, S}) : Tensor<T>();
+  const Device dev = qkv.device();
+  saved.probs = Tensor<T>::empty({B, n_head, S, S}, dev);
+  saved.probs_drop = p > 0 ? Tensor<T>::empty({B, n_head, S, S}, dev) : Tensor<T>();
   saved.p = p;
   saved.seed = seed;
   saved.offset = offset;
-  auto y = Tensor<T>::empty({B, S, C});
-  kernels::cpu::causal_attention_forward(B, S, n_head, D, qkv.data(), static_cast<T>(1.0 / std::sqrt(double(D))),
-                                         saved.probs.data(), saved.probs_drop.data(), p, seed, offset, y.data());
+  auto y = Tensor<T>::empty({B, S, C}, dev);
+  PTRAIN_DISPATCH(dev, causal_attention_forward, B, S, n_head, D, qkv.data(),
+                  static_cast<T>(1.0 / std::sqrt(double(D))), saved.probs.data(), saved.probs_drop.data(), p, seed,
+                  offset, y.data());
   return y;
 }
 
@@ -62,10 +64,13 @@ Tensor<T> causal_attention_backward(const Tensor<T>& qkv, const AttentionSaved<T
   detail::check_attention_input(qkv, n_head);
   const std::int64_t B = qkv.size(0), S = qkv.size(1), C = qkv.size(2) / 3, D = C / n_head;
   check_shape(dy, {B, S, C}, "attention output gradient");
-  auto dqkv = Tensor<T>::empty(qkv.shape());
-  kernels::cpu::causal_attention_backward(B, S, n_head, D, qkv.data(), saved.probs.data(), saved.probs_drop.data(),
-                                          saved.p, saved.seed, saved.offset, dy.data(),
-                                          static_cast<T>(1.0 / std::sqrt(double(D))), dqkv.data());
+  check_shape(saved.probs, {B, n_head, S, S}, "saved attention probabilities");
+  if (saved.p > 0) check_shape(saved.probs_drop, {B, n_head, S, S}, "saved dropped attention probabilities");
+  detail::check_devices("causal_attention_backward", qkv.device(), dy, saved.probs);
+  auto dqkv = Tensor<T>::empty(qkv.shape(), qkv.device());
+  PTRAIN_DISPATCH(qkv.device(), causal_attention_backward, B, S, n_head, D, qkv.data(), saved.probs.data(),
+                  saved.probs_drop.data(), saved.p, saved.seed, saved.offset, dy.data(),
+                  static_cast<T>(1.0 / std::sqrt(double(D))), dqkv.data());
   return dqkv;
 }
 

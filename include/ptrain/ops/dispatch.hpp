@@ -5,7 +5,9 @@
 // cuda device cannot hold tensors in the first place (its allocator throws).
 
 #include "ptrain/core/tensor.hpp"
+#include "ptrain/kernels/cpu/attention.hpp"
 #include "ptrain/kernels/cpu/elementwise.hpp"
+#include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/kernels/cpu/gemm.hpp"
 #include "ptrain/kernels/cpu/layer_norm.hpp"
 #include "ptrain/kernels/cpu/optimizer.hpp"

@@ -4,28 +4,27 @@
 // Models are chains of Module<T> whose activations are Tensor<T>, so the
 // first unit of a language model receives its token ids as T values (exact
 // in float below 2^24, in double below 2^53). token_ids() turns them into
-// int32 and refuses anything that is not an id. CPU only for now: the lookups
-// call the CPU kernels directly and a CUDA tensor gets a CudaError.
-
-#include <cmath>
+// int32 on the same device and refuses anything that is not an id. On a cuda
+// device that check reads one value back, so token_ids waits for the current
+// stream (an id outside the table must not reach the gather). The backward
+// scatter-add is deterministic on both devices and gives the same bits on
+// both (see kernels/cuda/embedding.cuh).
 
 #include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {
 
-/// int32 copy of integral ids in [0, vocab); ShapeError naming the first bad position and value.
+/// int32 copy of integral ids in [0, vocab), on x's device; ShapeError naming the first bad position and value.
 template <class T>
 Tensor<std::int32_t> token_ids(const Tensor<T>& x, std::int64_t vocab) {
-  PTRAIN_CHECK(x.device().is_cpu(), CudaError, "[ptrain.embedding.cpu_only] token ids must be a cpu tensor");
-  auto ids = Tensor<std::int32_t>::empty(x.shape());
-  const std::int64_t cols = x.dim() >= 1 ? x.size(-1) : 1;
-  for (std::int64_t i = 0; i < x.numel(); ++i) {
-    const double v = static_cast<double>(x.data()[i]);
-    PTRAIN_CHECK(std::floor(v) == v && v >= 0 && v < static_cast<double>(vocab), ShapeError,
-                 "[ptrain.embedding.id] token id ", v, " at position [", i / cols, ", ", i % cols, "] of input ",
-                 x.shape(), " is not an integer in [0, ", vocab, "); pass token ids, not activations");
-    ids.data()[i] = static_cast<std::int32_t>(v);
+  auto ids = Tensor<std::int32_t>::empty(x.shape(), x.device());
+  const std::int64_t bad = PTRAIN_DISPATCH(x.device(), token_ids, x.numel(), x.data(), vocab, ids.data());
+  if (bad >= 0) {
+    const std::int64_t cols = x.dim() >= 1 ? x.size(-1) : 1;
+    const double v = static_cast<double>(x.reshape({x.numel()}).view(bad, {1}).to(Device::cpu()).data()[0]);
+    PTRAIN_THROW(ShapeError, "[ptrain.embedding.id] token id ", v, " at position [", bad / cols, ", ", bad % cols,
+                 "] of input ", x.shape(), " is not an integer in [0, ", vocab, "); pass token ids, not activations");
   }
   return ids;
 }
@@ -37,12 +36,14 @@ Tensor<T> embedding(const Tensor<std::int32_t>& ids, const Tensor<T>& table, con
   std::vector<std::int64_t> shape(ids.shape().begin(), ids.shape().end());
   shape.push_back(dim);
   auto out = Tensor<T>::empty(Shape(shape), table.device());
-  if (pos.defined())
+  detail::check_devices("embedding", table.device(), ids);
+  if (pos.defined()) {
     PTRAIN_CHECK(pos.size(1) == dim && seq <= pos.size(0), ShapeError, "[ptrain.embedding.positions] sequence of ",
                  seq, " tokens but only ", pos.size(0), " positions; use sequences of at most block_size tokens");
-  PTRAIN_CHECK(table.device().is_cpu(), CudaError, "[ptrain.embedding.cpu_only] embeddings have no CUDA kernel yet");
-  kernels::cpu::embedding_forward(ids.numel(), dim, ids.data(), table.data(),
-                  pos.defined() ? pos.data() : nullptr, seq, out.data());
+    detail::check_devices("embedding", table.device(), pos);
+  }
+  PTRAIN_DISPATCH(table.device(), embedding_forward, ids.numel(), dim, ids.data(), table.data(),
+                  pos.defined() ? pos.data() : static_cast<const T*>(nullptr), seq, out.data());
   return out;
 }
 
@@ -52,9 +53,10 @@ void embedding_backward(const Tensor<std::int32_t>& ids, const Tensor<T>& dout, 
   const std::int64_t dim = dtable.size(1), seq = ids.dim() >= 1 ? ids.size(-1) : 1;
   PTRAIN_CHECK(dout.numel() == ids.numel() * dim, ShapeError, "[ptrain.embedding.backward] output gradient ",
                dout.shape(), " does not match ids ", ids.shape(), " and width ", dim);
-  PTRAIN_CHECK(dtable.device().is_cpu(), CudaError, "[ptrain.embedding.cpu_only] embeddings have no CUDA kernel yet");
-  kernels::cpu::embedding_backward(ids.numel(), dim, ids.data(), dout.data(), dtable.data(),
-                  dpos ? dpos->data() : nullptr, seq);
+  detail::check_devices("embedding_backward", dtable.device(), ids, dout);
+  if (dpos) detail::check_devices("embedding_backward", dtable.device(), *dpos);
+  PTRAIN_DISPATCH(dtable.device(), embedding_backward, ids.numel(), dim, ids.data(), dout.data(), dtable.data(),
+                  dpos ? dpos->data() : static_cast<T*>(nullptr), seq);
 }
 
 }  // namespace ptrain::ops

@@ -1,10 +1,23 @@
 #pragma once
-// Embedding lookups: rows of a table gathered by integer ids, and the
-// scatter-add that is their backward pass.
+// Embedding lookups: token ids read from a floating-point tensor, rows of a
+// table gathered by those ids, and the scatter-add that is their backward pass.
 
+#include <cmath>
 #include <cstdint>
 
 namespace ptrain::kernels::cpu {
+
+/// ids[i] = x[i] for n values that must be integers in [0, vocab). Returns the index of
+/// the first value that is not (ids is then partly written), or -1 when all are ids.
+template <class T>
+std::int64_t token_ids(std::int64_t n, const T* x, std::int64_t vocab, std::int32_t* ids) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    if (!(std::floor(v) == v && v >= 0 && v < static_cast<double>(vocab))) return i;
+    ids[i] = static_cast<std::int32_t>(v);
+  }
+  return -1;
+}
 
 /// out[r, :] = table[ids[r], :] + pos[r % seq, :] for r < rows (pos may be null).
 template <class T>

@@ -10,6 +10,8 @@
 //   reduce.cuh       sum, sum_squares, argmax_rows, block reductions
 //   softmax.cuh      softmax_rows(+backward), cross_entropy_forward/backward
 //   layer_norm.cuh   layer_norm_forward/backward
+//   embedding.cuh    token_ids, embedding_forward/backward (deterministic scatter-add)
+//   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
 //   optimizer.cuh    sgd_update, adamw_update
 
 #include "ptrain/kernels/cuda/check.cuh"
@@ -19,4 +21,6 @@
 #include "ptrain/kernels/cuda/reduce.cuh"
 #include "ptrain/kernels/cuda/softmax.cuh"
 #include "ptrain/kernels/cuda/layer_norm.cuh"
+#include "ptrain/kernels/cuda/embedding.cuh"
+#include "ptrain/kernels/cuda/attention.cuh"
 #include "ptrain/kernels/cuda/optimizer.cuh"
