@@ -157,6 +157,12 @@ class Work {
   virtual bool try_finish() { return true; }
   /// Backends without a second stage mark the operation finished when queued work ends.
   void set_single_stage() { finished_ = true; }
+  /// Backends without a worker queue (NCCL: the operation is on a CUDA stream
+  /// already) mark the first stage done at once; finish() then waits for the device.
+  void mark_enqueued() {
+    std::lock_guard lock(m_);
+    queued_done_ = true;
+  }
 
   /// Throws the timeout CommError for the wait() in progress.
   [[noreturn]] void throw_timeout() const {

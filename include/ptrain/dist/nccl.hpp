@@ -16,6 +16,15 @@
 // CommError quoting the reason. ncclCommAbort is the one NCCL call documented
 // as safe from another thread while operations are in flight.
 //
+// Note [Host buffers]
+// NCCL reads and writes device memory only, but scalars and control data
+// (DDP::average's loss, the model check's hashes) live on the host. A host
+// buffer is therefore staged through a device buffer of the communicator:
+// copied in on its stream, operated on there, and copied back after the
+// operation completed (that wait honours the timeout and the watchdog), so the
+// call returns a completed Work. Host buffers are meant for small data; large
+// ones belong on the device, where nothing is copied and nothing waits.
+//
 // The unique id comes from rank 0 through ptrain's Store or through an
 // existing (MPI or Gloo) communicator's broadcast.
 
@@ -24,6 +33,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <utility>
 #include <vector>
@@ -123,7 +133,9 @@ class NcclWork : public Work {
   NcclWork(std::string what, int rank, int peer, std::chrono::milliseconds timeout, std::shared_ptr<NcclShared> s,
            int device)
       : Work(std::move(what), rank, peer, timeout), shared_(std::move(s)), device_(device),
-        deadline_(std::chrono::steady_clock::now() + timeout) {}
+        deadline_(std::chrono::steady_clock::now() + timeout) {
+    mark_enqueued();  // no worker queue: the operation is on the stream already
+  }
   CudaEvent event;
   std::chrono::steady_clock::time_point deadline() const { return deadline_; }
 
@@ -208,6 +220,7 @@ class NcclCommunicator : public Communicator {
       ncclCommDestroy(comm_);
     }
     if (scratch_) cudaFree(scratch_);
+    if (stage_) cudaFree(stage_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -230,57 +243,69 @@ class NcclCommunicator : public Communicator {
   std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
                                          ReduceOp op) override {
     auto t = detail::nccl_type(dt);
-    return enqueue(detail::op_desc("all_reduce", count, dt, reduce_op_name(op)), -1, [&] {
-      PTRAIN_CHECK_NCCL(ncclAllReduce(send, recv, count, t, detail::nccl_op(op), comm_, stream_));
-    });
+    const std::size_t bytes = count * dtype_size(dt);
+    return enqueue_buffers(detail::op_desc("all_reduce", count, dt, reduce_op_name(op)), -1, send, bytes, recv, bytes,
+                           [&](const void* s, void* r) {
+                             PTRAIN_CHECK_NCCL(ncclAllReduce(s, r, count, t, detail::nccl_op(op), comm_, stream_));
+                           });
   }
 
   std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
                                              ReduceOp op) override {
     auto t = detail::nccl_type(dt);
-    std::size_t bytes = recv_count * dtype_size(dt);
-    return enqueue(detail::op_desc("reduce_scatter", recv_count, dt, reduce_op_name(op)), -1, [&] {
-      if (send == recv) {
-        // ptrain's in-place form keeps the result at the front; NCCL's reads it in block rank().
-        char* mine = static_cast<char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
-        PTRAIN_CHECK_NCCL(ncclReduceScatter(send, mine, recv_count, t, detail::nccl_op(op), comm_, stream_));
-        if (rank_ > 0 && bytes)
-          PTRAIN_CHECK_CUDA(cudaMemcpyAsync(recv, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
-      } else {
-        PTRAIN_CHECK_NCCL(ncclReduceScatter(send, recv, recv_count, t, detail::nccl_op(op), comm_, stream_));
-      }
-    });
+    const std::size_t bytes = recv_count * dtype_size(dt);
+    return enqueue_buffers(
+        detail::op_desc("reduce_scatter", recv_count, dt, reduce_op_name(op)), -1, send,
+        bytes * static_cast<std::size_t>(size_), recv, bytes, [&](const void* s, void* r) {
+          if (s == r) {
+            // ptrain's in-place form keeps the result at the front; NCCL's reads it in block rank().
+            char* mine = static_cast<char*>(r) + static_cast<std::size_t>(rank_) * bytes;
+            PTRAIN_CHECK_NCCL(ncclReduceScatter(s, mine, recv_count, t, detail::nccl_op(op), comm_, stream_));
+            if (rank_ > 0 && bytes)
+              PTRAIN_CHECK_CUDA(cudaMemcpyAsync(r, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
+          } else {
+            PTRAIN_CHECK_NCCL(ncclReduceScatter(s, r, recv_count, t, detail::nccl_op(op), comm_, stream_));
+          }
+        });
   }
 
   std::shared_ptr<Work> all_gather_async(const void* send, void* recv, std::size_t send_count,
                                          DType dt) override {
     auto t = detail::nccl_type(dt);
-    return enqueue(detail::op_desc("all_gather", send_count, dt), -1, [&] {
-      PTRAIN_CHECK_NCCL(ncclAllGather(send, recv, send_count, t, comm_, stream_));
-    });
+    const std::size_t bytes = send_count * dtype_size(dt);
+    return enqueue_buffers(detail::op_desc("all_gather", send_count, dt), -1, send, bytes, recv,
+                           bytes * static_cast<std::size_t>(size_), [&](const void* s, void* r) {
+                             PTRAIN_CHECK_NCCL(ncclAllGather(s, r, send_count, t, comm_, stream_));
+                           });
   }
 
   std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
     check_root(root, "broadcast");
     auto t = detail::nccl_type(dt);
-    return enqueue(detail::op_desc("broadcast", count, dt, detail::cat("root ", root).c_str()), -1, [&] {
-      PTRAIN_CHECK_NCCL(ncclBroadcast(buf, buf, count, t, root, comm_, stream_));
-    });
+    const std::size_t bytes = count * dtype_size(dt);
+    return enqueue_buffers(detail::op_desc("broadcast", count, dt, detail::cat("root ", root).c_str()), -1, buf, bytes,
+                           buf, bytes, [&](const void* s, void* r) {
+                             PTRAIN_CHECK_NCCL(ncclBroadcast(s, r, count, t, root, comm_, stream_));
+                           });
   }
 
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
     check_peer(peer, "send");
     check_tag(tag, "send");
     auto t = detail::nccl_type(dt);
-    return enqueue(detail::op_desc("send", count, dt, detail::cat("to ", peer).c_str()), peer,
-                   [&] { PTRAIN_CHECK_NCCL(ncclSend(buf, count, t, peer, comm_, stream_)); });
+    return enqueue_buffers(detail::op_desc("send", count, dt, detail::cat("to ", peer).c_str()), peer, buf,
+                           count * dtype_size(dt), nullptr, 0, [&](const void* s, void*) {
+                             PTRAIN_CHECK_NCCL(ncclSend(s, count, t, peer, comm_, stream_));
+                           });
   }
   std::shared_ptr<Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag) override {
     check_peer(peer, "recv");
     check_tag(tag, "recv");
     auto t = detail::nccl_type(dt);
-    return enqueue(detail::op_desc("recv", count, dt, detail::cat("from ", peer).c_str()), peer,
-                   [&] { PTRAIN_CHECK_NCCL(ncclRecv(buf, count, t, peer, comm_, stream_)); });
+    return enqueue_buffers(detail::op_desc("recv", count, dt, detail::cat("from ", peer).c_str()), peer, nullptr, 0,
+                           buf, count * dtype_size(dt), [&](const void*, void* r) {
+                             PTRAIN_CHECK_NCCL(ncclRecv(r, count, t, peer, comm_, stream_));
+                           });
   }
 
   std::shared_ptr<Work> barrier_async() override {
@@ -353,6 +378,52 @@ class NcclCommunicator : public Communicator {
     return w;
   }
 
+  // Whether NCCL can use p directly: device (or managed) memory of any device.
+  static bool on_device(const void* p) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();  // not a sticky error; clear it so later checks do not report it
+      return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  }
+
+  // enqueue() of call(send, recv), with host buffers staged through stage_
+  // (Note [Host buffers]): the send area first, the receive area behind it.
+  template <class F>
+  std::shared_ptr<Work> enqueue_buffers(std::string what, int peer, const void* send, std::size_t send_bytes,
+                                        void* recv, std::size_t recv_bytes, F&& call) {
+    const bool host_send = send_bytes > 0 && !on_device(send);
+    const bool host_recv = recv_bytes > 0 && !on_device(recv);
+    if (!host_send && !host_recv) return enqueue(std::move(what), peer, [&] { call(send, recv); });
+    check_alive(what);
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+    // In place stays in place (reduce_scatter keeps its result at the front).
+    const bool same = host_send && host_recv && send == recv;
+    constexpr std::size_t kAlign = 256;
+    const std::size_t recv_at = host_send && !same ? (send_bytes + kAlign - 1) / kAlign * kAlign : 0;
+    const std::size_t need = std::max(host_send ? send_bytes : 0, recv_at + (host_recv ? recv_bytes : 0));
+    if (need > stage_bytes_) {
+      // Staged calls complete before they return, so the old buffer is idle.
+      if (stage_) PTRAIN_CHECK_CUDA(cudaFree(stage_));
+      stage_ = nullptr;
+      stage_bytes_ = 0;
+      PTRAIN_CHECK_CUDA(cudaMalloc(&stage_, need));
+      stage_bytes_ = need;
+    }
+    char* stage = static_cast<char*>(stage_);
+    if (host_send) PTRAIN_CHECK_CUDA(cudaMemcpyAsync(stage, send, send_bytes, cudaMemcpyHostToDevice, stream_));
+    const void* s = host_send ? stage : send;
+    void* r = host_recv ? stage + recv_at : recv;
+    auto w = enqueue(std::move(what), peer, [&] { call(s, r); });
+    w->wait(timeout());
+    if (host_recv) {
+      PTRAIN_CHECK_CUDA(cudaMemcpyAsync(recv, stage + recv_at, recv_bytes, cudaMemcpyDeviceToHost, stream_));
+      PTRAIN_CHECK_CUDA(cudaStreamSynchronize(stream_));
+    }
+    return w;
+  }
+
   // Note [NCCL watchdog].
   void watch() {
     cudaSetDevice(device_);
@@ -396,6 +467,8 @@ class NcclCommunicator : public Communicator {
   cudaStream_t stream_ = nullptr;
   cudaStream_t user_stream_ = nullptr;
   int* scratch_ = nullptr;
+  void* stage_ = nullptr;  // Note [Host buffers]
+  std::size_t stage_bytes_ = 0;
   std::unique_ptr<detail::CudaEvent> ready_;
   std::shared_ptr<detail::NcclShared> shared_ = std::make_shared<detail::NcclShared>();
   std::mutex pending_m_;

@@ -80,6 +80,10 @@ class DDP : public nn::Module<T> {
       : module_(module), params_(params), comm_(comm), opt_(opt) {
     PTRAIN_CHECK(opt.bucket_cap_bytes > 0 && opt.first_bucket_bytes > 0, Error,
                  "[ptrain.ddp.options] bucket sizes must be positive");
+    // The bf16 wire format is packed on the host.
+    PTRAIN_CHECK(opt.compression == GradCompression::None || params.values().device().is_cpu(), Error,
+                 "[ptrain.ddp.options] bf16 gradient compression needs cpu parameters, not ",
+                 params.values().device(), "; use GradCompression::None on a GPU");
     verify_same_parameters();
     if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
     build_buckets();

@@ -368,6 +368,9 @@ class FSDP : public nn::Module<T> {
     check_same_model(world_, desc);
 
     const Device dev = groups_.empty() ? Device::cpu() : groups_.front().params.front()->value.device();
+    // The bf16 wire format is packed on the host.
+    PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || dev.is_cpu(), Error, "[ptrain.fsdp.options] reduce_dtype BF16 "
+                 "needs cpu parameters, not ", dev, "; use reduce_dtype F32 on a GPU");
     std::int64_t local_total = 0, full_total = 0;
     for (auto& grp : groups_) {
       grp.padded = (grp.numel + shard_size_ - 1) / shard_size_ * shard_size_;

@@ -1,0 +1,144 @@
+// The NCCL communicator on one GPU (world size 1: the GPU machine has one
+// device, and NCCL refuses two ranks on the same GPU). At world size 1 every
+// collective is the identity, so each check compares the result with the input
+// written into a separate, NaN-poisoned buffer: an operation that does not run,
+// runs on the wrong bytes or never completes fails. Host buffers go through
+// Note [Host buffers] in dist/nccl.hpp. Compiled by g++: nothing here launches
+// a ptrain kernel. A DDP and an FSDP step through NCCL are in test_kernels.cu.
+#include <catch2/catch.hpp>
+
+#ifdef PTRAIN_NCCL
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "ptrain/core/tensor.hpp"
+#include "ptrain/dist/process_group.hpp"
+
+using namespace ptrain;
+
+namespace {
+
+std::unique_ptr<dist::Communicator> nccl_world() {
+  dist::ProcessGroupOptions o;
+  o.backend = "nccl";
+  o.device = Device::cuda(0);
+  o.env = dist::LaunchEnv{};  // one process, whatever this machine's environment says
+  o.timeout = std::chrono::seconds(60);
+  return dist::init_process_group(o);
+}
+
+std::vector<float> iota(std::size_t n, float start) {
+  std::vector<float> v(n);
+  std::iota(v.begin(), v.end(), start);
+  return v;
+}
+
+Tensor<float> device_nan(std::int64_t n) {
+  return Tensor<float>::from(std::vector<float>(static_cast<std::size_t>(n), std::numeric_limits<float>::quiet_NaN()),
+                             {n})
+      .to(Device::cuda(0));
+}
+
+}  // namespace
+
+TEST_CASE("nccl: world-size-1 collectives on device buffers", "[gpu][nccl]") {
+  auto comm = nccl_world();
+  REQUIRE(comm->backend() == "nccl");
+  REQUIRE(comm->size() == 1);
+  REQUIRE(comm->rank() == 0);
+  const std::int64_t n = 1000;
+  const auto values = iota(static_cast<std::size_t>(n), 1.0f);
+  auto in = Tensor<float>::from(values, {n}).to(Device::cuda(0));
+
+  SECTION("all_reduce, out of place and in place, sum and avg") {
+    auto out = device_nan(n);
+    comm->all_reduce(in.data(), out.data(), static_cast<std::size_t>(n), DType::F32, dist::ReduceOp::Sum);
+    CHECK(out.to_vector() == values);
+    auto buf = in.clone();
+    comm->all_reduce(buf, dist::ReduceOp::Avg);
+    CHECK(buf.to_vector() == values);
+  }
+  SECTION("reduce_scatter and all_gather") {
+    auto out = device_nan(n);
+    comm->reduce_scatter(in, out, dist::ReduceOp::Sum);
+    CHECK(out.to_vector() == values);
+    auto gathered = device_nan(n);
+    comm->all_gather(in, gathered);
+    CHECK(gathered.to_vector() == values);
+  }
+  SECTION("broadcast, barrier, async completion") {
+    auto buf = in.clone();
+    comm->broadcast(buf, 0);
+    CHECK(buf.to_vector() == values);
+    comm->barrier();
+    auto out = device_nan(n);
+    auto work = comm->all_reduce_async(in.data(), out.data(), static_cast<std::size_t>(n), DType::F32,
+                                       dist::ReduceOp::Max);
+    work->wait();
+    CHECK(work->is_completed());
+    CHECK(out.to_vector() == values);
+  }
+  SECTION("split") {
+    auto sub = comm->split(0, 0);
+    REQUIRE(sub);
+    CHECK(sub->size() == 1);
+    auto out = device_nan(n);
+    sub->all_reduce(in.data(), out.data(), static_cast<std::size_t>(n), DType::F32, dist::ReduceOp::Sum);
+    CHECK(out.to_vector() == values);
+    CHECK(comm->split(-1, 0) == nullptr);
+  }
+}
+
+TEST_CASE("nccl: host buffers are staged through the device", "[gpu][nccl]") {
+  auto comm = nccl_world();
+  // A scalar, as DDP::average passes it.
+  double loss = 2.5;
+  comm->all_reduce(&loss, 1, DType::F64, dist::ReduceOp::Avg);
+  CHECK(loss == 2.5);
+  // Out of place, and a gather into a larger host buffer (the model check's pattern).
+  const std::vector<std::int64_t> mine{7, -3, 1LL << 40};
+  std::vector<std::int64_t> all(3, 0);
+  comm->all_gather(mine.data(), all.data(), mine.size(), DType::I64);
+  CHECK(all == mine);
+  std::int64_t mx = 0;
+  const std::int64_t five = 5;
+  comm->all_reduce(&five, &mx, 1, DType::I64, dist::ReduceOp::Max);
+  CHECK(mx == 5);
+  // In place reduce_scatter keeps the result at the front.
+  std::vector<float> buf = iota(4, 1.0f);
+  comm->reduce_scatter(buf.data(), buf.data(), 4, DType::F32, dist::ReduceOp::Sum);
+  CHECK(buf == iota(4, 1.0f));
+  // Mixed: a host source into a device destination.
+  auto dev = device_nan(4);
+  comm->all_reduce(buf.data(), dev.data(), 4, DType::F32, dist::ReduceOp::Sum);
+  CHECK(dev.to_vector() == iota(4, 1.0f));
+  // A larger host buffer after small ones grows the staging buffer.
+  std::vector<float> big = iota(1 << 20, 0.0f), big_out(1 << 20, -1.0f);
+  comm->all_reduce(big.data(), big_out.data(), big.size(), DType::F32, dist::ReduceOp::Sum);
+  CHECK(big_out == big);
+}
+
+TEST_CASE("nccl: bad calls throw at once", "[gpu][nccl]") {
+  auto comm = nccl_world();
+  std::uint8_t b = 0;
+  CHECK_THROWS_WITH(comm->all_reduce(&b, 1, DType::U8, dist::ReduceOp::Sum), Catch::Contains("[ptrain.comm.dtype]"));
+  float x = 0;
+  CHECK_THROWS_WITH(comm->send(&x, 1, DType::F32, 0), Catch::Contains("[ptrain.comm.peer]"));
+  CHECK_THROWS_WITH(comm->broadcast(&x, 1, DType::F32, 1), Catch::Contains("[ptrain.comm.root]"));
+  // The communicator still works after refused calls.
+  double v = 1.0;
+  comm->all_reduce(&v, 1, DType::F64, dist::ReduceOp::Sum);
+  CHECK(v == 1.0);
+}
+
+#else
+
+TEST_CASE("nccl: not built", "[gpu][nccl]") {
+  WARN("ptrain was configured without NCCL (nccl.h and libnccl not found): the NCCL tests were not built");
+}
+
+#endif
