@@ -12,10 +12,12 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,8 +33,14 @@
 #include "ptrain/kernels/cpu/reduce.hpp"
 #include "ptrain/kernels/cpu/softmax.hpp"
 #include "ptrain/kernels/cuda/all.cuh"
+#include "ptrain/dist/process_group.hpp"
+#include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/models/mlp.hpp"
+#include "ptrain/optim/adamw.hpp"
+#include "ptrain/parallel/ddp.hpp"
+#include "ptrain/parallel/fsdp.hpp"
 
 using namespace ptrain;
 namespace kc = ptrain::kernels::cuda;
@@ -816,3 +824,176 @@ TEMPLATE_TEST_CASE("cuda: a GPT step (2 layers, 2 heads) matches the CPU", "[gpu
     }
   }
 }
+
+// ------------------------------------------------------- mixed precision ----
+
+namespace {
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out;
+  for (float x : v) out.push_back(bf16(x));
+  return out;
+}
+std::vector<double> bf16_to_double(const std::vector<bf16>& v) {
+  std::vector<double> out;
+  for (bf16 x : v) out.push_back(static_cast<double>(static_cast<float>(x)));
+  return out;
+}
+}  // namespace
+
+// bf16 operands, fp32 accumulation: the reference is the double product of the
+// same bf16 values, so the float result differs only by fp32 accumulation
+// (1e-5) and the bf16 result also by its final rounding (2^-9 relative, 1e-2 bound).
+TEST_CASE("cuda: gemm_bf16 matches the double product of its bf16 inputs", "[gpu]") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (auto [m, n, k] : std::vector<std::array<std::int64_t, 3>>{{37, 53, 29}, {256, 384, 512}}) {
+        const auto a = to_bf16(uniform<float>(m * k, -1, 1)), b = to_bf16(uniform<float>(k * n, -1, 1));
+        const std::int64_t lda = ta ? m : k, ldb = tb ? k : n;
+        std::vector<double> ref(static_cast<std::size_t>(m * n), 0.0);
+        const auto ad = bf16_to_double(a), bd = bf16_to_double(b);
+        kp::gemm<double>(ta, tb, m, n, k, 0.5, ad.data(), lda, bd.data(), ldb, 0.0, ref.data(), n);
+        auto da = Tensor<bf16>::from(a, {m * k}).to(kGpu), db = Tensor<bf16>::from(b, {k * n}).to(kGpu);
+        auto c32 = poisoned<float>(m * n);
+        kc::gemm_bf16<float>(ta, tb, m, n, k, 0.5f, da.data(), lda, db.data(), ldb, 0.0f, c32.data(), n);
+        auto c16 = Tensor<bf16>::from(std::vector<bf16>(static_cast<std::size_t>(m * n), bf16(nan)), {m * n}).to(kGpu);
+        kc::gemm_bf16<bf16>(ta, tb, m, n, k, 0.5f, da.data(), lda, db.data(), ldb, 0.0f, c16.data(), n);
+        INFO("ta " << ta << " tb " << tb << " m " << m << " n " << n << " k " << k << " seed " << test_seed());
+        CHECK(rel_err(host(c32), ref) <= 1e-5);
+        CHECK(rel_err(bf16_to_double(c16.to_vector()), ref) <= 1e-2);
+      }
+}
+
+TEST_CASE("cuda: float <-> bf16 casts give the CPU's bits", "[gpu]") {
+  auto x = uniform<float>(10007, -1e3, 1e3);
+  const float inf = std::numeric_limits<float>::infinity();
+  // Specials, and ties that round to even both ways (1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6).
+  for (float v : {0.0f, -0.0f, inf, -inf, std::numeric_limits<float>::quiet_NaN(), 1.0f + 0x1p-8f,
+                  1.0f + 3 * 0x1p-8f, std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min()})
+    x.push_back(v);
+  const auto n = static_cast<std::int64_t>(x.size());
+  auto dx = on_gpu(x);
+  auto dy = Tensor<bf16>::empty({n}, kGpu);
+  kc::cast<float, bf16>(n, dx.data(), dy.data());
+  const auto got = dy.to_vector();
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) mismatches += got[i].bits != bf16(x[i]).bits;
+  CHECK(mismatches == 0);
+  auto back = poisoned<float>(n);
+  kc::cast<bf16, float>(n, dy.data(), back.data());
+  const auto b = host(back);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float want = static_cast<float>(got[i]);
+    if (std::isnan(want)) CHECK(std::isnan(b[i]));
+    else CHECK(b[i] == want);
+  }
+}
+
+// fp32 master weights and moments against the double update, from a float and
+// from a bf16 gradient; the bf16 parameters must be the rounding of the master.
+TEST_CASE("cuda: adamw_update_mixed updates fp32 master weights and writes their bf16 copy", "[gpu]") {
+  const std::int64_t n = 50001;
+  for (bool bf16_grad : {false, true}) {
+    const auto p = uniform<float>(n, -1, 1), m = uniform<float>(n, -0.1, 0.1), v = uniform<float>(n, 0, 0.01);
+    const auto g16 = to_bf16(uniform<float>(n, -1, 1));
+    std::vector<float> g;
+    for (bf16 x : g16) g.push_back(static_cast<float>(x));
+    auto dp = on_gpu(p), dm = on_gpu(m), dv = on_gpu(v), dg = on_gpu(g);
+    auto dg16 = Tensor<bf16>::from(g16, {n}).to(kGpu);
+    auto param = Tensor<bf16>::empty({n}, kGpu);
+    if (bf16_grad)
+      kc::adamw_update_mixed<bf16>(n, dp.data(), dg16.data(), dm.data(), dv.data(), 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f,
+                                   3, param.data());
+    else
+      kc::adamw_update_mixed<float>(n, dp.data(), dg.data(), dm.data(), dv.data(), 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f,
+                                    3, param.data());
+    auto rp = to_double(p), rm = to_double(m), rv = to_double(v);
+    const auto rg = to_double(g);
+    kp::adamw_update<double>(n, rp.data(), rg.data(), rm.data(), rv.data(), 1e-3, 0.9, 0.999, 1e-8, 0.01, 3);
+    INFO("bf16 gradient " << bf16_grad << " seed " << test_seed());
+    const auto master = host(dp);
+    CHECK(rel_err(master, rp) <= 1e-5);
+    CHECK(rel_err(host(dm), rm) <= 1e-5);
+    CHECK(rel_err(host(dv), rv) <= 1e-5);
+    const auto copy = param.to_vector();
+    std::size_t mismatches = 0;
+    for (std::size_t i = 0; i < master.size(); ++i) mismatches += copy[i].bits != bf16(master[i]).bits;
+    CHECK(mismatches == 0);
+  }
+}
+
+#ifdef PTRAIN_NCCL
+// DDP and FSDP (full shard) over NCCL on cuda:0, world size 1: three AdamW steps
+// of an MLP, against the same model stepped without a wrapper on the same device
+// (world-size-1 averages are exact, so only the wrappers' own bookkeeping can
+// differ: bucket and shard offsets, gathers, hooks, host-staged scalars). The
+// plain model's agreement with the CPU is the GPT test above.
+TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gpu][nccl]") {
+  dist::ProcessGroupOptions o;
+  o.backend = "nccl";
+  o.device = kGpu;
+  o.env = dist::LaunchEnv{};
+  auto comm = dist::init_process_group(o);
+  const std::uint64_t init_seed = rng().below(1ull << 62);
+  Generator g_plain(init_seed), g_ddp(init_seed), g_fsdp(init_seed);
+  nn::MLP<float> plain(12, {16}, 5, nn::Activation::GELU, g_plain), ddp_model(12, {16}, 5, nn::Activation::GELU, g_ddp),
+      fsdp_model(12, {16}, 5, nn::Activation::GELU, g_fsdp);
+  plain.to(kGpu);
+  ddp_model.to(kGpu);
+  fsdp_model.to(kGpu);
+  nn::FlatParameters<float> plain_p(plain), ddp_p(ddp_model);
+  const optim::AdamWOptions adam{.lr = 0.01, .weight_decay = 0.1};
+  optim::AdamW<float> plain_opt(plain_p, adam), ddp_opt(ddp_p, adam);
+  parallel::DDP<float> ddp(ddp_model, ddp_p, *comm, {.bucket_cap_bytes = 256, .first_bucket_bytes = 128});
+  REQUIRE(ddp.num_buckets() > 1);
+  parallel::FSDP<float> fsdp(fsdp_model.units(), *comm);
+  optim::AdamW<float> fsdp_opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
+  nn::CrossEntropyLoss<float> ce;
+  INFO("seed " << test_seed());
+  for (int step = 0; step < 3; ++step) {
+    const auto x = Tensor<float>::from(uniform<float>(8 * 12, -1, 1), {8, 12}).to(kGpu);
+    std::vector<std::int32_t> t(8);
+    for (auto& v : t) v = static_cast<std::int32_t>(rng().below(5));
+    const auto y = Tensor<std::int32_t>::from(t, {8}).to(kGpu);
+    double losses[3];
+    {
+      nn::Cache<float> c, lc;
+      plain_p.zero_grad();
+      losses[0] = ce.forward(plain.forward(x, c), y, lc);
+      plain.backward(ce.backward(lc), c);
+      plain_opt.step();
+    }
+    {
+      nn::Cache<float> c, lc;
+      ddp_p.zero_grad();
+      losses[1] = ce.forward(ddp.forward(x, c), y, lc);
+      ddp.backward(ce.backward(lc), c);
+      ddp.finish_gradient_sync();
+      losses[1] = ddp.average(losses[1]);  // a host scalar through NCCL
+      ddp_opt.step();
+    }
+    {
+      nn::Cache<float> c, lc;
+      fsdp.zero_grad();
+      losses[2] = ce.forward(fsdp.forward(x, c), y, lc);
+      fsdp.backward(ce.backward(lc), c);
+      fsdp.optimizer_step(fsdp_opt);
+    }
+    INFO("step " << step << " losses " << losses[0] << " " << losses[1] << " " << losses[2]);
+    CHECK(std::abs(losses[1] - losses[0]) <= 1e-6 * std::abs(losses[0]));
+    CHECK(std::abs(losses[2] - losses[0]) <= 1e-6 * std::abs(losses[0]));
+  }
+  std::map<std::string, std::vector<float>> fsdp_full;
+  for (auto& [name, t] : fsdp.full_parameters()) fsdp_full[name] = t.to_vector();
+  auto ddp_params = ddp_model.named_parameters();
+  auto plain_params = plain.named_parameters();
+  for (std::size_t i = 0; i < plain_params.size(); ++i) {
+    const auto& name = plain_params[i].name;
+    INFO("parameter " << name);
+    const auto ref = to_double(plain_params[i].param->value.to_vector());
+    CHECK(rel_err(ddp_params[i].param->value.to_vector(), ref) <= 1e-6);
+    REQUIRE(fsdp_full.count(name) == 1);
+    CHECK(rel_err(fsdp_full[name], ref) <= 1e-6);
+  }
+}
+#endif

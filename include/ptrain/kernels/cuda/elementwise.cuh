@@ -1,5 +1,6 @@
 #pragma once
-// Elementwise CUDA kernels: bias, activations, dropout, axpy.
+// Elementwise CUDA kernels: bias, activations, dropout, axpy, and the float <-> bf16
+// casts of mixed precision.
 //
 // Same names and arguments as kernels/cpu/elementwise.hpp, on device pointers
 // of the current device; each launches on current_stream() and returns without
@@ -8,7 +9,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "ptrain/core/dtype.hpp"
 #include "ptrain/core/random.hpp"
 #include "ptrain/kernels/cuda/check.cuh"
 #include "ptrain/kernels/cuda/device.cuh"
@@ -170,6 +173,25 @@ void scale(std::int64_t n, T alpha, T* x) {
   detail::check_element_type<T>();
   if (n <= 0) return;
   detail::scale_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, alpha, x);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+namespace detail {
+template <class From, class To>
+__global__ void cast_kernel(std::int64_t n, const From* x, To* y) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] = static_cast<To>(static_cast<float>(x[i]));
+}
+}  // namespace detail
+
+/// y[i] = x[i] converted: float -> bf16 rounds to nearest even (NaN stays NaN) with
+/// bf16's own conversion, so the bits equal the CPU's; bf16 -> float is exact.
+template <class From, class To>
+void cast(std::int64_t n, const From* x, To* y) {
+  static_assert((std::is_same_v<From, float> && std::is_same_v<To, bf16>) ||
+                    (std::is_same_v<From, bf16> && std::is_same_v<To, float>),
+                "ptrain::kernels::cuda::cast: float -> bf16 or bf16 -> float");
+  if (n <= 0) return;
+  detail::cast_kernel<From, To><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y);
   PTRAIN_CHECK_CUDA_LAUNCH();
 }
 

@@ -12,6 +12,11 @@
 // Float GEMMs use full FP32 arithmetic unless set_tf32(true): TF32 tensor cores
 // are several times faster but keep only 10 mantissa bits of each input
 // (relative error near 1e-3), which the training code opts into explicitly.
+//
+// gemm_bf16 is the mixed-precision product: bf16 operands (ptrain::bf16 has
+// __nv_bfloat16's layout), fp32 accumulation, and a bf16 or float result.
+// Products of two bf16 values are exact in fp32, so the only rounding is the
+// fp32 accumulation and, for a bf16 result, the final rounding to 8 bits.
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -21,8 +26,10 @@
 #include <climits>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <utility>
 
+#include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
 #include "ptrain/kernels/cuda/check.cuh"
 #include "ptrain/kernels/cuda/device.cuh"
@@ -144,6 +151,30 @@ void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64
     PTRAIN_CHECK_CUBLAS(cublasDgemm(handle, op_b, op_a, cm, cn, ck, &alpha, b, static_cast<int>(ldb), a,
                                     static_cast<int>(lda), &beta, c, static_cast<int>(ldc)));
   }
+}
+
+/// C = alpha * op(A) op(B) + beta * C with bf16 A and B, fp32 accumulation and scalars,
+/// and C in TC (bf16 or float); otherwise as gemm(). K == 0 is refused (no kernel
+/// scales a bf16 C); callers never need it.
+template <class TC>
+void gemm_bf16(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const bf16* a,
+               std::int64_t lda, const bf16* b, std::int64_t ldb, float beta, TC* c, std::int64_t ldc) {
+  static_assert(std::is_same_v<TC, bf16> || std::is_same_v<TC, float>,
+                "ptrain::kernels::cuda::gemm_bf16: the result must be bf16 or float");
+  if (m == 0 || n == 0) return;
+  PTRAIN_CHECK(k > 0, ShapeError, "[ptrain.cuda.gemm] gemm_bf16 needs k > 0 (got ", k, ")");
+  PTRAIN_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX,
+               ShapeError, "[ptrain.cuda.gemm] sizes m=", m, " n=", n, " k=", k, " lda=", lda, " ldb=", ldb,
+               " ldc=", ldc, " exceed cuBLAS's 32-bit limit; split the GEMM");
+  const cublasHandle_t handle = detail::cublas_handle(current_device());
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cudaDataType_t c_type = std::is_same_v<TC, bf16> ? CUDA_R_16BF : CUDA_R_32F;
+  // Swapped operands: see the header comment.
+  PTRAIN_CHECK_CUBLAS(cublasGemmEx(handle, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+                                   &alpha, b, CUDA_R_16BF, static_cast<int>(ldb), a, CUDA_R_16BF,
+                                   static_cast<int>(lda), &beta, c, c_type, static_cast<int>(ldc),
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace ptrain::kernels::cuda

@@ -10,7 +10,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "ptrain/core/dtype.hpp"
 #include "ptrain/kernels/cuda/check.cuh"
 #include "ptrain/kernels/cuda/device.cuh"
 
@@ -45,6 +47,25 @@ __global__ void adamw_update_kernel(std::int64_t n, T* p, const T* g, T* m, T* v
   }
 }
 
+// Mixed precision: the fp32 master copy is updated as above, from a float or
+// bf16 gradient, and its bf16 rounding is written to the model's parameters
+// in the same pass (no second kernel reads the master copy again).
+template <class G>
+__global__ void adamw_update_mixed_kernel(std::int64_t n, float* p, const G* g, float* m, float* v, float beta1,
+                                          float beta2, float eps, float step_size, float inv_sqrt_bc2, float decay,
+                                          bf16* param) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
+    const float gi = static_cast<float>(g[i]);
+    const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+    const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float pi = p[i] * decay - step_size * mi / (sqrtf(vi) * inv_sqrt_bc2 + eps);
+    p[i] = pi;
+    param[i] = bf16(pi);
+  }
+}
+
 }  // namespace detail
 
 /// SGD with PyTorch's semantics: d = g + wd p; buf = first ? d : mu buf + (1 - dampening) d;
@@ -74,6 +95,22 @@ void adamw_update(std::int64_t n, T* p, const T* g, T* m, T* v, T lr, T beta1, T
   const T decay = T(1) - lr * weight_decay;
   detail::adamw_update_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(
       n, p, g, m, v, beta1, beta2, eps, step_size, inv_sqrt_bc2, decay);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// adamw_update on fp32 master weights p with a float or bf16 gradient, writing
+/// param[i] = bf16(p[i]) after the update (bf16 parameters, fp32 master weights
+/// and moments: the mixed-precision recipe). Same scalars as adamw_update.
+template <class G>
+void adamw_update_mixed(std::int64_t n, float* p, const G* g, float* m, float* v, float lr, float beta1, float beta2,
+                        float eps, float weight_decay, std::int64_t step, bf16* param) {
+  static_assert(std::is_same_v<G, float> || std::is_same_v<G, bf16>,
+                "ptrain::kernels::cuda::adamw_update_mixed: the gradient must be float or bf16");
+  if (n <= 0) return;
+  const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta1), static_cast<double>(step)));
+  const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta2), static_cast<double>(step)));
+  detail::adamw_update_mixed_kernel<G><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(
+      n, p, g, m, v, beta1, beta2, eps, lr / bc1, 1.0f / std::sqrt(bc2), 1.0f - lr * weight_decay, param);
   PTRAIN_CHECK_CUDA_LAUNCH();
 }
 
