@@ -25,6 +25,8 @@
 #include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/ptrain.hpp>
 
+#include "checkpoint_flags.hpp"
+
 using namespace ptrain;
 
 namespace {
@@ -83,17 +85,7 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", opt.log_every, "progress line and metrics record every N steps (0: none)");
   app.add_option("--parallel", opt.parallel, "none (one process) or ddp (data parallel over the launched ranks)")
       ->check(CLI::IsMember({"none", "ddp"}));
-  app.add_option("--checkpoint-dir", opt.checkpoint_dir,
-                 "save checkpoints here (every --checkpoint-every steps, at the end, and on SIGTERM/SIGINT/SIGUSR1)");
-  app.add_option("--checkpoint-every", opt.checkpoint_every, "steps between checkpoints (0: only at the end and on "
-                 "a signal)")->check(CLI::NonNegativeNumber);
-  app.add_option("--keep-checkpoints", opt.keep_checkpoints, "committed checkpoints kept (0: all)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_flag("--resume", opt.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
-  app.add_option("--preempt-exit-code", opt.preempt_exit_code,
-                 "exit status after a signal-triggered checkpoint (0; Kubernetes manifests use 75 so that "
-                 "the Job restarts the pods instead of counting them as finished)")
-      ->check(CLI::Range(0, 125));
+  add_checkpoint_flags(app, opt);
   CLI11_PARSE(app, argc, argv);
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");

@@ -45,6 +45,8 @@
 #include <ptrain/parallel/fsdp.hpp>
 #include <ptrain/ptrain.hpp>
 
+#include "checkpoint_flags.hpp"
+
 using namespace ptrain;
 
 namespace {
@@ -226,17 +228,7 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", opt.prompt, "text the sample continues");
   app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file");
   app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
-  app.add_option("--checkpoint-dir", opt.checkpoint_dir,
-                 "save checkpoints here (every --checkpoint-every steps, at the end, and on SIGTERM/SIGINT/SIGUSR1)");
-  app.add_option("--checkpoint-every", opt.checkpoint_every, "steps between checkpoints (0: only at the end and on "
-                 "a signal)")->check(CLI::NonNegativeNumber);
-  app.add_option("--keep-checkpoints", opt.keep_checkpoints, "committed checkpoints kept (0: all)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_flag("--resume", opt.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
-  app.add_option("--preempt-exit-code", opt.preempt_exit_code,
-                 "exit status after a signal-triggered checkpoint (0; Kubernetes manifests use 75 so that "
-                 "the Job restarts the pods instead of counting them as finished)")
-      ->check(CLI::Range(0, 125));
+  add_checkpoint_flags(app, opt);
   app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "
                  "safetensors file (PyTorch's safetensors.torch.load_file reads it)");
   CLI11_PARSE(app, argc, argv);

@@ -30,10 +30,16 @@ DIST = ROOT / "include" / "ptrain" / "dist"
 
 # Minimum grace period: one training step plus one checkpoint write on a network volume.
 MIN_GRACE_S = 60
-# A manifest command's program -> the source that defines its flags.
-PROGRAM_SOURCES = {"fashion_mnist": ROOT / "examples" / "fashion_mnist.cpp",
-                   "gpt_char": ROOT / "examples" / "gpt_char.cpp",
-                   "ptrun": ROOT / "launcher" / "ptrun.cpp"}
+# A manifest command's program -> the sources that define its flags (the
+# examples share their checkpoint flags through examples/checkpoint_flags.hpp).
+CHECKPOINT_FLAGS = ROOT / "examples" / "checkpoint_flags.hpp"
+PROGRAM_SOURCES = {"fashion_mnist": [ROOT / "examples" / "fashion_mnist.cpp", CHECKPOINT_FLAGS],
+                   "gpt_char": [ROOT / "examples" / "gpt_char.cpp", CHECKPOINT_FLAGS],
+                   "ptrun": [ROOT / "launcher" / "ptrun.cpp"]}
+
+
+def program_source(program):
+    return "".join(path.read_text() for path in PROGRAM_SOURCES[program])
 
 
 def quoted_env_names(path):
@@ -93,10 +99,10 @@ class Manifests(unittest.TestCase):
     def check_flags(self, command, where):
         program = Path(str(command[0])).name
         self.assertIn(program, PROGRAM_SOURCES, f"{where}: unknown program {command[0]}")
-        source = PROGRAM_SOURCES[program].read_text()
+        source = program_source(program)
         for flag in flags_of(command):
             self.assertTrue(f'"{flag}' in source, f"{where}: {program} has no option {flag} "
-                          f"(not in {PROGRAM_SOURCES[program].relative_to(ROOT)})")
+                          f"(not in {', '.join(str(p.relative_to(ROOT)) for p in PROGRAM_SOURCES[program])})")
 
     def check_training_command(self, command, mounts, where):
         self.check_flags(command, where)
@@ -336,7 +342,7 @@ class TestSlurm(unittest.TestCase):
         srun = re.search(r'(?ms)^srun .*?"\$PROG" (.*?)&$', text).group(1)
         command = ["fashion_mnist"] + shlex.split(srun.replace("\\\n", " "))
         flags = flags_of(command)
-        source = PROGRAM_SOURCES["fashion_mnist"].read_text()
+        source = program_source("fashion_mnist")
         for flag in flags:
             self.assertTrue(f'"{flag}' in source, f"fashion_mnist has no option {flag}")
         self.assertIn("--resume", flags)

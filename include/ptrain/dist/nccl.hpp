@@ -49,8 +49,9 @@ inline std::atomic<int>& cuda_error_rank() {
 }
 }  // namespace ptrain::dist::detail
 
-/// Throws CudaError with file:line, the call, CUDA's message and the rank when a CUDA runtime call fails.
-#define PTRAIN_CHECK_CUDA(call)                                                                               \
+/// Throws CudaError with file:line, the call, CUDA's message and the rank when a CUDA runtime call fails
+/// (kernels/cuda/check.cuh's PTRAIN_CHECK_CUDA, plus the rank; a separate name so both headers can meet).
+#define PTRAIN_NCCL_CHECK_CUDA(call)                                                                          \
   do {                                                                                                        \
     cudaError_t ptrain_cuda_rc_ = (call);                                                                     \
     if (ptrain_cuda_rc_ != cudaSuccess)                                                                       \
@@ -104,7 +105,7 @@ inline ncclRedOp_t nccl_op(ReduceOp op) {
 // Owns a CUDA event; destroying a pending event is allowed (CUDA frees it on completion).
 class CudaEvent {
  public:
-  CudaEvent() { PTRAIN_CHECK_CUDA(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  CudaEvent() { PTRAIN_NCCL_CHECK_CUDA(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
   ~CudaEvent() {
     if (e_) cudaEventDestroy(e_);
   }
@@ -262,7 +263,7 @@ class NcclCommunicator : public Communicator {
             char* mine = static_cast<char*>(r) + static_cast<std::size_t>(rank_) * bytes;
             PTRAIN_CHECK_NCCL(ncclReduceScatter(s, mine, recv_count, t, detail::nccl_op(op), comm_, stream_));
             if (rank_ > 0 && bytes)
-              PTRAIN_CHECK_CUDA(cudaMemcpyAsync(r, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
+              PTRAIN_NCCL_CHECK_CUDA(cudaMemcpyAsync(r, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
           } else {
             PTRAIN_CHECK_NCCL(ncclReduceScatter(s, r, recv_count, t, detail::nccl_op(op), comm_, stream_));
           }
@@ -317,7 +318,7 @@ class NcclCommunicator : public Communicator {
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     check_alive("split");
-    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
     ncclComm_t out = nullptr;
     PTRAIN_CHECK_NCCL(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &out, nullptr));
     if (out == nullptr) return nullptr;
@@ -335,16 +336,16 @@ class NcclCommunicator : public Communicator {
 
   void init(const ncclUniqueId& id) {
     detail::cuda_error_rank() = rank_;
-    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
     PTRAIN_CHECK_NCCL(ncclCommInitRank(&comm_, size_, id, rank_));
     start();
   }
 
   void start() {
-    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
-    PTRAIN_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    PTRAIN_CHECK_CUDA(cudaMalloc(&scratch_, sizeof(int)));
-    PTRAIN_CHECK_CUDA(cudaMemset(scratch_, 0, sizeof(int)));
+    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_NCCL_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    PTRAIN_NCCL_CHECK_CUDA(cudaMalloc(&scratch_, sizeof(int)));
+    PTRAIN_NCCL_CHECK_CUDA(cudaMemset(scratch_, 0, sizeof(int)));
     ready_ = std::make_unique<detail::CudaEvent>();  // created on device_, like the stream
     watchdog_ = std::thread([this] { watch(); });
   }
@@ -367,12 +368,12 @@ class NcclCommunicator : public Communicator {
   template <class F>
   std::shared_ptr<Work> enqueue(std::string what, int peer, F&& call) {
     check_alive(what);
-    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
-    PTRAIN_CHECK_CUDA(cudaEventRecord(ready_->get(), user_stream_));
-    PTRAIN_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
+    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(ready_->get(), user_stream_));
+    PTRAIN_NCCL_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
     call();
     auto w = std::make_shared<detail::NcclWork>(std::move(what), rank_, peer, timeout(), shared_, device_);
-    PTRAIN_CHECK_CUDA(cudaEventRecord(w->event.get(), stream_));
+    PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(w->event.get(), stream_));
     std::lock_guard lock(pending_m_);
     pending_.push_back(w);
     return w;
@@ -397,7 +398,7 @@ class NcclCommunicator : public Communicator {
     const bool host_recv = recv_bytes > 0 && !on_device(recv);
     if (!host_send && !host_recv) return enqueue(std::move(what), peer, [&] { call(send, recv); });
     check_alive(what);
-    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
     // In place stays in place (reduce_scatter keeps its result at the front).
     const bool same = host_send && host_recv && send == recv;
     constexpr std::size_t kAlign = 256;
@@ -405,21 +406,21 @@ class NcclCommunicator : public Communicator {
     const std::size_t need = std::max(host_send ? send_bytes : 0, recv_at + (host_recv ? recv_bytes : 0));
     if (need > stage_bytes_) {
       // Staged calls complete before they return, so the old buffer is idle.
-      if (stage_) PTRAIN_CHECK_CUDA(cudaFree(stage_));
+      if (stage_) PTRAIN_NCCL_CHECK_CUDA(cudaFree(stage_));
       stage_ = nullptr;
       stage_bytes_ = 0;
-      PTRAIN_CHECK_CUDA(cudaMalloc(&stage_, need));
+      PTRAIN_NCCL_CHECK_CUDA(cudaMalloc(&stage_, need));
       stage_bytes_ = need;
     }
     char* stage = static_cast<char*>(stage_);
-    if (host_send) PTRAIN_CHECK_CUDA(cudaMemcpyAsync(stage, send, send_bytes, cudaMemcpyHostToDevice, stream_));
+    if (host_send) PTRAIN_NCCL_CHECK_CUDA(cudaMemcpyAsync(stage, send, send_bytes, cudaMemcpyHostToDevice, stream_));
     const void* s = host_send ? stage : send;
     void* r = host_recv ? stage + recv_at : recv;
     auto w = enqueue(std::move(what), peer, [&] { call(s, r); });
     w->wait(timeout());
     if (host_recv) {
-      PTRAIN_CHECK_CUDA(cudaMemcpyAsync(recv, stage + recv_at, recv_bytes, cudaMemcpyDeviceToHost, stream_));
-      PTRAIN_CHECK_CUDA(cudaStreamSynchronize(stream_));
+      PTRAIN_NCCL_CHECK_CUDA(cudaMemcpyAsync(recv, stage + recv_at, recv_bytes, cudaMemcpyDeviceToHost, stream_));
+      PTRAIN_NCCL_CHECK_CUDA(cudaStreamSynchronize(stream_));
     }
     return w;
   }

@@ -1,0 +1,365 @@
+// GPU benchmarks on cuda:0: GEMM throughput, memory-bound kernels against the
+// device's copy bandwidth, and a GPT training step. One JSON line per
+// measurement on stdout, a readable table on stderr. benchmarks/gpu_bench.py is
+// the PyTorch twin (same shapes, same JSON fields, "impl": "pytorch") and
+// tools/gpu/run.sh runs both side by side.
+//
+// Timing: CUDA events on the current stream around `reps` back-to-back calls,
+// reps chosen so that one sample lasts about --sample-ms; the median (and min)
+// over --samples samples, after warmup. Events measure GPU time, so host-side
+// launch overhead shows only where the GPU runs dry.
+//
+// Shapes follow the GPT flags (default GPT-2 small at batch 8: M = 8 * 1024
+// tokens, width C = 768, vocab V = 50304):
+//   gemm       Y[M,N] = X[M,K] W[N,K]^T for each linear layer (K, N) and its two
+//              backward products; FLOPs = 2 M N K each.
+//   bandwidth  bytes moved counted by hand per kernel (the minimum each must
+//              read and write once); GB/s and the fraction of the measured
+//              device-to-device copy bandwidth.
+//   gpt        forward, cross-entropy, backward, AdamW on nn::GPT<float> with
+//              TF32 GEMMs; FLOPs per token from GPTConfig::flops_per_token.
+
+#include <cuda_runtime.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench_util.hpp"
+#include "ptrain/core/random.hpp"
+#include "ptrain/core/tensor.hpp"
+#include "ptrain/kernels/cuda/all.cuh"
+#include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/optim/adamw.hpp"
+
+using namespace ptrain;
+namespace kc = ptrain::kernels::cuda;
+
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+struct Options {
+  nn::GPTConfig cfg{.vocab_size = 50304, .block_size = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768};
+  std::int64_t batch = 8;
+  int samples = 7;
+  double sample_ms = 20.0;
+  int steps = 10, warmup = 3;
+  bool tf32 = true;
+  double peak_tflops = 494.7;
+  std::string gpu_name;
+};
+
+// Uniform values in [lo, hi) from the Philox stream `seed`, so inputs are
+// reproducible and no host copy of a multi-GB buffer is needed.
+__global__ void fill_uniform_kernel(std::int64_t n, float* x, float lo, float hi, std::uint64_t seed) {
+  for (std::int64_t i = kc::detail::global_index(); i < n; i += kc::detail::grid_stride()) {
+    const std::uint32_t bits = ptrain::detail::philox(seed, static_cast<std::uint64_t>(i)).x[0];
+    x[i] = lo + (hi - lo) * ptrain::detail::to_unit_float(bits);
+  }
+}
+
+// Integers in [0, below): targets as int32, token ids as float (the model's input type).
+template <class T>
+__global__ void fill_index_kernel(std::int64_t n, T* x, std::uint32_t below, std::uint64_t seed) {
+  for (std::int64_t i = kc::detail::global_index(); i < n; i += kc::detail::grid_stride())
+    x[i] = static_cast<T>(ptrain::detail::philox(seed, static_cast<std::uint64_t>(i)).x[0] % below);
+}
+
+Tensor<float> uniform(const Shape& shape, float lo, float hi, std::uint64_t seed) {
+  auto t = Tensor<float>::empty(shape, kGpu);
+  fill_uniform_kernel<<<kc::detail::grid_for(t.numel()), kc::detail::kBlock, 0, kc::current_stream(0)>>>(
+      t.numel(), t.data(), lo, hi, seed);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+  return t;
+}
+
+template <class T>
+Tensor<T> indices(const Shape& shape, std::int64_t below, std::uint64_t seed) {
+  auto t = Tensor<T>::empty(shape, kGpu);
+  const std::int64_t n = t.numel();
+  fill_index_kernel<T><<<kc::detail::grid_for(n), kc::detail::kBlock, 0, kc::current_stream(0)>>>(
+      n, t.data(), static_cast<std::uint32_t>(below), seed);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+  return t;
+}
+
+struct Timing {
+  double median_ms = 0, min_ms = 0;
+  int reps = 0;
+};
+
+// Per-call GPU time of f(): one timed call sizes `reps` so that a sample lasts
+// about sample_ms, then `samples` samples of reps back-to-back calls.
+Timing time_gpu(const Options& o, const std::function<void()>& f) {
+  const cudaStream_t stream = kc::current_stream(0);
+  kc::Event start(true), stop(true);
+  f();  // first call: lazy handles, cached allocator blocks
+  start.record(stream);
+  f();
+  stop.record(stream);
+  stop.synchronize();
+  const double once = std::max(1e-3, static_cast<double>(stop.elapsed_ms(start)));
+  Timing t;
+  t.reps = static_cast<int>(std::clamp(std::ceil(o.sample_ms / once), 1.0, 10000.0));
+  std::vector<double> per_call;
+  for (int s = 0; s < o.samples; ++s) {
+    start.record(stream);
+    for (int r = 0; r < t.reps; ++r) f();
+    stop.record(stream);
+    stop.synchronize();
+    per_call.push_back(static_cast<double>(stop.elapsed_ms(start)) / t.reps);
+  }
+  t.median_ms = bench::median(per_call);
+  t.min_ms = *std::min_element(per_call.begin(), per_call.end());
+  return t;
+}
+
+void emit(const nlohmann::json& j) {
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+}
+
+// ------------------------------------------------------------------ GEMM ----
+
+void bench_gemm(const Options& o) {
+  const std::int64_t M = o.batch * o.cfg.block_size, C = o.cfg.n_embd, V = o.cfg.vocab_size;
+  struct Layer {
+    const char* name;
+    std::int64_t k, n;  // in and out features: W is [n, k]
+  };
+  const Layer layers[] = {{"attn_qkv", C, 3 * C}, {"attn_proj", C, C}, {"mlp_fc", C, 4 * C},
+                          {"mlp_proj", 4 * C, C}, {"lm_head", C, V}};
+  std::fprintf(stderr, "\nGEMM, M = %lld tokens\n%-10s %-10s %6s %6s %6s %5s %10s %9s\n", static_cast<long long>(M),
+               "layer", "op", "M", "N", "K", "prec", "median_ms", "TFLOP/s");
+  for (const Layer& l : layers) {
+    auto x = uniform({M, l.k}, -1, 1, 1), w = uniform({l.n, l.k}, -1, 1, 2), dy = uniform({M, l.n}, -1, 1, 3);
+    auto y = Tensor<float>::empty({M, l.n}, kGpu), dx = Tensor<float>::empty({M, l.k}, kGpu);
+    auto dw = Tensor<float>::empty({l.n, l.k}, kGpu);
+    // The three products of a linear layer, as ops::linear issues them (row-major, transposes in place).
+    struct Op {
+      const char* name;
+      bool ta, tb;
+      std::int64_t m, n, k;
+      const float *a, *b;
+      std::int64_t lda, ldb;
+      float* c;
+      std::int64_t ldc;
+    };
+    const Op ops[] = {{"fwd", false, true, M, l.n, l.k, x.data(), w.data(), l.k, l.k, y.data(), l.n},
+                      {"bwd_data", false, false, M, l.k, l.n, dy.data(), w.data(), l.n, l.k, dx.data(), l.k},
+                      {"bwd_weight", true, false, l.n, l.k, M, dy.data(), x.data(), l.n, l.k, dw.data(), l.k}};
+    for (bool tf32 : {false, true}) {
+      kc::set_tf32(tf32);
+      for (const Op& op : ops) {
+        const Timing t = time_gpu(o, [&] {
+          kc::gemm<float>(op.ta, op.tb, op.m, op.n, op.k, 1.0f, op.a, op.lda, op.b, op.ldb, 0.0f, op.c, op.ldc);
+        });
+        const double flops = 2.0 * static_cast<double>(op.m) * static_cast<double>(op.n) * static_cast<double>(op.k);
+        const double tflops = flops / (t.median_ms * 1e-3) / 1e12;
+        const char* prec = tf32 ? "tf32" : "fp32";
+        emit({{"bench", "gpu_gemm"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"layer", l.name}, {"op", op.name},
+              {"m", op.m}, {"n", op.n}, {"k", op.k}, {"trans_a", op.ta}, {"trans_b", op.tb}, {"precision", prec},
+              {"median_ms", t.median_ms}, {"min_ms", t.min_ms}, {"reps", t.reps}, {"samples", o.samples},
+              {"tflops", tflops}});
+        std::fprintf(stderr, "%-10s %-10s %6lld %6lld %6lld %5s %10.3f %9.1f\n", l.name, op.name,
+                     static_cast<long long>(op.m), static_cast<long long>(op.n), static_cast<long long>(op.k), prec,
+                     t.median_ms, tflops);
+      }
+    }
+  }
+  kc::set_tf32(false);
+}
+
+// ------------------------------------------------------------- bandwidth ----
+
+void bench_bandwidth(const Options& o) {
+  const std::int64_t M = o.batch * o.cfg.block_size, C = o.cfg.n_embd, V = o.cfg.vocab_size;
+  // The MLP activation [M, 4C] (100 MB at GPT-2 small): twice H100's 50 MB L2,
+  // so repeated calls stream from DRAM instead of hitting the cache.
+  const std::int64_t n = M * 4 * C;
+  const std::int64_t ln_rows = n / C;  // LayerNorm over the same elements, rows of width C
+  const std::int64_t P = o.cfg.num_parameters();
+  constexpr std::int64_t F = sizeof(float);
+  double copy_gbps = 0;
+
+  std::fprintf(stderr, "\nMemory-bound kernels\n%-22s %-18s %10s %10s %9s %8s\n", "op", "shape", "MB moved",
+               "median_ms", "GB/s", "vs copy");
+  auto report = [&](const char* op, const std::vector<std::int64_t>& shape, std::int64_t bytes, const Timing& t) {
+    const double gbps = static_cast<double>(bytes) / (t.median_ms * 1e-3) / 1e9;
+    if (copy_gbps == 0) copy_gbps = gbps;  // the copy runs first and is the reference
+    emit({{"bench", "gpu_bandwidth"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"op", op}, {"shape", shape},
+          {"bytes", bytes}, {"median_ms", t.median_ms}, {"min_ms", t.min_ms}, {"reps", t.reps},
+          {"samples", o.samples}, {"GBps", gbps}, {"frac_of_copy", gbps / copy_gbps}});
+    std::string s;
+    for (auto d : shape) s += (s.empty() ? "" : "x") + std::to_string(d);
+    std::fprintf(stderr, "%-22s %-18s %10.1f %10.3f %9.1f %8.2f\n", op, s.c_str(), static_cast<double>(bytes) / 1e6,
+                 t.median_ms, gbps, gbps / copy_gbps);
+  };
+
+  {
+    auto x = uniform({n}, -3, 3, 4), dy = uniform({n}, -1, 1, 5);
+    auto y = Tensor<float>::empty({n}, kGpu), bias = uniform({4 * C}, -1, 1, 6);
+    // copy: read n, write n.
+    report("copy", {n}, 2 * n * F, time_gpu(o, [&] {
+             PTRAIN_CHECK_CUDA(cudaMemcpyAsync(y.data(), x.data(), static_cast<std::size_t>(n) * sizeof(float),
+                                               cudaMemcpyDeviceToDevice, kc::current_stream(0)));
+           }));
+    // gelu_forward: read x, write y.
+    report("gelu_forward", {M, 4 * C}, 2 * n * F, time_gpu(o, [&] { kc::gelu_forward<float>(n, x.data(), y.data()); }));
+    // gelu_backward: read x and dy, write dx.
+    auto dx = Tensor<float>::empty({n}, kGpu);
+    report("gelu_backward", {M, 4 * C}, 3 * n * F,
+           time_gpu(o, [&] { kc::gelu_backward<float>(n, x.data(), dy.data(), dx.data()); }));
+    // bias_add: y += bias, read and write y; the 4C bias stays in cache.
+    report("bias_add", {M, 4 * C}, (2 * n + 4 * C) * F,
+           time_gpu(o, [&] { kc::bias_add<float>(M, 4 * C, y.data(), bias.data()); }));
+    // layer_norm_forward: read x once (the second and third passes over a row
+    // hit L1/L2), write y, mean and rstd; gamma and beta stay in cache.
+    auto gamma = uniform({C}, 0.5, 1.5, 7), beta = uniform({C}, -0.5, 0.5, 8);
+    auto mean = Tensor<float>::empty({ln_rows}, kGpu), rstd = Tensor<float>::empty({ln_rows}, kGpu);
+    report("layer_norm_forward", {ln_rows, C}, (2 * n + 2 * ln_rows + 2 * C) * F, time_gpu(o, [&] {
+             kc::layer_norm_forward<float>(ln_rows, C, x.data(), gamma.data(), beta.data(), 1e-5f, y.data(),
+                                           mean.data(), rstd.data());
+           }));
+  }
+  allocator_for(kGpu).empty_cache();
+  {
+    // adamw_update over a flat buffer of the model's size: read p, g, m, v; write p, m, v.
+    auto p = uniform({P}, -1, 1, 9), g = uniform({P}, -1, 1, 10), m = uniform({P}, -1, 1, 11);
+    auto v = uniform({P}, 0, 1, 12);
+    report("adamw_update", {P}, 7 * P * F, time_gpu(o, [&] {
+             kc::adamw_update<float>(P, p.data(), g.data(), m.data(), v.data(), 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1);
+           }));
+  }
+  allocator_for(kGpu).empty_cache();
+  {
+    auto logits = uniform({M, V}, -4, 4, 13), out = Tensor<float>::empty({M, V}, kGpu);
+    auto targets = indices<std::int32_t>({M}, V, 14);
+    auto lse = Tensor<float>::empty({M}, kGpu);
+    // softmax_rows: read x, write y.
+    report("softmax_rows", {M, V}, 2 * M * V * F,
+           time_gpu(o, [&] { kc::softmax_rows<float>(M, V, logits.data(), out.data()); }));
+    // cross_entropy_forward: read logits and targets, write lse; returns the
+    // loss to the host, so each call also waits for the stream.
+    std::int64_t valid = 0;
+    const std::int64_t ce_fwd = (M * V + 2 * M) * F;
+    report("cross_entropy_forward", {M, V}, ce_fwd, time_gpu(o, [&] {
+             kc::cross_entropy_forward<float>(M, V, logits.data(), targets.data(), lse.data(), valid);
+           }));
+    // forward, then cross_entropy_backward: read logits, lse and targets, write dlogits.
+    report("cross_entropy_fwd_bwd", {M, V}, ce_fwd + (2 * M * V + 2 * M) * F, time_gpu(o, [&] {
+             kc::cross_entropy_forward<float>(M, V, logits.data(), targets.data(), lse.data(), valid);
+             kc::cross_entropy_backward<float>(M, V, logits.data(), lse.data(), targets.data(), valid, 1.0f,
+                                               out.data());
+           }));
+  }
+  allocator_for(kGpu).empty_cache();
+}
+
+// ------------------------------------------------------------- GPT step ----
+
+void bench_gpt(const Options& o) {
+  const nn::GPTConfig& cfg = o.cfg;
+  const std::int64_t B = o.batch, S = cfg.block_size;
+  kc::set_tf32(o.tf32);
+  manual_seed(0);
+  nn::GPT<float> model(cfg);  // initialised on the host, as in the CPU benchmark, then moved
+  model.to(kGpu);
+  nn::FlatParameters<float> flat(model);
+  optim::AdamW<float> opt(flat, {.lr = 3e-4, .weight_decay = 0.1}, nn::gpt_decay_filter());
+  nn::CrossEntropyLoss<float> loss_fn;
+
+  // Token ids enter the model as float values (exact below 2^24); targets are int32.
+  const auto x = indices<float>({B, S}, cfg.vocab_size, 15);
+  const auto y = indices<std::int32_t>({B * S}, cfg.vocab_size, 16);
+
+  nn::Cache<float> cache, loss_cache;
+  double loss = 0;
+  auto step = [&] {
+    flat.zero_grad();
+    loss = loss_fn.forward(model.forward(x, cache), y, loss_cache);
+    model.backward(loss_fn.backward(loss_cache), cache);
+    opt.step();
+  };
+  for (int i = 0; i < o.warmup; ++i) step();
+  kc::synchronize_device(0);
+  reset_peak_memory(kGpu);
+
+  const cudaStream_t stream = kc::current_stream(0);
+  kc::Event start(true), stop(true);
+  std::vector<double> times;
+  for (int i = 0; i < o.steps; ++i) {
+    start.record(stream);
+    step();
+    stop.record(stream);
+    stop.synchronize();
+    times.push_back(stop.elapsed_ms(start));
+  }
+  kc::set_tf32(false);
+
+  const double ms = bench::median(times);
+  const double tokens = static_cast<double>(B * S);
+  const double fpt = cfg.flops_per_token(S);
+  const double tflops = fpt * tokens / (ms * 1e-3) / 1e12;
+  const double peak_gib = static_cast<double>(memory_stats(kGpu).peak_bytes) / (1024.0 * 1024.0 * 1024.0);
+  emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", "materialized"},
+        {"precision", o.tf32 ? "tf32" : "fp32"}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"embd", cfg.n_embd},
+        {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps},
+        {"parameters", model.num_parameters()}, {"step_ms_median", ms},
+        {"step_ms_min", *std::min_element(times.begin(), times.end())}, {"tokens_per_s", 1000.0 * tokens / ms},
+        {"mflop_per_token", fpt / 1e6}, {"tflops", tflops}, {"peak_tflops", o.peak_tflops},
+        {"peak_note", "default 494.7 = H100/H200 SXM dense TF32; pass --peak-tflops for other parts"},
+        {"mfu", tflops / o.peak_tflops}, {"peak_mem_GiB", peak_gib}, {"final_loss", loss}});
+  std::fprintf(stderr, "\nGPT step (%lld layers, width %lld, %lld x %lld tokens, %s): %.1f ms median, %.0f tokens/s, "
+               "%.1f TFLOP/s, MFU %.3f of %.1f, peak memory %.1f GiB, loss %.4f\n",
+               static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd), static_cast<long long>(B),
+               static_cast<long long>(S), o.tf32 ? "tf32" : "fp32", ms, 1000.0 * tokens / ms, tflops,
+               tflops / o.peak_tflops, o.peak_tflops, peak_gib, loss);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ptrain GPU benchmarks: GEMM, memory-bound kernels, GPT step (cuda:0)"};
+  Options o;
+  std::vector<std::string> only{"gemm", "bandwidth", "gpt"};
+  app.add_option("--only", only, "sections to run")->check(CLI::IsMember({"gemm", "bandwidth", "gpt"}));
+  app.add_option("--layers", o.cfg.n_layer, "transformer blocks");
+  app.add_option("--heads", o.cfg.n_head, "attention heads");
+  app.add_option("--embd", o.cfg.n_embd, "embedding width (GEMM and kernel shapes follow it)");
+  app.add_option("--block", o.cfg.block_size, "sequence length");
+  app.add_option("--vocab", o.cfg.vocab_size, "vocabulary size");
+  app.add_option("--batch", o.batch, "sequences per step; GEMM M = batch * block");
+  app.add_option("--samples", o.samples, "timed samples per kernel measurement (median reported)");
+  app.add_option("--sample-ms", o.sample_ms, "target length of one kernel sample");
+  app.add_option("--steps", o.steps, "timed GPT steps");
+  app.add_option("--warmup", o.warmup, "untimed GPT steps first");
+  app.add_flag("--tf32,!--no-tf32", o.tf32, "TF32 GEMMs in the GPT step (default on)");
+  app.add_option("--peak-tflops", o.peak_tflops, "peak for MFU; 494.7 = H100/H200 SXM dense TF32");
+  CLI11_PARSE(app, argc, argv);
+
+  if (kc::device_count() == 0) {
+    std::fprintf(stderr, "gpu_bench: no CUDA device visible\n");
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  PTRAIN_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  o.gpu_name = prop.name;
+  PTRAIN_CHECK_CUDA(cudaSetDevice(0));
+  std::fprintf(stderr, "gpu_bench on %s (%d SMs, %.1f GiB)\n", prop.name, prop.multiProcessorCount,
+               static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+
+  auto wanted = [&](const char* s) { return std::find(only.begin(), only.end(), s) != only.end(); };
+  if (wanted("gemm")) bench_gemm(o);
+  if (wanted("bandwidth")) bench_bandwidth(o);
+  if (wanted("gpt")) bench_gpt(o);
+}

@@ -1,0 +1,285 @@
+"""PyTorch twin of benchmarks/gpu_bench.cu on cuda:0: the same GEMM shapes, the
+same memory-bound ops over the same sizes (bytes counted by the same formulas)
+and the GPT training step, with the same JSON fields and "impl": "pytorch".
+tools/gpu/run.sh runs both; tools/gpu/compare.py puts them side by side.
+
+What a PyTorch user would run: torch.matmul (FP32, then TF32), F.gelu(tanh),
+layer_norm, torch.optim.AdamW(fused=True), softmax, cross_entropy, and the GPT
+of benchmarks/gpt_step.py with its manual attention and with
+F.scaled_dot_product_attention (is_causal=True) in FP32 + TF32, plus a bf16
+autocast line as the reference for ptrain's future bf16 path.
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt_step import Block, init_gpt2
+
+DEV = torch.device("cuda", 0)
+
+
+def set_tf32(on):
+    """TF32 for float32 matmuls. PyTorch 2.9 replaced allow_tf32 by fp32_precision and
+    refuses a mix of the two, so the older one is used only where the newer is missing."""
+    m = torch.backends.cuda.matmul
+    try:
+        m.fp32_precision = "tf32" if on else "ieee"
+    except (AttributeError, AssertionError):  # unknown attribute: before 2.9 (1.x asserts)
+        m.allow_tf32 = on
+
+
+def time_gpu(a, f):
+    """Per-call GPU time of f(), as gpu_bench.cu measures it: one timed call sizes the
+    repetitions so that a sample lasts about --sample-ms; median and min over --samples."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    f()
+    start.record()
+    f()
+    stop.record()
+    stop.synchronize()
+    reps = int(min(10000, max(1, math.ceil(a.sample_ms / max(1e-3, start.elapsed_time(stop))))))
+    per_call = []
+    for _ in range(a.samples):
+        start.record()
+        for _ in range(reps):
+            f()
+        stop.record()
+        stop.synchronize()
+        per_call.append(start.elapsed_time(stop) / reps)
+    return statistics.median(per_call), min(per_call), reps
+
+
+def emit(j):
+    print(json.dumps(j), flush=True)
+
+
+def log(s):
+    print(s, file=sys.stderr, flush=True)
+
+
+def bench_gemm(a, gpu):
+    M, C, V = a.batch * a.block, a.embd, a.vocab
+    layers = [("attn_qkv", C, 3 * C), ("attn_proj", C, C), ("mlp_fc", C, 4 * C), ("mlp_proj", 4 * C, C),
+              ("lm_head", C, V)]
+    log(f"\nGEMM, M = {M} tokens\n{'layer':10} {'op':10} {'M':>6} {'N':>6} {'K':>6} {'prec':>5} "
+        f"{'median_ms':>10} {'TFLOP/s':>9}")
+    for name, k, n in layers:
+        x = torch.empty(M, k, device=DEV).uniform_(-1, 1)
+        w = torch.empty(n, k, device=DEV).uniform_(-1, 1)
+        dy = torch.empty(M, n, device=DEV).uniform_(-1, 1)
+        y, dx, dw = torch.empty(M, n, device=DEV), torch.empty(M, k, device=DEV), torch.empty(n, k, device=DEV)
+        # The three products of nn.Linear: Y = X W^T, dX = dY W, dW = dY^T X (transposed views, no copies).
+        ops = [("fwd", False, True, M, n, k, lambda: torch.matmul(x, w.t(), out=y)),
+               ("bwd_data", False, False, M, k, n, lambda: torch.matmul(dy, w, out=dx)),
+               ("bwd_weight", True, False, n, k, M, lambda: torch.matmul(dy.t(), x, out=dw))]
+        for prec in ("fp32", "tf32"):
+            set_tf32(prec == "tf32")
+            for op, ta, tb, m_, n_, k_, f in ops:
+                ms, mn, reps = time_gpu(a, f)
+                tflops = 2.0 * m_ * n_ * k_ / (ms * 1e-3) / 1e12
+                emit({"bench": "gpu_gemm", "impl": "pytorch", "gpu": gpu, "torch": torch.__version__, "layer": name,
+                      "op": op, "m": m_, "n": n_, "k": k_, "trans_a": ta, "trans_b": tb, "precision": prec,
+                      "median_ms": ms, "min_ms": mn, "reps": reps, "samples": a.samples, "tflops": tflops})
+                log(f"{name:10} {op:10} {m_:6} {n_:6} {k_:6} {prec:>5} {ms:10.3f} {tflops:9.1f}")
+    set_tf32(False)
+
+
+def bench_bandwidth(a, gpu):
+    M, C, V = a.batch * a.block, a.embd, a.vocab
+    n = M * 4 * C  # the MLP activation, larger than L2 (see gpu_bench.cu)
+    ln_rows = n // C
+    P = num_parameters(a)
+    Fb = 4  # bytes per float
+    copy_gbps = []
+    log(f"\nMemory-bound kernels\n{'op':22} {'shape':18} {'MB moved':>10} {'median_ms':>10} {'GB/s':>9} {'vs copy':>8}")
+
+    def report(op, shape, nbytes, f):
+        ms, mn, reps = time_gpu(a, f)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        if not copy_gbps:
+            copy_gbps.append(gbps)  # the copy runs first and is the reference
+        emit({"bench": "gpu_bandwidth", "impl": "pytorch", "gpu": gpu, "torch": torch.__version__, "op": op,
+              "shape": shape, "bytes": nbytes, "median_ms": ms, "min_ms": mn, "reps": reps, "samples": a.samples,
+              "GBps": gbps, "frac_of_copy": gbps / copy_gbps[0]})
+        log(f"{op:22} {'x'.join(map(str, shape)):18} {nbytes / 1e6:10.1f} {ms:10.3f} {gbps:9.1f} "
+            f"{gbps / copy_gbps[0]:8.2f}")
+
+    # Byte counts are the minimum each op must move, the formulas of gpu_bench.cu.
+    x = torch.empty(n, device=DEV).uniform_(-3, 3)
+    dy = torch.empty(n, device=DEV).uniform_(-1, 1)
+    y = torch.empty(n, device=DEV)
+    report("copy", [n], 2 * n * Fb, lambda: y.copy_(x))
+    x2, dy2, y2 = x.view(M, 4 * C), dy.view(M, 4 * C), y.view(M, 4 * C)
+    report("gelu_forward", [M, 4 * C], 2 * n * Fb, lambda: F.gelu(x2, approximate="tanh"))
+    report("gelu_backward", [M, 4 * C], 3 * n * Fb,
+           lambda: torch.ops.aten.gelu_backward(dy2, x2, approximate="tanh"))
+    bias = torch.empty(4 * C, device=DEV).uniform_(-1, 1)
+    report("bias_add", [M, 4 * C], (2 * n + 4 * C) * Fb, lambda: y2.add_(bias))
+    gamma = torch.empty(C, device=DEV).uniform_(0.5, 1.5)
+    beta = torch.empty(C, device=DEV).uniform_(-0.5, 0.5)
+    xl = x.view(ln_rows, C)
+    # native_layer_norm also returns mean and rstd, as ptrain's forward saves them for backward.
+    report("layer_norm_forward", [ln_rows, C], (2 * n + 2 * ln_rows + 2 * C) * Fb,
+           lambda: torch.ops.aten.native_layer_norm(xl, [C], gamma, beta, 1e-5))
+    del x, dy, y, x2, dy2, y2, xl
+    torch.cuda.empty_cache()
+
+    p = nn.Parameter(torch.empty(P, device=DEV).uniform_(-1, 1))
+    p.grad = torch.empty(P, device=DEV).uniform_(-1, 1)
+    opt = torch.optim.AdamW([p], lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    opt.step()  # creates exp_avg and exp_avg_sq
+    report("adamw_update", [P], 7 * P * Fb, opt.step)
+    del p, opt
+    torch.cuda.empty_cache()
+
+    logits = torch.empty(M, V, device=DEV).uniform_(-4, 4)
+    targets = torch.randint(0, V, (M,), device=DEV)
+    report("softmax_rows", [M, V], 2 * M * V * Fb, lambda: torch.softmax(logits, dim=1))
+    # PyTorch writes log_softmax [M, V] inside cross_entropy; the count stays ptrain's minimum,
+    # so GB/s here is the effective rate for the same work. Unlike ptrain's, the loss stays on the GPU.
+    ce_fwd = (M * V + 2 * M) * Fb
+    report("cross_entropy_forward", [M, V], ce_fwd, lambda: F.cross_entropy(logits, targets))
+    leaf = logits.detach().requires_grad_()
+    report("cross_entropy_fwd_bwd", [M, V], ce_fwd + (2 * M * V + 2 * M) * Fb,
+           lambda: torch.autograd.grad(F.cross_entropy(leaf, targets), leaf))
+    del logits, leaf
+    torch.cuda.empty_cache()
+
+
+def num_parameters(a):
+    """nn.GPTConfig::num_parameters: tied head, biases, two LayerNorms per block and ln_f."""
+    C = a.embd
+    block = 2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C)
+    return a.vocab * C + a.block * C + a.layers * block + 2 * C
+
+
+class SdpaBlock(Block):
+    """gpt_step.Block with F.scaled_dot_product_attention (fused causal kernels, no S x S matrix)."""
+
+    def attn(self, x, mask):
+        B, S, C = x.shape
+        q, k, v = (t.view(B, S, self.h, C // self.h).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.attn_proj(y.transpose(1, 2).contiguous().view(B, S, C))
+
+
+class GPT(nn.Module):
+    """gpt_step.GPT (same layers, names and tied head) with positions made on the tokens'
+    device and a choice of attention."""
+
+    def __init__(self, vocab, block, layers, heads, embd, sdpa):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, embd)
+        self.wpe = nn.Embedding(block, embd)
+        self.h = nn.ModuleList([(SdpaBlock if sdpa else Block)(embd, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(embd)
+        self.register_buffer("mask", torch.tril(torch.ones(block, block)))
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.h:
+            x = b(x, self.mask)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+
+def bench_gpt(a, gpu, attention, precision):
+    torch.manual_seed(0)
+    set_tf32(True)  # TF32 matmuls for the fp32 parts in every variant, as ptrain's step
+    model = GPT(a.vocab, a.block, a.layers, a.heads, a.embd, attention == "sdpa").to(DEV)
+    with torch.no_grad():
+        init_gpt2(model, a.layers)
+    decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and "wte" not in n and "wpe" not in n]
+    no_decay = [q for n, q in model.named_parameters() if not (q.dim() >= 2 and "wte" not in n and "wpe" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, fused=True)
+    x = torch.randint(0, a.vocab, (a.batch, a.block), device=DEV)
+    y = torch.randint(0, a.vocab, (a.batch * a.block,), device=DEV)
+    bf16 = precision == "bf16-autocast"
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x).view(-1, a.vocab), y)
+        loss.backward()
+        opt.step()
+        return loss.item()  # ptrain's loss returns to the host too
+
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(a.steps):
+        start.record()
+        loss = step()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    set_tf32(False)
+
+    C, L, S = a.embd, a.layers, a.block
+    fpt = 6.0 * (L * 12 * C * C + C * a.vocab) + 6.0 * L * 2 * S * C  # GPTConfig::flops_per_token
+    ms = statistics.median(times)
+    tokens = a.batch * S
+    tflops = fpt * tokens / (ms * 1e-3) / 1e12
+    peak = a.peak_tflops_bf16 if bf16 else a.peak_tflops
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    emit({"bench": "gpu_gpt_step", "impl": "pytorch", "gpu": gpu, "torch": torch.__version__, "attention": attention,
+          "precision": precision, "adamw": "fused", "layers": L, "heads": a.heads, "embd": C, "block": S,
+          "vocab": a.vocab, "batch": a.batch, "steps": a.steps,
+          "parameters": sum(q.numel() for q in model.parameters()), "step_ms_median": ms, "step_ms_min": min(times),
+          "tokens_per_s": 1000.0 * tokens / ms, "mflop_per_token": fpt / 1e6, "tflops": tflops,
+          "peak_tflops": peak,
+          "peak_note": "defaults: 494.7 = H100/H200 SXM dense TF32, 989.4 = dense BF16; flags for other parts",
+          "mfu": tflops / peak, "peak_mem_GiB": peak_gib, "final_loss": loss})
+    log(f"\nGPT step ({L} layers, width {C}, {a.batch} x {S} tokens, {attention}, {precision}): {ms:.1f} ms median, "
+        f"{1000.0 * tokens / ms:.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {tflops / peak:.3f} of {peak}, "
+        f"peak memory {peak_gib:.1f} GiB, loss {loss:.4f}")
+    del model, opt
+    torch.cuda.empty_cache()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=["gemm", "bandwidth", "gpt"], default=["gemm", "bandwidth", "gpt"])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--embd", type=int, default=768)
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--samples", type=int, default=7)
+    p.add_argument("--sample-ms", type=float, default=20.0)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--attention", choices=["manual", "sdpa", "both"], default="both",
+                   help="GPT attention: gpt_step.py's manual one, F.scaled_dot_product_attention, or both")
+    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast GPT line")
+    p.add_argument("--peak-tflops", type=float, default=494.7, help="MFU peak for fp32/TF32 (H100/H200 SXM dense TF32)")
+    p.add_argument("--peak-tflops-bf16", type=float, default=989.4, help="MFU peak for bf16 (H100/H200 SXM dense)")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        log("gpu_bench.py: no CUDA device visible")
+        raise SystemExit(77)
+    gpu = torch.cuda.get_device_name(0)
+    log(f"gpu_bench.py on {gpu}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+    if "gemm" in a.only:
+        bench_gemm(a, gpu)
+    if "bandwidth" in a.only:
+        bench_bandwidth(a, gpu)
+    if "gpt" in a.only:
+        for attention in (["manual", "sdpa"] if a.attention == "both" else [a.attention]):
+            bench_gpt(a, gpu, attention, "tf32")
+        if not a.no_bf16:
+            bench_gpt(a, gpu, "sdpa" if a.attention != "manual" else "manual", "bf16-autocast")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""ptrain against PyTorch from the JSON lines of benchmarks/gpu_bench{,.py}.
+
+    python3 tools/gpu/compare.py gpu_bench.jsonl
+
+Prints one table per benchmark with both medians and the ratio ptrain / PyTorch
+time (below 1: ptrain is faster), the way docs/benchmarks.md quotes them. Needs
+only the standard library, so the file can be read on any machine.
+"""
+import json
+import sys
+
+
+def load(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line cut short by a timeout
+    return rows
+
+
+def by_impl(rows, bench, key):
+    out = {}
+    for r in rows:
+        if r.get("bench") == bench:
+            out.setdefault(r["impl"], {})[key(r)] = r
+    return out.get("ptrain", {}), out.get("pytorch", {})
+
+
+def ratio(a, b):
+    return f"{a / b:6.2f}" if a and b else "     -"
+
+
+def main():
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    rows = load(sys.argv[1])
+    gpus = sorted({r["gpu"] for r in rows if "gpu" in r})
+    print(f"GPU: {', '.join(gpus) or 'unknown'}")
+
+    pt, th = by_impl(rows, "gpu_gemm", lambda r: (r["layer"], r["op"], r["precision"]))
+    if pt or th:
+        print("\nGEMM (TFLOP/s; ratio = ptrain time / PyTorch time)")
+        print(f"{'layer':10} {'op':10} {'prec':5} {'M':>6} {'N':>6} {'K':>6} {'ptrain':>8} {'PyTorch':>8} {'ratio':>6}")
+        # In the order measured (layer by layer), FP32 first, then TF32.
+        for k in sorted(dict.fromkeys([*pt, *th]), key=lambda k: k[2]):
+            a, b = pt.get(k, {}), th.get(k, {})
+            r = a or b
+            print(f"{k[0]:10} {k[1]:10} {k[2]:5} {r['m']:6} {r['n']:6} {r['k']:6} {a.get('tflops', 0):8.1f} "
+                  f"{b.get('tflops', 0):8.1f} {ratio(a.get('median_ms'), b.get('median_ms'))}")
+
+    pt, th = by_impl(rows, "gpu_bandwidth", lambda r: r["op"])
+    if pt or th:
+        print("\nMemory-bound kernels (GB/s on the minimum bytes; fraction of each side's copy bandwidth)")
+        print(f"{'op':22} {'ptrain':>8} {'frac':>5} {'PyTorch':>8} {'frac':>5} {'ratio':>6}")
+        for k in dict.fromkeys([*pt, *th]):
+            a, b = pt.get(k, {}), th.get(k, {})
+            print(f"{k:22} {a.get('GBps', 0):8.1f} {a.get('frac_of_copy', 0):5.2f} {b.get('GBps', 0):8.1f} "
+                  f"{b.get('frac_of_copy', 0):5.2f} {ratio(a.get('median_ms'), b.get('median_ms'))}")
+
+    steps = [r for r in rows if r.get("bench") == "gpu_gpt_step"]
+    if steps:
+        ref = next((r for r in steps if r["impl"] == "ptrain"), None)
+        print("\nGPT training step (ratio = ptrain step / this step)")
+        print(f"{'impl':8} {'attention':12} {'precision':14} {'step_ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} "
+              f"{'MFU':>6} {'GiB':>6} {'ratio':>6}")
+        for r in steps:
+            print(f"{r['impl']:8} {r['attention']:12} {r['precision']:14} {r['step_ms_median']:8.1f} "
+                  f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.3f} {r.get('peak_mem_GiB', 0):6.1f} "
+                  f"{ratio(ref and ref['step_ms_median'], r['step_ms_median'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# Builds and runs ptrain's GPU tests and GPU benchmarks (ptrain and PyTorch side
+# by side) on a machine with a GPU, nvcc, CMake and PyTorch but without Debian's
+# -dev packages: the header-only dependencies come from .deps/, which
+# tools/gpu/stage-deps.sh fills on a machine that has them.
+#
+#   bash tools/gpu/run.sh [build] [test] [bench]     (no argument: all three)
+#
+# Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
+#   env.txt          nvidia-smi, nvcc, cmake, torch versions
+#   build.log        configure and build of ptrain_gpu and gpu_bench
+#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu
+#   gpu_bench.jsonl  one JSON line per measurement, "impl": "ptrain" and "pytorch"
+#   gpu_bench.log    everything the benchmarks printed (tables on stderr)
+#   gpu_compare.txt  ptrain / PyTorch ratios from gpu_bench.jsonl
+#   summary.txt      each step's exit code
+# Environment: PTRAIN_GPU_BUILD (build directory, default build-gpu),
+# PTRAIN_GPU_BUDGET_S (default 540), PTRAIN_PYTHON (default python3).
+# A failed step does not stop the later ones. Each step has a time cap, and all
+# together stay inside PTRAIN_GPU_BUDGET_S (default 540 s) so that a 10-minute
+# command limit still returns every log.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+build=${PTRAIN_GPU_BUILD:-build-gpu}
+OUT=${OUT:-$root/$build/out}
+mkdir -p "$OUT"
+budget=${PTRAIN_GPU_BUDGET_S:-540}
+python=${PTRAIN_PYTHON:-python3}  # the Python with PyTorch (CUDA build)
+jobs=$(nproc)
+t0=$SECONDS
+phases=("$@")
+((${#phases[@]})) || phases=(build test bench)
+want() { [[ " ${phases[*]} " == *" $1 "* ]]; }
+
+summary=()
+: >"$OUT/summary.txt"
+note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+# Seconds a step may run: its cap, less if the budget (minus `reserve` seconds
+# kept for the steps after it) is running out; at least 10.
+allowance() {
+  local cap=$1 reserve=$2 left=$((budget - (SECONDS - t0) - $2))
+  ((left < cap)) && cap=$left
+  ((cap < 10)) && cap=10
+  echo "$cap"
+}
+
+# step NAME CAP RESERVE LOG CMD...: runs CMD under `timeout`, appends its
+# output (stdout and stderr) to LOG and the terminal, records the exit code.
+step() {
+  local name=$1 cap=$2 reserve=$3 log=$4 rcfile
+  shift 4
+  rcfile=$(mktemp)
+  local limit
+  limit=$(allowance "$cap" "$reserve")
+  echo "== $name (limit ${limit} s): $*" | tee -a "$log"
+  local start=$SECONDS
+  { timeout --kill-after=10 "$limit" "$@"; echo $? >"$rcfile"; } 2>&1 | tee -a "$log"
+  local rc
+  rc=$(cat "$rcfile")
+  rm -f "$rcfile"
+  local why=""
+  [[ $rc == 124 || $rc == 137 ]] && why=" (timed out)"
+  [[ $rc == 77 ]] && why=" (skipped: no GPU visible)"
+  summary+=("$name: exit $rc after $((SECONDS - start)) s$why")
+  return "$rc"
+}
+
+[[ -d /usr/local/cuda/bin ]] && export PATH=/usr/local/cuda/bin:$PATH
+
+# --------------------------------------------------------------- environment ----
+{
+  echo "date: $(date -u +%FT%TZ)  host: $(hostname)  cores: $jobs"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv 2>&1 ||
+    echo "nvidia-smi failed"
+  nvidia-smi 2>&1 | head -n 4 | tail -n 2
+  command -v nvcc >/dev/null && nvcc --version | tail -n 2 || echo "nvcc not found"
+  cmake --version 2>&1 | head -n 1
+  command -v ninja >/dev/null && echo "ninja $(ninja --version)" || echo "ninja not found (make is used)"
+  "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+              "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)' 2>&1
+  [[ -d .deps ]] ||
+    echo "WARNING: no .deps/ here; run tools/gpu/stage-deps.sh where Debian's packages are and carry .deps"
+} 2>&1 | tee "$OUT/env.txt"
+
+# ---------------------------------------------------------------------- NCCL ----
+# ptrain's CMake finds NCCL with find_library(nccl) + find_path(nccl.h) next to
+# the CUDA toolkit, which needs an unversioned libnccl.so. PyTorch's wheel
+# (nvidia-nccl-cu*) ships include/nccl.h and lib/libnccl.so.2 only, so the paths
+# are passed as the cache variables PTRAIN_NCCL_INCLUDE / PTRAIN_NCCL_LIBRARY
+# directly: CMake links the full path and puts its directory in the binaries'
+# build RUNPATH, where the loader finds libnccl.so.2. (No LD_LIBRARY_PATH: it
+# would also steer PyTorch towards the toolkit's CUDA libraries.)
+nccl_include="" nccl_library=""
+find_nccl() {
+  local dirs=(/usr/local/cuda /usr/local/cuda/targets/x86_64-linux /usr)
+  local wheel
+  wheel=$("$python" -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null) && dirs+=("$wheel")
+  # Other wheel layouts: any nvidia/ package directory in site-packages that holds nccl.h.
+  local site sites
+  sites=$("$python" -c 'import site; print(*site.getsitepackages(), site.getusersitepackages())' 2>/dev/null)
+  for site in $sites; do
+    [[ -d $site/nvidia ]] || continue
+    while IFS= read -r h; do
+      dirs+=("$(dirname "$(dirname "$h")")")
+    done < <(find "$site/nvidia" -name nccl.h -path '*/include/*' 2>/dev/null)
+  done
+  local d lib
+  for d in "${dirs[@]}"; do
+    [[ -f $d/include/nccl.h ]] || continue
+    for lib in "$d"/lib64/libnccl.so "$d"/lib/libnccl.so "$d"/lib/x86_64-linux-gnu/libnccl.so \
+               "$d"/lib64/libnccl.so.2 "$d"/lib/libnccl.so.2 "$d"/lib/x86_64-linux-gnu/libnccl.so.2; do
+      if [[ -f $lib ]]; then
+        nccl_include=$d/include nccl_library=$lib
+        return 0
+      fi
+    done
+  done
+  return 1
+}
+if find_nccl; then
+  nccl_args=(-DPTRAIN_WITH_NCCL=ON "-DPTRAIN_NCCL_INCLUDE=$nccl_include" "-DPTRAIN_NCCL_LIBRARY=$nccl_library")
+  echo "NCCL: $nccl_include/nccl.h, $nccl_library" | tee -a "$OUT/env.txt"
+else
+  nccl_args=(-DPTRAIN_WITH_NCCL=OFF)
+  echo "NCCL: not found; building without it" | tee -a "$OUT/env.txt"
+fi
+
+# --------------------------------------------------------------------- build ----
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+# Only the two GPU binaries; keep going past a failed one so that the other is still built.
+build_args=(--target ptrain_gpu gpu_bench -j "$jobs" -- -k)
+[[ ${generator[*]-} == "-G Ninja" ]] && build_args+=(0)
+
+cmake_args=("${generator[@]}" -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$root/.deps" -DPTRAIN_WITH_CUDA=ON
+            -DPTRAIN_WITH_MPI=OFF -DPTRAIN_WITH_GLOO=OFF -DPTRAIN_WITH_BLAS=OFF -DPTRAIN_CUDA_ARCHS=90)
+# Which copies CMake found (.deps/..., not /usr) and which compiler and NCCL.
+show_cache() {
+  grep -E '^(Eigen3|Catch2|nlohmann_json|CLI11)_DIR|^ZLIB_(INCLUDE_DIR|LIBRARY_RELEASE):' "$1/CMakeCache.txt" 2>&1 |
+    tee -a "$OUT/build.log"
+  grep -E '^PTRAIN_NCCL_(INCLUDE|LIBRARY)|^CMAKE_CUDA_COMPILER:' "$1/CMakeCache.txt" 2>&1 | tee -a "$OUT/build.log"
+}
+
+tests_bin=$build/tests/gpu/ptrain_gpu
+bench_bin=$build/benchmarks/gpu_bench
+if want build; then
+  : >"$OUT/build.log"
+  # Configure (~15 s) and build (~1-2 min on 16 cores: each .cu is one nvcc process).
+  step configure 120 360 "$OUT/build.log" cmake -S . -B "$build" "${cmake_args[@]}" "${nccl_args[@]}"
+  show_cache "$build"
+  step build 300 240 "$OUT/build.log" cmake --build "$build" "${build_args[@]}"
+  # NCCL is the part of the GPU build most likely to break on a new machine
+  # (header and library versions); without it the kernels and the benchmarks still build.
+  if [[ ! -x $tests_bin || ! -x $bench_bin ]] && [[ -n $nccl_library ]]; then
+    step configure_nonccl 60 300 "$OUT/build.log" cmake -S . -B "$build-nonccl" "${cmake_args[@]}" \
+      -DPTRAIN_WITH_NCCL=OFF
+    step build_nonccl 240 240 "$OUT/build.log" cmake --build "$build-nonccl" "${build_args[@]}"
+  fi
+fi
+# Binaries from the NCCL build where it produced them, else from the fallback.
+[[ -x $tests_bin ]] || tests_bin=$build-nonccl/tests/gpu/ptrain_gpu
+[[ -x $bench_bin ]] || bench_bin=$build-nonccl/benchmarks/gpu_bench
+
+# --------------------------------------------------------------------- tests ----
+if want test; then
+  : >"$OUT/gpu_tests.log"
+  if [[ -x $tests_bin ]]; then
+    # --durations yes: the time of each test case, to see what a session's budget goes to.
+    step gpu_tests 180 240 "$OUT/gpu_tests.log" "$tests_bin" --durations yes
+  else
+    summary+=("gpu_tests: not run, $tests_bin was not built")
+  fi
+fi
+
+# ---------------------------------------------------------------- benchmarks ----
+# JSON lines go to gpu_bench.jsonl as well as the log; the readable tables
+# (stderr) only to the log. `timeout` runs programs, not shell functions, hence bash -c.
+to_jsonl=(bash -c '"$@" | tee -a "$0"; exit "${PIPESTATUS[0]}"' "$OUT/gpu_bench.jsonl")
+if want bench; then
+  : >"$OUT/gpu_bench.jsonl"
+  : >"$OUT/gpu_bench.log"
+  if [[ -x $bench_bin ]]; then
+    step bench_ptrain 150 150 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin"
+  else
+    summary+=("bench_ptrain: not run, $bench_bin was not built")
+  fi
+  step bench_pytorch 150 15 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$python" benchmarks/gpu_bench.py
+  step compare 15 0 "$OUT/gpu_compare.txt" python3 tools/gpu/compare.py "$OUT/gpu_bench.jsonl"
+fi
+
+echo
+for s in "${summary[@]}"; do note "$s"; done
+note "total $((SECONDS - t0)) s; logs in $OUT"
