@@ -30,8 +30,10 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <vector>
 
 #include "ptrain/dist/communicator.hpp"
@@ -169,6 +171,17 @@ class GlooP2PWork : public Work {
   bool done_ = false;
   std::exception_ptr error_;
 };
+
+// Gloo's TCP transport writes to its sockets without MSG_NOSIGNAL. When a peer
+// dies, such a write raises SIGPIPE, whose default action kills this process
+// before Gloo can report the broken connection, so a dead peer would take its
+// neighbours with it instead of giving them a CommError. SIGPIPE is therefore
+// ignored (writes then fail with EPIPE, which Gloo reports) unless the program
+// installed a handler of its own.
+inline void ignore_default_sigpipe() {
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+}
 
 }  // namespace detail
 
@@ -316,6 +329,7 @@ class GlooCommunicator : public Communicator {
     PTRAIN_CHECK(size >= 1 && rank >= 0 && rank < size, CommError, "[ptrain.gloo.rank] rank ", rank,
                  " and size ", size, " do not describe a group; need 0 <= rank < size");
     if (size_ == 1) return;  // a group of one never talks to anyone
+    detail::ignore_default_sigpipe();
     auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
     ctx->setTimeout(timeout);
     detail::GlooStoreAdapter adapter(store_, prefix_ + "/", timeout);
