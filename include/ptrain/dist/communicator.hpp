@@ -113,7 +113,7 @@ class Work {
     {
       std::unique_lock lock(m_);
       wait_timeout_ = timeout;
-      if (!cv_.wait_until(lock, deadline, [&] { return queued_done_; })) throw_timeout();
+      if (!wait_probing(cv_, lock, deadline, [&] { return queued_done_; })) throw_timeout();
       if (error_) std::rethrow_exception(error_);
       if (finished_) return;
     }
@@ -152,7 +152,7 @@ class Work {
  protected:
   /// Second stage for operations whose queued part only starts a transfer.
   /// Blocks up to `timeout`; throws CommError on failure or timeout.
-  virtual void finish(std::chrono::milliseconds timeout) {}
+  virtual void finish(std::chrono::milliseconds /*timeout*/) {}
   /// Non-blocking form of finish(): true when done.
   virtual bool try_finish() { return true; }
   /// Backends without a second stage mark the operation finished when queued work ends.
@@ -162,6 +162,35 @@ class Work {
   void mark_enqueued() {
     std::lock_guard lock(m_);
     queued_done_ = true;
+  }
+
+  /// Backends that can learn of a failure elsewhere while their own call is
+  /// stuck (Gloo) set a probe: waits call it every `interval`, and the
+  /// CommError it throws ends the wait unless the operation completed meanwhile.
+  void set_probe(std::function<void()> probe, std::chrono::milliseconds interval) {
+    probe_ = std::move(probe);
+    probe_interval_ = interval;
+  }
+
+  /// cv.wait_until(lock, deadline, done), calling the probe between slices; false on timeout.
+  template <class Done>
+  bool wait_probing(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                    std::chrono::steady_clock::time_point deadline, Done done) {
+    for (;;) {
+      auto now = std::chrono::steady_clock::now();
+      auto next = probe_ ? std::min(deadline, now + probe_interval_) : deadline;
+      if (cv.wait_until(lock, next, done)) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      lock.unlock();
+      std::exception_ptr probed;
+      try {
+        probe_();
+      } catch (...) {
+        probed = std::current_exception();
+      }
+      lock.lock();
+      if (probed && !done()) std::rethrow_exception(probed);
+    }
   }
 
   /// Throws the timeout CommError for the wait() in progress.
@@ -189,6 +218,8 @@ class Work {
   int rank_;
   int peer_;
   std::chrono::milliseconds default_timeout_;
+  std::function<void()> probe_;
+  std::chrono::milliseconds probe_interval_{0};
   std::atomic<std::chrono::milliseconds> wait_timeout_{std::chrono::milliseconds(0)};
   std::mutex m_;
   std::condition_variable cv_;

@@ -11,12 +11,23 @@
 //
 // Note [Gloo failure]
 // A dead peer shows up in Gloo as a reset or closed TCP pair, but its message
-// names a socket address, not a rank. On the first failure a rank (1) marks
-// itself alive under <prefix>/failed/alive/<rank> in the store, (2) closes all
-// its pairs so that ranks waiting on it fail at once instead of at the timeout,
-// and (3) waits up to kFailureGrace for the other ranks' marks. Ranks without a
-// mark are named as the failed peers. When the store itself is unreachable,
-// rank 0 (which serves it) is named.
+// names a socket address, not a rank. On the first failure a rank (1) sets
+// <prefix>/failed/any and marks itself alive under <prefix>/failed/alive/<rank>
+// in the store, (2) closes all its pairs so that ranks waiting on it fail at
+// once instead of at the timeout, and (3) waits up to kFailureGrace for the
+// other ranks' marks. Ranks without a mark are named as the failed peers. When
+// the store itself is unreachable, rank 0 (which serves it) is named.
+//
+// Gloo does not wake every wait of a broken pair: an unbound-buffer send that
+// sits half written in the pair's transmit queue (the peer stopped reading)
+// fails only at Gloo's timeout. So a user thread waiting on a Work also looks
+// for <prefix>/failed/any every kGlooProbeInterval and, once some rank has set
+// it, runs the same diagnosis and throws. The worker may then still be inside
+// Gloo; the communicator's destructor waits for it only kFailureGrace and then
+// detaches it. Everything the worker touches lives in GlooState, which its
+// queued task co-owns, so it can finish (at Gloo's timeout) after the
+// communicator is gone. Buffers of the failed operation may still be written
+// until then.
 
 #ifdef PTRAIN_GLOO
 
@@ -44,6 +55,8 @@ namespace detail {
 
 // How long a rank that saw a failure waits for the others' alive marks.
 inline constexpr std::chrono::milliseconds kFailureGrace{2000};
+// How often a waiting user thread looks for failure marks in the store.
+inline constexpr std::chrono::milliseconds kGlooProbeInterval{500};
 // Slot prefixes for ptrain's own unbound-buffer traffic; Gloo uses 0x01..0x08.
 inline constexpr std::uint8_t kGlooReduceScatterSlot = 0x40;
 inline constexpr std::uint8_t kGlooP2PSlot = 0x41;
@@ -125,6 +138,7 @@ inline std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& h
 class GlooP2PWork : public Work {
  public:
   using Work::Work;
+  using Work::set_probe;
   std::shared_ptr<gloo::Context> context;  // keeps the pair alive until the transfer ends
   std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
   bool is_send = false;
@@ -156,7 +170,7 @@ class GlooP2PWork : public Work {
  protected:
   void finish(std::chrono::milliseconds timeout) override {
     std::unique_lock lock(m_);
-    if (!cv_.wait_for(lock, timeout, [&] { return done_; })) throw_timeout();
+    if (!wait_probing(cv_, lock, std::chrono::steady_clock::now() + timeout, [&] { return done_; })) throw_timeout();
     if (error_) std::rethrow_exception(error_);
   }
   bool try_finish() override {
@@ -183,6 +197,124 @@ inline void ignore_default_sigpipe() {
   if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
 }
 
+// What a Gloo communicator's queued operations and Works use, owned jointly so
+// that a worker left inside a stuck Gloo call outlives its communicator safely
+// (Note [Gloo failure]).
+struct GlooState {
+  GlooState(std::shared_ptr<SharedStore> s, int r, int n, std::string h, std::string p, std::chrono::milliseconds t)
+      : store(std::move(s)), rank(r), size(n), hostname(std::move(h)), prefix(std::move(p)),
+        grace(std::min(kFailureGrace, t)) {}
+
+  std::shared_ptr<SharedStore> store;
+  int rank, size;
+  std::string hostname, prefix;
+  std::chrono::milliseconds grace;  // how long a rank that saw a failure waits for the others' marks
+  std::shared_ptr<gloo::Context> ctx;
+  std::uint32_t tag = 0;  // Gloo tags must match across ranks; all ranks run the same sequence
+  OpQueue p2p_done;       // waits for posted send/recv transfers, in posting order
+
+  std::string failed() {
+    std::lock_guard lock(failure_m_);
+    return failure_;
+  }
+
+  // Runs a Gloo call on the worker; turns its failure into a CommError naming
+  // the operation and the failed peers.
+  template <class F>
+  void guarded(const std::string& what, std::chrono::milliseconds timeout, F&& f) {
+    std::string earlier = failed();
+    PTRAIN_CHECK(ctx && earlier.empty(), CommError, "[ptrain.comm.aborted] ", what, " on rank ", rank,
+                 ": the Gloo communicator failed earlier: ", earlier.empty() ? "context closed" : earlier);
+    try {
+      f();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      std::string gloo_msg = e.what();
+      mark_failed();
+      // Closing the pairs turns the peers' waits on this rank into errors now.
+      for (int r = 0; r < size; ++r)
+        if (r != rank) {
+          try {
+            ctx->getPair(r)->close();
+          } catch (...) {
+          }
+        }
+      ctx.reset();
+      fail(what, detail::cat("Gloo: ", gloo_msg, " (timeout ", timeout.count(), " ms)"));
+    }
+  }
+
+  // Called by a waiting user thread every kGlooProbeInterval: throws once any
+  // rank of the group has marked a failure, even while this rank's worker is
+  // still inside a Gloo call that only Gloo's timeout would end.
+  void probe(const std::string& what) {
+    if (failed().empty()) {
+      try {
+        std::lock_guard lock(store->m);
+        if (!store->store->check({prefix + "/failed/any"})) return;
+      } catch (const std::exception&) {
+        // The store is gone: fall through, mark_failed() names rank 0.
+      }
+    }
+    mark_failed();
+    fail(what, "seen through the store while this rank waited");
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what, const std::string& detail) {
+    PTRAIN_THROW(CommError, "[ptrain.gloo.failed] ", what, " failed on rank ", rank, " of ", size, " (", prefix,
+                 "): ", failed(), "; ", detail,
+                 ". The communicator is aborted; restart the job or create a new process group");
+  }
+
+  // Marks the failure and this rank alive in the store, waits up to the
+  // grace for the other ranks' marks and records the verdict naming
+  // the ranks without one (once; later calls keep the first verdict).
+  void mark_failed() {
+    std::lock_guard once(diagnose_m_);
+    if (!failed().empty()) return;
+    std::string verdict = diagnose();
+    std::lock_guard lock(failure_m_);
+    failure_ = verdict;
+  }
+
+  std::string diagnose() {
+    auto key = [&](int r) { return detail::cat(prefix, "/failed/alive/", r); };
+    try {
+      std::lock_guard lock(store->m);
+      store->store->set(prefix + "/failed/any", "1");
+      store->store->set(key(rank), "1");
+    } catch (const std::exception& e) {
+      return detail::cat("peer rank 0 (it serves the store) is probably dead: the store is unreachable (", e.what(),
+                         ")");
+    }
+    auto deadline = std::chrono::steady_clock::now() + grace;
+    std::vector<int> missing;
+    for (;;) {
+      missing.clear();
+      try {
+        std::lock_guard lock(store->m);
+        for (int r = 0; r < size; ++r)
+          if (r != rank && !store->store->check({key(r)})) missing.push_back(r);
+      } catch (const std::exception& e) {
+        return detail::cat("peer rank 0 (it serves the store) is probably dead: the store became unreachable (",
+                           e.what(), ")");
+      }
+      if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (missing.empty()) return "every peer is still alive (a peer reported a transport error)";
+    std::string list;
+    for (std::size_t i = 0; i < missing.size(); ++i) list += (i ? ", " : "") + std::to_string(missing[i]);
+    return detail::cat("peer rank", missing.size() > 1 ? "s " : " ", list,
+                       " failed (died, or is stuck outside this collective)");
+  }
+
+  std::mutex diagnose_m_, failure_m_;
+  std::string failure_;
+};
+
 }  // namespace detail
 
 /// Communicator over a Gloo TCP full mesh; rendezvous through a ptrain Store.
@@ -198,33 +330,35 @@ class GlooCommunicator : public Communicator {
 
   ~GlooCommunicator() override {
     // Posting first, then completion: the worker may still hand transfers to the completion thread.
-    queue_.shutdown(std::chrono::hours(24 * 365));
-    p2p_done_.shutdown(std::chrono::hours(24 * 365));
+    // After a failure a worker may sit in a Gloo wait that only Gloo's own timeout ends
+    // (Note [Gloo failure]); it is detached then and keeps the shared state alive until it returns.
+    auto limit = s_->failed().empty() ? std::chrono::milliseconds(std::chrono::hours(24 * 365)) : s_->grace;
+    if (queue_.shutdown(limit)) s_->p2p_done.shutdown(limit);
   }
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
+  int rank() const override { return s_->rank; }
+  int size() const override { return s_->size; }
   std::string backend() const override { return "gloo"; }
 
   std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
                                          ReduceOp op) override {
     auto w = make_work(detail::op_desc("all_reduce", count, dt, reduce_op_name(op)));
     auto fn = detail::gloo_reduce_fn(dt, op);
-    queue_.submit(w, [=, this, what = w->what()] {
+    queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
       std::size_t bytes = count * dtype_size(dt);
       if (send != recv && bytes) std::memcpy(recv, send, bytes);
       // The copy above makes every all-reduce in place, which Gloo handles best.
-      if (size_ > 1 && count > 0) {
-        guarded(what, [&] {
-          gloo::AllreduceOptions o(ctx_);
+      if (s->size > 1 && count > 0) {
+        s->guarded(what, t, [&] {
+          gloo::AllreduceOptions o(s->ctx);
           set_output(o, recv, count, dt);
           o.setReduceFunction(fn);
-          o.setTag(next_tag());
-          o.setTimeout(timeout());
+          o.setTag(s->tag++);
+          o.setTimeout(t);
           gloo::allreduce(o);
         });
       }
-      if (op == ReduceOp::Avg) detail::divide_by(recv, count, dt, size_);
+      if (op == ReduceOp::Avg) detail::divide_by(recv, count, dt, s->size);
     });
     return w;
   }
@@ -232,9 +366,9 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
                                              ReduceOp op) override {
     auto w = make_work(detail::op_desc("reduce_scatter", recv_count, dt, reduce_op_name(op)));
-    queue_.submit(w, [=, this, what = w->what()] {
-      ring_reduce_scatter(what, send, recv, recv_count, dt, op);
-      if (op == ReduceOp::Avg) detail::divide_by(recv, recv_count, dt, size_);
+    queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
+      ring_reduce_scatter(*s, what, t, send, recv, recv_count, dt, op);
+      if (op == ReduceOp::Avg) detail::divide_by(recv, recv_count, dt, s->size);
     });
     return w;
   }
@@ -243,17 +377,17 @@ class GlooCommunicator : public Communicator {
                                          DType dt) override {
     detail::visit_dtype(dt, [](auto) { return 0; });
     auto w = make_work(detail::op_desc("all_gather", send_count, dt));
-    queue_.submit(w, [=, this, what = w->what()] {
+    queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
       std::size_t bytes = send_count * dtype_size(dt);
-      char* mine = static_cast<char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
+      char* mine = static_cast<char*>(recv) + static_cast<std::size_t>(s->rank) * bytes;
       if (send != mine && bytes) std::memcpy(mine, send, bytes);
-      if (size_ == 1 || bytes == 0) return;
-      guarded(what, [&] {
+      if (s->size == 1 || bytes == 0) return;
+      s->guarded(what, t, [&] {
         // Input unset: Gloo takes this rank's block from the output (in place).
-        gloo::AllgatherOptions o(ctx_);
-        o.setOutput(static_cast<char*>(recv), bytes * static_cast<std::size_t>(size_));
-        o.setTag(next_tag());
-        o.setTimeout(timeout());
+        gloo::AllgatherOptions o(s->ctx);
+        o.setOutput(static_cast<char*>(recv), bytes * static_cast<std::size_t>(s->size));
+        o.setTag(s->tag++);
+        o.setTimeout(t);
         gloo::allgather(o);
       });
     });
@@ -264,15 +398,15 @@ class GlooCommunicator : public Communicator {
     check_root(root, "broadcast");
     detail::visit_dtype(dt, [](auto) { return 0; });
     auto w = make_work(detail::op_desc("broadcast", count, dt, detail::cat("root ", root).c_str()));
-    queue_.submit(w, [=, this, what = w->what()] {
+    queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
       std::size_t bytes = count * dtype_size(dt);
-      if (size_ == 1 || bytes == 0) return;
-      guarded(what, [&] {
-        gloo::BroadcastOptions o(ctx_);
+      if (s->size == 1 || bytes == 0) return;
+      s->guarded(what, t, [&] {
+        gloo::BroadcastOptions o(s->ctx);
         o.setOutput(static_cast<char*>(buf), bytes);
         o.setRoot(root);
-        o.setTag(next_tag());
-        o.setTimeout(timeout());
+        o.setTag(s->tag++);
+        o.setTimeout(t);
         gloo::broadcast(o);
       });
     });
@@ -288,12 +422,12 @@ class GlooCommunicator : public Communicator {
 
   std::shared_ptr<Work> barrier_async() override {
     auto w = make_work("barrier()");
-    queue_.submit(w, [this, what = w->what()] {
-      if (size_ == 1) return;
-      guarded(what, [&] {
-        gloo::BarrierOptions o(ctx_);
-        o.setTag(next_tag());
-        o.setTimeout(timeout());
+    queue_.submit(w, [s = s_, t = timeout(), what = w->what()] {
+      if (s->size == 1) return;
+      s->guarded(what, t, [&] {
+        gloo::BarrierOptions o(s->ctx);
+        o.setTag(s->tag++);
+        o.setTimeout(t);
         gloo::barrier(o);
       });
     });
@@ -304,60 +438,70 @@ class GlooCommunicator : public Communicator {
     // Every rank learns every (color, key) through an all-gather on this
     // group, then the members of each color build a fresh mesh under a prefix
     // unique to this split (the split counter is the same on every rank).
+    int n = s_->size;
     std::int64_t mine[2] = {color, key};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size_));
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(n));
     all_gather(mine, all.data(), 2, DType::I64);
     int split_id = splits_++;
     if (color < 0) return nullptr;
     std::vector<std::pair<std::int64_t, int>> members;  // (key, old rank)
-    for (int r = 0; r < size_; ++r)
+    for (int r = 0; r < n; ++r)
       if (all[2 * r] == color) members.emplace_back(all[2 * r + 1], r);
     std::sort(members.begin(), members.end());
     int new_rank = 0;
     for (std::size_t i = 0; i < members.size(); ++i)
-      if (members[i].second == rank_) new_rank = static_cast<int>(i);
+      if (members[i].second == s_->rank) new_rank = static_cast<int>(i);
     return std::unique_ptr<Communicator>(new GlooCommunicator(
-        store_, new_rank, static_cast<int>(members.size()), timeout(), hostname_,
-        detail::cat(prefix_, "/split", split_id, "/color", color)));
+        s_->store, new_rank, static_cast<int>(members.size()), timeout(), s_->hostname,
+        detail::cat(s_->prefix, "/split", split_id, "/color", color)));
   }
 
  private:
   GlooCommunicator(std::shared_ptr<detail::SharedStore> store, int rank, int size, std::chrono::milliseconds timeout,
                    std::string hostname, std::string prefix)
-      : Communicator(timeout), store_(std::move(store)), rank_(rank), size_(size), hostname_(std::move(hostname)),
-        prefix_(std::move(prefix)) {
+      : Communicator(timeout) {
     PTRAIN_CHECK(size >= 1 && rank >= 0 && rank < size, CommError, "[ptrain.gloo.rank] rank ", rank,
                  " and size ", size, " do not describe a group; need 0 <= rank < size");
-    if (size_ == 1) return;  // a group of one never talks to anyone
+    s_ = std::make_shared<detail::GlooState>(std::move(store), rank, size, std::move(hostname), std::move(prefix),
+                                             timeout);
+    if (size == 1) return;  // a group of one never talks to anyone
     detail::ignore_default_sigpipe();
-    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
     ctx->setTimeout(timeout);
-    detail::GlooStoreAdapter adapter(store_, prefix_ + "/", timeout);
-    auto device = detail::gloo_device(hostname_);
+    detail::GlooStoreAdapter adapter(s_->store, s_->prefix + "/", timeout);
+    auto device = detail::gloo_device(s_->hostname);
     try {
       ctx->connectFullMesh(adapter, device);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      PTRAIN_THROW(CommError, "[ptrain.gloo.connect] rank ", rank_, " of ", size_,
-                   " could not connect to its peers under store prefix '", prefix_, "' within ", timeout.count(),
+      PTRAIN_THROW(CommError, "[ptrain.gloo.connect] rank ", rank, " of ", size,
+                   " could not connect to its peers under store prefix '", s_->prefix, "' within ", timeout.count(),
                    " ms: ", e.what(), "; check that every rank started and that peers can reach this host (",
                    device->str(), "); set GLOO_SOCKET_IFNAME to pick the interface");
     }
-    ctx_ = std::move(ctx);
+    s_->ctx = std::move(ctx);
+  }
+
+  // Works of a group of 2+ probe the store while they wait (Note [Gloo failure]).
+  template <class W>
+  std::shared_ptr<W> probing(std::shared_ptr<W> w) {
+    if (s_->size > 1)
+      w->set_probe([s = std::weak_ptr(s_), what = w->what()] {
+        if (auto state = s.lock()) state->probe(what);
+      }, detail::kGlooProbeInterval);
+    return w;
   }
 
   struct SingleStageWork : Work {
     SingleStageWork(std::string what, int rank, std::chrono::milliseconds t) : Work(std::move(what), rank, -1, t) {
       set_single_stage();
     }
+    using Work::set_probe;
   };
   std::shared_ptr<Work> make_work(std::string what) {
-    return std::make_shared<SingleStageWork>(std::move(what), rank_, timeout());
+    return probing(std::make_shared<SingleStageWork>(std::move(what), s_->rank, timeout()));
   }
-
-  // Gloo tags must match across ranks; all ranks run the same sequence of operations.
-  std::uint32_t next_tag() { return tag_++; }
 
   template <class Opts>
   static void set_output(Opts& o, void* buf, std::size_t count, DType dt) {
@@ -368,97 +512,37 @@ class GlooCommunicator : public Communicator {
     });
   }
 
-  // Runs a Gloo call; turns its failure into a CommError naming the operation
-  // and the failed peers (Note [Gloo failure]).
-  template <class F>
-  void guarded(const std::string& what, F&& f) {
-    PTRAIN_CHECK(ctx_, CommError, "[ptrain.comm.aborted] ", what, " on rank ", rank_,
-                 ": the Gloo context was closed after an earlier failure");
-    try {
-      f();
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      std::string gloo_msg = e.what();
-      std::string peers = diagnose_failure();
-      PTRAIN_THROW(CommError, "[ptrain.gloo.failed] ", what, " failed on rank ", rank_, " of ", size_, " (", prefix_,
-                   "): ", peers, "; Gloo: ", gloo_msg, " (timeout ", timeout().count(),
-                   " ms). The communicator is aborted; restart the job or create a new process group");
-    }
-  }
-
-  std::string diagnose_failure() {
-    auto key = [&](int r) { return detail::cat(prefix_, "/failed/alive/", r); };
-    std::string store_error;
-    try {
-      std::lock_guard lock(store_->m);
-      store_->store->set(key(rank_), "1");
-    } catch (const std::exception& e) {
-      store_error = e.what();
-    }
-    // Closing the pairs turns the peers' waits on this rank into errors now.
-    for (int r = 0; r < size_; ++r)
-      if (r != rank_) {
-        try {
-          ctx_->getPair(r)->close();
-        } catch (...) {
-        }
-      }
-    ctx_.reset();
-    if (!store_error.empty())
-      return detail::cat("peer rank 0 (it serves the store) is probably dead: the store is unreachable (", store_error, ")");
-    auto deadline = std::chrono::steady_clock::now() + std::min(detail::kFailureGrace, timeout());
-    std::vector<int> missing;
-    for (;;) {
-      missing.clear();
-      try {
-        std::lock_guard lock(store_->m);
-        for (int r = 0; r < size_; ++r)
-          if (r != rank_ && !store_->store->check({key(r)})) missing.push_back(r);
-      } catch (const std::exception& e) {
-        return detail::cat("peer rank 0 (it serves the store) is probably dead: the store became unreachable (", e.what(), ")");
-      }
-      if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (missing.empty()) return "every peer is still alive (a peer reported a transport error)";
-    std::string list;
-    for (std::size_t i = 0; i < missing.size(); ++i) list += (i ? ", " : "") + std::to_string(missing[i]);
-    return detail::cat("peer rank", missing.size() > 1 ? "s " : " ", list,
-               " failed (died, or is stuck outside this collective)");
-  }
-
-  // Ring reduce-scatter: at step s rank r sends block (r-s-1) to r+1 and
-  // reduces block (r-s-2) received from r-1; after n-1 steps block r is
+  // Ring reduce-scatter: at step k rank r sends block (r-k-1) to r+1 and
+  // reduces block (r-k-2) received from r-1; after n-1 steps block r is
   // complete. A scratch copy keeps `send` untouched when out of place.
-  void ring_reduce_scatter(const std::string& what, const void* send, void* recv, std::size_t rc, DType dt,
-                           ReduceOp op) {
+  static void ring_reduce_scatter(detail::GlooState& s, const std::string& what, std::chrono::milliseconds t,
+                                  const void* send, void* recv, std::size_t rc, DType dt, ReduceOp op) {
     std::size_t es = dtype_size(dt), block = rc * es;
-    if (size_ == 1 || block == 0) {
+    if (s.size == 1 || block == 0) {
       if (send != recv && block) std::memcpy(recv, send, block);
       return;
     }
-    std::vector<char> work(static_cast<const char*>(send), static_cast<const char*>(send) + block * size_);
+    std::vector<char> work(static_cast<const char*>(send), static_cast<const char*>(send) + block * s.size);
     std::vector<char> incoming(block);
-    int n = size_, right = (rank_ + 1) % n, left = (rank_ - 1 + n) % n;
-    std::uint32_t tag = next_tag();
-    guarded(what, [&] {
-      auto out = ctx_->createUnboundBuffer(work.data(), work.size());
-      auto in = ctx_->createUnboundBuffer(incoming.data(), incoming.size());
+    int n = s.size, rank = s.rank, right = (rank + 1) % n, left = (rank - 1 + n) % n;
+    std::uint32_t tag = s.tag++;
+    s.guarded(what, t, [&] {
+      auto out = s.ctx->createUnboundBuffer(work.data(), work.size());
+      auto in = s.ctx->createUnboundBuffer(incoming.data(), incoming.size());
       auto slot = gloo::Slot::build(detail::kGlooReduceScatterSlot, tag);
       auto fn = detail::gloo_reduce_fn(dt, op);
-      for (int s = 0; s < n - 1; ++s) {
-        std::size_t send_idx = static_cast<std::size_t>((rank_ - s - 1 + 2 * n) % n);
-        std::size_t recv_idx = static_cast<std::size_t>((rank_ - s - 2 + 2 * n) % n);
+      for (int k = 0; k < n - 1; ++k) {
+        std::size_t send_idx = static_cast<std::size_t>((rank - k - 1 + 2 * n) % n);
+        std::size_t recv_idx = static_cast<std::size_t>((rank - k - 2 + 2 * n) % n);
         in->recv(left, slot, 0, block);
         out->send(right, slot, send_idx * block, block);
-        in->waitRecv(timeout());
+        in->waitRecv(t);
         char* dst = work.data() + recv_idx * block;
         fn(dst, dst, incoming.data(), rc);
-        out->waitSend(timeout());
+        out->waitSend(t);
       }
     });
-    std::memcpy(recv, work.data() + static_cast<std::size_t>(rank_) * block, block);
+    std::memcpy(recv, work.data() + static_cast<std::size_t>(rank) * block, block);
   }
 
   std::shared_ptr<Work> p2p(bool is_send, void* buf, std::size_t count, DType dt, int peer, int tag) {
@@ -466,37 +550,32 @@ class GlooCommunicator : public Communicator {
     check_peer(peer, op);
     detail::visit_dtype(dt, [](auto) { return 0; });
     PTRAIN_CHECK(tag >= 0, CommError, "[ptrain.comm.tag] ", op, ": tag ", tag, " must be >= 0");
-    auto w = std::make_shared<detail::GlooP2PWork>(
-        detail::op_desc(op, count, dt, detail::cat(is_send ? "to " : "from ", peer, ", tag ", tag).c_str()), rank_, peer,
-        timeout());
+    auto w = probing(std::make_shared<detail::GlooP2PWork>(
+        detail::op_desc(op, count, dt, detail::cat(is_send ? "to " : "from ", peer, ", tag ", tag).c_str()),
+        s_->rank, peer, timeout()));
     w->is_send = is_send;
     std::size_t bytes = count * dtype_size(dt);
-    queue_.submit(w, [=, this] {
+    queue_.submit(w, [=, s = s_, t = timeout()] {
       if (bytes == 0) {
         w->complete_empty();  // both sides skip: nothing to match
         return;
       }
-      guarded(w->what(), [&] {
-        w->context = ctx_;
-        w->buffer = ctx_->createUnboundBuffer(buf, bytes);
+      s->guarded(w->what(), t, [&] {
+        w->context = s->ctx;
+        w->buffer = s->ctx->createUnboundBuffer(buf, bytes);
         auto slot = gloo::Slot::build(detail::kGlooP2PSlot, static_cast<std::uint32_t>(tag));
         if (is_send) w->buffer->send(peer, slot);
         else w->buffer->recv(peer, slot);
       });
-      auto ticket = make_work("p2p completion");
-      p2p_done_.submit(ticket, [w, t = timeout()] { w->complete(t); });
+      auto ticket = std::make_shared<SingleStageWork>("p2p completion", s->rank, t);
+      s->p2p_done.submit(ticket, [w, t] { w->complete(t); });
     });
     return w;
   }
 
-  std::shared_ptr<detail::SharedStore> store_;
-  int rank_, size_;
-  std::string hostname_, prefix_;
-  std::shared_ptr<gloo::Context> ctx_;
-  std::uint32_t tag_ = 0;
+  std::shared_ptr<detail::GlooState> s_;
   int splits_ = 0;
-  detail::OpQueue queue_;      // runs operations in order (Note [Async execution])
-  detail::OpQueue p2p_done_;   // waits for posted send/recv transfers, in posting order
+  detail::OpQueue queue_;  // runs operations in order (Note [Async execution]); destroyed first
 };
 
 }  // namespace ptrain::dist

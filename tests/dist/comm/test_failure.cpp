@@ -29,6 +29,15 @@ namespace {
 
 constexpr int kKillIteration = 4;
 
+// Writes what a child saw: milliseconds since t0, then the error message.
+void write_child(int rank, std::chrono::steady_clock::time_point t0, const std::string& msg) {
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  if (const char* out = std::getenv("PTRAIN_KILL_OUT")) {
+    std::ofstream f(std::string(out) + "/rank" + std::to_string(rank) + ".txt");
+    f << ms << "\n" << msg << "\n";
+  }
+}
+
 // Runs all-reduces until one fails; the victim kills itself while one is in flight.
 void kill_child_body(Communicator& c, int victim) {
   std::vector<float> buf(1 << 20, 1.0f);
@@ -44,11 +53,7 @@ void kill_child_body(Communicator& c, int victim) {
       w->wait();
     }
   } catch (const CommError& e) {
-    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
-    if (const char* out = std::getenv("PTRAIN_KILL_OUT")) {
-      std::ofstream f(std::string(out) + "/rank" + std::to_string(c.rank()) + ".txt");
-      f << ms << "\n" << e.what() << "\n";
-    }
+    write_child(c.rank(), t0, e.what());
     return;
   }
   FAIL("no CommError although rank " << victim << " was killed");
@@ -57,10 +62,12 @@ void kill_child_body(Communicator& c, int victim) {
 using ptrain::testing::free_port;
 using ptrain::testing::self_exe;
 
-void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
+// Spawns `world_size` ranks of this binary running test `tag` with the Gloo
+// backend, waits up to `timeout_s` for all of them (killing stragglers) and
+// returns their wait statuses; `left` gets the number that had not exited.
+std::vector<int> run_gloo_ranks(int world_size, const char* tag, int timeout_s, const std::string& dir,
+                                int& left, const std::vector<std::pair<std::string, std::string>>& env) {
   std::string exe = self_exe(), port = std::to_string(free_port());
-  std::string dir = "/tmp/ptrain_kill_" + std::to_string(::getpid()) + "_" + std::to_string(victim);
-  REQUIRE(std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()) == 0);
   std::vector<pid_t> pids;
   for (int r = 0; r < world_size; ++r) {
     pid_t pid = ::fork();
@@ -75,9 +82,9 @@ void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
       ::setenv("MASTER_PORT", port.c_str(), 1);
       ::setenv("PTRAIN_BACKEND", "gloo", 1);
       ::setenv("PTRAIN_COMM_TIMEOUT_S", std::to_string(timeout_s).c_str(), 1);
-      ::setenv("PTRAIN_KILL_RANK", std::to_string(victim).c_str(), 1);
       ::setenv("PTRAIN_KILL_OUT", dir.c_str(), 1);
-      ::execl(exe.c_str(), exe.c_str(), "[.gloo_kill_child]", "--reporter", "compact", static_cast<char*>(nullptr));
+      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+      ::execl(exe.c_str(), exe.c_str(), tag, "--reporter", "compact", static_cast<char*>(nullptr));
       ::_exit(127);
     }
     pids.push_back(pid);
@@ -86,7 +93,7 @@ void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
   std::vector<int> status(world_size, -1);
   std::vector<bool> done(world_size, false);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
-  int left = world_size;
+  left = world_size;
   while (left > 0 && std::chrono::steady_clock::now() < deadline) {
     for (int r = 0; r < world_size; ++r)
       if (!done[r] && ::waitpid(pids[r], &status[r], WNOHANG) == pids[r]) {
@@ -100,6 +107,31 @@ void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
       ::kill(pids[r], SIGKILL);
       ::waitpid(pids[r], &status[r], 0);
     }
+  return status;
+}
+
+std::string fresh_dir(const char* what) {
+  std::string dir = "/tmp/ptrain_" + std::string(what) + "_" + std::to_string(::getpid());
+  REQUIRE(std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()) == 0);
+  return dir;
+}
+
+// What a child wrote: milliseconds until its CommError, then the message.
+std::pair<long, std::string> read_child(const std::string& dir, int r) {
+  std::ifstream f(dir + "/rank" + std::to_string(r) + ".txt");
+  REQUIRE(f.good());
+  long ms = -1;
+  f >> ms;
+  std::stringstream rest;
+  rest << f.rdbuf();
+  return {ms, rest.str()};
+}
+
+void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
+  std::string dir = fresh_dir("kill");
+  int left = 0;
+  auto status = run_gloo_ranks(world_size, "[.gloo_kill_child]", timeout_s, dir, left,
+                               {{"PTRAIN_KILL_RANK", std::to_string(victim)}});
   INFO("world " << world_size << ", victim rank " << victim);
   CHECK(left == 0);
   for (int r = 0; r < world_size; ++r) {
@@ -109,13 +141,7 @@ void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
       continue;
     }
     CHECK((WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0));
-    std::ifstream f(dir + "/rank" + std::to_string(r) + ".txt");
-    REQUIRE(f.good());
-    long ms = -1;
-    f >> ms;
-    std::stringstream rest;
-    rest << f.rdbuf();
-    std::string msg = rest.str();
+    auto [ms, msg] = read_child(dir, r);
     INFO(msg);
     CHECK(ms >= 0);
     CHECK(ms < timeout_s * 1000 / 2);  // detected from the dead connection, not by waiting out the timeout
@@ -143,4 +169,49 @@ TEST_CASE("comm failure: SIGKILL of one Gloo rank mid all_reduce gives CommError
 TEST_CASE("comm failure child under mpirun: rank 1 dies mid all_reduce", "[.mpi_kill_child]") {
   auto c = init_process_group();
   kill_child_body(*c, 1);
+}
+
+// Rank 0 waits for a message from rank 2, which is alive but stuck outside the
+// communicator (sleeping); rank 1 gives up on a barrier after 1 s. Nothing
+// breaks the pair between ranks 0 and 2, so only the store tells rank 0 that
+// the group failed (Note [Gloo failure]): its wait must end within seconds,
+// naming rank 2, and the process must exit although Gloo still waits inside.
+TEST_CASE("comm failure child (spawned by [.gloo_probe])", "[.gloo_probe_child]") {
+  auto c = init_process_group();
+  REQUIRE((c->backend() == "gloo" && c->size() == 3));
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> buf(1024);
+  try {
+    if (c->rank() == 0) c->recv(buf.data(), buf.size(), DType::F32, 2, 7);
+    if (c->rank() == 1) {
+      c->set_timeout(std::chrono::seconds(1));
+      c->barrier();
+    }
+  } catch (const CommError& e) {
+    write_child(c->rank(), t0, e.what());
+    return;
+  }
+  if (c->rank() == 2) std::this_thread::sleep_for(std::chrono::seconds(10));
+  else FAIL("no CommError on rank " << c->rank());
+}
+
+TEST_CASE("comm failure: a Gloo wait that Gloo never wakes ends through the store's failure marks", "[.gloo_probe]") {
+  std::string dir = fresh_dir("probe");
+  int left = 0;
+  auto status = run_gloo_ranks(3, "[.gloo_probe_child]", 20, dir, left, {});
+  CHECK(left == 0);
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r);
+    CHECK((WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0));
+  }
+  auto [ms0, msg0] = read_child(dir, 0);
+  INFO(msg0);
+  CHECK(ms0 < 8000);  // without the probe, rank 2 exiting (10 s) would be what wakes it
+  CHECK(msg0.find("recv(F32 x 1024, from 2, tag 7)") != std::string::npos);
+  CHECK(msg0.find("peer rank 2 failed") != std::string::npos);
+  CHECK(msg0.find("seen through the store") != std::string::npos);
+  auto [ms1, msg1] = read_child(dir, 1);
+  INFO(msg1);
+  CHECK(msg1.find("barrier()") != std::string::npos);  // its own wait times out (1 s); its worker marks the failure
+  if (std::getenv("PTRAIN_KILL_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());
 }
