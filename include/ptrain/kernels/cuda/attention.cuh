@@ -76,8 +76,8 @@ bool heads_aligned(const HeadOperand<T>& o) {
 /// C_bh = alpha op(A_bh) op(B_bh) + beta C_bh for every head (b, h), row-major,
 /// as kernels::cuda::gemm per head but in one cuBLAS call. m, n, k > 0.
 template <class T>
-void gemm_heads(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, T alpha,
-                HeadOperand<const T> a, HeadOperand<const T> b, T beta, HeadOperand<T> c, std::int64_t nb,
+void gemm_heads(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, acc_t<T> alpha,
+                HeadOperand<const T> a, HeadOperand<const T> b, acc_t<T> beta, HeadOperand<T> c, std::int64_t nb,
                 std::int64_t nh) {
   const std::int64_t count = nb * nh;
   PTRAIN_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && a.ld <= INT_MAX && b.ld <= INT_MAX &&
@@ -114,12 +114,15 @@ void gemm_heads(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int cm = static_cast<int>(n), cn = static_cast<int>(m), ck = static_cast<int>(k);
   const int lda = static_cast<int>(a.ld), ldb = static_cast<int>(b.ld), ldc = static_cast<int>(c.ld);
-  if constexpr (std::is_same_v<T, float>) {
-    const cublasComputeType_t compute = tf32_enabled() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
+    // bf16: bf16 operands and result, fp32 accumulation and scalars.
+    constexpr cudaDataType_t type = std::is_same_v<T, bf16> ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasComputeType_t compute =
+        std::is_same_v<T, float> && tf32_enabled() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     PTRAIN_CHECK_CUBLAS(cublasGemmBatchedEx(handle, op_b, op_a, cm, cn, ck, &alpha,
-                                            reinterpret_cast<const void* const*>(pb), CUDA_R_32F, ldb,
-                                            reinterpret_cast<const void* const*>(pa), CUDA_R_32F, lda, &beta,
-                                            reinterpret_cast<void* const*>(pc), CUDA_R_32F, ldc,
+                                            reinterpret_cast<const void* const*>(pb), type, ldb,
+                                            reinterpret_cast<const void* const*>(pa), type, lda, &beta,
+                                            reinterpret_cast<void* const*>(pc), type, ldc,
                                             static_cast<int>(count), compute, CUBLAS_GEMM_DEFAULT));
   } else {
     PTRAIN_CHECK_CUBLAS(cublasDgemmBatched(handle, op_b, op_a, cm, cn, ck, &alpha, pb, ldb, pa, lda, &beta, pc, ldc,
@@ -132,24 +135,26 @@ void gemm_heads(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
 // keep_scale where kept, else 0. Each thread rescales and masks only the
 // columns it read itself, so no barrier is needed between the passes.
 template <class T>
-__global__ void causal_softmax_kernel(std::int64_t rows, std::int64_t S, T* P, T* Pd, double p, T keep_scale,
+__global__ void causal_softmax_kernel(std::int64_t rows, std::int64_t S, T* P, T* Pd, double p, acc_t<T> keep_scale,
                                       std::uint64_t seed, std::uint64_t offset) {
+  using A = acc_t<T>;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const std::int64_t i = r % S;
     T* row = P + r * S;
-    T mx = T(-INFINITY);
-    for (std::int64_t c = threadIdx.x; c <= i; c += blockDim.x) mx = row[c] > mx ? row[c] : mx;
+    A mx = A(-INFINITY);
+    for (std::int64_t c = threadIdx.x; c <= i; c += blockDim.x) mx = ld(row[c]) > mx ? ld(row[c]) : mx;
     mx = block_max(mx);
-    T s = T(0);
-    for (std::int64_t c = threadIdx.x; c <= i; c += blockDim.x) s += (row[c] = dev_exp(row[c] - mx));
-    const T inv = T(1) / block_sum(s);  // multiply by the inverse, as the CPU does
+    A s = A(0);
+    for (std::int64_t c = threadIdx.x; c <= i; c += blockDim.x) s += dev_exp(ld(row[c]) - mx);
+    const A inv = A(1) / block_sum(s);  // multiply by the inverse, as the CPU does
     const std::uint64_t base = offset + static_cast<std::uint64_t>(r * S);
+    // exp is computed again rather than stored: a bf16 row is rounded once.
     for (std::int64_t c = threadIdx.x; c < S; c += blockDim.x) {
-      const T v = c <= i ? row[c] * inv : T(0);
-      row[c] = v;
+      const A v = c <= i ? dev_exp(ld(row[c]) - mx) * inv : A(0);
+      row[c] = st<T>(v);
       if (Pd) {
         const bool keep = c <= i && random_uniform(seed, base + static_cast<std::uint64_t>(c)) >= p;
-        Pd[r * S + c] = keep ? v * keep_scale : T(0);
+        Pd[r * S + c] = keep ? st<T>(v * keep_scale) : T(0);
       }
     }
   }
@@ -160,22 +165,26 @@ __global__ void causal_softmax_kernel(std::int64_t rows, std::int64_t S, T* P, T
 // 0 above the diagonal, the CPU's expression in the CPU's order.
 template <class T>
 __global__ void causal_softmax_backward_kernel(std::int64_t rows, std::int64_t S, const T* P, T* dS, double p,
-                                               T keep_scale, std::uint64_t seed, std::uint64_t offset, T scale) {
+                                               acc_t<T> keep_scale, std::uint64_t seed, std::uint64_t offset,
+                                               acc_t<T> scale) {
+  using A = acc_t<T>;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const std::int64_t i = r % S;
     const T* prow = P + r * S;
     T* row = dS + r * S;
     const std::uint64_t base = offset + static_cast<std::uint64_t>(r * S);
-    T dot = T(0);
-    for (std::int64_t c = threadIdx.x; c <= i; c += blockDim.x) {
-      T d = row[c];
-      if (p > 0) d = random_uniform(seed, base + static_cast<std::uint64_t>(c)) >= p ? d * keep_scale : T(0);
-      row[c] = d;
-      dot += prow[c] * d;
-    }
+    // The undropped gradient is recomputed in the second pass rather than
+    // stored, so a bf16 row is rounded once.
+    auto grad = [&](std::int64_t c) {
+      const A d = ld(row[c]);
+      if (p == 0) return d;
+      return random_uniform(seed, base + static_cast<std::uint64_t>(c)) >= p ? d * keep_scale : A(0);
+    };
+    A dot = A(0);
+    for (std::int64_t c = threadIdx.x; c <= i; c += blockDim.x) dot += ld(prow[c]) * grad(c);
     dot = block_sum(dot);
     for (std::int64_t c = threadIdx.x; c < S; c += blockDim.x)
-      row[c] = c <= i ? prow[c] * (row[c] - dot) * scale : T(0);
+      row[c] = c <= i ? st<T>(ld(prow[c]) * (grad(c) - dot) * scale) : T(0);
   }
 }
 
@@ -186,27 +195,28 @@ __global__ void causal_softmax_backward_kernel(std::int64_t rows, std::int64_t S
 /// rescaled probabilities that multiply v (probs_drop may be null when p == 0).
 /// y [B, S, C] is written in full. Runs on the current stream.
 template <class T>
-void causal_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D, const T* qkv, T scale,
+void causal_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D, const T* qkv, acc_t<T> scale,
                               T* probs, T* probs_drop, double p, std::uint64_t seed, std::uint64_t offset, T* y) {
+  using A = acc_t<T>;
   detail::check_element_type<T>();
   if (B <= 0 || S <= 0 || H <= 0 || D <= 0) return;
   PTRAIN_CHECK(p == 0 || probs_drop, Error, "[ptrain.cuda.attention] dropout p = ", p,
                " needs a probs_drop buffer");
   const std::int64_t C = H * D, ld = 3 * C, SS = S * S;
-  const T keep_scale = T(1.0 / (1.0 - p));
+  const A keep_scale = A(1.0 / (1.0 - p));
   T* Pd = p > 0 ? probs_drop : probs;
   using detail::HeadOperand;
   // probs = scale q k^T over the full square (the softmax masks it).
   detail::gemm_heads<T>(false, true, S, S, D, scale, HeadOperand<const T>{qkv, ld, S * ld, D},
-                        HeadOperand<const T>{qkv + C, ld, S * ld, D}, T(0), HeadOperand<T>{probs, S, H * SS, SS}, B,
+                        HeadOperand<const T>{qkv + C, ld, S * ld, D}, A(0), HeadOperand<T>{probs, S, H * SS, SS}, B,
                         H);
   detail::causal_softmax_kernel<T>
       <<<detail::grid_for_rows(B * H * S), detail::block_for_cols(S), 0, current_stream()>>>(
           B * H * S, S, probs, p > 0 ? probs_drop : nullptr, p, keep_scale, seed, offset);
   PTRAIN_CHECK_CUDA_LAUNCH();
   // y = Pd v, head h into columns h*D of y.
-  detail::gemm_heads<T>(false, false, S, D, S, T(1), HeadOperand<const T>{Pd, S, H * SS, SS},
-                        HeadOperand<const T>{qkv + 2 * C, ld, S * ld, D}, T(0), HeadOperand<T>{y, C, S * C, D}, B,
+  detail::gemm_heads<T>(false, false, S, D, S, A(1), HeadOperand<const T>{Pd, S, H * SS, SS},
+                        HeadOperand<const T>{qkv + 2 * C, ld, S * ld, D}, A(0), HeadOperand<T>{y, C, S * C, D}, B,
                         H);
 }
 
@@ -216,13 +226,14 @@ void causal_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, st
 template <class T>
 void causal_attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D, const T* qkv,
                                const T* probs, const T* probs_drop, double p, std::uint64_t seed,
-                               std::uint64_t offset, const T* dy, T scale, T* dqkv) {
+                               std::uint64_t offset, const T* dy, acc_t<T> scale, T* dqkv) {
+  using A = acc_t<T>;
   detail::check_element_type<T>();
   if (B <= 0 || S <= 0 || H <= 0 || D <= 0) return;
   PTRAIN_CHECK(p == 0 || probs_drop, Error, "[ptrain.cuda.attention] dropout p = ", p,
                " needs the forward's probs_drop");
   const std::int64_t C = H * D, ld = 3 * C, SS = S * S;
-  const T keep_scale = T(1.0 / (1.0 - p));
+  const A keep_scale = A(1.0 / (1.0 - p));
   const T* Pd = p > 0 ? probs_drop : probs;
   auto scratch = Tensor<T>::empty({B * H * SS}, Device::cuda(current_device()));
   T* dS = scratch.data();
@@ -230,15 +241,15 @@ void causal_attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, s
   const HeadOperand<const T> q{qkv, ld, S * ld, D}, k{qkv + C, ld, S * ld, D}, v{qkv + 2 * C, ld, S * ld, D};
   const HeadOperand<const T> dyh{dy, C, S * C, D}, dS_in{dS, S, H * SS, SS};
   // dPd = dy v^T, then dS in place.
-  detail::gemm_heads<T>(false, true, S, S, D, T(1), dyh, v, T(0), HeadOperand<T>{dS, S, H * SS, SS}, B, H);
+  detail::gemm_heads<T>(false, true, S, S, D, A(1), dyh, v, A(0), HeadOperand<T>{dS, S, H * SS, SS}, B, H);
   detail::causal_softmax_backward_kernel<T>
       <<<detail::grid_for_rows(B * H * S), detail::block_for_cols(S), 0, current_stream()>>>(
           B * H * S, S, probs, dS, p, keep_scale, seed, offset, scale);
   PTRAIN_CHECK_CUDA_LAUNCH();
   // dq = dS k, dk = dS^T q, dv = Pd^T dy; each writes its third of dqkv in full.
-  detail::gemm_heads<T>(false, false, S, D, S, T(1), dS_in, k, T(0), HeadOperand<T>{dqkv, ld, S * ld, D}, B, H);
-  detail::gemm_heads<T>(true, false, S, D, S, T(1), dS_in, q, T(0), HeadOperand<T>{dqkv + C, ld, S * ld, D}, B, H);
-  detail::gemm_heads<T>(true, false, S, D, S, T(1), HeadOperand<const T>{Pd, S, H * SS, SS}, dyh, T(0),
+  detail::gemm_heads<T>(false, false, S, D, S, A(1), dS_in, k, A(0), HeadOperand<T>{dqkv, ld, S * ld, D}, B, H);
+  detail::gemm_heads<T>(true, false, S, D, S, A(1), dS_in, q, A(0), HeadOperand<T>{dqkv + C, ld, S * ld, D}, B, H);
+  detail::gemm_heads<T>(true, false, S, D, S, A(1), HeadOperand<const T>{Pd, S, H * SS, SS}, dyh, A(0),
                         HeadOperand<T>{dqkv + 2 * C, ld, S * ld, D}, B, H);
 }
 

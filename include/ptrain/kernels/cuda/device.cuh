@@ -41,6 +41,7 @@
 
 #include "ptrain/core/allocator.hpp"
 #include "ptrain/core/device.hpp"
+#include "ptrain/core/dtype.hpp"
 #include "ptrain/kernels/cuda/check.cuh"
 
 namespace ptrain::kernels::cuda {
@@ -295,10 +296,37 @@ __device__ __forceinline__ double dev_sqrt(double x) { return sqrt(x); }
 template <class T>
 inline constexpr bool is_float_or_double = std::is_same_v<T, float> || std::is_same_v<T, double>;
 
-// Float and double kernels exist now; bf16 ones come with mixed precision.
+// Element types of the kernels: float and double, and bf16 as a storage type
+// (Note [bf16 kernels]).
 template <class T>
 void check_element_type() {
-  static_assert(is_float_or_double<T>, "ptrain::kernels::cuda: element type must be float or double");
+  static_assert(is_float_or_double<T> || std::is_same_v<T, bf16>,
+                "ptrain::kernels::cuda: element type must be float, double or bf16");
+}
+}  // namespace detail
+
+// Note [bf16 kernels]
+// A bf16 kernel reads bf16, computes in float and rounds once when it stores
+// (to nearest even, as the CPU's bf16 does). Reductions (sums, means, the
+// softmax denominator) accumulate in float. What a kernel keeps for backward
+// beside its output (LayerNorm's mean and rstd, cross-entropy's log-sum-exp) is
+// float, and so are scalars (eps, scale, dloss): acc_t<T> in the signatures,
+// which is T itself for float and double.
+
+/// The arithmetic type of element type T: float for bf16, else T.
+template <class T>
+using acc_t = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
+
+namespace detail {
+/// x converted to its arithmetic type (exact).
+template <class T>
+__device__ __forceinline__ acc_t<T> ld(T x) {
+  return static_cast<acc_t<T>>(x);
+}
+/// v rounded to element type T (bf16: to nearest even; float, double: unchanged).
+template <class T>
+__device__ __forceinline__ T st(acc_t<T> v) {
+  return T(v);
 }
 }  // namespace detail
 

@@ -1,6 +1,6 @@
 #pragma once
 // Elementwise CUDA kernels: bias, activations, dropout, axpy, and the float <-> bf16
-// casts of mixed precision.
+// casts of mixed precision. Float, double and bf16 (Note [bf16 kernels]).
 //
 // Same names and arguments as kernels/cpu/elementwise.hpp, on device pointers
 // of the current device; each launches on current_stream() and returns without
@@ -22,73 +22,76 @@ namespace detail {
 
 template <class T>
 __global__ void bias_add_kernel(std::int64_t rows, std::int64_t cols, T* y, const T* bias) {
-  for (std::int64_t i = global_index(); i < rows * cols; i += grid_stride()) y[i] += bias[i % cols];
+  for (std::int64_t i = global_index(); i < rows * cols; i += grid_stride()) y[i] = st<T>(ld(y[i]) + ld(bias[i % cols]));
 }
 
 // Column sums in the kColTile x kColRows layout (see device.cuh). Deterministic
 // (no atomics): the same input gives the same bits every run.
 template <class T>
 __global__ void bias_grad_kernel(std::int64_t rows, std::int64_t cols, const T* dy, T* dbias) {
-  __shared__ T partial[kColRows][kColTile + 1];  // +1: no bank conflicts when reading a column
+  using A = acc_t<T>;
+  __shared__ A partial[kColRows][kColTile + 1];  // +1: no bank conflicts when reading a column
   const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kColTile + threadIdx.x;
-  T acc = T(0);
+  A acc = A(0);
   if (col < cols)
-    for (std::int64_t r = threadIdx.y; r < rows; r += kColRows) acc += dy[r * cols + col];
+    for (std::int64_t r = threadIdx.y; r < rows; r += kColRows) acc += ld(dy[r * cols + col]);
   partial[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < cols) {
-    T s = T(0);
+    A s = A(0);
     for (int j = 0; j < kColRows; ++j) s += partial[j][threadIdx.x];
-    dbias[col] += s;
+    dbias[col] = st<T>(ld(dbias[col]) + s);
   }
 }
 
 template <class T>
 __global__ void relu_forward_kernel(std::int64_t n, const T* x, T* y) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] = x[i] > T(0) ? x[i] : T(0);
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] = ld(x[i]) > 0 ? x[i] : T(0);
 }
 
 template <class T>
 __global__ void relu_backward_kernel(std::int64_t n, const T* x, const T* dy, T* dx) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) dx[i] = x[i] > T(0) ? dy[i] : T(0);
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) dx[i] = ld(x[i]) > 0 ? dy[i] : T(0);
 }
 
 template <class T>
 __global__ void gelu_forward_kernel(std::int64_t n, const T* x, T* y) {
-  const T k0 = T(0.7978845608028654), k1 = T(0.044715);
+  using A = acc_t<T>;
+  const A k0 = A(0.7978845608028654), k1 = A(0.044715);
   for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
-    const T v = x[i];
-    y[i] = T(0.5) * v * (T(1) + dev_tanh(k0 * (v + k1 * v * v * v)));
+    const A v = ld(x[i]);
+    y[i] = st<T>(A(0.5) * v * (A(1) + dev_tanh(k0 * (v + k1 * v * v * v))));
   }
 }
 
 template <class T>
 __global__ void gelu_backward_kernel(std::int64_t n, const T* x, const T* dy, T* dx) {
-  const T k0 = T(0.7978845608028654), k1 = T(0.044715);
+  using A = acc_t<T>;
+  const A k0 = A(0.7978845608028654), k1 = A(0.044715);
   for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
-    const T v = x[i];
-    const T t = dev_tanh(k0 * (v + k1 * v * v * v));
-    dx[i] = dy[i] * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * k0 * (T(1) + T(3) * k1 * v * v));
+    const A v = ld(x[i]);
+    const A t = dev_tanh(k0 * (v + k1 * v * v * v));
+    dx[i] = st<T>(ld(dy[i]) * (A(0.5) * (A(1) + t) + A(0.5) * v * (A(1) - t * t) * k0 * (A(1) + A(3) * k1 * v * v)));
   }
 }
 
 // The mask comes from random_uniform(seed, offset + i), the CPU's formula, in
 // double as on the CPU, so both devices drop exactly the same elements.
 template <class T>
-__global__ void dropout_kernel(std::int64_t n, const T* x, T* y, double p, T scale, std::uint64_t seed,
+__global__ void dropout_kernel(std::int64_t n, const T* x, T* y, double p, acc_t<T> scale, std::uint64_t seed,
                                std::uint64_t offset) {
   for (std::int64_t i = global_index(); i < n; i += grid_stride())
-    y[i] = random_uniform(seed, offset + static_cast<std::uint64_t>(i)) >= p ? x[i] * scale : T(0);
+    y[i] = random_uniform(seed, offset + static_cast<std::uint64_t>(i)) >= p ? st<T>(ld(x[i]) * scale) : T(0);
 }
 
 template <class T>
-__global__ void axpy_kernel(std::int64_t n, T alpha, const T* x, T* y) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] += alpha * x[i];
+__global__ void axpy_kernel(std::int64_t n, acc_t<T> alpha, const T* x, T* y) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] = st<T>(ld(y[i]) + alpha * ld(x[i]));
 }
 
 template <class T>
-__global__ void scale_kernel(std::int64_t n, T alpha, T* x) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) x[i] *= alpha;
+__global__ void scale_kernel(std::int64_t n, acc_t<T> alpha, T* x) {
+  for (std::int64_t i = global_index(); i < n; i += grid_stride()) x[i] = st<T>(ld(x[i]) * alpha);
 }
 
 }  // namespace detail
@@ -153,7 +156,7 @@ template <class T>
 void dropout(std::int64_t n, const T* x, T* y, double p, std::uint64_t seed, std::uint64_t offset) {
   detail::check_element_type<T>();
   if (n <= 0) return;
-  const T scale = T(1.0 / (1.0 - p));  // rounded as the CPU rounds it
+  const acc_t<T> scale = acc_t<T>(1.0 / (1.0 - p));  // rounded as the CPU rounds it
   detail::dropout_kernel<T>
       <<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y, p, scale, seed, offset);
   PTRAIN_CHECK_CUDA_LAUNCH();
@@ -161,7 +164,7 @@ void dropout(std::int64_t n, const T* x, T* y, double p, std::uint64_t seed, std
 
 /// y += alpha * x
 template <class T>
-void axpy(std::int64_t n, T alpha, const T* x, T* y) {
+void axpy(std::int64_t n, acc_t<T> alpha, const T* x, T* y) {
   detail::check_element_type<T>();
   if (n <= 0) return;
   detail::axpy_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, alpha, x, y);
@@ -169,7 +172,7 @@ void axpy(std::int64_t n, T alpha, const T* x, T* y) {
 }
 
 template <class T>
-void scale(std::int64_t n, T alpha, T* x) {
+void scale(std::int64_t n, acc_t<T> alpha, T* x) {
   detail::check_element_type<T>();
   if (n <= 0) return;
   detail::scale_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, alpha, x);

@@ -2,7 +2,8 @@
 // Embedding lookups on device arrays: token ids read from a floating-point
 // tensor, the row gather, and its scatter-add backward.
 //
-// Same names and arguments as kernels/cpu/embedding.hpp.
+// Same names and arguments as kernels/cpu/embedding.hpp. The table may be float,
+// double or bf16 (Note [bf16 kernels]); token ids come from float or double.
 //
 // Note [Deterministic embedding backward]
 // Several rows may carry the same id, so the backward pass adds several rows
@@ -38,7 +39,7 @@ template <class T>
 __global__ void token_ids_kernel(std::int64_t n, const T* x, std::int64_t vocab, std::int32_t* ids,
                                  unsigned long long* first_bad) {
   for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
-    const double v = static_cast<double>(x[i]);
+    const double v = static_cast<double>(ld(x[i]));
     const bool ok = floor(v) == v && v >= 0 && v < static_cast<double>(vocab);
     ids[i] = ok ? static_cast<std::int32_t>(v) : 0;
     if (!ok) atomicMin(first_bad, static_cast<unsigned long long>(i));
@@ -51,7 +52,7 @@ __global__ void embedding_forward_kernel(std::int64_t rows, std::int64_t dim, co
   for (std::int64_t i = global_index(); i < rows * dim; i += grid_stride()) {
     const std::int64_t r = i / dim, c = i % dim;
     const T t = table[static_cast<std::int64_t>(ids[r]) * dim + c];
-    out[i] = pos ? t + pos[(r % seq) * dim + c] : t;
+    out[i] = pos ? st<T>(ld(t) + ld(pos[(r % seq) * dim + c])) : t;
   }
 }
 
@@ -71,10 +72,10 @@ __global__ void embedding_table_grad_kernel(std::int64_t rows, std::int64_t dim,
     if (i > 0 && sorted_ids[i - 1] == id) continue;
     T* t = dtable + static_cast<std::int64_t>(id) * dim;
     for (std::int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-      T acc = t[c];
+      acc_t<T> acc = ld(t[c]);
       for (std::int64_t j = i; j < rows && sorted_ids[j] == id; ++j)
-        acc += dout[static_cast<std::int64_t>(sorted_rows[j]) * dim + c];
-      t[c] = acc;
+        acc += ld(dout[static_cast<std::int64_t>(sorted_rows[j]) * dim + c]);
+      t[c] = st<T>(acc);
     }
   }
 }
@@ -86,9 +87,9 @@ __global__ void embedding_pos_grad_kernel(std::int64_t rows, std::int64_t dim, s
   const std::int64_t n = (rows < seq ? rows : seq) * dim;
   for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
     const std::int64_t s = i / dim, c = i % dim;
-    T acc = dpos[i];
-    for (std::int64_t r = s; r < rows; r += seq) acc += dout[r * dim + c];
-    dpos[i] = acc;
+    acc_t<T> acc = ld(dpos[i]);
+    for (std::int64_t r = s; r < rows; r += seq) acc += ld(dout[r * dim + c]);
+    dpos[i] = st<T>(acc);
   }
 }
 
@@ -98,7 +99,8 @@ __global__ void embedding_pos_grad_kernel(std::int64_t rows, std::int64_t dim, s
 /// index of the first value that is not, or -1; waits for the current stream.
 template <class T>
 std::int64_t token_ids(std::int64_t n, const T* x, std::int64_t vocab, std::int32_t* ids) {
-  detail::check_element_type<T>();
+  static_assert(detail::is_float_or_double<T>, "ptrain::kernels::cuda::token_ids: ids above 256 are not exact in bf16; "
+                                               "keep token ids in a float tensor");
   if (n <= 0) return -1;
   const int device = current_device();
   const cudaStream_t stream = current_stream(device);

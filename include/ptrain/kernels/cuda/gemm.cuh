@@ -103,10 +103,10 @@ inline cublasHandle_t cublas_handle(int device) {
 // C = beta * C for the K == 0 case (op(A) op(B) is an empty sum). beta == 0
 // writes zeros without reading C, as BLAS does, so NaN in C does not survive.
 template <class T>
-__global__ void scale_matrix_kernel(std::int64_t m, std::int64_t n, T beta, T* c, std::int64_t ldc) {
+__global__ void scale_matrix_kernel(std::int64_t m, std::int64_t n, acc_t<T> beta, T* c, std::int64_t ldc) {
   for (std::int64_t i = global_index(); i < m * n; i += grid_stride()) {
     T& x = c[(i / n) * ldc + i % n];
-    x = beta == T(0) ? T(0) : beta * x;
+    x = beta == acc_t<T>(0) ? T(0) : st<T>(beta * ld(x));
   }
 }
 
@@ -116,42 +116,6 @@ __global__ void scale_matrix_kernel(std::int64_t m, std::int64_t n, T beta, T* c
 inline void set_tf32(bool enabled) { detail::tf32_flag().store(enabled, std::memory_order_relaxed); }
 /// Whether float GEMMs may use TF32.
 inline bool tf32_enabled() { return detail::tf32_flag().load(std::memory_order_relaxed); }
-
-/// C = alpha * op(A) op(B) + beta * C on row-major device data with leading dimensions lda, ldb, ldc.
-/// A is [M,K] (or [K,M] when trans_a), B is [K,N] (or [N,K] when trans_b). Runs on the
-/// current device's current_stream(); float or double.
-template <class T>
-void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a,
-          std::int64_t lda, const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc) {
-  static_assert(detail::is_float_or_double<T>, "ptrain::kernels::cuda::gemm: element type must be float or double");
-  if (m == 0 || n == 0) return;
-  const int device = current_device();
-  if (k == 0) {
-    detail::scale_matrix_kernel<T>
-        <<<detail::grid_for(m * n), detail::kBlock, 0, current_stream(device)>>>(m, n, beta, c, ldc);
-    PTRAIN_CHECK_CUDA_LAUNCH();
-    return;
-  }
-  PTRAIN_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX,
-               ShapeError, "[ptrain.cuda.gemm] sizes m=", m, " n=", n, " k=", k, " lda=", lda, " ldb=", ldb,
-               " ldc=", ldc, " exceed cuBLAS's 32-bit limit; split the GEMM");
-  const cublasHandle_t handle = detail::cublas_handle(device);
-  // Swapped operands: see the header comment.
-  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const int cm = static_cast<int>(n), cn = static_cast<int>(m), ck = static_cast<int>(k);
-  if constexpr (std::is_same_v<T, float>) {
-    // The compute type, not the handle's math mode, selects TF32, so two
-    // threads can disagree about set_tf32 without touching shared state.
-    const cublasComputeType_t compute = tf32_enabled() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-    PTRAIN_CHECK_CUBLAS(cublasGemmEx(handle, op_b, op_a, cm, cn, ck, &alpha, b, CUDA_R_32F, static_cast<int>(ldb), a,
-                                     CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F, static_cast<int>(ldc),
-                                     compute, CUBLAS_GEMM_DEFAULT));
-  } else {
-    PTRAIN_CHECK_CUBLAS(cublasDgemm(handle, op_b, op_a, cm, cn, ck, &alpha, b, static_cast<int>(ldb), a,
-                                    static_cast<int>(lda), &beta, c, static_cast<int>(ldc)));
-  }
-}
 
 /// C = alpha * op(A) op(B) + beta * C with bf16 A and B, fp32 accumulation and scalars,
 /// and C in TC (bf16 or float); otherwise as gemm(). K == 0 is refused (no kernel
@@ -175,6 +139,46 @@ void gemm_bf16(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::
                                    &alpha, b, CUDA_R_16BF, static_cast<int>(ldb), a, CUDA_R_16BF,
                                    static_cast<int>(lda), &beta, c, c_type, static_cast<int>(ldc),
                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/// C = alpha * op(A) op(B) + beta * C on row-major device data with leading dimensions lda, ldb, ldc.
+/// A is [M,K] (or [K,M] when trans_a), B is [K,N] (or [N,K] when trans_b). Runs on the
+/// current device's current_stream(); float, double, or bf16 (gemm_bf16 with a bf16 C).
+template <class T>
+void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, acc_t<T> alpha, const T* a,
+          std::int64_t lda, const T* b, std::int64_t ldb, acc_t<T> beta, T* c, std::int64_t ldc) {
+  detail::check_element_type<T>();
+  if (m == 0 || n == 0) return;
+  const int device = current_device();
+  if (k == 0) {
+    detail::scale_matrix_kernel<T>
+        <<<detail::grid_for(m * n), detail::kBlock, 0, current_stream(device)>>>(m, n, beta, c, ldc);
+    PTRAIN_CHECK_CUDA_LAUNCH();
+    return;
+  }
+  if constexpr (std::is_same_v<T, bf16>) {
+    gemm_bf16<bf16>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else {
+    PTRAIN_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX,
+                 ShapeError, "[ptrain.cuda.gemm] sizes m=", m, " n=", n, " k=", k, " lda=", lda, " ldb=", ldb,
+                 " ldc=", ldc, " exceed cuBLAS's 32-bit limit; split the GEMM");
+    const cublasHandle_t handle = detail::cublas_handle(device);
+    // Swapped operands: see the header comment.
+    const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int cm = static_cast<int>(n), cn = static_cast<int>(m), ck = static_cast<int>(k);
+    if constexpr (std::is_same_v<T, float>) {
+      // The compute type, not the handle's math mode, selects TF32, so two
+      // threads can disagree about set_tf32 without touching shared state.
+      const cublasComputeType_t compute = tf32_enabled() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+      PTRAIN_CHECK_CUBLAS(cublasGemmEx(handle, op_b, op_a, cm, cn, ck, &alpha, b, CUDA_R_32F, static_cast<int>(ldb), a,
+                                       CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F, static_cast<int>(ldc),
+                                       compute, CUBLAS_GEMM_DEFAULT));
+    } else if constexpr (std::is_same_v<T, double>) {
+      PTRAIN_CHECK_CUBLAS(cublasDgemm(handle, op_b, op_a, cm, cn, ck, &alpha, b, static_cast<int>(ldb), a,
+                                      static_cast<int>(lda), &beta, c, static_cast<int>(ldc)));
+    }
+  }
 }
 
 }  // namespace ptrain::kernels::cuda

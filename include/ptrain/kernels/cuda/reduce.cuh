@@ -73,7 +73,7 @@ template <class T, bool Squares>
 __global__ void sum_partial_kernel(std::int64_t n, const T* x, double* partial) {
   double acc = 0;
   for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
-    const double v = static_cast<double>(x[i]);
+    const double v = static_cast<double>(ld(x[i]));
     acc += Squares ? v * v : v;
   }
   acc = block_sum(acc);
@@ -134,15 +134,16 @@ __device__ __forceinline__ void argmax_warp(T& v, int& idx) {
 
 template <class T>
 __global__ void argmax_rows_kernel(std::int64_t rows, int cols, const T* x, std::int32_t* out) {
-  __shared__ T best_val[32];
+  using A = acc_t<T>;
+  __shared__ A best_val[32];
   __shared__ int best_idx[32];
   const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* row = x + r * cols;
-    T v = -INFINITY;
+    A v = -INFINITY;
     int idx = cols;
     for (int c = static_cast<int>(threadIdx.x); c < cols; c += static_cast<int>(blockDim.x))
-      argmax_combine(v, idx, row[c], c);
+      argmax_combine(v, idx, ld(row[c]), c);
     argmax_warp(v, idx);
     __syncthreads();  // the previous row's reads of best_* are done
     if (lane == 0) {
@@ -152,7 +153,7 @@ __global__ void argmax_rows_kernel(std::int64_t rows, int cols, const T* x, std:
     __syncthreads();
     if (warp == 0) {
       const bool has = lane < (blockDim.x >> 5);
-      v = has ? best_val[lane] : T(-INFINITY);
+      v = has ? best_val[lane] : A(-INFINITY);
       idx = has ? best_idx[lane] : cols;
       argmax_warp(v, idx);
       if (lane == 0) out[r] = idx == cols ? 0 : idx;  // a row of NaN gives 0, as on the CPU

@@ -4,7 +4,8 @@
 //
 // Same names and arguments as kernels/cpu/softmax.hpp. One thread block per
 // row: the row's max and sum are block reductions, so a row is read from
-// global memory two or three times and never leaves the block.
+// global memory two or three times and never leaves the block. Float, double
+// and bf16 (Note [bf16 kernels]; the log-sum-exp saved for backward is float).
 
 #include <cuda_runtime.h>
 
@@ -21,36 +22,40 @@ namespace ptrain::kernels::cuda {
 namespace detail {
 
 template <class T>
-__device__ __forceinline__ T row_max(const T* xr, std::int64_t cols) {
-  T mx = T(-INFINITY);
-  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) mx = xr[c] > mx ? xr[c] : mx;
+__device__ __forceinline__ acc_t<T> row_max(const T* xr, std::int64_t cols) {
+  using A = acc_t<T>;
+  A mx = A(-INFINITY);
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) mx = ld(xr[c]) > mx ? ld(xr[c]) : mx;
   return block_max(mx);
 }
 
 template <class T>
 __global__ void softmax_rows_kernel(std::int64_t rows, std::int64_t cols, const T* x, T* y) {
+  using A = acc_t<T>;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
-    const T mx = row_max(xr, cols);
-    T s = T(0);
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += (yr[c] = dev_exp(xr[c] - mx));
-    const T inv = T(1) / block_sum(s);
-    // Each thread rescales the elements it wrote itself: no barrier needed.
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) yr[c] *= inv;
+    const A mx = row_max(xr, cols);
+    A s = A(0);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += dev_exp(ld(xr[c]) - mx);
+    const A inv = A(1) / block_sum(s);
+    // Recomputing exp (rather than storing it and rescaling) keeps a bf16 row
+    // rounded once; each thread writes only its own elements.
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = st<T>(dev_exp(ld(xr[c]) - mx) * inv);
   }
 }
 
 template <class T>
 __global__ void softmax_rows_backward_kernel(std::int64_t rows, std::int64_t cols, const T* y, const T* dy, T* dx) {
+  using A = acc_t<T>;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* yr = y + r * cols;
     const T* dyr = dy + r * cols;
     T* dxr = dx + r * cols;
-    T dot = T(0);
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dot += yr[c] * dyr[c];
+    A dot = A(0);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dot += ld(yr[c]) * ld(dyr[c]);
     dot = block_sum(dot);
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dxr[c] = yr[c] * (dyr[c] - dot);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) dxr[c] = st<T>(ld(yr[c]) * (ld(dyr[c]) - dot));
   }
 }
 
@@ -58,21 +63,22 @@ __global__ void softmax_rows_backward_kernel(std::int64_t rows, std::int64_t col
 // rows, NaN for targets outside [0, cols), which the host then reports).
 template <class T>
 __global__ void cross_entropy_forward_kernel(std::int64_t rows, std::int64_t cols, const T* logits,
-                                             const std::int32_t* targets, T* lse, double* row_loss,
+                                             const std::int32_t* targets, acc_t<T>* lse, double* row_loss,
                                              std::int32_t ignore_index) {
+  using A = acc_t<T>;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = logits + r * cols;
-    const T mx = row_max(xr, cols);
-    T s = T(0);
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += dev_exp(xr[c] - mx);
+    const A mx = row_max(xr, cols);
+    A s = A(0);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += dev_exp(ld(xr[c]) - mx);
     s = block_sum(s);
     if (threadIdx.x == 0) {
-      const T l = mx + dev_log(s);
+      const A l = mx + dev_log(s);
       lse[r] = l;
       const std::int32_t t = targets[r];
       if (t == ignore_index) row_loss[r] = 0.0;
       else if (t < 0 || t >= cols) row_loss[r] = NAN;
-      else row_loss[r] = static_cast<double>(l - xr[t]);
+      else row_loss[r] = static_cast<double>(l - ld(xr[t]));
     }
   }
 }
@@ -104,9 +110,10 @@ __global__ void cross_entropy_total_kernel(std::int64_t rows, std::int64_t cols,
 }
 
 template <class T>
-__global__ void cross_entropy_backward_kernel(std::int64_t rows, std::int64_t cols, const T* logits, const T* lse,
-                                              const std::int32_t* targets, T scale, T* dlogits,
-                                              std::int32_t ignore_index) {
+__global__ void cross_entropy_backward_kernel(std::int64_t rows, std::int64_t cols, const T* logits,
+                                              const acc_t<T>* lse, const std::int32_t* targets, acc_t<T> scale,
+                                              T* dlogits, std::int32_t ignore_index) {
+  using A = acc_t<T>;
   for (std::int64_t i = global_index(); i < rows * cols; i += grid_stride()) {
     const std::int64_t r = i / cols, c = i % cols;
     const std::int32_t t = targets[r];
@@ -114,9 +121,9 @@ __global__ void cross_entropy_backward_kernel(std::int64_t rows, std::int64_t co
       dlogits[i] = T(0);
       continue;
     }
-    T d = scale * dev_exp(logits[i] - lse[r]);
+    A d = scale * dev_exp(ld(logits[i]) - lse[r]);
     if (c == t) d -= scale;
-    dlogits[i] = d;
+    dlogits[i] = st<T>(d);
   }
 }
 
@@ -149,7 +156,7 @@ void softmax_rows_backward(std::int64_t rows, std::int64_t cols, const T* y, con
 /// when a target lies outside [0, cols).
 template <class T>
 double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const T* logits, const std::int32_t* targets,
-                             T* lse, std::int64_t& valid, std::int32_t ignore_index = -100) {
+                             acc_t<T>* lse, std::int64_t& valid, std::int32_t ignore_index = -100) {
   detail::check_element_type<T>();
   valid = 0;
   if (rows <= 0) return 0.0;
@@ -177,12 +184,13 @@ double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const T* logi
 
 /// dlogits = dloss * (softmax(logits) - onehot(target)) / valid; ignored rows get 0.
 template <class T>
-void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const T* logits, const T* lse,
-                            const std::int32_t* targets, std::int64_t valid, T dloss, T* dlogits,
+void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const T* logits, const acc_t<T>* lse,
+                            const std::int32_t* targets, std::int64_t valid, acc_t<T> dloss, T* dlogits,
                             std::int32_t ignore_index = -100) {
+  using A = acc_t<T>;
   detail::check_element_type<T>();
   if (rows <= 0 || cols <= 0) return;
-  const T scale = valid ? dloss / static_cast<T>(valid) : T(0);  // as the CPU computes it
+  const A scale = valid ? dloss / static_cast<A>(valid) : A(0);  // as the CPU computes it
   detail::cross_entropy_backward_kernel<T><<<detail::grid_for(rows * cols), detail::kBlock, 0, current_stream()>>>(
       rows, cols, logits, lse, targets, scale, dlogits, ignore_index);
   PTRAIN_CHECK_CUDA_LAUNCH();
