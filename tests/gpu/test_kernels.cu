@@ -6,8 +6,10 @@
 // / max |ref| over the output, a norm-wise relative error; per-element relative
 // error is meaningless where outputs cancel to ~0 (GELU near x = -3, a
 // LayerNorm gradient). Bounds: float 1e-5 (FP32 arithmetic, a few ulp per
-// element plus accumulation), double 1e-12. Discrete results (argmax, dropout
-// masks, counts) must match exactly.
+// element plus accumulation), double 1e-12, bf16 1e-2 (inputs are bf16 values,
+// so the reference sees exactly what the kernel reads; the bf16 result is
+// rounded to 8 bits, 2^-9 relative). Discrete results (argmax, dropout masks,
+// counts) must match exactly.
 
 #include <catch2/catch.hpp>
 
@@ -64,6 +66,23 @@ Generator& rng() {
   return g;
 }
 
+/// Arithmetic type of element type T (float for bf16).
+template <class T>
+using Acc = kc::acc_t<T>;
+
+/// x as a double (exact for bf16, float, double).
+template <class T>
+double as_double(T x) {
+  if constexpr (std::is_same_v<T, bf16>) return static_cast<float>(x);
+  else return static_cast<double>(x);
+}
+
+template <class T>
+T nan_of() {
+  if constexpr (std::is_same_v<T, bf16>) return bf16(std::numeric_limits<float>::quiet_NaN());
+  else return std::numeric_limits<T>::quiet_NaN();
+}
+
 template <class T>
 std::vector<T> uniform(std::int64_t n, double lo, double hi) {
   std::vector<T> v(static_cast<std::size_t>(n));
@@ -73,7 +92,10 @@ std::vector<T> uniform(std::int64_t n, double lo, double hi) {
 
 template <class T>
 std::vector<double> to_double(const std::vector<T>& v) {
-  return {v.begin(), v.end()};
+  std::vector<double> out;
+  out.reserve(v.size());
+  for (const T& x : v) out.push_back(as_double(x));
+  return out;
 }
 
 template <class T>
@@ -84,7 +106,7 @@ Tensor<T> on_gpu(const std::vector<T>& v) {
 /// A device array of n NaNs: any element a kernel does not write stays NaN.
 template <class T>
 Tensor<T> poisoned(std::int64_t n) {
-  return on_gpu(std::vector<T>(static_cast<std::size_t>(n), std::numeric_limits<T>::quiet_NaN()));
+  return on_gpu(std::vector<T>(static_cast<std::size_t>(n), nan_of<T>()));
 }
 
 template <class T>
@@ -98,7 +120,7 @@ double rel_err(const std::vector<T>& got, const std::vector<double>& ref) {
   REQUIRE(got.size() == ref.size());
   double max_diff = 0, max_ref = 0;
   for (std::size_t i = 0; i < got.size(); ++i) {
-    const double g = static_cast<double>(got[i]);
+    const double g = as_double(got[i]);
     if (!std::isfinite(g) && std::isfinite(ref[i])) return std::numeric_limits<double>::infinity();
     max_diff = std::max(max_diff, std::abs(g - ref[i]));
     max_ref = std::max(max_ref, std::abs(ref[i]));
@@ -110,7 +132,7 @@ using Dims = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
 template <class T>
 constexpr double tol() {
-  return std::is_same_v<T, float> ? 1e-5 : 1e-12;
+  return std::is_same_v<T, bf16> ? 1e-2 : std::is_same_v<T, float> ? 1e-5 : 1e-12;
 }
 
 #define CHECK_CLOSE(got, ref)                         \
@@ -254,7 +276,8 @@ TEST_CASE("cuda: streams, events and the current stream", "[gpu]") {
 
 namespace {
 template <class T>
-void check_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, T beta, double bound) {
+void check_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, Acc<T> alpha, Acc<T> beta,
+                double bound) {
   // Leading dimensions larger than the rows, so strides are exercised.
   const std::int64_t a_rows = ta ? k : m, a_cols = ta ? m : k;
   const std::int64_t b_rows = tb ? n : k, b_cols = tb ? k : n;
@@ -262,8 +285,8 @@ void check_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k
   const auto a = uniform<T>(a_rows * lda, -1, 1);
   const auto b = uniform<T>(b_rows * ldb, -1, 1);
   std::vector<T> c0 = uniform<T>(m * ldc, -1, 1);
-  const T nan = std::numeric_limits<T>::quiet_NaN();
-  if (beta == T(0)) c0.assign(c0.size(), nan);  // beta = 0 must not read C
+  const T nan = nan_of<T>();
+  if (beta == 0) c0.assign(c0.size(), nan);  // beta = 0 must not read C
   // The padding columns of C are never written by either side.
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = n; j < ldc; ++j) c0[i * ldc + j] = nan;
@@ -284,7 +307,7 @@ void check_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k
       got_inner.push_back(got[i * ldc + j]);
       ref_inner.push_back(ref[i * ldc + j]);
     }
-    for (std::int64_t j = n; j < ldc; ++j) padding_untouched &= std::isnan(static_cast<double>(got[i * ldc + j]));
+    for (std::int64_t j = n; j < ldc; ++j) padding_untouched &= std::isnan(as_double(got[i * ldc + j]));
   }
   INFO("trans_a " << ta << " trans_b " << tb << " m " << m << " n " << n << " k " << k << " beta " << beta
                   << " seed " << test_seed());
@@ -295,16 +318,17 @@ void check_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k
 }
 }  // namespace
 
-TEMPLATE_TEST_CASE("cuda: gemm matches the CPU in all transpose cases", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: gemm matches the CPU in all transpose cases", "[gpu]", float, double, bf16) {
+  using A = Acc<TestType>;
   for (bool ta : {false, true})
     for (bool tb : {false, true}) {
-      check_gemm<TestType>(ta, tb, 37, 53, 29, TestType(1.5), TestType(0), tol<TestType>());
-      check_gemm<TestType>(ta, tb, 37, 53, 29, TestType(-0.5), TestType(0.75), tol<TestType>());
-      check_gemm<TestType>(ta, tb, 256, 384, 512, TestType(1), TestType(1), tol<TestType>());
+      check_gemm<TestType>(ta, tb, 37, 53, 29, A(1.5), A(0), tol<TestType>());
+      check_gemm<TestType>(ta, tb, 37, 53, 29, A(-0.5), A(0.75), tol<TestType>());
+      check_gemm<TestType>(ta, tb, 256, 384, 512, A(1), A(1), tol<TestType>());
     }
   // K = 0: C = beta C (and zeros for beta = 0, whatever C held).
-  check_gemm<TestType>(false, false, 9, 11, 0, TestType(1), TestType(0), 0.0);
-  check_gemm<TestType>(false, true, 9, 11, 0, TestType(1), TestType(2), 0.0);
+  check_gemm<TestType>(false, false, 9, 11, 0, A(1), A(0), 0.0);
+  check_gemm<TestType>(false, true, 9, 11, 0, A(1), A(2), 0.0);
 }
 
 // TF32 keeps 10 of float's 23 mantissa bits. Where the conversion truncates
@@ -322,7 +346,7 @@ TEST_CASE("cuda: gemm with TF32 stays within 2e-3", "[gpu]") {
 
 // ----------------------------------------------------------- elementwise ----
 
-TEMPLATE_TEST_CASE("cuda: bias_add and bias_grad", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: bias_add and bias_grad", "[gpu]", float, double, bf16) {
   using T = TestType;
   for (auto [rows, cols] : Dims{{1, 1}, {67, 10}, {300, 771}}) {
     const auto y = uniform<T>(rows * cols, -1, 1), bias = uniform<T>(cols, -1, 1);
@@ -345,7 +369,7 @@ TEMPLATE_TEST_CASE("cuda: bias_add and bias_grad", "[gpu]", float, double) {
   }
 }
 
-TEMPLATE_TEST_CASE("cuda: relu and gelu, forward and backward", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: relu and gelu, forward and backward", "[gpu]", float, double, bf16) {
   using T = TestType;
   const std::int64_t n = 100003;  // not a multiple of the block size
   auto x = uniform<T>(n, -4, 4);
@@ -376,7 +400,7 @@ TEMPLATE_TEST_CASE("cuda: relu and gelu, forward and backward", "[gpu]", float, 
   CHECK_CLOSE(host(out), ref);
 }
 
-TEMPLATE_TEST_CASE("cuda: dropout gives the CPU's mask and values exactly", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: dropout gives the CPU's mask and values exactly", "[gpu]", float, double, bf16) {
   using T = TestType;
   const std::int64_t n = 200001;
   const auto x = uniform<T>(n, 0.5, 1.5);  // never zero, so a zero output means dropped
@@ -386,34 +410,42 @@ TEMPLATE_TEST_CASE("cuda: dropout gives the CPU's mask and values exactly", "[gp
       auto dx = on_gpu(x);
       auto out = poisoned<T>(n);
       kc::dropout<T>(n, dx.data(), out.data(), p, seed, offset);
-      std::vector<T> ref(static_cast<std::size_t>(n));
-      kp::dropout<T>(n, x.data(), ref.data(), p, seed, offset);
       const auto got = host(out);
+      std::vector<double> ref(static_cast<std::size_t>(n));
+      const auto rx = to_double(x);
+      kp::dropout<double>(n, rx.data(), ref.data(), p, seed, offset);
       std::int64_t mismatches = 0, dropped = 0;
       for (std::int64_t i = 0; i < n; ++i) {
-        mismatches += !(got[i] == ref[i]);
-        dropped += ref[i] == T(0);
+        mismatches += (as_double(got[i]) == 0) != (ref[i] == 0);
+        dropped += ref[i] == 0;
       }
       INFO("seed " << seed << " offset " << offset << " p " << p);
       CHECK(mismatches == 0);
+      if constexpr (std::is_same_v<T, bf16>) {
+        CHECK_CLOSE(got, ref);  // x * scale rounded once
+      } else {
+        std::vector<T> same(static_cast<std::size_t>(n));
+        kp::dropout<T>(n, x.data(), same.data(), p, seed, offset);
+        CHECK(got == same);  // the CPU kernel in T: the same bits
+      }
       // The mask is not degenerate: the drop rate is p within 5 standard deviations.
       CHECK(std::abs(static_cast<double>(dropped) / n - p) < 5 * std::sqrt(p * (1 - p) / n));
     }
   }
 }
 
-TEMPLATE_TEST_CASE("cuda: axpy and scale", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: axpy and scale", "[gpu]", float, double, bf16) {
   using T = TestType;
   const std::int64_t n = 77777;
   const auto x = uniform<T>(n, -1, 1), y = uniform<T>(n, -1, 1);
   auto dx = on_gpu(x), dy = on_gpu(y);
-  kc::axpy<T>(n, T(-0.75), dx.data(), dy.data());
+  kc::axpy<T>(n, Acc<T>(-0.75), dx.data(), dy.data());
   auto ref = to_double(y);
   const auto rx = to_double(x);
   kp::axpy<double>(n, -0.75, rx.data(), ref.data());
   CHECK_CLOSE(host(dy), ref);
 
-  kc::scale<T>(n, T(3.25), dx.data());
+  kc::scale<T>(n, Acc<T>(3.25), dx.data());
   auto rs = to_double(x);
   kp::scale<double>(n, 3.25, rs.data());
   CHECK_CLOSE(host(dx), rs);
@@ -421,7 +453,7 @@ TEMPLATE_TEST_CASE("cuda: axpy and scale", "[gpu]", float, double) {
 
 // ------------------------------------------------------------ reductions ----
 
-TEMPLATE_TEST_CASE("cuda: sum and sum_squares", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: sum and sum_squares", "[gpu]", float, double, bf16) {
   using T = TestType;
   for (std::int64_t n : {std::int64_t{1}, std::int64_t{1000}, std::int64_t{1000003}, std::int64_t{5000000}}) {
     const auto x = uniform<T>(n, -0.5, 1.0);
@@ -437,17 +469,18 @@ TEMPLATE_TEST_CASE("cuda: sum and sum_squares", "[gpu]", float, double) {
   CHECK(kc::sum<T>(0, static_cast<const T*>(nullptr)) == 0.0);
 }
 
-TEMPLATE_TEST_CASE("cuda: argmax_rows takes the first maximum", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: argmax_rows takes the first maximum", "[gpu]", float, double, bf16) {
   using T = TestType;
   for (auto [rows, cols] : Dims{{67, 10}, {5, 3000}, {70000, 3}}) {
     // Few distinct values, so ties are common and "first on ties" is tested.
     auto x = uniform<T>(rows * cols, 0, 4);
-    for (auto& v : x) v = std::floor(v);
+    for (auto& v : x) v = T(std::floor(as_double(v)));
     auto dx = on_gpu(x);
     auto out = on_gpu(std::vector<std::int32_t>(static_cast<std::size_t>(rows), -1));
     kc::argmax_rows<T>(rows, cols, dx.data(), out.data());
     std::vector<std::int32_t> ref(static_cast<std::size_t>(rows));
-    kp::argmax_rows<T>(rows, cols, x.data(), ref.data());
+    const auto rx = to_double(x);
+    kp::argmax_rows<double>(rows, cols, rx.data(), ref.data());
     INFO("rows " << rows << " cols " << cols);
     CHECK(host(out) == ref);
   }
@@ -455,7 +488,7 @@ TEMPLATE_TEST_CASE("cuda: argmax_rows takes the first maximum", "[gpu]", float, 
 
 // ------------------------------------------------ softmax, cross-entropy ----
 
-TEMPLATE_TEST_CASE("cuda: softmax_rows forward and backward", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: softmax_rows forward and backward", "[gpu]", float, double, bf16) {
   using T = TestType;
   for (auto [rows, cols] : Dims{{65, 7}, {33, 1000}, {9, 3001}}) {
     const auto x = uniform<T>(rows * cols, -8, 8);
@@ -477,7 +510,7 @@ TEMPLATE_TEST_CASE("cuda: softmax_rows forward and backward", "[gpu]", float, do
   }
 }
 
-TEMPLATE_TEST_CASE("cuda: cross_entropy forward and backward", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: cross_entropy forward and backward", "[gpu]", float, double, bf16) {
   using T = TestType;
   for (auto [rows, cols] : Dims{{97, 10}, {40, 5000}}) {
     const auto logits = uniform<T>(rows * cols, -3, 3);
@@ -488,7 +521,7 @@ TEMPLATE_TEST_CASE("cuda: cross_entropy forward and backward", "[gpu]", float, d
 
     auto dlogits = on_gpu(logits);
     auto dtargets = on_gpu(targets);
-    auto lse = poisoned<T>(rows);
+    auto lse = poisoned<Acc<T>>(rows);
     std::int64_t valid = -1;
     const double loss = kc::cross_entropy_forward<T>(rows, cols, dlogits.data(), dtargets.data(), lse.data(), valid);
 
@@ -499,13 +532,13 @@ TEMPLATE_TEST_CASE("cuda: cross_entropy forward and backward", "[gpu]", float, d
     INFO("rows " << rows << " cols " << cols << " seed " << test_seed());
     CHECK(valid == rvalid);
     CHECK(valid == rows - 2);
-    CHECK(std::abs(loss - rloss) <= tol<T>() * std::abs(rloss));
+    CHECK(std::abs(loss - rloss) <= 1e-5 * std::abs(rloss));  // float or double arithmetic on the same inputs
     CHECK_CLOSE(host(lse), rlse);
 
     // Backward from the GPU's lse, against the CPU in double from the same values.
     const auto glse = host(lse);
     auto grad = poisoned<T>(rows * cols);
-    kc::cross_entropy_backward<T>(rows, cols, dlogits.data(), lse.data(), dtargets.data(), valid, T(1.3),
+    kc::cross_entropy_backward<T>(rows, cols, dlogits.data(), lse.data(), dtargets.data(), valid, Acc<T>(1.3),
                                   grad.data());
     std::vector<double> rgrad(rl.size());
     const auto rglse = to_double(glse);
@@ -518,22 +551,23 @@ TEMPLATE_TEST_CASE("cuda: cross_entropy forward and backward", "[gpu]", float, d
   std::int64_t valid = 0;
   auto logits = on_gpu(uniform<T>(4 * 5, -1, 1));
   auto bad = on_gpu(std::vector<std::int32_t>{0, 5, 1, -100});
-  auto lse = poisoned<T>(4);
+  auto lse = poisoned<Acc<T>>(4);
   CHECK_THROWS_AS(kc::cross_entropy_forward<T>(4, 5, logits.data(), bad.data(), lse.data(), valid), ShapeError);
   CHECK(cudaGetLastError() == cudaSuccess);
 }
 
 // ------------------------------------------------------------- LayerNorm ----
 
-TEMPLATE_TEST_CASE("cuda: layer_norm forward and backward", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: layer_norm forward and backward", "[gpu]", float, double, bf16) {
   using T = TestType;
   for (auto [rows, d] : Dims{{33, 5}, {64, 768}, {7, 2001}}) {
     // An offset mean, so a one-pass variance would lose digits and fail.
     auto x = uniform<T>(rows * d, 2, 4);
     const auto gamma = uniform<T>(d, 0.5, 1.5), beta = uniform<T>(d, -0.5, 0.5);
-    const T eps = T(1e-5);
+    const Acc<T> eps = Acc<T>(1e-5);
     auto dx = on_gpu(x), dgamma_in = on_gpu(gamma), dbeta_in = on_gpu(beta);
-    auto y = poisoned<T>(rows * d), mean = poisoned<T>(rows), rstd = poisoned<T>(rows);
+    auto y = poisoned<T>(rows * d);
+    auto mean = poisoned<Acc<T>>(rows), rstd = poisoned<Acc<T>>(rows);
     kc::layer_norm_forward<T>(rows, d, dx.data(), dgamma_in.data(), dbeta_in.data(), eps, y.data(), mean.data(),
                               rstd.data());
     const auto rx = to_double(x), rgamma = to_double(gamma), rbeta = to_double(beta);
@@ -611,20 +645,21 @@ TEMPLATE_TEST_CASE("cuda: adamw_update", "[gpu]", float, double) {
 
 // ------------------------------------------------------------- embedding ----
 
-TEMPLATE_TEST_CASE("cuda: token_ids, embedding forward and backward", "[gpu]", float, double) {
+TEMPLATE_TEST_CASE("cuda: token_ids, embedding forward and backward", "[gpu]", float, double, bf16) {
   using T = TestType;
+  using Id = Acc<T>;  // token ids are never bf16 (not exact above 256)
   const std::int64_t vocab = 50, dim = 37;
   for (auto [batch, seq] : Dims{{1, 1}, {3, 17}, {16, 300}}) {
     const std::int64_t rows = batch * seq, block = seq + 3;
     // 50 ids over up to 4800 rows: most ids repeat, the scatter-add's hard case.
-    std::vector<T> x(static_cast<std::size_t>(rows));
-    for (auto& v : x) v = static_cast<T>(rng().below(static_cast<std::uint64_t>(vocab)));
-    x[0] = static_cast<T>(vocab - 1);
+    std::vector<Id> x(static_cast<std::size_t>(rows));
+    for (auto& v : x) v = static_cast<Id>(rng().below(static_cast<std::uint64_t>(vocab)));
+    x[0] = static_cast<Id>(vocab - 1);
     auto dx = on_gpu(x);
     auto ids = on_gpu(std::vector<std::int32_t>(static_cast<std::size_t>(rows), -7));
     std::vector<std::int32_t> rids(static_cast<std::size_t>(rows));
-    REQUIRE(kp::token_ids<T>(rows, x.data(), vocab, rids.data()) == -1);
-    CHECK(kc::token_ids<T>(rows, dx.data(), vocab, ids.data()) == -1);
+    REQUIRE(kp::token_ids<Id>(rows, x.data(), vocab, rids.data()) == -1);
+    CHECK(kc::token_ids<Id>(rows, dx.data(), vocab, ids.data()) == -1);
     CHECK(host(ids) == rids);
 
     const auto table = uniform<T>(vocab * dim, -1, 1), pos = uniform<T>(block * dim, -1, 1);
@@ -658,25 +693,27 @@ TEMPLATE_TEST_CASE("cuda: token_ids, embedding forward and backward", "[gpu]", f
       CHECK_CLOSE(got_pos, rgpos);  // unchanged without positions
       // Each table and position row adds its rows in the CPU kernel's order, so
       // in T the results are the same bits (Note [Deterministic embedding backward]).
-      auto same_table = gtable0, same_pos = gpos0;
-      kp::embedding_backward<T>(rows, dim, rids.data(), dout.data(), same_table.data(),
-                                with_pos ? same_pos.data() : nullptr, seq);
-      CHECK(got_table == same_table);
-      CHECK(got_pos == same_pos);
+      if constexpr (!std::is_same_v<T, bf16>) {
+        auto same_table = gtable0, same_pos = gpos0;
+        kp::embedding_backward<T>(rows, dim, rids.data(), dout.data(), same_table.data(),
+                                  with_pos ? same_pos.data() : nullptr, seq);
+        CHECK(got_table == same_table);
+        CHECK(got_pos == same_pos);
+      }
     }
   }
 
   // The first value that is not an id in [0, vocab) is reported, whatever the thread order.
-  std::vector<T> bad(5000, T(3));
-  bad[4000] = T(-1);
-  bad[1234] = T(2.5);
-  bad[3000] = static_cast<T>(vocab);
+  std::vector<Id> bad(5000, Id(3));
+  bad[4000] = Id(-1);
+  bad[1234] = Id(2.5);
+  bad[3000] = static_cast<Id>(vocab);
   auto dbad = on_gpu(bad);
   auto out = on_gpu(std::vector<std::int32_t>(bad.size(), 0));
-  CHECK(kc::token_ids<T>(5000, dbad.data(), vocab, out.data()) == 1234);
-  bad[1234] = T(std::numeric_limits<T>::quiet_NaN());
+  CHECK(kc::token_ids<Id>(5000, dbad.data(), vocab, out.data()) == 1234);
+  bad[1234] = nan_of<Id>();
   dbad = on_gpu(bad);
-  CHECK(kc::token_ids<T>(5000, dbad.data(), vocab, out.data()) == 1234);
+  CHECK(kc::token_ids<Id>(5000, dbad.data(), vocab, out.data()) == 1234);
 }
 
 TEST_CASE("cuda: embedding modules take token ids on the device and check them", "[gpu]") {
@@ -702,7 +739,7 @@ TEST_CASE("cuda: embedding modules take token ids on the device and check them",
 // ------------------------------------------------------------- attention ----
 
 TEMPLATE_TEST_CASE("cuda: causal attention forward and backward, with and without dropout", "[gpu]", float,
-                   double) {
+                   double, bf16) {
   using T = TestType;
   struct Case {
     std::int64_t B, S, H, D;
@@ -718,7 +755,7 @@ TEMPLATE_TEST_CASE("cuda: causal attention forward and backward, with and withou
     const auto rqkv = to_double(qkv), rdy = to_double(dy);
     auto dqkv_in = on_gpu(qkv), ddy = on_gpu(dy);
     auto probs = poisoned<T>(B * H * S * S), probs_drop = poisoned<T>(B * H * S * S), y = poisoned<T>(B * S * C);
-    kc::causal_attention_forward<T>(B, S, H, D, dqkv_in.data(), static_cast<T>(1.0 / std::sqrt(double(D))),
+    kc::causal_attention_forward<T>(B, S, H, D, dqkv_in.data(), static_cast<Acc<T>>(1.0 / std::sqrt(double(D))),
                                     probs.data(), p > 0 ? probs_drop.data() : nullptr, p, seed, offset, y.data());
     std::vector<double> rprobs(static_cast<std::size_t>(B * H * S * S)), rdrop(rprobs.size()),
         ry(static_cast<std::size_t>(B * S * C));
@@ -733,8 +770,8 @@ TEMPLATE_TEST_CASE("cuda: causal attention forward and backward, with and withou
     for (std::int64_t r = 0; r < B * H * S; ++r)
       for (std::int64_t j = 0; j < S; ++j) {
         const std::size_t e = static_cast<std::size_t>(r * S + j);
-        if (j > r % S) nonzero_above += !(gprobs[e] == T(0)) + (p > 0 && !(gdrop[e] == T(0)));
-        else if (p > 0) mask_mismatches += (gdrop[e] == T(0)) != (rdrop[e] == 0.0);
+        if (j > r % S) nonzero_above += !(as_double(gprobs[e]) == 0) + (p > 0 && !(as_double(gdrop[e]) == 0));
+        else if (p > 0) mask_mismatches += (as_double(gdrop[e]) == 0) != (rdrop[e] == 0.0);
       }
     CHECK(nonzero_above == 0);
     CHECK(mask_mismatches == 0);
@@ -743,7 +780,7 @@ TEMPLATE_TEST_CASE("cuda: causal attention forward and backward, with and withou
     // Backward from the GPU's probabilities, against the CPU in double on the same values.
     auto dqkv = poisoned<T>(B * S * 3 * C);
     kc::causal_attention_backward<T>(B, S, H, D, dqkv_in.data(), probs.data(), p > 0 ? probs_drop.data() : nullptr,
-                                     p, seed, offset, ddy.data(), static_cast<T>(1.0 / std::sqrt(double(D))),
+                                     p, seed, offset, ddy.data(), static_cast<Acc<T>>(1.0 / std::sqrt(double(D))),
                                      dqkv.data());
     const auto rgprobs = to_double(gprobs), rgdrop = to_double(gdrop);
     std::vector<double> rdqkv(rqkv.size());
