@@ -38,6 +38,11 @@ struct bf16 {
   }
 };
 
+/// The arithmetic type of element type T: float for bf16 (Note [bf16 kernels]
+/// in kernels/cuda/device.cuh), T itself otherwise.
+template <class T>
+using acc_t = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
+
 /// Runtime tag of an element type; names follow safetensors.
 enum class DType : std::uint8_t { F32, F64, BF16, F16, I32, I64, U8 };
 

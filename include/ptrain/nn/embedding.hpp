@@ -69,15 +69,10 @@ class TokenPositionEmbedding : public Module<T> {
     drop_ = this->register_module("drop", std::make_shared<Dropout<T>>(dropout, dropout_seed));
   }
 
-  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
-    PTRAIN_CHECK(x.dim() == 2, ShapeError, "[ptrain.embedding.input] expected token ids [batch, seq], got ",
-                 x.shape());
-    PTRAIN_CHECK(x.size(1) <= block_size_, ShapeError, "[ptrain.embedding.positions] sequence of ", x.size(1),
-                 " tokens exceeds block_size ", block_size_, "; crop the context to the last block_size tokens");
-    auto ids = ops::token_ids(x, wte_->num_embeddings());
-    cache.indices = {ids};
-    return drop_->forward(ops::embedding(ids, wte_->weight().value, wpe_->weight().value), cache.child(0));
-  }
+  /// x: token ids [batch, seq] as integral values of T (float or double; bf16 cannot hold them).
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return lookup(x, cache); }
+  /// The same with int32 token ids, for every T (bf16 models take their ids this way).
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) { return lookup(ids, cache); }
   /// Accumulates wte and wpe gradients and announces both; returns an undefined tensor.
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
     PTRAIN_CHECK(cache.indices.size() == 1, Error,
@@ -97,6 +92,17 @@ class TokenPositionEmbedding : public Module<T> {
   Dropout<T>& dropout() { return *drop_; }
 
  private:
+  template <class I>
+  Tensor<T> lookup(const Tensor<I>& x, Cache<T>& cache) {
+    PTRAIN_CHECK(x.dim() == 2, ShapeError, "[ptrain.embedding.input] expected token ids [batch, seq], got ",
+                 x.shape());
+    PTRAIN_CHECK(x.size(1) <= block_size_, ShapeError, "[ptrain.embedding.positions] sequence of ", x.size(1),
+                 " tokens exceeds block_size ", block_size_, "; crop the context to the last block_size tokens");
+    auto ids = ops::token_ids(x, wte_->num_embeddings());
+    cache.indices = {ids};
+    return drop_->forward(ops::embedding(ids, wte_->weight().value, wpe_->weight().value), cache.child(0));
+  }
+
   std::int64_t block_size_;
   std::shared_ptr<Embedding<T>> wte_, wpe_;
   std::shared_ptr<Dropout<T>> drop_;

@@ -15,18 +15,20 @@ class CrossEntropyLoss {
   explicit CrossEntropyLoss(std::int32_t ignore_index = -100) : ignore_index_(ignore_index) {}
 
   double forward(const Tensor<T>& logits, const Tensor<std::int32_t>& targets, Cache<T>& cache) {
-    Tensor<T> lse;
+    Tensor<acc_t<T>> lse;
     std::int64_t valid = 0;
     const double loss = ops::cross_entropy(logits, targets, lse, valid, ignore_index_);
-    cache.tensors = {logits, lse};
+    cache.tensors = {logits};
+    cache.stats = {lse};
     cache.indices = {targets};
     cache.values = {static_cast<std::uint64_t>(valid)};
     return loss;
   }
   /// Gradient of `dloss * loss` with respect to the logits.
-  Tensor<T> backward(Cache<T>& cache, T dloss = T(1)) {
-    PTRAIN_CHECK(cache.tensors.size() == 2, Error, "[ptrain.backward] CrossEntropyLoss::backward without a forward");
-    auto d = ops::cross_entropy_backward(cache.tensors[0], cache.tensors[1], cache.indices[0],
+  Tensor<T> backward(Cache<T>& cache, acc_t<T> dloss = 1) {
+    PTRAIN_CHECK(cache.tensors.size() == 1 && cache.stats.size() == 1, Error,
+                 "[ptrain.backward] CrossEntropyLoss::backward without a forward");
+    auto d = ops::cross_entropy_backward(cache.tensors[0], cache.stats[0], cache.indices[0],
                                          static_cast<std::int64_t>(cache.values[0]), dloss, ignore_index_);
     cache.clear();
     return d;

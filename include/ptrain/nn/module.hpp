@@ -41,6 +41,8 @@ template <class T>
 class Cache {
  public:
   std::vector<Tensor<T>> tensors;
+  /// Statistics kept in the arithmetic type (float for bf16): LayerNorm's mean and rstd, a loss's log-sum-exp.
+  std::vector<Tensor<acc_t<T>>> stats;
   std::vector<Tensor<std::int32_t>> indices;
   std::vector<std::uint64_t> values;
 
@@ -51,11 +53,14 @@ class Cache {
   }
   void clear() {
     tensors.clear();
+    stats.clear();
     indices.clear();
     values.clear();
     children_.clear();
   }
-  bool empty() const { return tensors.empty() && indices.empty() && values.empty() && children_.empty(); }
+  bool empty() const {
+    return tensors.empty() && stats.empty() && indices.empty() && values.empty() && children_.empty();
+  }
 
  private:
   std::deque<Cache> children_;

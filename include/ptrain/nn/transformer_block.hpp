@@ -68,18 +68,18 @@ class TransformerBlock : public Module<T> {
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     auto h = attn_->forward(ln_1_->forward(x, cache.child(0)), cache.child(1));
-    ops::axpy_(T(1), x, h);  // h = x + attn(ln_1(x)); h is a fresh tensor
+    ops::axpy_(1, x, h);  // h = x + attn(ln_1(x)); h is a fresh tensor
     auto y = mlp_->forward(ln_2_->forward(h, cache.child(2)), cache.child(3));
-    ops::axpy_(T(1), h, y);
+    ops::axpy_(1, h, y);
     return y;
   }
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
     // Each residual passes dy through unchanged and adds its branch's gradient.
     auto dh = ln_2_->backward(mlp_->backward(dy, cache.child(3)), cache.child(2));
-    ops::axpy_(T(1), dy, dh);
+    ops::axpy_(1, dy, dh);
     auto dx = ln_1_->backward(attn_->backward(dh, cache.child(1)), cache.child(0));
-    ops::axpy_(T(1), dh, dx);
+    ops::axpy_(1, dh, dx);
     cache.clear();
     return dx;
   }

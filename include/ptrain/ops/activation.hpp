@@ -47,9 +47,17 @@ Tensor<T> dropout(const Tensor<T>& x, double p, std::uint64_t seed, std::uint64_
   return y;
 }
 
+/// dst = src converted element by element (float <-> bf16; float -> bf16 rounds to nearest even).
+template <class From, class To>
+void cast_into(const Tensor<From>& src, Tensor<To>& dst) {
+  check_shape(dst, src.shape(), "cast destination");
+  detail::check_devices("cast", src.device(), dst);
+  PTRAIN_DISPATCH(src.device(), cast, src.numel(), src.data(), dst.data());
+}
+
 /// y += alpha * x
 template <class T>
-void axpy_(T alpha, const Tensor<T>& x, Tensor<T>& y) {
+void axpy_(acc_t<T> alpha, const Tensor<T>& x, Tensor<T>& y) {
   PTRAIN_CHECK(x.numel() == y.numel(), ShapeError, "[ptrain.axpy] ", x.shape(), " vs ", y.shape());
   detail::check_devices("axpy", x.device(), y);
   PTRAIN_DISPATCH(x.device(), axpy, x.numel(), alpha, x.data(), y.data());
@@ -57,7 +65,7 @@ void axpy_(T alpha, const Tensor<T>& x, Tensor<T>& y) {
 
 /// x *= alpha
 template <class T>
-void scale_(Tensor<T>& x, T alpha) {
+void scale_(Tensor<T>& x, acc_t<T> alpha) {
   PTRAIN_DISPATCH(x.device(), scale, x.numel(), alpha, x.data());
 }
 

@@ -52,7 +52,7 @@ Tensor<T> causal_attention(const Tensor<T>& qkv, std::int64_t n_head, double p, 
   saved.offset = offset;
   auto y = Tensor<T>::empty({B, S, C}, dev);
   PTRAIN_DISPATCH(dev, causal_attention_forward, B, S, n_head, D, qkv.data(),
-                  static_cast<T>(1.0 / std::sqrt(double(D))), saved.probs.data(), saved.probs_drop.data(), p, seed,
+                  static_cast<acc_t<T>>(1.0 / std::sqrt(double(D))), saved.probs.data(), saved.probs_drop.data(), p, seed,
                   offset, y.data());
   return y;
 }
@@ -70,7 +70,7 @@ Tensor<T> causal_attention_backward(const Tensor<T>& qkv, const AttentionSaved<T
   auto dqkv = Tensor<T>::empty(qkv.shape(), qkv.device());
   PTRAIN_DISPATCH(qkv.device(), causal_attention_backward, B, S, n_head, D, qkv.data(), saved.probs.data(),
                   saved.probs_drop.data(), saved.p, saved.seed, saved.offset, dy.data(),
-                  static_cast<T>(1.0 / std::sqrt(double(D))), dqkv.data());
+                  static_cast<acc_t<T>>(1.0 / std::sqrt(double(D))), dqkv.data());
   return dqkv;
 }
 

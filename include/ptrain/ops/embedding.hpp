@@ -16,17 +16,23 @@
 namespace ptrain::ops {
 
 /// int32 copy of integral ids in [0, vocab), on x's device; ShapeError naming the first bad position and value.
+/// x is float, double or int32; bf16 is refused (integers above 256 are not exact in it).
 template <class T>
 Tensor<std::int32_t> token_ids(const Tensor<T>& x, std::int64_t vocab) {
-  auto ids = Tensor<std::int32_t>::empty(x.shape(), x.device());
-  const std::int64_t bad = PTRAIN_DISPATCH(x.device(), token_ids, x.numel(), x.data(), vocab, ids.data());
-  if (bad >= 0) {
-    const std::int64_t cols = x.dim() >= 1 ? x.size(-1) : 1;
-    const double v = static_cast<double>(x.reshape({x.numel()}).view(bad, {1}).to(Device::cpu()).data()[0]);
-    PTRAIN_THROW(ShapeError, "[ptrain.embedding.id] token id ", v, " at position [", bad / cols, ", ", bad % cols,
-                 "] of input ", x.shape(), " is not an integer in [0, ", vocab, "); pass token ids, not activations");
+  if constexpr (std::is_same_v<T, bf16>) {
+    PTRAIN_THROW(ShapeError, "[ptrain.embedding.bf16_ids] token ids in a bf16 tensor are not exact above 256; "
+                             "pass them as an int32 tensor (GPT::forward_tokens) or as float");
+  } else {
+    auto ids = Tensor<std::int32_t>::empty(x.shape(), x.device());
+    const std::int64_t bad = PTRAIN_DISPATCH(x.device(), token_ids, x.numel(), x.data(), vocab, ids.data());
+    if (bad >= 0) {
+      const std::int64_t cols = x.dim() >= 1 ? x.size(-1) : 1;
+      const double v = static_cast<double>(x.reshape({x.numel()}).view(bad, {1}).to(Device::cpu()).data()[0]);
+      PTRAIN_THROW(ShapeError, "[ptrain.embedding.id] token id ", v, " at position [", bad / cols, ", ", bad % cols,
+                   "] of input ", x.shape(), " is not an integer in [0, ", vocab, "); pass token ids, not activations");
+    }
+    return ids;
   }
-  return ids;
 }
 
 /// out [..., dim] = table[ids] (+ pos[position along the last id dimension] when pos is defined).

@@ -9,7 +9,7 @@ namespace ptrain::ops {
 /// c = alpha * op(a) op(b) + beta * c for 2-D tensors.
 template <class T>
 void matmul_into(const Tensor<T>& a, const Tensor<T>& b, Tensor<T>& c, bool trans_a = false, bool trans_b = false,
-                 T alpha = T(1), T beta = T(0)) {
+                 acc_t<T> alpha = 1, acc_t<T> beta = 0) {
   PTRAIN_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2, ShapeError, "[ptrain.matmul] needs 2-D tensors, got ",
                a.shape(), " ", b.shape(), " ", c.shape());
   const std::int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
@@ -59,7 +59,7 @@ Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T
                " does not match input ", x.shape(), " and weight ", w.shape());
   auto dy2 = dy.reshape({rows, out});
   auto x2 = x.reshape({rows, in});
-  matmul_into(dy2, x2, dw, true, false, T(1), T(1));
+  matmul_into(dy2, x2, dw, true, false, 1, 1);
   if (db) PTRAIN_DISPATCH(x.device(), bias_grad, rows, out, dy.data(), db->data());
   if (!need_dx) return {};
   auto dx = Tensor<T>::empty(x.shape(), x.device());

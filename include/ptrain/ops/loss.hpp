@@ -25,10 +25,10 @@ Tensor<T> softmax_backward(const Tensor<T>& y, const Tensor<T>& dy) {
 }
 
 /// Mean cross-entropy of logits [rows, classes] (or [..., classes]) against targets
-/// [rows] with values in [0, classes) or ignore_index. Fills lse ([rows]) and
-/// valid (rows counted) for the backward pass.
+/// [rows] with values in [0, classes) or ignore_index. Fills lse ([rows], float for bf16
+/// logits) and valid (rows counted) for the backward pass.
 template <class T>
-double cross_entropy(const Tensor<T>& logits, const Tensor<std::int32_t>& targets, Tensor<T>& lse,
+double cross_entropy(const Tensor<T>& logits, const Tensor<std::int32_t>& targets, Tensor<acc_t<T>>& lse,
                      std::int64_t& valid, std::int32_t ignore_index = -100) {
   const std::int64_t classes = logits.size(-1), rows = logits.numel() / classes;
   PTRAIN_CHECK(targets.numel() == rows, ShapeError, "[ptrain.cross_entropy] ", rows, " rows of logits ",
@@ -40,15 +40,16 @@ double cross_entropy(const Tensor<T>& logits, const Tensor<std::int32_t>& target
       PTRAIN_CHECK(t[i] == ignore_index || (t[i] >= 0 && t[i] < classes), ShapeError,
                    "[ptrain.cross_entropy] target ", t[i], " at row ", i, " is outside [0, ", classes, ")");
   }
-  lse = Tensor<T>::empty({rows}, logits.device());
+  lse = Tensor<acc_t<T>>::empty({rows}, logits.device());
   return PTRAIN_DISPATCH(logits.device(), cross_entropy_forward, rows, classes, logits.data(), targets.data(),
                          lse.data(), valid, ignore_index);
 }
 
 /// dlogits for a loss gradient dloss (1 for the loss itself).
 template <class T>
-Tensor<T> cross_entropy_backward(const Tensor<T>& logits, const Tensor<T>& lse, const Tensor<std::int32_t>& targets,
-                                 std::int64_t valid, T dloss, std::int32_t ignore_index = -100) {
+Tensor<T> cross_entropy_backward(const Tensor<T>& logits, const Tensor<acc_t<T>>& lse,
+                                 const Tensor<std::int32_t>& targets, std::int64_t valid, acc_t<T> dloss,
+                                 std::int32_t ignore_index = -100) {
   const std::int64_t classes = logits.size(-1), rows = logits.numel() / classes;
   auto d = Tensor<T>::empty(logits.shape(), logits.device());
   PTRAIN_DISPATCH(logits.device(), cross_entropy_backward, rows, classes, logits.data(), lse.data(), targets.data(),

@@ -5,17 +5,18 @@
 
 namespace ptrain::ops {
 
-/// y = LayerNorm(x) with gamma, beta [d]; fills mean and rstd ([rows]) for the backward pass.
+/// y = LayerNorm(x) with gamma, beta [d]; fills mean and rstd ([rows], float for bf16 x) for
+/// the backward pass.
 template <class T>
-Tensor<T> layer_norm(const Tensor<T>& x, const Tensor<T>& gamma, const Tensor<T>& beta, T eps, Tensor<T>& mean,
-                     Tensor<T>& rstd) {
+Tensor<T> layer_norm(const Tensor<T>& x, const Tensor<T>& gamma, const Tensor<T>& beta, acc_t<T> eps,
+                     Tensor<acc_t<T>>& mean, Tensor<acc_t<T>>& rstd) {
   const std::int64_t d = x.size(-1), rows = x.numel() / d;
   check_shape(gamma, {d}, "layer_norm weight");
   check_shape(beta, {d}, "layer_norm bias");
   detail::check_devices("layer_norm", x.device(), gamma, beta);
   auto y = Tensor<T>::empty(x.shape(), x.device());
-  mean = Tensor<T>::empty({rows}, x.device());
-  rstd = Tensor<T>::empty({rows}, x.device());
+  mean = Tensor<acc_t<T>>::empty({rows}, x.device());
+  rstd = Tensor<acc_t<T>>::empty({rows}, x.device());
   PTRAIN_DISPATCH(x.device(), layer_norm_forward, rows, d, x.data(), gamma.data(), beta.data(), eps, y.data(),
                   mean.data(), rstd.data());
   return y;
@@ -23,7 +24,7 @@ Tensor<T> layer_norm(const Tensor<T>& x, const Tensor<T>& gamma, const Tensor<T>
 
 /// Returns dx; accumulates dgamma and dbeta.
 template <class T>
-Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<T>& mean, const Tensor<T>& rstd,
+Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, const Tensor<acc_t<T>>& rstd,
                               const Tensor<T>& gamma, const Tensor<T>& dy, Tensor<T>& dgamma, Tensor<T>& dbeta) {
   const std::int64_t d = x.size(-1), rows = x.numel() / d;
   check_shape(dy, x.shape(), "layer_norm output gradient");

@@ -1,8 +1,14 @@
 #pragma once
 // AdamW: Adam with decoupled weight decay, torch.optim.AdamW's semantics and
 // defaults (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01).
+//
+// bf16 parameters (mixed precision): the optimizer keeps an fp32 master copy
+// of the parameters (state "master", copied from the parameters when the
+// optimizer is made) and fp32 moments; each step updates the master copy from
+// the bf16 gradients and writes its bf16 rounding to the parameters. Make the
+// optimizer after loading weights into the model.
 
-#include "ptrain/ops/dispatch.hpp"
+#include "ptrain/ops/activation.hpp"
 #include "ptrain/optim/optimizer.hpp"
 
 namespace ptrain::optim {
@@ -25,23 +31,38 @@ class AdamW : public Optimizer<T> {
       : Optimizer<T>(std::move(values), std::move(grads), std::move(entries), opt.lr, std::move(decay)), opt_(opt) {
     exp_avg_ = &this->add_state("exp_avg");
     exp_avg_sq_ = &this->add_state("exp_avg_sq");
+    if constexpr (std::is_same_v<T, bf16>) {
+      master_ = &this->add_state("master");
+      ops::cast_into(this->values_, *master_);
+    }
   }
 
   void step() override {
+    using A = acc_t<T>;
     ++this->steps_;
     const Device dev = this->values_.device();
-    for (const auto& r : this->ranges_)
-      PTRAIN_DISPATCH(dev, adamw_update, r.end - r.begin, this->values_.data() + r.begin,
-                      static_cast<const T*>(this->grads_.data() + r.begin), exp_avg_->data() + r.begin,
-                      exp_avg_sq_->data() + r.begin, static_cast<T>(this->lr_), static_cast<T>(opt_.beta1),
-                      static_cast<T>(opt_.beta2), static_cast<T>(opt_.eps),
-                      static_cast<T>(r.decay ? opt_.weight_decay : 0.0), this->steps_);
+    for (const auto& r : this->ranges_) {
+      const std::int64_t n = r.end - r.begin;
+      const A lr = static_cast<A>(this->lr_), b1 = static_cast<A>(opt_.beta1), b2 = static_cast<A>(opt_.beta2),
+              eps = static_cast<A>(opt_.eps), wd = static_cast<A>(r.decay ? opt_.weight_decay : 0.0);
+      const T* g = this->grads_.data() + r.begin;
+      A* m = exp_avg_->data() + r.begin;
+      A* v = exp_avg_sq_->data() + r.begin;
+      if constexpr (std::is_same_v<T, bf16>) {
+        PTRAIN_DISPATCH(dev, adamw_update_mixed, n, master_->data() + r.begin, g, m, v, lr, b1, b2, eps, wd,
+                        this->steps_, this->values_.data() + r.begin);
+      } else {
+        PTRAIN_DISPATCH(dev, adamw_update, n, this->values_.data() + r.begin, g, m, v, lr, b1, b2, eps, wd,
+                        this->steps_);
+      }
+    }
   }
 
  private:
   AdamWOptions opt_;
-  Tensor<T>* exp_avg_ = nullptr;
-  Tensor<T>* exp_avg_sq_ = nullptr;
+  Tensor<acc_t<T>>* exp_avg_ = nullptr;
+  Tensor<acc_t<T>>* exp_avg_sq_ = nullptr;
+  Tensor<float>* master_ = nullptr;  // bf16 parameters only
 };
 
 }  // namespace ptrain::optim

@@ -6,6 +6,7 @@
 //
 // State is reachable by name for checkpoints: state_tensors() gives one view
 // per parameter and state kind ("0.weight.exp_avg"), and steps() the count.
+// State is kept in acc_t<T>: float for bf16 parameters (mixed precision).
 
 #include <deque>
 #include <functional>
@@ -46,22 +47,22 @@ class Optimizer {
   void set_steps(std::int64_t s) { steps_ = s; }
 
   /// Per-parameter views of every state buffer, named "<param>.<state>".
-  std::vector<std::pair<std::string, Tensor<T>>> state_tensors() {
-    std::vector<std::pair<std::string, Tensor<T>>> out;
+  std::vector<std::pair<std::string, Tensor<acc_t<T>>>> state_tensors() {
+    std::vector<std::pair<std::string, Tensor<acc_t<T>>>> out;
     for (auto& [kind, buf] : state_)
       for (auto& e : entries_) out.emplace_back(e.name + "." + kind, buf.view(e.offset, e.shape));
     return out;
   }
   /// The flat state buffers by kind ("exp_avg", "momentum_buffer", ...).
-  const std::deque<std::pair<std::string, Tensor<T>>>& flat_state() const { return state_; }
+  const std::deque<std::pair<std::string, Tensor<acc_t<T>>>>& flat_state() const { return state_; }
 
  protected:
   struct Range {
     std::int64_t begin, end;
     bool decay;
   };
-  Tensor<T>& add_state(const std::string& kind) {
-    state_.emplace_back(kind, Tensor<T>::zeros(values_.shape(), values_.device()));
+  Tensor<acc_t<T>>& add_state(const std::string& kind) {
+    state_.emplace_back(kind, Tensor<acc_t<T>>::zeros(values_.shape(), values_.device()));
     return state_.back().second;
   }
 
@@ -89,7 +90,7 @@ class Optimizer {
     }
   }
 
-  std::deque<std::pair<std::string, Tensor<T>>> state_;  // deque: add_state() references stay valid
+  std::deque<std::pair<std::string, Tensor<acc_t<T>>>> state_;  // deque: add_state() references stay valid
 };
 
 }  // namespace ptrain::optim

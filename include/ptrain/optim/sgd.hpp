@@ -17,6 +17,8 @@ struct SGDOptions {
 
 template <class T>
 class SGD : public Optimizer<T> {
+  static_assert(!std::is_same_v<T, bf16>, "ptrain::optim::SGD: bf16 parameters need AdamW (fp32 master weights)");
+
  public:
   SGD(nn::FlatParameters<T>& params, SGDOptions opt, DecayFilter decay = {})
       : SGD(params.values(), params.grads(), params.entries(), opt, std::move(decay)) {}
@@ -42,7 +44,7 @@ class SGD : public Optimizer<T> {
 
  private:
   SGDOptions opt_;
-  Tensor<T>* momentum_ = nullptr;
+  Tensor<acc_t<T>>* momentum_ = nullptr;
 };
 
 }  // namespace ptrain::optim

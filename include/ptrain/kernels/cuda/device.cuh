@@ -313,9 +313,7 @@ void check_element_type() {
 // float, and so are scalars (eps, scale, dloss): acc_t<T> in the signatures,
 // which is T itself for float and double.
 
-/// The arithmetic type of element type T: float for bf16, else T.
-template <class T>
-using acc_t = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
+using ::ptrain::acc_t;
 
 namespace detail {
 /// x converted to its arithmetic type (exact).

@@ -3,7 +3,7 @@
 // tensor, the row gather, and its scatter-add backward.
 //
 // Same names and arguments as kernels/cpu/embedding.hpp. The table may be float,
-// double or bf16 (Note [bf16 kernels]); token ids come from float or double.
+// double or bf16 (Note [bf16 kernels]); token ids come from float, double or int32.
 //
 // Note [Deterministic embedding backward]
 // Several rows may carry the same id, so the backward pass adds several rows
@@ -99,8 +99,9 @@ __global__ void embedding_pos_grad_kernel(std::int64_t rows, std::int64_t dim, s
 /// index of the first value that is not, or -1; waits for the current stream.
 template <class T>
 std::int64_t token_ids(std::int64_t n, const T* x, std::int64_t vocab, std::int32_t* ids) {
-  static_assert(detail::is_float_or_double<T>, "ptrain::kernels::cuda::token_ids: ids above 256 are not exact in bf16; "
-                                               "keep token ids in a float tensor");
+  static_assert(detail::is_float_or_double<T> || std::is_same_v<T, std::int32_t>,
+                "ptrain::kernels::cuda::token_ids: ids come as float, double or int32 (not bf16: ids above 256 "
+                "are not exact in it)");
   if (n <= 0) return -1;
   const int device = current_device();
   const cudaStream_t stream = current_stream(device);
