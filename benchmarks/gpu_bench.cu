@@ -17,7 +17,9 @@
 //              read and write once); GB/s and the fraction of the measured
 //              device-to-device copy bandwidth.
 //   gpt        forward, cross-entropy, backward, AdamW on nn::GPT<float> with
-//              TF32 GEMMs; FLOPs per token from GPTConfig::flops_per_token.
+//              TF32 GEMMs, then on nn::GPT<bf16> (bf16 parameters and
+//              activations, fp32 master weights; --no-bf16 skips it); FLOPs
+//              per token from GPTConfig::flops_per_token.
 
 #include <cuda_runtime.h>
 
@@ -53,8 +55,8 @@ struct Options {
   int samples = 7;
   double sample_ms = 20.0;
   int steps = 10, warmup = 3;
-  bool tf32 = true;
-  double peak_tflops = 494.7;
+  bool tf32 = true, bf16 = true;
+  double peak_tflops = 494.7, peak_tflops_bf16 = 989.4;
   std::string gpu_name;
 };
 
@@ -267,26 +269,30 @@ void bench_bandwidth(const Options& o) {
 
 // ------------------------------------------------------------- GPT step ----
 
+// T = float (FP32 or TF32 GEMMs) or bf16 (mixed precision).
+template <class T>
 void bench_gpt(const Options& o) {
+  constexpr bool is_bf16 = std::is_same_v<T, bf16>;
   const nn::GPTConfig& cfg = o.cfg;
   const std::int64_t B = o.batch, S = cfg.block_size;
+  const char* precision = is_bf16 ? "bf16" : o.tf32 ? "tf32" : "fp32";
+  const double peak = is_bf16 ? o.peak_tflops_bf16 : o.peak_tflops;
   kc::set_tf32(o.tf32);
   manual_seed(0);
-  nn::GPT<float> model(cfg);  // initialised on the host, as in the CPU benchmark, then moved
+  nn::GPT<T> model(cfg);  // initialised on the host, as in the CPU benchmark, then moved
   model.to(kGpu);
-  nn::FlatParameters<float> flat(model);
-  optim::AdamW<float> opt(flat, {.lr = 3e-4, .weight_decay = 0.1}, nn::gpt_decay_filter());
-  nn::CrossEntropyLoss<float> loss_fn;
+  nn::FlatParameters<T> flat(model);
+  optim::AdamW<T> opt(flat, {.lr = 3e-4, .weight_decay = 0.1}, nn::gpt_decay_filter());
+  nn::CrossEntropyLoss<T> loss_fn;
 
-  // Token ids enter the model as float values (exact below 2^24); targets are int32.
-  const auto x = indices<float>({B, S}, cfg.vocab_size, 15);
+  const auto x = indices<std::int32_t>({B, S}, cfg.vocab_size, 15);
   const auto y = indices<std::int32_t>({B * S}, cfg.vocab_size, 16);
 
-  nn::Cache<float> cache, loss_cache;
+  nn::Cache<T> cache, loss_cache;
   double loss = 0;
   auto step = [&] {
     flat.zero_grad();
-    loss = loss_fn.forward(model.forward(x, cache), y, loss_cache);
+    loss = loss_fn.forward(model.forward_tokens(x, cache), y, loss_cache);
     model.backward(loss_fn.backward(loss_cache), cache);
     opt.step();
   };
@@ -312,18 +318,18 @@ void bench_gpt(const Options& o) {
   const double tflops = fpt * tokens / (ms * 1e-3) / 1e12;
   const double peak_gib = static_cast<double>(memory_stats(kGpu).peak_bytes) / (1024.0 * 1024.0 * 1024.0);
   emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", "materialized"},
-        {"precision", o.tf32 ? "tf32" : "fp32"}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"embd", cfg.n_embd},
+        {"precision", precision}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"embd", cfg.n_embd},
         {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps},
         {"parameters", model.num_parameters()}, {"step_ms_median", ms},
         {"step_ms_min", *std::min_element(times.begin(), times.end())}, {"tokens_per_s", 1000.0 * tokens / ms},
-        {"mflop_per_token", fpt / 1e6}, {"tflops", tflops}, {"peak_tflops", o.peak_tflops},
-        {"peak_note", "default 494.7 = H100/H200 SXM dense TF32; pass --peak-tflops for other parts"},
-        {"mfu", tflops / o.peak_tflops}, {"peak_mem_GiB", peak_gib}, {"final_loss", loss}});
+        {"mflop_per_token", fpt / 1e6}, {"tflops", tflops}, {"peak_tflops", peak},
+        {"peak_note", "defaults: H100/H200 SXM dense, 494.7 TF32, 989.4 bf16; pass --peak-tflops(-bf16) for other parts"},
+        {"mfu", tflops / peak}, {"peak_mem_GiB", peak_gib}, {"final_loss", loss}});
   std::fprintf(stderr, "\nGPT step (%lld layers, width %lld, %lld x %lld tokens, %s): %.1f ms median, %.0f tokens/s, "
                "%.1f TFLOP/s, MFU %.3f of %.1f, peak memory %.1f GiB, loss %.4f\n",
                static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd), static_cast<long long>(B),
-               static_cast<long long>(S), o.tf32 ? "tf32" : "fp32", ms, 1000.0 * tokens / ms, tflops,
-               tflops / o.peak_tflops, o.peak_tflops, peak_gib, loss);
+               static_cast<long long>(S), precision, ms, 1000.0 * tokens / ms, tflops, tflops / peak, peak, peak_gib,
+               loss);
 }
 
 }  // namespace
@@ -345,6 +351,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "untimed GPT steps first");
   app.add_flag("--tf32,!--no-tf32", o.tf32, "TF32 GEMMs in the GPT step (default on)");
   app.add_option("--peak-tflops", o.peak_tflops, "peak for MFU; 494.7 = H100/H200 SXM dense TF32");
+  app.add_flag("--bf16,!--no-bf16", o.bf16, "also run the GPT step in bf16 mixed precision (default on)");
+  app.add_option("--peak-tflops-bf16", o.peak_tflops_bf16, "peak for the bf16 MFU; 989.4 = H100/H200 SXM dense");
   CLI11_PARSE(app, argc, argv);
 
   if (kc::device_count() == 0) {
@@ -361,5 +369,8 @@ int main(int argc, char** argv) {
   auto wanted = [&](const char* s) { return std::find(only.begin(), only.end(), s) != only.end(); };
   if (wanted("gemm")) bench_gemm(o);
   if (wanted("bandwidth")) bench_bandwidth(o);
-  if (wanted("gpt")) bench_gpt(o);
+  if (wanted("gpt")) {
+    bench_gpt<float>(o);
+    if (o.bf16) bench_gpt<bf16>(o);
+  }
 }
