@@ -348,7 +348,8 @@ TEST_CASE("cuda: gemm with TF32 stays within 2e-3", "[gpu]") {
 
 TEMPLATE_TEST_CASE("cuda: bias_add and bias_grad", "[gpu]", float, double, bf16) {
   using T = TestType;
-  for (auto [rows, cols] : Dims{{1, 1}, {67, 10}, {300, 771}}) {
+  // 300 and 5000 rows: two and 20 row chunks in bias_grad's column sums.
+  for (auto [rows, cols] : Dims{{1, 1}, {67, 10}, {300, 771}, {5000, 64}}) {
     const auto y = uniform<T>(rows * cols, -1, 1), bias = uniform<T>(cols, -1, 1);
     auto dy = on_gpu(y);
     auto db = on_gpu(bias);
@@ -560,7 +561,8 @@ TEMPLATE_TEST_CASE("cuda: cross_entropy forward and backward", "[gpu]", float, d
 
 TEMPLATE_TEST_CASE("cuda: layer_norm forward and backward", "[gpu]", float, double, bf16) {
   using T = TestType;
-  for (auto [rows, d] : Dims{{33, 5}, {64, 768}, {7, 2001}}) {
+  // 600 rows: three row chunks in the column sums of dgamma and dbeta.
+  for (auto [rows, d] : Dims{{33, 5}, {64, 768}, {7, 2001}, {600, 40}}) {
     // An offset mean, so a one-pass variance would lose digits and fail.
     auto x = uniform<T>(rows * d, 2, 4);
     const auto gamma = uniform<T>(d, 0.5, 1.5), beta = uniform<T>(d, -0.5, 0.5);

@@ -263,11 +263,14 @@ inline int block_for_cols(std::int64_t cols) {
   return b;
 }
 
-/// Column-sum kernels (bias_grad, LayerNorm's dgamma/dbeta): a block owns 32
-/// adjacent columns, one per lane, so each warp reads 32 consecutive elements
-/// of a row, and its 16 warps split the rows.
+/// Column sums (bias_grad, LayerNorm's dgamma/dbeta; detail::column_sums in
+/// reduce.cuh): a block owns 32 adjacent columns, one per lane, so each warp
+/// reads 32 consecutive elements of a row, and its 16 warps split the rows of
+/// one chunk of at least kColChunkRows rows; chunks add up in a second pass.
 inline constexpr int kColTile = 32;
 inline constexpr int kColRows = 16;
+inline constexpr std::int64_t kColChunkRows = 256;
+inline constexpr std::int64_t kColTargetBlocks = 1024;
 
 /// Blocks for a one-block-per-row kernel; kernels loop when rows exceed the grid.
 inline unsigned grid_for_rows(std::int64_t rows) {

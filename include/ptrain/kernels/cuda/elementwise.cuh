@@ -15,6 +15,7 @@
 #include "ptrain/core/random.hpp"
 #include "ptrain/kernels/cuda/check.cuh"
 #include "ptrain/kernels/cuda/device.cuh"
+#include "ptrain/kernels/cuda/reduce.cuh"
 
 namespace ptrain::kernels::cuda {
 
@@ -25,24 +26,14 @@ __global__ void bias_add_kernel(std::int64_t rows, std::int64_t cols, T* y, cons
   for (std::int64_t i = global_index(); i < rows * cols; i += grid_stride()) y[i] = st<T>(ld(y[i]) + ld(bias[i % cols]));
 }
 
-// Column sums in the kColTile x kColRows layout (see device.cuh). Deterministic
-// (no atomics): the same input gives the same bits every run.
+// The bias gradient's term for column sums (reduce.cuh): dy[r, c].
 template <class T>
-__global__ void bias_grad_kernel(std::int64_t rows, std::int64_t cols, const T* dy, T* dbias) {
-  using A = acc_t<T>;
-  __shared__ A partial[kColRows][kColTile + 1];  // +1: no bank conflicts when reading a column
-  const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kColTile + threadIdx.x;
-  A acc = A(0);
-  if (col < cols)
-    for (std::int64_t r = threadIdx.y; r < rows; r += kColRows) acc += ld(dy[r * cols + col]);
-  partial[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    A s = A(0);
-    for (int j = 0; j < kColRows; ++j) s += partial[j][threadIdx.x];
-    dbias[col] = st<T>(ld(dbias[col]) + s);
-  }
-}
+struct BiasGradTerm {
+  static constexpr int K = 1;
+  const T* dy;
+  std::int64_t cols;
+  __device__ void operator()(std::int64_t r, std::int64_t c, acc_t<T>* out) const { out[0] = ld(dy[r * cols + c]); }
+};
 
 template <class T>
 __global__ void relu_forward_kernel(std::int64_t n, const T* x, T* y) {
@@ -109,11 +100,7 @@ void bias_add(std::int64_t rows, std::int64_t cols, T* y, const T* bias) {
 template <class T>
 void bias_grad(std::int64_t rows, std::int64_t cols, const T* dy, T* dbias) {
   detail::check_element_type<T>();
-  if (rows <= 0 || cols <= 0) return;
-  const dim3 block(detail::kColTile, detail::kColRows);
-  const auto grid = static_cast<unsigned>((cols + detail::kColTile - 1) / detail::kColTile);
-  detail::bias_grad_kernel<T><<<grid, block, 0, current_stream()>>>(rows, cols, dy, dbias);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::column_sums<T>(rows, cols, detail::BiasGradTerm<T>{dy, cols}, detail::ColumnOutputs<T, 1>{{dbias}});
 }
 
 template <class T>

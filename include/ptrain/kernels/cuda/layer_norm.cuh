@@ -69,36 +69,22 @@ __global__ void layer_norm_backward_dx_kernel(std::int64_t rows, std::int64_t d,
   }
 }
 
-// dgamma[i] += sum_r dy[r,i] xhat[r,i], dbeta[i] += sum_r dy[r,i]: the
-// column-sum layout of bias_grad (32 columns per block, 16 warps over rows).
+// LayerNorm's parameter-gradient terms for column sums (reduce.cuh):
+// dy[r, i] * xhat[r, i] for dgamma and dy[r, i] for dbeta.
 template <class T>
-__global__ void layer_norm_backward_params_kernel(std::int64_t rows, std::int64_t d, const T* x,
-                                                  const acc_t<T>* mean, const acc_t<T>* rstd, const T* dy, T* dgamma,
-                                                  T* dbeta) {
-  using A = acc_t<T>;
-  __shared__ A part_g[kColRows][kColTile + 1];
-  __shared__ A part_b[kColRows][kColTile + 1];
-  const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kColTile + threadIdx.x;
-  A acc_g = A(0), acc_b = A(0);
-  if (col < d)
-    for (std::int64_t r = threadIdx.y; r < rows; r += kColRows) {
-      const A g = ld(dy[r * d + col]);
-      acc_g += g * ((ld(x[r * d + col]) - mean[r]) * rstd[r]);
-      acc_b += g;
-    }
-  part_g[threadIdx.y][threadIdx.x] = acc_g;
-  part_b[threadIdx.y][threadIdx.x] = acc_b;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < d) {
-    A sg = A(0), sb = A(0);
-    for (int j = 0; j < kColRows; ++j) {
-      sg += part_g[j][threadIdx.x];
-      sb += part_b[j][threadIdx.x];
-    }
-    dgamma[col] = st<T>(ld(dgamma[col]) + sg);
-    dbeta[col] = st<T>(ld(dbeta[col]) + sb);
+struct LayerNormParamTerms {
+  static constexpr int K = 2;
+  const T* x;
+  const acc_t<T>* mean;
+  const acc_t<T>* rstd;
+  const T* dy;
+  std::int64_t d;
+  __device__ void operator()(std::int64_t r, std::int64_t i, acc_t<T>* out) const {
+    const acc_t<T> g = ld(dy[r * d + i]);
+    out[0] = g * ((ld(x[r * d + i]) - mean[r]) * rstd[r]);
+    out[1] = g;
   }
-}
+};
 
 }  // namespace detail
 
@@ -125,10 +111,8 @@ void layer_norm_backward(std::int64_t rows, std::int64_t d, const T* x, const ac
   detail::layer_norm_backward_dx_kernel<T><<<detail::grid_for_rows(rows), detail::block_for_cols(d), 0, stream>>>(
       rows, d, x, mean, rstd, gamma, dy, dx);
   PTRAIN_CHECK_CUDA_LAUNCH();
-  const dim3 block(detail::kColTile, detail::kColRows);
-  const auto grid = static_cast<unsigned>((d + detail::kColTile - 1) / detail::kColTile);
-  detail::layer_norm_backward_params_kernel<T><<<grid, block, 0, stream>>>(rows, d, x, mean, rstd, dy, dgamma, dbeta);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::column_sums<T>(rows, d, detail::LayerNormParamTerms<T>{x, mean, rstd, dy, d},
+                         detail::ColumnOutputs<T, 2>{{dgamma, dbeta}});
 }
 
 }  // namespace ptrain::kernels::cuda

@@ -66,6 +66,85 @@ __device__ __forceinline__ T block_max(T v) {
   return block_reduce(v, MaxOp{}, T(-INFINITY));
 }
 
+// ------------------------------------------------------------ column sums ----
+//
+// out_k[c] += sum over rows r of term_k(r, c), k < K, for a [rows, cols] layout.
+// One block per (32-column tile, chunk of rows) writes its partial sums to
+// scratch; a second kernel adds the chunks of each column in chunk order. The
+// split depends only on rows and cols, so the result is the same bits on every
+// run, and narrow layers still fill the GPU: [8192, 768] runs 24 x 32 blocks
+// where one block per tile gave 24.
+//
+// Terms is a struct with `static constexpr int K` and
+// `__device__ void operator()(std::int64_t r, std::int64_t c, A* out) const`.
+
+inline std::int64_t column_chunks(std::int64_t rows, std::int64_t cols) {
+  const std::int64_t tiles = (cols + kColTile - 1) / kColTile;
+  const std::int64_t by_rows = (rows + kColChunkRows - 1) / kColChunkRows;
+  const std::int64_t by_grid = kColTargetBlocks / tiles > 1 ? kColTargetBlocks / tiles : 1;
+  const std::int64_t chunks = by_rows < by_grid ? by_rows : by_grid;
+  return chunks < 1 ? 1 : chunks > 65535 ? 65535 : chunks;
+}
+
+template <class A, class Terms>
+__global__ void column_partials_kernel(std::int64_t rows, std::int64_t cols, std::int64_t chunk, Terms terms,
+                                       A* partial) {
+  constexpr int K = Terms::K;
+  __shared__ A part[K][kColRows][kColTile + 1];  // +1: no bank conflicts when reading a column
+  const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  const std::int64_t begin = static_cast<std::int64_t>(blockIdx.y) * chunk;
+  const std::int64_t end = begin + chunk < rows ? begin + chunk : rows;
+  A acc[K];
+  for (int k = 0; k < K; ++k) acc[k] = A(0);
+  if (col < cols)
+    for (std::int64_t r = begin + threadIdx.y; r < end; r += kColRows) {
+      A t[K];
+      terms(r, col, t);
+      for (int k = 0; k < K; ++k) acc[k] += t[k];
+    }
+  for (int k = 0; k < K; ++k) part[k][threadIdx.y][threadIdx.x] = acc[k];
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols)
+    for (int k = 0; k < K; ++k) {
+      A s = A(0);
+      for (int j = 0; j < kColRows; ++j) s += part[k][j][threadIdx.x];
+      partial[(static_cast<std::int64_t>(k) * gridDim.y + blockIdx.y) * cols + col] = s;
+    }
+}
+
+template <class T, int K>
+struct ColumnOutputs {
+  T* out[K];
+};
+
+template <class A, class T, int K>
+__global__ void column_finish_kernel(std::int64_t cols, std::int64_t chunks, const A* partial,
+                                     ColumnOutputs<T, K> outs) {
+  for (std::int64_t c = global_index(); c < cols; c += grid_stride())
+    for (int k = 0; k < K; ++k) {
+      A s = A(0);
+      for (std::int64_t j = 0; j < chunks; ++j) s += partial[(k * chunks + j) * cols + c];
+      outs.out[k][c] = st<T>(ld(outs.out[k][c]) + s);
+    }
+}
+
+/// outs[k][c] += sum_r terms(r, c)[k] on the current stream (see above).
+template <class T, class Terms>
+void column_sums(std::int64_t rows, std::int64_t cols, Terms terms, ColumnOutputs<T, Terms::K> outs) {
+  using A = acc_t<T>;
+  if (rows <= 0 || cols <= 0) return;
+  const int device = current_device();
+  const cudaStream_t stream = current_stream(device);
+  const std::int64_t chunks = column_chunks(rows, cols), chunk = (rows + chunks - 1) / chunks;
+  auto scratch = Tensor<A>::empty({Terms::K * chunks * cols}, Device::cuda(device));
+  const dim3 block(kColTile, kColRows);
+  const dim3 grid(static_cast<unsigned>((cols + kColTile - 1) / kColTile), static_cast<unsigned>(chunks));
+  column_partials_kernel<A, Terms><<<grid, block, 0, stream>>>(rows, cols, chunk, terms, scratch.data());
+  PTRAIN_CHECK_CUDA_LAUNCH();
+  column_finish_kernel<A, T, Terms::K><<<grid_for(cols), kBlock, 0, stream>>>(cols, chunks, scratch.data(), outs);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
 inline constexpr int kReduceBlock = 256;
 inline constexpr int kMaxPartials = 1024;
 
