@@ -741,8 +741,10 @@ class CheckpointManager {
   TrainerState load(const fs::path& path, nn::FlatParameters<T>& params,
                     std::type_identity_t<optim::Optimizer<T>>* opt = nullptr, LoadOptions lo = {}) const {
     Checkpoint c(path);
-    // Check every tensor first, so a mismatch leaves the model untouched.
+    // Check every tensor first, so a mismatch leaves the model untouched. The
+    // optimizer's state is acc_t<T> (float for a bf16 model), so a list of its own.
     std::vector<std::pair<std::string, Tensor<T>>> targets;
+    std::vector<std::pair<std::string, Tensor<acc_t<T>>>> state;
     std::map<std::string, int> known;
     for (const auto& e : params.entries()) {
       targets.emplace_back(e.name, e.param->value);
@@ -752,10 +754,11 @@ class CheckpointManager {
       for (const auto& n : c.tensor_names("model"))
         PTRAIN_CHECK(known.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
                      "' is not a parameter of the model; the checkpoint is from a different model");
-    if (opt)
-      for (auto& t : opt->state_tensors()) targets.push_back(t);
+    if (opt) state = opt->state_tensors();
     for (const auto& [name, t] : targets) c.check_matches(name, t);
+    for (const auto& [name, t] : state) c.check_matches(name, t);
     for (auto& [name, t] : targets) c.read_into(name, t);
+    for (auto& [name, t] : state) c.read_into(name, t);
     return restore_trainer_state(c, opt);
   }
 

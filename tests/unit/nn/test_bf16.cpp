@@ -13,10 +13,13 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <map>
+#include <unistd.h>
 #include <string>
 #include <vector>
 
+#include "ptrain/ckpt/checkpoint.hpp"
 #include "ptrain/kernels/cpu/bf16.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
@@ -263,3 +266,53 @@ TEST_CASE("Token ids: int32 input equals float ids, and bf16 ids are refused", "
   CHECK_THROWS_WITH(m16.forward(Tensor<bf16>::from(std::vector<bf16>{bf16(1.0f), bf16(2.0f)}, {1, 2}), c),
                     Catch::Contains("[ptrain.embedding.bf16_ids]") && Catch::Contains("int32"));
 }
+
+// A bf16 run saved at step 3 and resumed into fresh objects continues with the
+// same bits as the uninterrupted run: the checkpoint holds the bf16 parameters
+// (BF16 in model.safetensors) and the optimizer's fp32 master weights and moments.
+TEST_CASE("bf16 training resumes bitwise from a checkpoint", "[bf16][ckpt]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("ptrain_bf16_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  nn::GPTConfig cfg{.vocab_size = 23, .block_size = 8, .n_layer = 1, .n_head = 2, .n_embd = 16};
+  struct Run {
+    Generator gen;
+    nn::GPT<bf16> model;
+    nn::FlatParameters<bf16> flat;
+    optim::AdamW<bf16> opt;
+    explicit Run(const nn::GPTConfig& c) : gen(9), model(c, gen), flat(model), opt(flat, {.lr = 1e-2}) {}
+  };
+  auto ids = Tensor<std::int32_t>::from(std::vector<std::int32_t>{1, 5, 9, 2, 22, 0, 3, 3}, {1, 8});
+  auto targets = Tensor<std::int32_t>::from(std::vector<std::int32_t>{5, 9, 2, 22, 0, 3, 3, 7}, {8});
+  auto step = [&](Run& r) {
+    nn::CrossEntropyLoss<bf16> ce;
+    nn::Cache<bf16> c, lc;
+    r.flat.zero_grad();
+    ce.forward(r.model.forward_tokens(ids, c), targets, lc);
+    r.model.backward(ce.backward(lc), c);
+    r.opt.step();
+  };
+  Run a(cfg), b(cfg);
+  ckpt::CheckpointManager mgr(dir);
+  for (int s = 0; s < 3; ++s) step(a);
+  mgr.save(3, a.flat, &a.opt, {});
+  for (int s = 0; s < 3; ++s) step(a);
+
+  mgr.load(mgr.latest().path, b.flat, &b.opt);
+  CHECK(b.opt.steps() == 3);
+  for (int s = 0; s < 3; ++s) step(b);
+  std::int64_t differ = 0;
+  const auto va = a.flat.values().to_vector(), vb = b.flat.values().to_vector();
+  for (std::size_t i = 0; i < va.size(); ++i) differ += va[i].bits != vb[i].bits;
+  CHECK(differ == 0);
+  CHECK(a.opt.flat_state().back().second.to_vector() == b.opt.flat_state().back().second.to_vector());  // master
+
+  // The file stores the parameters as BF16 and the optimizer state as F32.
+  ckpt::Checkpoint c(mgr.latest().path);
+  const auto first = a.model.named_parameters().front();
+  CHECK_NOTHROW(c.check(first.name, first.param->value.shape(), DType::BF16));
+  CHECK_NOTHROW(c.check(first.name + ".master", first.param->value.shape(), DType::F32));
+  CHECK_THROWS_AS(c.check(first.name, first.param->value.shape(), DType::F32), CheckpointError);
+  fs::remove_all(dir);
+}
+
