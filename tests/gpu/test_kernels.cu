@@ -38,6 +38,7 @@
 #include "ptrain/dist/process_group.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
+#include "ptrain/ops/linear.hpp"
 #include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/models/mlp.hpp"
 #include "ptrain/optim/adamw.hpp"
@@ -342,6 +343,41 @@ TEST_CASE("cuda: gemm with TF32 stays within 2e-3", "[gpu]") {
   check_gemm<float>(false, true, 256, 384, 1024, 1.0f, 0.0f, 2e-3);
   kc::set_tf32(false);
   CHECK(!kc::tf32_enabled());
+}
+
+// cuBLASLt with a fused epilogue (Note [cuBLASLt epilogues]): y = x W^T + b and
+// y = gelu(x W^T + b) with the pre-activation kept, against the CPU in double.
+// The shapes where it applies must take the fused path (the return value); GELU
+// is fused for bf16 only, and N = 36 (not a multiple of 8) falls back for it too.
+// Through ops:: the result must be right either way.
+TEMPLATE_TEST_CASE("cuda: linear_epilogue fuses the bias and GELU into the GEMM", "[gpu]", float, bf16) {
+  using T = TestType;
+  for (auto [m, n, k] : std::vector<std::array<std::int64_t, 3>>{{64, 96, 40}, {300, 256, 768}, {17, 36, 24}}) {
+    const auto x = uniform<T>(m * k, -1, 1), w = uniform<T>(n * k, -1, 1), b = uniform<T>(n, -1, 1);
+    auto dx = on_gpu(x), dw = on_gpu(w), db = on_gpu(b);
+    const auto rx = to_double(x), rw = to_double(w), rb = to_double(b);
+    std::vector<double> rpre(static_cast<std::size_t>(m * n)), ry(rpre.size());
+    kp::gemm<double>(false, true, m, n, k, 1.0, rx.data(), k, rw.data(), k, 0.0, rpre.data(), n);
+    kp::bias_add<double>(m, n, rpre.data(), rb.data());
+    kp::gelu_forward<double>(m * n, rpre.data(), ry.data());
+    INFO("m " << m << " n " << n << " k " << k << " seed " << test_seed());
+    for (bool gelu : {false, true}) {
+      INFO("gelu " << gelu);
+      auto y = poisoned<T>(m * n), pre = poisoned<T>(m * n);
+      const bool fused =
+          kc::linear_epilogue<T>(m, n, k, dx.data(), dw.data(), db.data(), y.data(), pre.data(), gelu);
+      CHECK(fused == !(gelu && (std::is_same_v<T, float> || n % 8 != 0)));
+      if (!fused) continue;
+      CHECK_CLOSE(host(y), gelu ? ry : rpre);
+      if (gelu) CHECK_CLOSE(host(pre), rpre);
+    }
+    // Through ops::, which falls back where the fused form does not apply.
+    Tensor<T> pre;
+    auto xt = dx.reshape({m, k}), wt = dw.reshape({n, k});
+    CHECK_CLOSE(host(ops::linear_gelu(xt, wt, db, pre)), ry);
+    CHECK_CLOSE(host(pre), rpre);
+    CHECK_CLOSE(host(ops::linear(xt, wt, db)), rpre);
+  }
 }
 
 // ----------------------------------------------------------- elementwise ----

@@ -30,7 +30,13 @@ class FeedForward : public Module<T> {
     drop_ = this->register_module("drop", std::make_shared<Dropout<T>>(dropout, dropout_seed));
   }
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
-    auto h = act_->forward(c_fc_->forward(x, cache.child(0)), cache.child(1));
+    // c_fc and the GELU as one op (a fused GEMM epilogue on GPUs), leaving in
+    // each child's cache what its own forward would have: the input of c_fc,
+    // the input of the GELU. Their backward passes then run unchanged.
+    Tensor<T> pre;
+    auto h = ops::linear_gelu(x, c_fc_->weight().value, c_fc_->bias()->value, pre);
+    cache.child(0).tensors = {x};
+    cache.child(1).tensors = {pre};
     return drop_->forward(c_proj_->forward(h, cache.child(2)), cache.child(3));
   }
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {

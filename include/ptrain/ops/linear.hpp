@@ -31,22 +31,48 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b, bool trans_a = false, b
   return c;
 }
 
-/// y[..., out] = x[..., in] W^T + b, with W [out, in] and b [out] (b may be undefined).
+namespace detail {
+// y = x W^T + b, and with `pre` also pre = that and y = gelu(pre): one fused
+// GEMM where the device has one (Note [cuBLASLt epilogues]), else the GEMM,
+// the bias and the GELU apart.
 template <class T>
-Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
+Tensor<T> linear_impl(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b, Tensor<T>* pre) {
   PTRAIN_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), ShapeError, "[ptrain.linear] input ",
                x.shape(), " does not match weight ", w.shape(), " (expected last dimension ", w.size(1), ")");
-  const std::int64_t rows = x.numel() / w.size(1), out = w.size(0);
+  const std::int64_t in = w.size(1), rows = x.numel() / in, out = w.size(0);
   std::vector<std::int64_t> yshape(x.shape().begin(), x.shape().end());
   yshape.back() = out;
   auto y = Tensor<T>::empty(Shape(yshape), x.device());
-  auto y2 = y.reshape({rows, out});
-  matmul_into(x.reshape({rows, w.size(1)}), w, y2, false, true);
+  auto x2 = x.reshape({rows, in});
   if (b.defined()) {
     check_shape(b, {out}, "linear bias");
-    PTRAIN_DISPATCH(x.device(), bias_add, rows, out, y.data(), b.data());
+    detail::check_devices("linear", x.device(), w, b);
   }
+  if (pre) *pre = Tensor<T>::empty(y.shape(), x.device());
+  T* pre_data = pre ? pre->data() : nullptr;
+  if (b.defined() && PTRAIN_DISPATCH(x.device(), linear_epilogue, rows, out, in, x2.data(), w.data(), b.data(),
+                                     y.data(), pre_data, pre != nullptr))
+    return y;
+  Tensor<T>& z = pre ? *pre : y;  // x W^T + b
+  auto z2 = z.reshape({rows, out});
+  matmul_into(x2, w, z2, false, true);
+  if (b.defined()) PTRAIN_DISPATCH(x.device(), bias_add, rows, out, z.data(), b.data());
+  if (pre) PTRAIN_DISPATCH(x.device(), gelu_forward, z.numel(), z.data(), y.data());
   return y;
+}
+}  // namespace detail
+
+/// y[..., out] = x[..., in] W^T + b, with W [out, in] and b [out] (b may be undefined).
+template <class T>
+Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
+  return detail::linear_impl(x, w, b, static_cast<Tensor<T>*>(nullptr));
+}
+
+/// gelu(x W^T + b) (tanh form); pre receives x W^T + b for gelu_backward. On a GPU one
+/// cuBLASLt GEMM with a fused epilogue when it applies (Note [cuBLASLt epilogues]).
+template <class T>
+Tensor<T> linear_gelu(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b, Tensor<T>& pre) {
+  return detail::linear_impl(x, w, b, &pre);
 }
 
 /// Backward of linear: dw += dy^T x, db += column sums of dy, returns dx = dy W

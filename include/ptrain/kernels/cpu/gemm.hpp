@@ -90,4 +90,11 @@ inline void set_num_threads(int n) {
 #endif
 }
 
+/// The CPU has no fused GEMM epilogue (kernels::cuda::linear_epilogue): always
+/// false, and ops::linear runs the GEMM, the bias and the activation apart.
+template <class T>
+bool linear_epilogue(std::int64_t, std::int64_t, std::int64_t, const T*, const T*, const T*, T*, T*, bool) {
+  return false;
+}
+
 }  // namespace ptrain::kernels::cpu

@@ -17,6 +17,7 @@
 #include "ptrain/kernels/cuda/check.cuh"
 #include "ptrain/kernels/cuda/device.cuh"
 #include "ptrain/kernels/cuda/gemm.cuh"
+#include "ptrain/kernels/cuda/gemm_lt.cuh"
 #include "ptrain/kernels/cuda/elementwise.cuh"
 #include "ptrain/kernels/cuda/reduce.cuh"
 #include "ptrain/kernels/cuda/softmax.cuh"
