@@ -1,9 +1,15 @@
 #pragma once
 // Helpers of the tests that start their own ranks (kill scenarios).
 #include <arpa/inet.h>
+#include <catch2/catch.hpp>
+#include <chrono>
 #include <climits>
+#include <cstdlib>
+#include <fstream>
 #include <netinet/in.h>
+#include <sstream>
 #include <string>
+#include <utility>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -27,6 +33,27 @@ inline std::string self_exe() {
   char buf[PATH_MAX] = {};
   ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+}
+
+/// A spawned rank's report, in $PTRAIN_KILL_OUT/rank<r>.txt: the milliseconds
+/// since t0 (when its failing operation started), then the error message.
+inline void write_child_report(int rank, std::chrono::steady_clock::time_point t0, const std::string& msg) {
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  if (const char* out = std::getenv("PTRAIN_KILL_OUT")) {
+    std::ofstream f(std::string(out) + "/rank" + std::to_string(rank) + ".txt");
+    f << ms << "\n" << msg << "\n";
+  }
+}
+
+/// The report rank r wrote into dir: (milliseconds, message).
+inline std::pair<long, std::string> read_child_report(const std::string& dir, int r) {
+  std::ifstream f(dir + "/rank" + std::to_string(r) + ".txt");
+  REQUIRE(f.good());
+  long ms = -1;
+  f >> ms;
+  std::stringstream rest;
+  rest << f.rdbuf();
+  return {ms, rest.str()};
 }
 
 }  // namespace ptrain::testing

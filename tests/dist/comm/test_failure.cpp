@@ -24,19 +24,12 @@
 #include "dist/spawn_util.hpp"
 
 using namespace comm_test;
+using ptrain::testing::read_child_report;
+using ptrain::testing::write_child_report;
 
 namespace {
 
 constexpr int kKillIteration = 4;
-
-// Writes what a child saw: milliseconds since t0, then the error message.
-void write_child(int rank, std::chrono::steady_clock::time_point t0, const std::string& msg) {
-  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
-  if (const char* out = std::getenv("PTRAIN_KILL_OUT")) {
-    std::ofstream f(std::string(out) + "/rank" + std::to_string(rank) + ".txt");
-    f << ms << "\n" << msg << "\n";
-  }
-}
 
 // Runs all-reduces until one fails; the victim kills itself while one is in flight.
 void kill_child_body(Communicator& c, int victim) {
@@ -53,7 +46,7 @@ void kill_child_body(Communicator& c, int victim) {
       w->wait();
     }
   } catch (const CommError& e) {
-    write_child(c.rank(), t0, e.what());
+    write_child_report(c.rank(), t0, e.what());
     return;
   }
   FAIL("no CommError although rank " << victim << " was killed");
@@ -116,16 +109,6 @@ std::string fresh_dir(const char* what) {
   return dir;
 }
 
-// What a child wrote: milliseconds until its CommError, then the message.
-std::pair<long, std::string> read_child(const std::string& dir, int r) {
-  std::ifstream f(dir + "/rank" + std::to_string(r) + ".txt");
-  REQUIRE(f.good());
-  long ms = -1;
-  f >> ms;
-  std::stringstream rest;
-  rest << f.rdbuf();
-  return {ms, rest.str()};
-}
 
 void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
   std::string dir = fresh_dir("kill");
@@ -141,7 +124,7 @@ void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
       continue;
     }
     CHECK((WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0));
-    auto [ms, msg] = read_child(dir, r);
+    auto [ms, msg] = read_child_report(dir, r);
     INFO(msg);
     CHECK(ms >= 0);
     CHECK(ms < timeout_s * 1000 / 2);  // detected from the dead connection, not by waiting out the timeout
@@ -188,7 +171,7 @@ TEST_CASE("comm failure child (spawned by [.gloo_probe])", "[.gloo_probe_child]"
       c->barrier();
     }
   } catch (const CommError& e) {
-    write_child(c->rank(), t0, e.what());
+    write_child_report(c->rank(), t0, e.what());
     return;
   }
   if (c->rank() == 2) std::this_thread::sleep_for(std::chrono::seconds(10));
@@ -204,13 +187,13 @@ TEST_CASE("comm failure: a Gloo wait that Gloo never wakes ends through the stor
     INFO("rank " << r);
     CHECK((WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0));
   }
-  auto [ms0, msg0] = read_child(dir, 0);
+  auto [ms0, msg0] = read_child_report(dir, 0);
   INFO(msg0);
   CHECK(ms0 < 8000);  // without the probe, rank 2 exiting (10 s) would be what wakes it
   CHECK(msg0.find("recv(F32 x 1024, from 2, tag 7)") != std::string::npos);
   CHECK(msg0.find("peer rank 2 failed") != std::string::npos);
   CHECK(msg0.find("seen through the store") != std::string::npos);
-  auto [ms1, msg1] = read_child(dir, 1);
+  auto [ms1, msg1] = read_child_report(dir, 1);
   INFO(msg1);
   CHECK(msg1.find("barrier()") != std::string::npos);  // its own wait times out (1 s); its worker marks the failure
   if (std::getenv("PTRAIN_KILL_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());

@@ -406,13 +406,7 @@ void pipe_kill_scenario(int world_size, int victim, int timeout_s) {
       continue;
     }
     CHECK((WIFEXITED(status[ur]) && WEXITSTATUS(status[ur]) == 0));
-    std::ifstream f(dir + "/rank" + std::to_string(r) + ".txt");
-    REQUIRE(f.good());
-    long ms = -1;
-    f >> ms;
-    std::stringstream rest;
-    rest << f.rdbuf();
-    const std::string msg = rest.str();
+    const auto [ms, msg] = ptrain::testing::read_child_report(dir, r);
     INFO(msg);
     CHECK(ms >= 0);
     CHECK(ms < timeout_s * 1000);
@@ -449,9 +443,7 @@ TEST_CASE("pipeline failure child (spawned by [.pipe_kill])", "[.pipe_kill_child
       pipe.train_step(batch.x, batch.y);
     }
   } catch (const CommError& e) {
-    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
-    std::ofstream f(std::string(std::getenv("PTRAIN_KILL_OUT")) + "/rank" + std::to_string(s) + ".txt");
-    f << ms << "\n" << e.what() << "\n";
+    ptrain::testing::write_child_report(s, t0, e.what());
     return;
   }
   FAIL("no CommError although stage " << victim << " was killed");
