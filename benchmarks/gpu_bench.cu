@@ -18,7 +18,8 @@
 //              device-to-device copy bandwidth.
 //   gpt        forward, cross-entropy, backward, AdamW on nn::GPT<float> with
 //              TF32 GEMMs, then on nn::GPT<bf16> (bf16 parameters and
-//              activations, fp32 master weights; --no-bf16 skips it); FLOPs
+//              activations, fp32 master weights, fused attention unless
+//              --no-flash; --no-bf16 skips it); FLOPs
 //              per token from GPTConfig::flops_per_token.
 
 #include <cuda_runtime.h>
@@ -55,7 +56,7 @@ struct Options {
   int samples = 7;
   double sample_ms = 20.0;
   int steps = 10, warmup = 3;
-  bool tf32 = true, bf16 = true;
+  bool tf32 = true, bf16 = true, flash = true;
   double peak_tflops = 494.7, peak_tflops_bf16 = 989.4;
   std::string gpu_name;
 };
@@ -276,6 +277,10 @@ void bench_gpt(const Options& o) {
   const nn::GPTConfig& cfg = o.cfg;
   const std::int64_t B = o.batch, S = cfg.block_size;
   const char* precision = is_bf16 ? "bf16" : o.tf32 ? "tf32" : "fp32";
+  kc::set_flash_attention(o.flash);
+  // The fused attention takes bf16 at head widths 32, 64 and 128 (Note [Flash attention]).
+  const std::int64_t D = cfg.n_embd / cfg.n_head;
+  const char* attention = is_bf16 && o.flash && (D == 32 || D == 64 || D == 128) ? "flash" : "materialized";
   const double peak = is_bf16 ? o.peak_tflops_bf16 : o.peak_tflops;
   kc::set_tf32(o.tf32);
   manual_seed(0);
@@ -317,7 +322,7 @@ void bench_gpt(const Options& o) {
   const double fpt = cfg.flops_per_token(S);
   const double tflops = fpt * tokens / (ms * 1e-3) / 1e12;
   const double peak_gib = static_cast<double>(memory_stats(kGpu).peak_bytes) / (1024.0 * 1024.0 * 1024.0);
-  emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", "materialized"},
+  emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", attention},
         {"precision", precision}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"embd", cfg.n_embd},
         {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps},
         {"parameters", model.num_parameters()}, {"step_ms_median", ms},
@@ -352,6 +357,7 @@ int main(int argc, char** argv) {
   app.add_flag("--tf32,!--no-tf32", o.tf32, "TF32 GEMMs in the GPT step (default on)");
   app.add_option("--peak-tflops", o.peak_tflops, "peak for MFU; 494.7 = H100/H200 SXM dense TF32");
   app.add_flag("--bf16,!--no-bf16", o.bf16, "also run the GPT step in bf16 mixed precision (default on)");
+  app.add_flag("--flash,!--no-flash", o.flash, "fused attention in the bf16 GPT step (default on)");
   app.add_option("--peak-tflops-bf16", o.peak_tflops_bf16, "peak for the bf16 MFU; 989.4 = H100/H200 SXM dense");
   CLI11_PARSE(app, argc, argv);
 

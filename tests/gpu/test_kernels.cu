@@ -38,6 +38,7 @@
 #include "ptrain/dist/process_group.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
+#include "ptrain/ops/attention.hpp"
 #include "ptrain/ops/linear.hpp"
 #include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/models/mlp.hpp"
@@ -825,6 +826,74 @@ TEMPLATE_TEST_CASE("cuda: causal attention forward and backward, with and withou
     kp::causal_attention_backward<double>(B, S, H, D, rqkv.data(), rgprobs.data(), p > 0 ? rgdrop.data() : nullptr,
                                           p, seed, offset, rdy.data(), 1.0 / std::sqrt(double(D)), rdqkv.data());
     CHECK_CLOSE(host(dqkv), rdqkv);
+  }
+}
+
+// The fused bf16 attention (Note [Flash attention]) against the CPU kernels in
+// double on the same bf16 inputs: output, each row's log-sum-exp (computed here
+// in double) and dqkv, with and without dropout; then through ops::, which must
+// choose it for bf16 and fall back after set_flash_attention(false).
+TEST_CASE("cuda: flash attention matches the CPU in double", "[gpu]") {
+  struct Case {
+    std::int64_t B, S, H, D;
+    double p;
+  };
+  for (const Case cs : {Case{1, 1, 1, 32, 0.0}, Case{2, 70, 3, 32, 0.0}, Case{2, 130, 2, 64, 0.2},
+                        Case{1, 600, 2, 64, 0.1}, Case{1, 200, 1, 128, 0.0}}) {
+    const std::int64_t B = cs.B, S = cs.S, H = cs.H, D = cs.D, C = H * D;
+    const double p = cs.p, scale = 1.0 / std::sqrt(double(D));
+    const std::uint64_t seed = rng().below(1ull << 62), offset = rng().below(1ull << 40);
+    const auto qkv = uniform<bf16>(B * S * 3 * C, -1, 1), dy = uniform<bf16>(B * S * C, -1, 1);
+    const auto rqkv = to_double(qkv), rdy = to_double(dy);
+    std::vector<double> rprobs(static_cast<std::size_t>(B * H * S * S)), rdrop(rprobs.size()),
+        ry(static_cast<std::size_t>(B * S * C)), rdqkv(rqkv.size()), rlse(static_cast<std::size_t>(B * H * S));
+    kp::causal_attention_forward<double>(B, S, H, D, rqkv.data(), scale, rprobs.data(), p > 0 ? rdrop.data() : nullptr,
+                                         p, seed, offset, ry.data());
+    kp::causal_attention_backward<double>(B, S, H, D, rqkv.data(), rprobs.data(), p > 0 ? rdrop.data() : nullptr, p,
+                                          seed, offset, rdy.data(), scale, rdqkv.data());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t i = 0; i < S; ++i) {
+          std::vector<double> sc;
+          for (std::int64_t j = 0; j <= i; ++j) {
+            double dot = 0;
+            for (std::int64_t d = 0; d < D; ++d)
+              dot += rqkv[static_cast<std::size_t>((b * S + i) * 3 * C + h * D + d)] *
+                     rqkv[static_cast<std::size_t>((b * S + j) * 3 * C + C + h * D + d)];
+            sc.push_back(dot * scale);
+          }
+          const double mx = *std::max_element(sc.begin(), sc.end());
+          double sum = 0;
+          for (double v : sc) sum += std::exp(v - mx);
+          rlse[static_cast<std::size_t>((b * H + h) * S + i)] = mx + std::log(sum);
+        }
+
+    auto dqkv_in = on_gpu(qkv), ddy = on_gpu(dy);
+    REQUIRE(kc::flash_attention_supported<bf16>(D, dqkv_in.data()));
+    auto y = poisoned<bf16>(B * S * C), dqkv = poisoned<bf16>(B * S * 3 * C);
+    auto lse = poisoned<float>(B * H * S);
+    kc::flash_attention_forward<bf16>(B, S, H, D, dqkv_in.data(), static_cast<float>(scale), p, seed, offset, y.data(),
+                                      lse.data());
+    kc::flash_attention_backward<bf16>(B, S, H, D, dqkv_in.data(), y.data(), lse.data(), p, seed, offset, ddy.data(),
+                                       static_cast<float>(scale), dqkv.data());
+    INFO("B " << B << " S " << S << " H " << H << " D " << D << " p " << p << " seed " << seed);
+    CHECK(rel_err(host(y), ry) <= 1e-2);
+    CHECK(rel_err(host(lse), rlse) <= 1e-5);  // float arithmetic on the same inputs
+    CHECK(rel_err(host(dqkv), rdqkv) <= 1e-2);
+
+    // ops:: picks the fused path for bf16, and the materialised one when it is off.
+    auto q3 = dqkv_in.reshape({B, S, 3 * C});
+    ops::AttentionSaved<bf16> fused, plain;
+    const auto y_fused = host(ops::causal_attention(q3, H, p, seed, offset, fused));
+    CHECK(fused.lse.defined());
+    CHECK(!fused.probs.defined());
+    kc::set_flash_attention(false);
+    const auto y_plain = host(ops::causal_attention(q3, H, p, seed, offset, plain));
+    kc::set_flash_attention(true);
+    CHECK(!plain.lse.defined());
+    CHECK(rel_err(y_fused, ry) <= 1e-2);
+    CHECK(rel_err(y_plain, ry) <= 1e-2);
+    CHECK(rel_err(host(ops::causal_attention_backward(q3, fused, H, ddy.reshape({B, S, C}))), rdqkv) <= 1e-2);
   }
 }
 

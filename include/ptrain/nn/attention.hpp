@@ -42,18 +42,20 @@ class CausalSelfAttention : public Module<T> {
         drop ? attn_gen_.reserve(static_cast<std::uint64_t>(x.size(0) * n_head_ * x.size(1) * x.size(1))) : 0;
     ops::AttentionSaved<T> saved;
     auto y = ops::causal_attention(qkv, n_head_, drop ? p_ : 0.0, attn_gen_.seed(), offset, saved);
-    cache.tensors = {qkv, saved.probs, saved.probs_drop};
+    cache.tensors = {qkv, saved.probs, saved.probs_drop, saved.out};
+    cache.stats = {saved.lse};
     cache.values = {drop ? 1u : 0u, offset};
     auto out = c_proj_->forward(y, cache.child(1));
     return resid_drop_->forward(out, cache.child(2));
   }
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    PTRAIN_CHECK(cache.tensors.size() == 3, Error, "[ptrain.backward] CausalSelfAttention::backward without a forward");
+    PTRAIN_CHECK(cache.tensors.size() == 4 && cache.stats.size() == 1, Error,
+                 "[ptrain.backward] CausalSelfAttention::backward without a forward");
     auto g = resid_drop_->backward(dy, cache.child(2));
     g = c_proj_->backward(g, cache.child(1));
     ops::AttentionSaved<T> saved{cache.tensors[1], cache.tensors[2], cache.values[0] ? p_ : 0.0, attn_gen_.seed(),
-                                 cache.values[1]};
+                                 cache.values[1], cache.tensors[3], cache.stats[0]};
     auto dqkv = ops::causal_attention_backward(cache.tensors[0], saved, n_head_, g);
     auto dx = c_attn_->backward(dqkv, cache.child(0));
     cache.clear();

@@ -6,9 +6,11 @@
 //   auto y = ops::causal_attention(qkv, n_head, 0.0, 0, 0, saved);   // [B, S, C]
 //   auto dqkv = ops::causal_attention_backward(qkv, saved, n_head, dy);
 //
-// Runs on qkv's device: kernels/cpu/attention.hpp (causal row tiles) or
+// Runs on qkv's device: kernels/cpu/attention.hpp (causal row tiles),
+// kernels/cuda/flash_attention.cuh (fused, for bf16 on GPUs where it applies:
+// saved keeps the output and the rows' log-sum-exp, no [S, S] tensor), or
 // kernels/cuda/attention.cuh (batched cuBLAS products and a masked softmax).
-// saved.probs is [B, H, S, S] on that device, like PyTorch's eager attention.
+// Otherwise saved.probs is [B, H, S, S] on that device, like PyTorch's eager attention.
 
 #include <cmath>
 
@@ -20,10 +22,12 @@ namespace ptrain::ops {
 /// What the backward pass needs besides qkv: the probabilities and, with dropout, the dropped ones.
 template <class T>
 struct AttentionSaved {
-  Tensor<T> probs;       ///< [B, H, S, S], zero above the diagonal
-  Tensor<T> probs_drop;  ///< same shape, only when p > 0
+  Tensor<T> probs;       ///< [B, H, S, S], zero above the diagonal (materialised path)
+  Tensor<T> probs_drop;  ///< same shape, only when p > 0 (materialised path)
   double p = 0;
   std::uint64_t seed = 0, offset = 0;
+  Tensor<T> out;         ///< [B, S, C]: the forward's output (fused path)
+  Tensor<acc_t<T>> lse;  ///< [B, H, S]: each row's log-sum-exp (fused path; defined only there)
 };
 
 namespace detail {
@@ -45,15 +49,22 @@ Tensor<T> causal_attention(const Tensor<T>& qkv, std::int64_t n_head, double p, 
   PTRAIN_CHECK(p >= 0.0 && p < 1.0, Error, "[ptrain.dropout] probability ", p, " must be in [0, 1)");
   const std::int64_t B = qkv.size(0), S = qkv.size(1), C = qkv.size(2) / 3, D = C / n_head;
   const Device dev = qkv.device();
-  saved.probs = Tensor<T>::empty({B, n_head, S, S}, dev);
-  saved.probs_drop = p > 0 ? Tensor<T>::empty({B, n_head, S, S}, dev) : Tensor<T>();
   saved.p = p;
   saved.seed = seed;
   saved.offset = offset;
+  const auto scale = static_cast<acc_t<T>>(1.0 / std::sqrt(double(D)));
+  if (PTRAIN_DISPATCH(dev, flash_attention_supported, D, qkv.data())) {
+    saved.out = Tensor<T>::empty({B, S, C}, dev);
+    saved.lse = Tensor<acc_t<T>>::empty({B, n_head, S}, dev);
+    PTRAIN_DISPATCH(dev, flash_attention_forward, B, S, n_head, D, qkv.data(), scale, p, seed, offset,
+                    saved.out.data(), saved.lse.data());
+    return saved.out;
+  }
+  saved.probs = Tensor<T>::empty({B, n_head, S, S}, dev);
+  saved.probs_drop = p > 0 ? Tensor<T>::empty({B, n_head, S, S}, dev) : Tensor<T>();
   auto y = Tensor<T>::empty({B, S, C}, dev);
-  PTRAIN_DISPATCH(dev, causal_attention_forward, B, S, n_head, D, qkv.data(),
-                  static_cast<acc_t<T>>(1.0 / std::sqrt(double(D))), saved.probs.data(), saved.probs_drop.data(), p, seed,
-                  offset, y.data());
+  PTRAIN_DISPATCH(dev, causal_attention_forward, B, S, n_head, D, qkv.data(), scale, saved.probs.data(),
+                  saved.probs_drop.data(), p, seed, offset, y.data());
   return y;
 }
 
@@ -64,13 +75,22 @@ Tensor<T> causal_attention_backward(const Tensor<T>& qkv, const AttentionSaved<T
   detail::check_attention_input(qkv, n_head);
   const std::int64_t B = qkv.size(0), S = qkv.size(1), C = qkv.size(2) / 3, D = C / n_head;
   check_shape(dy, {B, S, C}, "attention output gradient");
+  const auto scale = static_cast<acc_t<T>>(1.0 / std::sqrt(double(D)));
+  if (saved.lse.defined()) {
+    check_shape(saved.out, {B, S, C}, "saved attention output");
+    check_shape(saved.lse, {B, n_head, S}, "saved attention log-sum-exp");
+    detail::check_devices("causal_attention_backward", qkv.device(), dy, saved.out, saved.lse);
+    auto dqkv = Tensor<T>::empty(qkv.shape(), qkv.device());
+    PTRAIN_DISPATCH(qkv.device(), flash_attention_backward, B, S, n_head, D, qkv.data(), saved.out.data(),
+                    saved.lse.data(), saved.p, saved.seed, saved.offset, dy.data(), scale, dqkv.data());
+    return dqkv;
+  }
   check_shape(saved.probs, {B, n_head, S, S}, "saved attention probabilities");
   if (saved.p > 0) check_shape(saved.probs_drop, {B, n_head, S, S}, "saved dropped attention probabilities");
   detail::check_devices("causal_attention_backward", qkv.device(), dy, saved.probs);
   auto dqkv = Tensor<T>::empty(qkv.shape(), qkv.device());
   PTRAIN_DISPATCH(qkv.device(), causal_attention_backward, B, S, n_head, D, qkv.data(), saved.probs.data(),
-                  saved.probs_drop.data(), saved.p, saved.seed, saved.offset, dy.data(),
-                  static_cast<acc_t<T>>(1.0 / std::sqrt(double(D))), dqkv.data());
+                  saved.probs_drop.data(), saved.p, saved.seed, saved.offset, dy.data(), scale, dqkv.data());
   return dqkv;
 }
 

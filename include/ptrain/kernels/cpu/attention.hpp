@@ -24,6 +24,8 @@
 #include <cstring>
 #include <vector>
 
+#include "ptrain/core/dtype.hpp"
+#include "ptrain/core/error.hpp"
 #include "ptrain/core/random.hpp"
 #include "ptrain/kernels/cpu/gemm.hpp"
 
@@ -137,6 +139,23 @@ void causal_attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, s
       }
     }
   }
+}
+
+/// The fused attention is a GPU kernel (kernels/cuda/flash_attention.cuh); on the
+/// CPU it never applies, and ops:: take causal_attention_* instead.
+template <class T>
+bool flash_attention_supported(std::int64_t, const T*) {
+  return false;
+}
+template <class T>
+void flash_attention_forward(std::int64_t, std::int64_t, std::int64_t, std::int64_t, const T*, acc_t<T>, double,
+                             std::uint64_t, std::uint64_t, T*, acc_t<T>*) {
+  PTRAIN_THROW(Error, "[ptrain.attention.flash] the fused attention runs on CUDA devices only");
+}
+template <class T>
+void flash_attention_backward(std::int64_t, std::int64_t, std::int64_t, std::int64_t, const T*, const T*,
+                              const acc_t<T>*, double, std::uint64_t, std::uint64_t, const T*, acc_t<T>, T*) {
+  PTRAIN_THROW(Error, "[ptrain.attention.flash] the fused attention runs on CUDA devices only");
 }
 
 }  // namespace ptrain::kernels::cpu

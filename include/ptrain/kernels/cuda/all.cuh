@@ -24,4 +24,5 @@
 #include "ptrain/kernels/cuda/layer_norm.cuh"
 #include "ptrain/kernels/cuda/embedding.cuh"
 #include "ptrain/kernels/cuda/attention.cuh"
+#include "ptrain/kernels/cuda/flash_attention.cuh"
 #include "ptrain/kernels/cuda/optimizer.cuh"
