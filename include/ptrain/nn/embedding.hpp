@@ -26,11 +26,8 @@ class Embedding : public Module<T> {
     weight_ = &this->register_parameter("weight", w);
   }
 
-  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
-    auto ids = ops::token_ids(x, num_);
-    cache.indices = {ids};
-    return ops::embedding(ids, weight_->value, Tensor<T>());
-  }
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return lookup(x, cache); }
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) override { return lookup(ids, cache); }
   /// Accumulates the weight gradient; returns an undefined tensor (ids have no gradient).
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
     PTRAIN_CHECK(cache.indices.size() == 1, Error, "[ptrain.backward] Embedding::backward without a forward");
@@ -47,6 +44,12 @@ class Embedding : public Module<T> {
   std::int64_t dim() const { return dim_; }
 
  private:
+  template <class I>
+  Tensor<T> lookup(const Tensor<I>& x, Cache<T>& cache) {
+    auto ids = ops::token_ids(x, num_);
+    cache.indices = {ids};
+    return ops::embedding(ids, weight_->value, Tensor<T>());
+  }
   std::int64_t num_, dim_;
   Parameter<T>* weight_;
 };
@@ -72,7 +75,7 @@ class TokenPositionEmbedding : public Module<T> {
   /// x: token ids [batch, seq] as integral values of T (float or double; bf16 cannot hold them).
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return lookup(x, cache); }
   /// The same with int32 token ids, for every T (bf16 models take their ids this way).
-  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) { return lookup(ids, cache); }
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) override { return lookup(ids, cache); }
   /// Accumulates wte and wpe gradients and announces both; returns an undefined tensor.
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
     PTRAIN_CHECK(cache.indices.size() == 1, Error,

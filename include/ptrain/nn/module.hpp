@@ -82,6 +82,14 @@ class Module {
   Module& operator=(const Module&) = delete;
 
   virtual Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) = 0;
+  /// forward() from int32 token ids, for modules that look tokens up (embeddings,
+  /// language models, wrappers of them): the form for every T, and the only one for
+  /// bf16, which holds integers exactly only up to 256. Other modules refuse.
+  virtual Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) {
+    (void)ids;
+    (void)cache;
+    PTRAIN_THROW(ShapeError, "[ptrain.module.tokens] ", describe(), " does not take token ids; call forward()");
+  }
   /// Returns dx for the forward call that filled `cache`; accumulates parameter gradients.
   virtual Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) = 0;
   /// Short description, e.g. "Linear(784, 256)".

@@ -94,6 +94,9 @@ class DDP : public nn::Module<T> {
   }
 
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override { return module_.forward(x, cache); }
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
+    return module_.forward_tokens(ids, cache);
+  }
 
   /// Backward of the wrapped module; full buckets start their all-reduce while it runs.
   /// Call finish_gradient_sync() before reading gradients or stepping the optimizer.

@@ -124,18 +124,10 @@ class FSDP : public nn::Module<T> {
     shard_parameters();
   }
 
-  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
-    Tensor<T> h = x;
-    for (std::size_t i = 0; i < units_.size(); ++i) {
-      const int g = unit_group_[i];
-      if (g >= 0) wait_gathered(g);
-      if (opt_.prefetch) prefetch_after(i, +1);
-      record("forward_begin", static_cast<int>(i));
-      h = units_[i]->forward(h, cache.child(i));
-      record("forward_end", static_cast<int>(i));
-      if (g >= 0 && reshard_ && groups_[static_cast<std::size_t>(g)].last_unit == static_cast<int>(i)) release(g);
-    }
-    return h;
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override { return run_forward(x, cache); }
+  /// forward() with int32 token ids for the first unit (bf16 models take ids this way).
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
+    return run_forward(ids, cache);
   }
 
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
@@ -261,6 +253,23 @@ class FSDP : public nn::Module<T> {
   void clear_events() { events_.clear(); }
 
  private:
+  template <class X>
+  Tensor<T> run_forward(const X& x, nn::Cache<T>& cache) {
+    Tensor<T> h;
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      const int g = unit_group_[i];
+      if (g >= 0) wait_gathered(g);
+      if (opt_.prefetch) prefetch_after(i, +1);
+      record("forward_begin", static_cast<int>(i));
+      if (i > 0) h = units_[i]->forward(h, cache.child(i));
+      else if constexpr (std::is_same_v<X, Tensor<std::int32_t>>) h = units_[i]->forward_tokens(x, cache.child(i));
+      else h = units_[i]->forward(x, cache.child(i));
+      record("forward_end", static_cast<int>(i));
+      if (g >= 0 && reshard_ && groups_[static_cast<std::size_t>(g)].last_unit == static_cast<int>(i)) release(g);
+    }
+    return h;
+  }
+
   struct Group {
     std::vector<nn::Parameter<T>*> params;
     std::vector<nn::FlatEntry<T>> entries;  // offsets inside the group's flat buffer
@@ -526,7 +535,7 @@ class FSDP : public nn::Module<T> {
       // The full gradients hold the accumulation; the shard takes this step's reduced value.
       if (local.data() != p.out.data()) local.copy_(p.out);
     } else {
-      ops::axpy_(T(1), p.out, local);
+      ops::axpy_(1, p.out, local);
     }
   }
 

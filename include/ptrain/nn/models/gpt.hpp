@@ -150,7 +150,7 @@ class GPT : public Module<T> {
   }
   /// forward() with int32 token ids [B, S]: the form for every T, and the only one for
   /// bf16 (which cannot hold ids above 256).
-  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) {
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) override {
     Tensor<T> h = embed_->forward_tokens(ids, cache.child(0));
     for (std::size_t i = 1; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
     return h;
