@@ -777,16 +777,20 @@ TEST_CASE("cuda: embedding modules take token ids on the device and check them",
 
 // ------------------------------------------------------------- attention ----
 
+namespace {
+// One attention shape: batch, sequence, heads, head width, dropout.
+struct AttentionCase {
+  std::int64_t B, S, H, D;
+  double p;
+};
+}  // namespace
+
 TEMPLATE_TEST_CASE("cuda: causal attention forward and backward, with and without dropout", "[gpu]", float,
                    double, bf16) {
   using T = TestType;
-  struct Case {
-    std::int64_t B, S, H, D;
-    double p;
-  };
   // D = 5: head matrices off 16-byte boundaries, the one-GEMM-per-head path.
-  for (const Case cs : {Case{1, 1, 1, 4, 0.0}, Case{2, 70, 3, 16, 0.0}, Case{2, 130, 2, 8, 0.2},
-                        Case{1, 600, 2, 32, 0.1}, Case{2, 33, 3, 5, 0.1}}) {
+  for (const AttentionCase cs : std::vector<AttentionCase>{
+           {1, 1, 1, 4, 0.0}, {2, 70, 3, 16, 0.0}, {2, 130, 2, 8, 0.2}, {1, 600, 2, 32, 0.1}, {2, 33, 3, 5, 0.1}}) {
     const std::int64_t B = cs.B, S = cs.S, H = cs.H, D = cs.D, C = H * D;
     const double p = cs.p;
     const std::uint64_t seed = rng().below(1ull << 62), offset = rng().below(1ull << 40);
@@ -834,12 +838,8 @@ TEMPLATE_TEST_CASE("cuda: causal attention forward and backward, with and withou
 // in double) and dqkv, with and without dropout; then through ops::, which must
 // choose it for bf16 and fall back after set_flash_attention(false).
 TEST_CASE("cuda: flash attention matches the CPU in double", "[gpu]") {
-  struct Case {
-    std::int64_t B, S, H, D;
-    double p;
-  };
-  for (const Case cs : {Case{1, 1, 1, 32, 0.0}, Case{2, 70, 3, 32, 0.0}, Case{2, 130, 2, 64, 0.2},
-                        Case{1, 600, 2, 64, 0.1}, Case{1, 200, 1, 128, 0.0}}) {
+  for (const AttentionCase cs : std::vector<AttentionCase>{
+           {1, 1, 1, 32, 0.0}, {2, 70, 3, 32, 0.0}, {2, 130, 2, 64, 0.2}, {1, 600, 2, 64, 0.1}, {1, 200, 1, 128, 0.0}}) {
     const std::int64_t B = cs.B, S = cs.S, H = cs.H, D = cs.D, C = H * D;
     const double p = cs.p, scale = 1.0 / std::sqrt(double(D));
     const std::uint64_t seed = rng().below(1ull << 62), offset = rng().below(1ull << 40);

@@ -122,6 +122,9 @@ __device__ void strip_acc_pb(float* acc, const bf16* p, const bf16* b) {
 #endif
 }
 
+// 1 / (1 - p): the factor of a kept element (1 without dropout).
+__device__ __forceinline__ float keep_scale_of(double p) { return p > 0 ? static_cast<float>(1.0 / (1.0 - p)) : 1.0f; }
+
 __device__ __forceinline__ bool keep(double p, std::uint64_t seed, std::uint64_t offset, std::int64_t bh,
                                      std::int64_t S, std::int64_t i, std::int64_t j) {
   return p == 0 || random_uniform(seed, offset + static_cast<std::uint64_t>((bh * S + i) * S + j)) >= p;
@@ -156,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(std::int64_t S, std::
   bf16* Pw = Ps + warp * 16 * kPLd;
   float* Ow = Os + warp * 16 * Dims<D>::kAccLd;
   const std::int64_t i = q0 + warp * 16 + r;  // this lane's query row
-  const float keep_scale = static_cast<float>(1.0 / (1.0 - p));
+  const float keep_scale = keep_scale_of(p);
 
   load_tile<D>(Qs, base + h * D, q0, S, ld);
   for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d) Ow[r * Dims<D>::kAccLd + d] = 0.0f;
@@ -185,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(std::int64_t S, std::
       float e = 0.0f;
       if (j <= i && i < S) e = expf(Sw[r * kStripLd + c] * scale - m_use);
       rs += e;
-      const float kept = e != 0.0f && keep(p, seed, offset, bh, S, i, j) ? e * (p > 0 ? keep_scale : 1.0f) : 0.0f;
+      const float kept = e != 0.0f && keep(p, seed, offset, bh, S, i, j) ? e * keep_scale : 0.0f;
       Pw[r * kPLd + c] = bf16(kept);
     }
     rs += __shfl_xor_sync(0xffffffffu, rs, 1);
@@ -222,11 +225,22 @@ __global__ void rowdot_kernel(std::int64_t rows, std::int64_t S, std::int64_t H,
   }
 }
 
+// The backward kernels: four bf16 tiles, lse and D of 64 rows, two float strips
+// and a bf16 strip per warp, and `accumulators` float [64][D] tiles (dK and dV, or dQ).
 template <int D>
-constexpr std::size_t dkdv_smem() {
+constexpr std::size_t backward_smem(int accumulators) {
   return 4 * kTile * Dims<D>::kLd * sizeof(bf16) + 2 * kTile * sizeof(float) +
          2 * kWarps * 16 * kStripLd * sizeof(float) + kWarps * 16 * kPLd * sizeof(bf16) +
-         2 * kTile * Dims<D>::kAccLd * sizeof(float);
+         accumulators * kTile * Dims<D>::kAccLd * sizeof(float);
+}
+
+// lse and D (dy . y) of query rows [q0, q0 + 64) into shared memory; 0 past S.
+__device__ __forceinline__ void load_row_stats(float* lse_s, float* D_s, const float* lse, const float* Dv,
+                                               std::int64_t bh, std::int64_t q0, std::int64_t S) {
+  for (int c = threadIdx.x; c < kTile; c += kThreads) {
+    lse_s[c] = q0 + c < S ? lse[bh * S + q0 + c] : 0.0f;
+    D_s[c] = q0 + c < S ? Dv[bh * S + q0 + c] : 0.0f;
+  }
 }
 
 // grid (key tiles, B*H). Warp w owns keys k0 + 16 w ... + 16; strips are
@@ -258,7 +272,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int
   float* Pfw = Pf + warp * 16 * kStripLd;
   bf16* Pw = Ps + warp * 16 * kPLd;
   const std::int64_t j = k0 + warp * 16 + r;  // this lane's key row
-  const float keep_scale = p > 0 ? static_cast<float>(1.0 / (1.0 - p)) : 1.0f;
+  const float keep_scale = keep_scale_of(p);
 
   load_tile<D>(Ks, base + C + h * D, k0, S, ld);
   load_tile<D>(Vs, base + 2 * C + h * D, k0, S, ld);
@@ -268,10 +282,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int
     __syncthreads();  // every warp is done with the previous query tile
     load_tile<D>(Qs, base + h * D, q0, S, ld);
     load_tile<D>(dYs, dy + b * S * C + h * D, q0, S, C);
-    for (int c = threadIdx.x; c < kTile; c += kThreads) {
-      lse_s[c] = q0 + c < S ? lse[bh * S + q0 + c] : 0.0f;
-      D_s[c] = q0 + c < S ? Dv[bh * S + q0 + c] : 0.0f;
-    }
+    load_row_stats(lse_s, D_s, lse, Dv, bh, q0, S);
     __syncthreads();
     strip_abt<D>(Sw, Ks + warp * 16 * L, Qs);  // [key][query] = k . q
     __syncwarp();
@@ -306,13 +317,6 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int
   }
 }
 
-template <int D>
-constexpr std::size_t dq_smem() {
-  return 4 * kTile * Dims<D>::kLd * sizeof(bf16) + 2 * kTile * sizeof(float) +
-         2 * kWarps * 16 * kStripLd * sizeof(float) + kWarps * 16 * kPLd * sizeof(bf16) +
-         kTile * Dims<D>::kAccLd * sizeof(float);
-}
-
 // grid (query tiles, B*H). Warp w owns queries q0 + 16 w ... + 16.
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64_t H, const bf16* qkv,
@@ -340,14 +344,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64
   float* dPw = dPs + warp * 16 * kStripLd;
   bf16* Pw = Ps + warp * 16 * kPLd;
   const std::int64_t i = q0 + warp * 16 + r;  // this lane's query row
-  const float keep_scale = p > 0 ? static_cast<float>(1.0 / (1.0 - p)) : 1.0f;
+  const float keep_scale = keep_scale_of(p);
 
   load_tile<D>(Qs, base + h * D, q0, S, ld);
   load_tile<D>(dYs, dy + b * S * C + h * D, q0, S, C);
-  for (int c = threadIdx.x; c < kTile; c += kThreads) {
-    lse_s[c] = q0 + c < S ? lse[bh * S + q0 + c] : 0.0f;
-    D_s[c] = q0 + c < S ? Dv[bh * S + q0 + c] : 0.0f;
-  }
+  load_row_stats(lse_s, D_s, lse, Dv, bh, q0, S);
   for (int e = threadIdx.x; e < kTile * A; e += kThreads) dQs[e] = 0.0f;
 
   const std::int64_t last = (q0 + kTile < S ? q0 + kTile : S) - 1;
@@ -381,17 +382,22 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64
   }
 }
 
-// Raises a kernel's dynamic shared memory limit (a per-device setting, so on every
-// launch; the call costs microseconds against milliseconds of attention).
+// Raises a kernel's dynamic shared memory limit, a per-device setting: once per
+// device, remembered in `done` (one array per kernel).
+using SmemFlags = std::array<std::atomic<bool>, kMaxDevices>;
 template <class K>
-void allow_smem(K kernel, std::size_t bytes) {
+void allow_smem(SmemFlags& done, K kernel, std::size_t bytes) {
+  auto& flag = done[static_cast<std::size_t>(current_device())];
+  if (flag.load()) return;
   PTRAIN_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  flag.store(true);
 }
 
 template <int D>
 void forward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, float scale, double p,
              std::uint64_t seed, std::uint64_t offset, bf16* y, float* lse) {
-  allow_smem(forward_kernel<D>, forward_smem<D>());
+  static SmemFlags done{};
+  allow_smem(done, forward_kernel<D>, forward_smem<D>());
   const dim3 grid(static_cast<unsigned>((S + kTile - 1) / kTile), static_cast<unsigned>(B * H));
   forward_kernel<D><<<grid, kThreads, forward_smem<D>(), current_stream()>>>(S, H, qkv, scale, p, seed, offset, y,
                                                                             lse);
@@ -401,8 +407,9 @@ void forward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, fl
 template <int D>
 void backward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, const bf16* y, const float* lse,
               double p, std::uint64_t seed, std::uint64_t offset, const bf16* dy, float scale, bf16* dqkv) {
-  allow_smem(dkdv_kernel<D>, dkdv_smem<D>());
-  allow_smem(dq_kernel<D>, dq_smem<D>());
+  static SmemFlags dkdv_done{}, dq_done{};
+  allow_smem(dkdv_done, dkdv_kernel<D>, backward_smem<D>(2));
+  allow_smem(dq_done, dq_kernel<D>, backward_smem<D>(1));
   const int device = current_device();
   const cudaStream_t stream = current_stream(device);
   const std::int64_t rows = B * H * S;
@@ -410,10 +417,10 @@ void backward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, c
   rowdot_kernel<bf16><<<grid_for(rows * 32), kBlock, 0, stream>>>(rows, S, H, D, dy, y, dv.data());
   PTRAIN_CHECK_CUDA_LAUNCH();
   const dim3 grid(static_cast<unsigned>((S + kTile - 1) / kTile), static_cast<unsigned>(B * H));
-  dkdv_kernel<D><<<grid, kThreads, dkdv_smem<D>(), stream>>>(S, H, qkv, dy, lse, dv.data(), scale, p, seed, offset,
+  dkdv_kernel<D><<<grid, kThreads, backward_smem<D>(2), stream>>>(S, H, qkv, dy, lse, dv.data(), scale, p, seed, offset,
                                                              dqkv);
   PTRAIN_CHECK_CUDA_LAUNCH();
-  dq_kernel<D><<<grid, kThreads, dq_smem<D>(), stream>>>(S, H, qkv, dy, lse, dv.data(), scale, p, seed, offset, dqkv);
+  dq_kernel<D><<<grid, kThreads, backward_smem<D>(1), stream>>>(S, H, qkv, dy, lse, dv.data(), scale, p, seed, offset, dqkv);
   PTRAIN_CHECK_CUDA_LAUNCH();
 }
 

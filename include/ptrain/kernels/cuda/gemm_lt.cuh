@@ -16,10 +16,14 @@
 //
 // linear_epilogue returns false, having done nothing, where it does not apply
 // (double, no bias, GELU on float, sizes over 32 bits, an auxiliary leading
-// dimension that is not a multiple of 8, no algorithm from the heuristic); the
+// dimension that is not a multiple of 8, a bias or auxiliary buffer off a 16-byte
+// boundary, no algorithm from the heuristic); the
 // caller then runs the unfused kernels. Each host thread keeps one cuBLASLt
 // handle per device and a 32 MiB workspace per (device, stream), so work queued
-// on two streams never shares scratch memory.
+// on two streams never shares scratch memory, and remembers the heuristic's
+// algorithm per problem (shape, types, epilogue and the operands' alignment,
+// which views into flat parameter buffers may lower), so a training step asks
+// it once per layer shape, not once per call.
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -85,6 +89,22 @@ inline cublasLtHandle_t lt_handle(int device) {
   return e.h;
 }
 
+/// The largest power of two (up to 256) that divides the address: what an
+/// algorithm may assume about the operand's alignment.
+inline std::uint32_t alignment_of(const void* p) {
+  std::uint32_t a = 256;
+  while (a > 1 && reinterpret_cast<std::uintptr_t>(p) % a != 0) a /= 2;
+  return a;
+}
+
+/// The heuristic's answer for one problem (shape, types, epilogue, operand
+/// alignments), asked once per host thread: found == false means no algorithm.
+struct LtChoice {
+  bool found = false;
+  cublasLtMatmulAlgo_t algo{};
+};
+using LtKey = std::array<std::int64_t, 10>;
+
 /// This thread's workspace for (device, stream), from the device's allocator.
 inline void* lt_workspace(int device, cudaStream_t stream) {
   thread_local std::map<std::pair<int, cudaStream_t>, Tensor<std::uint8_t>> spaces;
@@ -108,6 +128,8 @@ bool linear_epilogue(std::int64_t m, std::int64_t n, std::int64_t k, const T* x,
     if (m <= 0 || n <= 0 || k <= 0 || bias == nullptr || (gelu && (pre == nullptr || std::is_same_v<T, float>)))
       return false;
     if (m > INT_MAX || n > INT_MAX || k > INT_MAX || (gelu && n % 8 != 0)) return false;
+    // The epilogue's vectors have no alignment preference to tell the heuristic.
+    if (detail::alignment_of(bias) < 16 || (gelu && detail::alignment_of(pre) < 16)) return false;
     const int device = current_device();
     const cudaStream_t stream = current_stream(device);
     constexpr cudaDataType_t type = std::is_same_v<T, bf16> ? CUDA_R_16BF : CUDA_R_32F;
@@ -130,22 +152,39 @@ bool linear_epilogue(std::int64_t m, std::int64_t n, std::int64_t k, const T* x,
     const auto a = detail::lt_layout(type, k, n, k), b = detail::lt_layout(type, k, m, k),
                d = detail::lt_layout(type, n, m, n);
 
-    cublasLtMatmulPreference_t praw = nullptr;
-    PTRAIN_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&praw));
-    detail::LtPreference pref(praw);
     const std::uint64_t ws_bytes = static_cast<std::uint64_t>(detail::kLtWorkspaceBytes);
-    PTRAIN_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                             &ws_bytes, sizeof(ws_bytes)));
     const cublasLtHandle_t handle = detail::lt_handle(device);
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    if (cublasLtMatmulAlgoGetHeuristic(handle, op.get(), a.get(), b.get(), d.get(), d.get(), pref.get(), 1, &result,
-                                       &found) != CUBLAS_STATUS_SUCCESS ||
-        found == 0)
-      return false;
+    const std::uint32_t align_w = detail::alignment_of(w), align_x = detail::alignment_of(x),
+                        align_y = detail::alignment_of(y);
+    thread_local std::map<detail::LtKey, detail::LtChoice> choices;
+    const detail::LtKey key{device, m, n, k, type, compute, gelu, align_w, align_x, align_y};
+    auto it = choices.find(key);
+    if (it == choices.end()) {
+      cublasLtMatmulPreference_t praw = nullptr;
+      PTRAIN_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&praw));
+      detail::LtPreference pref(praw);
+      const std::pair<cublasLtMatmulPreferenceAttributes_t, std::uint32_t> aligns[] = {
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_w},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_x},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_y},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_y}};
+      PTRAIN_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                               &ws_bytes, sizeof(ws_bytes)));
+      for (const auto& [attr, bytes] : aligns)
+        PTRAIN_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref.get(), attr, &bytes, sizeof(bytes)));
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      detail::LtChoice choice;
+      if (cublasLtMatmulAlgoGetHeuristic(handle, op.get(), a.get(), b.get(), d.get(), d.get(), pref.get(), 1, &result,
+                                         &found) == CUBLAS_STATUS_SUCCESS &&
+          found > 0)
+        choice = {true, result.algo};
+      it = choices.emplace(key, choice).first;
+    }
+    if (!it->second.found) return false;
     const float alpha = 1.0f, beta = 0.0f;
     PTRAIN_CHECK_CUBLAS(cublasLtMatmul(handle, op.get(), &alpha, w, a.get(), x, b.get(), &beta, y, d.get(), y, d.get(),
-                                       &result.algo, detail::lt_workspace(device, stream), ws_bytes, stream));
+                                       &it->second.algo, detail::lt_workspace(device, stream), ws_bytes, stream));
     return true;
   }
 }
