@@ -52,24 +52,22 @@ TrainerState load_fsdp(const fs::path& path, parallel::FSDP<T>& fsdp,
   for (const auto& n : c.tensor_names("model"))
     PTRAIN_CHECK(names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
                  "' is not a parameter of the model; the checkpoint is from a different model");
-  struct Read {
-    Tensor<T> dst;  // a view of the local shard or of the optimizer state
-    std::string name;
-    Shape shape;
-    std::int64_t offset;
-  };
-  std::vector<Read> reads;
-  for (const auto& [name, shape] : fsdp.parameter_shapes()) reads.push_back({Tensor<T>(), name, shape, 0});
-  for (const auto& p : fsdp.shard_pieces()) {
-    reads.push_back({fsdp.local_values().view(p.local_offset, {p.numel}), p.name, p.shape, p.param_offset});
+  // Everything is checked before the first copy, so a mismatch leaves the model
+  // untouched. Optimizer state is acc_t<T> (F32 beside bf16 parameters).
+  for (const auto& [name, shape] : fsdp.parameter_shapes()) {
+    c.check(name, shape, dtype_of<T>());
     if (opt)
-      for (const auto& [kind, buf] : opt->flat_state())
-        reads.push_back({buf.view(p.local_offset, {p.numel}), p.name + "." + kind, p.shape, p.param_offset});
+      for (const auto& entry : opt->flat_state()) c.check(name + "." + entry.first, shape, dtype_of<acc_t<T>>());
   }
-  // Everything is checked before the first copy, so a mismatch leaves the model untouched.
-  for (const auto& r : reads) c.check(r.name, r.shape, dtype_of<T>());
-  for (auto& r : reads)
-    if (r.dst.defined()) c.read_range(r.name, r.offset, r.dst);
+  for (const auto& p : fsdp.shard_pieces()) {
+    auto values = fsdp.local_values().view(p.local_offset, {p.numel});
+    c.read_range(p.name, p.param_offset, values);
+    if (opt)
+      for (const auto& [kind, buf] : opt->flat_state()) {
+        auto state = buf.view(p.local_offset, {p.numel});
+        c.read_range(p.name + "." + kind, p.param_offset, state);
+      }
+  }
   fsdp.shards_updated();
   return restore_trainer_state(c, opt);
 }

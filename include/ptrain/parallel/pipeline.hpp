@@ -14,6 +14,9 @@
 //   double loss = pipe.train_step(x, y);   // x used on the first stage, y on the last
 //   opt.step();
 //
+// Language models take int32 token ids on the first stage with
+// train_step_tokens(ids, y) (the only form for bf16, Note [bf16 kernels]).
+//
 // Each rank calls the factory only for its own units, so a stage never holds
 // the rest of the model.
 //
@@ -64,6 +67,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ptrain/dist/communicator.hpp"
@@ -198,7 +202,7 @@ struct PipelineEvent {
 /// the gradient of scale * loss with respect to the output.
 template <class T>
 using PipelineLoss = std::function<double(const Tensor<T>& output, const Tensor<std::int32_t>& targets,
-                                          Tensor<T>& dout, T scale)>;
+                                          Tensor<T>& dout, acc_t<T> scale)>;
 
 template <class T>
 struct PipelineOptions {
@@ -232,6 +236,11 @@ class StageModule : public nn::Module<T> {
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
     Tensor<T> h = x;
     for (std::size_t i = 0; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
+    return h;
+  }
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
+    Tensor<T> h = units_.at(0)->forward_tokens(ids, cache.child(0));
+    for (std::size_t i = 1; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
     return h;
   }
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
@@ -299,44 +308,13 @@ class Pipeline {
   /// input [B, ...] is read on the first stage and targets [B, ...] on the last; other
   /// stages may pass empty tensors. B must be divisible by m and the same every step.
   /// Returns the mean micro-batch loss (every stage with broadcast_loss, else NaN off the last stage).
-  double train_step(const Tensor<T>& input, const Tensor<std::int32_t>& targets) {
-    const int m = opt_.micro_batches, p = num_stages();
-    if (is_first()) check_batch(input, "input");
-    if (is_last()) check_batch(targets, "targets");
-    if (opt_.zero_grad && flat_) flat_->zero_grad();
-    events_.clear();
-    caches_.clear();
-    peak_live_ = backwards_done_ = 0;
-    agreeing_ = !shapes_agreed_;
-    double loss_sum = 0;
-    step_start_ = detail::steady_seconds();
-    try {
-      for (const PipelineAction& a : make_schedule(opt_.schedule, stage_, p, m)) {
-        if (a.kind == PipelineAction::Forward) loss_sum += forward_one(a.micro_batch, input, targets);
-        else backward_one(a.micro_batch);
-        reap_sends(false);
-      }
-      reap_sends(true);
-      shapes_agreed_ = true;
-      if (dp_work_) {
-        doing_ = "averaging gradients over the data-parallel group";
-        dp_work_->wait();
-        dp_work_.reset();
-      }
-    } catch (const CommError& e) {
-      abandon();
-      PTRAIN_THROW(CommError, "[ptrain.pipeline.comm] stage ", stage_, " of ", p, " (rank ", comm_.rank(),
-                   ") while ", doing_, ": ", e.what(), "; a neighbouring stage failed or died; every stage must call train_step "
-                   "with the same micro_batches and schedule");
-    } catch (...) {
-      abandon();
-      throw;
-    }
-    double loss = is_last() ? loss_sum / m : std::numeric_limits<double>::quiet_NaN();
-    if (opt_.broadcast_loss && p > 1) comm_.broadcast(&loss, 1, DType::F64, p - 1);
-    if (opt_.broadcast_loss && opt_.data_parallel && opt_.data_parallel->size() > 1)
-      opt_.data_parallel->all_reduce(&loss, 1, DType::F64, dist::ReduceOp::Avg);
-    return loss;
+  double train_step(const Tensor<T>& input, const Tensor<std::int32_t>& targets) { return run_step(input, targets); }
+  /// train_step() with int32 token ids [B, S] as the first stage's input, which
+  /// its first unit looks up (Module::forward_tokens: embeddings, GPT units); the
+  /// form for language models in every T and the only one for bf16. Stages after
+  /// the first may call either form (their input comes from the previous stage).
+  double train_step_tokens(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
+    return run_step(ids, targets);
   }
 
   int stage() const { return stage_; }
@@ -383,6 +361,47 @@ class Pipeline {
     Tensor<T> keep;  // the buffer must outlive the transfer
   };
 
+  template <class In>
+  double run_step(const Tensor<In>& input, const Tensor<std::int32_t>& targets) {
+    const int m = opt_.micro_batches, p = num_stages();
+    if (is_first()) check_batch(input, "input");
+    if (is_last()) check_batch(targets, "targets");
+    if (opt_.zero_grad && flat_) flat_->zero_grad();
+    events_.clear();
+    caches_.clear();
+    peak_live_ = backwards_done_ = 0;
+    agreeing_ = !shapes_agreed_;
+    double loss_sum = 0;
+    step_start_ = detail::steady_seconds();
+    try {
+      for (const PipelineAction& a : make_schedule(opt_.schedule, stage_, p, m)) {
+        if (a.kind == PipelineAction::Forward) loss_sum += forward_one(a.micro_batch, input, targets);
+        else backward_one(a.micro_batch);
+        reap_sends(false);
+      }
+      reap_sends(true);
+      shapes_agreed_ = true;
+      if (dp_work_) {
+        doing_ = "averaging gradients over the data-parallel group";
+        dp_work_->wait();
+        dp_work_.reset();
+      }
+    } catch (const CommError& e) {
+      abandon();
+      PTRAIN_THROW(CommError, "[ptrain.pipeline.comm] stage ", stage_, " of ", p, " (rank ", comm_.rank(),
+                   ") while ", doing_, ": ", e.what(), "; a neighbouring stage failed or died; every stage must call train_step "
+                   "with the same micro_batches and schedule");
+    } catch (...) {
+      abandon();
+      throw;
+    }
+    double loss = is_last() ? loss_sum / m : std::numeric_limits<double>::quiet_NaN();
+    if (opt_.broadcast_loss && p > 1) comm_.broadcast(&loss, 1, DType::F64, p - 1);
+    if (opt_.broadcast_loss && opt_.data_parallel && opt_.data_parallel->size() > 1)
+      opt_.data_parallel->all_reduce(&loss, 1, DType::F64, dist::ReduceOp::Avg);
+    return loss;
+  }
+
   void check_batch(const auto& t, const char* what) const {
     PTRAIN_CHECK(t.defined() && t.dim() >= 1, ShapeError, "[ptrain.pipeline.batch] stage ", stage_, " needs the ",
                  what, " batch (first dimension = batch rows)");
@@ -426,16 +445,18 @@ class Pipeline {
     return Shape(std::vector<std::int64_t>(msg.begin() + 1, msg.begin() + 1 + msg[0]));
   }
 
-  double forward_one(int mb, const Tensor<T>& input, const Tensor<std::int32_t>& targets) {
+  template <class In>
+  double forward_one(int mb, const Tensor<In>& input, const Tensor<std::int32_t>& targets) {
     const int m = opt_.micro_batches;
-    Tensor<T> x;
+    Tensor<In> first;  // the first stage's micro-batch
+    Tensor<T> x;       // a later stage's activation from the previous stage
     if (is_first()) {
       const std::int64_t rows = input.size(0) / m;
-      x = input.narrow(mb * rows, rows);
-      if (agreeing_ && mb == 0) in_shape_ = x.shape();
-      PTRAIN_CHECK(x.shape() == in_shape_, ShapeError, "[ptrain.pipeline.shape] the micro-batch shape ", x.shape(),
-                   " differs from ", in_shape_, " agreed on the first step; keep the batch size fixed (drop a "
-                   "last partial batch) or call set_micro_batches() on every stage to agree again");
+      first = input.narrow(mb * rows, rows);
+      if (agreeing_ && mb == 0) in_shape_ = first.shape();
+      PTRAIN_CHECK(first.shape() == in_shape_, ShapeError, "[ptrain.pipeline.shape] the micro-batch shape ",
+                   first.shape(), " differs from ", in_shape_, " agreed on the first step; keep the batch size "
+                   "fixed (drop a last partial batch) or call set_micro_batches() on every stage to agree again");
     } else {
       if (agreeing_ && mb == 0) in_shape_ = recv_shape();
       x = Tensor<T>::empty(in_shape_);
@@ -447,7 +468,10 @@ class Pipeline {
     PTRAIN_CHECK(fresh, Error, "[ptrain.pipeline.schedule] micro-batch ", mb, " ran forward twice");
     peak_live_ = std::max(peak_live_, static_cast<int>(caches_.size()));
     MicroBatch& state = it->second;
-    Tensor<T> y = module_.forward(x, state.cache);
+    Tensor<T> y;
+    if (!is_first()) y = module_.forward(x, state.cache);
+    else if constexpr (std::is_same_v<In, std::int32_t>) y = module_.forward_tokens(first, state.cache);
+    else y = module_.forward(first, state.cache);
     double loss = 0;
     if (is_last()) {
       const std::int64_t rows = targets.size(0) / m;
@@ -470,7 +494,7 @@ class Pipeline {
   }
 
   double compute_loss(const Tensor<T>& y, const Tensor<std::int32_t>& t, Tensor<T>& dout) {
-    const T scale = static_cast<T>(1.0 / opt_.micro_batches);
+    const auto scale = static_cast<acc_t<T>>(1.0 / opt_.micro_batches);
     if (opt_.loss) return opt_.loss(y, t, dout, scale);
     nn::CrossEntropyLoss<T> ce;
     nn::Cache<T> lc;

@@ -5,7 +5,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <map>
+#include <unistd.h>
+#include <ptrain/ckpt/fsdp_checkpoint.hpp>
 #include <ptrain/dist/process_group.hpp>
 
 #include "dist/parallel/world.hpp"
@@ -171,6 +175,86 @@ TEST_CASE("FSDP trains a bf16 GPT like one process", "[fsdp][bf16]") {
     CHECK(std::abs(loss - last_ref) <= 2e-2 * first);
   }
   CHECK(last_ref < 0.8 * first);
+}
+
+// Sharded checkpoints of a bf16 FSDP model: pieces of the BF16 parameters and
+// of the F32 optimizer state (moments, master weights). A run built from other
+// weights that loads the checkpoint continues bitwise like the uninterrupted
+// run, and one process loads the pieces into the whole model.
+TEST_CASE("FSDP bf16 sharded checkpoints resume bitwise and load in one process", "[fsdp][bf16][ckpt]") {
+  auto& comm = world();
+  const int n = comm.size(), r = comm.rank();
+  const auto cfg = tiny_gpt(true);
+  const std::int64_t B = 2, S = 6;
+  const auto global = make_tokens(n * B, S, cfg.vocab_size, 910);
+  auto ids = Tensor<std::int32_t>::empty({B, S});
+  for (std::int64_t i = 0; i < B * S; ++i) ids.data()[i] = static_cast<std::int32_t>(global.ids.data()[r * B * S + i]);
+  const auto targets = global.targets.narrow(r * B * S, B * S);
+  struct Run {
+    std::unique_ptr<nn::GPT<bf16>> model;
+    std::unique_ptr<parallel::FSDP<bf16>> fsdp;
+    std::unique_ptr<optim::AdamW<bf16>> opt;
+  };
+  auto build = [&](std::uint64_t seed) {
+    Run run;
+    Generator g(seed);
+    run.model = std::make_unique<nn::GPT<bf16>>(cfg, g);
+    run.fsdp = std::make_unique<parallel::FSDP<bf16>>(run.model->units(), comm,
+                                                      options_for(ShardingStrategy::FullShard, run.model->unit_names()));
+    run.opt = std::make_unique<optim::AdamW<bf16>>(run.fsdp->local_values(), run.fsdp->local_grads(),
+                                                   run.fsdp->local_entries(), optim::AdamWOptions{.lr = 0.02});
+    return run;
+  };
+  nn::CrossEntropyLoss<bf16> ce;
+  auto train = [&](Run& run, int steps) {
+    for (int i = 0; i < steps; ++i) {
+      nn::Cache<bf16> c, lc;
+      run.fsdp->zero_grad();
+      ce.forward(run.fsdp->forward_tokens(ids, c), targets, lc);
+      run.fsdp->backward(ce.backward(lc), c);
+      run.fsdp->optimizer_step(*run.opt);
+    }
+  };
+  auto bytes = [](const auto& t) {
+    const auto v = t.to_vector();
+    return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(v[0]));
+  };
+  std::int64_t id = ::getpid();
+  comm.broadcast(&id, 1, DType::I64, 0);
+  const auto dir = std::filesystem::temp_directory_path() / ("ptrain_fsdp_bf16_" + std::to_string(id));
+  ckpt::CheckpointManager mgr(dir, &comm);
+
+  Run a = build(11);
+  train(a, 2);
+  mgr.save_sharded(2, ckpt::fsdp_state(*a.fsdp, a.opt.get()), {});
+  const auto saved = a.fsdp->full_parameters();
+  train(a, 2);
+
+  Run b = build(12);
+  ckpt::load_fsdp(mgr.step_path(2), *b.fsdp, b.opt.get());
+  train(b, 2);
+  CHECK(bytes(b.fsdp->local_values()) == bytes(a.fsdp->local_values()));
+  bool same_state = b.opt->flat_state().size() == 3;  // exp_avg, exp_avg_sq, master
+  for (std::size_t k = 0; k < std::min(b.opt->flat_state().size(), a.opt->flat_state().size()); ++k)
+    same_state = same_state && bytes(b.opt->flat_state()[k].second) == bytes(a.opt->flat_state()[k].second);
+  CHECK(same_state);
+
+  // One process: the pieces of every rank make the whole model, in BF16.
+  Generator g(13);
+  nn::GPT<bf16> whole(cfg, g);
+  nn::FlatParameters<bf16> whole_p(whole);
+  optim::AdamW<bf16> whole_opt(whole_p, {.lr = 0.02});
+  ckpt::CheckpointManager(dir).load(mgr.step_path(2), whole_p, &whole_opt);
+  std::map<std::string, std::string> want;
+  for (const auto& [name, t] : saved) want[name] = bytes(t);
+  bool same_model = want.size() == whole.named_parameters().size();
+  for (auto& p : whole.named_parameters()) same_model = same_model && want[p.name] == bytes(p.param->value);
+  CHECK(same_model);
+  ckpt::Checkpoint c(mgr.step_path(2));
+  for (const auto& name : c.tensor_names("model")) CHECK(c.dtype(name) == DType::BF16);
+  for (const auto& name : c.tensor_names("optimizer")) CHECK(c.dtype(name) == DType::F32);
+  comm.barrier();
+  if (r == 0) std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("FSDP gradient accumulation over micro-batches", "[fsdp]") {

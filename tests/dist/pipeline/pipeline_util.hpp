@@ -7,6 +7,7 @@
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/nn/activation.hpp>
 #include <ptrain/nn/linear.hpp>
+#include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/nn/sequential.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/sgd.hpp>
@@ -76,6 +77,33 @@ inline std::unique_ptr<optim::Optimizer<float>> make_opt(Opt kind, nn::FlatParam
   if (kind == Opt::SGD) return std::make_unique<optim::SGD<float>>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
   // eps 1e-6: see the note in tests/dist/parallel/test_ddp.cpp (rounding noise on near-zero gradients).
   return std::make_unique<optim::AdamW<float>>(p, optim::AdamWOptions{.lr = 0.01, .eps = 1e-6});
+}
+
+/// A small untied GPT for pipelines (block_size 8, 2 heads, width 16) of n_layer blocks.
+inline nn::GPTConfig pipeline_gpt(int n_layer) {
+  return {.vocab_size = 11, .block_size = 8, .n_layer = n_layer, .n_head = 2, .n_embd = 16, .tie_weights = false};
+}
+/// Unit u of GPT<T>(c) built from Generator(seed): each rank builds the whole
+/// model and keeps its units (GPT's initialisation draws from one stream over
+/// the whole model, so that gives the one-process values).
+template <class T>
+auto gpt_units(nn::GPTConfig c, std::uint64_t seed) {
+  return [c, seed](std::size_t u) -> std::shared_ptr<nn::Module<T>> {
+    Generator g(seed);
+    nn::GPT<T> gpt(c, g);
+    return gpt.units().at(u);
+  };
+}
+/// Token ids and targets [rows, seq] in [0, vocab).
+inline std::pair<Tensor<std::int32_t>, Tensor<std::int32_t>> make_tokens(std::int64_t rows, std::int64_t seq,
+                                                                         std::int64_t vocab, std::uint64_t seed) {
+  Generator g(seed);
+  auto ids = Tensor<std::int32_t>::empty({rows, seq}), tgt = Tensor<std::int32_t>::empty({rows, seq});
+  for (std::int64_t k = 0; k < rows * seq; ++k) {
+    ids.data()[k] = static_cast<std::int32_t>(g.below(static_cast<std::uint64_t>(vocab)));
+    tgt.data()[k] = static_cast<std::int32_t>(g.below(static_cast<std::uint64_t>(vocab)));
+  }
+  return {ids, tgt};
 }
 
 }  // namespace pipeline_test

@@ -61,15 +61,24 @@ parallel::StagePartition moved(const parallel::StagePartition& p) {
   return parallel::StagePartition(b);
 }
 
-Values values_of(nn::Module<float>& m) {
+// Values as floats (exact for bf16, so equal floats mean equal bits).
+template <class T>
+std::vector<float> floats(const Tensor<T>& t) {
+  std::vector<float> out;
+  for (T x : t.to_vector()) out.push_back(static_cast<float>(x));
+  return out;
+}
+template <class T>
+Values values_of(nn::Module<T>& m) {
   Values v;
-  for (auto& p : m.named_parameters()) v[p.name] = p.param->value.to_vector();
+  for (auto& p : m.named_parameters()) v[p.name] = floats(p.param->value);
   return v;
 }
-Values state_of(optim::Optimizer<float>* opt) {
+template <class T>
+Values state_of(optim::Optimizer<T>* opt) {
   Values v;
   if (opt)
-    for (auto& [n, t] : opt->state_tensors()) v[n] = t.to_vector();
+    for (auto& [n, t] : opt->state_tensors()) v[n] = floats(t);
   return v;
 }
 
@@ -255,4 +264,53 @@ TEST_CASE("pipeline checkpoints: same-layout resume is bitwise, one process load
   }
   comm.barrier();
   if (comm.rank() == 0 && std::getenv("PTRAIN_PIPE_CKPT_KEEP") == nullptr) std::filesystem::remove_all(root);
+}
+
+// bf16 stages (GPT from token ids, AdamW with fp32 master weights): a run that
+// loads the checkpoint continues bitwise like the uninterrupted run; the files
+// hold the parameters in BF16 and the optimizer state (moments, master weights) in F32.
+TEST_CASE("a bf16 GPT pipeline resumes bitwise from its stage checkpoint", "[pipeline][ckpt][bf16]") {
+  auto& comm = world();
+  const auto dir = shared_dir(comm) / "bf16";
+  const nn::GPTConfig cfg = pipeline_gpt(std::max(2, comm.size() - 1));
+  const std::size_t units = static_cast<std::size_t>(cfg.n_layer) + 2;
+  const auto [ids, tgt] = make_tokens(4, 8, cfg.vocab_size, 31);
+  const auto part = parallel::partition_balanced(std::vector<double>(units, 1.0), comm.size());
+  struct Bf16Run {
+    std::unique_ptr<parallel::Pipeline<bf16>> pipe;
+    std::unique_ptr<optim::AdamW<bf16>> opt;
+    void train(const Tensor<std::int32_t>& x, const Tensor<std::int32_t>& y, int steps) {
+      for (int i = 0; i < steps; ++i) {
+        pipe->train_step_tokens(x, y);
+        opt->step();
+      }
+    }
+  };
+  auto build_run = [&](std::uint64_t seed) {
+    Bf16Run r;
+    r.pipe = std::make_unique<parallel::Pipeline<bf16>>(comm, units, gpt_units<bf16>(cfg, seed), part,
+                                                        parallel::PipelineOptions<bf16>{.micro_batches = 2});
+    r.opt = std::make_unique<optim::AdamW<bf16>>(r.pipe->parameters(), optim::AdamWOptions{.lr = 0.02});
+    return r;
+  };
+  ckpt::CheckpointManager mgr(dir, &comm);
+  Bf16Run a = build_run(7);
+  a.train(ids, tgt, 2);
+  ckpt::save_stage(mgr, 2, *a.pipe, a.opt.get());
+  a.train(ids, tgt, 2);
+
+  Bf16Run b = build_run(8);
+  ckpt::load_stage(mgr, mgr.step_path(2), *b.pipe, b.opt.get());
+  b.train(ids, tgt, 2);
+  CHECK(same_bits(values_of(b.pipe->module()), values_of(a.pipe->module())));
+  CHECK(same_bits(state_of(b.opt.get()), state_of(a.opt.get())));
+
+  ckpt::Checkpoint c(mgr.step_path(2));
+  bool dtypes = !c.tensor_names("model").empty();
+  for (const auto& n : c.tensor_names("model")) dtypes = dtypes && c.dtype(n) == DType::BF16;
+  for (const auto& n : c.tensor_names("optimizer")) dtypes = dtypes && c.dtype(n) == DType::F32;
+  CHECK(dtypes);
+  CHECK(c.tensor_names("optimizer").size() == 3 * c.tensor_names("model").size());  // exp_avg, exp_avg_sq, master
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir.parent_path());
 }
