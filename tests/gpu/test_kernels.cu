@@ -1173,4 +1173,41 @@ TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gp
     CHECK(rel_err(fsdp_full[name], ref) <= 1e-6);
   }
 }
+
+// DDP's bf16 gradient compression packs and unpacks on the device (ops::cast_into).
+// With one rank the average is the identity, so after the sync every gradient
+// must be exactly the plain model's gradient rounded to bf16.
+TEST_CASE("cuda: DDP's bf16 gradient compression rounds on the device", "[gpu][nccl]") {
+  dist::ProcessGroupOptions o;
+  o.backend = "nccl";
+  o.device = kGpu;
+  o.env = dist::LaunchEnv{};
+  auto comm = dist::init_process_group(o);
+  const std::uint64_t init_seed = rng().below(1ull << 62);
+  Generator g_plain(init_seed), g_ddp(init_seed);
+  nn::MLP<float> plain(12, {16}, 5, nn::Activation::GELU, g_plain), model(12, {16}, 5, nn::Activation::GELU, g_ddp);
+  plain.to(kGpu);
+  model.to(kGpu);
+  nn::FlatParameters<float> plain_p(plain), p(model);
+  parallel::DDP<float> ddp(model, p, *comm,
+                           {.bucket_cap_bytes = 256, .first_bucket_bytes = 128,
+                            .compression = parallel::GradCompression::BF16});
+  const auto x = Tensor<float>::from(uniform<float>(8 * 12, -1, 1), {8, 12}).to(kGpu);
+  std::vector<std::int32_t> t(8);
+  for (auto& v : t) v = static_cast<std::int32_t>(rng().below(5));
+  const auto y = Tensor<std::int32_t>::from(t, {8}).to(kGpu);
+  nn::CrossEntropyLoss<float> ce;
+  nn::Cache<float> c, lc, dc, dlc;
+  plain_p.zero_grad();
+  ce.forward(plain.forward(x, c), y, lc);
+  plain.backward(ce.backward(lc), c);
+  p.zero_grad();
+  ce.forward(ddp.forward(x, dc), y, dlc);
+  ddp.backward(ce.backward(dlc), dc);
+  ddp.finish_gradient_sync();
+  auto want = plain_p.grads().to_vector();
+  for (auto& v : want) v = static_cast<float>(bf16(v));
+  INFO("seed " << test_seed());
+  CHECK(p.grads().to_vector() == want);
+}
 #endif

@@ -43,6 +43,13 @@ struct bf16 {
 template <class T>
 using acc_t = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
 
+/// The conversions of the cast kernels: float or double to bf16 (through float,
+/// rounding to nearest even) and bf16 to float or double (exact).
+template <class From, class To>
+inline constexpr bool is_bf16_cast =
+    (std::is_same_v<To, bf16> && (std::is_same_v<From, float> || std::is_same_v<From, double>)) ||
+    (std::is_same_v<From, bf16> && (std::is_same_v<To, float> || std::is_same_v<To, double>));
+
 /// Runtime tag of an element type; names follow safetensors.
 enum class DType : std::uint8_t { F32, F64, BF16, F16, I32, I64, U8 };
 

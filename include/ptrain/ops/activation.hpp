@@ -1,6 +1,8 @@
 #pragma once
 // Activations and dropout on tensors of any shape.
 
+#include <type_traits>
+
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {
@@ -47,12 +49,14 @@ Tensor<T> dropout(const Tensor<T>& x, double p, std::uint64_t seed, std::uint64_
   return y;
 }
 
-/// dst = src converted element by element (float <-> bf16; float -> bf16 rounds to nearest even).
+/// dst = src converted element by element (float or double <-> bf16; to bf16 rounds
+/// to nearest even); a plain copy when the types are the same.
 template <class From, class To>
 void cast_into(const Tensor<From>& src, Tensor<To>& dst) {
   check_shape(dst, src.shape(), "cast destination");
   detail::check_devices("cast", src.device(), dst);
-  PTRAIN_DISPATCH(src.device(), cast, src.numel(), src.data(), dst.data());
+  if constexpr (std::is_same_v<From, To>) dst.copy_(src);
+  else PTRAIN_DISPATCH(src.device(), cast, src.numel(), src.data(), dst.data());
 }
 
 /// y += alpha * x

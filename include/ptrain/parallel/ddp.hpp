@@ -43,10 +43,12 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/ops/activation.hpp"
 #include "ptrain/parallel/model_check.hpp"
 
 namespace ptrain::parallel {
@@ -54,7 +56,8 @@ namespace ptrain::parallel {
 /// How gradients travel over the wire.
 enum class GradCompression {
   None,  ///< all-reduce in the gradient's own dtype
-  BF16,  ///< round to bf16, all-reduce in bf16, widen back (half the bytes; ~3 significant digits)
+  BF16,  ///< round to bf16, all-reduce in bf16, widen back (half the bytes; ~3 significant digits);
+         ///< on the gradients' device; a no-op for bf16 gradients
 };
 
 struct DDPOptions {
@@ -80,10 +83,6 @@ class DDP : public nn::Module<T> {
       : module_(module), params_(params), comm_(comm), opt_(opt) {
     PTRAIN_CHECK(opt.bucket_cap_bytes > 0 && opt.first_bucket_bytes > 0, Error,
                  "[ptrain.ddp.options] bucket sizes must be positive");
-    // The bf16 wire format is packed on the host.
-    PTRAIN_CHECK(opt.compression == GradCompression::None || params.values().device().is_cpu(), Error,
-                 "[ptrain.ddp.options] bf16 gradient compression needs cpu parameters, not ",
-                 params.values().device(), "; use GradCompression::None on a GPU");
     verify_same_parameters();
     if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
     build_buckets();
@@ -120,7 +119,7 @@ class DDP : public nn::Module<T> {
         PTRAIN_THROW(CommError, "[ptrain.ddp.sync] gradient bucket ", b, " (", buckets_[b].names, ") failed: ",
                      e.what());
       }
-      if (opt_.compression == GradCompression::BF16) unpack_bf16(buckets_[b]);
+      if (compressed()) unpack_bf16(buckets_[b]);
       buckets_[b].work.reset();
     }
     in_backward_ = false;
@@ -158,7 +157,7 @@ class DDP : public nn::Module<T> {
     int ready = 0;                    // announced in this backward
     std::string names;                // for error messages
     std::shared_ptr<dist::Work> work;
-    std::vector<bf16> wire;           // BF16 compression buffer
+    Tensor<bf16> wire;                // BF16 compression buffer, on the gradients' device
   };
 
   static double now() {
@@ -226,23 +225,30 @@ class DDP : public nn::Module<T> {
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready == buckets_[next_launch_].expected) {
       Bucket& b = buckets_[next_launch_];
-      T* data = params_.grads().data() + b.begin;
-      const auto count = static_cast<std::size_t>(b.end - b.begin);
+      Tensor<T> grad = bucket_grads(b);
+      const auto count = static_cast<std::size_t>(grad.numel());
       events_.push_back({static_cast<int>(next_launch_), now()});
-      if (opt_.compression == GradCompression::BF16) {
-        b.wire.resize(count);
-        for (std::size_t i = 0; i < count; ++i) b.wire[i] = bf16(static_cast<float>(data[i]));
+      if (compressed()) {
+        pack_bf16(b, grad);
         b.work = comm_.all_reduce_async(b.wire.data(), b.wire.data(), count, DType::BF16, dist::ReduceOp::Avg);
       } else {
-        b.work = comm_.all_reduce_async(data, data, count, dtype_of<T>(), dist::ReduceOp::Avg);
+        b.work = comm_.all_reduce_async(grad.data(), grad.data(), count, dtype_of<T>(), dist::ReduceOp::Avg);
       }
       ++next_launch_;
     }
   }
 
+  Tensor<T> bucket_grads(const Bucket& b) { return params_.grads().view(b.begin, {b.end - b.begin}); }
+  // BF16 compression: the bucket's gradients rounded into its wire buffer (on
+  // their device, so a GPU run never copies them to the host), and back.
+  bool compressed() const { return opt_.compression == GradCompression::BF16 && !std::is_same_v<T, bf16>; }
+  void pack_bf16(Bucket& b, const Tensor<T>& grad) {
+    if (!b.wire.defined()) b.wire = Tensor<bf16>::empty(Shape{grad.numel()}, grad.device());
+    ops::cast_into(grad, b.wire);
+  }
   void unpack_bf16(Bucket& b) {
-    T* data = params_.grads().data() + b.begin;
-    for (std::size_t i = 0; i < b.wire.size(); ++i) data[i] = static_cast<T>(static_cast<float>(b.wire[i]));
+    Tensor<T> grad = bucket_grads(b);
+    ops::cast_into(b.wire, grad);
   }
 
   nn::Module<T>& module_;

@@ -57,6 +57,7 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ptrain/dist/communicator.hpp"
@@ -95,7 +96,8 @@ struct FSDPOptions {
   int hybrid_shard_size = 0;
   /// Issue the next group's all-gather before the current unit computes.
   bool prefetch = true;
-  /// Mixed-precision policy for gradient reduction: F32, or BF16 (half the bytes on the wire).
+  /// Mixed-precision policy for gradient reduction: F32 (the gradients' own type), or BF16
+  /// (float gradients rounded to bf16 on their device: half the bytes on the wire).
   DType reduce_dtype = DType::F32;
   /// Parameter-name prefix of each unit (e.g. GPT::unit_names()), so names match
   /// the unwrapped model's; default "u<i>".
@@ -288,8 +290,8 @@ class FSDP : public nn::Module<T> {
     int group;
     Tensor<T> grad;             // full gradient being reduced (kept alive until done)
     Tensor<T> out;              // the shard's reduced gradient [shard]
-    std::vector<bf16> wire;     // BF16 reduction buffers
-    std::vector<bf16> wire_out;
+    Tensor<bf16> wire;          // BF16 reduction buffers [padded] and [shard], on the gradient's device
+    Tensor<bf16> wire_out;
     std::shared_ptr<dist::Work> work;
     bool replicated = false;    // the replica all-reduce was started
   };
@@ -377,9 +379,6 @@ class FSDP : public nn::Module<T> {
     check_same_model(world_, desc);
 
     const Device dev = groups_.empty() ? Device::cpu() : groups_.front().params.front()->value.device();
-    // The bf16 wire format is packed on the host.
-    PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || dev.is_cpu(), Error, "[ptrain.fsdp.options] reduce_dtype BF16 "
-                 "needs cpu parameters, not ", dev, "; use reduce_dtype F32 on a GPU");
     std::int64_t local_total = 0, full_total = 0;
     for (auto& grp : groups_) {
       grp.padded = (grp.numel + shard_size_ - 1) / shard_size_ * shard_size_;
@@ -487,10 +486,10 @@ class FSDP : public nn::Module<T> {
     const auto shard = static_cast<std::size_t>(grp.shard);
     if (shard_size_ > 1) {
       p.out = Tensor<T>::empty({grp.shard}, grad.device());
-      if (opt_.reduce_dtype == DType::BF16) {
-        p.wire.resize(static_cast<std::size_t>(grp.padded));
-        p.wire_out.resize(shard);
-        for (std::size_t i = 0; i < p.wire.size(); ++i) p.wire[i] = bf16(static_cast<float>(grad.data()[i]));
+      if (opt_.reduce_dtype == DType::BF16 && !std::is_same_v<T, bf16>) {
+        p.wire = Tensor<bf16>::empty(Shape{grp.padded}, grad.device());
+        p.wire_out = Tensor<bf16>::empty(Shape{grp.shard}, grad.device());
+        ops::cast_into(grad, p.wire);
         p.work = shard_comm_->reduce_scatter_async(p.wire.data(), p.wire_out.data(), shard, DType::BF16,
                                                    dist::ReduceOp::Avg);
       } else {
@@ -520,9 +519,7 @@ class FSDP : public nn::Module<T> {
     try {
       if (p.work) p.work->wait(shard_comm_ && !p.replicated ? shard_comm_->timeout() : replicate_comm_->timeout());
       if (!p.replicated) {
-        if (!p.wire_out.empty())
-          for (std::size_t i = 0; i < p.wire_out.size(); ++i)
-            p.out.data()[i] = static_cast<T>(static_cast<float>(p.wire_out[i]));
+        if (p.wire_out.defined()) ops::cast_into(p.wire_out, p.out);
         start_replication(p);
         if (p.work) p.work->wait(replicate_comm_->timeout());
       }

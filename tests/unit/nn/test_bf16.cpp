@@ -24,6 +24,7 @@
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/ops/activation.hpp"
 #include "ptrain/optim/adamw.hpp"
 
 using namespace ptrain;
@@ -248,6 +249,30 @@ TEST_CASE("AdamW's master weights keep updates smaller than bf16's spacing", "[b
   REQUIRE(opt.flat_state().back().first == "master");
   for (float m : master.to_vector()) CHECK(std::abs(m - 0.99f) <= 1e-6f);
   for (bf16 v : values.to_vector()) CHECK(v.bits == bf16(0.99f).bits);  // 0.98828125, no longer 1
+}
+
+// ops::cast_into (what mixed precision and bf16 gradient compression use):
+// against bf16's own rounding of the float value, element by element.
+TEST_CASE("cast_into: float and double to bf16 and back; same type copies", "[bf16]") {
+  const std::vector<double> d{1.0, -0.0, 1.0 + 1.0 / 256, 1.0 + 3.0 / 512, 3.14159265358979, -1e-30, 65504.0, 1e30};
+  std::vector<float> f;
+  for (double x : d) f.push_back(static_cast<float>(x));
+  auto to16 = Tensor<bf16>::empty({8});
+  ops::cast_into(Tensor<double>::from(d, {8}), to16);
+  std::vector<float> want;
+  for (float x : f) want.push_back(static_cast<float>(bf16(x)));
+  auto back = Tensor<double>::empty({8});
+  ops::cast_into(to16, back);
+  CHECK(as_double(to16.to_vector()) == std::vector<double>(want.begin(), want.end()));
+  CHECK(back.to_vector() == std::vector<double>(want.begin(), want.end()));
+  auto from_float = Tensor<bf16>::empty({8});
+  ops::cast_into(Tensor<float>::from(f, {8}), from_float);
+  CHECK(as_double(from_float.to_vector()) == as_double(to16.to_vector()));
+  auto copy = Tensor<float>::empty({8});
+  ops::cast_into(Tensor<float>::from(f, {8}), copy);
+  CHECK(copy.to_vector() == f);
+  auto wrong = Tensor<bf16>::empty({7});
+  CHECK_THROWS_WITH(ops::cast_into(Tensor<float>::from(f, {8}), wrong), Catch::Contains("cast destination"));
 }
 
 TEST_CASE("Token ids: int32 input equals float ids, and bf16 ids are refused", "[bf16][embedding]") {

@@ -43,13 +43,11 @@ inline std::int64_t extent(std::int64_t rows, std::int64_t cols, std::int64_t ld
 }
 }  // namespace detail
 
-/// y[i] = x[i] converted: float -> bf16 rounds to nearest even, bf16 -> float is exact.
+/// y[i] = x[i] converted: to bf16 through float, rounding to nearest even; from bf16 exactly.
 template <class From, class To>
 void cast(std::int64_t n, const From* x, To* y) {
-  static_assert((std::is_same_v<From, float> && std::is_same_v<To, bf16>) ||
-                    (std::is_same_v<From, bf16> && std::is_same_v<To, float>),
-                "ptrain::kernels::cpu::cast: float -> bf16 or bf16 -> float");
-  for (std::int64_t i = 0; i < n; ++i) y[i] = static_cast<To>(x[i]);
+  static_assert(is_bf16_cast<From, To>, "ptrain::kernels::cpu::cast: float or double <-> bf16");
+  for (std::int64_t i = 0; i < n; ++i) y[i] = static_cast<To>(static_cast<float>(x[i]));
 }
 
 /// adamw_update on fp32 master weights p from a bf16 gradient, then param = bf16(p)

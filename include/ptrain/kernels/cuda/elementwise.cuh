@@ -173,13 +173,11 @@ __global__ void cast_kernel(std::int64_t n, const From* x, To* y) {
 }
 }  // namespace detail
 
-/// y[i] = x[i] converted: float -> bf16 rounds to nearest even (NaN stays NaN) with
-/// bf16's own conversion, so the bits equal the CPU's; bf16 -> float is exact.
+/// y[i] = x[i] converted: to bf16 through float, rounding to nearest even (NaN stays
+/// NaN) with bf16's own conversion, so the bits equal the CPU's; from bf16 exactly.
 template <class From, class To>
 void cast(std::int64_t n, const From* x, To* y) {
-  static_assert((std::is_same_v<From, float> && std::is_same_v<To, bf16>) ||
-                    (std::is_same_v<From, bf16> && std::is_same_v<To, float>),
-                "ptrain::kernels::cuda::cast: float -> bf16 or bf16 -> float");
+  static_assert(is_bf16_cast<From, To>, "ptrain::kernels::cuda::cast: float or double <-> bf16");
   if (n <= 0) return;
   detail::cast_kernel<From, To><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y);
   PTRAIN_CHECK_CUDA_LAUNCH();

@@ -21,9 +21,10 @@
 // caller then runs the unfused kernels. Each host thread keeps one cuBLASLt
 // handle per device and a 32 MiB workspace per (device, stream), so work queued
 // on two streams never shares scratch memory, and remembers the heuristic's
-// algorithm per problem (shape, types, epilogue and the operands' alignment,
-// which views into flat parameter buffers may lower), so a training step asks
-// it once per layer shape, not once per call.
+// algorithm per problem (shape, types, epilogue and the alignment of the
+// operands, the bias and the auxiliary buffer, which views into flat parameter
+// buffers may lower), so a training step asks it once per layer shape, not once
+// per call.
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -97,13 +98,14 @@ inline std::uint32_t alignment_of(const void* p) {
   return a;
 }
 
-/// The heuristic's answer for one problem (shape, types, epilogue, operand
-/// alignments), asked once per host thread: found == false means no algorithm.
+/// The heuristic's answer for one problem (shape, types, epilogue, the
+/// alignments of the operands and of the epilogue's vectors), asked once per
+/// host thread: found == false means no algorithm.
 struct LtChoice {
   bool found = false;
   cublasLtMatmulAlgo_t algo{};
 };
-using LtKey = std::array<std::int64_t, 10>;
+using LtKey = std::array<std::int64_t, 12>;
 
 /// This thread's workspace for (device, stream), from the device's allocator.
 inline void* lt_workspace(int device, cudaStream_t stream) {
@@ -128,8 +130,11 @@ bool linear_epilogue(std::int64_t m, std::int64_t n, std::int64_t k, const T* x,
     if (m <= 0 || n <= 0 || k <= 0 || bias == nullptr || (gelu && (pre == nullptr || std::is_same_v<T, float>)))
       return false;
     if (m > INT_MAX || n > INT_MAX || k > INT_MAX || (gelu && n % 8 != 0)) return false;
-    // The epilogue's vectors have no alignment preference to tell the heuristic.
-    if (detail::alignment_of(bias) < 16 || (gelu && detail::alignment_of(pre) < 16)) return false;
+    // The heuristic reads the bias's and the auxiliary buffer's alignment off
+    // their pointers (cublasLt.h, BIAS_POINTER and EPILOGUE_AUX_POINTER), so both
+    // go into the cache key beside the operands'.
+    const std::uint32_t align_bias = detail::alignment_of(bias), align_pre = gelu ? detail::alignment_of(pre) : 0;
+    if (align_bias < 16 || (gelu && align_pre < 16)) return false;
     const int device = current_device();
     const cudaStream_t stream = current_stream(device);
     constexpr cudaDataType_t type = std::is_same_v<T, bf16> ? CUDA_R_16BF : CUDA_R_32F;
@@ -157,7 +162,7 @@ bool linear_epilogue(std::int64_t m, std::int64_t n, std::int64_t k, const T* x,
     const std::uint32_t align_w = detail::alignment_of(w), align_x = detail::alignment_of(x),
                         align_y = detail::alignment_of(y);
     thread_local std::map<detail::LtKey, detail::LtChoice> choices;
-    const detail::LtKey key{device, m, n, k, type, compute, gelu, align_w, align_x, align_y};
+    const detail::LtKey key{device, m, n, k, type, compute, gelu, align_w, align_x, align_y, align_bias, align_pre};
     auto it = choices.find(key);
     if (it == choices.end()) {
       cublasLtMatmulPreference_t praw = nullptr;
