@@ -274,6 +274,42 @@ TEST_CASE("cuda: streams, events and the current stream", "[gpu]") {
   moved.synchronize();
 }
 
+namespace {
+__global__ void sleep_kernel(unsigned ms) {
+  for (unsigned i = 0; i < ms; ++i) __nanosleep(1000000);
+}
+}  // namespace
+
+// The allocator and streams (Note [Stream semantics]): a freed block goes back to
+// the stream that allocated it, and a block announced with record_stream waits
+// until the other stream's work queued before the free has finished.
+TEST_CASE("cuda: cached blocks stay on their stream; record_stream holds them for another", "[gpu]") {
+  kc::Stream side(0);
+  void* first = nullptr;
+  {
+    auto t = Tensor<float>::empty({4096}, kGpu);  // allocated on the default stream
+    first = t.data();
+    sleep_kernel<<<1, 1, 0, side.get()>>>(300);  // `side` stays busy for about 0.3 s
+    PTRAIN_CHECK_CUDA_LAUNCH();
+    kc::record_stream(t, side.get());
+  }
+  {
+    auto u = Tensor<float>::empty({4096}, kGpu);  // `side` still runs: t's block is held back
+    CHECK(u.data() != first);
+  }
+  CHECK(!side.query());  // the check above ran while `side` was busy
+  side.synchronize();
+  {
+    auto a = Tensor<float>::empty({4096}, kGpu), b = Tensor<float>::empty({4096}, kGpu);
+    CHECK((a.data() == first || b.data() == first));  // free again, on the default stream
+  }
+  {
+    kc::StreamGuard guard(side);
+    auto c = Tensor<float>::empty({4096}, kGpu);  // another stream: none of the default stream's blocks
+    CHECK(c.data() != first);
+  }
+}
+
 // ------------------------------------------------------------------ GEMM ----
 
 namespace {

@@ -9,13 +9,28 @@
 // The CPU allocator caches freed blocks by exact size: a training step asks for
 // the same sizes every iteration, so after the first step no call reaches
 // malloc (large mallocs are mmaps, and each fresh mmap page faults on first touch).
+//
+// Note [Streams and cached blocks]
+// A device with streams (CUDA) queues work instead of running it: a block freed
+// by the host may still be read by queued kernels. The caching allocator tags
+// each block with the stream that was current when it was allocated and hands
+// a freed block only to a later request on that same stream, whose work queues
+// behind every earlier use. A block also used on other streams (a collective on
+// a communication stream, a side stream) is announced with record_stream(); when
+// it is freed, a marker (a CUDA event) is recorded on each of those streams and
+// the block waits in a pending list until every marker has completed. The host
+// never waits: pending blocks are checked, without blocking, on each allocation.
+// This is the contract of PyTorch's caching allocator and record_stream().
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <map>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ptrain/core/device.hpp"
@@ -39,6 +54,12 @@ class Allocator {
   virtual void deallocate(void* p, std::size_t bytes) = 0;
   /// Returns cached blocks to the system.
   virtual void empty_cache() {}
+  /// Announces that block p (from allocate) is also used on `stream` (an opaque
+  /// stream handle; Note [Streams and cached blocks]). No-op without streams.
+  virtual void record_stream(void* p, std::uintptr_t stream) {
+    (void)p;
+    (void)stream;
+  }
 
   MemoryStats stats() const {
     std::lock_guard<std::mutex> lock(stats_mutex_);
@@ -71,17 +92,21 @@ class Allocator {
 namespace detail {
 
 /// Caching allocator over a raw allocate/free pair; blocks are reused by exact
-/// (rounded) size. Subclasses provide raw_allocate and raw_free.
+/// (rounded) size on the stream that allocated them (Note [Streams and cached
+/// blocks]). Subclasses provide raw_allocate and raw_free, and a device with
+/// streams the stream and marker hooks.
 class CachingAllocator : public Allocator {
  public:
   static constexpr std::size_t kAlignment = 64;  // one cache line; enough for AVX-512 loads
 
   void* allocate(std::size_t bytes) override {
     const std::size_t size = round_up(bytes);
+    const std::uintptr_t stream = current_stream_key();
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      auto it = free_.find(size);
+      collect_pending();
+      auto it = free_.find({size, stream});
       if (it != free_.end() && !it->second.empty()) {
         p = it->second.back();
         it->second.pop_back();
@@ -92,6 +117,10 @@ class CachingAllocator : public Allocator {
       p = raw_allocate(size);
       fresh = static_cast<std::int64_t>(size);
     }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      live_[p] = Block{size, stream, {}};
+    }
     record_allocate(bytes, fresh);
     return p;
   }
@@ -100,34 +129,102 @@ class CachingAllocator : public Allocator {
     if (!p) return;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      free_[round_up(bytes)].push_back(p);
+      auto node = live_.extract(p);
+      PTRAIN_CHECK(!node.empty(), Error, "[ptrain.alloc] freeing a block this allocator did not hand out");
+      Block& b = node.mapped();
+      Pending pend{p, b.size, b.stream, {}};
+      for (std::uintptr_t s : b.uses)
+        if (void* m = record_marker(s)) pend.markers.push_back(m);
+      if (pend.markers.empty()) free_[{b.size, b.stream}].push_back(p);
+      else pending_.push_back(std::move(pend));
     }
     record_deallocate(bytes, 0);
   }
 
+  void record_stream(void* p, std::uintptr_t stream) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = live_.find(p);
+    PTRAIN_CHECK(it != live_.end(), Error, "[ptrain.alloc] record_stream on a block this allocator did not hand out");
+    Block& b = it->second;
+    if (stream != b.stream && std::find(b.uses.begin(), b.uses.end(), stream) == b.uses.end()) b.uses.push_back(stream);
+  }
+
+  /// Returns the cached blocks that no stream still uses to the system.
   void empty_cache() override {
-    std::unordered_map<std::size_t, std::vector<void*>> blocks;
+    std::map<std::pair<std::size_t, std::uintptr_t>, std::vector<void*>> blocks;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      collect_pending();
       blocks.swap(free_);
     }
-    for (auto& [size, list] : blocks)
+    for (auto& [key, list] : blocks)
       for (void* p : list) {
         raw_free(p);
-        record_deallocate(0, static_cast<std::int64_t>(size));
+        record_deallocate(0, static_cast<std::int64_t>(key.first));
       }
+  }
+
+  /// Freed blocks still waiting for other streams (Note [Streams and cached blocks]).
+  std::size_t pending_blocks() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    collect_pending();
+    return pending_.size();
   }
 
  protected:
   virtual void* raw_allocate(std::size_t bytes) = 0;
   virtual void raw_free(void* p) = 0;
+  /// The calling thread's current stream (0: the default stream, or no streams at all).
+  virtual std::uintptr_t current_stream_key() const { return 0; }
+  /// Records a marker after the work queued so far on `stream`, done once that
+  /// work has finished; null when that work has finished already. Must not throw
+  /// (it runs when a tensor is destroyed).
+  virtual void* record_marker(std::uintptr_t stream) noexcept {
+    (void)stream;
+    return nullptr;
+  }
+  /// True once the marker's work has finished (never blocks); destroys the marker
+  /// then. Must not throw.
+  virtual bool marker_done(void* marker) noexcept {
+    (void)marker;
+    return true;
+  }
   static std::size_t round_up(std::size_t bytes) {
     return bytes == 0 ? kAlignment : (bytes + kAlignment - 1) / kAlignment * kAlignment;
   }
 
  private:
+  struct Block {
+    std::size_t size;                  // rounded
+    std::uintptr_t stream;             // the stream it was allocated on
+    std::vector<std::uintptr_t> uses;  // other streams that use it (record_stream)
+  };
+  struct Pending {
+    void* p;
+    std::size_t size;
+    std::uintptr_t stream;
+    std::vector<void*> markers;  // one per other stream; the block is free when all are done
+  };
+
+  // Moves pending blocks whose markers all completed to the free lists. Holds mutex_.
+  void collect_pending() {
+    for (std::size_t i = 0; i < pending_.size();) {
+      auto& m = pending_[i].markers;
+      m.erase(std::remove_if(m.begin(), m.end(), [this](void* x) { return marker_done(x); }), m.end());
+      if (!m.empty()) {
+        ++i;
+        continue;
+      }
+      free_[{pending_[i].size, pending_[i].stream}].push_back(pending_[i].p);
+      pending_[i] = std::move(pending_.back());
+      pending_.pop_back();
+    }
+  }
+
   std::mutex mutex_;
-  std::unordered_map<std::size_t, std::vector<void*>> free_;
+  std::map<std::pair<std::size_t, std::uintptr_t>, std::vector<void*>> free_;  // (size, stream) -> blocks
+  std::unordered_map<void*, Block> live_;
+  std::vector<Pending> pending_;
 };
 
 class CpuAllocator final : public CachingAllocator {

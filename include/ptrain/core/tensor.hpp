@@ -39,6 +39,10 @@ class Storage {
   void* data() const { return ptr_; }
   std::size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
+  /// See Tensor::record_stream.
+  void record_stream(std::uintptr_t stream) const {
+    if (allocator_) allocator_->record_stream(ptr_, stream);
+  }
 
  private:
   std::size_t bytes_;
@@ -116,6 +120,13 @@ class Tensor {
   /// Offset in elements from the start of the storage.
   std::int64_t storage_offset() const { return offset_; }
   bool shares_storage(const Tensor& other) const { return storage_ && storage_ == other.storage_; }
+  /// Announces that work on another stream (a CUDA stream handle, see
+  /// kernels::cuda::record_stream) uses this tensor's memory: once freed, the
+  /// memory is reused only after the work queued on that stream so far has
+  /// finished (Note [Streams and cached blocks] in core/allocator.hpp).
+  void record_stream(std::uintptr_t stream) const {
+    if (storage_) storage_->record_stream(stream);
+  }
 
   /// View of `shape.numel()` elements starting `offset` elements after this tensor's start.
   Tensor view(std::int64_t offset, const Shape& shape) const {

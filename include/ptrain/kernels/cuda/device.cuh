@@ -17,12 +17,13 @@
 //   * StreamGuard makes a Stream current for a scope, like torch.cuda.stream().
 //     Work on one stream runs in issue order; work on two streams is ordered
 //     only by Events (Stream::wait(event)) or by synchronising.
-//   * The allocator hands a freed block to the next request of the same size at
-//     once, without waiting for the GPU. That is safe while every use of a block
-//     is on the stream that frees it: the next user's work is queued behind the
-//     previous user's. A tensor also read by another stream (a collective on a
-//     communication stream) must stay alive until that stream is done, which the
-//     caller arranges with an Event, as with PyTorch's record_stream.
+//   * The allocator hands a freed block to the next request of the same size on
+//     the stream that allocated it, at once, without waiting for the GPU: the
+//     next user's work is queued behind the previous user's (Note [Streams and
+//     cached blocks] in core/allocator.hpp). A tensor also used by another
+//     stream (a side stream, a copy on a communication stream) is announced with
+//     record_stream(t, stream), as in PyTorch; its block is then reused only
+//     after that stream's work queued before the free has finished.
 //   * copy() (Tensor::to, copy_, to_vector) is synchronous: it queues on the
 //     current stream and waits for it, so the host sees finished data.
 //     memset_zero() only queues, which is enough for later work on that stream.
@@ -42,6 +43,7 @@
 #include "ptrain/core/allocator.hpp"
 #include "ptrain/core/device.hpp"
 #include "ptrain/core/dtype.hpp"
+#include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cuda/check.cuh"
 
 namespace ptrain::kernels::cuda {
@@ -106,6 +108,13 @@ inline cudaStream_t current_stream(int device) { return detail::current_stream_s
 inline cudaStream_t current_stream() { return current_stream(current_device()); }
 /// Makes `stream` (which must belong to `device`) current on `device` for this thread.
 inline void set_current_stream(int device, cudaStream_t stream) { detail::current_stream_slot(device) = stream; }
+
+/// Announces that work on `stream` uses t's memory (Note [Stream semantics]): call it
+/// after queuing that work, before t's last reference goes.
+template <class T>
+void record_stream(const Tensor<T>& t, cudaStream_t stream) {
+  t.record_stream(reinterpret_cast<std::uintptr_t>(stream));
+}
 
 /// Waits for all work on the device; for tests and benchmarks only (stalls every stream).
 inline void synchronize_device(int device) {
@@ -332,14 +341,38 @@ __device__ __forceinline__ T st(acc_t<T> v) {
 }  // namespace detail
 
 /// Caching allocator of one CUDA device: cudaMalloc/cudaFree behind the byte
-/// counters and exact-size block cache of detail::CachingAllocator. One per
-/// device, owned by CudaBackend; see Note [Stream semantics] for block reuse.
+/// counters and the per-stream exact-size block cache of
+/// detail::CachingAllocator, with CUDA events as the markers of record_stream.
+/// One per device, owned by CudaBackend; see Note [Stream semantics].
 class CudaAllocator final : public ::ptrain::detail::CachingAllocator {
  public:
   explicit CudaAllocator(int device) : device_(device) {}
   int device() const { return device_; }
 
  protected:
+  std::uintptr_t current_stream_key() const override {
+    return reinterpret_cast<std::uintptr_t>(current_stream(device_));
+  }
+  void* record_marker(std::uintptr_t stream) noexcept override {
+    DeviceGuard guard(device_);
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess &&
+        cudaEventRecord(e, reinterpret_cast<cudaStream_t>(stream)) == cudaSuccess)
+      return e;
+    // No event (a failing device): wait for the stream instead, so the block is free now.
+    if (e) (void)cudaEventDestroy(e);
+    (void)cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  bool marker_done(void* marker) noexcept override {
+    auto e = static_cast<cudaEvent_t>(marker);
+    const cudaError_t r = cudaEventQuery(e);
+    if (r == cudaErrorNotReady) return false;
+    // An error other than "not ready" is sticky and surfaces at the next CUDA call.
+    (void)cudaEventDestroy(e);
+    return true;
+  }
   void* raw_allocate(std::size_t bytes) override {
     DeviceGuard guard(device_);
     void* p = nullptr;

@@ -23,15 +23,19 @@
 //             it, recomputing P = exp(scale q k - lse) both times. No atomics:
 //             gradients are the same bits on every run.
 // Limits: bf16 only, head width D of 32, 64 or 128, a GPU of compute
-// capability 8.0 or newer (bf16 WMMA), qkv on a 16-byte boundary
+// capability 8.0 or newer (bf16 WMMA) whose per-block shared memory holds the
+// kernels' tiles (up to 178 KiB at D = 128: sm_90 takes every width, sm_80
+// D <= 64, sm_86/89 D = 32), qkv on a 16-byte boundary
 // (flash_attention_supported); other cases take the materialised path, and so
 // does everything after set_flash_attention(false).
 
 #include <cuda_runtime.h>
 #include <mma.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 
 #include "ptrain/core/dtype.hpp"
@@ -136,7 +140,8 @@ constexpr std::size_t forward_smem() {
          kWarps * 16 * kPLd * sizeof(bf16) + kWarps * 16 * Dims<D>::kAccLd * sizeof(float);
 }
 
-// grid (query tiles, B*H), kThreads threads. In a warp, lane l looks after row
+// grid (B*H, query tiles): the heads go on x, whose limit is 2^31 - 1, as y and
+// z stop at 65535. kThreads threads. In a warp, lane l looks after row
 // l / 2 of the warp's 16, columns (l % 2) * 32 ... + 32 of each strip.
 template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(std::int64_t S, std::int64_t H, const bf16* qkv,
@@ -151,8 +156,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(std::int64_t S, std::
   bf16* Ps = reinterpret_cast<bf16*>(Ss + kWarps * 16 * kStripLd);
   float* Os = reinterpret_cast<float*>(Ps + kWarps * 16 * kPLd);
 
-  const std::int64_t bh = blockIdx.y, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
-  const std::int64_t q0 = static_cast<std::int64_t>(blockIdx.x) * kTile;
+  const std::int64_t bh = blockIdx.x, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
+  const std::int64_t q0 = static_cast<std::int64_t>(blockIdx.y) * kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 2, half = lane % 2;
   const bf16* base = qkv + b * S * ld;
   float* Sw = Ss + warp * 16 * kStripLd;
@@ -243,7 +248,7 @@ __device__ __forceinline__ void load_row_stats(float* lse_s, float* D_s, const f
   }
 }
 
-// grid (key tiles, B*H). Warp w owns keys k0 + 16 w ... + 16; strips are
+// grid (B*H, key tiles). Warp w owns keys k0 + 16 w ... + 16; strips are
 // transposed here: row = key, column = query.
 template <int D>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int64_t H, const bf16* qkv,
@@ -264,8 +269,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int
   float* dKs = reinterpret_cast<float*>(Ps + kWarps * 16 * kPLd);
   float* dVs = dKs + kTile * A;
 
-  const std::int64_t bh = blockIdx.y, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
-  const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x) * kTile;
+  const std::int64_t bh = blockIdx.x, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
+  const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.y) * kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 2, half = lane % 2;
   const bf16* base = qkv + b * S * ld;
   float* Sw = Ss + warp * 16 * kStripLd;
@@ -317,7 +322,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int
   }
 }
 
-// grid (query tiles, B*H). Warp w owns queries q0 + 16 w ... + 16.
+// grid (B*H, query tiles). Warp w owns queries q0 + 16 w ... + 16.
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64_t H, const bf16* qkv,
                                                       const bf16* dy, const float* lse, const float* Dv, float scale,
@@ -336,8 +341,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64
   bf16* Ps = reinterpret_cast<bf16*>(dPs + kWarps * 16 * kStripLd);  // dS
   float* dQs = reinterpret_cast<float*>(Ps + kWarps * 16 * kPLd);
 
-  const std::int64_t bh = blockIdx.y, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
-  const std::int64_t q0 = static_cast<std::int64_t>(blockIdx.x) * kTile;
+  const std::int64_t bh = blockIdx.x, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
+  const std::int64_t q0 = static_cast<std::int64_t>(blockIdx.y) * kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 2, half = lane % 2;
   const bf16* base = qkv + b * S * ld;
   float* Sw = Ss + warp * 16 * kStripLd;
@@ -398,7 +403,7 @@ void forward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, fl
              std::uint64_t seed, std::uint64_t offset, bf16* y, float* lse) {
   static SmemFlags done{};
   allow_smem(done, forward_kernel<D>, forward_smem<D>());
-  const dim3 grid(static_cast<unsigned>((S + kTile - 1) / kTile), static_cast<unsigned>(B * H));
+  const dim3 grid(static_cast<unsigned>(B * H), static_cast<unsigned>((S + kTile - 1) / kTile));
   forward_kernel<D><<<grid, kThreads, forward_smem<D>(), current_stream()>>>(S, H, qkv, scale, p, seed, offset, y,
                                                                             lse);
   PTRAIN_CHECK_CUDA_LAUNCH();
@@ -413,10 +418,19 @@ void backward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, c
   const int device = current_device();
   const cudaStream_t stream = current_stream(device);
   const std::int64_t rows = B * H * S;
+  // load_tile reads dy in 16-byte chunks, and unlike qkv nothing has checked
+  // its alignment (a view may start anywhere): such a dy is read through a copy.
+  Tensor<bf16> dy_copy;
+  if (reinterpret_cast<std::uintptr_t>(dy) % 16 != 0) {
+    dy_copy = Tensor<bf16>::empty({B * S * H * D}, Device::cuda(device));
+    PTRAIN_CHECK_CUDA(cudaMemcpyAsync(dy_copy.data(), dy, static_cast<std::size_t>(B * S * H * D) * sizeof(bf16),
+                                      cudaMemcpyDeviceToDevice, stream));
+    dy = dy_copy.data();
+  }
   auto dv = Tensor<float>::empty({rows}, Device::cuda(device));
   rowdot_kernel<bf16><<<grid_for(rows * 32), kBlock, 0, stream>>>(rows, S, H, D, dy, y, dv.data());
   PTRAIN_CHECK_CUDA_LAUNCH();
-  const dim3 grid(static_cast<unsigned>((S + kTile - 1) / kTile), static_cast<unsigned>(B * H));
+  const dim3 grid(static_cast<unsigned>(B * H), static_cast<unsigned>((S + kTile - 1) / kTile));
   dkdv_kernel<D><<<grid, kThreads, backward_smem<D>(2), stream>>>(S, H, qkv, dy, lse, dv.data(), scale, p, seed, offset,
                                                              dqkv);
   PTRAIN_CHECK_CUDA_LAUNCH();
@@ -441,6 +455,37 @@ inline int cc_major(int device) {
   return v;
 }
 
+// Whether `device` can run the three kernels for head width D: the code it runs
+// was compiled for sm_80 or newer (PTX for an older target, JIT-compiled for a
+// newer GPU, would reach the __trap in strip_abt), and the largest dynamic
+// shared memory the kernels ask for fits the device's per-block limit: 227 KiB
+// on sm_90, but 163 KiB on sm_80 (too small for D = 128's backward) and 99 KiB
+// on sm_86/89 (too small for D = 64's backward and D = 128). Read once per device.
+template <int D>
+bool device_fits(int device) {
+  static std::array<std::atomic<int>, kMaxDevices> state{};  // 0 not yet known, 1 fits, 2 does not
+  auto& s = state[static_cast<std::size_t>(device)];
+  int v = s.load();
+  if (v == 0) {
+    int optin = 0;
+    cudaFuncAttributes attr{};
+    bool ok = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+              cudaFuncGetAttributes(&attr, forward_kernel<D>) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();  // no usable image here: an answer (not supported), not an error
+    const std::size_t need = std::max(forward_smem<D>(), std::max(backward_smem<D>(2), backward_smem<D>(1)));
+    ok = ok && !(attr.ptxVersion > 0 && attr.ptxVersion < 80) && static_cast<std::size_t>(optin) >= need;
+    v = ok ? 1 : 2;
+    s.store(v);
+  }
+  return v == 1;
+}
+
+// The grids are (B*H, tiles of 64 rows): x holds up to 2^31 - 1, y 65535.
+inline void check_grid(std::int64_t B, std::int64_t S, std::int64_t H) {
+  PTRAIN_CHECK(B * H <= INT_MAX && (S + kTile - 1) / kTile <= 65535, ShapeError, "[ptrain.cuda.flash] B*H = ", B * H,
+               " and S = ", S, " exceed the launch limits (B*H <= 2^31 - 1, S <= ", 65535 * kTile, ")");
+}
+
 }  // namespace flash
 }  // namespace detail
 
@@ -451,11 +496,19 @@ inline bool flash_attention_enabled() { return detail::flash::enabled_flag().loa
 
 /// Whether flash_attention_forward/backward take this case: enabled, bf16, head
 /// width D of 32, 64 or 128, qkv on a 16-byte boundary, a GPU of compute
-/// capability 8.0 or newer. Otherwise use causal_attention_*.
+/// capability 8.0 or newer with the shared memory the kernels need for D (and
+/// code built for sm_80 or newer). Otherwise use causal_attention_*. The forward
+/// and the backward share this test, so a forward that took the fused path has
+/// a backward that can.
 template <class T>
 bool flash_attention_supported(std::int64_t D, const T* qkv) {
-  return std::is_same_v<T, bf16> && flash_attention_enabled() && (D == 32 || D == 64 || D == 128) &&
-         reinterpret_cast<std::uintptr_t>(qkv) % 16 == 0 && detail::flash::cc_major(current_device()) >= 8;
+  if (!(std::is_same_v<T, bf16> && flash_attention_enabled() && (D == 32 || D == 64 || D == 128) &&
+        reinterpret_cast<std::uintptr_t>(qkv) % 16 == 0))
+    return false;
+  const int device = current_device();
+  if (detail::flash::cc_major(device) < 8) return false;
+  return D == 32 ? detail::flash::device_fits<32>(device)
+                 : D == 64 ? detail::flash::device_fits<64>(device) : detail::flash::device_fits<128>(device);
 }
 
 /// Forward (Note [Flash attention]): y [B, S, C] and lse [B, H, S] (float) from qkv
@@ -469,6 +522,7 @@ void flash_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std
                "); use causal_attention_forward");
   if constexpr (std::is_same_v<T, bf16>) {
     if (B <= 0 || S <= 0 || H <= 0) return;
+    detail::flash::check_grid(B, S, H);
     if (D == 32) detail::flash::forward<32>(B, S, H, qkv, scale, p, seed, offset, y, lse);
     else if (D == 64) detail::flash::forward<64>(B, S, H, qkv, scale, p, seed, offset, y, lse);
     else detail::flash::forward<128>(B, S, H, qkv, scale, p, seed, offset, y, lse);
@@ -485,6 +539,7 @@ void flash_attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, st
                "); use causal_attention_backward");
   if constexpr (std::is_same_v<T, bf16>) {
     if (B <= 0 || S <= 0 || H <= 0) return;
+    detail::flash::check_grid(B, S, H);
     if (D == 32) detail::flash::backward<32>(B, S, H, qkv, y, lse, p, seed, offset, dy, scale, dqkv);
     else if (D == 64) detail::flash::backward<64>(B, S, H, qkv, y, lse, p, seed, offset, dy, scale, dqkv);
     else detail::flash::backward<128>(B, S, H, qkv, y, lse, p, seed, offset, dy, scale, dqkv);
