@@ -10,11 +10,22 @@
 // Note [NCCL watchdog]
 // A dead peer makes NCCL kernels spin forever, so a watchdog thread per
 // communicator polls ncclCommGetAsyncError and the pending Works' events every
-// kWatchdogPeriod. On an asynchronous NCCL error, or when a Work has been
-// pending longer than the timeout, it calls ncclCommAbort, which makes the
-// spinning kernels return; every later wait and operation then throws
-// CommError quoting the reason. ncclCommAbort is the one NCCL call documented
-// as safe from another thread while operations are in flight.
+// kWatchdogPeriod. On an asynchronous NCCL error, a failed kernel, or when a
+// Work has been pending longer than the timeout, it calls ncclCommAbort, which
+// makes the spinning kernels return; every later wait and operation then
+// throws CommError quoting the reason. The abort frees the handle, so it first
+// takes the lock the caller's thread holds around its NCCL calls; a call
+// blocked inside NCCL (waiting for a peer that never comes) holds it for good,
+// so after kAbortLockGrace the watchdog aborts anyway: that is the only way to
+// end such a call in NCCL's blocking mode.
+//
+// Note [NCCL groups]
+// Between group_start() and group_end() NCCL only records the calls; their
+// kernels reach the stream at ncclGroupEnd. A Work's event (and the copy that
+// moves an in-place reduce_scatter's result to the front) must therefore be
+// queued at group_end(), not at the call, or it would complete before the
+// operation ran. Host buffers are refused inside a group: staging waits for
+// the operation, which has not started yet.
 //
 // Note [Host buffers]
 // NCCL reads and writes device memory only, but scalars and control data
@@ -35,6 +46,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -78,6 +91,8 @@ namespace ptrain::dist {
 namespace detail {
 
 inline constexpr std::chrono::milliseconds kWatchdogPeriod{100};
+// How long the watchdog waits for a caller's NCCL call to return before it aborts anyway (Note [NCCL watchdog]).
+inline constexpr std::chrono::milliseconds kAbortLockGrace{1000};
 
 inline ncclDataType_t nccl_type(DType dt) {
   switch (dt) {
@@ -133,15 +148,31 @@ class NcclWork : public Work {
  public:
   NcclWork(std::string what, int rank, int peer, std::chrono::milliseconds timeout, std::shared_ptr<NcclShared> s,
            int device)
-      : Work(std::move(what), rank, peer, timeout), shared_(std::move(s)), device_(device),
-        deadline_(std::chrono::steady_clock::now() + timeout) {
+      : Work(std::move(what), rank, peer, timeout), shared_(std::move(s)), rank_(rank), device_(device),
+        timeout_(timeout), deadline_(std::chrono::steady_clock::now() + timeout) {
     mark_enqueued();  // no worker queue: the operation is on the stream already
   }
   CudaEvent event;
   std::chrono::steady_clock::time_point deadline() const { return deadline_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
 
-  // Event state without throwing: 1 done, 0 pending, -1 error.
+  // The event has been recorded behind the operation (Note [NCCL groups]: at group_end() inside a group).
+  void set_launched() { launched_ = true; }
+  // Seen complete by the watchdog before any abort: a later abort does not make it fail.
+  void set_done() { done_ = true; }
+  // The group holding the operation failed at group_end(); waits throw `why`.
+  void set_failed(std::string why) {
+    {
+      std::lock_guard lock(m_);
+      failure_ = std::move(why);
+    }
+    failed_ = true;
+  }
+
+  // Event state without throwing: 1 done, 0 pending (or not launched yet), -1 error.
   int poll() {
+    if (done_) return 1;
+    if (!launched_) return 0;
     cudaError_t e = cudaEventQuery(event.get());
     if (e == cudaSuccess) return 1;
     if (e == cudaErrorNotReady) return 0;
@@ -159,23 +190,39 @@ class NcclWork : public Work {
     }
   }
   bool try_finish() override {
+    if (done_) return true;
+    if (failed_) {
+      std::lock_guard lock(m_);
+      PTRAIN_THROW(CommError, "[ptrain.nccl.group] ", what(), " on rank ", rank_, ": ", failure_);
+    }
+    // Poll before reading the abort flag: an event complete while the flag was still
+    // clear finished before the abort; one seen after it may have been cut short.
+    const int s = poll();
     if (shared_->aborted) {
       std::lock_guard lock(shared_->m);
       PTRAIN_THROW(CommError, "[ptrain.nccl.aborted] ", what(), ": the communicator was aborted: ",
                    shared_->abort_reason, "; create a new process group to continue");
     }
-    int s = poll();
     if (s < 0) {
       cudaError_t e = cudaEventQuery(event.get());
-      PTRAIN_THROW(CudaError, "[ptrain.cuda] ", what(), " on device ", device_, ": ", cudaGetErrorString(e));
+      PTRAIN_THROW(CudaError, "[ptrain.cuda] ", what(), " on rank ", rank_, ", device ", device_, ": ",
+                   cudaGetErrorName(e), ": ", cudaGetErrorString(e),
+                   "; a failed kernel leaves the CUDA context unusable: restart the process "
+                   "(CUDA_LAUNCH_BLOCKING=1 names the kernel)");
     }
+    if (s == 1) done_ = true;
     return s == 1;
   }
 
  private:
   std::shared_ptr<NcclShared> shared_;
+  int rank_;
   int device_;
+  std::chrono::milliseconds timeout_;
   std::chrono::steady_clock::time_point deadline_;
+  std::atomic<bool> launched_{false}, done_{false}, failed_{false};
+  std::mutex m_;
+  std::string failure_;
 };
 
 }  // namespace detail
@@ -215,10 +262,14 @@ class NcclCommunicator : public Communicator {
     stop_ = true;
     if (watchdog_.joinable()) watchdog_.join();
     cudaSetDevice(device_);
-    // After a watchdog abort the handle is already freed.
+    // After a watchdog abort the handle is already freed. ncclCommDestroy flushes
+    // what is still queued, and an operation stuck on a dead peer would hang it (and
+    // this destructor) forever: such a communicator is aborted instead.
     if (comm_ && !shared_->aborted) {
-      if (stream_) cudaStreamSynchronize(stream_);
-      ncclCommDestroy(comm_);
+      if (quiesce()) ncclCommDestroy(comm_);
+      else
+        abort_comm(detail::cat("the communicator on rank ", rank_,
+                               " was destroyed while operations were still pending or had failed"));
     }
     if (scratch_) cudaFree(scratch_);
     if (stage_) cudaFree(stage_);
@@ -238,8 +289,36 @@ class NcclCommunicator : public Communicator {
   ncclComm_t native() const { return comm_; }
 
   /// Fuses the send/recv calls until group_end() (needed for rings: NCCL's p2p blocks until matched).
-  void group_start() { PTRAIN_CHECK_NCCL(ncclGroupStart()); }
-  void group_end() { PTRAIN_CHECK_NCCL(ncclGroupEnd()); }
+  /// Device buffers only; the Works of grouped calls complete only after group_end() (Note [NCCL groups]).
+  void group_start() {
+    std::lock_guard lock(comm_m_);
+    PTRAIN_CHECK_NCCL(ncclGroupStart());
+    ++group_depth_;
+  }
+  void group_end() {
+    std::lock_guard lock(comm_m_);
+    PTRAIN_CHECK(group_depth_ > 0, CommError, "[ptrain.nccl.group] group_end() on rank ", rank_,
+                 " without a matching group_start()");
+    --group_depth_;
+    const ncclResult_t rc = ncclGroupEnd();
+    const bool failed = rc != ncclSuccess && rc != ncclInProgress;
+    if (group_depth_ > 0 && !failed) return;  // nested: NCCL launches at the outermost group_end()
+    auto works = std::move(group_works_);
+    auto after = std::move(group_after_);
+    group_works_.clear();
+    group_after_.clear();
+    if (failed) {
+      group_depth_ = 0;
+      std::string why = detail::cat("ncclGroupEnd() failed: ", ncclGetErrorString(rc), " (", ncclGetLastError(nullptr),
+                                    "); the grouped operations' results are undefined");
+      for (auto& w : works) w->set_failed(why);
+      PTRAIN_THROW(CommError, "[ptrain.nccl.group] group_end() on rank ", rank_, ": ", why,
+                   "; create a new process group to continue");
+    }
+    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+    for (auto& f : after) f();
+    for (auto& w : works) record_launched(w);
+  }
 
   std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
                                          ReduceOp op) override {
@@ -263,7 +342,9 @@ class NcclCommunicator : public Communicator {
             char* mine = static_cast<char*>(r) + static_cast<std::size_t>(rank_) * bytes;
             PTRAIN_CHECK_NCCL(ncclReduceScatter(s, mine, recv_count, t, detail::nccl_op(op), comm_, stream_));
             if (rank_ > 0 && bytes)
-              PTRAIN_NCCL_CHECK_CUDA(cudaMemcpyAsync(r, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
+              after_launch([this, r, mine, bytes] {
+                PTRAIN_NCCL_CHECK_CUDA(cudaMemcpyAsync(r, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
+              });
           } else {
             PTRAIN_CHECK_NCCL(ncclReduceScatter(s, r, recv_count, t, detail::nccl_op(op), comm_, stream_));
           }
@@ -317,10 +398,25 @@ class NcclCommunicator : public Communicator {
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
-    check_alive("split");
+    const std::string what = detail::cat("split(color ", color, ", key ", key, ")");
+    check_alive(what);
+    PTRAIN_CHECK(group_depth_ == 0, CommError, "[ptrain.nccl.group] ", what, " on rank ", rank_,
+                 " inside group_start()/group_end(); call group_end() first");
+    // ncclCommSplit may deadlock while operations are outstanding on the parent:
+    // wait for the last one (same stream, so for all), bounded by the timeout.
+    std::shared_ptr<detail::NcclWork> last;
+    {
+      std::lock_guard lock(comm_m_);
+      last = last_.lock();
+    }
+    if (last) last->wait(timeout());
     PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
     ncclComm_t out = nullptr;
-    PTRAIN_CHECK_NCCL(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &out, nullptr));
+    {
+      std::lock_guard lock(comm_m_);
+      check_alive(what);
+      PTRAIN_CHECK_NCCL(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &out, nullptr));
+    }
     if (out == nullptr) return nullptr;
     return std::unique_ptr<Communicator>(new NcclCommunicator(out, device_, timeout()));
   }
@@ -364,19 +460,38 @@ class NcclCommunicator : public Communicator {
     }
   }
 
-  // Orders the comm stream after the user's stream, runs `call`, records the Work's event.
+  // Orders the comm stream after the user's stream, runs `call`, records the Work's
+  // event (at group_end() inside a group, Note [NCCL groups]). comm_m_ keeps the
+  // watchdog from freeing the handle under the NCCL call (Note [NCCL watchdog]).
   template <class F>
   std::shared_ptr<Work> enqueue(std::string what, int peer, F&& call) {
     check_alive(what);
-    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));  // the Work's event belongs to the stream's device
+    auto w = std::make_shared<detail::NcclWork>(std::move(what), rank_, peer, timeout(), shared_, device_);
+    std::lock_guard lock(comm_m_);
+    check_alive(w->what());
     PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(ready_->get(), user_stream_));
     PTRAIN_NCCL_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
     call();
-    auto w = std::make_shared<detail::NcclWork>(std::move(what), rank_, peer, timeout(), shared_, device_);
+    if (group_depth_ > 0) group_works_.push_back(w);
+    else record_launched(w);
+    return w;
+  }
+
+  // Stream work that must follow the current call's kernel: now, or after ncclGroupEnd inside a group.
+  template <class F>
+  void after_launch(F&& f) {
+    if (group_depth_ > 0) group_after_.emplace_back(std::forward<F>(f));
+    else f();
+  }
+
+  // Records w's event behind everything queued so far and hands it to the watchdog. Caller holds comm_m_.
+  void record_launched(const std::shared_ptr<detail::NcclWork>& w) {
     PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(w->event.get(), stream_));
+    w->set_launched();
+    last_ = w;
     std::lock_guard lock(pending_m_);
     pending_.push_back(w);
-    return w;
   }
 
   // Whether NCCL can use p directly: device (or managed) memory of any device.
@@ -398,6 +513,10 @@ class NcclCommunicator : public Communicator {
     const bool host_recv = recv_bytes > 0 && !on_device(recv);
     if (!host_send && !host_recv) return enqueue(std::move(what), peer, [&] { call(send, recv); });
     check_alive(what);
+    PTRAIN_CHECK(group_depth_ == 0, CommError, "[ptrain.nccl.group] ", what, " on rank ", rank_,
+                 ": host buffers cannot be used between group_start() and group_end() (NCCL runs the group only "
+                 "at group_end(), and staging waits for the operation); pass device buffers");
+    std::lock_guard stage_lock(stage_m_);  // one staged call at a time owns stage_
     PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
     // In place stays in place (reduce_scatter keeps its result at the front).
     const bool same = host_send && host_recv && send == recv;
@@ -443,23 +562,57 @@ class NcclCommunicator : public Communicator {
           const auto& w = *it;
           int s = w->poll();
           if (s == 1) {
+            w->set_done();  // completed before any abort below
             it = pending_.erase(it);
             continue;
           }
+          if (reason.empty() && s < 0) {
+            cudaError_t e = cudaEventQuery(w->event.get());
+            reason = detail::cat(w->what(), " on rank ", rank_, " failed on device ", device_, ": ", cudaGetErrorName(e),
+                                 ": ", cudaGetErrorString(e), "; a failed kernel leaves the CUDA context unusable: "
+                                 "restart the process");
+          }
           if (reason.empty() && now > w->deadline())
-            reason = detail::cat(w->what(), " on rank ", rank_, " did not complete within ", timeout().count(),
+            reason = detail::cat(w->what(), " on rank ", rank_, " did not complete within ", w->timeout().count(),
                          " ms; a peer may have died or ranks called collectives in different orders");
           ++it;
         }
       }
-      if (!reason.empty()) {
-        {
-          std::lock_guard lock(shared_->m);
-          shared_->abort_reason = reason;
-        }
-        shared_->aborted = true;
-        ncclCommAbort(comm_);  // kernels waiting on dead peers return; the handle is freed
-      }
+      if (!reason.empty()) abort_comm(reason);
+    }
+  }
+
+  // Marks the communicator aborted with `reason`, then ncclCommAbort: kernels waiting
+  // on dead peers return and the handle is freed. Waits up to kAbortLockGrace for a
+  // caller's NCCL call to return first (Note [NCCL watchdog]).
+  void abort_comm(const std::string& reason) {
+    std::unique_lock lock(comm_m_, std::defer_lock);
+    (void)lock.try_lock_for(detail::kAbortLockGrace);
+    {
+      std::lock_guard g(shared_->m);
+      shared_->abort_reason = reason;
+    }
+    shared_->aborted = true;
+    ncclCommAbort(comm_);
+  }
+
+  // Waits (for the destructor) until the stream drained, at most until the latest
+  // pending deadline; false on a timeout, an NCCL error or a CUDA error.
+  bool quiesce() {
+    auto until = std::chrono::steady_clock::now() + detail::kWatchdogPeriod;
+    {
+      std::lock_guard lock(pending_m_);
+      for (const auto& w : pending_) until = std::max(until, w->deadline());
+    }
+    for (;;) {
+      const cudaError_t e = stream_ ? cudaStreamQuery(stream_) : cudaSuccess;
+      if (e == cudaSuccess) return true;
+      if (e != cudaErrorNotReady) return false;
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &async) != ncclSuccess || (async != ncclSuccess && async != ncclInProgress))
+        return false;
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
 
@@ -472,6 +625,12 @@ class NcclCommunicator : public Communicator {
   std::size_t stage_bytes_ = 0;
   std::unique_ptr<detail::CudaEvent> ready_;
   std::shared_ptr<detail::NcclShared> shared_ = std::make_shared<detail::NcclShared>();
+  std::timed_mutex comm_m_;  // held around NCCL calls on comm_ (Note [NCCL watchdog])
+  std::mutex stage_m_;       // Note [Host buffers]
+  int group_depth_ = 0;      // Note [NCCL groups]
+  std::vector<std::shared_ptr<detail::NcclWork>> group_works_;
+  std::vector<std::function<void()>> group_after_;
+  std::weak_ptr<detail::NcclWork> last_;  // the latest launched operation
   std::mutex pending_m_;
   std::vector<std::shared_ptr<detail::NcclWork>> pending_;  // until their event completes
   std::atomic<bool> stop_{false};
