@@ -12,7 +12,8 @@
 // Shapes follow the GPT flags (default GPT-2 small at batch 8: M = 8 * 1024
 // tokens, width C = 768, vocab V = 50304):
 //   gemm       Y[M,N] = X[M,K] W[N,K]^T for each linear layer (K, N) and its two
-//              backward products; FLOPs = 2 M N K each.
+//              backward products, in FP32, TF32 and bf16 (fp32 accumulation);
+//              FLOPs = 2 M N K each.
 //   bandwidth  bytes moved counted by hand per kernel (the minimum each must
 //              read and write once); GB/s and the fraction of the measured
 //              device-to-device copy bandwidth.
@@ -21,6 +22,9 @@
 //              activations, fp32 master weights, fused attention unless
 //              --no-flash; --no-bf16 skips it); FLOPs
 //              per token from GPTConfig::flops_per_token.
+//
+// A section that throws (out of memory, say) prints a "gpu_error" line and the
+// others still run; the exit code is then 1.
 
 #include <cuda_runtime.h>
 
@@ -127,11 +131,52 @@ Timing time_gpu(const Options& o, const std::function<void()>& f) {
 }
 
 void emit(const nlohmann::json& j) {
-  std::printf("%s\n", j.dump().c_str());
+  // An error message or device name that is not valid UTF-8 must not make dump() throw.
+  std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   std::fflush(stdout);
 }
 
 // ------------------------------------------------------------------ GEMM ----
+
+// The three products of a linear layer y = x W^T (x [M, k], W [n, k]), as
+// ops::linear issues them (row-major, transposes in place), timed in element
+// type T: float (FP32 or TF32, as set_tf32 says) or bf16 (fp32 accumulation).
+template <class T>
+void time_linear_products(const Options& o, const char* layer, const char* prec, std::int64_t M, std::int64_t k,
+                          std::int64_t n, const T* x, const T* w, const T* dy, T* y, T* dx, T* dw) {
+  struct Op {
+    const char* name;
+    bool ta, tb;
+    std::int64_t m, n, k;
+    const T *a, *b;
+    std::int64_t lda, ldb;
+    T* c;
+    std::int64_t ldc;
+  };
+  const Op ops[] = {{"fwd", false, true, M, n, k, x, w, k, k, y, n},
+                    {"bwd_data", false, false, M, k, n, dy, w, n, k, dx, k},
+                    {"bwd_weight", true, false, n, k, M, dy, x, n, k, dw, k}};
+  for (const Op& op : ops) {
+    const Timing t = time_gpu(o, [&] {
+      kc::gemm<T>(op.ta, op.tb, op.m, op.n, op.k, 1.0f, op.a, op.lda, op.b, op.ldb, 0.0f, op.c, op.ldc);
+    });
+    const double flops = 2.0 * static_cast<double>(op.m) * static_cast<double>(op.n) * static_cast<double>(op.k);
+    const double tflops = flops / (t.median_ms * 1e-3) / 1e12;
+    emit({{"bench", "gpu_gemm"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"layer", layer}, {"op", op.name},
+          {"m", op.m}, {"n", op.n}, {"k", op.k}, {"trans_a", op.ta}, {"trans_b", op.tb}, {"precision", prec},
+          {"median_ms", t.median_ms}, {"min_ms", t.min_ms}, {"reps", t.reps}, {"samples", o.samples},
+          {"tflops", tflops}});
+    std::fprintf(stderr, "%-10s %-10s %6lld %6lld %6lld %5s %10.3f %9.1f\n", layer, op.name,
+                 static_cast<long long>(op.m), static_cast<long long>(op.n), static_cast<long long>(op.k), prec,
+                 t.median_ms, tflops);
+  }
+}
+
+Tensor<bf16> to_bf16(const Tensor<float>& t) {
+  auto b = Tensor<bf16>::empty(t.shape(), kGpu);
+  kc::cast<float, bf16>(t.numel(), t.data(), b.data());
+  return b;
+}
 
 void bench_gemm(const Options& o) {
   const std::int64_t M = o.batch * o.cfg.block_size, C = o.cfg.n_embd, V = o.cfg.vocab_size;
@@ -147,39 +192,19 @@ void bench_gemm(const Options& o) {
     auto x = uniform({M, l.k}, -1, 1, 1), w = uniform({l.n, l.k}, -1, 1, 2), dy = uniform({M, l.n}, -1, 1, 3);
     auto y = Tensor<float>::empty({M, l.n}, kGpu), dx = Tensor<float>::empty({M, l.k}, kGpu);
     auto dw = Tensor<float>::empty({l.n, l.k}, kGpu);
-    // The three products of a linear layer, as ops::linear issues them (row-major, transposes in place).
-    struct Op {
-      const char* name;
-      bool ta, tb;
-      std::int64_t m, n, k;
-      const float *a, *b;
-      std::int64_t lda, ldb;
-      float* c;
-      std::int64_t ldc;
-    };
-    const Op ops[] = {{"fwd", false, true, M, l.n, l.k, x.data(), w.data(), l.k, l.k, y.data(), l.n},
-                      {"bwd_data", false, false, M, l.k, l.n, dy.data(), w.data(), l.n, l.k, dx.data(), l.k},
-                      {"bwd_weight", true, false, l.n, l.k, M, dy.data(), x.data(), l.n, l.k, dw.data(), l.k}};
     for (bool tf32 : {false, true}) {
       kc::set_tf32(tf32);
-      for (const Op& op : ops) {
-        const Timing t = time_gpu(o, [&] {
-          kc::gemm<float>(op.ta, op.tb, op.m, op.n, op.k, 1.0f, op.a, op.lda, op.b, op.ldb, 0.0f, op.c, op.ldc);
-        });
-        const double flops = 2.0 * static_cast<double>(op.m) * static_cast<double>(op.n) * static_cast<double>(op.k);
-        const double tflops = flops / (t.median_ms * 1e-3) / 1e12;
-        const char* prec = tf32 ? "tf32" : "fp32";
-        emit({{"bench", "gpu_gemm"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"layer", l.name}, {"op", op.name},
-              {"m", op.m}, {"n", op.n}, {"k", op.k}, {"trans_a", op.ta}, {"trans_b", op.tb}, {"precision", prec},
-              {"median_ms", t.median_ms}, {"min_ms", t.min_ms}, {"reps", t.reps}, {"samples", o.samples},
-              {"tflops", tflops}});
-        std::fprintf(stderr, "%-10s %-10s %6lld %6lld %6lld %5s %10.3f %9.1f\n", l.name, op.name,
-                     static_cast<long long>(op.m), static_cast<long long>(op.n), static_cast<long long>(op.k), prec,
-                     t.median_ms, tflops);
-      }
+      time_linear_products<float>(o, l.name, tf32 ? "tf32" : "fp32", M, l.k, l.n, x.data(), w.data(), dy.data(),
+                                  y.data(), dx.data(), dw.data());
     }
+    kc::set_tf32(false);
+    // bf16 operands and results with fp32 accumulation (gemm_bf16): the bf16 GPT step's arithmetic.
+    auto xb = to_bf16(x), wb = to_bf16(w), dyb = to_bf16(dy);
+    auto yb = Tensor<bf16>::empty({M, l.n}, kGpu), dxb = Tensor<bf16>::empty({M, l.k}, kGpu);
+    auto dwb = Tensor<bf16>::empty({l.n, l.k}, kGpu);
+    time_linear_products<bf16>(o, l.name, "bf16", M, l.k, l.n, xb.data(), wb.data(), dyb.data(), yb.data(),
+                               dxb.data(), dwb.data());
   }
-  kc::set_tf32(false);
 }
 
 // ------------------------------------------------------------- bandwidth ----
@@ -278,9 +303,12 @@ void bench_gpt(const Options& o) {
   const std::int64_t B = o.batch, S = cfg.block_size;
   const char* precision = is_bf16 ? "bf16" : o.tf32 ? "tf32" : "fp32";
   kc::set_flash_attention(o.flash);
-  // The fused attention takes bf16 at head widths 32, 64 and 128 (Note [Flash attention]).
+  // The label asks ops::causal_attention's own question (bf16, head width, compute
+  // capability, shared memory), so it names what runs. Its qkv is a fresh
+  // allocation, 16-byte aligned like the null pointer passed here.
   const std::int64_t D = cfg.n_embd / cfg.n_head;
-  const char* attention = is_bf16 && o.flash && (D == 32 || D == 64 || D == 128) ? "flash" : "materialized";
+  const char* attention =
+      kc::flash_attention_supported<T>(D, static_cast<const T*>(nullptr)) ? "flash" : "materialized";
   const double peak = is_bf16 ? o.peak_tflops_bf16 : o.peak_tflops;
   kc::set_tf32(o.tf32);
   manual_seed(0);
@@ -322,9 +350,13 @@ void bench_gpt(const Options& o) {
   const double fpt = cfg.flops_per_token(S);
   const double tflops = fpt * tokens / (ms * 1e-3) / 1e12;
   const double peak_gib = static_cast<double>(memory_stats(kGpu).peak_bytes) / (1024.0 * 1024.0 * 1024.0);
+  const char* mixed = is_bf16 ? "bf16 parameters, gradients and activations; fp32 master weights and AdamW moments"
+                              : "none";
   emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", attention},
         {"precision", precision}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"embd", cfg.n_embd},
-        {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps},
+        {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps}, {"warmup", o.warmup},
+        {"mixed_precision", mixed},
+        {"adamw", "flat buffer, one kernel per contiguous decay range"}, {"dropout", cfg.dropout},
         {"parameters", model.num_parameters()}, {"step_ms_median", ms},
         {"step_ms_min", *std::min_element(times.begin(), times.end())}, {"tokens_per_s", 1000.0 * tokens / ms},
         {"mflop_per_token", fpt / 1e6}, {"tflops", tflops}, {"peak_tflops", peak},
@@ -373,10 +405,30 @@ int main(int argc, char** argv) {
                static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
 
   auto wanted = [&](const char* s) { return std::find(only.begin(), only.end(), s) != only.end(); };
-  if (wanted("gemm")) bench_gemm(o);
-  if (wanted("bandwidth")) bench_bandwidth(o);
+  // One failing section (out of memory, a cuBLAS error) must not cost the others
+  // their numbers: it reports, and the run goes on. A sticky CUDA error fails
+  // every later section too, each with its own line.
+  int failed = 0;
+  auto section = [&](const char* name, void (*run)(const Options&)) {
+    try {
+      run(o);
+    } catch (const std::exception& e) {
+      ++failed;
+      std::fprintf(stderr, "\ngpu_bench: section %s failed: %s\n", name, e.what());
+      emit({{"bench", "gpu_error"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"section", name}, {"error", e.what()}});
+    }
+    kc::set_tf32(false);
+    try {
+      allocator_for(kGpu).empty_cache();  // what a failed section left cached goes back to the driver
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "gpu_bench: empty_cache after %s: %s\n", name, e.what());
+    }
+  };
+  if (wanted("gemm")) section("gemm", bench_gemm);
+  if (wanted("bandwidth")) section("bandwidth", bench_bandwidth);
   if (wanted("gpt")) {
-    bench_gpt<float>(o);
-    if (o.bf16) bench_gpt<bf16>(o);
+    section(o.tf32 ? "gpt_tf32" : "gpt_fp32", bench_gpt<float>);
+    if (o.bf16) section("gpt_bf16", bench_gpt<bf16>);
   }
+  return failed ? 1 : 0;
 }

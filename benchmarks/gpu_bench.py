@@ -3,13 +3,22 @@ same memory-bound ops over the same sizes (bytes counted by the same formulas)
 and the GPT training step, with the same JSON fields and "impl": "pytorch".
 tools/gpu/run.sh runs both; tools/gpu/compare.py puts them side by side.
 
-What a PyTorch user would run: torch.matmul (FP32, then TF32), F.gelu(tanh),
+What a PyTorch user would run: torch.matmul (FP32, TF32, bf16), F.gelu(tanh),
 layer_norm, torch.optim.AdamW(fused=True), softmax, cross_entropy, and the GPT
-of benchmarks/gpt_step.py with its manual attention and with
-F.scaled_dot_product_attention (is_causal=True) in FP32 + TF32, plus a bf16
-autocast line as the reference for ptrain's future bf16 path.
+of benchmarks/gpt_step.py (no dropout, tied head, mean cross-entropy) with its
+manual attention and with F.scaled_dot_product_attention (is_causal=True) in
+FP32 + TF32, plus a bf16 line against ptrain's GPT<bf16>.
+
+The bf16 line is torch.autocast(bfloat16) with fp32 parameters, fp32 gradients
+and fused AdamW on them: PyTorch's usual mixed precision and the closest to
+ptrain's bf16 parameters with fp32 master weights (model.to(bfloat16) would
+drop the fp32 master copy). Its SDPA is held to the flash kernel, the
+counterpart of ptrain's fused attention. A section that fails prints a
+"gpu_error" line and the others still run; the exit code is then 1.
 """
 import argparse
+import contextlib
+import gc
 import json
 import math
 import statistics
@@ -73,13 +82,17 @@ def bench_gemm(a, gpu):
         x = torch.empty(M, k, device=DEV).uniform_(-1, 1)
         w = torch.empty(n, k, device=DEV).uniform_(-1, 1)
         dy = torch.empty(M, n, device=DEV).uniform_(-1, 1)
-        y, dx, dw = torch.empty(M, n, device=DEV), torch.empty(M, k, device=DEV), torch.empty(n, k, device=DEV)
-        # The three products of nn.Linear: Y = X W^T, dX = dY W, dW = dY^T X (transposed views, no copies).
-        ops = [("fwd", False, True, M, n, k, lambda: torch.matmul(x, w.t(), out=y)),
-               ("bwd_data", False, False, M, k, n, lambda: torch.matmul(dy, w, out=dx)),
-               ("bwd_weight", True, False, n, k, M, lambda: torch.matmul(dy.t(), x, out=dw))]
-        for prec in ("fp32", "tf32"):
+        for prec in ("fp32", "tf32", "bf16"):
             set_tf32(prec == "tf32")
+            # bf16: operands and results in bf16, fp32 accumulation, as ptrain's gemm_bf16.
+            dt = torch.bfloat16 if prec == "bf16" else torch.float32
+            xs, ws, dys = x.to(dt), w.to(dt), dy.to(dt)
+            y, dx, dw = (torch.empty(M, n, device=DEV, dtype=dt), torch.empty(M, k, device=DEV, dtype=dt),
+                         torch.empty(n, k, device=DEV, dtype=dt))
+            # The three products of nn.Linear: Y = X W^T, dX = dY W, dW = dY^T X (transposed views, no copies).
+            ops = [("fwd", False, True, M, n, k, lambda: torch.matmul(xs, ws.t(), out=y)),
+                   ("bwd_data", False, False, M, k, n, lambda: torch.matmul(dys, ws, out=dx)),
+                   ("bwd_weight", True, False, n, k, M, lambda: torch.matmul(dys.t(), xs, out=dw))]
             for op, ta, tb, m_, n_, k_, f in ops:
                 ms, mn, reps = time_gpu(a, f)
                 tflops = 2.0 * m_ * n_ * k_ / (ms * 1e-3) / 1e12
@@ -188,9 +201,18 @@ class GPT(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight)
 
 
+def sdpa_flash():
+    """Restricts F.scaled_dot_product_attention to its flash kernel (torch >= 2.3): the
+    default choice may take cuDNN's or the memory-efficient kernel instead, and the bf16
+    line is meant as flash against ptrain's fused attention. A case flash cannot serve
+    fails (reported as a gpu_error line) instead of silently running another kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
 def bench_gpt(a, gpu, attention, precision):
     torch.manual_seed(0)
-    set_tf32(True)  # TF32 matmuls for the fp32 parts in every variant, as ptrain's step
+    set_tf32(not a.no_tf32)  # TF32 matmuls for the fp32 parts in every variant, as ptrain's step (--no-tf32)
     model = GPT(a.vocab, a.block, a.layers, a.heads, a.embd, attention == "sdpa").to(DEV)
     with torch.no_grad():
         init_gpt2(model, a.layers)
@@ -201,10 +223,13 @@ def bench_gpt(a, gpu, attention, precision):
     x = torch.randint(0, a.vocab, (a.batch, a.block), device=DEV)
     y = torch.randint(0, a.vocab, (a.batch * a.block,), device=DEV)
     bf16 = precision == "bf16-autocast"
+    # The flash backward follows from the forward's choice, so the forward alone needs the restriction.
+    attn_ctx = sdpa_flash if bf16 and attention == "sdpa" else contextlib.nullcontext
+    label = "sdpa_flash" if bf16 and attention == "sdpa" else attention
 
     def step():
         opt.zero_grad(set_to_none=False)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), attn_ctx():
             loss = F.cross_entropy(model(x).view(-1, a.vocab), y)
         loss.backward()
         opt.step()
@@ -231,15 +256,18 @@ def bench_gpt(a, gpu, attention, precision):
     tflops = fpt * tokens / (ms * 1e-3) / 1e12
     peak = a.peak_tflops_bf16 if bf16 else a.peak_tflops
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
-    emit({"bench": "gpu_gpt_step", "impl": "pytorch", "gpu": gpu, "torch": torch.__version__, "attention": attention,
-          "precision": precision, "adamw": "fused", "layers": L, "heads": a.heads, "embd": C, "block": S,
-          "vocab": a.vocab, "batch": a.batch, "steps": a.steps,
+    emit({"bench": "gpu_gpt_step", "impl": "pytorch", "gpu": gpu, "torch": torch.__version__, "attention": label,
+          "precision": precision, "layers": L, "heads": a.heads, "embd": C, "block": S,
+          "vocab": a.vocab, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
+          "mixed_precision": ("autocast bf16: fp32 parameters, gradients and AdamW state; matmuls and attention "
+                              "in bf16, LayerNorm and loss in fp32") if bf16 else "none",
+          "adamw": "torch.optim.AdamW(fused=True), two param groups", "dropout": 0.0,
           "parameters": sum(q.numel() for q in model.parameters()), "step_ms_median": ms, "step_ms_min": min(times),
           "tokens_per_s": 1000.0 * tokens / ms, "mflop_per_token": fpt / 1e6, "tflops": tflops,
           "peak_tflops": peak,
           "peak_note": "defaults: 494.7 = H100/H200 SXM dense TF32, 989.4 = dense BF16; flags for other parts",
           "mfu": tflops / peak, "peak_mem_GiB": peak_gib, "final_loss": loss})
-    log(f"\nGPT step ({L} layers, width {C}, {a.batch} x {S} tokens, {attention}, {precision}): {ms:.1f} ms median, "
+    log(f"\nGPT step ({L} layers, width {C}, {a.batch} x {S} tokens, {label}, {precision}): {ms:.1f} ms median, "
         f"{1000.0 * tokens / ms:.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {tflops / peak:.3f} of {peak}, "
         f"peak memory {peak_gib:.1f} GiB, loss {loss:.4f}")
     del model, opt
@@ -262,6 +290,7 @@ def main():
     p.add_argument("--attention", choices=["manual", "sdpa", "both"], default="both",
                    help="GPT attention: gpt_step.py's manual one, F.scaled_dot_product_attention, or both")
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast GPT line")
+    p.add_argument("--no-tf32", action="store_true", help="FP32 instead of TF32 matmuls in the GPT step, as gpu_bench")
     p.add_argument("--peak-tflops", type=float, default=494.7, help="MFU peak for fp32/TF32 (H100/H200 SXM dense TF32)")
     p.add_argument("--peak-tflops-bf16", type=float, default=989.4, help="MFU peak for bf16 (H100/H200 SXM dense)")
     a = p.parse_args()
@@ -270,15 +299,38 @@ def main():
         raise SystemExit(77)
     gpu = torch.cuda.get_device_name(0)
     log(f"gpu_bench.py on {gpu}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+    failed = []
+
+    def section(name, f, *args):
+        """Runs one section; a failure (out of memory, no flash kernel, ...) reports and the run goes on."""
+        try:
+            f(*args)
+        except Exception as e:  # noqa: BLE001 -- any failure of one section must leave the others running
+            failed.append(name)
+            msg = f"{type(e).__name__}: {e}"
+            log(f"\ngpu_bench.py: section {name} failed: {msg}")
+            emit({"bench": "gpu_error", "impl": "pytorch", "gpu": gpu, "section": name, "error": msg})
+        # The failed section's tensors are freed with its frames; hand the cache back for the next one.
+        gc.collect()
+        try:
+            set_tf32(False)
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 -- a sticky CUDA error: later sections report it themselves
+            log(f"gpu_bench.py: cleanup after {name}: {e}")
+
     if "gemm" in a.only:
-        bench_gemm(a, gpu)
+        section("gemm", bench_gemm, a, gpu)
     if "bandwidth" in a.only:
-        bench_bandwidth(a, gpu)
+        section("bandwidth", bench_bandwidth, a, gpu)
     if "gpt" in a.only:
+        fp = "fp32" if a.no_tf32 else "tf32"
         for attention in (["manual", "sdpa"] if a.attention == "both" else [a.attention]):
-            bench_gpt(a, gpu, attention, "tf32")
+            section(f"gpt_{fp}_{attention}", bench_gpt, a, gpu, attention, fp)
         if not a.no_bf16:
-            bench_gpt(a, gpu, "sdpa" if a.attention != "manual" else "manual", "bf16-autocast")
+            attention = "sdpa" if a.attention != "manual" else "manual"
+            section(f"gpt_bf16_{attention}", bench_gpt, a, gpu, attention, "bf16-autocast")
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

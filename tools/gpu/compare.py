@@ -46,8 +46,9 @@ def main():
     if pt or th:
         print("\nGEMM (TFLOP/s; ratio = ptrain time / PyTorch time)")
         print(f"{'layer':10} {'op':10} {'prec':5} {'M':>6} {'N':>6} {'K':>6} {'ptrain':>8} {'PyTorch':>8} {'ratio':>6}")
-        # In the order measured (layer by layer), FP32 first, then TF32.
-        for k in sorted(dict.fromkeys([*pt, *th]), key=lambda k: k[2]):
+        # Layer by layer as measured, grouped by precision: FP32, TF32, then bf16.
+        order = {"fp32": 0, "tf32": 1, "bf16": 2}
+        for k in sorted(dict.fromkeys([*pt, *th]), key=lambda k: order.get(k[2], len(order))):
             a, b = pt.get(k, {}), th.get(k, {})
             r = a or b
             print(f"{k[0]:10} {k[1]:10} {k[2]:5} {r['m']:6} {r['n']:6} {r['k']:6} {a.get('tflops', 0):8.1f} "
@@ -78,6 +79,14 @@ def main():
             print(f"{r['impl']:8} {r['attention']:12} {r['precision']:14} {r['step_ms_median']:8.1f} "
                   f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.3f} {r.get('peak_mem_GiB', 0):6.1f} "
                   f"{ratio(refs.get(family(r), {}).get('step_ms_median'), r['step_ms_median'])}")
+
+    # Sections that failed (gpu_bench{,.py} print one such line each and carry on).
+    errors = [r for r in rows if r.get("bench") == "gpu_error"]
+    if errors:
+        print("\nFailed sections")
+        for r in errors:
+            msg = " ".join(str(r.get("error", "")).split())  # one line, however the message was wrapped
+            print(f"{r.get('impl', '?'):8} {r.get('section', '?'):18} {msg[:300]}")
 
 
 if __name__ == "__main__":

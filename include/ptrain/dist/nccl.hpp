@@ -3,7 +3,8 @@
 //
 // Unlike the CPU backends there is no worker thread: NCCL calls are enqueued
 // from the caller's thread on the communicator's own CUDA stream, which is
-// ordered after the caller's stream (an event, so the host never waits). A
+// ordered after the caller's current stream (kernels::cuda::current_stream, where
+// ptrain's kernels run; an event, so the host never waits). A
 // Work is a CUDA event recorded after the operation; wait() polls it up to the
 // timeout.
 //
@@ -53,6 +54,7 @@
 
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/dist/store.hpp"
+#include "ptrain/kernels/cuda/stream.hpp"
 
 namespace ptrain::dist::detail {
 // Rank shown in CUDA/NCCL error messages; set by the last NCCL communicator created.
@@ -283,7 +285,9 @@ class NcclCommunicator : public Communicator {
   int device() const { return device_; }
   /// The communicator's stream; operations run there in call order.
   cudaStream_t stream() const { return stream_; }
-  /// The stream whose earlier work every operation waits for (default: the legacy stream 0).
+  /// Makes every operation wait for the earlier work of stream `s`, instead of the
+  /// calling thread's current stream on the device (kernels::cuda::current_stream,
+  /// the stream ptrain's kernels use; the default). Null returns to the default.
   void set_user_stream(cudaStream_t s) { user_stream_ = s; }
   /// The raw NCCL handle.
   ncclComm_t native() const { return comm_; }
@@ -470,7 +474,8 @@ class NcclCommunicator : public Communicator {
     auto w = std::make_shared<detail::NcclWork>(std::move(what), rank_, peer, timeout(), shared_, device_);
     std::lock_guard lock(comm_m_);
     check_alive(w->what());
-    PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(ready_->get(), user_stream_));
+    const cudaStream_t user = user_stream_ ? user_stream_ : kernels::cuda::current_stream(device_);
+    PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(ready_->get(), user));
     PTRAIN_NCCL_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
     call();
     if (group_depth_ > 0) group_works_.push_back(w);

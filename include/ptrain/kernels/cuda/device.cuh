@@ -45,11 +45,9 @@
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/stream.hpp"
 
 namespace ptrain::kernels::cuda {
-
-/// Most CUDA devices one process can address through ptrain.
-inline constexpr int kMaxDevices = 64;
 
 /// Number of visible CUDA devices; 0 when there is no device or no driver (never throws).
 inline int device_count() {
@@ -92,22 +90,10 @@ inline void check_device_index(int device) {
                " was requested but this process sees ", n,
                " CUDA device(s); check CUDA_VISIBLE_DEVICES, or pick a device from LOCAL_RANK");
 }
-
-// The per-thread current stream of each device; null is the default stream.
-inline cudaStream_t& current_stream_slot(int device) {
-  thread_local std::array<cudaStream_t, kMaxDevices> streams{};
-  PTRAIN_CHECK(device >= 0 && device < kMaxDevices, CudaError, "[ptrain.cuda.device] device index ", device,
-               " is out of range [0, ", kMaxDevices, ")");
-  return streams[static_cast<std::size_t>(device)];
-}
 }  // namespace detail
 
-/// The stream ptrain's kernels use on `device` from this thread (see Note [Stream semantics]).
-inline cudaStream_t current_stream(int device) { return detail::current_stream_slot(device); }
 /// The current stream of the current device.
 inline cudaStream_t current_stream() { return current_stream(current_device()); }
-/// Makes `stream` (which must belong to `device`) current on `device` for this thread.
-inline void set_current_stream(int device, cudaStream_t stream) { detail::current_stream_slot(device) = stream; }
 
 /// Announces that work on `stream` uses t's memory (Note [Stream semantics]): call it
 /// after queuing that work, before t's last reference goes.
