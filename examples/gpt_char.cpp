@@ -16,6 +16,13 @@
 //   ptrun --nproc-per-node 4 gpt_char --parallel fsdp --checkpoint-dir ckpt --checkpoint-every 250 --resume
 // --export FILE writes the final parameters, whole, to one safetensors file.
 //
+// --precision bf16 trains a bf16 model (bf16 parameters and activations, fp32
+// master weights and moments in AdamW; docs/models.md). --device cuda runs on
+// the GPU of the rank's LOCAL_RANK, with NCCL between ranks: it needs the build
+// of this file by nvcc, gpt_char_cuda (PTRAIN_WITH_CUDA=ON):
+//   gpt_char_cuda --device cuda --precision bf16 --batch 64 --block 256 --layers 6 --embd 384
+//   torchrun --nproc-per-node 8 gpt_char_cuda --device cuda --precision bf16 --parallel fsdp
+//
 // Data: Debian's `fortunes` package (/usr/share/games/fortunes, about 2.5 MB of
 // English): every fortune file, in name order, without the "%" separator lines.
 // The last 10% of the characters are the validation split. Metrics (--metrics)
@@ -56,6 +63,8 @@ constexpr const char* kFortunesDir = "/usr/share/games/fortunes";
 struct Options {
   std::string data;  // empty: the fortunes corpus
   std::string parallel = "none";
+  std::string device = "cpu";
+  std::string precision = "fp32";
   std::string fsdp_strategy = "full_shard";
   int hybrid_shard_size = 0;  // 0: the launcher's ranks per node
   std::int64_t steps = 1500;
@@ -114,18 +123,19 @@ std::string fortunes_corpus() {
 }
 
 // Everything a checkpoint must capture to resume this loop exactly.
+template <class T>
 struct TrainState {
   std::int64_t step = 0;
   RandomWindows* windows = nullptr;  // position() = batches taken
-  nn::GPT<float>* model = nullptr;   // parameters; model->generators() = dropout stream offsets
-  optim::AdamW<float>* optimizer = nullptr;
+  nn::GPT<T>* model = nullptr;       // parameters; model->generators() = dropout stream offsets
+  optim::AdamW<T>* optimizer = nullptr;
 };
 
 // The flags that fix the parameters' meaning, keyed by flag name ("vocab" comes
 // from --data). --heads changes no tensor shape, so only this check catches it.
-nlohmann::json model_flags(const nn::GPTConfig& c) {
+nlohmann::json model_flags(const nn::GPTConfig& c, const Options& o) {
   return {{"vocab", c.vocab_size}, {"block", c.block_size}, {"layers", c.n_layer}, {"heads", c.n_head},
-          {"embd", c.n_embd}};
+          {"embd", c.n_embd}, {"precision", o.precision}};
 }
 
 // --parallel, with the FSDP strategy: "none", "ddp", "fsdp full_shard", "fsdp hybrid 2".
@@ -152,7 +162,8 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
                "'); pass another --checkpoint-dir");
   std::string model_diff;
   for (const auto& [key, want] : model.items()) {
-    const nlohmann::json have = user.at("model").value(key, nlohmann::json());
+    // Checkpoints from before --precision existed are fp32.
+    const nlohmann::json have = user.at("model").value(key, key == "precision" ? nlohmann::json("fp32") : nlohmann::json());
     if (have == want) continue;
     model_diff += (key == "vocab" ? "; vocabulary size " : "; --" + key + " ") + have.dump() + " in the checkpoint, " +
                   want.dump() + (key == "vocab" ? " from --data now" : " now");
@@ -175,18 +186,18 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 
 // Mean loss over eval_batches fixed windows of the validation split (eval mode).
 // `runner` computes the logits: the model itself, or its FSDP wrapper (collective).
-double evaluate(nn::GPT<float>& model, nn::Module<float>& runner, RandomWindows& windows, std::int64_t batches,
-                std::int64_t batch) {
+template <class T>
+double evaluate(nn::GPT<T>& model, nn::Module<T>& runner, RandomWindows& windows, std::int64_t batches,
+                std::int64_t batch, Device device) {
   model.train(false);
-  nn::CrossEntropyLoss<float> ce;
-  Tensor<float> x;
-  Tensor<std::int32_t> y;
+  nn::CrossEntropyLoss<T> ce;
+  Tensor<std::int32_t> x, y;
   windows.set_position(0);
   double total = 0;
   for (std::int64_t b = 0; b < batches; ++b) {
     windows.next(batch, x, y);
-    nn::Cache<float> c, lc;
-    total += ce.forward(runner.forward(x, c), y, lc);
+    nn::Cache<T> c, lc;
+    total += ce.forward(runner.forward_tokens(x.to(device), c), y.to(device), lc);
   }
   model.train(true);
   return total / static_cast<double>(batches);
@@ -194,53 +205,17 @@ double evaluate(nn::GPT<float>& model, nn::Module<float>& runner, RandomWindows&
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  Options opt;
-  CLI::App app{"Train a character-level GPT with ptrain"};
-  app.add_option("--data", opt.data, "plain-text file (default: the fortunes corpus in /usr/share/games/fortunes)");
-  app.add_option("--parallel", opt.parallel, "none, ddp or fsdp (under mpirun or ptrun)")
-      ->check(CLI::IsMember({"none", "ddp", "fsdp"}));
-  app.add_option("--fsdp-strategy", opt.fsdp_strategy, "with --parallel fsdp: full_shard (ZeRO-3), shard_grad_op "
-                 "(ZeRO-2), shard_optimizer (ZeRO-1), no_shard, or hybrid")
-      ->check(CLI::IsMember({"full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid"}));
-  app.add_option("--hybrid-shard-size", opt.hybrid_shard_size, "ranks per shard group of --fsdp-strategy hybrid "
-                 "(0: the launcher's ranks per node)")->check(CLI::NonNegativeNumber);
-  app.add_option("--steps", opt.steps, "optimizer steps")->check(CLI::PositiveNumber);
-  app.add_option("--batch", opt.batch, "sequences per step and rank")->check(CLI::PositiveNumber);
-  app.add_option("--block", opt.block, "context length")->check(CLI::PositiveNumber);
-  app.add_option("--layers", opt.n_layer, "transformer blocks");
-  app.add_option("--heads", opt.n_head, "attention heads")->check(CLI::PositiveNumber);
-  app.add_option("--embd", opt.n_embd, "embedding width")->check(CLI::PositiveNumber);
-  app.add_option("--dropout", opt.dropout, "dropout probability");
-  app.add_option("--lr", opt.lr, "peak AdamW learning rate");
-  app.add_option("--min-lr", opt.min_lr, "learning rate at the end of the cosine decay");
-  app.add_option("--weight-decay", opt.weight_decay, "AdamW weight decay (matrices only)");
-  app.add_option("--grad-clip", opt.grad_clip, "clip the global gradient norm (0: off)");
-  app.add_option("--warmup", opt.warmup, "linear warmup steps");
-  app.add_option("--eval-every", opt.eval_every, "validate every N steps (and at the end)");
-  app.add_option("--eval-batches", opt.eval_batches, "validation batches");
-  app.add_option("--seed", opt.seed, "seed for initialisation, windows and sampling");
-  app.add_option("--metrics", opt.metrics, "write JSON-lines metrics to this file (rank 0)");
-  app.add_option("--log-every", opt.log_every, "progress line every N steps (0: none)");
-  app.add_option("--sample-tokens", opt.sample_tokens, "characters to generate at the end");
-  app.add_option("--temperature", opt.temperature, "sampling temperature (0: greedy)");
-  app.add_option("--top-k", opt.top_k, "sample among the k most likely characters (0: all)");
-  app.add_option("--prompt", opt.prompt, "text the sample continues");
-  app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file");
-  app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
-  add_checkpoint_flags(app, opt);
-  app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "
-                 "safetensors file (PyTorch's safetensors.torch.load_file reads it)");
-  CLI11_PARSE(app, argc, argv);
-  if (opt.resume && opt.checkpoint_dir.empty()) {
-    std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir\n");
-    return 2;
-  }
-
+// The training run in element type T (float, or bf16 with --precision bf16).
+template <class T>
+int run(Options opt) {
   try {
     Stopwatch wall;
+    // cuda: the GPU of this rank's LOCAL_RANK (0 without a launcher), NCCL between ranks.
+    PTRAIN_CHECK(opt.device == "cpu" || ptrain::detail::cuda_backend_slot(), Error, "[ptrain.example.device] "
+                 "--device cuda needs gpt_char_cuda, this program compiled by nvcc (cmake -DPTRAIN_WITH_CUDA=ON)");
+    const Device device = opt.device == "cuda" ? Device::cuda(dist::detect_launch_env().local_rank) : Device::cpu();
     std::unique_ptr<dist::Communicator> comm;
-    if (opt.parallel != "none") comm = dist::init_process_group();
+    if (opt.parallel != "none") comm = dist::init_process_group({.device = device});
     const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
     const bool lead = rank == 0;
     // Ranks of one node would oversubscribe the cores with a thread pool each.
@@ -259,14 +234,15 @@ int main(int argc, char** argv) {
     nn::GPTConfig cfg{.vocab_size = tok.vocab_size(), .block_size = opt.block, .n_layer = opt.n_layer,
                       .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout, .tie_weights = true,
                       .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank)};
-    nn::GPT<float> model(cfg);
+    nn::GPT<T> model(cfg);
+    if (!device.is_cpu()) model.to(device);  // initialised on the CPU, so every device starts from the same values
     const std::int64_t num_parameters = model.num_parameters();  // FSDP releases the model's tensors
     // none/ddp: the parameters packed in one flat buffer (DDP's buckets are ranges of it).
     // fsdp: every unit (embedding, blocks, head) is sharded under the model's own
     // parameter names, so checkpoints of all modes hold the same tensors.
-    std::unique_ptr<nn::FlatParameters<float>> params;
-    std::unique_ptr<parallel::DDP<float>> ddp;
-    std::unique_ptr<parallel::FSDP<float>> fsdp;
+    std::unique_ptr<nn::FlatParameters<T>> params;
+    std::unique_ptr<parallel::DDP<T>> ddp;
+    std::unique_ptr<parallel::FSDP<T>> fsdp;
     if (opt.parallel == "fsdp") {
       if (opt.fsdp_strategy == "hybrid" && opt.hybrid_shard_size == 0)
         opt.hybrid_shard_size = dist::detect_launch_env().local_world_size;
@@ -275,22 +251,22 @@ int main(int argc, char** argv) {
                       parallel::ShardingStrategy::ShardOptimizer, parallel::ShardingStrategy::NoShard,
                       parallel::ShardingStrategy::Hybrid})
         if (opt.fsdp_strategy == parallel::strategy_name(st)) fo.strategy = st;
-      fsdp = std::make_unique<parallel::FSDP<float>>(model.units(), *comm, fo);
+      fsdp = std::make_unique<parallel::FSDP<T>>(model.units(), *comm, fo);
     } else {
-      params = std::make_unique<nn::FlatParameters<float>>(model);
-      if (comm) ddp = std::make_unique<parallel::DDP<float>>(model, *params, *comm);
+      params = std::make_unique<nn::FlatParameters<T>>(model);
+      if (comm) ddp = std::make_unique<parallel::DDP<T>>(model, *params, *comm);
     }
     // The same options and decay filter in every mode: FSDP's local entries carry
     // the parameter names (1-D pieces of them), and the filter decides by name.
     const optim::AdamWOptions adamw{.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay};
-    optim::AdamW<float> optimizer = [&] {
+    optim::AdamW<T> optimizer = [&] {
       if (fsdp)
-        return optim::AdamW<float>(fsdp->local_values(), fsdp->local_grads(), fsdp->local_entries(), adamw,
+        return optim::AdamW<T>(fsdp->local_values(), fsdp->local_grads(), fsdp->local_entries(), adamw,
                                    nn::gpt_decay_filter());
-      return optim::AdamW<float>(*params, adamw, nn::gpt_decay_filter());
+      return optim::AdamW<T>(*params, adamw, nn::gpt_decay_filter());
     }();
-    nn::Module<float>& net = ddp ? static_cast<nn::Module<float>&>(*ddp)
-                                 : fsdp ? static_cast<nn::Module<float>&>(*fsdp) : model;
+    nn::Module<T>& net = ddp ? static_cast<nn::Module<T>&>(*ddp)
+                                 : fsdp ? static_cast<nn::Module<T>&>(*fsdp) : model;
     // Per-mode pieces of the loop; everything else is shared.
     auto zero_grad = [&] { fsdp ? fsdp->zero_grad() : params->zero_grad(); };
     auto average = [&](double v) {  // the same all-reduce as DDP::average
@@ -301,11 +277,11 @@ int main(int argc, char** argv) {
       if (opt.grad_clip <= 0) return 0.0;
       return fsdp ? fsdp->clip_grad_norm_(opt.grad_clip) : optim::clip_grad_norm_(params->grads(), opt.grad_clip);
     };
-    nn::CrossEntropyLoss<float> ce;
+    nn::CrossEntropyLoss<T> ce;
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = opt.warmup, .total = opt.steps,
                                        .min_lr = opt.min_lr};
 
-    TrainState state{0, &train_windows, &model, &optimizer};
+    TrainState<T> state{0, &train_windows, &model, &optimizer};
     // Checkpoints (optional): resume first, so that metrics append to the resumed run's file.
     std::unique_ptr<ckpt::CheckpointManager> checkpoints;
     std::unique_ptr<ckpt::AsyncCheckpointer> saver;
@@ -334,7 +310,7 @@ int main(int argc, char** argv) {
     //   (model-RRRRR-of-WWWWW.safetensors, save_sharded), under the same names;
     //   load_fsdp reshards any checkpoint (also save()'s) onto this run's shards, and
     //   CheckpointManager::load assembles whole tensors from pieces for none/ddp.
-    const nlohmann::json model_cfg = model_flags(cfg), train_cfg = train_flags(opt);
+    const nlohmann::json model_cfg = model_flags(cfg, opt), train_cfg = train_flags(opt);
     if (checkpoints && opt.resume) {
       const auto last = checkpoints->latest();
       for (const auto& s : last.skipped)
@@ -405,6 +381,7 @@ int main(int argc, char** argv) {
       std::printf("model %s: %lld parameters, %.1f MFLOP/token; %lld steps of %.0f tokens on %d rank(s)\n",
                   model.describe().c_str(), static_cast<long long>(num_parameters),
                   cfg.flops_per_token(opt.block) / 1e6, static_cast<long long>(opt.steps), tokens_per_step, world);
+      std::printf("device %s, precision %s\n", device.str().c_str(), opt.precision.c_str());
       if (fsdp)
         std::printf("parallel: %s over %d rank(s) (shard groups of %d)\n", fsdp->describe().c_str(), world,
                     fsdp->shard_size());
@@ -413,13 +390,12 @@ int main(int argc, char** argv) {
                      {"start_step", state.step}});
     }
 
-    Tensor<float> x;
-    Tensor<std::int32_t> y;
-    nn::Cache<float> cache, loss_cache;
+    Tensor<std::int32_t> x, y;
+    nn::Cache<T> cache, loss_cache;
     double val_loss = 0;
     auto validate = [&] {
       // Every rank evaluates (FSDP's forward is collective); the average is identical on every rank.
-      val_loss = average(evaluate(model, fsdp ? net : model, val_windows, opt.eval_batches, opt.batch));
+      val_loss = average(evaluate(model, fsdp ? net : model, val_windows, opt.eval_batches, opt.batch, device));
       if (lead) {
         std::printf("step %lld: val_loss %.4f (%.3f x unigram entropy)\n", static_cast<long long>(state.step),
                     val_loss, val_loss / entropy);
@@ -431,7 +407,7 @@ int main(int argc, char** argv) {
       train_windows.next(opt.batch, x, y);
       optimizer.set_lr(schedule(state.step));
       zero_grad();
-      double loss = ce.forward(net.forward(x, cache), y, loss_cache);
+      double loss = ce.forward(net.forward_tokens(x.to(device), cache), y.to(device), loss_cache);
       net.backward(ce.backward(loss_cache), cache);
       if (ddp) ddp->finish_gradient_sync();
       if (fsdp) fsdp->finish_gradient_sync();
@@ -474,7 +450,7 @@ int main(int argc, char** argv) {
     if (fsdp && (opt.sample_tokens > 0 || !opt.export_path.empty())) {
       auto full = fsdp->full_parameters();
       if (lead) {
-        std::map<std::string, Tensor<float>> by_name(full.begin(), full.end());
+        std::map<std::string, Tensor<T>> by_name(full.begin(), full.end());
         for (auto& p : model.named_parameters()) {
           const auto it = by_name.find(p.name);
           PTRAIN_CHECK(it != by_name.end(), Error, "[ptrain.example.fsdp] FSDP has no parameter '", p.name, "'");
@@ -484,7 +460,10 @@ int main(int argc, char** argv) {
     }
     if (lead && !opt.export_path.empty()) {
       std::vector<ckpt::TensorRef> refs;
-      for (auto& p : model.named_parameters()) refs.push_back(ckpt::tensor_ref(p.name, p.param->value));
+      std::vector<Tensor<T>> host;  // the file is written from host memory
+      for (auto& p : model.named_parameters()) host.push_back(p.param->value.to(Device::cpu()));
+      std::size_t i = 0;
+      for (auto& p : model.named_parameters()) refs.push_back(ckpt::tensor_ref(p.name, host[i++]));
       ckpt::write_safetensors(opt.export_path, refs, {{"format", "pt"}, {"ptrain.step", std::to_string(state.step)}});
       std::printf("exported %zu tensors of step %lld to %s\n", refs.size(), static_cast<long long>(state.step),
                   opt.export_path.c_str());
@@ -508,4 +487,54 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  Options opt;
+  CLI::App app{"Train a character-level GPT with ptrain"};
+  app.add_option("--data", opt.data, "plain-text file (default: the fortunes corpus in /usr/share/games/fortunes)");
+  app.add_option("--parallel", opt.parallel, "none, ddp or fsdp (under mpirun or ptrun)")
+      ->check(CLI::IsMember({"none", "ddp", "fsdp"}));
+  app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--precision", opt.precision, "fp32, or bf16: bf16 parameters and activations with fp32 master "
+                 "weights")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--fsdp-strategy", opt.fsdp_strategy, "with --parallel fsdp: full_shard (ZeRO-3), shard_grad_op "
+                 "(ZeRO-2), shard_optimizer (ZeRO-1), no_shard, or hybrid")
+      ->check(CLI::IsMember({"full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid"}));
+  app.add_option("--hybrid-shard-size", opt.hybrid_shard_size, "ranks per shard group of --fsdp-strategy hybrid "
+                 "(0: the launcher's ranks per node)")->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", opt.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--batch", opt.batch, "sequences per step and rank")->check(CLI::PositiveNumber);
+  app.add_option("--block", opt.block, "context length")->check(CLI::PositiveNumber);
+  app.add_option("--layers", opt.n_layer, "transformer blocks");
+  app.add_option("--heads", opt.n_head, "attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--embd", opt.n_embd, "embedding width")->check(CLI::PositiveNumber);
+  app.add_option("--dropout", opt.dropout, "dropout probability");
+  app.add_option("--lr", opt.lr, "peak AdamW learning rate");
+  app.add_option("--min-lr", opt.min_lr, "learning rate at the end of the cosine decay");
+  app.add_option("--weight-decay", opt.weight_decay, "AdamW weight decay (matrices only)");
+  app.add_option("--grad-clip", opt.grad_clip, "clip the global gradient norm (0: off)");
+  app.add_option("--warmup", opt.warmup, "linear warmup steps");
+  app.add_option("--eval-every", opt.eval_every, "validate every N steps (and at the end)");
+  app.add_option("--eval-batches", opt.eval_batches, "validation batches");
+  app.add_option("--seed", opt.seed, "seed for initialisation, windows and sampling");
+  app.add_option("--metrics", opt.metrics, "write JSON-lines metrics to this file (rank 0)");
+  app.add_option("--log-every", opt.log_every, "progress line every N steps (0: none)");
+  app.add_option("--sample-tokens", opt.sample_tokens, "characters to generate at the end");
+  app.add_option("--temperature", opt.temperature, "sampling temperature (0: greedy)");
+  app.add_option("--top-k", opt.top_k, "sample among the k most likely characters (0: all)");
+  app.add_option("--prompt", opt.prompt, "text the sample continues");
+  app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file");
+  app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
+  add_checkpoint_flags(app, opt);
+  app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "
+                 "safetensors file (PyTorch's safetensors.torch.load_file reads it)");
+  CLI11_PARSE(app, argc, argv);
+  if (opt.resume && opt.checkpoint_dir.empty()) {
+    std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir\n");
+    return 2;
+  }
+
+  return opt.precision == "bf16" ? run<bf16>(opt) : run<float>(opt);
 }

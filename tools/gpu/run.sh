@@ -9,7 +9,8 @@
 # Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
 #   env.txt          nvidia-smi, nvcc, cmake, torch versions
 #   build.log        configure and build of ptrain_gpu and gpu_bench
-#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu
+#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu, then examples/gpt_char_cuda trained on
+#                    the GPU for 300 steps in fp32 and in bf16
 #   gpu_bench.jsonl  one JSON line per measurement, "impl": "ptrain" and "pytorch"
 #   gpu_bench.log    everything the benchmarks printed (tables on stderr)
 #   gpu_compare.txt  ptrain / PyTorch ratios from gpu_bench.jsonl
@@ -134,7 +135,7 @@ fi
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 # Only the two GPU binaries; keep going past a failed one so that the other is still built.
-build_args=(--target ptrain_gpu gpu_bench -j "$jobs" -- -k)
+build_args=(--target ptrain_gpu gpu_bench gpt_char_cuda -j "$jobs" -- -k)
 [[ ${generator[*]-} == "-G Ninja" ]] && build_args+=(0)
 
 cmake_args=("${generator[@]}" -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$root/.deps" -DPTRAIN_WITH_CUDA=ON
@@ -165,6 +166,8 @@ fi
 # Binaries from the NCCL build where it produced them, else from the fallback.
 [[ -x $tests_bin ]] || tests_bin=$build-nonccl/tests/gpu/ptrain_gpu
 [[ -x $bench_bin ]] || bench_bin=$build-nonccl/benchmarks/gpu_bench
+example_bin=$build/examples/gpt_char_cuda
+[[ -x $example_bin ]] || example_bin=$build-nonccl/examples/gpt_char_cuda
 
 # --------------------------------------------------------------------- tests ----
 if want test; then
@@ -174,6 +177,16 @@ if want test; then
     step gpu_tests 180 240 "$OUT/gpu_tests.log" "$tests_bin" --durations yes
   else
     summary+=("gpu_tests: not run, $tests_bin was not built")
+  fi
+  # End to end: examples/gpt_char trained on the GPU in fp32 and in bf16 on the
+  # repository's docs as a corpus; its log goes to gpu_tests.log ($OUT holds at most 8 files).
+  if [[ -x $example_bin ]]; then
+    cat README.md docs/*.md >"$build/corpus.txt"
+    step example 120 200 "$OUT/gpu_tests.log" bash -c 'for p in fp32 bf16; do
+        "$0" --device cuda --precision "$p" --data "$1" --steps 300 --batch 32 --block 128 --eval-every 100 \
+          --eval-batches 8 --sample-tokens 100 --log-every 100 || exit; done' "$example_bin" "$build/corpus.txt"
+  else
+    summary+=("example: not run, $example_bin was not built")
   fi
 fi
 

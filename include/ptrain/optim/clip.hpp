@@ -19,7 +19,7 @@ double clip_grad_norm_(Tensor<T>& grads, double max_norm,
   if (reduce_sum) sq = reduce_sum(sq);
   const double norm = std::sqrt(sq);
   const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) ops::scale_(grads, static_cast<T>(coef));
+  if (coef < 1.0) ops::scale_(grads, static_cast<acc_t<T>>(coef));
   return norm;
 }
 

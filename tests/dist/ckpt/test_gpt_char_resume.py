@@ -16,6 +16,8 @@ position, dropout offsets and optimizer step count:
   single.control resume with another --seed must NOT match (the comparison can fail)
   config         --resume with --layers 2 / --heads 4 fails with [ptrain.example.config]
                  naming the flag, exit code != 0, within a timeout
+  bf16.*         --precision bf16: copy as above, BF16 parameters and F32 optimizer state
+                 (with the master weights) in the files, an fp32 resume refused
   ddp.*          the same with 2 ranks under ptrun (--parallel ddp); the signal goes to
                  rank 1 only, and every rank must stop at the same step
   fsdp.*         copy, config and signal with 2 ranks under --parallel fsdp (full_shard):
@@ -264,12 +266,14 @@ def expect_same(ref, got, what):
     print(f"ok   {what}: {got} == {ref} (model, optimizer, trainer state)")
 
 
-def case_copy(r, ranks, tag, mode=None, extra=()):
+def case_copy(r, ranks, tag, mode=None, extra=(), flags=()):
     """Uninterrupted 12 steps (checkpoints 4, 8, 12), then resume from copies of steps 4 and 8.
+    extra: flags of the uninterrupted run only; flags: of every run.
     Returns the reference directory and the uninterrupted run's output."""
     ref = os.path.join(r.work, f"{tag}-ref")
     _, ref_out, _ = r.run(ranks, ["--steps", "12", "--checkpoint-dir", ref, "--checkpoint-every", "4",
-                                  "--keep-checkpoints", "0"] + list(extra), f"{tag} uninterrupted run", mode=mode)
+                                  "--keep-checkpoints", "0"] + list(extra) + list(flags), f"{tag} uninterrupted run",
+                          mode=mode)
     if committed_steps(ref) != [4, 8, 12]:
         raise Failure(f"{tag}: expected committed checkpoints 4, 8, 12 in {ref}, found {committed_steps(ref)}")
     if diff_checkpoints(step_dir(ref, 8), step_dir(ref, 12)) is None:
@@ -278,8 +282,8 @@ def case_copy(r, ranks, tag, mode=None, extra=()):
         res = os.path.join(r.work, f"{tag}-from{start}")
         os.makedirs(res)
         shutil.copytree(step_dir(ref, start), step_dir(res, start))
-        _, out, _ = r.run(ranks, ["--steps", "12", "--checkpoint-dir", res, "--checkpoint-every", "4", "--resume"],
-                          f"{tag} resume from step {start}", mode=mode)
+        _, out, _ = r.run(ranks, ["--steps", "12", "--checkpoint-dir", res, "--checkpoint-every", "4", "--resume"]
+                          + list(flags), f"{tag} resume from step {start}", mode=mode)
         if f"step {start}" not in out or "resumed from" not in out:
             raise Failure(f"{tag}: the resumed run did not report resuming from step {start}:\n{out}")
         expect_same(step_dir(ref, 12), step_dir(res, 12), f"{tag}.copy (from step {start})")
@@ -371,6 +375,29 @@ def copy_step(src, step, dst):
     return dst
 
 
+def case_bf16(r):
+    """--precision bf16: the checkpoints hold BF16 parameters and F32 optimizer state (moments
+    and fp32 master weights), a resume is bitwise, and an fp32 run refuses the checkpoint
+    naming --precision."""
+    ref, _ = case_copy(r, 1, "bf16", flags=["--precision", "bf16"])
+    ck = read_checkpoint(step_dir(ref, 12))
+    model = {t[0] for t in ck["model"].values()}
+    state = {t[0] for t in ck["optimizer"].values()}
+    masters = [n for n in ck["optimizer"] if n.endswith(".master")]
+    if model != {"BF16"} or state != {"F32"} or len(masters) != len(ck["model"]):
+        raise Failure(f"bf16: model dtypes {model}, optimizer dtypes {state}, {len(masters)} master copies for "
+                      f"{len(ck['model'])} parameters")
+    print(f"ok   bf16.dtypes: {len(ck['model'])} BF16 parameters, F32 moments and master weights")
+    before = committed_steps(ref)
+    rc, out, err = r.run(1, ["--steps", "16", "--checkpoint-dir", ref, "--resume"], "bf16 checkpoint resumed in fp32",
+                         expect=None)
+    want = '--precision "bf16" in the checkpoint, "fp32" now'
+    if rc == 0 or "[ptrain.example.config]" not in err or want not in err or committed_steps(ref) != before:
+        raise Failure(f"bf16: an fp32 resume of a bf16 checkpoint: exit code {rc}, expected != 0 and "
+                      f"[ptrain.example.config] naming '{want}'\nstdout:\n{out}\nstderr:\n{err}")
+    print(f"ok   bf16.config: an fp32 run refuses the bf16 checkpoint (exit {rc})")
+
+
 def case_fsdp_vs_ddp(r, fsdp_ref, ddp_ref, export):
     """Same flags, same 2 ranks: fsdp's checkpoints are sharded and end where ddp's do."""
     names = sorted(os.listdir(step_dir(fsdp_ref, 12)))
@@ -459,6 +486,7 @@ def main():
             case_control(r, 1, "single", ref)
             case_config(r, 1, "single", ref)
             case_signal(r, 1, "single")
+            case_bf16(r)
             if ptrun:
                 ddp_ref, _ = case_copy(r, 2, "ddp")
                 case_config(r, 2, "ddp", ddp_ref)

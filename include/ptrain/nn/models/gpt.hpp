@@ -258,6 +258,7 @@ std::int32_t sample_logits(const T* logits, std::int64_t vocab, double temperatu
 /// Continues `prompt` by max_new_tokens tokens, feeding at most block_size tokens
 /// of context each step; returns prompt + new tokens. Runs in evaluation mode
 /// (dropout off) and restores the previous mode. Draws one uniform per token from gen.
+/// The model may be on any device (ids go there, the last row of logits comes back).
 template <class T>
 std::vector<std::int32_t> generate(GPT<T>& model, std::vector<std::int32_t> prompt, std::int64_t max_new_tokens,
                                    double temperature, std::int64_t top_k, Generator& gen) {
@@ -265,14 +266,16 @@ std::vector<std::int32_t> generate(GPT<T>& model, std::vector<std::int32_t> prom
   const bool was_training = model.training();
   model.train(false);
   const std::int64_t V = model.config().vocab_size, block = model.config().block_size;
+  const Device device = model.named_parameters().front().param->value.device();
+  std::vector<double> last(static_cast<std::size_t>(V));
   for (std::int64_t n = 0; n < max_new_tokens; ++n) {
     const std::int64_t len = std::min<std::int64_t>(block, static_cast<std::int64_t>(prompt.size()));
-    auto x = Tensor<T>::empty({1, len});
-    for (std::int64_t i = 0; i < len; ++i)
-      x.data()[i] = static_cast<T>(prompt[prompt.size() - static_cast<std::size_t>(len - i)]);
+    const std::vector<std::int32_t> window(prompt.end() - len, prompt.end());
     Cache<T> cache;
-    auto logits = model.forward(x, cache);
-    prompt.push_back(sample_logits(logits.data() + (len - 1) * V, V, temperature, top_k, gen.uniform()));
+    auto logits = model.forward_tokens(Tensor<std::int32_t>::from(window, {1, len}).to(device), cache);
+    const auto row = logits.view((len - 1) * V, {V}).to(Device::cpu());
+    for (std::int64_t v = 0; v < V; ++v) last[static_cast<std::size_t>(v)] = static_cast<acc_t<T>>(row.data()[v]);
+    prompt.push_back(sample_logits(last.data(), V, temperature, top_k, gen.uniform()));
   }
   model.train(was_training);
   return prompt;
