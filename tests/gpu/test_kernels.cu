@@ -1136,17 +1136,24 @@ TEST_CASE("cuda: AdamW on bf16 parameters steps like the CPU", "[gpu]") {
 }
 
 #ifdef PTRAIN_NCCL
+namespace {
+// An NCCL process group of this process alone on cuda:0 (no launcher needed).
+std::unique_ptr<dist::Communicator> nccl_world_of_one() {
+  dist::ProcessGroupOptions o;
+  o.backend = "nccl";
+  o.device = kGpu;
+  o.env = dist::LaunchEnv{};
+  return dist::init_process_group(o);
+}
+}  // namespace
+
 // DDP and FSDP (full shard) over NCCL on cuda:0, world size 1: three AdamW steps
 // of an MLP, against the same model stepped without a wrapper on the same device
 // (world-size-1 averages are exact, so only the wrappers' own bookkeeping can
 // differ: bucket and shard offsets, gathers, hooks, host-staged scalars). The
 // plain model's agreement with the CPU is the GPT test above.
 TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gpu][nccl]") {
-  dist::ProcessGroupOptions o;
-  o.backend = "nccl";
-  o.device = kGpu;
-  o.env = dist::LaunchEnv{};
-  auto comm = dist::init_process_group(o);
+  auto comm = nccl_world_of_one();
   const std::uint64_t init_seed = rng().below(1ull << 62);
   Generator g_plain(init_seed), g_ddp(init_seed), g_fsdp(init_seed);
   nn::MLP<float> plain(12, {16}, 5, nn::Activation::GELU, g_plain), ddp_model(12, {16}, 5, nn::Activation::GELU, g_ddp),
@@ -1214,11 +1221,7 @@ TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gp
 // With one rank the average is the identity, so after the sync every gradient
 // must be exactly the plain model's gradient rounded to bf16.
 TEST_CASE("cuda: DDP's bf16 gradient compression rounds on the device", "[gpu][nccl]") {
-  dist::ProcessGroupOptions o;
-  o.backend = "nccl";
-  o.device = kGpu;
-  o.env = dist::LaunchEnv{};
-  auto comm = dist::init_process_group(o);
+  auto comm = nccl_world_of_one();
   const std::uint64_t init_seed = rng().below(1ull << 62);
   Generator g_plain(init_seed), g_ddp(init_seed);
   nn::MLP<float> plain(12, {16}, 5, nn::Activation::GELU, g_plain), model(12, {16}, 5, nn::Activation::GELU, g_ddp);
