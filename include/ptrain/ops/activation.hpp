@@ -89,6 +89,8 @@ double sum_squares(const Tensor<T>& x) {
 template <class T>
 Tensor<std::int32_t> argmax_rows(const Tensor<T>& x) {
   PTRAIN_CHECK(x.dim() == 2, ShapeError, "[ptrain.argmax] needs a 2-D tensor, got ", x.shape());
+  PTRAIN_CHECK(x.size(1) >= 1 || x.size(0) == 0, ShapeError, "[ptrain.argmax] the rows of ", x.shape(),
+               " are empty and have no largest element");
   auto out = Tensor<std::int32_t>::empty({x.size(0)}, x.device());
   PTRAIN_DISPATCH(x.device(), argmax_rows, x.size(0), x.size(1), x.data(), out.data());
   return out;

@@ -6,6 +6,7 @@
 #include <ptrain/kernels/cpu/layer_norm.hpp>
 #include <ptrain/kernels/cpu/reduce.hpp>
 #include <ptrain/kernels/cpu/softmax.hpp>
+#include <ptrain/ops/activation.hpp>
 #include <vector>
 
 using namespace ptrain;
@@ -124,4 +125,6 @@ TEST_CASE("reductions and argmax", "[kernels][reduce]") {
   k::argmax_rows<float>(2, 3, x.data(), am);
   REQUIRE(am[0] == 2);
   REQUIRE(am[1] == 0);
+  REQUIRE(ops::argmax_rows(Tensor<float>::from(x, {3, 2})).to_vector() == std::vector<std::int32_t>{0, 0, 0});
+  REQUIRE_THROWS_WITH(ops::argmax_rows(Tensor<float>::empty({2, 0})), Catch::Contains("[ptrain.argmax]"));
 }
