@@ -180,7 +180,9 @@ if want test; then
   fi
   # End to end: examples/gpt_char trained on the GPU in fp32 and in bf16 on the
   # repository's docs as a corpus; its log goes to gpu_tests.log ($OUT holds at most 8 files).
-  if [[ -x $example_bin ]]; then
+  if ! nvidia-smi -L >/dev/null 2>&1; then
+    summary+=("example: not run, no GPU visible")
+  elif [[ -x $example_bin ]]; then
     cat README.md docs/*.md >"$build/corpus.txt"
     step example 120 200 "$OUT/gpu_tests.log" bash -c 'for p in fp32 bf16; do
         "$0" --device cuda --precision "$p" --data "$1" --steps 300 --batch 32 --block 128 --eval-every 100 \
