@@ -37,6 +37,20 @@ inline void narrow(const std::vector<float>& v, bf16* y) {
   for (std::size_t i = 0; i < v.size(); ++i) y[i] = bf16(v[i]);
 }
 inline float* data_or_null(std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+/// y = bf16(f(float(x))) for an elementwise float kernel called as f(x, y).
+template <class F>
+void via_float(std::int64_t n, const bf16* x, bf16* y, F&& f) {
+  auto xf = widen(x, n), yf = xf;
+  f(xf.data(), yf.data());
+  narrow(yf, y);
+}
+/// dx = bf16(f(float(x), float(dy))) for an elementwise float backward called as f(x, dy, dx).
+template <class F>
+void via_float(std::int64_t n, const bf16* x, const bf16* dy, bf16* dx, F&& f) {
+  auto xf = widen(x, n), dyf = widen(dy, n), dxf = xf;
+  f(xf.data(), dyf.data(), dxf.data());
+  narrow(dxf, dx);
+}
 /// Elements a row-major [rows, cols] matrix with leading dimension ld spans.
 inline std::int64_t extent(std::int64_t rows, std::int64_t cols, std::int64_t ld) {
   return rows > 0 && cols > 0 ? (rows - 1) * ld + cols : 0;
@@ -72,33 +86,23 @@ inline void bias_grad(std::int64_t rows, std::int64_t cols, const bf16* dy, bf16
 }
 
 inline void relu_forward(std::int64_t n, const bf16* x, bf16* y) {
-  auto xf = detail::widen(x, n), yf = xf;
-  relu_forward<float>(n, xf.data(), yf.data());
-  detail::narrow(yf, y);
+  detail::via_float(n, x, y, [n](const float* a, float* b) { relu_forward<float>(n, a, b); });
 }
 
 inline void relu_backward(std::int64_t n, const bf16* x, const bf16* dy, bf16* dx) {
-  auto xf = detail::widen(x, n), dyf = detail::widen(dy, n), dxf = xf;
-  relu_backward<float>(n, xf.data(), dyf.data(), dxf.data());
-  detail::narrow(dxf, dx);
+  detail::via_float(n, x, dy, dx, [n](const float* a, const float* d, float* b) { relu_backward<float>(n, a, d, b); });
 }
 
 inline void gelu_forward(std::int64_t n, const bf16* x, bf16* y) {
-  auto xf = detail::widen(x, n), yf = xf;
-  gelu_forward<float>(n, xf.data(), yf.data());
-  detail::narrow(yf, y);
+  detail::via_float(n, x, y, [n](const float* a, float* b) { gelu_forward<float>(n, a, b); });
 }
 
 inline void gelu_backward(std::int64_t n, const bf16* x, const bf16* dy, bf16* dx) {
-  auto xf = detail::widen(x, n), dyf = detail::widen(dy, n), dxf = xf;
-  gelu_backward<float>(n, xf.data(), dyf.data(), dxf.data());
-  detail::narrow(dxf, dx);
+  detail::via_float(n, x, dy, dx, [n](const float* a, const float* d, float* b) { gelu_backward<float>(n, a, d, b); });
 }
 
 inline void dropout(std::int64_t n, const bf16* x, bf16* y, double p, std::uint64_t seed, std::uint64_t offset) {
-  auto xf = detail::widen(x, n), yf = xf;
-  dropout<float>(n, xf.data(), yf.data(), p, seed, offset);
-  detail::narrow(yf, y);
+  detail::via_float(n, x, y, [&](const float* a, float* b) { dropout<float>(n, a, b, p, seed, offset); });
 }
 
 inline void axpy(std::int64_t n, float alpha, const bf16* x, bf16* y) {
