@@ -96,7 +96,7 @@ void causal_attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, s
                                std::uint64_t offset, const T* dy, T scale, T* dqkv) {
   const std::int64_t C = H * D, ld = 3 * C;
   const T keep_scale = T(1.0 / (1.0 - p));
-  std::vector<T> ds_buf(static_cast<std::size_t>(S * S));
+  Scratch<T> ds_buf(static_cast<std::size_t>(S * S));
   T* dS = ds_buf.data();
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < H; ++h) {

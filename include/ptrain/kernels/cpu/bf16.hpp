@@ -24,19 +24,19 @@ namespace ptrain::kernels::cpu {
 
 namespace detail {
 /// The first n values of x as floats (exact); empty for a null x.
-inline std::vector<float> widen(const bf16* x, std::int64_t n) {
-  std::vector<float> v;
+inline Scratch<float> widen(const bf16* x, std::int64_t n) {
+  Scratch<float> v;
   if (x == nullptr || n <= 0) return v;
   v.resize(static_cast<std::size_t>(n));
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(x[i]);
   return v;
 }
 /// y[i] = bf16(v[i]), rounded to nearest even; nothing for a null y.
-inline void narrow(const std::vector<float>& v, bf16* y) {
+inline void narrow(const Scratch<float>& v, bf16* y) {
   if (y == nullptr) return;
   for (std::size_t i = 0; i < v.size(); ++i) y[i] = bf16(v[i]);
 }
-inline float* data_or_null(std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+inline float* data_or_null(Scratch<float>& v) { return v.empty() ? nullptr : v.data(); }
 /// y = bf16(f(float(x))) for an elementwise float kernel called as f(x, y).
 template <class F>
 void via_float(std::int64_t n, const bf16* x, bf16* y, F&& f) {
@@ -195,7 +195,7 @@ inline void embedding_forward(std::int64_t rows, std::int64_t dim, const std::in
   std::int64_t vocab = 0, positions = pos ? (rows < seq ? rows : seq) : 0;
   for (std::int64_t r = 0; r < rows; ++r) vocab = ids[r] + 1 > vocab ? ids[r] + 1 : vocab;
   auto tf = detail::widen(table, vocab * dim), pf = detail::widen(pos, positions * dim);
-  std::vector<float> of(static_cast<std::size_t>(rows * dim));
+  Scratch<float> of(static_cast<std::size_t>(rows * dim));
   embedding_forward<float>(rows, dim, ids, detail::data_or_null(tf), detail::data_or_null(pf), seq, of.data());
   detail::narrow(of, out);
 }
@@ -216,7 +216,7 @@ inline void causal_attention_forward(std::int64_t B, std::int64_t S, std::int64_
                                      std::uint64_t seed, std::uint64_t offset, bf16* y) {
   const std::int64_t C = H * D, PP = B * H * S * S;
   auto qf = detail::widen(qkv, B * S * 3 * C);
-  std::vector<float> pf(static_cast<std::size_t>(PP)), pdf(probs_drop ? pf.size() : 0),
+  Scratch<float> pf(static_cast<std::size_t>(PP)), pdf(probs_drop ? pf.size() : 0),
       yf(static_cast<std::size_t>(B * S * C));
   causal_attention_forward<float>(B, S, H, D, qf.data(), scale, pf.data(), detail::data_or_null(pdf), p, seed, offset,
                                   yf.data());
@@ -232,7 +232,7 @@ inline void causal_attention_backward(std::int64_t B, std::int64_t S, std::int64
   const std::int64_t C = H * D, PP = B * H * S * S;
   auto qf = detail::widen(qkv, B * S * 3 * C), pf = detail::widen(probs, PP), dyf = detail::widen(dy, B * S * C);
   auto pdf = detail::widen(probs_drop, PP);
-  std::vector<float> df(qf.size());
+  Scratch<float> df(qf.size());
   causal_attention_backward<float>(B, S, H, D, qf.data(), pf.data(), detail::data_or_null(pdf), p, seed, offset,
                                    dyf.data(), scale, df.data());
   detail::narrow(df, dqkv);

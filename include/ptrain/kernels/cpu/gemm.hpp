@@ -11,14 +11,42 @@
 // kernel for each transpose combination.
 
 #include <Eigen/Core>
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <type_traits>
+#include <vector>
 
 #ifdef PTRAIN_BLAS
 #include <cblas.h>
 #endif
 
 namespace ptrain::kernels::cpu {
+
+namespace detail {
+/// Allocates arrays on 64-byte boundaries, the alignment of Tensor storage.
+template <class T>
+struct AlignedAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  AlignedAllocator() = default;
+  template <class U>
+  AlignedAllocator(const AlignedAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kAlign); }
+  template <class U>
+  bool operator==(const AlignedAllocator<U>&) const noexcept { return true; }
+};
+}  // namespace detail
+
+/// Host scratch for operands of gemm. Some of OpenBLAS's x86 kernels (those
+/// it picks on Haswell and Zen, for one) peel leading elements up to an aligned
+/// address, so how a product rounds can depend on where its operands sit; a
+/// malloc'd std::vector sits wherever the heap's history put it, which differs
+/// between an uninterrupted run and a resumed one. Aligned scratch keeps results
+/// a function of the data alone, as bit-exact resume needs.
+template <class T>
+using Scratch = std::vector<T, detail::AlignedAllocator<T>>;
 
 namespace detail {
 template <class T>
