@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
