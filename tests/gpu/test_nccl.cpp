@@ -9,6 +9,7 @@
 
 #ifdef PTRAIN_NCCL
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -16,7 +17,9 @@
 #include <vector>
 
 #include "ptrain/core/tensor.hpp"
+#include "ptrain/dist/nccl.hpp"
 #include "ptrain/dist/process_group.hpp"
+#include "ptrain/dist/store.hpp"
 
 using namespace ptrain;
 
@@ -133,6 +136,23 @@ TEST_CASE("nccl: bad calls throw at once", "[gpu][nccl]") {
   double v = 1.0;
   comm->all_reduce(&v, 1, DType::F64, dist::ReduceOp::Sum);
   CHECK(v == 1.0);
+}
+
+TEST_CASE("nccl: a rank that never joins ends init with an error, not a hang", "[gpu][nccl]") {
+  // Rank 0 of 2 alone: NCCL's bootstrap waits for rank 1, which never comes
+  // (Note [NCCL nonblocking] in dist/nccl.hpp).
+  dist::TCPStore store("127.0.0.1", 0, true, std::chrono::seconds(10), std::string());
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(dist::NcclCommunicator(store, 0, 2, 0, std::chrono::seconds(3)),
+                    Catch::Contains("[ptrain.nccl.init]") && Catch::Contains("not every rank joined"));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(s >= 2.5);
+  CHECK(s < 30.0);
+  // The device and NCCL still work for a communicator that does complete.
+  auto comm = nccl_world();
+  double v = 2.0;
+  comm->all_reduce(&v, 1, DType::F64, dist::ReduceOp::Sum);
+  CHECK(v == 2.0);
 }
 
 #else

@@ -15,10 +15,10 @@
 // Work has been pending longer than the timeout, it calls ncclCommAbort, which
 // makes the spinning kernels return; every later wait and operation then
 // throws CommError quoting the reason. The abort frees the handle, so it first
-// takes the lock the caller's thread holds around its NCCL calls; a call
-// blocked inside NCCL (waiting for a peer that never comes) holds it for good,
-// so after kAbortLockGrace the watchdog aborts anyway: that is the only way to
-// end such a call in NCCL's blocking mode.
+// takes the lock the caller's thread holds around its NCCL calls; no call
+// blocks inside NCCL (Note [NCCL nonblocking]), so the lock comes within the
+// timeout. The watchdog reads the asynchronous error only when the lock is
+// free: a caller holding it is settling a call, which reads the same state.
 //
 // Note [NCCL groups]
 // Between group_start() and group_end() NCCL only records the calls; their
@@ -37,6 +37,17 @@
 // call returns a completed Work. Host buffers are meant for small data; large
 // ones belong on the device, where nothing is copied and nothing waits.
 //
+// Note [NCCL nonblocking]
+// Communicators are created nonblocking (ncclConfig_t::blocking = 0): init,
+// split, finalize and any later call may return ncclInProgress while NCCL goes
+// on in the background, and nothing may be called on the communicator, or
+// queued on its stream, until ncclCommGetAsyncError reports the state settled.
+// settle() waits for that, bounded by the timeout, after every call: an init or
+// split that a rank never joins, or a connection that is never made, ends in
+// CommError and an aborted communicator instead of a call blocked in NCCL for
+// good. Work events and follow-up copies are queued only after the call settled,
+// or they could run ahead of the NCCL kernel.
+//
 // The unique id comes from rank 0 through ptrain's Store or through an
 // existing (MPI or Gloo) communicator's broadcast.
 
@@ -47,8 +58,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -93,8 +106,8 @@ namespace ptrain::dist {
 namespace detail {
 
 inline constexpr std::chrono::milliseconds kWatchdogPeriod{100};
-// How long the watchdog waits for a caller's NCCL call to return before it aborts anyway (Note [NCCL watchdog]).
-inline constexpr std::chrono::milliseconds kAbortLockGrace{1000};
+// The longest the destructor waits for ncclCommFinalize before it aborts instead.
+inline constexpr std::chrono::milliseconds kFinalizeGrace{10000};
 
 inline ncclDataType_t nccl_type(DType dt) {
   switch (dt) {
@@ -117,6 +130,29 @@ inline ncclRedOp_t nccl_op(ReduceOp op) {
     case ReduceOp::Max: return ncclMax;
   }
   return ncclSum;
+}
+
+inline bool nccl_ok(ncclResult_t rc) { return rc == ncclSuccess || rc == ncclInProgress; }
+
+inline ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // Note [NCCL nonblocking]
+  return config;
+}
+
+// Polls comm until it leaves ncclInProgress: its final state (ncclSuccess or an error),
+// or ncclInProgress when `deadline` passed first.
+inline ncclResult_t wait_settled(ncclComm_t comm, std::chrono::steady_clock::time_point deadline) {
+  auto pause = std::chrono::microseconds(1);
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm, &state);
+    if (rc != ncclSuccess) return rc;
+    if (state != ncclInProgress) return state;
+    if (std::chrono::steady_clock::now() >= deadline) return ncclInProgress;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
 }
 
 // Owns a CUDA event; destroying a pending event is allowed (CUDA frees it on completion).
@@ -268,7 +304,7 @@ class NcclCommunicator : public Communicator {
     // what is still queued, and an operation stuck on a dead peer would hang it (and
     // this destructor) forever: such a communicator is aborted instead.
     if (comm_ && !shared_->aborted) {
-      if (quiesce()) ncclCommDestroy(comm_);
+      if (quiesce() && finalize()) ncclCommDestroy(comm_);
       else
         abort_comm(detail::cat("the communicator on rank ", rank_,
                                " was destroyed while operations were still pending or had failed"));
@@ -308,9 +344,9 @@ class NcclCommunicator : public Communicator {
     const bool failed = rc != ncclSuccess && rc != ncclInProgress;
     if (group_depth_ > 0 && !failed) return;  // nested: NCCL launches at the outermost group_end()
     auto works = std::move(group_works_);
-    auto after = std::move(group_after_);
+    auto after = std::move(after_);
     group_works_.clear();
-    group_after_.clear();
+    after_.clear();
     if (failed) {
       group_depth_ = 0;
       std::string why = detail::cat("ncclGroupEnd() failed: ", ncclGetErrorString(rc), " (", ncclGetLastError(nullptr),
@@ -318,6 +354,12 @@ class NcclCommunicator : public Communicator {
       for (auto& w : works) w->set_failed(why);
       PTRAIN_THROW(CommError, "[ptrain.nccl.group] group_end() on rank ", rank_, ": ", why,
                    "; create a new process group to continue");
+    }
+    try {
+      settle("group_end()");
+    } catch (const CommError& e) {
+      for (auto& w : works) w->set_failed(e.what());
+      throw;
     }
     PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
     for (auto& f : after) f();
@@ -416,10 +458,28 @@ class NcclCommunicator : public Communicator {
     if (last) last->wait(timeout());
     PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
     ncclComm_t out = nullptr;
+    ncclResult_t rc = ncclSuccess;
     {
       std::lock_guard lock(comm_m_);
       check_alive(what);
-      PTRAIN_CHECK_NCCL(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &out, nullptr));
+      // Note [NCCL nonblocking]: the parent and the new communicator both settle.
+      const auto deadline = std::chrono::steady_clock::now() + timeout();
+      ncclConfig_t config = detail::nonblocking_config();
+      rc = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &out, &config);
+      if (detail::nccl_ok(rc)) rc = detail::wait_settled(comm_, deadline);
+      if (rc == ncclSuccess && out != nullptr) rc = detail::wait_settled(out, deadline);
+    }
+    if (rc != ncclSuccess) {
+      if (out != nullptr) ncclCommAbort(out);
+      const std::string why =
+          rc == ncclInProgress
+              ? detail::cat(what, " on rank ", rank_, " did not complete within ", timeout().count(),
+                            " ms; every rank of the communicator must call split, in the same order as its "
+                            "collectives")
+              : detail::cat(what, " failed on rank ", rank_, ": ", ncclGetErrorString(rc), " (",
+                            ncclGetLastError(comm_), ")");
+      abort_comm(why);
+      PTRAIN_THROW(CommError, "[ptrain.nccl.split] ", why, "; the communicator was aborted: create a new process group");
     }
     if (out == nullptr) return nullptr;
     return std::unique_ptr<Communicator>(new NcclCommunicator(out, device_, timeout()));
@@ -437,7 +497,24 @@ class NcclCommunicator : public Communicator {
   void init(const ncclUniqueId& id) {
     detail::cuda_error_rank() = rank_;
     PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
-    PTRAIN_CHECK_NCCL(ncclCommInitRank(&comm_, size_, id, rank_));
+    // Note [NCCL nonblocking]: a rank that never joins ends the wait at the timeout.
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    ncclConfig_t config = detail::nonblocking_config();
+    ncclResult_t rc = ncclCommInitRankConfig(&comm_, size_, id, rank_, &config);
+    if (detail::nccl_ok(rc) && comm_ != nullptr) rc = detail::wait_settled(comm_, deadline);
+    if (rc != ncclSuccess) {
+      const std::string last = ncclGetLastError(comm_);
+      if (comm_ != nullptr) ncclCommAbort(comm_);
+      comm_ = nullptr;
+      if (rc == ncclInProgress)
+        PTRAIN_THROW(CommError, "[ptrain.nccl.init] rank ", rank_, " of ", size_,
+                     ": the NCCL communicator was not complete within ", timeout().count(),
+                     " ms: not every rank joined (one did not start, died, or got another unique id); start all ",
+                     size_, " ranks with the same store and key, or raise PTRAIN_COMM_TIMEOUT_S");
+      PTRAIN_THROW(CommError, "[ptrain.nccl.init] ncclCommInitRankConfig failed on rank ", rank_, " of ", size_,
+                   " (device ", device_, "): ", ncclGetErrorString(rc), " (", last,
+                   "); NCCL needs one GPU per rank: check CUDA_VISIBLE_DEVICES and LOCAL_RANK");
+    }
     start();
   }
 
@@ -478,16 +555,39 @@ class NcclCommunicator : public Communicator {
     PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(ready_->get(), user));
     PTRAIN_NCCL_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
     call();
-    if (group_depth_ > 0) group_works_.push_back(w);
-    else record_launched(w);
+    if (group_depth_ > 0) {
+      group_works_.push_back(w);
+      return w;
+    }
+    auto after = std::move(after_);
+    after_.clear();
+    settle(w->what());
+    for (auto& f : after) f();
+    record_launched(w);
     return w;
   }
 
-  // Stream work that must follow the current call's kernel: now, or after ncclGroupEnd inside a group.
+  // Stream work that must follow the current call's kernel: queued once the call
+  // settled, or after ncclGroupEnd inside a group (Notes [NCCL groups], [NCCL nonblocking]).
   template <class F>
   void after_launch(F&& f) {
-    if (group_depth_ > 0) group_after_.emplace_back(std::forward<F>(f));
-    else f();
+    after_.emplace_back(std::forward<F>(f));
+  }
+
+  // Note [NCCL nonblocking]: waits until NCCL finished the last call on comm_, at most
+  // the timeout; aborts the communicator and throws when it failed or did not settle.
+  // Caller holds comm_m_.
+  void settle(const std::string& what) {
+    const ncclResult_t rc = detail::wait_settled(comm_, std::chrono::steady_clock::now() + timeout());
+    if (rc == ncclSuccess) return;
+    const std::string why =
+        rc == ncclInProgress
+            ? detail::cat(what, " on rank ", rank_, " was not queued within ", timeout().count(),
+                          " ms (NCCL could not connect to its peers); a peer may have died")
+            : detail::cat(what, " failed on rank ", rank_, ": ", ncclGetErrorString(rc), " (", ncclGetLastError(comm_),
+                          ")");
+    abort_locked(why);
+    PTRAIN_THROW(CommError, "[ptrain.nccl.aborted] ", why, "; create a new process group to continue");
   }
 
   // Records w's event behind everything queued so far and hands it to the watchdog. Caller holds comm_m_.
@@ -556,10 +656,14 @@ class NcclCommunicator : public Communicator {
       std::this_thread::sleep_for(detail::kWatchdogPeriod);
       if (shared_->aborted) continue;
       std::string reason;
-      ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
-        reason = detail::cat("asynchronous NCCL error on rank ", rank_, ": ", ncclGetErrorString(async), " (",
-                     ncclGetLastError(comm_), "); a peer probably died");
+      {
+        std::unique_lock lock(comm_m_, std::try_to_lock);
+        ncclResult_t async = ncclSuccess;
+        if (lock.owns_lock() && !shared_->aborted && ncclCommGetAsyncError(comm_, &async) == ncclSuccess &&
+            !detail::nccl_ok(async))
+          reason = detail::cat("asynchronous NCCL error on rank ", rank_, ": ", ncclGetErrorString(async), " (",
+                               ncclGetLastError(comm_), "); a peer probably died");
+      }
       {
         std::lock_guard lock(pending_m_);
         auto now = std::chrono::steady_clock::now();
@@ -588,17 +692,27 @@ class NcclCommunicator : public Communicator {
   }
 
   // Marks the communicator aborted with `reason`, then ncclCommAbort: kernels waiting
-  // on dead peers return and the handle is freed. Waits up to kAbortLockGrace for a
-  // caller's NCCL call to return first (Note [NCCL watchdog]).
+  // on dead peers return and the handle is freed (Note [NCCL watchdog]). abort_locked:
+  // the caller holds comm_m_.
   void abort_comm(const std::string& reason) {
-    std::unique_lock lock(comm_m_, std::defer_lock);
-    (void)lock.try_lock_for(detail::kAbortLockGrace);
+    std::lock_guard lock(comm_m_);
+    abort_locked(reason);
+  }
+  void abort_locked(const std::string& reason) {
+    if (shared_->aborted) return;
     {
       std::lock_guard g(shared_->m);
       shared_->abort_reason = reason;
     }
     shared_->aborted = true;
     ncclCommAbort(comm_);
+  }
+
+  // ncclCommFinalize for the destructor; false when it failed or did not settle within kFinalizeGrace.
+  bool finalize() {
+    std::lock_guard lock(comm_m_);
+    const auto deadline = std::chrono::steady_clock::now() + std::min(timeout(), detail::kFinalizeGrace);
+    return detail::nccl_ok(ncclCommFinalize(comm_)) && detail::wait_settled(comm_, deadline) == ncclSuccess;
   }
 
   // Waits (for the destructor) until the stream drained, at most until the latest
@@ -630,11 +744,11 @@ class NcclCommunicator : public Communicator {
   std::size_t stage_bytes_ = 0;
   std::unique_ptr<detail::CudaEvent> ready_;
   std::shared_ptr<detail::NcclShared> shared_ = std::make_shared<detail::NcclShared>();
-  std::timed_mutex comm_m_;  // held around NCCL calls on comm_ (Note [NCCL watchdog])
-  std::mutex stage_m_;       // Note [Host buffers]
-  int group_depth_ = 0;      // Note [NCCL groups]
+  std::mutex comm_m_;     // held around NCCL calls on comm_ (Note [NCCL watchdog])
+  std::mutex stage_m_;    // Note [Host buffers]
+  int group_depth_ = 0;   // Note [NCCL groups]
   std::vector<std::shared_ptr<detail::NcclWork>> group_works_;
-  std::vector<std::function<void()>> group_after_;
+  std::vector<std::function<void()>> after_;  // after_launch() work of the current call or group
   std::weak_ptr<detail::NcclWork> last_;  // the latest launched operation
   std::mutex pending_m_;
   std::vector<std::shared_ptr<detail::NcclWork>> pending_;  // until their event completes
