@@ -19,8 +19,10 @@
 // dimension that is not a multiple of 8, a bias or auxiliary buffer off a 16-byte
 // boundary, no algorithm from the heuristic); the
 // caller then runs the unfused kernels. Each host thread keeps one cuBLASLt
-// handle per device and a 32 MiB workspace per (device, stream), so work queued
-// on two streams never shares scratch memory, and remembers the heuristic's
+// handle per device; each call takes its 32 MiB workspace from the device's
+// caching allocator on the current stream and frees it once queued, so the
+// block serves only later work of that stream (Note [Stream semantics] in
+// device.cuh) and two streams never share scratch. It remembers the heuristic's
 // algorithm per problem (shape, types, epilogue and the alignment of the
 // operands, the bias and the auxiliary buffer, which views into flat parameter
 // buffers may lower), so a training step asks it once per layer shape, not once
@@ -107,14 +109,6 @@ struct LtChoice {
 };
 using LtKey = std::array<std::int64_t, 12>;
 
-/// This thread's workspace for (device, stream), from the device's allocator.
-inline void* lt_workspace(int device, cudaStream_t stream) {
-  thread_local std::map<std::pair<int, cudaStream_t>, Tensor<std::uint8_t>> spaces;
-  auto& t = spaces[{device, stream}];
-  if (!t.defined()) t = Tensor<std::uint8_t>::empty({kLtWorkspaceBytes}, Device::cuda(device));
-  return t.data();
-}
-
 }  // namespace detail
 
 /// y [m, n] = x [m, k] W^T + bias (W [n, k], bias [n], all row-major and contiguous),
@@ -188,8 +182,9 @@ bool linear_epilogue(std::int64_t m, std::int64_t n, std::int64_t k, const T* x,
     }
     if (!it->second.found) return false;
     const float alpha = 1.0f, beta = 0.0f;
+    auto workspace = Tensor<std::uint8_t>::empty(Shape{detail::kLtWorkspaceBytes}, Device::cuda(device));
     PTRAIN_CHECK_CUBLAS(cublasLtMatmul(handle, op.get(), &alpha, w, a.get(), x, b.get(), &beta, y, d.get(), y, d.get(),
-                                       &it->second.algo, detail::lt_workspace(device, stream), ws_bytes, stream));
+                                       &it->second.algo, workspace.data(), ws_bytes, stream));
     return true;
   }
 }
