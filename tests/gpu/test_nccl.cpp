@@ -138,6 +138,23 @@ TEST_CASE("nccl: bad calls throw at once", "[gpu][nccl]") {
   CHECK(v == 1.0);
 }
 
+TEST_CASE("nccl: a call on another communicator while a group is open is refused", "[gpu][nccl]") {
+  auto a = nccl_world(), b = nccl_world();
+  auto& na = dynamic_cast<dist::NcclCommunicator&>(*a);
+  auto in = Tensor<float>::from(iota(8, 1.0f), {8}).to(Device::cuda(0));
+  auto out = device_nan(8);
+  na.group_start();
+  auto w = a->all_reduce_async(in.data(), out.data(), 8, DType::F32, dist::ReduceOp::Sum);
+  CHECK_THROWS_WITH(b->all_reduce(in.data(), 8, DType::F32, dist::ReduceOp::Sum),
+                    Catch::Contains("[ptrain.nccl.group]") && Catch::Contains("group_end()"));
+  na.group_end();
+  w->wait();
+  CHECK(out.to_vector() == iota(8, 1.0f));
+  // Both work once the group is closed.
+  b->all_reduce(out.data(), 8, DType::F32, dist::ReduceOp::Sum);
+  CHECK(out.to_vector() == iota(8, 1.0f));
+}
+
 TEST_CASE("nccl: a rank that never joins ends init with an error, not a hang", "[gpu][nccl]") {
   // Rank 0 of 2 alone: NCCL's bootstrap waits for rank 1, which never comes
   // (Note [NCCL nonblocking] in dist/nccl.hpp).

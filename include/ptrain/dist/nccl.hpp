@@ -26,7 +26,11 @@
 // moves an in-place reduce_scatter's result to the front) must therefore be
 // queued at group_end(), not at the call, or it would complete before the
 // operation ran. Host buffers are refused inside a group: staging waits for
-// the operation, which has not started yet.
+// the operation, which has not started yet. NCCL's group is per thread, so
+// while one communicator's group is open a call on another is refused (it
+// would join the group). The caller does not hold the lock between the two
+// calls, yet NCCL's group state points at the handle: the watchdog leaves an
+// abort to group_end(), which applies it once the group is closed.
 //
 // Note [Host buffers]
 // NCCL reads and writes device memory only, but scalars and control data
@@ -46,7 +50,8 @@
 // split that a rank never joins, or a connection that is never made, ends in
 // CommError and an aborted communicator instead of a call blocked in NCCL for
 // good. Work events and follow-up copies are queued only after the call settled,
-// or they could run ahead of the NCCL kernel.
+// or they could run ahead of the NCCL kernel. The price: NCCL launches each
+// call (or group) from a thread of its own, some tens of microseconds per call.
 //
 // The unique id comes from rank 0 through ptrain's Store or through an
 // existing (MPI or Gloo) communicator's broadcast.
@@ -106,8 +111,6 @@ namespace ptrain::dist {
 namespace detail {
 
 inline constexpr std::chrono::milliseconds kWatchdogPeriod{100};
-// The longest the destructor waits for ncclCommFinalize before it aborts instead.
-inline constexpr std::chrono::milliseconds kFinalizeGrace{10000};
 
 inline ncclDataType_t nccl_type(DType dt) {
   switch (dt) {
@@ -134,6 +137,12 @@ inline ncclRedOp_t nccl_op(ReduceOp op) {
 
 inline bool nccl_ok(ncclResult_t rc) { return rc == ncclSuccess || rc == ncclInProgress; }
 
+// The communicator whose group_start() is open on this thread (NCCL's group state is per thread).
+inline const void*& open_group() {
+  thread_local const void* owner = nullptr;
+  return owner;
+}
+
 inline ncclConfig_t nonblocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // Note [NCCL nonblocking]
@@ -141,15 +150,20 @@ inline ncclConfig_t nonblocking_config() {
 }
 
 // Polls comm until it leaves ncclInProgress: its final state (ncclSuccess or an error),
-// or ncclInProgress when `deadline` passed first.
+// or ncclInProgress when `deadline` passed first. A call usually settles within tens
+// of microseconds, so the first polls only yield; sleeps, growing to 1 ms, follow.
 inline ncclResult_t wait_settled(ncclComm_t comm, std::chrono::steady_clock::time_point deadline) {
-  auto pause = std::chrono::microseconds(1);
-  for (;;) {
+  auto pause = std::chrono::microseconds(10);
+  for (int polls = 0;; ++polls) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t rc = ncclCommGetAsyncError(comm, &state);
     if (rc != ncclSuccess) return rc;
     if (state != ncclInProgress) return state;
     if (std::chrono::steady_clock::now() >= deadline) return ncclInProgress;
+    if (polls < 1000) {
+      std::this_thread::yield();
+      continue;
+    }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(1000));
   }
@@ -194,8 +208,12 @@ class NcclWork : public Work {
   std::chrono::steady_clock::time_point deadline() const { return deadline_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
-  // The event has been recorded behind the operation (Note [NCCL groups]: at group_end() inside a group).
-  void set_launched() { launched_ = true; }
+  // The event has been recorded behind the operation (Note [NCCL groups]: at group_end() inside a group);
+  // the watchdog's deadline counts from here, not from the call, which may have waited for connections.
+  void set_launched() {
+    deadline_ = std::chrono::steady_clock::now() + timeout_;
+    launched_ = true;
+  }
   // Seen complete by the watchdog before any abort: a later abort does not make it fail.
   void set_done() { done_ = true; }
   // The group holding the operation failed at group_end(); waits throw `why`.
@@ -297,6 +315,7 @@ class NcclCommunicator : public Communicator {
   }
 
   ~NcclCommunicator() override {
+    if (detail::open_group() == this) detail::open_group() = nullptr;
     stop_ = true;
     if (watchdog_.joinable()) watchdog_.join();
     cudaSetDevice(device_);
@@ -332,8 +351,10 @@ class NcclCommunicator : public Communicator {
   /// Device buffers only; the Works of grouped calls complete only after group_end() (Note [NCCL groups]).
   void group_start() {
     std::lock_guard lock(comm_m_);
+    check_no_other_group("group_start()");
     PTRAIN_CHECK_NCCL(ncclGroupStart());
     ++group_depth_;
+    detail::open_group() = this;
   }
   void group_end() {
     std::lock_guard lock(comm_m_);
@@ -341,29 +362,41 @@ class NcclCommunicator : public Communicator {
                  " without a matching group_start()");
     --group_depth_;
     const ncclResult_t rc = ncclGroupEnd();
-    const bool failed = rc != ncclSuccess && rc != ncclInProgress;
+    const bool failed = !detail::nccl_ok(rc);
     if (group_depth_ > 0 && !failed) return;  // nested: NCCL launches at the outermost group_end()
+    group_depth_ = 0;
+    detail::open_group() = nullptr;
     auto works = std::move(group_works_);
     auto after = std::move(after_);
     group_works_.clear();
     after_.clear();
-    if (failed) {
-      group_depth_ = 0;
-      std::string why = detail::cat("ncclGroupEnd() failed: ", ncclGetErrorString(rc), " (", ncclGetLastError(nullptr),
-                                    "); the grouped operations' results are undefined");
+    // Every failure fails the group's Works (their waits throw it) and aborts the communicator.
+    auto fail = [&](const std::string& why) {
       for (auto& w : works) w->set_failed(why);
-      PTRAIN_THROW(CommError, "[ptrain.nccl.group] group_end() on rank ", rank_, ": ", why,
-                   "; create a new process group to continue");
+      abort_locked(why);
+    };
+    if (failed) {
+      const std::string why = detail::cat("ncclGroupEnd() failed on rank ", rank_, ": ", ncclGetErrorString(rc), " (",
+                                          ncclGetLastError(comm_), "); the grouped operations' results are undefined");
+      fail(why);
+      PTRAIN_THROW(CommError, "[ptrain.nccl.group] ", why, "; create a new process group to continue");
     }
     try {
       settle("group_end()");
-    } catch (const CommError& e) {
-      for (auto& w : works) w->set_failed(e.what());
+      if (deferred_abort_.empty()) {
+        PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+        for (auto& f : after) f();
+        for (auto& w : works) record_launched(w);
+        return;
+      }
+    } catch (const std::exception& e) {
+      fail(e.what());
       throw;
     }
-    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
-    for (auto& f : after) f();
-    for (auto& w : works) record_launched(w);
+    const std::string why = std::exchange(deferred_abort_, std::string());
+    fail(why);
+    PTRAIN_THROW(CommError, "[ptrain.nccl.aborted] group_end() on rank ", rank_, ": ", why,
+                 "; create a new process group to continue");
   }
 
   std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
@@ -448,6 +481,7 @@ class NcclCommunicator : public Communicator {
     check_alive(what);
     PTRAIN_CHECK(group_depth_ == 0, CommError, "[ptrain.nccl.group] ", what, " on rank ", rank_,
                  " inside group_start()/group_end(); call group_end() first");
+    check_no_other_group(what);
     // ncclCommSplit may deadlock while operations are outstanding on the parent:
     // wait for the last one (same stream, so for all), bounded by the timeout.
     std::shared_ptr<detail::NcclWork> last;
@@ -470,7 +504,6 @@ class NcclCommunicator : public Communicator {
       if (rc == ncclSuccess && out != nullptr) rc = detail::wait_settled(out, deadline);
     }
     if (rc != ncclSuccess) {
-      if (out != nullptr) ncclCommAbort(out);
       const std::string why =
           rc == ncclInProgress
               ? detail::cat(what, " on rank ", rank_, " did not complete within ", timeout().count(),
@@ -478,7 +511,9 @@ class NcclCommunicator : public Communicator {
                             "collectives")
               : detail::cat(what, " failed on rank ", rank_, ": ", ncclGetErrorString(rc), " (",
                             ncclGetLastError(comm_), ")");
+      // Aborting the parent first joins NCCL's split job, which writes `out` even when it fails.
       abort_comm(why);
+      if (out != nullptr) ncclCommAbort(out);
       PTRAIN_THROW(CommError, "[ptrain.nccl.split] ", why, "; the communicator was aborted: create a new process group");
     }
     if (out == nullptr) return nullptr;
@@ -533,6 +568,15 @@ class NcclCommunicator : public Communicator {
                  "); use tag 0 and post transfers to one peer in matching order");
   }
 
+  // NCCL's group is per thread: a call on this communicator while another one's group
+  // is open would join that group, which only the other one's group_end() launches.
+  void check_no_other_group(const std::string& what) const {
+    const void* owner = detail::open_group();
+    PTRAIN_CHECK(owner == nullptr || owner == this, CommError, "[ptrain.nccl.group] ", what, " on rank ", rank_,
+                 " while another NCCL communicator's group_start() is open on this thread; call its group_end() "
+                 "first");
+  }
+
   void check_alive(const std::string& what) {
     if (shared_->aborted) {
       std::lock_guard lock(shared_->m);
@@ -551,6 +595,7 @@ class NcclCommunicator : public Communicator {
     auto w = std::make_shared<detail::NcclWork>(std::move(what), rank_, peer, timeout(), shared_, device_);
     std::lock_guard lock(comm_m_);
     check_alive(w->what());
+    check_no_other_group(w->what());
     const cudaStream_t user = user_stream_ ? user_stream_ : kernels::cuda::current_stream(device_);
     PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(ready_->get(), user));
     PTRAIN_NCCL_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
@@ -687,7 +732,7 @@ class NcclCommunicator : public Communicator {
           ++it;
         }
       }
-      if (!reason.empty()) abort_comm(reason);
+      if (!reason.empty()) request_abort(reason);
     }
   }
 
@@ -697,6 +742,13 @@ class NcclCommunicator : public Communicator {
   void abort_comm(const std::string& reason) {
     std::lock_guard lock(comm_m_);
     abort_locked(reason);
+  }
+  // The watchdog's abort. Inside a group the caller's thread holds NCCL's group
+  // state, which points at the handle: group_end() aborts once the group is closed.
+  void request_abort(const std::string& reason) {
+    std::lock_guard lock(comm_m_);
+    if (group_depth_ == 0) abort_locked(reason);
+    else if (deferred_abort_.empty()) deferred_abort_ = reason;
   }
   void abort_locked(const std::string& reason) {
     if (shared_->aborted) return;
@@ -708,10 +760,11 @@ class NcclCommunicator : public Communicator {
     ncclCommAbort(comm_);
   }
 
-  // ncclCommFinalize for the destructor; false when it failed or did not settle within kFinalizeGrace.
+  // ncclCommFinalize for the destructor (a barrier with the ranks on this node); false
+  // when it failed or did not settle within the timeout.
   bool finalize() {
     std::lock_guard lock(comm_m_);
-    const auto deadline = std::chrono::steady_clock::now() + std::min(timeout(), detail::kFinalizeGrace);
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
     return detail::nccl_ok(ncclCommFinalize(comm_)) && detail::wait_settled(comm_, deadline) == ncclSuccess;
   }
 
@@ -728,8 +781,7 @@ class NcclCommunicator : public Communicator {
       if (e == cudaSuccess) return true;
       if (e != cudaErrorNotReady) return false;
       ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &async) != ncclSuccess || (async != ncclSuccess && async != ncclInProgress))
-        return false;
+      if (ncclCommGetAsyncError(comm_, &async) != ncclSuccess || !detail::nccl_ok(async)) return false;
       if (std::chrono::steady_clock::now() >= until) return false;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -749,6 +801,7 @@ class NcclCommunicator : public Communicator {
   int group_depth_ = 0;   // Note [NCCL groups]
   std::vector<std::shared_ptr<detail::NcclWork>> group_works_;
   std::vector<std::function<void()>> after_;  // after_launch() work of the current call or group
+  std::string deferred_abort_;                // the watchdog's reason while a group is open
   std::weak_ptr<detail::NcclWork> last_;  // the latest launched operation
   std::mutex pending_m_;
   std::vector<std::shared_ptr<detail::NcclWork>> pending_;  // until their event completes
