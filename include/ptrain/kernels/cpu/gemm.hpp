@@ -39,12 +39,12 @@ struct AlignedAllocator {
 };
 }  // namespace detail
 
-/// Host scratch for operands of gemm. Some of OpenBLAS's x86 kernels (those
-/// it picks on Haswell and Zen, for one) peel leading elements up to an aligned
-/// address, so how a product rounds can depend on where its operands sit; a
-/// malloc'd std::vector sits wherever the heap's history put it, which differs
-/// between an uninterrupted run and a resumed one. Aligned scratch keeps results
-/// a function of the data alone, as bit-exact resume needs.
+/// Host scratch for operands of gemm. With some of OpenBLAS's x86 kernels
+/// (those it picks on Haswell and Zen CPUs) how a product rounds depends on
+/// where its operands sit; a malloc'd std::vector sits wherever the heap's
+/// history put it, which differs between an uninterrupted run and a resumed one.
+/// Scratch aligned like Tensor storage keeps results a function of the data
+/// alone, as bit-exact resume needs.
 template <class T>
 using Scratch = std::vector<T, detail::AlignedAllocator<T>>;
 
