@@ -110,16 +110,15 @@ class CachingAllocator : public Allocator {
       if (it != free_.end() && !it->second.empty()) {
         p = it->second.back();
         it->second.pop_back();
+        track(p, size, stream);
       }
     }
     std::int64_t fresh = 0;
     if (!p) {
       p = raw_allocate(size);
       fresh = static_cast<std::int64_t>(size);
-    }
-    {
       std::lock_guard<std::mutex> lock(mutex_);
-      live_[p] = Block{size, stream, {}};
+      track(p, size, stream);
     }
     record_allocate(bytes, fresh);
     return p;
@@ -137,6 +136,7 @@ class CachingAllocator : public Allocator {
         if (void* m = record_marker(s)) pend.markers.push_back(m);
       if (pend.markers.empty()) free_[{b.size, b.stream}].push_back(p);
       else pending_.push_back(std::move(pend));
+      spare_.push_back(std::move(node));
     }
     record_deallocate(bytes, 0);
   }
@@ -206,6 +206,22 @@ class CachingAllocator : public Allocator {
     std::vector<void*> markers;  // one per other stream; the block is free when all are done
   };
 
+  // Enters p in live_, reusing a node of a freed block: no malloc once the sizes
+  // of a step have been seen. Holds mutex_.
+  void track(void* p, std::size_t size, std::uintptr_t stream) {
+    if (spare_.empty()) {
+      live_.emplace(p, Block{size, stream, {}});
+      return;
+    }
+    auto node = std::move(spare_.back());
+    spare_.pop_back();
+    node.key() = p;
+    node.mapped().size = size;
+    node.mapped().stream = stream;
+    node.mapped().uses.clear();
+    live_.insert(std::move(node));
+  }
+
   // Moves pending blocks whose markers all completed to the free lists. Holds mutex_.
   void collect_pending() {
     for (std::size_t i = 0; i < pending_.size();) {
@@ -224,6 +240,7 @@ class CachingAllocator : public Allocator {
   std::mutex mutex_;
   std::map<std::pair<std::size_t, std::uintptr_t>, std::vector<void*>> free_;  // (size, stream) -> blocks
   std::unordered_map<void*, Block> live_;
+  std::vector<std::unordered_map<void*, Block>::node_type> spare_;  // nodes of freed blocks, for track()
   std::vector<Pending> pending_;
 };
 

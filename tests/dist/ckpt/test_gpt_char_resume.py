@@ -17,8 +17,8 @@ position, dropout offsets and optimizer step count:
   config         --resume with --layers 2 / --heads 4 fails with [ptrain.example.config]
                  naming the flag, exit code != 0, within a timeout
   bf16.*         --precision bf16: copy as above, BF16 parameters and F32 optimizer state
-                 (with the master weights) in the files, an fp32 resume refused; on a CPU
-                 with AVX2 the copy runs again with OpenBLAS's Haswell kernels, whose
+                 (with the master weights) in the files, an fp32 resume refused; with
+                 OpenBLAS on a CPU with AVX2 the copy runs again with its Haswell kernels, whose
                  rounding depends on operand alignment (heap placement must not matter)
   ddp.*          the same with 2 ranks under ptrun (--parallel ddp); the signal goes to
                  rank 1 only, and every rank must stop at the same step
@@ -398,13 +398,22 @@ def case_bf16(r):
         raise Failure(f"bf16: an fp32 resume of a bf16 checkpoint: exit code {rc}, expected != 0 and "
                       f"[ptrain.example.config] naming '{want}'\nstdout:\n{out}\nstderr:\n{err}")
     print(f"ok   bf16.config: an fp32 run refuses the bf16 checkpoint (exit {rc})")
-    if cpu_flags() >= {"avx2", "fma"}:
+    if cpu_flags() >= {"avx2", "fma"} and links_openblas(r.exe):
         env = r.env
         r.env = dict(env, OPENBLAS_CORETYPE="Haswell")
         try:
             case_copy(r, 1, "bf16-haswell", flags=["--precision", "bf16"])
         finally:
             r.env = env
+
+
+def links_openblas(exe):
+    """Whether exe uses OpenBLAS (OPENBLAS_CORETYPE means nothing to an Eigen-only build)."""
+    try:
+        out = subprocess.run(["ldd", exe], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "libopenblas" in out
 
 
 def cpu_flags():

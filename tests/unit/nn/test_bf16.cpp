@@ -13,6 +13,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <map>
 #include <unistd.h>
@@ -252,19 +253,25 @@ TEST_CASE("AdamW's master weights keep updates smaller than bf16's spacing", "[b
 }
 
 // ops::cast_into (what mixed precision and bf16 gradient compression use):
-// against bf16's own rounding of the float value, element by element.
+// against bit patterns rounded by hand (nearest even on the top 16 bits of the
+// float: 1 + 2^-8 is a tie that stays 1, 65504 rounds up to 65536).
 TEST_CASE("cast_into: float and double to bf16 and back; same type copies", "[bf16]") {
   const std::vector<double> d{1.0, -0.0, 1.0 + 1.0 / 256, 1.0 + 3.0 / 512, 3.14159265358979, -1e-30, 65504.0, 1e30};
+  const std::vector<std::uint16_t> bits{0x3F80, 0x8000, 0x3F80, 0x3F81, 0x4049, 0x8DA2, 0x4780, 0x714A};
+  const std::vector<double> want{1.0, -0.0, 1.0, 1.0078125, 3.140625, -9.98402083170343e-31, 65536.0,
+                                 1.0002555517425873e+30};
   std::vector<float> f;
   for (double x : d) f.push_back(static_cast<float>(x));
   auto to16 = Tensor<bf16>::empty({8});
   ops::cast_into(Tensor<double>::from(d, {8}), to16);
-  std::vector<float> want;
-  for (float x : f) want.push_back(static_cast<float>(bf16(x)));
   auto back = Tensor<double>::empty({8});
   ops::cast_into(to16, back);
-  CHECK(as_double(to16.to_vector()) == std::vector<double>(want.begin(), want.end()));
-  CHECK(back.to_vector() == std::vector<double>(want.begin(), want.end()));
+  std::vector<std::uint16_t> got;
+  for (bf16 v : to16.to_vector()) got.push_back(v.bits);
+  CHECK(got == bits);
+  const auto wide = back.to_vector();
+  for (std::size_t i = 0; i < want.size(); ++i) CHECK(static_cast<float>(wide[i]) == static_cast<float>(want[i]));
+  CHECK(std::signbit(wide[1]));
   auto from_float = Tensor<bf16>::empty({8});
   ops::cast_into(Tensor<float>::from(f, {8}), from_float);
   CHECK(as_double(from_float.to_vector()) == as_double(to16.to_vector()));

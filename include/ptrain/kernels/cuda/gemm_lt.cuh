@@ -19,8 +19,9 @@
 // dimension that is not a multiple of 8, a bias or auxiliary buffer off a 16-byte
 // boundary, no algorithm from the heuristic); the
 // caller then runs the unfused kernels. Each host thread keeps one cuBLASLt
-// handle per device; each call takes its 32 MiB workspace from the device's
-// caching allocator on the current stream and frees it once queued, so the
+// handle per device; each call takes the workspace its algorithm needs (at most
+// 32 MiB, often none) from the device's caching allocator on the current stream
+// and frees it once queued, so the
 // block serves only later work of that stream (Note [Stream semantics] in
 // device.cuh) and two streams never share scratch. It remembers the heuristic's
 // algorithm per problem (shape, types, epilogue and the alignment of the
@@ -106,6 +107,7 @@ inline std::uint32_t alignment_of(const void* p) {
 struct LtChoice {
   bool found = false;
   cublasLtMatmulAlgo_t algo{};
+  std::uint64_t workspace = 0;  // bytes the algorithm needs (at most kLtWorkspaceBytes)
 };
 using LtKey = std::array<std::int64_t, 12>;
 
@@ -177,14 +179,16 @@ bool linear_epilogue(std::int64_t m, std::int64_t n, std::int64_t k, const T* x,
       if (cublasLtMatmulAlgoGetHeuristic(handle, op.get(), a.get(), b.get(), d.get(), d.get(), pref.get(), 1, &result,
                                          &found) == CUBLAS_STATUS_SUCCESS &&
           found > 0)
-        choice = {true, result.algo};
+        choice = {true, result.algo, static_cast<std::uint64_t>(result.workspaceSize)};
       it = choices.emplace(key, choice).first;
     }
     if (!it->second.found) return false;
     const float alpha = 1.0f, beta = 0.0f;
-    auto workspace = Tensor<std::uint8_t>::empty(Shape{detail::kLtWorkspaceBytes}, Device::cuda(device));
+    const std::uint64_t need = it->second.workspace;
+    Tensor<std::uint8_t> workspace;
+    if (need > 0) workspace = Tensor<std::uint8_t>::empty(Shape{static_cast<std::int64_t>(need)}, Device::cuda(device));
     PTRAIN_CHECK_CUBLAS(cublasLtMatmul(handle, op.get(), &alpha, w, a.get(), x, b.get(), &beta, y, d.get(), y, d.get(),
-                                       &it->second.algo, workspace.data(), ws_bytes, stream));
+                                       &it->second.algo, need > 0 ? workspace.data() : nullptr, need, stream));
     return true;
   }
 }
