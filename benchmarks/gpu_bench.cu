@@ -197,7 +197,6 @@ void bench_gemm(const Options& o) {
       time_linear_products<float>(o, l.name, tf32 ? "tf32" : "fp32", M, l.k, l.n, x.data(), w.data(), dy.data(),
                                   y.data(), dx.data(), dw.data());
     }
-    kc::set_tf32(false);
     // bf16 operands and results with fp32 accumulation (gemm_bf16): the bf16 GPT step's arithmetic.
     auto xb = to_bf16(x), wb = to_bf16(w), dyb = to_bf16(dy);
     auto yb = Tensor<bf16>::empty({M, l.n}, kGpu), dxb = Tensor<bf16>::empty({M, l.k}, kGpu);
@@ -343,7 +342,6 @@ void bench_gpt(const Options& o) {
     stop.synchronize();
     times.push_back(stop.elapsed_ms(start));
   }
-  kc::set_tf32(false);
 
   const double ms = bench::median(times);
   const double tokens = static_cast<double>(B * S);
@@ -417,7 +415,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "\ngpu_bench: section %s failed: %s\n", name, e.what());
       emit({{"bench", "gpu_error"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"section", name}, {"error", e.what()}});
     }
-    kc::set_tf32(false);
+    kc::set_tf32(false);  // each section sets what it measures; none inherits it
     try {
       allocator_for(kGpu).empty_cache();  // what a failed section left cached goes back to the driver
     } catch (const std::exception& e) {

@@ -20,19 +20,13 @@
 #include "ptrain/dist/nccl.hpp"
 #include "ptrain/dist/process_group.hpp"
 #include "ptrain/dist/store.hpp"
+#include "gpu/nccl_world.hpp"
 
 using namespace ptrain;
 
 namespace {
 
-std::unique_ptr<dist::Communicator> nccl_world() {
-  dist::ProcessGroupOptions o;
-  o.backend = "nccl";
-  o.device = Device::cuda(0);
-  o.env = dist::LaunchEnv{};  // one process, whatever this machine's environment says
-  o.timeout = std::chrono::seconds(60);
-  return dist::init_process_group(o);
-}
+using testing::nccl_world;
 
 std::vector<float> iota(std::size_t n, float start) {
   std::vector<float> v(n);

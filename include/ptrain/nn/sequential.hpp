@@ -2,9 +2,36 @@
 // Sequential: children run in order; backward runs them in reverse, so the
 // last layer's gradients are ready (and announced) first.
 
+#include <memory>
+#include <vector>
+
 #include "ptrain/nn/module.hpp"
 
 namespace ptrain::nn {
+
+// A chain of units, each with its own child cache: Sequential, GPT and a pipeline
+// stage run their units through these.
+namespace detail {
+template <class T>
+using Units = std::vector<std::shared_ptr<Module<T>>>;
+template <class T>
+Tensor<T> forward_units(const Units<T>& units, Tensor<T> h, Cache<T>& cache, std::size_t first = 0) {
+  for (std::size_t i = first; i < units.size(); ++i) h = units[i]->forward(h, cache.child(i));
+  return h;
+}
+/// The first unit looks the ids up (Module::forward_tokens); the rest run forward.
+template <class T>
+Tensor<T> forward_units_tokens(const Units<T>& units, const Tensor<std::int32_t>& ids, Cache<T>& cache) {
+  return forward_units(units, units.at(0)->forward_tokens(ids, cache.child(0)), cache, 1);
+}
+/// The units' backward in reverse order; clears the cache.
+template <class T>
+Tensor<T> backward_units(const Units<T>& units, Tensor<T> g, Cache<T>& cache) {
+  for (std::size_t i = units.size(); i-- > 0;) g = units[i]->backward(g, cache.child(i));
+  cache.clear();
+  return g;
+}
+}  // namespace detail
 
 template <class T>
 class Sequential : public Module<T> {
@@ -18,16 +45,13 @@ class Sequential : public Module<T> {
     return this->register_module(std::to_string(layers_.size() - 1), std::move(m));
   }
 
-  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
-    Tensor<T> h = x;
-    for (std::size_t i = 0; i < layers_.size(); ++i) h = layers_[i]->forward(h, cache.child(i));
-    return h;
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return detail::forward_units(layers_, x, cache); }
+  /// forward() whose first layer takes token ids (an Embedding, say).
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) override {
+    return detail::forward_units_tokens(layers_, ids, cache);
   }
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    Tensor<T> g = dy;
-    for (std::size_t i = layers_.size(); i-- > 0;) g = layers_[i]->backward(g, cache.child(i));
-    cache.clear();
-    return g;
+    return detail::backward_units(layers_, dy, cache);
   }
   std::string describe() const override {
     std::string s = "Sequential(";

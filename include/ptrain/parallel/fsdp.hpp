@@ -290,7 +290,11 @@ class FSDP : public nn::Module<T> {
     int group;
     Tensor<T> grad;             // full gradient being reduced (kept alive until done)
     Tensor<T> out;              // the shard's reduced gradient [shard]
-    Tensor<bf16> wire;          // BF16 reduction buffers [padded] and [shard], on the gradient's device
+    // BF16 reduction buffers [padded] and [shard], on the gradient's device. Taken
+    // per reduction from the caching allocator, not kept per group as DDP keeps
+    // them per bucket: kept, they would hold a bf16 copy of every group's full
+    // gradient between steps, which FSDP exists to avoid.
+    Tensor<bf16> wire;
     Tensor<bf16> wire_out;
     std::shared_ptr<dist::Work> work;
     bool replicated = false;    // the replica all-reduce was started

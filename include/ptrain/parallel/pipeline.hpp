@@ -74,6 +74,7 @@
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/module.hpp"
+#include "ptrain/nn/sequential.hpp"
 
 namespace ptrain::parallel {
 
@@ -234,20 +235,13 @@ class StageModule : public nn::Module<T> {
     this->register_module(name, std::move(unit));
   }
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
-    Tensor<T> h = x;
-    for (std::size_t i = 0; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
-    return h;
+    return nn::detail::forward_units(units_, x, cache);
   }
   Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
-    Tensor<T> h = units_.at(0)->forward_tokens(ids, cache.child(0));
-    for (std::size_t i = 1; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
-    return h;
+    return nn::detail::forward_units_tokens(units_, ids, cache);
   }
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
-    Tensor<T> g = dy;
-    for (std::size_t i = units_.size(); i-- > 0;) g = units_[i]->backward(g, cache.child(i));
-    cache.clear();
-    return g;
+    return nn::detail::backward_units(units_, dy, cache);
   }
   std::string describe() const override {
     std::string s = "Stage(";

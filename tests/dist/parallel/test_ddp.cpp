@@ -9,7 +9,7 @@
 #include <cmath>
 #include <ptrain/dist/process_group.hpp>
 
-#include "dist/parallel/world.hpp"
+#include "dist/world.hpp"
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>

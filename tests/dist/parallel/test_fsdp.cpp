@@ -8,11 +8,10 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <unistd.h>
 #include <ptrain/ckpt/fsdp_checkpoint.hpp>
 #include <ptrain/dist/process_group.hpp>
 
-#include "dist/parallel/world.hpp"
+#include "dist/world.hpp"
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/nn/models/mlp.hpp>
@@ -219,9 +218,7 @@ TEST_CASE("FSDP bf16 sharded checkpoints resume bitwise and load in one process"
     const auto v = t.to_vector();
     return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(v[0]));
   };
-  std::int64_t id = ::getpid();
-  comm.broadcast(&id, 1, DType::I64, 0);
-  const auto dir = std::filesystem::temp_directory_path() / ("ptrain_fsdp_bf16_" + std::to_string(id));
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_fsdp_bf16_");
   ckpt::CheckpointManager mgr(dir, &comm);
 
   Run a = build(11);

@@ -12,24 +12,13 @@
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/sgd.hpp>
 
+#include "dist/world.hpp"
+
 namespace pipeline_test {
 
 using namespace ptrain;
 
-struct WorldHolder {
-  std::unique_ptr<dist::Communicator> comm;
-  ~WorldHolder() {
-    try {
-      if (comm) comm->barrier();
-    } catch (...) {
-    }
-  }
-};
-/// The process group of the whole job, created on first use (one per process).
-inline dist::Communicator& world() {
-  static WorldHolder h{dist::init_process_group()};
-  return *h.comm;
-}
+using ptrain::testing::world;
 
 // Eight MLP-style units: Linear + GELU, the last one a plain Linear to the
 // classes. Unit u draws its weights from its own seed, so a rank that builds

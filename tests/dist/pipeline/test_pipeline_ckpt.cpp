@@ -16,7 +16,6 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <unistd.h>
 
 #include <ptrain/ckpt/async_writer.hpp>
 #include <ptrain/ckpt/stage_checkpoint.hpp>
@@ -132,11 +131,7 @@ bool same_bits(const Values& a, const Values& b) {
   return true;
 }
 
-std::filesystem::path shared_dir(dist::Communicator& comm) {
-  std::int64_t id = ::getpid();
-  comm.broadcast(&id, 1, DType::I64, 0);
-  return std::filesystem::temp_directory_path() / ("ptrain_pipe_ckpt_" + std::to_string(id));
-}
+std::filesystem::path shared_dir(dist::Communicator& comm) { return testing::shared_tmp_dir(comm, "ptrain_pipe_ckpt_"); }
 
 }  // namespace
 

@@ -40,14 +40,16 @@ inline float* data_or_null(Scratch<float>& v) { return v.empty() ? nullptr : v.d
 /// y = bf16(f(float(x))) for an elementwise float kernel called as f(x, y).
 template <class F>
 void via_float(std::int64_t n, const bf16* x, bf16* y, F&& f) {
-  auto xf = widen(x, n), yf = xf;
+  auto xf = widen(x, n);
+  Scratch<float> yf(xf.size());
   f(xf.data(), yf.data());
   narrow(yf, y);
 }
 /// dx = bf16(f(float(x), float(dy))) for an elementwise float backward called as f(x, dy, dx).
 template <class F>
 void via_float(std::int64_t n, const bf16* x, const bf16* dy, bf16* dx, F&& f) {
-  auto xf = widen(x, n), dyf = widen(dy, n), dxf = xf;
+  auto xf = widen(x, n), dyf = widen(dy, n);
+  Scratch<float> dxf(xf.size());
   f(xf.data(), dyf.data(), dxf.data());
   narrow(dxf, dx);
 }
@@ -146,7 +148,8 @@ inline void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std
 
 inline void layer_norm_forward(std::int64_t rows, std::int64_t d, const bf16* x, const bf16* gamma, const bf16* beta,
                                float eps, bf16* y, float* mean, float* rstd) {
-  auto xf = detail::widen(x, rows * d), gf = detail::widen(gamma, d), bf = detail::widen(beta, d), yf = xf;
+  auto xf = detail::widen(x, rows * d), gf = detail::widen(gamma, d), bf = detail::widen(beta, d);
+  Scratch<float> yf(xf.size());
   layer_norm_forward<float>(rows, d, xf.data(), gf.data(), bf.data(), eps, yf.data(), mean, rstd);
   detail::narrow(yf, y);
 }
@@ -155,7 +158,8 @@ inline void layer_norm_backward(std::int64_t rows, std::int64_t d, const bf16* x
                                 const float* rstd, const bf16* gamma, const bf16* dy, bf16* dx, bf16* dgamma,
                                 bf16* dbeta) {
   auto xf = detail::widen(x, rows * d), gf = detail::widen(gamma, d), dyf = detail::widen(dy, rows * d);
-  auto dgf = detail::widen(dgamma, d), dbf = detail::widen(dbeta, d), dxf = xf;
+  auto dgf = detail::widen(dgamma, d), dbf = detail::widen(dbeta, d);
+  Scratch<float> dxf(xf.size());
   layer_norm_backward<float>(rows, d, xf.data(), mean, rstd, gf.data(), dyf.data(), dxf.data(), dgf.data(),
                              dbf.data());
   detail::narrow(dxf, dx);
@@ -164,15 +168,13 @@ inline void layer_norm_backward(std::int64_t rows, std::int64_t d, const bf16* x
 }
 
 inline void softmax_rows(std::int64_t rows, std::int64_t cols, const bf16* x, bf16* y) {
-  auto xf = detail::widen(x, rows * cols), yf = xf;
-  softmax_rows<float>(rows, cols, xf.data(), yf.data());
-  detail::narrow(yf, y);
+  detail::via_float(rows * cols, x, y, [=](const float* a, float* b) { softmax_rows<float>(rows, cols, a, b); });
 }
 
 inline void softmax_rows_backward(std::int64_t rows, std::int64_t cols, const bf16* y, const bf16* dy, bf16* dx) {
-  auto yf = detail::widen(y, rows * cols), dyf = detail::widen(dy, rows * cols), dxf = yf;
-  softmax_rows_backward<float>(rows, cols, yf.data(), dyf.data(), dxf.data());
-  detail::narrow(dxf, dx);
+  detail::via_float(rows * cols, y, dy, dx, [=](const float* a, const float* d, float* b) {
+    softmax_rows_backward<float>(rows, cols, a, d, b);
+  });
 }
 
 inline double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const bf16* logits,
@@ -185,9 +187,9 @@ inline double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const 
 inline void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const bf16* logits, const float* lse,
                                    const std::int32_t* targets, std::int64_t valid, float dloss, bf16* dlogits,
                                    std::int32_t ignore_index = -100) {
-  auto lf = detail::widen(logits, rows * cols), df = lf;
-  cross_entropy_backward<float>(rows, cols, lf.data(), lse, targets, valid, dloss, df.data(), ignore_index);
-  detail::narrow(df, dlogits);
+  detail::via_float(rows * cols, logits, dlogits, [&](const float* a, float* b) {
+    cross_entropy_backward<float>(rows, cols, a, lse, targets, valid, dloss, b, ignore_index);
+  });
 }
 
 inline void embedding_forward(std::int64_t rows, std::int64_t dim, const std::int32_t* ids, const bf16* table,

@@ -340,16 +340,21 @@ class CudaAllocator final : public ::ptrain::detail::CachingAllocator {
     return reinterpret_cast<std::uintptr_t>(current_stream(device_));
   }
   void* record_marker(std::uintptr_t stream) noexcept override {
-    DeviceGuard guard(device_);
+    // Switches device without DeviceGuard, which may throw: this runs in a tensor's destructor.
+    int previous = device_;
+    (void)cudaGetDevice(&previous);
+    if (previous != device_) (void)cudaSetDevice(device_);
     cudaEvent_t e = nullptr;
-    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess &&
-        cudaEventRecord(e, reinterpret_cast<cudaStream_t>(stream)) == cudaSuccess)
-      return e;
-    // No event (a failing device): wait for the stream instead, so the block is free now.
-    if (e) (void)cudaEventDestroy(e);
-    (void)cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
-    (void)cudaGetLastError();
-    return nullptr;
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventRecord(e, reinterpret_cast<cudaStream_t>(stream)) != cudaSuccess) {
+      // No event (a failing device): wait for the stream instead, so the block is free now.
+      if (e) (void)cudaEventDestroy(e);
+      e = nullptr;
+      (void)cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+      (void)cudaGetLastError();
+    }
+    if (previous != device_) (void)cudaSetDevice(previous);
+    return e;
   }
   bool marker_done(void* marker) noexcept override {
     auto e = static_cast<cudaEvent_t>(marker);

@@ -387,22 +387,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64
   }
 }
 
-// Raises a kernel's dynamic shared memory limit, a per-device setting: once per
-// device, remembered in `done` (one array per kernel).
-using SmemFlags = std::array<std::atomic<bool>, kMaxDevices>;
-template <class K>
-void allow_smem(SmemFlags& done, K kernel, std::size_t bytes) {
-  auto& flag = done[static_cast<std::size_t>(current_device())];
-  if (flag.load()) return;
-  PTRAIN_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  flag.store(true);
-}
-
 template <int D>
 void forward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, float scale, double p,
              std::uint64_t seed, std::uint64_t offset, bf16* y, float* lse) {
-  static SmemFlags done{};
-  allow_smem(done, forward_kernel<D>, forward_smem<D>());
   const dim3 grid(static_cast<unsigned>(B * H), static_cast<unsigned>((S + kTile - 1) / kTile));
   forward_kernel<D><<<grid, kThreads, forward_smem<D>(), current_stream()>>>(S, H, qkv, scale, p, seed, offset, y,
                                                                             lse);
@@ -412,9 +399,6 @@ void forward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, fl
 template <int D>
 void backward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, const bf16* y, const float* lse,
               double p, std::uint64_t seed, std::uint64_t offset, const bf16* dy, float scale, bf16* dqkv) {
-  static SmemFlags dkdv_done{}, dq_done{};
-  allow_smem(dkdv_done, dkdv_kernel<D>, backward_smem<D>(2));
-  allow_smem(dq_done, dq_kernel<D>, backward_smem<D>(1));
   const int device = current_device();
   const cudaStream_t stream = current_stream(device);
   const std::int64_t rows = B * H * S;
@@ -443,41 +427,39 @@ inline std::atomic<bool>& enabled_flag() {
   return on;
 }
 
-// Compute capability major of `device`, read once per device.
-inline int cc_major(int device) {
-  static std::array<std::atomic<int>, kMaxDevices> major{};
-  auto& m = major[static_cast<std::size_t>(device)];
-  int v = m.load();
-  if (v == 0) {
-    PTRAIN_CHECK_CUDA(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device));
-    m.store(v);
-  }
-  return v;
-}
-
-// Whether `device` can run the three kernels for head width D: the code it runs
-// was compiled for sm_80 or newer (PTX for an older target, JIT-compiled for a
-// newer GPU, would reach the __trap in strip_abt), and the largest dynamic
-// shared memory the kernels ask for fits the device's per-block limit: 227 KiB
-// on sm_90, but 163 KiB on sm_80 (too small for D = 128's backward) and 99 KiB
-// on sm_86/89 (too small for D = 64's backward and D = 128). Read once per device.
+// Whether `device` can run the three kernels for head width D, decided once per
+// device (the launchers rely on it: the ops call flash_attention_supported
+// first). It needs compute capability 8.0 or newer, code compiled for sm_80 or
+// newer (PTX for an older target, JIT-compiled for a newer GPU, would reach the
+// __trap in strip_abt), and a per-block shared memory limit that holds the
+// largest request: 227 KiB on sm_90, but 163 KiB on sm_80 (too small for D =
+// 128's backward) and 99 KiB on sm_86/89 (too small for D = 64's backward and
+// D = 128). Where it can, it raises each kernel's dynamic shared memory limit,
+// a per-device setting, to what its launch asks for.
 template <int D>
-bool device_fits(int device) {
-  static std::array<std::atomic<int>, kMaxDevices> state{};  // 0 not yet known, 1 fits, 2 does not
+bool ready(int device) {
+  static std::array<std::atomic<int>, kMaxDevices> state{};  // 0 not yet known, 1 ready, 2 not supported
   auto& s = state[static_cast<std::size_t>(device)];
-  int v = s.load();
-  if (v == 0) {
-    int optin = 0;
-    cudaFuncAttributes attr{};
-    bool ok = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-              cudaFuncGetAttributes(&attr, forward_kernel<D>) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();  // no usable image here: an answer (not supported), not an error
-    const std::size_t need = std::max(forward_smem<D>(), std::max(backward_smem<D>(2), backward_smem<D>(1)));
-    ok = ok && !(attr.ptxVersion > 0 && attr.ptxVersion < 80) && static_cast<std::size_t>(optin) >= need;
-    v = ok ? 1 : 2;
-    s.store(v);
+  if (const int v = s.load(); v != 0) return v == 1;
+  int major = 0, optin = 0;
+  cudaFuncAttributes attr{};
+  bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+            cudaFuncGetAttributes(&attr, forward_kernel<D>) == cudaSuccess;
+  if (!ok) (void)cudaGetLastError();  // no usable image here: an answer (not supported), not an error
+  const std::size_t need = std::max(forward_smem<D>(), std::max(backward_smem<D>(2), backward_smem<D>(1)));
+  ok = ok && major >= 8 && !(attr.ptxVersion > 0 && attr.ptxVersion < 80) && static_cast<std::size_t>(optin) >= need;
+  if (ok) {
+    const auto allow = [](auto kernel, std::size_t bytes) {
+      PTRAIN_CHECK_CUDA(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    };
+    allow(forward_kernel<D>, forward_smem<D>());
+    allow(dkdv_kernel<D>, backward_smem<D>(2));
+    allow(dq_kernel<D>, backward_smem<D>(1));
   }
-  return v == 1;
+  s.store(ok ? 1 : 2);
+  return ok;
 }
 
 // The grids are (B*H, tiles of 64 rows): x holds up to 2^31 - 1, y 65535.
@@ -494,21 +476,25 @@ inline void check_grid(std::int64_t B, std::int64_t S, std::int64_t H) {
 inline void set_flash_attention(bool enabled) { detail::flash::enabled_flag().store(enabled); }
 inline bool flash_attention_enabled() { return detail::flash::enabled_flag().load(); }
 
-/// Whether flash_attention_forward/backward take this case: enabled, bf16, head
-/// width D of 32, 64 or 128, qkv on a 16-byte boundary, a GPU of compute
-/// capability 8.0 or newer with the shared memory the kernels need for D (and
-/// code built for sm_80 or newer). Otherwise use causal_attention_*. The forward
-/// and the backward share this test, so a forward that took the fused path has
-/// a backward that can.
+/// Whether flash_attention_forward/backward can run this case: bf16, head width D
+/// of 32, 64 or 128, qkv on a 16-byte boundary, a GPU of compute capability 8.0
+/// or newer with the shared memory the kernels need for D (and code built for
+/// sm_80 or newer).
 template <class T>
-bool flash_attention_supported(std::int64_t D, const T* qkv) {
-  if (!(std::is_same_v<T, bf16> && flash_attention_enabled() && (D == 32 || D == 64 || D == 128) &&
-        reinterpret_cast<std::uintptr_t>(qkv) % 16 == 0))
+bool flash_attention_capable(std::int64_t D, const T* qkv) {
+  if (!(std::is_same_v<T, bf16> && (D == 32 || D == 64 || D == 128) && reinterpret_cast<std::uintptr_t>(qkv) % 16 == 0))
     return false;
   const int device = current_device();
-  if (detail::flash::cc_major(device) < 8) return false;
-  return D == 32 ? detail::flash::device_fits<32>(device)
-                 : D == 64 ? detail::flash::device_fits<64>(device) : detail::flash::device_fits<128>(device);
+  return D == 32 ? detail::flash::ready<32>(device)
+                 : D == 64 ? detail::flash::ready<64>(device) : detail::flash::ready<128>(device);
+}
+
+/// Whether ops:: take the fused path for a forward: enabled (set_flash_attention)
+/// and capable. Otherwise they use causal_attention_*. A forward that took it keeps
+/// a backward that can (the backward asks only flash_attention_capable).
+template <class T>
+bool flash_attention_supported(std::int64_t D, const T* qkv) {
+  return flash_attention_enabled() && flash_attention_capable(D, qkv);
 }
 
 /// Forward (Note [Flash attention]): y [B, S, C] and lse [B, H, S] (float) from qkv
@@ -517,7 +503,7 @@ template <class T>
 void flash_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D, const T* qkv,
                              acc_t<T> scale, double p, std::uint64_t seed, std::uint64_t offset, T* y,
                              acc_t<T>* lse) {
-  PTRAIN_CHECK(flash_attention_supported<T>(D, qkv), Error, "[ptrain.cuda.flash] unsupported case (bf16 with head "
+  PTRAIN_CHECK(flash_attention_capable<T>(D, qkv), Error, "[ptrain.cuda.flash] unsupported case (bf16 with head "
                "width 32, 64 or 128, qkv 16-byte aligned, compute capability 8.0+; got width ", D,
                "); use causal_attention_forward");
   if constexpr (std::is_same_v<T, bf16>) {
@@ -534,7 +520,7 @@ template <class T>
 void flash_attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D, const T* qkv,
                               const T* y, const acc_t<T>* lse, double p, std::uint64_t seed,
                               std::uint64_t offset, const T* dy, acc_t<T> scale, T* dqkv) {
-  PTRAIN_CHECK(flash_attention_supported<T>(D, qkv), Error, "[ptrain.cuda.flash] unsupported case (bf16 with head "
+  PTRAIN_CHECK(flash_attention_capable<T>(D, qkv), Error, "[ptrain.cuda.flash] unsupported case (bf16 with head "
                "width 32, 64 or 128, qkv 16-byte aligned, compute capability 8.0+; got width ", D,
                "); use causal_attention_backward");
   if constexpr (std::is_same_v<T, bf16>) {

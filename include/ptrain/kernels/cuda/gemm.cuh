@@ -168,8 +168,8 @@ void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64
     const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     const int cm = static_cast<int>(n), cn = static_cast<int>(m), ck = static_cast<int>(k);
     if constexpr (std::is_same_v<T, float>) {
-      // The compute type, not the handle's math mode, selects TF32, so two
-      // threads can disagree about set_tf32 without touching shared state.
+      // The compute type, not the handle's math mode, selects TF32: set_tf32
+      // applies from the next call on, and the handle is never changed.
       const cublasComputeType_t compute = tf32_enabled() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
       PTRAIN_CHECK_CUBLAS(cublasGemmEx(handle, op_b, op_a, cm, cn, ck, &alpha, b, CUDA_R_32F, static_cast<int>(ldb), a,
                                        CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F, static_cast<int>(ldc),

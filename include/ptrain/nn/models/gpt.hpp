@@ -34,6 +34,7 @@
 
 #include "ptrain/nn/embedding.hpp"
 #include "ptrain/nn/layer_norm.hpp"
+#include "ptrain/nn/sequential.hpp"
 #include "ptrain/nn/transformer_block.hpp"
 #include "ptrain/ops/linear.hpp"
 
@@ -143,24 +144,15 @@ class GPT : public Module<T> {
     init_weights(gen);
   }
 
-  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
-    Tensor<T> h = x;
-    for (std::size_t i = 0; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
-    return h;
-  }
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return detail::forward_units(units_, x, cache); }
   /// forward() with int32 token ids [B, S]: the form for every T, and the only one for
   /// bf16 (which cannot hold ids above 256).
   Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) override {
-    Tensor<T> h = embed_->forward_tokens(ids, cache.child(0));
-    for (std::size_t i = 1; i < units_.size(); ++i) h = units_[i]->forward(h, cache.child(i));
-    return h;
+    return detail::forward_units_tokens(units_, ids, cache);
   }
   /// Runs the units in reverse; returns an undefined tensor (ids have no gradient).
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    Tensor<T> g = dy;
-    for (std::size_t i = units_.size(); i-- > 0;) g = units_[i]->backward(g, cache.child(i));
-    cache.clear();
-    return g;
+    return detail::backward_units(units_, dy, cache);
   }
   std::string describe() const override {
     return "GPT(vocab=" + std::to_string(cfg_.vocab_size) + ", block=" + std::to_string(cfg_.block_size) +
