@@ -1,10 +1,12 @@
 #include <catch2/catch.hpp>
 #include <ptrain/nn/activation.hpp>
+#include <ptrain/nn/embedding.hpp>
 #include <ptrain/nn/flat_parameters.hpp>
 #include <ptrain/nn/layer_norm.hpp>
 #include <ptrain/nn/linear.hpp>
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/mlp.hpp>
+#include <ptrain/nn/sequential.hpp>
 
 #include "unit/gradcheck.hpp"
 
@@ -44,6 +46,39 @@ TEST_CASE("Linear matches an explicit x W^T + b", "[nn][linear]") {
     }
   for (std::int64_t i = 0; i < w.numel(); ++i) REQUIRE(std::abs(w.data()[i]) <= 1.0 / std::sqrt(3.0));
   REQUIRE_THROWS_AS(lin.forward(random_input({4, 5}, 1), c), ShapeError);
+}
+
+TEST_CASE("Sequential takes token ids through its first layer", "[nn][sequential]") {
+  Generator gen(6);
+  nn::Sequential<double> seq;
+  auto emb = seq.add(std::make_shared<nn::Embedding<double>>(7, 3, gen));
+  auto lin = seq.add(std::make_shared<nn::Linear<double>>(3, 2, true, gen));
+  const std::vector<std::int32_t> ids{4, 0, 6, 4};
+  nn::Cache<double> c;
+  auto y = seq.forward_tokens(Tensor<std::int32_t>::from(ids, {2, 2}), c);
+  REQUIRE(y.shape() == Shape{2, 2, 2});
+  auto& table = emb->weight().value;
+  auto& w = lin->weight().value;
+  for (std::size_t r = 0; r < ids.size(); ++r)
+    for (std::int64_t o = 0; o < 2; ++o) {
+      double s = lin->bias()->value.at({o});
+      for (std::int64_t k = 0; k < 3; ++k) s += table.at({ids[r], k}) * w.at({o, k});
+      REQUIRE(y.data()[r * 2 + static_cast<std::size_t>(o)] == Approx(s).epsilon(1e-14));
+    }
+  // Backward adds dy W into the looked-up rows: row 4 twice, rows 1..3 and 5 never.
+  seq.zero_grad();
+  auto dy = Tensor<double>::full({2, 2, 2}, 1.0);
+  REQUIRE_FALSE(seq.backward(dy, c).defined());
+  auto& grad = emb->weight().grad;
+  for (std::int64_t k = 0; k < 3; ++k) {
+    const double col = w.at({0, k}) + w.at({1, k});
+    REQUIRE(grad.at({4, k}) == Approx(2 * col).epsilon(1e-14));
+    REQUIRE(grad.at({0, k}) == Approx(col).epsilon(1e-14));
+    REQUIRE(grad.at({2, k}) == 0.0);
+  }
+  nn::Sequential<double> dense;
+  dense.add(std::make_shared<nn::Linear<double>>(3, 2, true, gen));
+  REQUIRE_THROWS_AS(dense.forward_tokens(Tensor<std::int32_t>::from(ids, {4}), c), ShapeError);
 }
 
 TEST_CASE("activation gradients match finite differences", "[nn][gradcheck]") {
