@@ -35,6 +35,23 @@ inline std::string self_exe() {
   return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
 }
 
+/// In a forked child that becomes rank `rank`: the torchrun-style variables of a
+/// Gloo job on 127.0.0.1, with the launcher variables of mpirun and Slurm (which
+/// take precedence) removed, and $PTRAIN_KILL_OUT = out_dir for its report.
+inline void set_gloo_rank_env(int rank, int world_size, const std::string& port, int timeout_s,
+                              const std::string& out_dir) {
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "SLURM_PROCID"}) ::unsetenv(v);
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", port.c_str(), 1);
+  ::setenv("PTRAIN_BACKEND", "gloo", 1);
+  ::setenv("PTRAIN_COMM_TIMEOUT_S", std::to_string(timeout_s).c_str(), 1);
+  ::setenv("PTRAIN_KILL_OUT", out_dir.c_str(), 1);
+}
+
 /// A spawned rank's report, in $PTRAIN_KILL_OUT/rank<r>.txt: the milliseconds
 /// since t0 (when its failing operation started), then the error message.
 inline void write_child_report(int rank, std::chrono::steady_clock::time_point t0, const std::string& msg) {

@@ -395,17 +395,8 @@ void pipe_kill_scenario(int world_size, int victim, int timeout_s) {
     pid_t pid = ::fork();
     REQUIRE(pid >= 0);
     if (pid == 0) {
-      for (const char* v : {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "SLURM_PROCID"}) ::unsetenv(v);
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(world_size).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", port.c_str(), 1);
-      ::setenv("PTRAIN_BACKEND", "gloo", 1);
-      ::setenv("PTRAIN_COMM_TIMEOUT_S", std::to_string(timeout_s).c_str(), 1);
+      ptrain::testing::set_gloo_rank_env(r, world_size, port, timeout_s, dir);
       ::setenv("PTRAIN_KILL_RANK", std::to_string(victim).c_str(), 1);
-      ::setenv("PTRAIN_KILL_OUT", dir.c_str(), 1);
       ::execl(exe.c_str(), exe.c_str(), "[.pipe_kill_child]", "--reporter", "compact", static_cast<char*>(nullptr));
       ::_exit(127);
     }
