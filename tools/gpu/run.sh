@@ -4,7 +4,7 @@
 # -dev packages: the header-only dependencies come from .deps/, which
 # tools/gpu/stage-deps.sh fills on a machine that has them.
 #
-#   bash tools/gpu/run.sh [build] [test] [bench]     (no argument: all three)
+#   bash tools/gpu/run.sh [build] [test] [bench] [sanitize]   (no argument: the first three)
 #
 # Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
 #   env.txt          nvidia-smi, nvcc, cmake, torch versions
@@ -15,6 +15,8 @@
 #   gpu_bench.log    everything the benchmarks printed (tables on stderr)
 #   gpu_compare.txt  ptrain / PyTorch ratios from gpu_bench.jsonl
 #   summary.txt      each step's exit code
+#   sanitize.log     (sanitize only) the GPU tests under compute-sanitizer: memcheck on
+#                    all but the NCCL cases, racecheck and synccheck on the flash attention case
 # Environment: PTRAIN_GPU_BUILD (build directory, default build-gpu),
 # PTRAIN_GPU_BUDGET_S (default 540), PTRAIN_PYTHON (default python3),
 # PTRAIN_GPU_BENCH_ARGS (flags passed to both benchmarks, so only those both take:
@@ -189,6 +191,26 @@ if want test; then
           --eval-batches 8 --sample-tokens 100 --log-every 100 || exit; done' "$example_bin" "$build/corpus.txt"
   else
     summary+=("example: not run, $example_bin was not built")
+  fi
+fi
+
+# ------------------------------------------------------------------ sanitize ----
+# Not in the default run: for a session whose tests failed. Out-of-bounds and
+# misaligned accesses (memcheck), shared-memory races (racecheck) and barriers
+# not reached by every thread (synccheck) are named with the kernel and the
+# source line (the build has -lineinfo).
+if want sanitize; then
+  : >"$OUT/sanitize.log"
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  if [[ ! -x $tests_bin ]]; then
+    summary+=("sanitize: not run, $tests_bin was not built")
+  elif [[ ! -x $sanitizer ]]; then
+    summary+=("sanitize: not run, no compute-sanitizer in PATH or /usr/local/cuda/bin")
+  else
+    flash="cuda: flash attention matches the CPU in double"
+    step memcheck 300 150 "$OUT/sanitize.log" "$sanitizer" --tool memcheck --error-exitcode 1 "$tests_bin" "~[nccl]"
+    step racecheck 120 40 "$OUT/sanitize.log" "$sanitizer" --tool racecheck --error-exitcode 1 "$tests_bin" "$flash"
+    step synccheck 60 0 "$OUT/sanitize.log" "$sanitizer" --tool synccheck --error-exitcode 1 "$tests_bin" "$flash"
   fi
 fi
 
