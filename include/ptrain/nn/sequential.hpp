@@ -22,7 +22,8 @@ Tensor<T> forward_units(const Units<T>& units, Tensor<T> h, Cache<T>& cache, std
 /// The first unit looks the ids up (Module::forward_tokens); the rest run forward.
 template <class T>
 Tensor<T> forward_units_tokens(const Units<T>& units, const Tensor<std::int32_t>& ids, Cache<T>& cache) {
-  return forward_units(units, units.at(0)->forward_tokens(ids, cache.child(0)), cache, 1);
+  PTRAIN_CHECK(!units.empty(), ShapeError, "[ptrain.module.tokens] a chain without units takes no token ids");
+  return forward_units(units, units[0]->forward_tokens(ids, cache.child(0)), cache, 1);
 }
 /// The units' backward in reverse order; clears the cache.
 template <class T>

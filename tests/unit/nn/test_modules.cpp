@@ -79,6 +79,7 @@ TEST_CASE("Sequential takes token ids through its first layer", "[nn][sequential
   nn::Sequential<double> dense;
   dense.add(std::make_shared<nn::Linear<double>>(3, 2, true, gen));
   REQUIRE_THROWS_AS(dense.forward_tokens(Tensor<std::int32_t>::from(ids, {4}), c), ShapeError);
+  REQUIRE_THROWS_AS(nn::Sequential<double>().forward_tokens(Tensor<std::int32_t>::from(ids, {4}), c), ShapeError);
 }
 
 TEST_CASE("activation gradients match finite differences", "[nn][gradcheck]") {

@@ -428,8 +428,7 @@ inline std::atomic<bool>& enabled_flag() {
 }
 
 // Whether `device` can run the three kernels for head width D, decided once per
-// device (the launchers rely on it: the ops call flash_attention_supported
-// first). It needs compute capability 8.0 or newer, code compiled for sm_80 or
+// device; flash_attention_forward/backward ask it before every launch. It needs compute capability 8.0 or newer, code compiled for sm_80 or
 // newer (PTX for an older target, JIT-compiled for a newer GPU, would reach the
 // __trap in strip_abt), and a per-block shared memory limit that holds the
 // largest request: 227 KiB on sm_90, but 163 KiB on sm_80 (too small for D =
