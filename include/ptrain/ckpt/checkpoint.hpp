@@ -37,9 +37,11 @@
 // export_model() writes one unsharded file.
 //
 // Note [Commit protocol]
-// 1. prepare (collective): rank 0 removes a stale directory of this step
-//    (marker first) and creates it; one all-reduce makes every rank agree that
-//    this worked and that no earlier asynchronous save failed.
+// 1. prepare (collective): rank 0 removes an uncommitted directory of this
+//    step and creates it (a committed one is renamed .replaced-step-N until
+//    the new one commits, and moved back by the next prepare if it never does);
+//    one all-reduce makes every rank agree that this worked and that no earlier
+//    asynchronous save failed.
 // 2. write: each writing rank writes its files (fsync) and a manifest
 //    rank-RRRRR.json with their sizes, CRC-32 and tensor names (temporary
 //    name, fsync, rename).
@@ -289,6 +291,9 @@ struct LoadOptions {
 namespace detail {
 
 inline constexpr const char* kMarker = "COMMITTED";
+// A committed checkpoint whose step is being saved again waits under this prefix
+// until the new one is committed (Note [Commit protocol], step 1).
+inline constexpr const char* kReplaced = ".replaced-";
 inline constexpr const char* kIndex = "index.json";
 inline constexpr const char* kTrainer = "trainer.json";
 
@@ -765,17 +770,30 @@ class CheckpointManager {
  private:
   friend class AsyncCheckpointer;
 
+  static std::int64_t checked_step(std::int64_t step) {
+    PTRAIN_CHECK(step >= 0, CheckpointError, "[ptrain.ckpt.step] step ", step,
+                 " is negative; checkpoints are saved at steps 0, 1, 2, ...");
+    return step;
+  }
+
+  // Step directories, newest first; a set-aside copy (.replaced-step-N) right
+  // after step-N, which it stands in for when that rewrite never committed.
   std::vector<std::pair<std::int64_t, fs::path>> list_steps() const {
     std::vector<std::pair<std::int64_t, fs::path>> v;
     std::error_code ec;
     if (!fs::is_directory(dir_, ec)) return v;
     for (const auto& d : fs::directory_iterator(dir_, ec)) {
-      const std::int64_t s = detail::parse_step_dir(d.path().filename().string());
+      std::string name = d.path().filename().string();
+      if (name.rfind(detail::kReplaced, 0) == 0) name.erase(0, std::strlen(detail::kReplaced));
+      const std::int64_t s = detail::parse_step_dir(name);
       if (s >= 0 && d.is_directory()) v.emplace_back(s, d.path());
     }
-    std::sort(v.begin(), v.end(), [](auto& a, auto& b) { return a.first > b.first; });
+    std::sort(v.begin(), v.end(), [](auto& a, auto& b) {
+      return a.first != b.first ? a.first > b.first : a.second.filename() > b.second.filename();  // 's' > '.'
+    });
     return v;
   }
+  static bool set_aside(const fs::path& p) { return p.filename().string().rfind(detail::kReplaced, 0) == 0; }
 
   // Tensors for save(): views of the parameters and optimizer state. With
   // `copy` (asynchronous saves, or tensors on a GPU) they are first copied into
@@ -784,7 +802,7 @@ class CheckpointManager {
   detail::SaveJob replicated_job(std::int64_t step, nn::FlatParameters<T>& params, optim::Optimizer<T>* opt,
                                  TrainerState state, bool copy, std::vector<std::uint8_t>* reuse = nullptr) {
     detail::SaveJob job;
-    job.step = step;
+    job.step = checked_step(step);
     job.writers = {0};
     state.step = step;
     state.world_size = world_size();
@@ -806,7 +824,7 @@ class CheckpointManager {
   detail::SaveJob sharded_job(std::int64_t step, const ShardedState& mine, TrainerState state, bool copy,
                               std::vector<std::uint8_t>* reuse = nullptr) {
     detail::SaveJob job;
-    job.step = step;
+    job.step = checked_step(step);
     for (int r = 0; r < world_size(); ++r) job.writers.push_back(r);
     state.step = step;
     state.world_size = world_size();
@@ -916,10 +934,15 @@ class CheckpointManager {
     if (rank() == 0 && err.empty()) {
       try {
         const fs::path p = step_path(job.step);
+        restore_set_aside();
+        check_resumed(job.step);
         std::error_code ec;
-        if (fs::exists(p / detail::kMarker)) {  // marker first: never a committed, half-deleted directory
-          fs::remove(p / detail::kMarker);
-          detail::fsync_dir(p);
+        if (fs::exists(p / detail::kMarker)) {  // kept until the new one is committed
+          const fs::path aside = dir_ / (detail::kReplaced + p.filename().string());
+          fs::rename(p, aside, ec);
+          PTRAIN_CHECK(!ec, CheckpointError, "[ptrain.ckpt.io] cannot move ", p.string(), " aside to save step ",
+                       job.step, " again: ", ec.message(), "; check that the checkpoint directory is writable");
+          detail::fsync_dir(dir_);
         }
         fs::remove_all(p, ec);
         fs::create_directories(p, ec);
@@ -930,6 +953,42 @@ class CheckpointManager {
       }
     }
     agree(err, "[ptrain.ckpt.prepare] ");
+  }
+
+  // A set-aside checkpoint whose rewrite was not committed (the save failed, or
+  // the process died) goes back in place; one whose rewrite was committed goes.
+  // Runs only between saves (one is in flight at a time). Rank 0.
+  void restore_set_aside() {
+    std::error_code ec;
+    for (const auto& [step, path] : list_steps()) {
+      if (!set_aside(path)) continue;
+      const fs::path original = step_path(step);
+      if (fs::exists(original / detail::kMarker)) {
+        fs::remove_all(path, ec);
+        continue;
+      }
+      fs::remove_all(original, ec);
+      fs::rename(path, original, ec);
+      PTRAIN_CHECK(!ec, CheckpointError, "[ptrain.ckpt.io] cannot move ", path.string(), " back to ",
+                   original.string(), ": ", ec.message(), "; rename it by hand");
+    }
+  }
+
+  // Committed checkpoints of larger steps are deleted once this step commits
+  // (rotate), which is right after resuming from an older one. Without any
+  // committed checkpoint at or before `step`, this run cannot have resumed from
+  // this directory: deleting them would throw away another run's work. Rank 0.
+  void check_resumed(std::int64_t step) const {
+    std::int64_t newest = -1;
+    for (const auto& [s, path] : list_steps()) {
+      if (!fs::exists(path / detail::kMarker)) continue;
+      if (s <= step) return;
+      newest = std::max(newest, s);
+    }
+    PTRAIN_CHECK(newest < 0, CheckpointError, "[ptrain.ckpt.newer] ", dir_.string(),
+                 " holds committed checkpoints up to step ", newest, " but none at or before step ", step,
+                 ", so this run did not resume from it, and saving would delete them. Resume from latest() "
+                 "(e.g. --resume), use another checkpoint directory, or delete those checkpoints to start over");
   }
 
   // Throws on every rank when any rank has a non-empty error (one all-reduce).
@@ -1029,11 +1088,12 @@ class CheckpointManager {
       if (d.path().filename().string().rfind(".deleting-", 0) == 0) victims.push_back(d.path());  // from a crash
     int kept = 1;
     for (const auto& [step, path] : list_steps()) {
-      if (step == current) continue;
+      // A set-aside copy goes: its step's new checkpoint is committed.
+      if (step == current && !set_aside(path)) continue;
       const bool committed = fs::exists(path / detail::kMarker);
       // Newer steps belong to a timeline this run abandoned by resuming from an
       // older checkpoint; left in place, latest() would jump back to them.
-      if (committed && step < current && (opt_.keep_last <= 0 || kept < opt_.keep_last)) {
+      if (committed && step < current && !set_aside(path) && (opt_.keep_last <= 0 || kept < opt_.keep_last)) {
         ++kept;
         continue;
       }

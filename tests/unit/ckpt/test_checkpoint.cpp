@@ -307,6 +307,51 @@ TEST_CASE("sharded save: pieces are assembled, checked for coverage and exported
   CHECK_THROWS_WITH(ckpt::piece("w", w.shape(), 5, w.view(0, {2})), Catch::Contains("[ptrain.ckpt.piece]"));
 }
 
+TEST_CASE("saving a committed step again keeps the old checkpoint until the new one commits", "[ckpt]") {
+  TmpDir d;
+  auto w_of = [](const fs::path& path) {
+    auto back = Tensor<float>::zeros({2, 3});
+    ckpt::Checkpoint(path).read_into("w", back);
+    return back.to_vector();
+  };
+  const auto w = Tensor<float>::from({1, 2, 3, 4, 5, 6}, {2, 3}), w2 = Tensor<float>::from({6, 5, 4, 3, 2, 1}, {2, 3});
+  ckpt::ShardedState gap;  // a rewrite that fails its commit: w's pieces leave a gap
+  gap.model = {ckpt::piece("w", w.shape(), 0, w.view(0, {4}))};
+  {
+    ckpt::CheckpointManager mgr(d.path);
+    mgr.save_sharded(5, {{ckpt::whole("w", w)}, {}}, {});
+    CHECK_THROWS_WITH(mgr.save_sharded(5, gap, {}), Catch::Contains("[ptrain.ckpt.pieces]"));
+    auto last = mgr.latest();  // the set-aside copy stands in for the failed rewrite
+    REQUIRE(last.step == 5);
+    CHECK(w_of(last.path) == w.to_vector());
+    // The next save puts it back in place; a rewrite that commits replaces it.
+    CHECK_THROWS_WITH(mgr.save_sharded(5, gap, {}), Catch::Contains("[ptrain.ckpt.pieces]"));
+    CHECK(w_of(mgr.latest().path) == w.to_vector());
+    mgr.save_sharded(5, {{ckpt::whole("w", w2)}, {}}, {});
+    last = mgr.latest();
+    CHECK(last.path == d.path / "step-00000005");
+    CHECK(w_of(last.path) == w2.to_vector());
+  }  // waits for the background deletion
+  std::vector<std::string> dirs;
+  for (auto& e : fs::directory_iterator(d.path)) dirs.push_back(e.path().filename().string());
+  CHECK(dirs == std::vector<std::string>{"step-00000005"});
+}
+
+TEST_CASE("a run that did not resume may not delete newer checkpoints; steps are not negative", "[ckpt]") {
+  TmpDir d;
+  Run a(1);
+  ckpt::CheckpointManager mgr(d.path);
+  mgr.save(10, a.params, &a.opt, {});
+  mgr.save(20, a.params, &a.opt, {});
+  // A fresh run in the same directory (say, without --resume) must not wipe them.
+  CHECK_THROWS_WITH(mgr.save(2, a.params, &a.opt, {}),
+                    Catch::Contains("[ptrain.ckpt.newer]") && Catch::Contains("up to step 20"));
+  CHECK(mgr.latest().step == 20);
+  CHECK(fs::exists(d.path / "step-00000010" / "COMMITTED"));
+  CHECK_FALSE(fs::exists(d.path / "step-00000002"));
+  CHECK_THROWS_WITH(mgr.save(-5, a.params, &a.opt, {}), Catch::Contains("[ptrain.ckpt.step]"));
+}
+
 TEST_CASE("load reads a sharded checkpoint whole, or only a stage's part", "[ckpt]") {
   TmpDir d;
   ckpt::CheckpointManager mgr(d.path);
