@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
 
     const MnistSplit train = load_mnist(opt.data, true);
     const MnistSplit test = load_mnist(opt.data, false);
+    PTRAIN_CHECK(train.images.size(0) > 0 && test.images.size(0) > 0, Error, "[fashion_mnist.data] ", opt.data,
+                 " holds ", train.images.size(0), " training and ", test.images.size(0),
+                 " test images; both splits need at least one");
     const std::int64_t features = train.images.size(1);
 
     manual_seed(opt.seed);

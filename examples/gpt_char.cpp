@@ -517,12 +517,12 @@ int main(int argc, char** argv) {
   app.add_option("--grad-clip", opt.grad_clip, "clip the global gradient norm (0: off)");
   app.add_option("--warmup", opt.warmup, "linear warmup steps");
   app.add_option("--eval-every", opt.eval_every, "validate every N steps (and at the end)");
-  app.add_option("--eval-batches", opt.eval_batches, "validation batches");
+  app.add_option("--eval-batches", opt.eval_batches, "validation batches")->check(CLI::PositiveNumber);
   app.add_option("--seed", opt.seed, "seed for initialisation, windows and sampling");
   app.add_option("--metrics", opt.metrics, "write JSON-lines metrics to this file (rank 0)");
   app.add_option("--log-every", opt.log_every, "progress line every N steps (0: none)");
   app.add_option("--sample-tokens", opt.sample_tokens, "characters to generate at the end");
-  app.add_option("--temperature", opt.temperature, "sampling temperature (0: greedy)");
+  app.add_option("--temperature", opt.temperature, "sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", opt.top_k, "sample among the k most likely characters (0: all)");
   app.add_option("--prompt", opt.prompt, "text the sample continues");
   app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file");

@@ -96,13 +96,20 @@ int main(int argc, char** argv) {
   app.add_flag("--standalone", standalone, "single node on localhost with a free port");
   app.add_flag("--no-python,--no_python", no_python, "accepted for torchrun compatibility; ptrun never runs python");
   app.add_option("--grace-period,--grace_period", grace, "seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0.0, 3600.0));
   // Everything from the first positional argument on is the program's command line.
   app.prefix_command();
   app.footer("Sets RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT for each rank.");
   app.set_version_flag("--version", PTRAIN_VERSION_STRING);
   CLI11_PARSE(app, argc, argv);
   command = app.remaining();
+  if (!command.empty() && command.front() == "--") {  // "ptrun [options] -- prog args"
+    command.erase(command.begin());
+  } else if (!command.empty() && command.front().size() > 1 && command.front()[0] == '-') {
+    std::fprintf(stderr, "ptrun: unknown option '%s' (the program comes after ptrun's options; see ptrun --help)\n",
+                 command.front().c_str());
+    return 2;
+  }
   if (command.empty()) {
     std::fprintf(stderr, "ptrun: no program given; usage: ptrun --nproc-per-node N prog args...\n");
     return 2;

@@ -12,6 +12,7 @@
 //   auto g = x.to(Device::cuda(0));               // copy to GPU (nvcc builds)
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -113,7 +114,8 @@ class Tensor {
                  shape_);
     return shape_[i < 0 ? i + dim() : i];
   }
-  std::int64_t numel() const { return shape_.numel(); }
+  /// Number of elements; 0 for an undefined tensor.
+  std::int64_t numel() const { return storage_ ? shape_.numel() : 0; }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * sizeof(T); }
   Device device() const { return storage_ ? storage_->device() : Device::cpu(); }
   static constexpr DType dtype() { return dtype_of<T>(); }
@@ -131,7 +133,8 @@ class Tensor {
   /// View of `shape.numel()` elements starting `offset` elements after this tensor's start.
   Tensor view(std::int64_t offset, const Shape& shape) const {
     check_shape(shape);
-    PTRAIN_CHECK(offset >= 0 && offset + shape.numel() <= numel(), ShapeError, "[ptrain.tensor.view] view of ",
+    PTRAIN_CHECK(offset >= 0 && shape.numel() <= numel() && offset <= numel() - shape.numel(), ShapeError,
+                 "[ptrain.tensor.view] view of ",
                  shape.numel(), " elements at offset ", offset, " exceeds tensor of ", numel(), " elements");
     Tensor t = *this;
     t.offset_ = offset_ + offset;
@@ -175,28 +178,34 @@ class Tensor {
   Tensor clone() const { return to(device()); }
   /// Copy on another device (always a new tensor).
   Tensor to(Device device) const {
+    check_defined("to() or clone()");
     Tensor t = empty(shape_, device);
     detail::copy_bytes(t.data(), device, data(), this->device(), nbytes());
     return t;
   }
   /// Copies src's elements into this tensor (any devices; element counts must match).
   void copy_(const Tensor& src) {
+    check_defined("copy_()");
+    src.check_defined("copy_() from it");
     PTRAIN_CHECK(src.numel() == numel(), ShapeError, "[ptrain.tensor.copy] cannot copy ", src.shape(), " into ",
                  shape_);
     if (src.data() != data()) detail::copy_bytes(data(), device(), src.data(), src.device(), nbytes());
   }
   void zero_() {
+    check_defined("zero_()");
     if (device().is_cpu()) std::memset(static_cast<void*>(data()), 0, nbytes());
     else detail::cuda_backend().memset_zero(data(), device(), nbytes());
   }
   /// Elements copied to a host vector.
   std::vector<T> to_vector() const {
+    check_defined("to_vector()");
     std::vector<T> v(static_cast<std::size_t>(numel()));
     detail::copy_bytes(v.data(), Device::cpu(), data(), device(), nbytes());
     return v;
   }
   /// Element access on CPU tensors: t.at({i, j}).
   T& at(std::initializer_list<std::int64_t> index) const {
+    check_defined("at()");
     PTRAIN_CHECK(device().is_cpu(), Error, "[ptrain.tensor.at] at() needs a cpu tensor; call to(Device::cpu()) first");
     PTRAIN_CHECK(static_cast<int>(index.size()) == dim(), ShapeError, "[ptrain.tensor.at] ", index.size(),
                  " indices for shape ", shape_);
@@ -212,8 +221,16 @@ class Tensor {
 
  private:
   static void check_shape(const Shape& s) {
-    for (std::int64_t d : s)
+    std::int64_t n = 1;
+    for (std::int64_t d : s) {
       PTRAIN_CHECK(d >= 0, ShapeError, "[ptrain.tensor.shape] invalid shape ", s, ": dimensions must be >= 0");
+      PTRAIN_CHECK(!__builtin_mul_overflow(n, d, &n) && n <= INT64_MAX / 16, ShapeError, "[ptrain.tensor.shape] shape ",
+                   s, " has more elements than memory can address");
+    }
+  }
+  void check_defined(const char* what) const {
+    PTRAIN_CHECK(defined(), Error, "[ptrain.tensor.undefined] ", what, " on an undefined tensor (default-constructed, "
+                 "or the input gradient of a module whose input has none, such as Embedding's or GPT's backward)");
   }
   std::int64_t row_numel() const { return shape_[0] == 0 ? 0 : numel() / shape_[0]; }
 
@@ -226,6 +243,15 @@ class Tensor {
 template <class T>
 void check_shape(const Tensor<T>& t, const Shape& shape, const char* what) {
   PTRAIN_CHECK(t.shape() == shape, ShapeError, "[ptrain.shape] ", what, " has shape ", t.shape(), ", expected ", shape);
+}
+
+/// Rows of t read as a [rows, last dimension] matrix; ShapeError naming `what`
+/// unless t has a dimension and the last one is positive.
+template <class T>
+std::int64_t rows_of(const Tensor<T>& t, const char* what) {
+  PTRAIN_CHECK(t.dim() >= 1 && t.size(-1) > 0, ShapeError, "[ptrain.shape] ", what, " has shape ", t.shape(),
+               "; its last dimension must be positive");
+  return t.numel() / t.size(-1);
 }
 
 }  // namespace ptrain

@@ -11,6 +11,8 @@ template <class T>
 class LayerNorm : public Module<T> {
  public:
   explicit LayerNorm(std::int64_t d, double eps = 1e-5) : d_(d), eps_(static_cast<acc_t<T>>(eps)) {
+    PTRAIN_CHECK(d > 0 && eps >= 0, ShapeError, "[ptrain.layer_norm] width ", d, " must be positive and eps ", eps,
+                 " non-negative");
     weight_ = &this->register_parameter("weight", Tensor<T>::full({d}, T(1)));
     bias_ = &this->register_parameter("bias", Tensor<T>::zeros({d}));
   }

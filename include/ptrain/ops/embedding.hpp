@@ -36,6 +36,8 @@ Tensor<std::int32_t> token_ids(const Tensor<T>& x, std::int64_t vocab) {
 }
 
 /// out [..., dim] = table[ids] (+ pos[position along the last id dimension] when pos is defined).
+/// ids must lie in [0, table rows): they are not checked here (token_ids checks them,
+/// and nn::Embedding and GPT call it).
 template <class T>
 Tensor<T> embedding(const Tensor<std::int32_t>& ids, const Tensor<T>& table, const Tensor<T>& pos) {
   const std::int64_t dim = table.size(1), seq = ids.dim() >= 1 ? ids.size(-1) : 1;

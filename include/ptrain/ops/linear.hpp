@@ -39,7 +39,7 @@ template <class T>
 Tensor<T> linear_impl(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b, Tensor<T>* pre) {
   PTRAIN_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), ShapeError, "[ptrain.linear] input ",
                x.shape(), " does not match weight ", w.shape(), " (expected last dimension ", w.size(1), ")");
-  const std::int64_t in = w.size(1), rows = x.numel() / in, out = w.size(0);
+  const std::int64_t in = w.size(1), rows = rows_of(x, "linear input"), out = w.size(0);
   std::vector<std::int64_t> yshape(x.shape().begin(), x.shape().end());
   yshape.back() = out;
   auto y = Tensor<T>::empty(Shape(yshape), x.device());
@@ -80,9 +80,14 @@ Tensor<T> linear_gelu(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b
 template <class T>
 Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& dy, Tensor<T>& dw, Tensor<T>* db,
                           bool need_dx = true) {
-  const std::int64_t in = w.size(1), out = w.size(0), rows = x.numel() / in;
-  PTRAIN_CHECK(dy.numel() == rows * out, ShapeError, "[ptrain.linear.backward] output gradient ", dy.shape(),
-               " does not match input ", x.shape(), " and weight ", w.shape());
+  PTRAIN_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), ShapeError, "[ptrain.linear.backward] input ",
+               x.shape(), " does not match weight ", w.shape());
+  const std::int64_t in = w.size(1), out = w.size(0), rows = rows_of(x, "linear input");
+  PTRAIN_CHECK(dy.dim() >= 1 && dy.size(-1) == out && dy.numel() == rows * out, ShapeError,
+               "[ptrain.linear.backward] output gradient ", dy.shape(), " does not match input ", x.shape(),
+               " and weight ", w.shape());
+  check_shape(dw, w.shape(), "linear weight gradient");
+  if (db) check_shape(*db, Shape{out}, "linear bias gradient");
   auto dy2 = dy.reshape({rows, out});
   auto x2 = x.reshape({rows, in});
   matmul_into(dy2, x2, dw, true, false, 1, 1);

@@ -8,7 +8,7 @@ namespace ptrain::ops {
 /// Softmax over the last dimension.
 template <class T>
 Tensor<T> softmax(const Tensor<T>& x) {
-  const std::int64_t cols = x.size(-1), rows = x.numel() / cols;
+  const std::int64_t rows = rows_of(x, "softmax input"), cols = x.size(-1);
   auto y = Tensor<T>::empty(x.shape(), x.device());
   PTRAIN_DISPATCH(x.device(), softmax_rows, rows, cols, x.data(), y.data());
   return y;
@@ -18,7 +18,7 @@ Tensor<T> softmax(const Tensor<T>& x) {
 template <class T>
 Tensor<T> softmax_backward(const Tensor<T>& y, const Tensor<T>& dy) {
   check_shape(dy, y.shape(), "softmax output gradient");
-  const std::int64_t cols = y.size(-1), rows = y.numel() / cols;
+  const std::int64_t rows = rows_of(y, "softmax output"), cols = y.size(-1);
   auto dx = Tensor<T>::empty(y.shape(), y.device());
   PTRAIN_DISPATCH(y.device(), softmax_rows_backward, rows, cols, y.data(), dy.data(), dx.data());
   return dx;
@@ -30,7 +30,7 @@ Tensor<T> softmax_backward(const Tensor<T>& y, const Tensor<T>& dy) {
 template <class T>
 double cross_entropy(const Tensor<T>& logits, const Tensor<std::int32_t>& targets, Tensor<acc_t<T>>& lse,
                      std::int64_t& valid, std::int32_t ignore_index = -100) {
-  const std::int64_t classes = logits.size(-1), rows = logits.numel() / classes;
+  const std::int64_t rows = rows_of(logits, "logits"), classes = logits.size(-1);
   PTRAIN_CHECK(targets.numel() == rows, ShapeError, "[ptrain.cross_entropy] ", rows, " rows of logits ",
                logits.shape(), " but ", targets.numel(), " targets");
   detail::check_devices("cross_entropy", logits.device(), targets);
@@ -50,7 +50,7 @@ template <class T>
 Tensor<T> cross_entropy_backward(const Tensor<T>& logits, const Tensor<acc_t<T>>& lse,
                                  const Tensor<std::int32_t>& targets, std::int64_t valid, acc_t<T> dloss,
                                  std::int32_t ignore_index = -100) {
-  const std::int64_t classes = logits.size(-1), rows = logits.numel() / classes;
+  const std::int64_t rows = rows_of(logits, "logits"), classes = logits.size(-1);
   auto d = Tensor<T>::empty(logits.shape(), logits.device());
   PTRAIN_DISPATCH(logits.device(), cross_entropy_backward, rows, classes, logits.data(), lse.data(), targets.data(),
                   valid, dloss, d.data(), ignore_index);

@@ -10,7 +10,7 @@ namespace ptrain::ops {
 template <class T>
 Tensor<T> layer_norm(const Tensor<T>& x, const Tensor<T>& gamma, const Tensor<T>& beta, acc_t<T> eps,
                      Tensor<acc_t<T>>& mean, Tensor<acc_t<T>>& rstd) {
-  const std::int64_t d = x.size(-1), rows = x.numel() / d;
+  const std::int64_t rows = rows_of(x, "layer_norm input"), d = x.size(-1);
   check_shape(gamma, {d}, "layer_norm weight");
   check_shape(beta, {d}, "layer_norm bias");
   detail::check_devices("layer_norm", x.device(), gamma, beta);
@@ -26,7 +26,7 @@ Tensor<T> layer_norm(const Tensor<T>& x, const Tensor<T>& gamma, const Tensor<T>
 template <class T>
 Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, const Tensor<acc_t<T>>& rstd,
                               const Tensor<T>& gamma, const Tensor<T>& dy, Tensor<T>& dgamma, Tensor<T>& dbeta) {
-  const std::int64_t d = x.size(-1), rows = x.numel() / d;
+  const std::int64_t rows = rows_of(x, "layer_norm input"), d = x.size(-1);
   check_shape(dy, x.shape(), "layer_norm output gradient");
   auto dx = Tensor<T>::empty(x.shape(), x.device());
   PTRAIN_DISPATCH(x.device(), layer_norm_backward, rows, d, x.data(), mean.data(), rstd.data(), gamma.data(),

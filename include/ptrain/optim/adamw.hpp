@@ -29,6 +29,10 @@ class AdamW : public Optimizer<T> {
   AdamW(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, AdamWOptions opt,
         DecayFilter decay = {})
       : Optimizer<T>(std::move(values), std::move(grads), std::move(entries), opt.lr, std::move(decay)), opt_(opt) {
+    this->check_option("AdamW", "beta1", opt.beta1, 0, 1, true);
+    this->check_option("AdamW", "beta2", opt.beta2, 0, 1, true);
+    this->check_option("AdamW", "eps", opt.eps, 0, HUGE_VAL, true);
+    this->check_option("AdamW", "weight_decay", opt.weight_decay, 0, HUGE_VAL, true);
     exp_avg_ = &this->add_state("exp_avg");
     exp_avg_sq_ = &this->add_state("exp_avg_sq");
     if constexpr (std::is_same_v<T, bf16>) {

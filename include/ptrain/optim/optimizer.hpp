@@ -8,6 +8,7 @@
 // per parameter and state kind ("0.weight.exp_avg"), and steps() the count.
 // State is kept in acc_t<T>: float for bf16 parameters (mixed precision).
 
+#include <cmath>
 #include <deque>
 #include <functional>
 #include <string>
@@ -30,7 +31,7 @@ class Optimizer {
   /// Optimizes a flat range given explicitly (FSDP passes its local shard).
   Optimizer(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, double lr,
             DecayFilter decay = {})
-      : values_(std::move(values)), grads_(std::move(grads)), entries_(std::move(entries)), lr_(lr) {
+      : values_(std::move(values)), grads_(std::move(grads)), entries_(std::move(entries)), lr_(checked_lr(lr)) {
     PTRAIN_CHECK(values_.numel() == grads_.numel(), ShapeError, "[ptrain.optim] values ", values_.shape(),
                  " and grads ", grads_.shape(), " differ");
     build_ranges(decay);
@@ -42,7 +43,7 @@ class Optimizer {
   void zero_grad() { grads_.zero_(); }
 
   double lr() const { return lr_; }
-  void set_lr(double lr) { lr_ = lr; }
+  void set_lr(double lr) { lr_ = checked_lr(lr); }
   std::int64_t steps() const { return steps_; }
   void set_steps(std::int64_t s) { steps_ = s; }
 
@@ -57,6 +58,17 @@ class Optimizer {
   const std::deque<std::pair<std::string, Tensor<acc_t<T>>>>& flat_state() const { return state_; }
 
  protected:
+  static double checked_lr(double lr) {
+    PTRAIN_CHECK(std::isfinite(lr) && lr >= 0, Error, "[ptrain.optim.lr] learning rate ", lr,
+                 " must be finite and >= 0");
+    return lr;
+  }
+  /// Throws naming `what` unless lo <= v < hi (hi excluded when open) and v is a number.
+  static void check_option(const char* optimizer, const char* what, double v, double lo, double hi, bool open) {
+    PTRAIN_CHECK(v >= lo && (open ? v < hi : v <= hi), Error, "[ptrain.optim.options] ", optimizer, " ", what, " ", v,
+                 " must lie in [", lo, ", ", hi, open ? ")" : "]");
+  }
+
   struct Range {
     std::int64_t begin, end;
     bool decay;

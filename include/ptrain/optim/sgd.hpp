@@ -25,6 +25,9 @@ class SGD : public Optimizer<T> {
   SGD(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, SGDOptions opt,
       DecayFilter decay = {})
       : Optimizer<T>(std::move(values), std::move(grads), std::move(entries), opt.lr, std::move(decay)), opt_(opt) {
+    this->check_option("SGD", "momentum", opt.momentum, 0, HUGE_VAL, true);
+    this->check_option("SGD", "dampening", opt.dampening, 0, 1, false);
+    this->check_option("SGD", "weight_decay", opt.weight_decay, 0, HUGE_VAL, true);
     PTRAIN_CHECK(!opt.nesterov || (opt.momentum > 0 && opt.dampening == 0), Error,
                  "[ptrain.optim.sgd] Nesterov momentum needs momentum > 0 and dampening = 0");
     if (opt.momentum != 0) momentum_ = &this->add_state("momentum_buffer");

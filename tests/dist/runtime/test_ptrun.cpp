@@ -113,6 +113,16 @@ TEST_CASE("ptrun: a program that cannot start is reported", "[ptrun]") {
   auto st2 = bad.wait(20s);
   REQUIRE(st2.has_value());
   CHECK(ptrain_test::exit_code(*st2) != 0);
+  // An unknown option is a usage error (2), not a program that cannot start (127);
+  // "--" ends ptrun's options as in torchrun.
+  Process unknown(ptrun({"--bogus-flag", "/bin/true"}));
+  auto st3 = unknown.wait(20s);
+  REQUIRE(st3.has_value());
+  CHECK(ptrain_test::exit_code(*st3) == 2);
+  Process dashes(ptrun({"--nproc-per-node", "2", "--", "/bin/true"}));
+  auto st4 = dashes.wait(20s);
+  REQUIRE(st4.has_value());
+  CHECK(ptrain_test::exit_code(*st4) == 0);
 }
 
 TEST_CASE("ptrun: SIGTERM and SIGINT are forwarded to every rank", "[ptrun]") {

@@ -38,6 +38,26 @@ TEST_CASE("tensor views share storage and check bounds", "[core][tensor]") {
   REQUIRE_THROWS_WITH(t.reshape({5, 3}), Catch::Contains("[ptrain.tensor.reshape]") && Catch::Contains("[4, 3]"));
 }
 
+TEST_CASE("undefined tensors, oversized shapes and empty last dimensions give errors, not crashes",
+          "[core][tensor]") {
+  Tensor<float> u;  // also what Embedding's backward returns
+  REQUIRE(u.numel() == 0);
+  REQUIRE_THROWS_WITH(u.to_vector(), Catch::Contains("[ptrain.tensor.undefined]") && Catch::Contains("to_vector()"));
+  REQUIRE_THROWS_WITH(u.clone(), Catch::Contains("[ptrain.tensor.undefined]"));
+  REQUIRE_THROWS_WITH(u.zero_(), Catch::Contains("[ptrain.tensor.undefined]"));
+  REQUIRE_THROWS_WITH(u.at({}), Catch::Contains("[ptrain.tensor.undefined]"));
+  auto t = Tensor<float>::full({1}, 2);
+  REQUIRE_THROWS_WITH(t.copy_(u), Catch::Contains("[ptrain.tensor.undefined]"));
+  REQUIRE_THROWS_WITH(u.copy_(t), Catch::Contains("[ptrain.tensor.undefined]"));
+  // 2^62 * 4 elements wraps to 0 in 64 bits; 2^32 * 2^32 to 0 as well.
+  REQUIRE_THROWS_WITH(Tensor<float>::zeros({1ll << 62, 4}), Catch::Contains("[ptrain.tensor.shape]"));
+  REQUIRE_THROWS_WITH(Tensor<float>::zeros({1ll << 32, 1ll << 32}), Catch::Contains("more elements"));
+  REQUIRE_THROWS_WITH(t.view(INT64_MAX, {1}), Catch::Contains("[ptrain.tensor.view]"));
+  REQUIRE(rows_of(Tensor<float>::zeros({0, 3}), "x") == 0);
+  REQUIRE_THROWS_WITH(rows_of(Tensor<float>::zeros({3, 0}), "logits"),
+                      Catch::Contains("logits has shape [3, 0]") && Catch::Contains("last dimension"));
+}
+
 TEST_CASE("allocator counts live and peak bytes exactly", "[core][allocator]") {
   const auto before = memory_stats();
   reset_peak_memory();

@@ -46,6 +46,13 @@ TEST_CASE("Linear matches an explicit x W^T + b", "[nn][linear]") {
     }
   for (std::int64_t i = 0; i < w.numel(); ++i) REQUIRE(std::abs(w.data()[i]) <= 1.0 / std::sqrt(3.0));
   REQUIRE_THROWS_AS(lin.forward(random_input({4, 5}, 1), c), ShapeError);
+  // The backward checks the gradients' layout, not only their sizes.
+  auto dw = Tensor<double>::zeros({2, 3}), db = Tensor<double>::zeros({1});
+  REQUIRE_THROWS_WITH(ops::linear_backward(x, w, random_input({2, 4}, 7), dw, static_cast<Tensor<double>*>(nullptr)),
+                      Catch::Contains("[ptrain.linear.backward]"));
+  REQUIRE_THROWS_WITH(ops::linear_backward(x, w, random_input({4, 2}, 7), dw, &db),
+                      Catch::Contains("linear bias gradient"));
+  REQUIRE_THROWS_AS(nn::LayerNorm<double>(0), ShapeError);
 }
 
 TEST_CASE("Sequential takes token ids through its first layer", "[nn][sequential]") {

@@ -82,6 +82,25 @@ TEST_CASE("a decay filter exempts parameters from weight decay", "[optim][adamw]
   for (std::size_t i = 0; i < b0.size(); ++i) REQUIRE(b1[i] == b0[i]);
 }
 
+TEST_CASE("optimizers refuse options that would silently ruin training", "[optim]") {
+  Tiny t({1.0, 2.0}, {0.1, 0.2});
+  auto adamw = [&](optim::AdamWOptions o) { optim::AdamW<double> opt(t.values, t.grads, t.entries, o); };
+  auto sgd = [&](optim::SGDOptions o) { optim::SGD<double> opt(t.values, t.grads, t.entries, o); };
+  CHECK_THROWS_WITH(adamw({.lr = -1}), Catch::Contains("[ptrain.optim.lr]"));
+  CHECK_THROWS_WITH(adamw({.lr = std::nan("")}), Catch::Contains("[ptrain.optim.lr]"));
+  CHECK_THROWS_WITH(adamw({.beta1 = 1.0}), Catch::Contains("AdamW beta1 1"));
+  CHECK_THROWS_WITH(adamw({.beta2 = -0.1}), Catch::Contains("AdamW beta2"));
+  CHECK_THROWS_WITH(adamw({.eps = -1e-8}), Catch::Contains("AdamW eps"));
+  CHECK_THROWS_WITH(adamw({.weight_decay = -5}), Catch::Contains("AdamW weight_decay"));
+  CHECK_THROWS_WITH(sgd({.lr = 0.1, .momentum = -0.9}), Catch::Contains("SGD momentum"));
+  CHECK_THROWS_WITH(sgd({.lr = 0.1, .dampening = 2}), Catch::Contains("SGD dampening"));
+  CHECK_THROWS_WITH(sgd({.lr = 0.1, .weight_decay = -1}), Catch::Contains("SGD weight_decay"));
+  CHECK_NOTHROW(adamw({.lr = 0, .beta1 = 0, .beta2 = 0, .eps = 0, .weight_decay = 0}));
+  optim::SGD<double> ok(t.values, t.grads, t.entries, {.lr = 0.1});
+  CHECK_THROWS_WITH(ok.set_lr(INFINITY), Catch::Contains("[ptrain.optim.lr]"));
+  CHECK(ok.lr() == 0.1);
+}
+
 TEST_CASE("warmup + cosine schedule", "[optim][schedule]") {
   optim::WarmupCosine s{.base_lr = 1.0, .warmup = 10, .total = 110, .min_lr = 0.1};
   REQUIRE(s(0) == Approx(0.1));
