@@ -545,6 +545,15 @@ class Checkpoint {
  private:
   void verify(bool verify_data) {
     const fs::path marker = dir_ / detail::kMarker;
+    std::error_code ec;
+    PTRAIN_CHECK(fs::is_directory(dir_, ec), CheckpointError, "[ptrain.ckpt.path] ", dir_.string(),
+                 fs::exists(dir_, ec) ? " is not a directory" : " does not exist",
+                 "; pass a checkpoint's step directory, e.g. CheckpointManager(dir).latest().path");
+    PTRAIN_CHECK(detail::parse_step_dir(dir_.filename().string()) >= 0 || fs::exists(dir_ / detail::kIndex, ec) ||
+                     fs::exists(marker, ec),
+                 CheckpointError, "[ptrain.ckpt.path] ", dir_.string(),
+                 " is not a checkpoint step directory (step-NNNNNNNN); for a checkpoint directory, load "
+                 "CheckpointManager(dir).latest().path");
     PTRAIN_CHECK(fs::exists(marker), CheckpointError, "[ptrain.ckpt.incomplete] ", marker.string(),
                  " is missing: the save did not finish (crash or preemption during the write)");
     const nlohmann::json m = detail::parse_json(detail::read_text(marker), marker);

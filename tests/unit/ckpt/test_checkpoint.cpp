@@ -350,6 +350,13 @@ TEST_CASE("a run that did not resume may not delete newer checkpoints; steps are
   CHECK(fs::exists(d.path / "step-00000010" / "COMMITTED"));
   CHECK_FALSE(fs::exists(d.path / "step-00000002"));
   CHECK_THROWS_WITH(mgr.save(-5, a.params, &a.opt, {}), Catch::Contains("[ptrain.ckpt.step]"));
+  // Loading from a wrong path says so (not "the save did not finish").
+  CHECK_THROWS_WITH(mgr.load(d.path / "nope", a.params), Catch::Contains("[ptrain.ckpt.path]") &&
+                                                            Catch::Contains("does not exist"));
+  CHECK_THROWS_WITH(mgr.load(d.path, a.params), Catch::Contains("not a checkpoint step directory") &&
+                                                    Catch::Contains("latest()"));
+  CHECK_THROWS_WITH(mgr.load(d.path / "step-00000010" / "index.json", a.params),
+                    Catch::Contains("is not a directory"));
 }
 
 TEST_CASE("load reads a sharded checkpoint whole, or only a stage's part", "[ckpt]") {
