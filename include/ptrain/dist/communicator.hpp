@@ -76,9 +76,9 @@ inline std::chrono::milliseconds default_comm_timeout() {
   if (v == nullptr || *v == '\0') return kDefault;
   char* end = nullptr;
   double s = std::strtod(v, &end);
-  PTRAIN_CHECK(end != v && *end == '\0' && s > 0 && s < 1e7, LaunchError,
+  PTRAIN_CHECK(end != v && *end == '\0' && s >= 0.001 && s < 1e7, LaunchError,
                "[ptrain.comm.timeout_env] PTRAIN_COMM_TIMEOUT_S='", v,
-               "' is not a positive number of seconds; set it to e.g. 300 or unset it");
+               "' is not a number of seconds from 0.001 to 1e7; set it to e.g. 300 or unset it");
   return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0));
 }
 

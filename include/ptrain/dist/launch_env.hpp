@@ -213,9 +213,9 @@ inline LaunchEnv detect_launch_env(const GetEnv& getenv) {
   LaunchEnv e;
   detail::EnvReader r(getenv, e);
   const char* rank_what = "this process's rank, 0 <= rank < world size";
-  const char* size_what = "the number of processes in the job (>= 1)";
+  const char* size_what = "the number of processes in the job";
   const char* lrank_what = "this process's index on its node, 0 <= local rank < local world size";
-  const char* lsize_what = "the number of processes on this node (>= 1)";
+  const char* lsize_what = "the number of processes on this node";
   // Kubernetes launchers have no world-size variable of their own; the manifest passes one.
   auto manifest_world = [&](const char* hint) {
     auto name = r.first_set({"PTRAIN_WORLD_SIZE", "WORLD_SIZE"});

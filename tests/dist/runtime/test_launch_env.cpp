@@ -6,12 +6,15 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <set>
 #include <string>
 
 #include "process_util.hpp"
+#include "ptrain/dist/communicator.hpp"
 #include "ptrain/dist/launch_env.hpp"
 
 using namespace ptrain::dist;
@@ -277,6 +280,19 @@ void check_rendezvous(int n, const std::function<Env(int)>& env_of, const std::s
 }
 
 }  // namespace
+
+TEST_CASE("PTRAIN_COMM_TIMEOUT_S: seconds from 0.001 to 1e7, else an error", "[launch_env]") {
+  const char* old = std::getenv("PTRAIN_COMM_TIMEOUT_S");
+  const std::string saved = old ? old : "";
+  ::setenv("PTRAIN_COMM_TIMEOUT_S", "2.5", 1);
+  CHECK(default_comm_timeout() == std::chrono::milliseconds(2500));
+  for (const char* bad : {"0.0001", "0", "-3", "abc", "1e9"}) {
+    ::setenv("PTRAIN_COMM_TIMEOUT_S", bad, 1);
+    CHECK_THROWS_WITH(default_comm_timeout(), Catch::Contains("[ptrain.comm.timeout_env]"));
+  }
+  if (old) ::setenv("PTRAIN_COMM_TIMEOUT_S", saved.c_str(), 1);
+  else ::unsetenv("PTRAIN_COMM_TIMEOUT_S");
+}
 
 TEST_CASE("launch_env: processes with only what a Kubernetes Indexed Job pod gets", "[launch_env][process]") {
   const int n = 4, port = ptrain_test::free_port();
