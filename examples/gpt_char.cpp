@@ -224,6 +224,11 @@ int run(Options opt) {
     const std::string text = opt.data.empty() ? fortunes_corpus() : read_text_file(opt.data);
     const CharTokenizer tok = CharTokenizer::fit(text);
     if (lead && !opt.save_tokenizer.empty()) tok.save(opt.save_tokenizer);
+    // What the end of the run needs, checked before training: the prompt's characters, the export's folder.
+    if (opt.sample_tokens > 0) (void)tok.encode(opt.prompt);
+    if (const auto folder = std::filesystem::path(opt.export_path).parent_path(); lead && !folder.empty())
+      PTRAIN_CHECK(std::filesystem::is_directory(folder), Error, "[gpt_char.export] folder ", folder.string(),
+                   " of --export does not exist; create it or choose another path");
     const Tensor<std::int32_t> ids = tok.encode_tensor(text);
     const std::int64_t n = ids.numel(), n_val = n / 10;
     const double entropy = unigram_entropy(ids, tok.vocab_size());

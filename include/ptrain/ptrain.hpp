@@ -38,6 +38,7 @@
 #include "ptrain/optim/schedule.hpp"
 #include "ptrain/optim/sgd.hpp"
 
+#include "ptrain/dist/checked.hpp"
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/dist/launch_env.hpp"
 #include "ptrain/dist/process_group.hpp"

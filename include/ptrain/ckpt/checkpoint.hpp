@@ -693,7 +693,11 @@ class AsyncCheckpointer;
 class CheckpointManager {
  public:
   explicit CheckpointManager(fs::path dir, dist::Communicator* comm = nullptr, CheckpointOptions opt = {})
-      : dir_(std::move(dir)), comm_(comm), opt_(opt) {}
+      : dir_(std::move(dir)), comm_(comm), opt_(opt) {
+    std::error_code ec;
+    PTRAIN_CHECK(!fs::exists(dir_, ec) || fs::is_directory(dir_, ec), CheckpointError, "[ptrain.ckpt.path] ",
+                 dir_.string(), " is not a directory; choose another checkpoint directory");
+  }
   ~CheckpointManager() { join_cleaner(); }
   CheckpointManager(const CheckpointManager&) = delete;
   CheckpointManager& operator=(const CheckpointManager&) = delete;

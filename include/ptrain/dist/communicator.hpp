@@ -199,7 +199,8 @@ class Work {
     PTRAIN_THROW(CommError, "[ptrain.comm.timeout] ", what_, " on rank ", rank_,
                  peer_ >= 0 ? detail::cat(" with peer ", peer_) : std::string(), " did not complete within ",
                  timeout.count(), " ms; a peer may have died or ranks called collectives in different "
-                 "orders (see Note [Collective order contract]); raise PTRAIN_COMM_TIMEOUT_S if the work is just slow");
+                 "orders (see Note [Collective order contract]; PTRAIN_DISTRIBUTED_DEBUG=DETAIL names the call that differs); "
+                 "raise PTRAIN_COMM_TIMEOUT_S if the work is just slow");
   }
 
  private:
@@ -401,7 +402,7 @@ class Communicator {
   /// Timeout of every blocking form and of Work::wait().
   std::chrono::milliseconds timeout() const { return timeout_; }
   /// Changes the timeout for operations started afterwards.
-  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+  virtual void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
   /// recv[i] = op over ranks of send[i], count elements; in place when send == recv.
   virtual std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "ptrain/core/device.hpp"
+#include "ptrain/dist/checked.hpp"
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/dist/launch_env.hpp"
 #include "ptrain/dist/store.hpp"
@@ -31,13 +32,16 @@ namespace ptrain::dist {
 /// Options of init_process_group.
 struct ProcessGroupOptions {
   /// "auto", "mpi", "gloo" or "nccl"; empty reads $PTRAIN_BACKEND (default "auto").
-  std::string backend;
+  std::string backend = {};
   /// Where the buffers passed to collectives live; cuda:N selects NCCL under "auto".
   Device device = Device::cpu();
   /// Timeout of every wait (store rendezvous included).
   std::chrono::milliseconds timeout = default_comm_timeout();
   /// Launch environment; detected from the process environment when not given.
-  std::optional<LaunchEnv> env;
+  std::optional<LaunchEnv> env = {};
+  /// Check every collective across ranks before running it (Note [Collective checks]);
+  /// default: $PTRAIN_DISTRIBUTED_DEBUG is DETAIL.
+  bool check_collectives = collective_checks_from_env();
 };
 
 /// Backends this build of ptrain has, e.g. "mpi gloo".
@@ -118,10 +122,9 @@ inline void check_mpi_world(const Communicator& c, const LaunchEnv& env) {
                "; launch MPI programs with mpirun/srun --mpi=pmix, or force backend gloo");
 }
 #endif
-}  // namespace detail
 
-/// The world communicator of this launch; collective over every rank.
-inline std::unique_ptr<Communicator> init_process_group(ProcessGroupOptions opts = {}) {
+// The backend's communicator, unwrapped.
+inline std::unique_ptr<Communicator> init_backend(const ProcessGroupOptions& opts) {
   LaunchEnv env = opts.env ? *opts.env : detect_launch_env();
   std::string b = select_backend(opts, env);
 #ifdef PTRAIN_MPI
@@ -154,6 +157,14 @@ inline std::unique_ptr<Communicator> init_process_group(ProcessGroupOptions opts
 #endif
   PTRAIN_THROW(LaunchError, "[ptrain.pg.backend] backend '", b, "' is not available in this build (",
                compiled_backends(), ")");
+}
+}  // namespace detail
+
+/// The world communicator of this launch; collective over every rank.
+inline std::unique_ptr<Communicator> init_process_group(ProcessGroupOptions opts = {}) {
+  auto c = detail::init_backend(opts);
+  if (opts.check_collectives) return std::make_unique<CheckedCommunicator>(std::move(c));
+  return c;
 }
 
 }  // namespace ptrain::dist

@@ -24,6 +24,19 @@ struct FlatEntry {
   std::int64_t numel() const { return shape.numel(); }
 };
 
+/// Throws unless every entry's parameter is still the view into `values` and `grads` it was bound to.
+/// A later module.to() or an assignment to a parameter's value replaces the view with a tensor an
+/// optimizer of the flat buffers never updates; optimizers built on FlatParameters check this every step.
+template <class T>
+void check_bound(const std::vector<FlatEntry<T>>& entries, const Tensor<T>& values, const Tensor<T>& grads) {
+  for (const auto& e : entries)
+    PTRAIN_CHECK(e.param->value.data() == values.data() + e.offset && e.param->grad.data() == grads.data() + e.offset,
+                 Error, "[ptrain.flat.unbound] parameter ", e.name,
+                 " is no longer a view into the flat parameter buffers, so the optimizer would update a copy "
+                 "the model does not use (module.to() or an assignment after FlatParameters was built); move "
+                 "the module before building FlatParameters, and change values in place with copy_()");
+}
+
 template <class T>
 class FlatParameters {
  public:

@@ -25,7 +25,9 @@ template <class T>
 class AdamW : public Optimizer<T> {
  public:
   AdamW(nn::FlatParameters<T>& params, AdamWOptions opt, DecayFilter decay = {})
-      : AdamW(params.values(), params.grads(), params.entries(), opt, std::move(decay)) {}
+      : AdamW(params.values(), params.grads(), params.entries(), opt, std::move(decay)) {
+    this->bound_ = true;
+  }
   AdamW(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, AdamWOptions opt,
         DecayFilter decay = {})
       : Optimizer<T>(std::move(values), std::move(grads), std::move(entries), opt.lr, std::move(decay)), opt_(opt) {
@@ -43,6 +45,7 @@ class AdamW : public Optimizer<T> {
 
   void step() override {
     using A = acc_t<T>;
+    this->check_bound();
     ++this->steps_;
     const Device dev = this->values_.device();
     for (const auto& r : this->ranges_) {

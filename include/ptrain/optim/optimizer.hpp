@@ -26,7 +26,9 @@ class Optimizer {
  public:
   /// Optimizes the parameters packed in `params` (which must outlive the optimizer).
   explicit Optimizer(nn::FlatParameters<T>& params, double lr, DecayFilter decay = {})
-      : Optimizer(params.values(), params.grads(), params.entries(), lr, std::move(decay)) {}
+      : Optimizer(params.values(), params.grads(), params.entries(), lr, std::move(decay)) {
+    bound_ = true;
+  }
 
   /// Optimizes a flat range given explicitly (FSDP passes its local shard).
   Optimizer(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, double lr,
@@ -69,6 +71,11 @@ class Optimizer {
                  " must lie in [", lo, ", ", hi, open ? ")" : "]");
   }
 
+  /// Called first by step(): the parameters must still be views into the flat buffers.
+  void check_bound() const {
+    if (bound_) nn::check_bound(entries_, values_, grads_);
+  }
+
   struct Range {
     std::int64_t begin, end;
     bool decay;
@@ -83,6 +90,7 @@ class Optimizer {
   std::vector<Range> ranges_;
   double lr_;
   std::int64_t steps_ = 0;
+  bool bound_ = false;  // built on FlatParameters: entries_ are views into values_/grads_ (check_bound)
 
  private:
   // Padding after an entry belongs to that entry; the first range starts at 0

@@ -21,7 +21,9 @@ class SGD : public Optimizer<T> {
 
  public:
   SGD(nn::FlatParameters<T>& params, SGDOptions opt, DecayFilter decay = {})
-      : SGD(params.values(), params.grads(), params.entries(), opt, std::move(decay)) {}
+      : SGD(params.values(), params.grads(), params.entries(), opt, std::move(decay)) {
+    this->bound_ = true;
+  }
   SGD(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, SGDOptions opt,
       DecayFilter decay = {})
       : Optimizer<T>(std::move(values), std::move(grads), std::move(entries), opt.lr, std::move(decay)), opt_(opt) {
@@ -34,6 +36,7 @@ class SGD : public Optimizer<T> {
   }
 
   void step() override {
+    this->check_bound();
     const Device dev = this->values_.device();
     for (const auto& r : this->ranges_) {
       T* buf = momentum_ ? momentum_->data() + r.begin : nullptr;

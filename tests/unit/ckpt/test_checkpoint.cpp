@@ -357,6 +357,8 @@ TEST_CASE("a run that did not resume may not delete newer checkpoints; steps are
                                                     Catch::Contains("latest()"));
   CHECK_THROWS_WITH(mgr.load(d.path / "step-00000010" / "index.json", a.params),
                     Catch::Contains("is not a directory"));
+  CHECK_THROWS_WITH(ckpt::CheckpointManager(d.path / "step-00000010" / "index.json"),
+                    Catch::Contains("[ptrain.ckpt.path]"));
 }
 
 TEST_CASE("load reads a sharded checkpoint whole, or only a stage's part", "[ckpt]") {

@@ -82,6 +82,24 @@ TEST_CASE("a decay filter exempts parameters from weight decay", "[optim][adamw]
   for (std::size_t i = 0; i < b0.size(); ++i) REQUIRE(b1[i] == b0[i]);
 }
 
+TEST_CASE("optimizers on FlatParameters refuse parameters rebound after packing", "[optim]") {
+  Generator gen(4);
+  nn::Linear<double> lin(3, 2, true, gen);
+  nn::FlatParameters<double> flat(lin);
+  optim::SGD<double> sgd(flat, {.lr = 0.1});
+  optim::AdamW<double> adamw(flat, {.lr = 0.1});
+  sgd.step();
+  adamw.step();
+  lin.weight().value.copy_(lin.weight().value.clone());  // in place: still bound
+  sgd.step();
+  lin.bias()->value = lin.bias()->value.clone();  // what module.to() to another device does
+  const double before = lin.bias()->value.to_vector()[0];
+  const auto unbound = Catch::Contains("[ptrain.flat.unbound] parameter bias is no longer a view");
+  CHECK_THROWS_WITH(sgd.step(), unbound);
+  CHECK_THROWS_WITH(adamw.step(), unbound);
+  CHECK(lin.bias()->value.to_vector()[0] == before);
+}
+
 TEST_CASE("optimizers refuse options that would silently ruin training", "[optim]") {
   Tiny t({1.0, 2.0}, {0.1, 0.2});
   auto adamw = [&](optim::AdamWOptions o) { optim::AdamW<double> opt(t.values, t.grads, t.entries, o); };

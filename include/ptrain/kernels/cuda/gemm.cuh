@@ -25,6 +25,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -73,29 +74,65 @@ inline std::atomic<bool>& tf32_flag() {
   return enabled;
 }
 
-/// The calling thread's cuBLAS handle for `device`, bound to that device's current stream.
+// cuBLAS's default workspace size: 32 MiB from Hopper (sm_90) on, 4 MiB before.
+inline std::size_t cublas_workspace_bytes(int device) {
+  int major = 0;
+  PTRAIN_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return std::size_t{major >= 9 ? 32 : 4} << 20;
+}
+
+/// Device memory from cudaMalloc, freed on destruction. Move-only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer(int device, std::size_t bytes) : bytes_(bytes) {
+    DeviceGuard guard(device);
+    PTRAIN_CHECK_CUDA(cudaMalloc(&ptr_, bytes));
+  }
+  ~DeviceBuffer() {
+    if (ptr_) (void)cudaFree(ptr_);
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(o.bytes_) {}
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
+  void* get() const { return ptr_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+/// The calling thread's cuBLAS handle for `device`, bound to that device's current stream
+/// and to that stream's own workspace.
 inline cublasHandle_t cublas_handle(int device) {
   // One handle per thread and device, as cuBLAS advises: a handle must not be
   // used by two threads at once, and rebinding a shared handle's stream would
   // race. Created on first use (cublasCreate costs milliseconds and device
-  // memory), destroyed when the thread exits.
+  // memory), destroyed when the thread exits. cublasSetStream resets the
+  // handle's workspace to cuBLAS's pool, so each stream gets its own workspace,
+  // set again after every rebinding: kernels queued on two streams never share
+  // scratch memory, and a stream that comes back finds its workspace again.
   struct Entry {
     std::unique_ptr<CublasHandle> handle;
     cudaStream_t stream = nullptr;
+    bool bound = false;
+    std::map<cudaStream_t, DeviceBuffer> workspaces;
   };
   thread_local std::array<Entry, kMaxDevices> cache;
   PTRAIN_CHECK(device >= 0 && device < kMaxDevices, CudaError, "[ptrain.cuda.device] device index ", device,
                " is out of range [0, ", kMaxDevices, ")");
   Entry& e = cache[static_cast<std::size_t>(device)];
   const cudaStream_t stream = current_stream(device);
-  if (!e.handle) {
-    e.handle = std::make_unique<CublasHandle>(device);
+  if (!e.handle) e.handle = std::make_unique<CublasHandle>(device);
+  if (!e.bound || e.stream != stream) {
+    auto ws = e.workspaces.find(stream);
+    if (ws == e.workspaces.end())
+      ws = e.workspaces.emplace(stream, DeviceBuffer(device, cublas_workspace_bytes(device))).first;
     PTRAIN_CHECK_CUBLAS(cublasSetStream(e.handle->get(), stream));
+    PTRAIN_CHECK_CUBLAS(cublasSetWorkspace(e.handle->get(), ws->second.get(), ws->second.bytes()));
     e.stream = stream;
-  } else if (e.stream != stream) {
-    // Rebinding also resets cuBLAS's workspace, so do it only when the stream changed.
-    PTRAIN_CHECK_CUBLAS(cublasSetStream(e.handle->get(), stream));
-    e.stream = stream;
+    e.bound = true;
   }
   return e.handle->get();
 }
