@@ -209,7 +209,8 @@ inline std::string find_idx_file(const std::string& dir, const std::string& name
 
 /// Loads the train (train-*) or test (t10k-*) split of an MNIST-format data set
 /// from `dir`, reading `<prefix>-images-idx3-ubyte[.gz]` and `<prefix>-labels-idx1-ubyte[.gz]`.
-inline MnistSplit load_mnist(const std::string& dir, bool train) {
+/// Every label must lie in [0, classes).
+inline MnistSplit load_mnist(const std::string& dir, bool train, int classes = 10) {
   const std::string prefix = train ? "train" : "t10k";
   const std::string images_path = detail::find_idx_file(dir, prefix + "-images-idx3-ubyte");
   const std::string labels_path = detail::find_idx_file(dir, prefix + "-labels-idx1-ubyte");
@@ -231,7 +232,13 @@ inline MnistSplit load_mnist(const std::string& dir, bool train) {
   float* dst = split.images.data();
   for (std::int64_t i = 0; i < n * pixels; ++i) dst[i] = static_cast<float>(src[i]) / 255.0f;
   split.labels = Tensor<std::int32_t>::empty({n});
-  for (std::int64_t i = 0; i < n; ++i) split.labels.data()[i] = raw_labels.data()[i];
+  for (std::int64_t i = 0; i < n; ++i) {
+    const int label = raw_labels.data()[i];
+    PTRAIN_CHECK(label < classes, DataError, "[ptrain.data.mnist.label] '", labels_path, "' holds label ", label,
+                 " at index ", i, ", outside the ", classes, " classes [0, ", classes,
+                 "); pass the data set's class count to load_mnist, or replace the file");
+    split.labels.data()[i] = label;
+  }
   return split;
 }
 

@@ -247,6 +247,14 @@ TEST_CASE("load_mnist reads a split, scales images and checks counts", "[data][i
                         Catch::Contains(dir.file("t10k-images-idx3-ubyte.gz")) &&
                         Catch::Contains(dir.file("t10k-labels-idx1-ubyte.gz")));
   }
+  SECTION("a label outside the classes") {
+    write_gz(dir.file("t10k-images-idx3-ubyte.gz"), idx_bytes({5, 4, 3}, pixels));
+    write_gz(dir.file("t10k-labels-idx1-ubyte.gz"), idx_bytes({5}, {1, 2, 10, 4, 5}));
+    const auto msg = data_error([&] { ptrain::load_mnist(dir.path.string(), false); });
+    CHECK_THAT(msg, Catch::Contains("[ptrain.data.mnist.label]") && Catch::Contains("label 10 at index 2") &&
+                        Catch::Contains(dir.file("t10k-labels-idx1-ubyte.gz")));
+    CHECK(ptrain::load_mnist(dir.path.string(), false, 11).labels.data()[2] == 10);
+  }
   SECTION("labels and images swapped") {
     write_gz(dir.file("t10k-images-idx3-ubyte.gz"), idx_bytes({5}, labels));
     write_gz(dir.file("t10k-labels-idx1-ubyte.gz"), idx_bytes({5}, labels));
