@@ -119,6 +119,25 @@ TEST_CASE("nccl: host buffers are staged through the device", "[gpu][nccl]") {
   CHECK(big_out == big);
 }
 
+TEST_CASE("nccl: PTRAIN_DISTRIBUTED_DEBUG=DETAIL checks calls through NCCL's host staging", "[gpu][nccl]") {
+  dist::ProcessGroupOptions o;
+  o.backend = "nccl";
+  o.device = Device::cuda(0);
+  o.env = dist::LaunchEnv{};
+  o.timeout = std::chrono::seconds(60);
+  o.check_collectives = true;
+  auto comm = dist::init_process_group(o);
+  auto* checked = dynamic_cast<dist::CheckedCommunicator*>(comm.get());
+  REQUIRE(checked != nullptr);
+  CHECK(comm->backend() == "nccl");
+  auto in = Tensor<float>::from(iota(1000, 1.0f), {1000}).to(Device::cuda(0));
+  auto out = device_nan(1000);
+  comm->all_reduce_async(in.data(), out.data(), 1000, DType::F32, dist::ReduceOp::Sum)->wait();
+  CHECK(out.to_vector() == iota(1000, 1.0f));
+  comm->barrier();
+  CHECK(checked->checked() == 2);
+}
+
 TEST_CASE("nccl: bad calls throw at once", "[gpu][nccl]") {
   auto comm = nccl_world();
   std::uint8_t b = 0;
