@@ -59,20 +59,20 @@ class CheckedCommunicator final : public Communicator {
 
   std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
                                          ReduceOp op) override {
-    check({kAllReduce, count, dt, static_cast<std::int64_t>(op), 0});
+    check(kAllReduce, count, dt, static_cast<std::int64_t>(op));
     return inner_->all_reduce_async(send, recv, count, dt, op);
   }
   std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
                                              ReduceOp op) override {
-    check({kReduceScatter, recv_count, dt, static_cast<std::int64_t>(op), 0});
+    check(kReduceScatter, recv_count, dt, static_cast<std::int64_t>(op));
     return inner_->reduce_scatter_async(send, recv, recv_count, dt, op);
   }
   std::shared_ptr<Work> all_gather_async(const void* send, void* recv, std::size_t send_count, DType dt) override {
-    check({kAllGather, send_count, dt, 0, 0});
+    check(kAllGather, send_count, dt);
     return inner_->all_gather_async(send, recv, send_count, dt);
   }
   std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
-    check({kBroadcast, count, dt, 0, root});
+    check(kBroadcast, count, dt, 0, root);
     return inner_->broadcast_async(buf, count, dt, root);
   }
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
@@ -82,11 +82,11 @@ class CheckedCommunicator final : public Communicator {
     return inner_->recv_async(buf, count, dt, peer, tag);
   }
   std::shared_ptr<Work> barrier_async() override {
-    check({kBarrier, 0, DType::I64, 0, 0});
+    check(kBarrier);
     return inner_->barrier_async();
   }
   std::unique_ptr<Communicator> split(int color, int key) override {
-    check({kSplit, 0, DType::I64, 0, 0});
+    check(kSplit);
     auto child = inner_->split(color, key);
     if (!child) return nullptr;
     return std::make_unique<CheckedCommunicator>(std::move(child));
@@ -96,15 +96,6 @@ class CheckedCommunicator final : public Communicator {
   enum Kind : std::int64_t { kAllReduce = 1, kReduceScatter, kAllGather, kBroadcast, kBarrier, kSplit };
   static constexpr std::size_t kFields = 5;  // kind, count, dtype, reduce op, root
   using Row = std::array<std::int64_t, kFields>;
-
-  struct Call {
-    Kind kind;
-    std::size_t count;
-    DType dt;
-    std::int64_t op;
-    std::int64_t root;
-    Row row() const { return {kind, static_cast<std::int64_t>(count), static_cast<std::int64_t>(dt), op, root}; }
-  };
 
   static std::string describe(const Row& r) {
     const auto dt = static_cast<DType>(r[2]);
@@ -121,10 +112,10 @@ class CheckedCommunicator final : public Communicator {
     return "?";
   }
 
-  // Exchanges `call` with every rank; throws [ptrain.comm.mismatch] on all of them when the rows differ.
-  void check(const Call& call) {
+  // Exchanges this call's row with every rank; throws [ptrain.comm.mismatch] on all of them when the rows differ.
+  void check(Kind kind, std::size_t count = 0, DType dt = DType::I64, std::int64_t op = 0, std::int64_t root = 0) {
     const std::int64_t seq = ++seq_;
-    const Row mine = call.row();
+    const Row mine{kind, static_cast<std::int64_t>(count), static_cast<std::int64_t>(dt), op, root};
     std::vector<std::int64_t> all(kFields * static_cast<std::size_t>(size()));
     try {
       inner_->all_gather_async(mine.data(), all.data(), kFields, DType::I64)->wait(timeout());
