@@ -4,6 +4,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli_checks.hpp"
+
 /// Adds --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --resume and
 /// --preempt-exit-code, bound to opt.checkpoint_dir, checkpoint_every,
 /// keep_checkpoints, resume and preempt_exit_code.
@@ -12,9 +14,9 @@ void add_checkpoint_flags(CLI::App& app, Options& opt) {
   app.add_option("--checkpoint-dir", opt.checkpoint_dir,
                  "save checkpoints here (every --checkpoint-every steps, at the end, and on SIGTERM/SIGINT/SIGUSR1)");
   app.add_option("--checkpoint-every", opt.checkpoint_every, "steps between checkpoints (0: only at the end and on "
-                 "a signal)")->check(CLI::NonNegativeNumber);
+                 "a signal)")->check(non_negative);
   app.add_option("--keep-checkpoints", opt.keep_checkpoints, "committed checkpoints kept (0: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative);
   app.add_flag("--resume", opt.resume, "continue from the newest complete checkpoint in --checkpoint-dir, if any");
   app.add_option("--preempt-exit-code", opt.preempt_exit_code,
                  "exit status after a signal-triggered checkpoint (0; Kubernetes manifests use 75 so that "

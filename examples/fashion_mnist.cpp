@@ -74,8 +74,8 @@ double evaluate(nn::Module<float>& model, const MnistSplit& split, dist::Communi
 int main(int argc, char** argv) {
   Options opt;
   CLI::App app{"Train an MLP on Fashion-MNIST with ptrain"};
-  app.add_option("--epochs", opt.epochs, "passes over the training set")->check(CLI::PositiveNumber);
-  app.add_option("--batch", opt.batch, "batch size")->check(CLI::PositiveNumber);
+  app.add_option("--epochs", opt.epochs, "passes over the training set")->check(positive);
+  app.add_option("--batch", opt.batch, "batch size")->check(positive);
   app.add_option("--lr", opt.lr, "AdamW learning rate (cosine decay to 0 after 1% warmup)");
   app.add_option("--weight-decay", opt.weight_decay, "AdamW decoupled weight decay");
   app.add_option("--hidden", opt.hidden, "hidden layer widths, e.g. 512,256")->delimiter(',');

@@ -508,13 +508,13 @@ int main(int argc, char** argv) {
                  "(ZeRO-2), shard_optimizer (ZeRO-1), no_shard, or hybrid")
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid"}));
   app.add_option("--hybrid-shard-size", opt.hybrid_shard_size, "ranks per shard group of --fsdp-strategy hybrid "
-                 "(0: the launcher's ranks per node)")->check(CLI::NonNegativeNumber);
-  app.add_option("--steps", opt.steps, "optimizer steps")->check(CLI::PositiveNumber);
-  app.add_option("--batch", opt.batch, "sequences per step and rank")->check(CLI::PositiveNumber);
-  app.add_option("--block", opt.block, "context length")->check(CLI::PositiveNumber);
+                 "(0: the launcher's ranks per node)")->check(non_negative);
+  app.add_option("--steps", opt.steps, "optimizer steps")->check(positive);
+  app.add_option("--batch", opt.batch, "sequences per step and rank")->check(positive);
+  app.add_option("--block", opt.block, "context length")->check(positive);
   app.add_option("--layers", opt.n_layer, "transformer blocks");
-  app.add_option("--heads", opt.n_head, "attention heads")->check(CLI::PositiveNumber);
-  app.add_option("--embd", opt.n_embd, "embedding width")->check(CLI::PositiveNumber);
+  app.add_option("--heads", opt.n_head, "attention heads")->check(positive);
+  app.add_option("--embd", opt.n_embd, "embedding width")->check(positive);
   app.add_option("--dropout", opt.dropout, "dropout probability");
   app.add_option("--lr", opt.lr, "peak AdamW learning rate");
   app.add_option("--min-lr", opt.min_lr, "learning rate at the end of the cosine decay");
@@ -522,12 +522,12 @@ int main(int argc, char** argv) {
   app.add_option("--grad-clip", opt.grad_clip, "clip the global gradient norm (0: off)");
   app.add_option("--warmup", opt.warmup, "linear warmup steps");
   app.add_option("--eval-every", opt.eval_every, "validate every N steps (and at the end)");
-  app.add_option("--eval-batches", opt.eval_batches, "validation batches")->check(CLI::PositiveNumber);
+  app.add_option("--eval-batches", opt.eval_batches, "validation batches")->check(positive);
   app.add_option("--seed", opt.seed, "seed for initialisation, windows and sampling");
   app.add_option("--metrics", opt.metrics, "write JSON-lines metrics to this file (rank 0)");
   app.add_option("--log-every", opt.log_every, "progress line every N steps (0: none)");
   app.add_option("--sample-tokens", opt.sample_tokens, "characters to generate at the end");
-  app.add_option("--temperature", opt.temperature, "sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
+  app.add_option("--temperature", opt.temperature, "sampling temperature (0: greedy)")->check(non_negative);
   app.add_option("--top-k", opt.top_k, "sample among the k most likely characters (0: all)");
   app.add_option("--prompt", opt.prompt, "text the sample continues");
   app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file");

@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
       ->envname("PET_NPROC_PER_NODE")->check(CLI::Range(1, 4096));
   app.add_option("--nnodes", nnodes, "number of nodes")->envname("PET_NNODES")->check(CLI::Range(1, 1 << 16));
   app.add_option("--node-rank,--node_rank", node_rank, "index of this node, 0 <= node-rank < nnodes")
-      ->envname("PET_NODE_RANK")->check(CLI::NonNegativeNumber);
+      ->envname("PET_NODE_RANK")->check(CLI::Range(0, (1 << 16) - 1));
   app.add_option("--master-addr,--master_addr", master_addr, "host of rank 0 (node-rank 0)")
       ->envname("PET_MASTER_ADDR");
   auto* port_opt = app.add_option("--master-port,--master_port", master_port,

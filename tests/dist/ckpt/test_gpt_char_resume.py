@@ -16,6 +16,8 @@ position, dropout offsets and optimizer step count:
   single.control resume with another --seed must NOT match (the comparison can fail)
   config         --resume with --layers 2 / --heads 4 fails with [ptrain.example.config]
                  naming the flag, exit code != 0, within a timeout
+  flags          --steps abc, --temperature -1, a --prompt character outside the
+                 corpus and an --export into a missing folder fail before training
   bf16.*         --precision bf16: copy as above, BF16 parameters and F32 optimizer state
                  (with the master weights) in the files, an fp32 resume refused; with
                  OpenBLAS on a CPU with AVX2 the copy runs again with its Haswell kernels, whose
@@ -364,6 +366,25 @@ def case_config(r, ranks, tag, ref, mode=None):
         raise Failure(f"{tag}.config: the refused resumes changed {ref}: {before} -> {committed_steps(ref)}")
 
 
+def case_bad_flags(r, ref):
+    """Bad flags and end-of-run arguments fail at once, before any training, with a short message."""
+    before = committed_steps(ref)
+    cases = ((["--steps", "abc"], "--steps: abc is not a number"),
+             (["--temperature", "-1"], "--temperature: -1 must be >= 0"),
+             (["--prompt", "a\u2603", "--sample-tokens", "5"], "[ptrain.data.tokenizer.unknown]"),
+             (["--export", os.path.join(r.work, "missing", "x.safetensors")], "[gpt_char.export]"))
+    for args, want in cases:
+        what = f"bad flag {' '.join(args)}"
+        t0 = time.time()
+        rc, out, err = r.run(1, args + ["--checkpoint-dir", ref, "--resume"], what, expect=None)
+        if rc == 0 or want not in err or "step " in out:
+            raise Failure(f"{what}: exit code {rc}, expected != 0, '{want}' and no training\n"
+                          f"stdout:\n{out}\nstderr:\n{err}")
+        print(f"ok   flags: {' '.join(args)} refused in {time.time() - t0:.1f} s")
+    if committed_steps(ref) != before:
+        raise Failure(f"flags: the refused runs changed {ref}: {before} -> {committed_steps(ref)}")
+
+
 def expect_close(ref, got, what, tol=TOL):
     rel = max_rel_diff(got, ref)
     if rel > tol:
@@ -514,6 +535,7 @@ def main():
             ref, _ = case_copy(r, 1, "single")
             case_control(r, 1, "single", ref)
             case_config(r, 1, "single", ref)
+            case_bad_flags(r, ref)
             case_signal(r, 1, "single")
             case_bf16(r)
             if ptrun:
