@@ -109,7 +109,8 @@ void gemm_heads(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
 
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the
   // operands, as gemm.cuh does.
-  const cublasHandle_t handle = cublas_handle(device);
+  const CublasCall call = cublas_call(device);
+  const cublasHandle_t handle = call.handle;
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int cm = static_cast<int>(n), cn = static_cast<int>(m), ck = static_cast<int>(k);

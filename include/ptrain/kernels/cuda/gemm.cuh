@@ -25,13 +25,13 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <type_traits>
 #include <utility>
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
+#include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cuda/check.cuh"
 #include "ptrain/kernels/cuda/device.cuh"
 
@@ -74,67 +74,47 @@ inline std::atomic<bool>& tf32_flag() {
   return enabled;
 }
 
-// cuBLAS's default workspace size: 32 MiB from Hopper (sm_90) on, 4 MiB before.
-inline std::size_t cublas_workspace_bytes(int device) {
-  int major = 0;
-  PTRAIN_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return std::size_t{major >= 9 ? 32 : 4} << 20;
-}
-
-/// Device memory from cudaMalloc, freed on destruction. Move-only.
-class DeviceBuffer {
- public:
-  DeviceBuffer(int device, std::size_t bytes) : bytes_(bytes) {
-    DeviceGuard guard(device);
-    PTRAIN_CHECK_CUDA(cudaMalloc(&ptr_, bytes));
-  }
-  ~DeviceBuffer() {
-    if (ptr_) (void)cudaFree(ptr_);
-  }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(o.bytes_) {}
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
-  void* get() const { return ptr_; }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
+/// What one cuBLAS call needs: the handle, and the call's workspace.
+struct CublasCall {
+  cublasHandle_t handle;
+  Tensor<std::uint8_t> workspace;  // freed once the call is queued; later work of the stream may reuse it
 };
 
-/// The calling thread's cuBLAS handle for `device`, bound to that device's current stream
-/// and to that stream's own workspace.
-inline cublasHandle_t cublas_handle(int device) {
+/// The calling thread's cuBLAS handle for `device`, bound to that device's current
+/// stream, with a workspace for one call from the caching allocator on that stream.
+inline CublasCall cublas_call(int device) {
   // One handle per thread and device, as cuBLAS advises: a handle must not be
   // used by two threads at once, and rebinding a shared handle's stream would
   // race. Created on first use (cublasCreate costs milliseconds and device
-  // memory), destroyed when the thread exits. cublasSetStream resets the
-  // handle's workspace to cuBLAS's pool, so each stream gets its own workspace,
-  // set again after every rebinding: kernels queued on two streams never share
-  // scratch memory, and a stream that comes back finds its workspace again.
+  // memory), destroyed when the thread exits. The workspace (cuBLAS's default
+  // size: 32 MiB from sm_90 on, 4 MiB before) is taken per call as cuBLASLt's is
+  // (gemm_lt.cuh): stream-ordered, so two streams never share one, it counts in
+  // the allocator's live and peak bytes, and a cached block makes it cheap.
   struct Entry {
     std::unique_ptr<CublasHandle> handle;
     cudaStream_t stream = nullptr;
-    bool bound = false;
-    std::map<cudaStream_t, DeviceBuffer> workspaces;
+    std::int64_t workspace_bytes = 0;
   };
   thread_local std::array<Entry, kMaxDevices> cache;
   PTRAIN_CHECK(device >= 0 && device < kMaxDevices, CudaError, "[ptrain.cuda.device] device index ", device,
                " is out of range [0, ", kMaxDevices, ")");
   Entry& e = cache[static_cast<std::size_t>(device)];
   const cudaStream_t stream = current_stream(device);
-  if (!e.handle) e.handle = std::make_unique<CublasHandle>(device);
-  if (!e.bound || e.stream != stream) {
-    auto ws = e.workspaces.find(stream);
-    if (ws == e.workspaces.end())
-      ws = e.workspaces.emplace(stream, DeviceBuffer(device, cublas_workspace_bytes(device))).first;
+  if (!e.handle) {
+    int major = 0;
+    PTRAIN_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    e.workspace_bytes = std::int64_t{major >= 9 ? 32 : 4} << 20;
+    e.handle = std::make_unique<CublasHandle>(device);
     PTRAIN_CHECK_CUBLAS(cublasSetStream(e.handle->get(), stream));
-    PTRAIN_CHECK_CUBLAS(cublasSetWorkspace(e.handle->get(), ws->second.get(), ws->second.bytes()));
     e.stream = stream;
-    e.bound = true;
+  } else if (e.stream != stream) {
+    PTRAIN_CHECK_CUBLAS(cublasSetStream(e.handle->get(), stream));
+    e.stream = stream;
   }
-  return e.handle->get();
+  CublasCall call{e.handle->get(), Tensor<std::uint8_t>::empty(Shape{e.workspace_bytes}, Device::cuda(device))};
+  PTRAIN_CHECK_CUBLAS(cublasSetWorkspace(call.handle, call.workspace.data(),
+                                         static_cast<std::size_t>(e.workspace_bytes)));
+  return call;
 }
 
 // C = beta * C for the K == 0 case (op(A) op(B) is an empty sum). beta == 0
@@ -167,7 +147,8 @@ void gemm_bf16(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::
   PTRAIN_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX,
                ShapeError, "[ptrain.cuda.gemm] sizes m=", m, " n=", n, " k=", k, " lda=", lda, " ldb=", ldb,
                " ldc=", ldc, " exceed cuBLAS's 32-bit limit; split the GEMM");
-  const cublasHandle_t handle = detail::cublas_handle(current_device());
+  const detail::CublasCall call = detail::cublas_call(current_device());
+  const cublasHandle_t handle = call.handle;
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cudaDataType_t c_type = std::is_same_v<TC, bf16> ? CUDA_R_16BF : CUDA_R_32F;
@@ -199,7 +180,8 @@ void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64
     PTRAIN_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX,
                  ShapeError, "[ptrain.cuda.gemm] sizes m=", m, " n=", n, " k=", k, " lda=", lda, " ldb=", ldb,
                  " ldc=", ldc, " exceed cuBLAS's 32-bit limit; split the GEMM");
-    const cublasHandle_t handle = detail::cublas_handle(device);
+    const detail::CublasCall call = detail::cublas_call(device);
+    const cublasHandle_t handle = call.handle;
     // Swapped operands: see the header comment.
     const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
