@@ -46,6 +46,7 @@
 #include "ptrain/optim/adamw.hpp"
 #include "ptrain/parallel/ddp.hpp"
 #include "ptrain/parallel/fsdp.hpp"
+#include "ptrain/parallel/pipeline.hpp"
 
 using namespace ptrain;
 namespace kc = ptrain::kernels::cuda;
@@ -1142,20 +1143,22 @@ TEST_CASE("cuda: AdamW on bf16 parameters steps like the CPU", "[gpu]") {
 }
 
 #ifdef PTRAIN_NCCL
-// DDP and FSDP (full shard) over NCCL on cuda:0, world size 1: three AdamW steps
-// of an MLP, against the same model stepped without a wrapper on the same device
-// (world-size-1 averages are exact, so only the wrappers' own bookkeeping can
-// differ: bucket and shard offsets, gathers, hooks, host-staged scalars). The
-// plain model's agreement with the CPU is the GPT test above.
-TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gpu][nccl]") {
+// DDP, FSDP (full shard) and a one-stage pipeline over NCCL on cuda:0, world
+// size 1: three AdamW steps of an MLP, against the same model stepped without a
+// wrapper on the same device (world-size-1 averages are exact, so only the
+// wrappers' own bookkeeping can differ: bucket and shard offsets, gathers, hooks,
+// host-staged scalars, the pipeline's device buffers). The plain model's
+// agreement with the CPU is the GPT test above. A CPU model is refused.
+TEST_CASE("cuda: a DDP, an FSDP and a pipeline step through NCCL equal the plain step", "[gpu][nccl]") {
   auto comm = testing::nccl_world();
   const std::uint64_t init_seed = rng().below(1ull << 62);
-  Generator g_plain(init_seed), g_ddp(init_seed), g_fsdp(init_seed);
+  Generator g_plain(init_seed), g_ddp(init_seed), g_fsdp(init_seed), g_pipe(init_seed);
   nn::MLP<float> plain(12, {16}, 5, nn::Activation::GELU, g_plain), ddp_model(12, {16}, 5, nn::Activation::GELU, g_ddp),
-      fsdp_model(12, {16}, 5, nn::Activation::GELU, g_fsdp);
+      fsdp_model(12, {16}, 5, nn::Activation::GELU, g_fsdp), pipe_model(12, {16}, 5, nn::Activation::GELU, g_pipe);
   plain.to(kGpu);
   ddp_model.to(kGpu);
   fsdp_model.to(kGpu);
+  pipe_model.to(kGpu);
   nn::FlatParameters<float> plain_p(plain), ddp_p(ddp_model);
   const optim::AdamWOptions adam{.lr = 0.01, .weight_decay = 0.1};
   optim::AdamW<float> plain_opt(plain_p, adam), ddp_opt(ddp_p, adam);
@@ -1163,6 +1166,10 @@ TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gp
   REQUIRE(ddp.num_buckets() > 1);
   parallel::FSDP<float> fsdp(fsdp_model.units(), *comm);
   optim::AdamW<float> fsdp_opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
+  const auto pipe_units = pipe_model.units();
+  parallel::Pipeline<float> pipe(*comm, pipe_units.size(), [&](std::size_t u) { return pipe_units[u]; },
+                                 parallel::partition_by_cuts(pipe_units.size(), {}));
+  optim::AdamW<float> pipe_opt(pipe.parameters(), adam);
   nn::CrossEntropyLoss<float> ce;
   INFO("seed " << test_seed());
   for (int step = 0; step < 3; ++step) {
@@ -1170,7 +1177,7 @@ TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gp
     std::vector<std::int32_t> t(8);
     for (auto& v : t) v = static_cast<std::int32_t>(rng().below(5));
     const auto y = Tensor<std::int32_t>::from(t, {8}).to(kGpu);
-    double losses[3];
+    double losses[4];
     {
       nn::Cache<float> c, lc;
       plain_p.zero_grad();
@@ -1194,9 +1201,12 @@ TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gp
       fsdp.backward(ce.backward(lc), c);
       fsdp.optimizer_step(fsdp_opt);
     }
-    INFO("step " << step << " losses " << losses[0] << " " << losses[1] << " " << losses[2]);
+    losses[3] = pipe.train_step(x, y);
+    pipe_opt.step();
+    INFO("step " << step << " losses " << losses[0] << " " << losses[1] << " " << losses[2] << " " << losses[3]);
     CHECK(std::abs(losses[1] - losses[0]) <= 1e-6 * std::abs(losses[0]));
     CHECK(std::abs(losses[2] - losses[0]) <= 1e-6 * std::abs(losses[0]));
+    CHECK(std::abs(losses[3] - losses[0]) <= 1e-6 * std::abs(losses[0]));
   }
   std::map<std::string, std::vector<float>> fsdp_full;
   for (auto& [name, t] : fsdp.full_parameters()) fsdp_full[name] = t.to_vector();
@@ -1210,6 +1220,12 @@ TEST_CASE("cuda: a DDP and an FSDP step through NCCL equal the plain step", "[gp
     REQUIRE(fsdp_full.count(name) == 1);
     CHECK(rel_err(fsdp_full[name], ref) <= 1e-6);
   }
+  CHECK(rel_err(pipe.parameters().values().to_vector(), to_double(plain_p.values().to_vector())) <= 1e-6);
+  // NCCL moves GPU memory only: a CPU model is refused before any collective.
+  nn::MLP<float> cpu_model(12, {16}, 5, nn::Activation::GELU, g_plain);
+  nn::FlatParameters<float> cpu_p(cpu_model);
+  CHECK_THROWS_WITH(parallel::DDP<float>(cpu_model, cpu_p, *comm),
+                    Catch::Contains("[ptrain.comm.device]") && Catch::Contains("cpu"));
 }
 
 // DDP's bf16 gradient compression packs and unpacks on the device (ops::cast_into).

@@ -14,7 +14,7 @@
 // which ranks called what. The wrapped communicator stays usable. The exchange
 // waits for the operations queued before it, so *_async calls stop overlapping:
 // a debugging aid, not for production runs. Point-to-point calls pass through
-// unchecked (they pair by peer and tag, not by order).
+// unchecked (they pair per peer, not in one order across the group).
 
 #include <algorithm>
 #include <array>
@@ -81,6 +81,9 @@ class CheckedCommunicator final : public Communicator {
   std::shared_ptr<Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag) override {
     return inner_->recv_async(buf, count, dt, peer, tag);
   }
+  void group_start() override { inner_->group_start(); }
+  void group_end() override { inner_->group_end(); }
+  bool serves(Device d) const override { return inner_->serves(d); }
   std::shared_ptr<Work> barrier_async() override {
     check(kBarrier);
     return inner_->barrier_async();

@@ -7,8 +7,16 @@
 // all_gather, broadcast, barrier, split) in the same order, with the same count,
 // dtype, op and root. Backends match operations by their position in that order,
 // so a rank that skips or reorders a call deadlocks or corrupts the group; the
-// timeout below turns such a hang into a CommError. Point-to-point operations
-// pair up by (peer, tag) and may be posted in any order.
+// timeout below turns such a hang into a CommError.
+//
+// Note [Point-to-point order]
+// MPI and Gloo pair a send with a recv by (peer, tag); NCCL has no tags and
+// pairs them by order per peer and direction, and its send may wait until the
+// peer has posted the matching recv. Code meant for every backend (pipelines)
+// therefore uses tag 0, posts transfers to one peer in the same order on both
+// sides, and brackets transfers that must progress together (a send to a
+// neighbour and a recv from it) in group_start() / group_end(): NCCL starts a
+// group's transfers together, MPI and Gloo start every call at once anyway.
 //
 // Note [Async execution]
 // Each communicator owns one worker thread. *_async calls validate their
@@ -44,6 +52,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "ptrain/core/device.hpp"
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
 #if __has_include("ptrain/core/tensor.hpp")
@@ -427,6 +436,23 @@ class Communicator {
   /// Collective: ranks with equal color form a new group ordered by (key, rank),
   /// like MPI_Comm_split. A negative color returns nullptr (not in any group).
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  /// Brackets send/recv calls that must progress together (Note [Point-to-point order]).
+  /// NCCL starts them at group_end(); MPI and Gloo start each call at once, so here they do nothing.
+  virtual void group_start() {}
+  virtual void group_end() {}
+
+  /// True when tensors on `d` can be passed directly: host memory for MPI and
+  /// Gloo (Debian's builds are not CUDA-aware), the communicator's own GPU for NCCL.
+  virtual bool serves(Device d) const { return d.is_cpu(); }
+  /// Throws CommError unless serves(d); `who` names the caller ("DDP", "FSDP", "Pipeline").
+  void check_serves(Device d, const char* who) const {
+    PTRAIN_CHECK(serves(d), CommError, "[ptrain.comm.device] ", who, " holds its tensors on ", d.str(), " but the ",
+                 backend(), " communicator of rank ", rank(), " cannot move them: ",
+                 d.is_cpu() ? "NCCL moves GPU memory only; train a CPU model over MPI or Gloo"
+                            : "use the NCCL backend for CUDA tensors (init_process_group picks it for a cuda "
+                              "device), created on the tensors' GPU, or move the model to the CPU");
+  }
 
   /// Blocking forms: the async form, then wait(timeout()).
   void all_reduce(const void* send, void* recv, std::size_t count, DType dt, ReduceOp op) {

@@ -346,17 +346,19 @@ class NcclCommunicator : public Communicator {
   void set_user_stream(cudaStream_t s) { user_stream_ = s; }
   /// The raw NCCL handle.
   ncclComm_t native() const { return comm_; }
+  /// Tensors on this communicator's GPU (host buffers are staged, for scalars only: Note [Host buffers]).
+  bool serves(Device d) const override { return d.is_cuda() && d.index == device_; }
 
   /// Fuses the send/recv calls until group_end() (needed for rings: NCCL's p2p blocks until matched).
   /// Device buffers only; the Works of grouped calls complete only after group_end() (Note [NCCL groups]).
-  void group_start() {
+  void group_start() override {
     std::lock_guard lock(comm_m_);
     check_no_other_group("group_start()");
     PTRAIN_CHECK_NCCL(ncclGroupStart());
     ++group_depth_;
     detail::open_group() = this;
   }
-  void group_end() {
+  void group_end() override {
     std::lock_guard lock(comm_m_);
     PTRAIN_CHECK(group_depth_ > 0, CommError, "[ptrain.nccl.group] group_end() on rank ", rank_,
                  " without a matching group_start()");

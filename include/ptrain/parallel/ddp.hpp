@@ -83,6 +83,7 @@ class DDP : public nn::Module<T> {
       : module_(module), params_(params), comm_(comm), opt_(opt) {
     PTRAIN_CHECK(opt.bucket_cap_bytes > 0 && opt.first_bucket_bytes > 0, Error,
                  "[ptrain.ddp.options] bucket sizes must be positive");
+    comm_.check_serves(params_.values().device(), "DDP");
     verify_same_parameters();
     if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
     build_buckets();

@@ -377,12 +377,13 @@ class FSDP : public nn::Module<T> {
 
   // Copies rank 0's values into every rank's shard and releases the units' tensors.
   void shard_parameters() {
+    const Device dev = groups_.empty() ? Device::cpu() : groups_.front().params.front()->value.device();
+    world_.check_serves(dev, "FSDP");
     std::vector<std::string> desc;
     for (auto& grp : groups_)
       for (auto& e : grp.entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
     check_same_model(world_, desc);
 
-    const Device dev = groups_.empty() ? Device::cpu() : groups_.front().params.front()->value.device();
     std::int64_t local_total = 0, full_total = 0;
     for (auto& grp : groups_) {
       grp.padded = (grp.numel + shard_size_ - 1) / shard_size_ * shard_size_;

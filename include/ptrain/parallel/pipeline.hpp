@@ -32,19 +32,28 @@
 // not offered: see docs/pipeline.md.
 //
 // Note [Communication order]
-// A stage posts a send as soon as the tensor exists and never waits on it
-// before the end of the step (the tensor stays alive in a pending list). A
-// receive is posted just before the compute that needs it, never earlier.
-// Posting receives ahead would be unsafe: the Gloo backend reports p2p
-// completions in posting order, so waiting on a later gradient could then
-// depend on an earlier activation whose sender is itself waiting for us.
-// Tags: 2i for micro-batch i's activation, 2i + 1 for its gradient.
-//
+// Messages carry tag 0 and pair by order (Note [Point-to-point order] in
+// dist/communicator.hpp), as NCCL requires: every message from stage s to s + 1
+// is an activation (the shape message first, once), every message back a
+// gradient, both in micro-batch order on each side. After each forward or
+// backward a stage posts, in one group, the send of its result and the recv of
+// the next action's input, and waits for that recv before computing. The group
+// is what keeps NCCL from deadlocking, where a send may wait for its recv and
+// transfers run in order on one stream: in 1F1B stage s sends activation i and
+// then needs gradient j from s + 1, while s + 1 sends gradient j and then needs
+// activation i from s (Megatron-LM's send_forward_recv_backward). MPI and Gloo
+// start each transfer at once, so there the order of posting is what matters:
+// a recv is posted just before the compute that needs it, never earlier (the
+// Gloo backend reports p2p completions in posting order, so waiting on a later
+// gradient could otherwise depend on an earlier activation whose sender is
+// itself waiting for us). Sends are waited for only at the end of the step;
+// their tensors stay alive in a pending list until then.
+
 // Note [Shapes]
 // Shapes are agreed once, on the first train_step: each stage sends the shape
-// of its output (rank and dimensions as I64) to the next stage before the
-// first activation; gradients flowing back have the shape of the activation
-// they belong to. Later steps must use the same micro-batch shape; a stage
+// of its output (rank and dimensions as I64, a host buffer, outside any group)
+// to the next stage before the first activation; gradients flowing back have
+// the shape of the activation they belong to. Later steps must use the same micro-batch shape; a stage
 // that sees another one throws ShapeError (its neighbours then fail with a
 // CommError when it stops, or after the timeout).
 //
@@ -68,6 +77,7 @@
 #include <set>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ptrain/dist/communicator.hpp"
@@ -255,8 +265,30 @@ class StageModule : public nn::Module<T> {
   std::vector<std::shared_ptr<nn::Module<T>>> units_;
 };
 
-constexpr int kShapeTag = 1 << 20;   // tag of the one-time shape message (Note [Shapes])
-constexpr int kMaxShapeDims = 8;
+constexpr int kMaxShapeDims = 8;  // Note [Shapes]
+
+// group_start() on construction, group_end() by end() or, after an exception, by the destructor.
+class P2PGroup {
+ public:
+  explicit P2PGroup(dist::Communicator& c) : c_(c) { c_.group_start(); }
+  P2PGroup(const P2PGroup&) = delete;
+  P2PGroup& operator=(const P2PGroup&) = delete;
+  void end() {
+    open_ = false;
+    c_.group_end();
+  }
+  ~P2PGroup() {
+    if (!open_) return;
+    try {
+      c_.group_end();
+    } catch (...) {  // the exception in flight says what went wrong first
+    }
+  }
+
+ private:
+  dist::Communicator& c_;
+  bool open_ = true;
+};
 
 inline double steady_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -292,6 +324,13 @@ class Pipeline {
     }
     reject_borrowed_across_stages();
     if (!module_.named_parameters().empty()) flat_ = std::make_unique<nn::FlatParameters<T>>(module_);
+    // Activations and gradients are received on the device of the stage's parameters.
+    if (flat_) device_ = flat_->values().device();
+    PTRAIN_CHECK(flat_ || comm_.serves(Device::cpu()), Error, "[ptrain.pipeline.device] stage ", stage_,
+                 " holds no parameters, so it has no GPU to receive activations on; over ", comm_.backend(),
+                 " every stage needs a unit with parameters on its GPU (cut the model differently)");
+    comm_.check_serves(device_, "Pipeline");
+    if (opt_.data_parallel) opt_.data_parallel->check_serves(device_, "Pipeline (data-parallel group)");
   }
 
   Pipeline(const Pipeline&) = delete;
@@ -350,7 +389,7 @@ class Pipeline {
     nn::Cache<T> cache;       // the stage's activations
     Tensor<T> dout;           // last stage: gradient of the scaled loss
   };
-  struct PendingSend {
+  struct Pending {  // a transfer in flight and the buffer it reads or writes
     std::shared_ptr<dist::Work> work;
     Tensor<T> keep;  // the buffer must outlive the transfer
   };
@@ -364,13 +403,30 @@ class Pipeline {
     events_.clear();
     caches_.clear();
     peak_live_ = backwards_done_ = 0;
+    loss_sum_ = 0;
     agreeing_ = !shapes_agreed_;
-    double loss_sum = 0;
     step_start_ = detail::steady_seconds();
     try {
-      for (const PipelineAction& a : make_schedule(opt_.schedule, stage_, p, m)) {
-        if (a.kind == PipelineAction::Forward) loss_sum += forward_one(a.micro_batch, input, targets);
-        else backward_one(a.micro_batch);
+      // Note [Communication order]: each action's result goes out in one group with the next action's input.
+      const auto plan = make_schedule(opt_.schedule, stage_, p, m);
+      if (agreeing_ && !is_first()) in_shape_ = recv_shape();
+      post_recv(plan.front());
+      for (std::size_t k = 0; k < plan.size(); ++k) {
+        const PipelineAction& a = plan[k];
+        Tensor<T> out = a.kind == PipelineAction::Forward ? forward_one(a.micro_batch, input, targets)
+                                                          : backward_one(a.micro_batch);
+        const bool recv_next = k + 1 < plan.size() && source_of(plan[k + 1]) >= 0;
+        if (out.defined() || recv_next) {
+          doing_ = "posting the transfers to the neighbouring stages";
+          detail::P2PGroup group(comm_);
+          if (out.defined()) {
+            const int peer = a.kind == PipelineAction::Forward ? stage_ + 1 : stage_ - 1;
+            sends_.push_back(
+                {comm_.send_async(out.data(), static_cast<std::size_t>(out.numel()), dtype_of<T>(), peer), out});
+          }
+          if (recv_next) post_recv(plan[k + 1]);
+          group.end();
+        }
         reap_sends(false);
       }
       reap_sends(true);
@@ -389,7 +445,7 @@ class Pipeline {
       abandon();
       throw;
     }
-    double loss = is_last() ? loss_sum / m : std::numeric_limits<double>::quiet_NaN();
+    double loss = is_last() ? loss_sum_ / m : std::numeric_limits<double>::quiet_NaN();
     if (opt_.broadcast_loss && p > 1) comm_.broadcast(&loss, 1, DType::F64, p - 1);
     if (opt_.broadcast_loss && opt_.data_parallel && opt_.data_parallel->size() > 1)
       opt_.data_parallel->all_reduce(&loss, 1, DType::F64, dist::ReduceOp::Avg);
@@ -428,19 +484,45 @@ class Pipeline {
     msg.fill(0);
     msg[0] = s.size();
     for (int i = 0; i < s.size(); ++i) msg[static_cast<std::size_t>(i) + 1] = s[i];
-    sends_int_.push_back(comm_.send_async(msg.data(), msg.size(), DType::I64, stage_ + 1, detail::kShapeTag));
+    sends_int_.push_back(comm_.send_async(msg.data(), msg.size(), DType::I64, stage_ + 1));
   }
   Shape recv_shape() {
     std::vector<std::int64_t> msg(detail::kMaxShapeDims + 1, 0);
     doing_ = detail::cat("receiving the activation shape from stage ", stage_ - 1);
-    comm_.recv(msg.data(), msg.size(), DType::I64, stage_ - 1, detail::kShapeTag);
+    comm_.recv(msg.data(), msg.size(), DType::I64, stage_ - 1);
     PTRAIN_CHECK(msg[0] >= 1 && msg[0] <= detail::kMaxShapeDims, CommError, "[ptrain.pipeline.shape] stage ",
                  stage_, " got a corrupt shape message from stage ", stage_ - 1);
     return Shape(std::vector<std::int64_t>(msg.begin() + 1, msg.begin() + 1 + msg[0]));
   }
 
+  // The neighbour an action takes its input from, or -1 (first stage's forwards, last stage's backwards).
+  int source_of(const PipelineAction& a) const {
+    if (a.kind == PipelineAction::Forward) return is_first() ? -1 : stage_ - 1;
+    return is_last() ? -1 : stage_ + 1;
+  }
+
+  // Posts the recv of action a's input into incoming_ (Note [Communication order]).
+  void post_recv(const PipelineAction& a) {
+    const int peer = source_of(a);
+    if (peer < 0) return;
+    const bool fwd = a.kind == PipelineAction::Forward;
+    incoming_ = Tensor<T>::empty(fwd ? in_shape_ : out_shape_, device_);
+    incoming_what_ = detail::cat(fwd ? "the activation" : "the gradient", " of micro-batch ", a.micro_batch,
+                                 " from stage ", peer);
+    incoming_work_ = comm_.recv_async(incoming_.data(), static_cast<std::size_t>(incoming_.numel()), dtype_of<T>(),
+                                      peer);
+  }
+  // Waits for the recv post_recv() started; returns its tensor.
+  Tensor<T> take_recv() {
+    doing_ = "receiving " + incoming_what_;
+    incoming_work_->wait();
+    incoming_work_.reset();
+    return std::exchange(incoming_, Tensor<T>());
+  }
+
+  // Runs micro-batch mb's forward; returns the activation for the next stage (undefined on the last).
   template <class In>
-  double forward_one(int mb, const Tensor<In>& input, const Tensor<std::int32_t>& targets) {
+  Tensor<T> forward_one(int mb, const Tensor<In>& input, const Tensor<std::int32_t>& targets) {
     const int m = opt_.micro_batches;
     Tensor<In> first;  // the first stage's micro-batch
     Tensor<T> x;       // a later stage's activation from the previous stage
@@ -452,10 +534,7 @@ class Pipeline {
                    first.shape(), " differs from ", in_shape_, " agreed on the first step; keep the batch size "
                    "fixed (drop a last partial batch) or call set_micro_batches() on every stage to agree again");
     } else {
-      if (agreeing_ && mb == 0) in_shape_ = recv_shape();
-      x = Tensor<T>::empty(in_shape_);
-      doing_ = detail::cat("receiving the activation of micro-batch ", mb, " from stage ", stage_ - 1);
-      comm_.recv(x.data(), static_cast<std::size_t>(x.numel()), dtype_of<T>(), stage_ - 1, 2 * mb);
+      x = take_recv();
     }
     const double t0 = detail::steady_seconds();
     auto [it, fresh] = caches_.try_emplace(mb);
@@ -466,12 +545,11 @@ class Pipeline {
     if (!is_first()) y = module_.forward(x, state.cache);
     else if constexpr (std::is_same_v<In, std::int32_t>) y = module_.forward_tokens(first, state.cache);
     else y = module_.forward(first, state.cache);
-    double loss = 0;
     if (is_last()) {
       const std::int64_t rows = targets.size(0) / m;
-      loss = compute_loss(y, targets.narrow(mb * rows, rows), state.dout);
+      loss_sum_ += compute_loss(y, targets.narrow(mb * rows, rows), state.dout);
       record('F', mb, t0);
-      return loss;
+      return {};
     }
     record('F', mb, t0);
     if (agreeing_ && mb == 0) {
@@ -481,10 +559,7 @@ class Pipeline {
     PTRAIN_CHECK(y.shape() == out_shape_, ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
                  " produced an activation of shape ", y.shape(), " but the shape agreed on the first step is ",
                  out_shape_, "; keep the batch size and sequence length fixed across steps");
-    sends_.push_back({comm_.send_async(y.data(), static_cast<std::size_t>(y.numel()), dtype_of<T>(), stage_ + 1,
-                                       2 * mb),
-                      y});
-    return 0;
+    return y;
   }
 
   double compute_loss(const Tensor<T>& y, const Tensor<std::int32_t>& t, Tensor<T>& dout) {
@@ -497,18 +572,12 @@ class Pipeline {
     return loss;
   }
 
-  void backward_one(int mb) {
+  // Runs micro-batch mb's backward; returns the input gradient for the previous stage (undefined on the first).
+  Tensor<T> backward_one(int mb) {
     auto it = caches_.find(mb);
     PTRAIN_CHECK(it != caches_.end(), Error, "[ptrain.pipeline.schedule] backward of micro-batch ", mb,
                  " before its forward");
-    Tensor<T> dy;
-    if (is_last()) {
-      dy = it->second.dout;
-    } else {
-      dy = Tensor<T>::empty(out_shape_);
-      doing_ = detail::cat("receiving the gradient of micro-batch ", mb, " from stage ", stage_ + 1);
-      comm_.recv(dy.data(), static_cast<std::size_t>(dy.numel()), dtype_of<T>(), stage_ + 1, 2 * mb + 1);
-    }
+    Tensor<T> dy = is_last() ? it->second.dout : take_recv();
     const double t0 = detail::steady_seconds();
     Tensor<T> dx = module_.backward(dy, it->second.cache);
     caches_.erase(it);  // the activations of this micro-batch are no longer needed
@@ -517,14 +586,11 @@ class Pipeline {
     if (++backwards_done_ == opt_.micro_batches && opt_.data_parallel && opt_.data_parallel->size() > 1 && flat_)
       dp_work_ = opt_.data_parallel->all_reduce_async(flat_->grads(), dist::ReduceOp::Avg);
     record('B', mb, t0);
-    if (!is_first()) {
-      PTRAIN_CHECK(dx.defined() && dx.shape() == in_shape_, ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
-                   " returned an input gradient of shape ", dx.defined() ? dx.shape().str() : std::string("(none)"),
-                   " for an input of shape ", in_shape_, "; every unit after the first must return dx");
-      sends_.push_back({comm_.send_async(dx.data(), static_cast<std::size_t>(dx.numel()), dtype_of<T>(),
-                                         stage_ - 1, 2 * mb + 1),
-                        dx});
-    }
+    if (is_first()) return {};
+    PTRAIN_CHECK(dx.defined() && dx.shape() == in_shape_, ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
+                 " returned an input gradient of shape ", dx.defined() ? dx.shape().str() : std::string("(none)"),
+                 " for an input of shape ", in_shape_, "; every unit after the first must return dx");
+    return dx;
   }
 
   // Frees the buffers of finished sends; with `all`, waits for every one (end of step).
@@ -549,6 +615,7 @@ class Pipeline {
   void abandon() {
     caches_.clear();
     abandoned_.insert(abandoned_.end(), sends_.begin(), sends_.end());
+    if (incoming_work_) abandoned_.push_back({std::exchange(incoming_work_, nullptr), std::exchange(incoming_, {})});
     sends_.clear();
     sends_int_.clear();
     dp_work_.reset();
@@ -561,10 +628,15 @@ class Pipeline {
   detail::StageModule<T> module_;
   std::unique_ptr<nn::FlatParameters<T>> flat_;
   std::map<int, MicroBatch> caches_;
+  Device device_ = Device::cpu();  // of the parameters, where activations are received
   int peak_live_ = 0, backwards_done_ = 0;
+  double loss_sum_ = 0;
   bool shapes_agreed_ = false, agreeing_ = false;
   Shape in_shape_, out_shape_;
-  std::vector<PendingSend> sends_, abandoned_;
+  Tensor<T> incoming_;  // the next action's input, being received
+  std::shared_ptr<dist::Work> incoming_work_;
+  std::string incoming_what_;
+  std::vector<Pending> sends_, abandoned_;
   std::vector<std::shared_ptr<dist::Work>> sends_int_;
   std::deque<std::array<std::int64_t, detail::kMaxShapeDims + 1>> shape_msgs_;
   std::shared_ptr<dist::Work> dp_work_;

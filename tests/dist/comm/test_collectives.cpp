@@ -145,6 +145,22 @@ TEST_CASE("comm: bad arguments throw at the call and leave the communicator usab
   CHECK(x == static_cast<float>(c.size()));
 }
 
+TEST_CASE("comm: MPI and Gloo serve host memory only; CUDA tensors are refused by name", "[dist][comm]") {
+  Communicator& c = world();
+  CHECK(c.serves(Device::cpu()));
+  CHECK_FALSE(c.serves(Device::cuda(0)));
+  CHECK_NOTHROW(c.check_serves(Device::cpu(), "DDP"));
+  CHECK_THROWS_WITH(c.check_serves(Device::cuda(0), "DDP"),
+                    Catch::Contains("[ptrain.comm.device] DDP holds its tensors on cuda:0 but the " + c.backend()) &&
+                        Catch::Contains("use the NCCL backend"));
+  // The brackets for point-to-point groups do nothing here, so they may enclose anything.
+  c.group_start();
+  float x = 1;
+  c.all_reduce(&x, 1, DType::F32, ReduceOp::Sum);
+  c.group_end();
+  CHECK(x == static_cast<float>(c.size()));
+}
+
 TEST_CASE("comm: Tensor overloads", "[dist][comm]") {
   Communicator& c = world();
   auto t = Tensor<double>::full({3, 5}, static_cast<double>(c.rank() + 1));

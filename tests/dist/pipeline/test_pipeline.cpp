@@ -34,6 +34,7 @@
 #include <ptrain/parallel/mesh.hpp>
 #include <ptrain/parallel/pipeline.hpp>
 
+#include "dist/pipeline/nccl_model.hpp"
 #include "dist/pipeline/pipeline_util.hpp"
 #include "dist/spawn_util.hpp"
 
@@ -246,6 +247,65 @@ TEST_CASE("dp x pp meshes (2 x 2 on four ranks) equal one process", "[pipeline][
     const auto part = parallel::partition_balanced(param_costs(), pp);
     for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
       check_pipeline(mesh.pipeline_group(), &mesh.data_group(), sched, 4, Opt::AdamW, part);
+  }
+}
+
+// NcclModel (nccl_model.hpp) runs over MPI; under ptrun (Gloo) these cases have nothing to run.
+TEST_CASE("NcclModel: crossing sends deadlock unless grouped, and tags are refused", "[pipeline][nccl_model]") {
+  auto& comm = world();
+  if (comm.backend() != "mpi") return;
+  NcclModel model(comm), fresh(comm);
+  model.set_timeout(std::chrono::milliseconds(1500));  // how long a deadlock takes to be reported
+  const auto wait_long = std::chrono::seconds(60);     // waits outlast the model's own verdict
+  const int r = model.rank(), peer = r ^ 1;
+  const bool paired = peer < model.size();  // the last of an odd number of ranks sits out
+  const std::size_t n = 1000;
+  std::vector<float> mine(n, static_cast<float>(r + 1)), got(n, -1.0f);
+  if (paired) {
+    CHECK_THROWS_WITH(model.send_async(mine.data(), n, DType::F32, peer, 3), Catch::Contains("[nccl_model.tag]"));
+    // Each rank sends, then receives: under NCCL's rules each send waits for a recv
+    // that sits behind the other rank's send on its stream.
+    auto s1 = model.send_async(mine.data(), n, DType::F32, peer, 0);
+    auto r1 = model.recv_async(got.data(), n, DType::F32, peer, 0);
+    CHECK_THROWS_WITH(s1->wait(wait_long),
+                      Catch::Contains("[nccl_model.deadlock]") && Catch::Contains("send(F32 x 1000"));
+    CHECK_THROWS(r1->wait(wait_long));  // the model is aborted after a deadlock
+  }
+  // Every rank has its verdict before any completes the stuck transfers on the
+  // private communicator (taking the peer's data and acknowledging it), so
+  // nothing stays posted there.
+  comm.barrier();
+  if (!paired) return;
+  std::vector<float> drained(n);
+  std::int32_t ack = 1;
+  model.inner().recv(drained.data(), n, DType::F32, peer, 0);
+  model.inner().send(&ack, 1, DType::I32, peer, 1);
+  CHECK(drained == std::vector<float>(n, static_cast<float>(peer + 1)));
+
+  // The same exchange in one group completes, on a fresh model.
+  fresh.group_start();
+  auto s2 = fresh.send_async(mine.data(), n, DType::F32, peer, 0);
+  auto r2 = fresh.recv_async(got.data(), n, DType::F32, peer, 0);
+  fresh.group_end();
+  s2->wait(wait_long);
+  r2->wait(wait_long);
+  CHECK(got == std::vector<float>(n, static_cast<float>(peer + 1)));
+}
+
+TEST_CASE("pipelines under NCCL's point-to-point rules equal one process", "[pipeline][nccl_model]") {
+  auto& comm = world();
+  if (comm.backend() != "mpi") return;
+  NcclModel model(comm);
+  const int n = model.size();
+  const auto part = parallel::partition_balanced(param_costs(), n);
+  for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
+    for (int m : {1, 2, 8}) check_pipeline(model, nullptr, sched, m, Opt::AdamW, part);
+  for (int pp = 2; pp < n; ++pp) {
+    if (n % pp) continue;
+    parallel::Mesh mesh(model, n / pp, pp);
+    for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
+      check_pipeline(mesh.pipeline_group(), &mesh.data_group(), sched, 4, Opt::AdamW,
+                     parallel::partition_balanced(param_costs(), pp));
   }
 }
 

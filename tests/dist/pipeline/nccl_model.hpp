@@ -1,0 +1,259 @@
+#pragma once
+// NcclModel: a communicator that follows NCCL's point-to-point rules on the
+// CPU, over a private MPI communicator, so that code written for NCCL
+// (pipelines, Note [Communication order] in parallel/pipeline.hpp) is tested
+// without GPUs; NCCL itself refuses two ranks on one GPU.
+//
+// The rules, each as strict as NCCL's or stricter:
+//  - no tags: anything but tag 0 is refused; transfers pair by order per peer;
+//  - one stream per rank: operations (a transfer, a group, a collective) run one
+//    after another in posting order on one worker thread, each only after the
+//    previous one finished;
+//  - rendezvous: a send finishes only when the peer's matching recv has the data
+//    (the receiver acknowledges with a one-int message, tag 1, on the private
+//    communicator). NCCL may finish small sends earlier; code that does not
+//    deadlock here does not deadlock there for that reason;
+//  - group_start() / group_end(): the transfers in between start together and the
+//    group finishes when all of them have.
+// A deadlock under these rules ends, after timeout(), in CommError
+// [nccl_model.deadlock] for the operations in flight; the model is then
+// aborted (later operations fail at once). Their transfers stay posted on
+// inner() until the caller completes them (the test that provokes a deadlock
+// does).
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ptrain/dist/communicator.hpp>
+
+namespace pipeline_test {
+
+using namespace ptrain;
+
+class NcclModel final : public dist::Communicator {
+ public:
+  /// Collective over `world` (MPI: its requests complete independently of each other).
+  explicit NcclModel(dist::Communicator& world) : NcclModel(world.split(0, world.rank())) {}
+
+  ~NcclModel() override {
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return "nccl-model"; }
+  /// The private MPI communicator underneath (data on tag 0, acknowledgements on tag 1).
+  dist::Communicator& inner() { return *inner_; }
+
+  std::shared_ptr<dist::Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
+    return transfer(true, const_cast<void*>(buf), count, dt, peer, tag);
+  }
+  std::shared_ptr<dist::Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag) override {
+    return transfer(false, buf, count, dt, peer, tag);
+  }
+  void group_start() override {
+    PTRAIN_CHECK(!in_group_, CommError, "[nccl_model.group] nested group_start()");
+    in_group_ = true;
+  }
+  void group_end() override {
+    PTRAIN_CHECK(in_group_, CommError, "[nccl_model.group] group_end() without group_start()");
+    in_group_ = false;
+    if (!group_.empty()) submit({std::exchange(group_, {}), nullptr});
+  }
+
+  std::shared_ptr<dist::Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
+                                               dist::ReduceOp op) override {
+    return collective("all_reduce", [=, this] { inner_->all_reduce(send, recv, count, dt, op); });
+  }
+  std::shared_ptr<dist::Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
+                                                   dist::ReduceOp op) override {
+    return collective("reduce_scatter", [=, this] { inner_->reduce_scatter(send, recv, recv_count, dt, op); });
+  }
+  std::shared_ptr<dist::Work> all_gather_async(const void* send, void* recv, std::size_t count, DType dt) override {
+    return collective("all_gather", [=, this] { inner_->all_gather(send, recv, count, dt); });
+  }
+  std::shared_ptr<dist::Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
+    return collective("broadcast", [=, this] { inner_->broadcast(buf, count, dt, root); });
+  }
+  std::shared_ptr<dist::Work> barrier_async() override {
+    return collective("barrier", [this] { inner_->barrier(); });
+  }
+  std::unique_ptr<dist::Communicator> split(int color, int key) override {
+    collective("split", [] {})->wait();  // after everything queued, as on a stream
+    auto child = inner_->split(color, key);
+    return child ? std::unique_ptr<dist::Communicator>(new NcclModel(std::move(child))) : nullptr;
+  }
+
+ private:
+  static constexpr int kData = 0, kAck = 1;
+
+  class ModelWork : public dist::Work {
+   public:
+    ModelWork(std::string what, int rank, int peer, std::chrono::milliseconds t)
+        : Work(std::move(what), rank, peer, t) {
+      mark_enqueued();  // queued on the model's stream; finish() waits for the worker
+    }
+    void complete(std::exception_ptr e) {
+      {
+        std::lock_guard lock(m_);
+        error_ = std::move(e);
+        done_ = true;
+      }
+      cv_.notify_all();
+    }
+
+   protected:
+    void finish(std::chrono::milliseconds timeout) override {
+      std::unique_lock lock(m_);
+      if (!cv_.wait_for(lock, timeout, [&] { return done_; })) throw_timeout();
+      if (error_) std::rethrow_exception(error_);
+    }
+    bool try_finish() override {
+      std::lock_guard lock(m_);
+      if (done_ && error_) std::rethrow_exception(error_);
+      return done_;
+    }
+
+   private:
+    std::mutex m_;
+    std::condition_variable cv_;
+    bool done_ = false;
+    std::exception_ptr error_;
+  };
+
+  struct Transfer {
+    bool send;
+    void* buf;
+    std::size_t count;
+    DType dt;
+    int peer;
+    std::shared_ptr<ModelWork> work;
+    std::shared_ptr<dist::Work> data, ack;  // on inner_, once started
+    std::int32_t ack_value = 1;
+  };
+  struct Task {
+    std::vector<std::shared_ptr<Transfer>> transfers;  // a group (or one transfer)
+    std::function<void()> collective;
+  };
+
+  explicit NcclModel(std::unique_ptr<dist::Communicator> inner)
+      : Communicator(inner->timeout()), inner_(std::move(inner)) {
+    PTRAIN_CHECK(inner_->backend() == "mpi", CommError, "[nccl_model.backend] NcclModel runs over MPI, not ",
+                 inner_->backend());
+    worker_ = std::thread([this] { run(); });
+  }
+
+  std::shared_ptr<dist::Work> transfer(bool send, void* buf, std::size_t count, DType dt, int peer, int tag) {
+    const char* op = send ? "send" : "recv";
+    check_peer(peer, op);
+    PTRAIN_CHECK(tag == 0, CommError, "[nccl_model.tag] ", op, ": NCCL has no tags (got ", tag, ")");
+    auto t = std::make_shared<Transfer>(Transfer{send, buf, count, dt, peer, nullptr, nullptr, nullptr});
+    t->work = std::make_shared<ModelWork>(
+        dist::detail::op_desc(op, count, dt, detail::cat(send ? "to " : "from ", peer).c_str()), rank(), peer,
+        timeout());
+    if (in_group_) group_.push_back(t);
+    else submit({{t}, nullptr});
+    return t->work;
+  }
+
+  std::shared_ptr<dist::Work> collective(const char* what, std::function<void()> f) {
+    auto t = std::make_shared<Transfer>(Transfer{});
+    t->work = std::make_shared<ModelWork>(what, rank(), -1, timeout());
+    submit({{t}, std::move(f)});
+    return t->work;
+  }
+
+  void submit(Task task) {
+    {
+      std::lock_guard lock(m_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_all();
+  }
+
+  void run() {
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock lock(m_);
+        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      std::exception_ptr err = failed_;
+      if (!err) {
+        try {
+          if (task.collective) task.collective();
+          else run_group(task.transfers);
+        } catch (...) {
+          err = failed_ = std::current_exception();
+        }
+      }
+      for (auto& t : task.transfers) t->work->complete(err);
+    }
+  }
+
+  // Starts the group's transfers together and polls until each has its data and acknowledgement.
+  void run_group(std::vector<std::shared_ptr<Transfer>>& group) {
+    for (auto& t : group) {
+      stuck_.push_back(t);  // until complete: inner_ may still use its buffers
+      if (t->send) {
+        t->data = inner_->send_async(t->buf, t->count, t->dt, t->peer, kData);
+        t->ack = inner_->recv_async(&t->ack_value, 1, DType::I32, t->peer, kAck);
+      } else {
+        t->data = inner_->recv_async(t->buf, t->count, t->dt, t->peer, kData);
+      }
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    for (;;) {
+      bool all = true;
+      for (auto& t : group) {
+        if (!t->send && !t->ack && t->data->is_completed()) {
+          t->data->wait();
+          t->ack = inner_->send_async(&t->ack_value, 1, DType::I32, t->peer, kAck);
+        }
+        all = all && t->ack && t->data->is_completed() && t->ack->is_completed();
+      }
+      if (all) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string ops;
+        for (auto& t : group) ops += (ops.empty() ? "" : ", ") + t->work->what();
+        PTRAIN_THROW(CommError, "[nccl_model.deadlock] ", ops, " on rank ", rank(), " did not complete within ",
+                     timeout().count(), " ms under NCCL's rules (ordered stream, rendezvous sends)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    for (auto& t : group) {
+      t->data->wait();
+      t->ack->wait();
+    }
+    stuck_.clear();
+  }
+
+  std::unique_ptr<dist::Communicator> inner_;
+  bool in_group_ = false;                            // caller's thread only
+  std::vector<std::shared_ptr<Transfer>> group_;     // caller's thread only
+  std::vector<std::shared_ptr<Transfer>> stuck_;     // worker only: transfers inner_ may still touch
+  std::exception_ptr failed_;                        // worker only
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<Task> tasks_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace pipeline_test
