@@ -343,6 +343,15 @@ class OpQueue {
   std::thread thread_;
 };
 
+// A Work that is complete once its task on an OpQueue has run.
+class QueuedWork : public Work {
+ public:
+  QueuedWork(std::string what, int rank, int peer, std::chrono::milliseconds timeout)
+      : Work(std::move(what), rank, peer, timeout) {
+    set_single_stage();
+  }
+};
+
 // dst[i] = op(dst[i], src[i]) on the host; used by backends without a native
 // reduction for a dtype (bf16) and by Gloo's reduction callbacks.
 template <class T>

@@ -493,10 +493,9 @@ class GlooCommunicator : public Communicator {
     return w;
   }
 
-  struct SingleStageWork : Work {
-    SingleStageWork(std::string what, int rank, std::chrono::milliseconds t) : Work(std::move(what), rank, -1, t) {
-      set_single_stage();
-    }
+  struct SingleStageWork : detail::QueuedWork {
+    SingleStageWork(std::string what, int rank, std::chrono::milliseconds t)
+        : QueuedWork(std::move(what), rank, -1, t) {}
     using Work::set_probe;
   };
   std::shared_ptr<Work> make_work(std::string what) {

@@ -313,13 +313,8 @@ class MpiCommunicator : public Communicator {
     PTRAIN_CHECK_MPI(MPI_Comm_size(comm_, &size_));
   }
 
-  struct SingleStageWork : Work {
-    SingleStageWork(std::string what, int rank, std::chrono::milliseconds t) : Work(std::move(what), rank, -1, t) {
-      set_single_stage();
-    }
-  };
   std::shared_ptr<Work> make_work(std::string what) {
-    return std::make_shared<SingleStageWork>(std::move(what), rank_, timeout());
+    return std::make_shared<detail::QueuedWork>(std::move(what), rank_, -1, timeout());
   }
 
   std::shared_ptr<Work> p2p(bool is_send, void* buf, std::size_t count, DType dt, int peer, int tag) {

@@ -439,7 +439,7 @@ class Pipeline {
     } catch (const CommError& e) {
       abandon();
       PTRAIN_THROW(CommError, "[ptrain.pipeline.comm] stage ", stage_, " of ", p, " (rank ", comm_.rank(),
-                   ") while ", doing_, ": ", e.what(), "; a neighbouring stage failed or died; every stage must call train_step "
+                   ") while ", doing(), ": ", e.what(), "; a neighbouring stage failed or died; every stage must call train_step "
                    "with the same micro_batches and schedule");
     } catch (...) {
       abandon();
@@ -488,7 +488,7 @@ class Pipeline {
   }
   Shape recv_shape() {
     std::vector<std::int64_t> msg(detail::kMaxShapeDims + 1, 0);
-    doing_ = detail::cat("receiving the activation shape from stage ", stage_ - 1);
+    doing_ = "receiving the activation shape from the previous stage";
     comm_.recv(msg.data(), msg.size(), DType::I64, stage_ - 1);
     PTRAIN_CHECK(msg[0] >= 1 && msg[0] <= detail::kMaxShapeDims, CommError, "[ptrain.pipeline.shape] stage ",
                  stage_, " got a corrupt shape message from stage ", stage_ - 1);
@@ -507,14 +507,21 @@ class Pipeline {
     if (peer < 0) return;
     const bool fwd = a.kind == PipelineAction::Forward;
     incoming_ = Tensor<T>::empty(fwd ? in_shape_ : out_shape_, device_);
-    incoming_what_ = detail::cat(fwd ? "the activation" : "the gradient", " of micro-batch ", a.micro_batch,
-                                 " from stage ", peer);
+    incoming_action_ = a;
     incoming_work_ = comm_.recv_async(incoming_.data(), static_cast<std::size_t>(incoming_.numel()), dtype_of<T>(),
                                       peer);
   }
+  // doing_ in words; a receive names what it waits for.
+  std::string doing() const {
+    if (doing_ != kReceiving) return doing_;
+    const PipelineAction& a = incoming_action_;
+    const bool fwd = a.kind == PipelineAction::Forward;
+    return detail::cat("receiving ", fwd ? "the activation" : "the gradient", " of micro-batch ", a.micro_batch,
+                       " from stage ", source_of(a));
+  }
   // Waits for the recv post_recv() started; returns its tensor.
   Tensor<T> take_recv() {
-    doing_ = "receiving " + incoming_what_;
+    doing_ = kReceiving;
     incoming_work_->wait();
     incoming_work_.reset();
     return std::exchange(incoming_, Tensor<T>());
@@ -635,14 +642,16 @@ class Pipeline {
   Shape in_shape_, out_shape_;
   Tensor<T> incoming_;  // the next action's input, being received
   std::shared_ptr<dist::Work> incoming_work_;
-  std::string incoming_what_;
+  PipelineAction incoming_action_{};
   std::vector<Pending> sends_, abandoned_;
   std::vector<std::shared_ptr<dist::Work>> sends_int_;
   std::deque<std::array<std::int64_t, detail::kMaxShapeDims + 1>> shape_msgs_;
   std::shared_ptr<dist::Work> dp_work_;
   std::vector<PipelineEvent> events_;
   double step_start_ = 0;
-  std::string doing_;  // the communication in progress, for error messages
+  // The communication in progress, for error messages (doing(); a literal, so nothing is allocated per action).
+  const char* doing_ = "";
+  static constexpr const char* kReceiving = "receiving";
 };
 
 }  // namespace ptrain::parallel

@@ -17,19 +17,16 @@
 //    group finishes when all of them have.
 // A deadlock under these rules ends, after timeout(), in CommError
 // [nccl_model.deadlock] for the operations in flight; the model is then
-// aborted (later operations fail at once). Their transfers stay posted on
+// aborted (dist::detail::OpQueue fails later operations at once). Their transfers stay posted on
 // inner() until the caller completes them (the test that provokes a deadlock
 // does).
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <ptrain/dist/communicator.hpp>
@@ -42,15 +39,6 @@ class NcclModel final : public dist::Communicator {
  public:
   /// Collective over `world` (MPI: its requests complete independently of each other).
   explicit NcclModel(dist::Communicator& world) : NcclModel(world.split(0, world.rank())) {}
-
-  ~NcclModel() override {
-    {
-      std::lock_guard lock(m_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -71,7 +59,7 @@ class NcclModel final : public dist::Communicator {
   void group_end() override {
     PTRAIN_CHECK(in_group_, CommError, "[nccl_model.group] group_end() without group_start()");
     in_group_ = false;
-    if (!group_.empty()) submit({std::exchange(group_, {}), nullptr});
+    launch(std::exchange(group_, {}));
   }
 
   std::shared_ptr<dist::Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
@@ -100,60 +88,21 @@ class NcclModel final : public dist::Communicator {
  private:
   static constexpr int kData = 0, kAck = 1;
 
-  class ModelWork : public dist::Work {
-   public:
-    ModelWork(std::string what, int rank, int peer, std::chrono::milliseconds t)
-        : Work(std::move(what), rank, peer, t) {
-      mark_enqueued();  // queued on the model's stream; finish() waits for the worker
-    }
-    void complete(std::exception_ptr e) {
-      {
-        std::lock_guard lock(m_);
-        error_ = std::move(e);
-        done_ = true;
-      }
-      cv_.notify_all();
-    }
-
-   protected:
-    void finish(std::chrono::milliseconds timeout) override {
-      std::unique_lock lock(m_);
-      if (!cv_.wait_for(lock, timeout, [&] { return done_; })) throw_timeout();
-      if (error_) std::rethrow_exception(error_);
-    }
-    bool try_finish() override {
-      std::lock_guard lock(m_);
-      if (done_ && error_) std::rethrow_exception(error_);
-      return done_;
-    }
-
-   private:
-    std::mutex m_;
-    std::condition_variable cv_;
-    bool done_ = false;
-    std::exception_ptr error_;
-  };
-
   struct Transfer {
     bool send;
     void* buf;
     std::size_t count;
     DType dt;
     int peer;
-    std::shared_ptr<ModelWork> work;
+    std::shared_ptr<dist::Work> work;       // the caller's
     std::shared_ptr<dist::Work> data, ack;  // on inner_, once started
     std::int32_t ack_value = 1;
-  };
-  struct Task {
-    std::vector<std::shared_ptr<Transfer>> transfers;  // a group (or one transfer)
-    std::function<void()> collective;
   };
 
   explicit NcclModel(std::unique_ptr<dist::Communicator> inner)
       : Communicator(inner->timeout()), inner_(std::move(inner)) {
     PTRAIN_CHECK(inner_->backend() == "mpi", CommError, "[nccl_model.backend] NcclModel runs over MPI, not ",
                  inner_->backend());
-    worker_ = std::thread([this] { run(); });
   }
 
   std::shared_ptr<dist::Work> transfer(bool send, void* buf, std::size_t count, DType dt, int peer, int tag) {
@@ -161,54 +110,29 @@ class NcclModel final : public dist::Communicator {
     check_peer(peer, op);
     PTRAIN_CHECK(tag == 0, CommError, "[nccl_model.tag] ", op, ": NCCL has no tags (got ", tag, ")");
     auto t = std::make_shared<Transfer>(Transfer{send, buf, count, dt, peer, nullptr, nullptr, nullptr});
-    t->work = std::make_shared<ModelWork>(
+    t->work = std::make_shared<dist::detail::QueuedWork>(
         dist::detail::op_desc(op, count, dt, detail::cat(send ? "to " : "from ", peer).c_str()), rank(), peer,
         timeout());
     if (in_group_) group_.push_back(t);
-    else submit({{t}, nullptr});
+    else launch({t});
     return t->work;
+  }
+
+  // The stream: the first transfer's task runs the whole group; the others complete
+  // right after it, or fail with it (the queue fails everything after an error).
+  void launch(std::vector<std::shared_ptr<Transfer>> group) {
+    for (std::size_t i = 0; i < group.size(); ++i)
+      queue_.submit(group[i]->work, i ? std::function<void()>([] {}) : [this, group] { run_group(group); });
   }
 
   std::shared_ptr<dist::Work> collective(const char* what, std::function<void()> f) {
-    auto t = std::make_shared<Transfer>(Transfer{});
-    t->work = std::make_shared<ModelWork>(what, rank(), -1, timeout());
-    submit({{t}, std::move(f)});
-    return t->work;
-  }
-
-  void submit(Task task) {
-    {
-      std::lock_guard lock(m_);
-      tasks_.push_back(std::move(task));
-    }
-    cv_.notify_all();
-  }
-
-  void run() {
-    for (;;) {
-      Task task;
-      {
-        std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      std::exception_ptr err = failed_;
-      if (!err) {
-        try {
-          if (task.collective) task.collective();
-          else run_group(task.transfers);
-        } catch (...) {
-          err = failed_ = std::current_exception();
-        }
-      }
-      for (auto& t : task.transfers) t->work->complete(err);
-    }
+    auto w = std::make_shared<dist::detail::QueuedWork>(what, rank(), -1, timeout());
+    queue_.submit(w, std::move(f));
+    return w;
   }
 
   // Starts the group's transfers together and polls until each has its data and acknowledgement.
-  void run_group(std::vector<std::shared_ptr<Transfer>>& group) {
+  void run_group(const std::vector<std::shared_ptr<Transfer>>& group) {
     for (auto& t : group) {
       stuck_.push_back(t);  // until complete: inner_ may still use its buffers
       if (t->send) {
@@ -244,16 +168,12 @@ class NcclModel final : public dist::Communicator {
     stuck_.clear();
   }
 
+  // Destroyed in reverse: the queue's worker stops first, then what it may have left on inner_.
   std::unique_ptr<dist::Communicator> inner_;
-  bool in_group_ = false;                            // caller's thread only
-  std::vector<std::shared_ptr<Transfer>> group_;     // caller's thread only
-  std::vector<std::shared_ptr<Transfer>> stuck_;     // worker only: transfers inner_ may still touch
-  std::exception_ptr failed_;                        // worker only
-  std::mutex m_;
-  std::condition_variable cv_;
-  std::deque<Task> tasks_;
-  bool stop_ = false;
-  std::thread worker_;
+  std::vector<std::shared_ptr<Transfer>> stuck_;  // worker only: transfers inner_ may still touch
+  bool in_group_ = false;                         // caller's thread only
+  std::vector<std::shared_ptr<Transfer>> group_;  // caller's thread only
+  dist::detail::OpQueue queue_;
 };
 
 }  // namespace pipeline_test
