@@ -349,6 +349,18 @@ class Pipeline {
   double train_step_tokens(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
     return run_step(ids, targets);
   }
+  /// Forward only, for evaluation: the m micro-batches run through the stages in order and
+  /// the last stage computes the loss; no gradients, no activations kept. Returns what
+  /// train_step() would (the mean micro-batch loss, averaged over options.data_parallel).
+  /// Call module().train(false) on every stage first to turn dropout off. The micro-batch
+  /// shape is the one agreed on the first step, as for train_step().
+  double eval_step(const Tensor<T>& input, const Tensor<std::int32_t>& targets) {
+    return run_step(input, targets, false);
+  }
+  /// eval_step() with int32 token ids as the first stage's input (see train_step_tokens()).
+  double eval_step_tokens(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
+    return run_step(ids, targets, false);
+  }
 
   int stage() const { return stage_; }
   int num_stages() const { return part_.num_stages(); }
@@ -374,7 +386,7 @@ class Pipeline {
     return *flat_;
   }
 
-  /// Forward/backward events of the last train_step, in execution order.
+  /// Forward/backward events of the last train_step (or eval_step), in execution order.
   const std::vector<PipelineEvent>& timeline() const { return events_; }
   /// Steady-clock time at which the last train_step started on this stage.
   double step_start() const { return step_start_; }
@@ -395,11 +407,12 @@ class Pipeline {
   };
 
   template <class In>
-  double run_step(const Tensor<In>& input, const Tensor<std::int32_t>& targets) {
+  double run_step(const Tensor<In>& input, const Tensor<std::int32_t>& targets, bool training = true) {
     const int m = opt_.micro_batches, p = num_stages();
     if (is_first()) check_batch(input, "input");
     if (is_last()) check_batch(targets, "targets");
-    if (opt_.zero_grad && flat_) flat_->zero_grad();
+    if (training && opt_.zero_grad && flat_) flat_->zero_grad();
+    training_ = training;
     events_.clear();
     caches_.clear();
     peak_live_ = backwards_done_ = 0;
@@ -408,7 +421,8 @@ class Pipeline {
     step_start_ = detail::steady_seconds();
     try {
       // Note [Communication order]: each action's result goes out in one group with the next action's input.
-      const auto plan = make_schedule(opt_.schedule, stage_, p, m);
+      auto plan = make_schedule(training ? opt_.schedule : Schedule::GPipe, stage_, p, m);
+      if (!training) plan.resize(static_cast<std::size_t>(m));  // GPipe's forwards
       if (agreeing_ && !is_first()) in_shape_ = recv_shape();
       post_recv(plan.front());
       for (std::size_t k = 0; k < plan.size(); ++k) {
@@ -554,11 +568,11 @@ class Pipeline {
     else y = module_.forward(first, state.cache);
     if (is_last()) {
       const std::int64_t rows = targets.size(0) / m;
-      loss_sum_ += compute_loss(y, targets.narrow(mb * rows, rows), state.dout);
-      record('F', mb, t0);
-      return {};
+      loss_sum_ += compute_loss(y, targets.narrow(mb * rows, rows), training_ ? &state.dout : nullptr);
     }
+    if (!training_) caches_.erase(it);  // evaluation: nothing to keep for a backward
     record('F', mb, t0);
+    if (is_last()) return {};
     if (agreeing_ && mb == 0) {
       out_shape_ = y.shape();
       send_shape(out_shape_);
@@ -569,13 +583,17 @@ class Pipeline {
     return y;
   }
 
-  double compute_loss(const Tensor<T>& y, const Tensor<std::int32_t>& t, Tensor<T>& dout) {
+  // The loss of one micro-batch and, with dout, the gradient of loss / m.
+  double compute_loss(const Tensor<T>& y, const Tensor<std::int32_t>& t, Tensor<T>* dout) {
     const auto scale = static_cast<acc_t<T>>(1.0 / opt_.micro_batches);
-    if (opt_.loss) return opt_.loss(y, t, dout, scale);
+    if (opt_.loss) {
+      Tensor<T> unused;
+      return opt_.loss(y, t, dout ? *dout : unused, scale);
+    }
     nn::CrossEntropyLoss<T> ce;
     nn::Cache<T> lc;
     const double loss = ce.forward(y, t, lc);
-    dout = ce.backward(lc, scale);
+    if (dout) *dout = ce.backward(lc, scale);
     return loss;
   }
 
@@ -638,7 +656,7 @@ class Pipeline {
   Device device_ = Device::cpu();  // of the parameters, where activations are received
   int peak_live_ = 0, backwards_done_ = 0;
   double loss_sum_ = 0;
-  bool shapes_agreed_ = false, agreeing_ = false;
+  bool shapes_agreed_ = false, agreeing_ = false, training_ = true;
   Shape in_shape_, out_shape_;
   Tensor<T> incoming_;  // the next action's input, being received
   std::shared_ptr<dist::Work> incoming_work_;

@@ -81,6 +81,10 @@ double rel_error(nn::Module<float>& stage, nn::Module<float>& ref) {
   return scale > 0 ? diff / scale : diff;
 }
 
+bool identical(const Tensor<float>& a, const Tensor<float>& b) {
+  return a.numel() == b.numel() && std::equal(a.data(), a.data() + a.numel(), b.data());
+}
+
 std::vector<double> param_costs() {
   std::vector<double> c;
   for (std::size_t u = 0; u < kUnits; ++u) c.push_back(static_cast<double>(make_unit(u)->num_parameters()));
@@ -306,6 +310,50 @@ TEST_CASE("pipelines under NCCL's point-to-point rules equal one process", "[pip
     for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
       check_pipeline(mesh.pipeline_group(), &mesh.data_group(), sched, 4, Opt::AdamW,
                      parallel::partition_balanced(param_costs(), pp));
+  }
+}
+
+// eval_step against the reference's forward loss, over the world and (MPI) under
+// NCCL's rules: before any train_step (it agrees the shapes itself), and after one,
+// when it must leave the accumulated gradients and the parameters as they are.
+TEST_CASE("eval_step: the forward loss of one process, no gradients, no caches kept", "[pipeline][eval]") {
+  auto& comm = world();
+  std::unique_ptr<NcclModel> model;
+  std::vector<dist::Communicator*> comms{&comm};
+  if (comm.backend() == "mpi") comms.push_back((model = std::make_unique<NcclModel>(comm)).get());
+  const std::int64_t B = 8;
+  const int m = 4;
+  auto train = make_batch(B, 5), held_out = make_batch(B, 6);
+  auto ref = full_model();
+  nn::FlatParameters<float> ref_p(*ref);
+  auto ref_loss = [&](const Batch& b) {
+    nn::CrossEntropyLoss<float> ce;
+    nn::Cache<float> c, lc;
+    return ce.forward(ref->forward(b.x, c), b.y, lc);
+  };
+  const double before = ref_loss(held_out);
+  const double after = (train_reference(*ref, ref_p, Opt::SGD, {{train.x, train.y}}), ref_loss(held_out));
+  for (dist::Communicator* c : comms) {
+    const int p = c->size(), s = c->rank();
+    parallel::Pipeline<float> pipe(*c, kUnits, make_unit, parallel::partition_balanced(param_costs(), p),
+                                   {.micro_batches = m});
+    auto opt = make_opt(Opt::SGD, pipe.parameters());
+    INFO("stage " << s << " of " << p << " over " << c->backend());
+    CHECK(std::abs(pipe.eval_step(held_out.x, held_out.y) - before) <= 1e-5 * before);
+    pipe.train_step(train.x, train.y);
+    const auto grads = pipe.parameters().grads().clone(), values = pipe.parameters().values().clone();
+    const double loss = pipe.eval_step(held_out.x, held_out.y);
+    CHECK(pipe.live_caches() == 0);
+    CHECK(pipe.peak_live_caches() == 1);
+    CHECK(pipe.timeline().size() == static_cast<std::size_t>(m));
+    for (const auto& e : pipe.timeline()) CHECK(e.kind == 'F');
+    CHECK(identical(pipe.parameters().grads(), grads));
+    CHECK(identical(pipe.parameters().values(), values));
+    opt->step();
+    // Evaluated before the update: the loss of the initial parameters again.
+    CHECK(std::abs(loss - before) <= 1e-5 * before);
+    CHECK(std::abs(pipe.eval_step(held_out.x, held_out.y) - after) <= 1e-5 * after);
+    CHECK(std::abs(after - before) > 1e-3 * before);  // the step changed the loss: the check above can fail
   }
 }
 
