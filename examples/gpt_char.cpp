@@ -4,14 +4,16 @@
 //   build/examples/gpt_char --data input.txt --steps 5000     # any plain-text file
 //   mpirun -np 2 build/examples/gpt_char --parallel ddp       # data parallel (also under ptrun)
 //   ptrun --nproc-per-node 2 gpt_char --parallel fsdp          # fully sharded (--fsdp-strategy ...)
+//   ptrun --nproc-per-node 4 gpt_char --parallel pipeline --stages 2 --micro-batches 4   # 2 replicas x 2 stages
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
 // saves every --checkpoint-every steps (in the background), at the end, and when
 // SIGTERM/SIGINT/SIGUSR1 arrives (all ranks agree at the next step, save and exit
 // with --preempt-exit-code); --resume continues from the newest complete checkpoint
 // in DIR when there is one, bit for bit on the same ranks and flags
-// (docs/models.md, docs/checkpointing.md). Checkpoints of the three modes hold
-// the same tensor names, so a run of any mode and world size resumes any of them:
+// (docs/models.md, docs/checkpointing.md). Checkpoints of every mode hold the
+// same tensor names, so a run of any mode and world size resumes any of them
+// (a pipeline trains an untied model: resume its checkpoints elsewhere with --untied):
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --checkpoint-dir ckpt --checkpoint-every 250 --resume
 //   ptrun --nproc-per-node 4 gpt_char --parallel fsdp --checkpoint-dir ckpt --checkpoint-every 250 --resume
 // --export FILE writes the final parameters, whole, to one safetensors file.
@@ -44,12 +46,15 @@
 #include <ptrain/ckpt/checkpoint.hpp>
 #include <ptrain/ckpt/fsdp_checkpoint.hpp>
 #include <ptrain/ckpt/preemption.hpp>
+#include <ptrain/ckpt/stage_checkpoint.hpp>
 #include <ptrain/data/text.hpp>
 #include <ptrain/dist/launch_env.hpp>
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/parallel/ddp.hpp>
 #include <ptrain/parallel/fsdp.hpp>
+#include <ptrain/parallel/mesh.hpp>
+#include <ptrain/parallel/pipeline.hpp>
 #include <ptrain/ptrain.hpp>
 
 #include "checkpoint_flags.hpp"
@@ -67,6 +72,10 @@ struct Options {
   std::string precision = "fp32";
   std::string fsdp_strategy = "full_shard";
   int hybrid_shard_size = 0;  // 0: the launcher's ranks per node
+  int stages = 0;             // --parallel pipeline: stages per replica (0: every rank one stage)
+  int micro_batches = 4;
+  std::string schedule = "1f1b";
+  bool untied = false;        // the LM head has its own weight (always under --parallel pipeline)
   std::int64_t steps = 1500;
   std::int64_t batch = 16;  // per rank
   std::int64_t block = 128;
@@ -126,7 +135,7 @@ std::string fortunes_corpus() {
 template <class T>
 struct TrainState {
   std::int64_t step = 0;
-  RandomWindows* windows = nullptr;  // position() = batches taken
+  RandomWindows* windows = nullptr;  // position() = batches taken (by each rank of a replica)
   nn::GPT<T>* model = nullptr;       // parameters; model->generators() = dropout stream offsets
   optim::AdamW<T>* optimizer = nullptr;
 };
@@ -135,21 +144,27 @@ struct TrainState {
 // from --data). --heads changes no tensor shape, so only this check catches it.
 nlohmann::json model_flags(const nn::GPTConfig& c, const Options& o) {
   return {{"vocab", c.vocab_size}, {"block", c.block_size}, {"layers", c.n_layer}, {"heads", c.n_head},
-          {"embd", c.n_embd}, {"precision", o.precision}};
+          {"embd", c.n_embd}, {"precision", o.precision}, {"untied", !c.tie_weights}};
 }
 
-// --parallel, with the FSDP strategy: "none", "ddp", "fsdp full_shard", "fsdp hybrid 2".
-std::string parallel_layout(const Options& o) {
+// --parallel with its options: "none", "ddp", "fsdp full_shard", "fsdp hybrid 2",
+// "pipeline 2 stages x 2 replicas, m 4, 1f1b".
+std::string parallel_layout(const Options& o, int world) {
+  if (o.parallel == "pipeline") {
+    const int pp = o.stages > 0 ? o.stages : world;
+    return "pipeline " + std::to_string(pp) + " stages x " + std::to_string(world / pp) + " replicas, m " +
+           std::to_string(o.micro_batches) + ", " + o.schedule;
+  }
   if (o.parallel != "fsdp") return o.parallel;
   return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
 }
 
 // Flags that a resumed run may change (the run goes on, but is no longer the
 // bit-exact continuation); keyed by flag name too.
-nlohmann::json train_flags(const Options& o) {
+nlohmann::json train_flags(const Options& o, int world) {
   return {{"seed", o.seed},   {"batch", o.batch},   {"dropout", o.dropout},     {"steps", o.steps},
           {"lr", o.lr},       {"min-lr", o.min_lr}, {"warmup", o.warmup},       {"weight-decay", o.weight_decay},
-          {"grad-clip", o.grad_clip}, {"parallel", parallel_layout(o)}};
+          {"grad-clip", o.grad_clip}, {"parallel", parallel_layout(o, world)}};
 }
 
 // Refuses a checkpoint of another program or model before any tensor is read,
@@ -162,11 +177,15 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
                "'); pass another --checkpoint-dir");
   std::string model_diff;
   for (const auto& [key, want] : model.items()) {
-    // Checkpoints from before --precision existed are fp32.
-    const nlohmann::json have = user.at("model").value(key, key == "precision" ? nlohmann::json("fp32") : nlohmann::json());
+    // Checkpoints from before --precision and --untied existed are fp32 and tied.
+    const nlohmann::json old = key == "precision" ? nlohmann::json("fp32")
+                               : key == "untied"  ? nlohmann::json(false)
+                                                  : nlohmann::json();
+    const nlohmann::json have = user.at("model").value(key, old);
     if (have == want) continue;
     model_diff += (key == "vocab" ? "; vocabulary size " : "; --" + key + " ") + have.dump() + " in the checkpoint, " +
-                  want.dump() + (key == "vocab" ? " from --data now" : " now");
+                  want.dump() + (key == "vocab" ? " from --data now" : " now") +
+                  (key == "untied" ? " (--parallel pipeline always trains an untied model)" : "");
   }
   PTRAIN_CHECK(model_diff.empty(), CheckpointError, "[ptrain.example.config] ", path,
                " holds another model than the flags describe", model_diff,
@@ -185,22 +204,30 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 }
 
 // Mean loss over eval_batches fixed windows of the validation split (eval mode).
-// `runner` computes the logits: the model itself, or its FSDP wrapper (collective).
-template <class T>
-double evaluate(nn::GPT<T>& model, nn::Module<T>& runner, RandomWindows& windows, std::int64_t batches,
-                std::int64_t batch, Device device) {
+// `batch_loss` is the loss of one batch: by the model, its FSDP wrapper or the pipeline (both collective).
+template <class T, class BatchLoss>
+double evaluate(nn::GPT<T>& model, RandomWindows& windows, std::int64_t batches, std::int64_t batch,
+                BatchLoss&& batch_loss) {
   model.train(false);
-  nn::CrossEntropyLoss<T> ce;
   Tensor<std::int32_t> x, y;
   windows.set_position(0);
   double total = 0;
   for (std::int64_t b = 0; b < batches; ++b) {
     windows.next(batch, x, y);
-    nn::Cache<T> c, lc;
-    total += ce.forward(runner.forward_tokens(x.to(device), c), y.to(device), lc);
+    total += batch_loss(x, y);
   }
   model.train(true);
   return total / static_cast<double>(batches);
+}
+
+// The cost of each GPT unit for partition_balanced: forward matmul FLOPs per token
+// (the embedding's lookup counts one per channel).
+std::vector<double> unit_costs(const nn::GPTConfig& c) {
+  const auto C = static_cast<double>(c.n_embd), S = static_cast<double>(c.block_size);
+  std::vector<double> cost{C};
+  for (std::int64_t l = 0; l < c.n_layer; ++l) cost.push_back(24 * C * C + 4 * S * C);
+  cost.push_back(2 * C * static_cast<double>(c.vocab_size));
+  return cost;
 }
 
 }  // namespace
@@ -218,6 +245,19 @@ int run(Options opt) {
     if (opt.parallel != "none") comm = dist::init_process_group({.device = device});
     const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
     const bool lead = rank == 0;
+    // pipeline: a dp x pp mesh; the stages of one replica read the same batches.
+    std::unique_ptr<parallel::Mesh> mesh;
+    if (opt.parallel == "pipeline") {
+      const int pp = opt.stages > 0 ? opt.stages : world;
+      PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
+                   " ranks; launch a multiple of --stages ranks (each group of --stages ranks is one replica)");
+      PTRAIN_CHECK(opt.batch % opt.micro_batches == 0, Error, "[gpt_char.micro_batches] --batch ", opt.batch,
+                   " is not divisible by --micro-batches ", opt.micro_batches, "; pick a multiple");
+      PTRAIN_CHECK(opt.n_layer + 2 >= pp, Error, "[gpt_char.stages] ", pp, " stages for ", opt.n_layer + 2,
+                   " units (embedding, ", opt.n_layer, " blocks, head); use at most ", opt.n_layer + 2, " stages");
+      mesh = std::make_unique<parallel::Mesh>(*comm, world / pp, pp);
+    }
+    const int replicas = mesh ? mesh->dp_size() : world, replica = mesh ? mesh->replica() : rank;
     // Ranks of one node would oversubscribe the cores with a thread pool each.
     if (opt.threads > 0 || comm) kernels::cpu::set_num_threads(opt.threads > 0 ? opt.threads : 1);
 
@@ -232,23 +272,40 @@ int run(Options opt) {
     const Tensor<std::int32_t> ids = tok.encode_tensor(text);
     const std::int64_t n = ids.numel(), n_val = n / 10;
     const double entropy = unigram_entropy(ids, tok.vocab_size());
-    RandomWindows train_windows(ids.narrow(0, n - n_val), opt.block, opt.seed, rank, world);
+    RandomWindows train_windows(ids.narrow(0, n - n_val), opt.block, opt.seed, replica, replicas);
     RandomWindows val_windows(ids.narrow(n - n_val, n_val), opt.block, opt.seed + 1);
 
     manual_seed(opt.seed);
     nn::GPTConfig cfg{.vocab_size = tok.vocab_size(), .block_size = opt.block, .n_layer = opt.n_layer,
-                      .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout, .tie_weights = true,
-                      .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank)};
+                      .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout,
+                      .tie_weights = !opt.untied && !mesh, .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank)};
     nn::GPT<T> model(cfg);
-    if (!device.is_cpu()) model.to(device);  // initialised on the CPU, so every device starts from the same values
+    // Initialised on the CPU, so every device starts from the same values; a pipeline stage moves its own units.
+    if (!device.is_cpu() && !mesh) model.to(device);
     const std::int64_t num_parameters = model.num_parameters();  // FSDP releases the model's tensors
     // none/ddp: the parameters packed in one flat buffer (DDP's buckets are ranges of it).
     // fsdp: every unit (embedding, blocks, head) is sharded under the model's own
     // parameter names, so checkpoints of all modes hold the same tensors.
+    // pipeline: every rank builds the whole model in host memory (one initialisation
+    // stream, so every stage starts as the one-process model does) and keeps the
+    // units of its stage, under the model's names; stages balance forward FLOPs.
     std::unique_ptr<nn::FlatParameters<T>> params;
     std::unique_ptr<parallel::DDP<T>> ddp;
     std::unique_ptr<parallel::FSDP<T>> fsdp;
-    if (opt.parallel == "fsdp") {
+    std::unique_ptr<parallel::Pipeline<T>> pipe;
+    if (mesh) {
+      auto unit = [&](std::size_t u) {
+        auto m = model.units()[u];
+        if (!device.is_cpu()) m->to(device);
+        return m;
+      };
+      pipe = std::make_unique<parallel::Pipeline<T>>(
+          mesh->pipeline_group(), model.units().size(), unit, parallel::partition_balanced(unit_costs(cfg), mesh->pp_size()),
+          parallel::PipelineOptions<T>{.schedule = opt.schedule == "gpipe" ? parallel::Schedule::GPipe
+                                                                           : parallel::Schedule::OneFOneB,
+                                       .micro_batches = opt.micro_batches, .unit_names = model.unit_names(),
+                                       .data_parallel = &mesh->data_group()});
+    } else if (opt.parallel == "fsdp") {
       if (opt.fsdp_strategy == "hybrid" && opt.hybrid_shard_size == 0)
         opt.hybrid_shard_size = dist::detect_launch_env().local_world_size;
       parallel::FSDPOptions fo{.hybrid_shard_size = opt.hybrid_shard_size, .unit_names = model.unit_names()};
@@ -268,7 +325,7 @@ int run(Options opt) {
       if (fsdp)
         return optim::AdamW<T>(fsdp->local_values(), fsdp->local_grads(), fsdp->local_entries(), adamw,
                                    nn::gpt_decay_filter());
-      return optim::AdamW<T>(*params, adamw, nn::gpt_decay_filter());
+      return optim::AdamW<T>(pipe ? pipe->parameters() : *params, adamw, nn::gpt_decay_filter());
     }();
     nn::Module<T>& net = ddp ? static_cast<nn::Module<T>&>(*ddp)
                                  : fsdp ? static_cast<nn::Module<T>&>(*fsdp) : model;
@@ -280,7 +337,13 @@ int run(Options opt) {
     };
     auto clip = [&] {  // FSDP: collective over the shards, each holding part of the gradient
       if (opt.grad_clip <= 0) return 0.0;
-      return fsdp ? fsdp->clip_grad_norm_(opt.grad_clip) : optim::clip_grad_norm_(params->grads(), opt.grad_clip);
+      if (fsdp) return fsdp->clip_grad_norm_(opt.grad_clip);
+      if (!pipe) return optim::clip_grad_norm_(params->grads(), opt.grad_clip);
+      // The stages of a replica hold disjoint parts of the (replica-averaged) gradient.
+      return optim::clip_grad_norm_(pipe->parameters().grads(), opt.grad_clip, [&](double sq) {
+        mesh->pipeline_group().all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
+        return sq;
+      });
     };
     nn::CrossEntropyLoss<T> ce;
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = opt.warmup, .total = opt.steps,
@@ -299,15 +362,20 @@ int run(Options opt) {
     }
     // Note [gpt_char resume state]
     // - Data: every rank takes one batch per step, so each rank's position() equals
-    //   the step, and rank r's batch at position t is global windows
-    //   (t*world + r)*batch + j: one number describes every rank's stream, and no
-    //   per-rank positions need gathering. It is saved as the global windows
-    //   consumed (SamplerState::consumed = position*world*batch), so a resume on
-    //   another world size or batch starts at the first batch that repeats no window.
+    //   the step, and replica r's batch at position t is global windows
+    //   (t*replicas + r)*batch + j (a replica is one rank, or the stages of one
+    //   pipeline, which read the same batch): one number describes every stream,
+    //   and no per-rank positions need gathering. It is saved as the global
+    //   windows consumed (SamplerState::consumed = position*replicas*batch), so a
+    //   resume on another world size or batch starts at the first batch that
+    //   repeats no window.
     // - Dropout: rank r's streams are seeded from --seed + r (GPTConfig::dropout_seed)
     //   and every rank draws the same count per step (same shapes), so rank 0's
     //   offsets are every rank's; rng["dropout/<name>"] holds them, and each rank
-    //   keeps its own seed and takes the offset.
+    //   keeps its own seed and takes the offset. In a pipeline each stream is
+    //   drawn on one stage only, and the other stages' copies stay where they
+    //   started (0, or the resumed offset): the largest offset over the stages of
+    //   a replica is the stream's.
     // - Parameters, AdamW moments and step count: model/optimizer.safetensors and
     //   trainer.json (written by rank 0: DDP replicas are identical). The LR is
     //   schedule(step) of the flags' schedule; trainer.json keeps it for reference.
@@ -315,20 +383,28 @@ int run(Options opt) {
     //   (model-RRRRR-of-WWWWW.safetensors, save_sharded), under the same names;
     //   load_fsdp reshards any checkpoint (also save()'s) onto this run's shards, and
     //   CheckpointManager::load assembles whole tensors from pieces for none/ddp.
-    const nlohmann::json model_cfg = model_flags(cfg, opt), train_cfg = train_flags(opt);
+    //   Under pipeline, replica 0 of each stage writes its stage's tensors whole
+    //   (save_stage); load_stage resumes the same layout, and a checkpoint of
+    //   another mode loads the stage's tensors by name.
+    const nlohmann::json model_cfg = model_flags(cfg, opt), train_cfg = train_flags(opt, world);
     if (checkpoints && opt.resume) {
       const auto last = checkpoints->latest();
       for (const auto& s : last.skipped)
         if (lead) std::fprintf(stderr, "gpt_char: skipping %s: %s\n", s.path.c_str(), s.reason.c_str());
       if (last.found()) {
         // The config check reads only trainer.json, so a mismatch leaves the model untouched.
-        std::string changed = check_checkpoint_config(ckpt::Checkpoint(last.path, false).trainer_state().user,
-                                                      model_cfg, train_cfg, last.path.string());
-        const ckpt::TrainerState st = fsdp ? ckpt::load_fsdp(last.path, *fsdp, &optimizer)
-                                           : checkpoints->load(last.path, *params, &optimizer);
+        const ckpt::TrainerState saved = ckpt::Checkpoint(last.path, false).trainer_state();
+        std::string changed = check_checkpoint_config(saved.user, model_cfg, train_cfg, last.path.string());
+        const ckpt::TrainerState st = [&] {
+          if (fsdp) return ckpt::load_fsdp(last.path, *fsdp, &optimizer);
+          if (!pipe) return checkpoints->load(last.path, *params, &optimizer);
+          if (!ckpt::saved_pipeline_layout(saved).is_null())
+            return ckpt::load_stage(*checkpoints, last.path, *pipe, &optimizer);
+          return checkpoints->load(last.path, pipe->parameters(), &optimizer, ckpt::LoadOptions{.partial = true});
+        }();
         PTRAIN_CHECK(st.sampler.has_value(), CheckpointError, "[ptrain.example.config] ", last.path.string(),
                      " has no data position; it was not written by this program");
-        const auto windows_per_step = static_cast<std::int64_t>(world) * opt.batch;
+        const auto windows_per_step = static_cast<std::int64_t>(replicas) * opt.batch;
         train_windows.set_position((st.sampler->consumed + windows_per_step - 1) / windows_per_step);
         for (auto& [name, gen] : model.generators()) {
           const auto it = st.rng.find("dropout/" + name);
@@ -354,17 +430,26 @@ int run(Options opt) {
     }
     std::unique_ptr<ckpt::PreemptionHandler> preempt;
     if (checkpoints) preempt = std::make_unique<ckpt::PreemptionHandler>();
-    auto trainer_state = [&] {
+    auto trainer_state = [&] {  // collective under pipeline
       ckpt::TrainerState ts;
-      ts.sampler = ckpt::SamplerState{0, train_windows.position() * world * opt.batch, world};
-      for (const auto& [name, gen] : model.generators()) ts.rng["dropout/" + name] = ckpt::GeneratorState::of(*gen);
+      ts.sampler = ckpt::SamplerState{0, train_windows.position() * replicas * opt.batch, replicas};
+      const auto streams = model.generators();
+      std::vector<std::int64_t> offsets;
+      for (const auto& [name, gen] : streams) offsets.push_back(static_cast<std::int64_t>(gen->offset()));
+      if (mesh) mesh->pipeline_group().all_reduce(offsets.data(), offsets.size(), DType::I64, dist::ReduceOp::Max);
+      for (std::size_t i = 0; i < streams.size(); ++i)
+        ts.rng["dropout/" + streams[i].first] = {streams[i].second->seed(), static_cast<std::uint64_t>(offsets[i])};
       ts.schedule = schedule;
       ts.user = {{"program", "gpt_char"}, {"model", model_cfg}, {"train", train_cfg}};
       return ts;
     };
     // Collective. In the background: returns after a copy to host memory.
     auto save = [&](bool background) {
-      if (fsdp) {
+      if (pipe) {
+        const ckpt::StageSnapshot mine = ckpt::stage_snapshot(comm.get(), *pipe, &optimizer, trainer_state());
+        if (background) saver->save_sharded(state.step, mine.tensors, mine.state);
+        else checkpoints->save_sharded(state.step, mine.tensors, mine.state);
+      } else if (fsdp) {
         const ckpt::ShardedState mine = ckpt::fsdp_state(*fsdp, &optimizer);
         if (background) saver->save_sharded(state.step, mine, trainer_state());
         else checkpoints->save_sharded(state.step, mine, trainer_state());
@@ -378,7 +463,7 @@ int run(Options opt) {
 
     MetricsWriter metrics(lead ? opt.metrics : "", resumed);
     Progress progress(opt.steps, lead ? opt.log_every : 0, std::cout, state.step);
-    const double tokens_per_step = static_cast<double>(opt.batch * opt.block * world);
+    const double tokens_per_step = static_cast<double>(opt.batch * opt.block * replicas);
     if (lead) {
       std::printf("corpus %s: %lld characters, vocabulary %lld, unigram entropy %.4f nats/char\n",
                   opt.data.empty() ? kFortunesDir : opt.data.c_str(), static_cast<long long>(n),
@@ -390,6 +475,10 @@ int run(Options opt) {
       if (fsdp)
         std::printf("parallel: %s over %d rank(s) (shard groups of %d)\n", fsdp->describe().c_str(), world,
                     fsdp->shard_size());
+      if (pipe)
+        std::printf("parallel: pipeline of %d stages (units %s) x %d replica(s), %d micro-batches, %s\n",
+                    pipe->num_stages(), pipe->partition().str().c_str(), replicas, opt.micro_batches,
+                    opt.schedule.c_str());
       metrics.write({{"event", "config"}, {"vocab_size", tok.vocab_size()}, {"characters", n},
                      {"parameters", num_parameters}, {"unigram_entropy", entropy}, {"world_size", world},
                      {"start_step", state.step}});
@@ -399,8 +488,15 @@ int run(Options opt) {
     nn::Cache<T> cache, loss_cache;
     double val_loss = 0;
     auto validate = [&] {
-      // Every rank evaluates (FSDP's forward is collective); the average is identical on every rank.
-      val_loss = average(evaluate(model, fsdp ? net : model, val_windows, opt.eval_batches, opt.batch, device));
+      // Every rank evaluates (FSDP's forward and the pipeline's are collective); the result is
+      // identical on every rank (the pipeline averages over its replicas itself).
+      nn::CrossEntropyLoss<T> eval_ce;
+      const double mean = evaluate(model, val_windows, opt.eval_batches, opt.batch, [&](auto& vx, auto& vy) {
+        if (pipe) return pipe->eval_step_tokens(vx.to(device), vy.to(device));
+        nn::Cache<T> c, lc;
+        return eval_ce.forward((fsdp ? net : model).forward_tokens(vx.to(device), c), vy.to(device), lc);
+      });
+      val_loss = pipe ? mean : average(mean);
       if (lead) {
         std::printf("step %lld: val_loss %.4f (%.3f x unigram entropy)\n", static_cast<long long>(state.step),
                     val_loss, val_loss / entropy);
@@ -411,12 +507,17 @@ int run(Options opt) {
     while (state.step < opt.steps) {
       train_windows.next(opt.batch, x, y);
       optimizer.set_lr(schedule(state.step));
-      zero_grad();
-      double loss = ce.forward(net.forward_tokens(x.to(device), cache), y.to(device), loss_cache);
-      net.backward(ce.backward(loss_cache), cache);
-      if (ddp) ddp->finish_gradient_sync();
-      if (fsdp) fsdp->finish_gradient_sync();
-      loss = average(loss);
+      double loss;
+      if (pipe) {  // zeroes, accumulates the micro-batches and averages over the replicas
+        loss = pipe->train_step_tokens(x.to(device), y.to(device));
+      } else {
+        zero_grad();
+        loss = ce.forward(net.forward_tokens(x.to(device), cache), y.to(device), loss_cache);
+        net.backward(ce.backward(loss_cache), cache);
+        if (ddp) ddp->finish_gradient_sync();
+        if (fsdp) fsdp->finish_gradient_sync();
+        loss = average(loss);
+      }
       const double norm = clip();
       if (fsdp) fsdp->optimizer_step(optimizer);  // steps the local shard; ZeRO-1/2 re-gather their full copy
       else optimizer.step();
@@ -447,7 +548,10 @@ int run(Options opt) {
     }
     validate();
 
-    // Sampling and --export need the whole parameters on rank 0. Under FSDP the
+    // Sampling and --export need the whole parameters on rank 0. Under pipeline,
+    // rank 0 (stage 0 of replica 0) holds only its stage's current values: the
+    // other stages of replica 0 send theirs, parameter by parameter in the
+    // model's order, into its copy of the model, on the training device. Under FSDP the
     // model object is intact but FullShard/Hybrid released its tensors: every rank
     // gathers them (full_parameters is collective) and rank 0 binds the model's own
     // Parameters to the copies, so generate() and the tied head work unchanged and
@@ -460,6 +564,20 @@ int run(Options opt) {
           const auto it = by_name.find(p.name);
           PTRAIN_CHECK(it != by_name.end(), Error, "[ptrain.example.fsdp] FSDP has no parameter '", p.name, "'");
           p.param->value = it->second;
+        }
+      }
+    }
+    if (pipe && mesh->replica() == 0 && (opt.sample_tokens > 0 || !opt.export_path.empty())) {
+      dist::Communicator& stages = mesh->pipeline_group();
+      const auto& part = pipe->partition();
+      for (int s = 1; s < stages.size(); ++s) {
+        if (!lead && stages.rank() != s) continue;
+        for (std::size_t u = part.begin(s); u < part.end(s); ++u) {
+          if (lead && !device.is_cpu()) model.units()[u]->to(device);
+          for (auto& p : model.units()[u]->named_parameters()) {
+            if (lead) stages.recv(p.param->value, s);
+            else stages.send(p.param->value, 0);
+          }
         }
       }
     }
@@ -498,8 +616,8 @@ int main(int argc, char** argv) {
   Options opt;
   CLI::App app{"Train a character-level GPT with ptrain"};
   app.add_option("--data", opt.data, "plain-text file (default: the fortunes corpus in /usr/share/games/fortunes)");
-  app.add_option("--parallel", opt.parallel, "none, ddp or fsdp (under mpirun or ptrun)")
-      ->check(CLI::IsMember({"none", "ddp", "fsdp"}));
+  app.add_option("--parallel", opt.parallel, "none, ddp, fsdp or pipeline (under mpirun or ptrun)")
+      ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline"}));
   app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--precision", opt.precision, "fp32, or bf16: bf16 parameters and activations with fp32 master "
@@ -509,6 +627,14 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid"}));
   app.add_option("--hybrid-shard-size", opt.hybrid_shard_size, "ranks per shard group of --fsdp-strategy hybrid "
                  "(0: the launcher's ranks per node)")->check(non_negative);
+  app.add_option("--stages", opt.stages, "with --parallel pipeline: stages per replica; the ranks form "
+                 "world / stages replicas (0: one stage per rank)")->check(non_negative);
+  app.add_option("--micro-batches", opt.micro_batches, "with --parallel pipeline: micro-batches per --batch")
+      ->check(positive);
+  app.add_option("--schedule", opt.schedule, "with --parallel pipeline: 1f1b or gpipe")
+      ->check(CLI::IsMember({"1f1b", "gpipe"}));
+  app.add_flag("--untied", opt.untied, "give the LM head its own weight instead of the token embedding's "
+               "(always so under --parallel pipeline)");
   app.add_option("--steps", opt.steps, "optimizer steps")->check(positive);
   app.add_option("--batch", opt.batch, "sequences per step and rank")->check(positive);
   app.add_option("--block", opt.block, "context length")->check(positive);

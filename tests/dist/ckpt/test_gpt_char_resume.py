@@ -34,6 +34,13 @@ position, dropout offsets and optimizer step count:
                  none, --batch 8) and by 2 ranks with the other strategies: within 1e-5
   fsdp.sample    1 process loading fsdp's final checkpoint evaluates and samples
                  (greedy) exactly as the fsdp run did
+  pipeline.*     --parallel pipeline (untied model, stage checkpoints): copy and signal
+                 with 2 stages, bitwise; without dropout, 2 stages end within 1e-5 of one
+                 --untied process and 2 replicas x 2 stages (4 ranks, gpipe) of ddp
+                 --untied on 2 ranks; its final checkpoint loaded by 1 process evaluates
+                 and samples as the pipeline did, and --export equals it; checkpoints cross
+                 between pipeline and none/ddp (within 1e-5); a tied checkpoint is refused
+                 naming --untied
 Exit 0 on success, 1 on failure.
 """
 
@@ -502,23 +509,67 @@ def case_fsdp_reshape(r):
         expect_close(step_dir(ref, 12), step_dir(res, 12), f"fsdp.reshape (full_shard -> {strategy})")
 
 
-def case_fsdp_sample(r, fsdp_ref, fsdp_out):
-    """1 process resumes fsdp's final checkpoint at its last step: it trains no step, and its
-    evaluation and greedy sample equal those the fsdp run printed (same parameters)."""
-    res = copy_step(fsdp_ref, 12, os.path.join(r.work, "fsdp-sample"))
-    _, out, _ = r.run(1, ["--steps", "12", "--checkpoint-dir", res, "--resume"] + SAMPLE, "1 process sampling "
-                      "from fsdp's checkpoint")
+def case_fsdp_sample(r, fsdp_ref, fsdp_out, tag="fsdp", flags=()):
+    """1 process resumes fsdp's (or another mode's) final checkpoint at its last step: it
+    trains no step, and its evaluation and greedy sample equal those the run printed (same
+    parameters)."""
+    res = copy_step(fsdp_ref, 12, os.path.join(r.work, f"{tag}-sample"))
+    _, out, _ = r.run(1, ["--steps", "12", "--checkpoint-dir", res, "--resume"] + SAMPLE + list(flags),
+                      f"1 process sampling from {tag}'s checkpoint")
     def tail(text):
         lines = text.splitlines()
         got = [ln for ln in lines if ln.startswith("step 12: val_loss")]
         if "--- sample ---" not in lines:
-            raise Failure(f"fsdp.sample: no sample in\n{text}")
+            raise Failure(f"{tag}.sample: no sample in\n{text}")
         i = lines.index("--- sample ---")
         return got + lines[i:i + 2]
     want, got = tail(fsdp_out), tail(out)
     if len(want) != 3 or want != got:
-        raise Failure(f"fsdp.sample: fsdp printed {want}, 1 process from its checkpoint {got}")
-    print(f"ok   fsdp.sample: evaluation and greedy sample as in the fsdp run ({want[0]!r})")
+        raise Failure(f"{tag}.sample: {tag} printed {want}, 1 process from its checkpoint {got}")
+    print(f"ok   {tag}.sample: evaluation and greedy sample as in the {tag} run ({want[0]!r})")
+
+
+def case_pipeline(r, pipe_ref, pipe_out, export):
+    """pipe_ref: case_copy's 2-stage pipeline run (dropout 0.1, --export, SAMPLE)."""
+    names = sorted(os.listdir(step_dir(pipe_ref, 12)))
+    if "model-00000-of-00002.safetensors" not in names or "model-00001-of-00002.safetensors" not in names:
+        raise Failure(f"pipeline: step 12 is not a 2-rank stage checkpoint: {names}")
+    model = read_checkpoint(step_dir(pipe_ref, 12))["model"]
+    if "head.lm_head.weight" not in model:
+        raise Failure(f"pipeline: no untied head weight among {sorted(model)}")
+    if read_safetensors(export) != model:
+        raise Failure(f"pipeline: --export {export} differs from the assembled step-12 checkpoint")
+    print(f"ok   pipeline.export: {export} == the step-12 checkpoint's {len(model)} model tensors")
+    case_fsdp_sample(r, pipe_ref, pipe_out, tag="pipeline", flags=["--untied"])
+
+    # Without dropout: one --untied process, 2 stages, and ddp --untied on 2 ranks against 2 x 2.
+    zero = ["--dropout", "0", "--steps", "12", "--checkpoint-every", "4", "--keep-checkpoints", "0"]
+    runs = {}
+    for tag, ranks, mode, extra in (("none", 1, "none", ["--untied"]), ("pp2", 2, "pipeline", []),
+                                    ("ddp", 2, "ddp", ["--untied"]),
+                                    ("pp2x2", 4, "pipeline", ["--stages", "2", "--schedule", "gpipe"])):
+        runs[tag] = os.path.join(r.work, f"pipe0-{tag}")
+        r.run(ranks, zero + extra + ["--checkpoint-dir", runs[tag]], f"pipeline reference run {tag}", mode=mode)
+    expect_close(step_dir(runs["none"], 12), step_dir(runs["pp2"], 12), "pipeline.none (2 stages vs 1 process)")
+    expect_close(step_dir(runs["ddp"], 12), step_dir(runs["pp2x2"], 12), "pipeline.ddp (2 x 2 vs ddp on 2 ranks)")
+    # Across modes: pipeline -> 1 process, and ddp -> 2 x 2 pipeline (loads stage tensors by name).
+    for src, ranks, mode, extra, what in ((runs["pp2"], 1, "none", ["--untied"], "2-stage pipeline -> 1 process"),
+                                          (runs["ddp"], 4, "pipeline", ["--stages", "2", "--schedule", "gpipe"],
+                                           "ddp -> 2 x 2 pipeline")):
+        res = copy_step(src, 8, os.path.join(r.work, f"pipe0-cross-{mode}"))
+        r.run(ranks, zero + extra + ["--checkpoint-dir", res, "--resume"], f"pipeline.cross {what}", mode=mode)
+        expect_close(step_dir(src, 12), step_dir(res, 12), f"pipeline.cross ({what})")
+
+    # A tied checkpoint (1 process) is refused by a pipeline, naming --untied.
+    tied = os.path.join(r.work, "pipe-tied")
+    r.run(1, ["--steps", "4", "--checkpoint-dir", tied], "tied run for pipeline.config")
+    rc, out, err = r.run(2, ["--steps", "8", "--checkpoint-dir", tied, "--resume"], "pipeline resume of a tied "
+                         "checkpoint", expect=None, mode="pipeline")
+    want = "--untied false in the checkpoint, true now"
+    if rc == 0 or "[ptrain.example.config]" not in err or want not in err or committed_steps(tied) != [4]:
+        raise Failure(f"pipeline.config: exit code {rc}, expected != 0 and [ptrain.example.config] naming '{want}'"
+                      f"\nstdout:\n{out}\nstderr:\n{err}")
+    print(f"ok   pipeline.config: a tied checkpoint refused (exit {rc})")
 
 
 def main():
@@ -550,8 +601,12 @@ def main():
                 case_fsdp_reshape(r)
                 case_fsdp_sample(r, fsdp_ref, fsdp_out)
                 case_signal(r, 2, "fsdp", mode="fsdp", long_steps=FSDP_LONG_STEPS)
+                export = os.path.join(work, "pipeline-export.safetensors")
+                pipe_ref, pipe_out = case_copy(r, 2, "pipeline", mode="pipeline", extra=["--export", export] + SAMPLE)
+                case_pipeline(r, pipe_ref, pipe_out, export)
+                case_signal(r, 2, "pipeline", mode="pipeline", long_steps=FSDP_LONG_STEPS)
             else:
-                print("skip ddp and fsdp cases: no ptrun given")
+                print("skip ddp, fsdp and pipeline cases: no ptrun given")
         except Failure as e:
             print(f"FAIL {e}")
             return 1
