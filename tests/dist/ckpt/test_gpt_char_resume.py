@@ -17,7 +17,9 @@ position, dropout offsets and optimizer step count:
   config         --resume with --layers 2 / --heads 4 fails with [ptrain.example.config]
                  naming the flag, exit code != 0, within a timeout
   flags          --steps abc, --temperature -1, a --prompt character outside the
-                 corpus and an --export into a missing folder fail before training
+                 corpus, an --export into a missing folder, a --batch that
+                 --micro-batches does not divide and more --stages than ranks or units
+                 fail before training
   bf16.*         --precision bf16: copy as above, BF16 parameters and F32 optimizer state
                  (with the master weights) in the files, an fp32 resume refused; with
                  OpenBLAS on a CPU with AVX2 the copy runs again with its Haswell kernels, whose
@@ -379,7 +381,9 @@ def case_bad_flags(r, ref):
     cases = ((["--steps", "abc"], "--steps: abc is not a number"),
              (["--temperature", "-1"], "--temperature: -1 must be >= 0"),
              (["--prompt", "a\u2603", "--sample-tokens", "5"], "[ptrain.data.tokenizer.unknown]"),
-             (["--export", os.path.join(r.work, "missing", "x.safetensors")], "[gpt_char.export]"))
+             (["--export", os.path.join(r.work, "missing", "x.safetensors")], "[gpt_char.export]"),
+             (["--parallel", "pipeline", "--batch", "6"], "[gpt_char.micro_batches]"),
+             (["--parallel", "pipeline", "--stages", "4"], "[gpt_char.stages]"))
     for args, want in cases:
         what = f"bad flag {' '.join(args)}"
         t0 = time.time()
