@@ -77,7 +77,7 @@ struct Options {
   std::string schedule = "1f1b";
   bool untied = false;        // the LM head has its own weight (always under --parallel pipeline)
   std::int64_t steps = 1500;
-  std::int64_t batch = 16;  // per rank
+  std::int64_t batch = 16;  // per replica: a rank, or the stages of one pipeline
   std::int64_t block = 128;
   std::int64_t n_layer = 4;
   std::int64_t n_head = 4;
@@ -204,7 +204,7 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 }
 
 // Mean loss over eval_batches fixed windows of the validation split (eval mode).
-// `batch_loss` is the loss of one batch: by the model, its FSDP wrapper or the pipeline (both collective).
+// `batch_loss` is the loss of one batch: by the model, its FSDP wrapper or the pipeline (the last two collective).
 template <class T, class BatchLoss>
 double evaluate(nn::GPT<T>& model, RandomWindows& windows, std::int64_t batches, std::int64_t batch,
                 BatchLoss&& batch_loss) {
@@ -299,8 +299,9 @@ int run(Options opt) {
         if (!device.is_cpu()) m->to(device);
         return m;
       };
+      const auto part = parallel::partition_balanced(unit_costs(cfg), mesh->pp_size());
       pipe = std::make_unique<parallel::Pipeline<T>>(
-          mesh->pipeline_group(), model.units().size(), unit, parallel::partition_balanced(unit_costs(cfg), mesh->pp_size()),
+          mesh->pipeline_group(), model.units().size(), unit, part,
           parallel::PipelineOptions<T>{.schedule = opt.schedule == "gpipe" ? parallel::Schedule::GPipe
                                                                            : parallel::Schedule::OneFOneB,
                                        .micro_batches = opt.micro_batches, .unit_names = model.unit_names(),
@@ -636,7 +637,8 @@ int main(int argc, char** argv) {
   app.add_flag("--untied", opt.untied, "give the LM head its own weight instead of the token embedding's "
                "(always so under --parallel pipeline)");
   app.add_option("--steps", opt.steps, "optimizer steps")->check(positive);
-  app.add_option("--batch", opt.batch, "sequences per step and rank")->check(positive);
+  app.add_option("--batch", opt.batch, "sequences per step and replica (a rank, or the stages of one pipeline)")
+      ->check(positive);
   app.add_option("--block", opt.block, "context length")->check(positive);
   app.add_option("--layers", opt.n_layer, "transformer blocks");
   app.add_option("--heads", opt.n_head, "attention heads")->check(positive);
