@@ -386,7 +386,7 @@ int run(Options opt) {
     //   CheckpointManager::load assembles whole tensors from pieces for none/ddp.
     //   Under pipeline, replica 0 of each stage writes its stage's tensors whole
     //   (save_stage); load_stage resumes the same layout, and a checkpoint of
-    //   another mode loads the stage's tensors by name.
+    //   another mode or layout loads the stage's tensors by name.
     const nlohmann::json model_cfg = model_flags(cfg, opt), train_cfg = train_flags(opt, world);
     if (checkpoints && opt.resume) {
       const auto last = checkpoints->latest();
@@ -399,8 +399,11 @@ int run(Options opt) {
         const ckpt::TrainerState st = [&] {
           if (fsdp) return ckpt::load_fsdp(last.path, *fsdp, &optimizer);
           if (!pipe) return checkpoints->load(last.path, *params, &optimizer);
-          if (!ckpt::saved_pipeline_layout(saved).is_null())
+          const nlohmann::json layout = ckpt::saved_pipeline_layout(saved), now = ckpt::pipeline_layout(*pipe);
+          if (layout.is_object() && layout.value("bounds", nlohmann::json()) == now["bounds"] &&
+              layout.value("data_parallel", nlohmann::json()) == now["data_parallel"])
             return ckpt::load_stage(*checkpoints, last.path, *pipe, &optimizer);
+          // Another mode or another cut: this stage's tensors by name.
           return checkpoints->load(last.path, pipe->parameters(), &optimizer, ckpt::LoadOptions{.partial = true});
         }();
         PTRAIN_CHECK(st.sampler.has_value(), CheckpointError, "[ptrain.example.config] ", last.path.string(),

@@ -41,8 +41,8 @@ position, dropout offsets and optimizer step count:
                  --untied process and 2 replicas x 2 stages (4 ranks, gpipe) of ddp
                  --untied on 2 ranks; its final checkpoint loaded by 1 process evaluates
                  and samples as the pipeline did, and --export equals it; checkpoints cross
-                 between pipeline and none/ddp (within 1e-5); a tied checkpoint is refused
-                 naming --untied
+                 between pipeline and none/ddp, and from 2 stages to 3 (within 1e-5); a
+                 tied checkpoint is refused naming --untied
 Exit 0 on success, 1 on failure.
 """
 
@@ -559,9 +559,13 @@ def case_pipeline(r, pipe_ref, pipe_out, export):
     # Across modes: pipeline -> 1 process, and ddp -> 2 x 2 pipeline (loads stage tensors by name).
     for src, ranks, mode, extra, what in ((runs["pp2"], 1, "none", ["--untied"], "2-stage pipeline -> 1 process"),
                                           (runs["ddp"], 4, "pipeline", ["--stages", "2", "--schedule", "gpipe"],
-                                           "ddp -> 2 x 2 pipeline")):
-        res = copy_step(src, 8, os.path.join(r.work, f"pipe0-cross-{mode}"))
-        r.run(ranks, zero + extra + ["--checkpoint-dir", res, "--resume"], f"pipeline.cross {what}", mode=mode)
+                                           "ddp -> 2 x 2 pipeline"),
+                                          (runs["pp2"], 3, "pipeline", [], "2 stages -> 3 stages")):
+        res = copy_step(src, 8, os.path.join(r.work, f"pipe0-cross-{mode}-{ranks}"))
+        _, out, _ = r.run(ranks, zero + extra + ["--checkpoint-dir", res, "--resume"], f"pipeline.cross {what}",
+                          mode=mode)
+        if f"resumed from {step_dir(res, 8)}: step 8" not in out:  # a fresh start would end alike
+            raise Failure(f"pipeline.cross ({what}): the run did not resume from step 8:\n{out}")
         expect_close(step_dir(src, 12), step_dir(res, 12), f"pipeline.cross ({what})")
 
     # A tied checkpoint (1 process) is refused by a pipeline, naming --untied.
