@@ -2,7 +2,9 @@
 // gradients in double, a naive-loop reference for attention, the causal mask,
 // weight tying and its gradient announcement, sampling.
 #include <catch2/catch.hpp>
+
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/gpt.hpp>
@@ -380,6 +382,56 @@ TEST_CASE("GPT-2 initialisation and the decay filter", "[nn][gpt][init]") {
   Generator g1(5), g2(5);
   nn::GPT<float> a(cfg, g1), b(cfg, g2);
   REQUIRE(a.named_parameters()[3].param->value.to_vector() == b.named_parameters()[3].param->value.to_vector());
+}
+
+// Reference: the whole model built from the same generator; each unit built alone
+// must hold the same bits, and its dropout streams the same seeds.
+template <class T>
+void check_units_alone(nn::GPTConfig cfg) {
+  const Generator start(33, 7);  // not at the start of its stream
+  Generator whole_gen = start;
+  nn::GPT<T> whole(cfg, whole_gen);
+  const auto units = whole.units().size();
+  for (std::size_t u = 0; u < units; ++u) {
+    INFO("unit " << u << " (" << whole.unit_names()[u] << "), tied " << cfg.tie_weights);
+    if (cfg.tie_weights && u + 1 == units) {
+      REQUIRE_THROWS_WITH(nn::gpt_unit<T>(cfg, u, start), Catch::Contains("[ptrain.gpt.unit]") &&
+                                                             Catch::Contains("tie_weights = false"));
+      continue;
+    }
+    auto alone = nn::gpt_unit<T>(cfg, u, start);
+    auto want = whole.units()[u]->named_parameters();
+    auto got = alone->named_parameters();
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      INFO(want[i].name);
+      REQUIRE(got[i].name == want[i].name);
+      const auto& a = got[i].param->value;
+      const auto& b = want[i].param->value;
+      REQUIRE(a.shape() == b.shape());
+      REQUIRE(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * sizeof(T)) == 0);
+    }
+  }
+  // Streams: the block's dropout draws as the whole model's does.
+  if (cfg.n_layer > 0) {
+    auto block = std::dynamic_pointer_cast<nn::TransformerBlock<T>>(nn::gpt_unit<T>(cfg, 1, start));
+    REQUIRE(block);
+    REQUIRE(block->mlp().dropout().generator().seed() == whole.block(0).mlp().dropout().generator().seed());
+  }
+}
+
+TEST_CASE("gpt_unit builds each unit alone with the whole model's values", "[nn][gpt][init]") {
+  nn::GPTConfig cfg{.vocab_size = 50, .block_size = 32, .n_layer = 3, .n_head = 4, .n_embd = 64, .dropout = 0.1,
+                    .dropout_seed = 9};
+  for (bool tie : {false, true}) {
+    cfg.tie_weights = tie;
+    check_units_alone<float>(cfg);
+    check_units_alone<bf16>(cfg);
+  }
+  REQUIRE_THROWS_WITH(nn::gpt_unit<float>(cfg, 5), Catch::Contains("[ptrain.gpt.unit] unit 5 of a GPT with 5 units"));
+  const Generator g(3, 11);
+  (void)nn::gpt_unit<float>(cfg, 2, g);
+  REQUIRE(g.offset() == 11);  // the caller's generator is not advanced
 }
 
 TEST_CASE("sample_logits: greedy, top-k support and frequencies", "[nn][sample]") {

@@ -115,6 +115,61 @@ class LMHead : public Module<T> {
   std::shared_ptr<Linear<T>> lm_head_;
 };
 
+namespace detail {
+
+inline void check_gpt_config(const GPTConfig& cfg) {
+  PTRAIN_CHECK(cfg.vocab_size > 0 && cfg.block_size > 0 && cfg.n_layer >= 0 && cfg.n_embd > 0, Error,
+               "[ptrain.gpt.config] vocab_size, block_size and n_embd must be positive and n_layer >= 0");
+  PTRAIN_CHECK(cfg.n_head > 0 && cfg.n_embd % cfg.n_head == 0, Error, "[ptrain.gpt.config] n_embd ", cfg.n_embd,
+               " must be divisible by n_head ", cfg.n_head);
+}
+
+// Seed of unit i's dropout streams.
+inline std::uint64_t gpt_dropout_site(const GPTConfig& cfg, std::uint64_t i) {
+  return cfg.dropout_seed * 0x9E3779B97F4A7C15ull + 16 * i;
+}
+
+// The units, with their modules' own default initialisation drawn from `scratch`.
+template <class T>
+std::shared_ptr<TokenPositionEmbedding<T>> make_gpt_embedding(const GPTConfig& c, Generator& scratch) {
+  return std::make_shared<TokenPositionEmbedding<T>>(c.vocab_size, c.block_size, c.n_embd, c.dropout,
+                                                     gpt_dropout_site(c, 0), scratch);
+}
+template <class T>
+std::shared_ptr<TransformerBlock<T>> make_gpt_block(const GPTConfig& c, std::int64_t layer, Generator& scratch) {
+  return std::make_shared<TransformerBlock<T>>(c.n_embd, c.n_head, c.dropout,
+                                               gpt_dropout_site(c, static_cast<std::uint64_t>(layer) + 1), scratch);
+}
+
+inline bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// GPT-2's initialisation of one unit's own parameters, in named_parameters() order
+// (Note [GPT units alone]).
+template <class T>
+void init_gpt_unit(Module<T>& unit, const GPTConfig& cfg, Generator& gen) {
+  const double std_resid = 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<std::int64_t>(1, cfg.n_layer)));
+  for (auto& p : unit.named_parameters()) {
+    Tensor<T>& v = p.param->value;
+    if (p.name.find("ln_") != std::string::npos) continue;  // LayerNorm keeps 1 and 0
+    if (ends_with(p.name, ".bias")) ops::fill_(v, T(0));
+    else if (ends_with(p.name, "c_proj.weight")) ops::normal_(v, 0.0, std_resid, gen);
+    else ops::normal_(v, 0.0, 0.02, gen);
+  }
+}
+
+// Generator positions init_gpt_unit draws for unit u: one per element of each weight
+// (wte and wpe; c_attn, attn.c_proj, c_fc and mlp.c_proj; the untied lm_head).
+inline std::uint64_t gpt_unit_draws(const GPTConfig& c, std::size_t u) {
+  const auto C = static_cast<std::uint64_t>(c.n_embd), V = static_cast<std::uint64_t>(c.vocab_size);
+  if (u == 0) return (V + static_cast<std::uint64_t>(c.block_size)) * C;
+  if (u <= static_cast<std::size_t>(c.n_layer)) return 12 * C * C;
+  return c.tie_weights ? 0 : V * C;
+}
+
+}  // namespace detail
+
 /// GPT-2: ids [B, S] (integral T values) -> logits [B, S, vocab].
 template <class T>
 class GPT : public Module<T> {
@@ -123,25 +178,19 @@ class GPT : public Module<T> {
   /// embedding weight ~ N(0, 0.02), residual projections (attn.c_proj, mlp.c_proj)
   /// ~ N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm 1 and 0.
   explicit GPT(const GPTConfig& cfg, Generator& gen = default_generator()) : cfg_(cfg) {
-    PTRAIN_CHECK(cfg.vocab_size > 0 && cfg.block_size > 0 && cfg.n_layer >= 0 && cfg.n_embd > 0, Error,
-                 "[ptrain.gpt.config] vocab_size, block_size and n_embd must be positive and n_layer >= 0");
-    PTRAIN_CHECK(cfg.n_head > 0 && cfg.n_embd % cfg.n_head == 0, Error, "[ptrain.gpt.config] n_embd ", cfg.n_embd,
-                 " must be divisible by n_head ", cfg.n_head);
+    detail::check_gpt_config(cfg);
     // Modules draw their own default init from a scratch stream; GPT-2's init below replaces it.
     Generator scratch(0);
-    auto site = [&](std::uint64_t i) { return cfg.dropout_seed * 0x9E3779B97F4A7C15ull + 16 * i; };
-    embed_ = std::make_shared<TokenPositionEmbedding<T>>(cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.dropout,
-                                                         site(0), scratch);
+    embed_ = detail::make_gpt_embedding<T>(cfg, scratch);
     add_unit("embed", embed_);
     for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
-      blocks_.push_back(std::make_shared<TransformerBlock<T>>(cfg.n_embd, cfg.n_head, cfg.dropout,
-                                                              site(static_cast<std::uint64_t>(l) + 1), scratch));
+      blocks_.push_back(detail::make_gpt_block<T>(cfg, l, scratch));
       add_unit("h." + std::to_string(l), blocks_.back());
     }
     head_ = std::make_shared<LMHead<T>>(cfg.n_embd, cfg.vocab_size,
                                         cfg.tie_weights ? &embed_->wte().weight() : nullptr, scratch);
     add_unit("head", head_);
-    init_weights(gen);
+    for (auto& u : units_) detail::init_gpt_unit(*u, cfg, gen);
   }
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return detail::forward_units(units_, x, cache); }
@@ -189,21 +238,6 @@ class GPT : public Module<T> {
     this->register_module(name, std::move(unit));
   }
 
-  static bool ends_with(const std::string& s, const std::string& suffix) {
-    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-  }
-
-  void init_weights(Generator& gen) {
-    const double std_resid = 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<std::int64_t>(1, cfg_.n_layer)));
-    for (auto& p : this->named_parameters()) {
-      Tensor<T>& v = p.param->value;
-      if (p.name.find("ln_") != std::string::npos) continue;  // LayerNorm keeps 1 and 0
-      if (ends_with(p.name, ".bias")) ops::fill_(v, T(0));
-      else if (ends_with(p.name, "c_proj.weight")) ops::normal_(v, 0.0, std_resid, gen);
-      else ops::normal_(v, 0.0, 0.02, gen);
-    }
-  }
-
   GPTConfig cfg_;
   std::shared_ptr<TokenPositionEmbedding<T>> embed_;
   std::vector<std::shared_ptr<TransformerBlock<T>>> blocks_;
@@ -211,6 +245,36 @@ class GPT : public Module<T> {
   std::vector<std::shared_ptr<Module<T>>> units_;
   std::vector<std::string> unit_names_;
 };
+
+/// Unit u of `GPT<T>(cfg, gen)` built alone, with the values the whole model gives it
+/// (Note [GPT units alone]): a pipeline's unit factory that never builds the whole
+/// model. `gen` is the generator as the whole model would receive it; it is not advanced.
+/// The head of a tied model borrows the embedding's weight and cannot be built alone.
+///
+/// Note [GPT units alone]
+/// GPT-2's initialisation draws one stream over the model's weights in order, and
+/// normal_ takes one counter position per element, so unit u's draws start after
+/// those of units 0..u-1, whose count follows from the config (detail::gpt_unit_draws).
+/// Building unit u alone therefore needs no other unit; ptrain_models checks every
+/// unit bitwise against the whole model.
+template <class T>
+std::shared_ptr<Module<T>> gpt_unit(const GPTConfig& cfg, std::size_t u, const Generator& gen = default_generator()) {
+  detail::check_gpt_config(cfg);
+  const auto units = static_cast<std::size_t>(cfg.n_layer) + 2;
+  PTRAIN_CHECK(u < units, Error, "[ptrain.gpt.unit] unit ", u, " of a GPT with ", units, " units (embedding, ",
+               cfg.n_layer, " blocks, head)");
+  PTRAIN_CHECK(!cfg.tie_weights || u + 1 < units, Error, "[ptrain.gpt.unit] the head of a tied GPT uses the "
+               "embedding's weight and cannot be built alone; build the model with tie_weights = false");
+  std::uint64_t offset = gen.offset();
+  for (std::size_t k = 0; k < u; ++k) offset += detail::gpt_unit_draws(cfg, k);
+  Generator draws(gen.seed(), offset), scratch(0);
+  std::shared_ptr<Module<T>> unit;
+  if (u == 0) unit = detail::make_gpt_embedding<T>(cfg, scratch);
+  else if (u + 1 < units) unit = detail::make_gpt_block<T>(cfg, static_cast<std::int64_t>(u) - 1, scratch);
+  else unit = std::make_shared<LMHead<T>>(cfg.n_embd, cfg.vocab_size, nullptr, scratch);
+  detail::init_gpt_unit(*unit, cfg, draws);
+  return unit;
+}
 
 /// Weight-decay filter for a GPT (pass to optim::AdamW): decay for the matrices of
 /// Linear layers, none for biases, LayerNorm parameters and embeddings (wte, wpe).
