@@ -453,8 +453,8 @@ class Pipeline {
     } catch (const CommError& e) {
       abandon();
       PTRAIN_THROW(CommError, "[ptrain.pipeline.comm] stage ", stage_, " of ", p, " (rank ", comm_.rank(),
-                   ") while ", doing(), ": ", e.what(), "; a neighbouring stage failed or died; every stage must call train_step "
-                   "with the same micro_batches and schedule");
+                   ") while ", doing(), ": ", e.what(), "; a neighbouring stage failed or died; every stage must "
+                   "call the same step (train_step or eval_step) with the same micro_batches and schedule");
     } catch (...) {
       abandon();
       throw;
