@@ -72,13 +72,15 @@ inline std::unique_ptr<optim::Optimizer<float>> make_opt(Opt kind, nn::FlatParam
 inline nn::GPTConfig pipeline_gpt(int n_layer) {
   return {.vocab_size = 11, .block_size = 8, .n_layer = n_layer, .n_head = 2, .n_embd = 16, .tie_weights = false};
 }
-/// Unit u of GPT<T>(c) built from Generator(seed): each rank builds the whole
-/// model and keeps its units (GPT's initialisation draws from one stream over
-/// the whole model, so that gives the one-process values).
+/// Unit u of GPT<T>(c) built from Generator(seed): alone (nn::gpt_unit), so the
+/// pipelines built from it also test that each stage starts from the one-process
+/// values. A tied head cannot be built alone: for a tied config every rank builds
+/// the whole model and keeps unit u (what the pipeline must then refuse).
 template <class T>
 auto gpt_units(nn::GPTConfig c, std::uint64_t seed) {
   return [c, seed](std::size_t u) -> std::shared_ptr<nn::Module<T>> {
     Generator g(seed);
+    if (!c.tie_weights) return nn::gpt_unit<T>(c, u, g);
     nn::GPT<T> gpt(c, g);
     return gpt.units().at(u);
   };
