@@ -399,9 +399,7 @@ int run(Options opt) {
         const ckpt::TrainerState st = [&] {
           if (fsdp) return ckpt::load_fsdp(last.path, *fsdp, &optimizer);
           if (!pipe) return checkpoints->load(last.path, *params, &optimizer);
-          const nlohmann::json layout = ckpt::saved_pipeline_layout(saved), now = ckpt::pipeline_layout(*pipe);
-          if (layout.is_object() && layout.value("bounds", nlohmann::json()) == now["bounds"] &&
-              layout.value("data_parallel", nlohmann::json()) == now["data_parallel"])
+          if (ckpt::same_pipeline_layout(ckpt::saved_pipeline_layout(saved), *pipe))
             return ckpt::load_stage(*checkpoints, last.path, *pipe, &optimizer);
           // Another mode or another cut: this stage's tensors by name.
           return checkpoints->load(last.path, pipe->parameters(), &optimizer, ckpt::LoadOptions{.partial = true});
@@ -494,11 +492,10 @@ int run(Options opt) {
     auto validate = [&] {
       // Every rank evaluates (FSDP's forward and the pipeline's are collective); the result is
       // identical on every rank (the pipeline averages over its replicas itself).
-      nn::CrossEntropyLoss<T> eval_ce;
       const double mean = evaluate(model, val_windows, opt.eval_batches, opt.batch, [&](auto& vx, auto& vy) {
         if (pipe) return pipe->eval_step_tokens(vx.to(device), vy.to(device));
         nn::Cache<T> c, lc;
-        return eval_ce.forward((fsdp ? net : model).forward_tokens(vx.to(device), c), vy.to(device), lc);
+        return ce.forward((fsdp ? net : model).forward_tokens(vx.to(device), c), vy.to(device), lc);
       });
       val_loss = pipe ? mean : average(mean);
       if (lead) {

@@ -205,23 +205,33 @@ inline nlohmann::json saved_pipeline_layout(const TrainerState& state) {
   return nullptr;
 }
 
-/// Throws [ptrain.ckpt.layout] unless `saved` (from saved_pipeline_layout) has the same
-/// unit count, stage bounds and data-parallel size as `pipe`. Local.
+namespace detail {
+// What a stage checkpoint's layout must share with the pipeline that loads it.
+inline constexpr const char* kLayoutKeys[] = {"num_units", "bounds", "data_parallel"};
+}  // namespace detail
+
+/// Whether `saved` (from saved_pipeline_layout) has the unit count, stage bounds and
+/// data-parallel size of `pipe`, so that load_stage() can resume it. Local.
+template <class T>
+bool same_pipeline_layout(const nlohmann::json& saved, const parallel::Pipeline<T>& pipe) {
+  if (!saved.is_object()) return false;
+  const nlohmann::json now = pipeline_layout(pipe);
+  for (const char* key : detail::kLayoutKeys)
+    if (!saved.contains(key) || saved[key] != now[key]) return false;
+  return true;
+}
+
+/// Throws [ptrain.ckpt.layout] unless same_pipeline_layout(saved, pipe). Local.
 template <class T>
 void check_pipeline_layout(const nlohmann::json& saved, const parallel::Pipeline<T>& pipe, const std::string& path) {
   const nlohmann::json now = pipeline_layout(pipe);
   PTRAIN_CHECK(saved.is_object(), CheckpointError, "[ptrain.ckpt.layout] ", path, " was not written by save_stage "
                "(no user[\"", detail::kPipelineKey, "\"] in trainer.json); load it into the full model in one "
                "process with CheckpointManager::load and build the pipeline from that model");
-  bool same = false;
-  try {
-    same = saved.at("num_units") == now["num_units"] && saved.at("bounds") == now["bounds"] &&
-           saved.at("data_parallel") == now["data_parallel"];
-  } catch (const nlohmann::json::exception& e) {
-    PTRAIN_THROW(CheckpointError, "[ptrain.ckpt.layout] ", path, ": user[\"", detail::kPipelineKey,
-                 "\"] in trainer.json is malformed (", e.what(), "); the checkpoint is corrupt");
-  }
-  PTRAIN_CHECK(same, CheckpointError, "[ptrain.ckpt.layout] ", path, " was saved by a pipeline of ",
+  for (const char* key : detail::kLayoutKeys)
+    PTRAIN_CHECK(saved.contains(key), CheckpointError, "[ptrain.ckpt.layout] ", path, ": user[\"",
+                 detail::kPipelineKey, "\"] in trainer.json has no \"", key, "\"; the checkpoint is corrupt");
+  PTRAIN_CHECK(same_pipeline_layout(saved, pipe), CheckpointError, "[ptrain.ckpt.layout] ", path, " was saved by a pipeline of ",
                detail::layout_str(saved), " but this pipeline has ", detail::layout_str(now),
                "; resume with the saved layout (same units, cut points and data-parallel size), or load the "
                "checkpoint into the full model in one process (CheckpointManager::load) and cut that model anew");

@@ -421,8 +421,9 @@ class Pipeline {
     step_start_ = detail::steady_seconds();
     try {
       // Note [Communication order]: each action's result goes out in one group with the next action's input.
-      auto plan = make_schedule(training ? opt_.schedule : Schedule::GPipe, stage_, p, m);
-      if (!training) plan.resize(static_cast<std::size_t>(m));  // GPipe's forwards
+      std::vector<PipelineAction> plan;
+      if (training) plan = make_schedule(opt_.schedule, stage_, p, m);
+      else for (int mb = 0; mb < m; ++mb) plan.push_back({PipelineAction::Forward, mb});
       if (agreeing_ && !is_first()) in_shape_ = recv_shape();
       post_recv(plan.front());
       for (std::size_t k = 0; k < plan.size(); ++k) {

@@ -255,8 +255,8 @@ class GPT : public Module<T> {
 /// GPT-2's initialisation draws one stream over the model's weights in order, and
 /// normal_ takes one counter position per element, so unit u's draws start after
 /// those of units 0..u-1, whose count follows from the config (detail::gpt_unit_draws).
-/// Building unit u alone therefore needs no other unit; ptrain_models checks every
-/// unit bitwise against the whole model.
+/// Building unit u alone therefore needs no other unit; ptrain_unit ("gpt_unit builds
+/// each unit alone ...") checks every unit bitwise against the whole model.
 template <class T>
 std::shared_ptr<Module<T>> gpt_unit(const GPTConfig& cfg, std::size_t u, const Generator& gen = default_generator()) {
   detail::check_gpt_config(cfg);
