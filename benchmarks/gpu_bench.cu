@@ -13,14 +13,17 @@
 // tokens, width C = 768, vocab V = 50304):
 //   gemm       Y[M,N] = X[M,K] W[N,K]^T for each linear layer (K, N) and its two
 //              backward products, in FP32, TF32 and bf16 (fp32 accumulation);
-//              FLOPs = 2 M N K each.
+//              FLOPs = 2 M N K each. In bf16 also the backward with its
+//              cuBLASLt epilogues against the same work apart (GEMM, then the
+//              bias gradient, and for the MLP's second layer the GELU's gradient).
 //   bandwidth  bytes moved counted by hand per kernel (the minimum each must
 //              read and write once); GB/s and the fraction of the measured
 //              device-to-device copy bandwidth.
 //   gpt        forward, cross-entropy, backward, AdamW on nn::GPT<float> with
 //              TF32 GEMMs, then on nn::GPT<bf16> (bf16 parameters and
 //              activations, fp32 master weights, fused attention unless
-//              --no-flash; --no-bf16 skips it); FLOPs
+//              --no-flash; --no-bf16 skips it); --no-epilogues runs both
+//              without cuBLASLt's fused epilogues; FLOPs
 //              per token from GPTConfig::flops_per_token.
 //
 // A section that throws (out of memory, say) prints a "gpu_error" line and the
@@ -60,7 +63,7 @@ struct Options {
   int samples = 7;
   double sample_ms = 20.0;
   int steps = 10, warmup = 3;
-  bool tf32 = true, bf16 = true, flash = true;
+  bool tf32 = true, bf16 = true, flash = true, epilogues = true;
   double peak_tflops = 494.7, peak_tflops_bf16 = 989.4;
   std::string gpu_name;
 };
@@ -178,6 +181,59 @@ Tensor<bf16> to_bf16(const Tensor<float>& t) {
   return b;
 }
 
+// A layer's backward in bf16 with cuBLASLt's epilogues (Note [cuBLASLt
+// epilogues]) and the same work apart, as ops::linear_backward and
+// ops::linear_gelu_backward issue it: dW += dy^T x with the bias gradient, and
+// with `gelu` (the layer after the MLP's GELU, whose input x stands in for pre)
+// dpre = gelu'(pre) * (dy W) with the bias gradient of the layer before.
+void time_backward_epilogues(const Options& o, const char* layer, std::int64_t M, std::int64_t k, std::int64_t n,
+                             const Tensor<bf16>& x, const Tensor<bf16>& w, const Tensor<bf16>& dy, Tensor<bf16>& dx,
+                             Tensor<bf16>& dw, bool gelu) {
+  auto db = Tensor<bf16>::zeros({n}, kGpu), part = Tensor<bf16>::empty({n}, kGpu);
+  auto dbp = Tensor<bf16>::zeros({k}, kGpu), partp = Tensor<bf16>::empty({k}, kGpu);
+  struct Case {
+    const char* op;
+    std::function<bool()> fused;
+    std::function<void()> apart;
+  };
+  std::vector<Case> cases{{"wgrad_bias",
+                           [&] {
+                             if (!kc::linear_weight_grad_epilogue<bf16>(M, n, k, dy.data(), x.data(), dw.data(),
+                                                                        part.data()))
+                               return false;
+                             kc::axpy<bf16>(n, 1.0f, part.data(), db.data());
+                             return true;
+                           },
+                           [&] {
+                             kc::gemm<bf16>(true, false, n, k, M, 1.0f, dy.data(), n, x.data(), k, 1.0f, dw.data(), k);
+                             kc::bias_grad<bf16>(M, n, dy.data(), db.data());
+                           }}};
+  if (gelu)
+    cases.push_back({"dgrad_dgelu_bias",
+                     [&] {
+                       if (!kc::linear_dgelu_epilogue<bf16>(M, n, k, dy.data(), w.data(), x.data(), dx.data(),
+                                                            partp.data()))
+                         return false;
+                       kc::axpy<bf16>(k, 1.0f, partp.data(), dbp.data());
+                       return true;
+                     },
+                     [&] {
+                       kc::gemm<bf16>(false, false, M, k, n, 1.0f, dy.data(), n, w.data(), k, 0.0f, dx.data(), k);
+                       kc::gelu_backward<bf16>(M * k, x.data(), dx.data(), dx.data());
+                       kc::bias_grad<bf16>(M, k, dx.data(), dbp.data());
+                     }});
+  for (Case& c : cases) {
+    const Timing apart = time_gpu(o, c.apart);
+    const bool applies = c.fused();
+    const Timing fused = applies ? time_gpu(o, [&] { c.fused(); }) : Timing{};
+    emit({{"bench", "gpu_epilogue"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"layer", layer}, {"op", c.op},
+          {"m", M}, {"n", n}, {"k", k}, {"precision", "bf16"}, {"fused", applies},
+          {"fused_median_ms", fused.median_ms}, {"apart_median_ms", apart.median_ms}, {"samples", o.samples}});
+    std::fprintf(stderr, "%-10s %-16s fused %s %8.3f ms, apart %8.3f ms\n", layer, c.op, applies ? "yes" : "no ",
+                 fused.median_ms, apart.median_ms);
+  }
+}
+
 void bench_gemm(const Options& o) {
   const std::int64_t M = o.batch * o.cfg.block_size, C = o.cfg.n_embd, V = o.cfg.vocab_size;
   struct Layer {
@@ -203,6 +259,7 @@ void bench_gemm(const Options& o) {
     auto dwb = Tensor<bf16>::empty({l.n, l.k}, kGpu);
     time_linear_products<bf16>(o, l.name, "bf16", M, l.k, l.n, xb.data(), wb.data(), dyb.data(), yb.data(),
                                dxb.data(), dwb.data());
+    time_backward_epilogues(o, l.name, M, l.k, l.n, xb, wb, dyb, dxb, dwb, std::string(l.name) == "mlp_proj");
   }
 }
 
@@ -302,6 +359,7 @@ void bench_gpt(const Options& o) {
   const std::int64_t B = o.batch, S = cfg.block_size;
   const char* precision = is_bf16 ? "bf16" : o.tf32 ? "tf32" : "fp32";
   kc::set_flash_attention(o.flash);
+  kc::set_gemm_epilogues(o.epilogues);
   // The label asks ops::causal_attention's own question (bf16, head width, compute
   // capability, shared memory), so it names what runs. Its qkv is a fresh
   // allocation, 16-byte aligned like the null pointer passed here.
@@ -351,7 +409,7 @@ void bench_gpt(const Options& o) {
   const char* mixed = is_bf16 ? "bf16 parameters, gradients and activations; fp32 master weights and AdamW moments"
                               : "none";
   emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", attention},
-        {"precision", precision}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"embd", cfg.n_embd},
+        {"precision", precision}, {"gemm_epilogues", o.epilogues}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"embd", cfg.n_embd},
         {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps}, {"warmup", o.warmup},
         {"mixed_precision", mixed},
         {"adamw", "flat buffer, one kernel per contiguous decay range"}, {"dropout", cfg.dropout},
@@ -388,6 +446,8 @@ int main(int argc, char** argv) {
   app.add_option("--peak-tflops", o.peak_tflops, "peak for MFU; 494.7 = H100/H200 SXM dense TF32");
   app.add_flag("--bf16,!--no-bf16", o.bf16, "also run the GPT step in bf16 mixed precision (default on)");
   app.add_flag("--flash,!--no-flash", o.flash, "fused attention in the bf16 GPT step (default on)");
+  app.add_flag("--epilogues,!--no-epilogues", o.epilogues,
+               "cuBLASLt's fused bias, GELU and bias-gradient epilogues in the GPT steps (default on)");
   app.add_option("--peak-tflops-bf16", o.peak_tflops_bf16, "peak for the bf16 MFU; 989.4 = H100/H200 SXM dense");
   CLI11_PARSE(app, argc, argv);
 
@@ -416,6 +476,7 @@ int main(int argc, char** argv) {
       emit({{"bench", "gpu_error"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"section", name}, {"error", e.what()}});
     }
     kc::set_tf32(false);  // each section sets what it measures; none inherits it
+    kc::set_gemm_epilogues(true);
     try {
       allocator_for(kGpu).empty_cache();  // what a failed section left cached goes back to the driver
     } catch (const std::exception& e) {

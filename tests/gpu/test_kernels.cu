@@ -421,6 +421,76 @@ TEMPLATE_TEST_CASE("cuda: linear_epilogue fuses the bias and GELU into the GEMM"
   }
 }
 
+// The backward epilogues (Note [cuBLASLt epilogues]) for a layer y = h W^T + b
+// whose input h is gelu(pre): the weight gradient with the bias gradient (float,
+// bf16) and the gradient through the GELU with the bias gradient of the layer
+// before it (bf16 only), against the CPU in double. dW accumulates, so it starts
+// from random values; what is written starts as NaN. Where both widths are
+// multiples of 8 the fused path must be taken; through ops:: (which accumulates
+// the bias gradients and falls back where the fused forms do not apply) the
+// result must be right either way.
+TEMPLATE_TEST_CASE("cuda: backward epilogues fuse the bias gradients and the GELU's gradient into the GEMMs", "[gpu]",
+                   float, bf16) {
+  using T = TestType;
+  for (auto [m, n, k] : std::vector<std::array<std::int64_t, 3>>{{64, 96, 40}, {300, 256, 768}, {17, 36, 24}}) {
+    const auto h = uniform<T>(m * k, -1, 1), pre = uniform<T>(m * k, -3, 3), w = uniform<T>(n * k, -1, 1),
+               dy = uniform<T>(m * n, -1, 1), dw0 = uniform<T>(n * k, -1, 1), db0 = uniform<T>(n, -1, 1),
+               dbp0 = uniform<T>(k, -1, 1);
+    const auto rh = to_double(h), rpre = to_double(pre), rw = to_double(w), rdy = to_double(dy);
+    auto rdw = to_double(dw0);  // dw0 + dy^T h
+    kp::gemm<double>(true, false, n, k, m, 1.0, rdy.data(), n, rh.data(), k, 1.0, rdw.data(), k);
+    std::vector<double> rdb(static_cast<std::size_t>(n)), rdh(static_cast<std::size_t>(m * k)), rdpre(rdh.size()),
+        rdbp(static_cast<std::size_t>(k));
+    kp::bias_grad<double>(m, n, rdy.data(), rdb.data());
+    kp::gemm<double>(false, false, m, k, n, 1.0, rdy.data(), n, rw.data(), k, 0.0, rdh.data(), k);  // dy W
+    kp::gelu_backward<double>(m * k, rpre.data(), rdh.data(), rdpre.data());
+    kp::bias_grad<double>(m, k, rdpre.data(), rdbp.data());
+    INFO("m " << m << " n " << n << " k " << k << " seed " << test_seed());
+    auto dh = on_gpu(h), dpre = on_gpu(pre), dw = on_gpu(w), ddy = on_gpu(dy);
+    const bool widths8 = n % 8 == 0 && k % 8 == 0;
+    {
+      auto gw = on_gpu(dw0), gb = poisoned<T>(n);
+      const bool fused = kc::linear_weight_grad_epilogue<T>(m, n, k, ddy.data(), dh.data(), gw.data(), gb.data());
+      if (widths8) CHECK(fused);
+      if (fused) {
+        CHECK_CLOSE(host(gw), rdw);
+        CHECK_CLOSE(host(gb), rdb);
+      }
+    }
+    {
+      auto gpre = poisoned<T>(m * k), gb = poisoned<T>(k);
+      const bool fused =
+          kc::linear_dgelu_epilogue<T>(m, n, k, ddy.data(), dw.data(), dpre.data(), gpre.data(), gb.data());
+      if (std::is_same_v<T, float>) CHECK(!fused);
+      else if (widths8) CHECK(fused);
+      if (fused) {
+        CHECK_CLOSE(host(gpre), rdpre);
+        CHECK_CLOSE(host(gb), rdbp);
+      }
+    }
+    // Through ops::, accumulating into the bias gradients, with the epilogues on
+    // and switched off (then no fused form may run).
+    for (std::size_t j = 0; j < rdb.size(); ++j) rdb[j] += as_double(db0[j]);
+    for (std::size_t j = 0; j < rdbp.size(); ++j) rdbp[j] += as_double(dbp0[j]);
+    auto ht = dh.reshape({m, k}), pt = dpre.reshape({m, k}), wt = dw.reshape({n, k}), dyt = ddy.reshape({m, n});
+    for (const bool on : {true, false}) {
+      INFO("epilogues " << on);
+      kc::set_gemm_epilogues(on);
+      auto gw = on_gpu(dw0).reshape({n, k}), gb = on_gpu(db0), gbp = on_gpu(dbp0);
+      if (!on) CHECK(!kc::linear_weight_grad_epilogue<T>(m, n, k, ddy.data(), dh.data(), gw.data(), gb.data()));
+      CHECK_CLOSE(host(ops::linear_gelu_backward(ht, pt, wt, dyt, gw, &gb, gbp)), rdpre);
+      CHECK_CLOSE(host(gw), rdw);
+      CHECK_CLOSE(host(gb), rdb);
+      CHECK_CLOSE(host(gbp), rdbp);
+      auto gw2 = on_gpu(dw0).reshape({n, k}), gb2 = on_gpu(db0);
+      CHECK_CLOSE(host(ops::linear_backward(ht, wt, dyt, gw2, &gb2)), rdh);
+      CHECK_CLOSE(host(gw2), rdw);
+      CHECK_CLOSE(host(gb2), rdb);
+    }
+    kc::set_gemm_epilogues(true);
+  }
+}
+
 // ----------------------------------------------------------- elementwise ----
 
 TEMPLATE_TEST_CASE("cuda: bias_add and bias_grad", "[gpu]", float, double, bf16) {

@@ -63,6 +63,15 @@ def main():
             print(f"{k:22} {a.get('GBps', 0):8.1f} {a.get('frac_of_copy', 0):5.2f} {b.get('GBps', 0):8.1f} "
                   f"{b.get('frac_of_copy', 0):5.2f} {ratio(a.get('median_ms'), b.get('median_ms'))}")
 
+    fused = [r for r in rows if r.get("bench") == "gpu_epilogue"]
+    if fused:
+        print("\nbf16 backward with cuBLASLt epilogues against the same work apart (ratio = fused / apart)")
+        print(f"{'layer':10} {'op':16} {'M':>6} {'N':>6} {'K':>6} {'fused_ms':>9} {'apart_ms':>9} {'ratio':>6}")
+        for r in fused:
+            f = r["fused_median_ms"] if r["fused"] else 0
+            print(f"{r['layer']:10} {r['op']:16} {r['m']:6} {r['n']:6} {r['k']:6} {f:9.3f} "
+                  f"{r['apart_median_ms']:9.3f} {ratio(f, r['apart_median_ms'])}")
+
     steps = [r for r in rows if r.get("bench") == "gpu_gpt_step"]
     if steps:
         def family(r):  # bf16 lines compare with ptrain's bf16 step, the others with its fp32/tf32 step
@@ -76,6 +85,8 @@ def main():
         print(f"{'impl':8} {'attention':12} {'precision':14} {'step_ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} "
               f"{'MFU':>6} {'GiB':>6} {'ratio':>6}")
         for r in steps:
+            if r.get("gemm_epilogues") is False:
+                r["precision"] += ",apart"  # --no-epilogues: bias and GELU as kernels of their own
             print(f"{r['impl']:8} {r['attention']:12} {r['precision']:14} {r['step_ms_median']:8.1f} "
                   f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.3f} {r.get('peak_mem_GiB', 0):6.1f} "
                   f"{ratio(refs.get(family(r), {}).get('step_ms_median'), r['step_ms_median'])}")

@@ -12,6 +12,7 @@
 #   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu, then examples/gpt_char_cuda trained on
 #                    the GPU for 300 steps in fp32 and in bf16
 #   gpu_bench.jsonl  one JSON line per measurement, "impl": "ptrain" and "pytorch"
+#                    (ptrain's GPT steps twice: with cuBLASLt's fused epilogues and without)
 #   gpu_bench.log    everything the benchmarks printed (tables on stderr)
 #   gpu_compare.txt  ptrain / PyTorch ratios from gpu_bench.jsonl
 #   summary.txt      each step's exit code
@@ -238,6 +239,11 @@ if want bench; then
       "${bench_args[@]}"
   else
     summary+=("bench_pytorch: not run, $python cannot import torch (set PTRAIN_PYTHON)")
+  fi
+  # The GPT steps again without cuBLASLt's fused epilogues: what they gain (last, as the least needed).
+  if [[ -x $bench_bin ]]; then
+    step bench_apart 90 15 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" --only gpt --no-epilogues \
+      "${bench_args[@]}"
   fi
   step compare 15 0 "$OUT/gpu_compare.txt" python3 tools/gpu/compare.py "$OUT/gpu_bench.jsonl"
 fi

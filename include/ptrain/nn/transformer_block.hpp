@@ -32,7 +32,7 @@ class FeedForward : public Module<T> {
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     // c_fc and the GELU as one op (a fused GEMM epilogue on GPUs), leaving in
     // each child's cache what its own forward would have: the input of c_fc,
-    // the input of the GELU. Their backward passes then run unchanged.
+    // the input of the GELU.
     Tensor<T> pre;
     auto h = ops::linear_gelu(x, c_fc_->weight().value, c_fc_->bias()->value, pre);
     cache.child(0).tensors = {x};
@@ -40,8 +40,21 @@ class FeedForward : public Module<T> {
     return drop_->forward(c_proj_->forward(h, cache.child(2)), cache.child(3));
   }
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    auto g = c_proj_->backward(drop_->backward(dy, cache.child(3)), cache.child(2));
-    auto dx = c_fc_->backward(act_->backward(g, cache.child(1)), cache.child(0));
+    // c_proj's backward, the GELU's and c_fc's bias gradient as one op (fused
+    // GEMM epilogues on GPUs), then c_fc's weight gradient and dx.
+    auto g = drop_->backward(dy, cache.child(3));
+    Parameter<T>& w_proj = c_proj_->weight();
+    Parameter<T>& b_proj = *c_proj_->bias();
+    Parameter<T>& w_fc = c_fc_->weight();
+    Parameter<T>& b_fc = *c_fc_->bias();
+    auto dpre = ops::linear_gelu_backward(cache.child(2).tensors.at(0), cache.child(1).tensors.at(0), w_proj.value, g,
+                                          w_proj.grad, &b_proj.grad, b_fc.grad);
+    w_proj.mark_grad_ready();
+    b_proj.mark_grad_ready();
+    auto dx = ops::linear_backward(cache.child(0).tensors.at(0), w_fc.value, dpre, w_fc.grad,
+                                   static_cast<Tensor<T>*>(nullptr));
+    w_fc.mark_grad_ready();
+    b_fc.mark_grad_ready();
     cache.clear();
     return dx;
   }

@@ -2,6 +2,7 @@
 // Matrix products and the affine map y = x W^T + b (PyTorch's Linear layout:
 // W is [out, in], so checkpoints exchange weights without transposes).
 
+#include "ptrain/ops/activation.hpp"
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {
@@ -75,8 +76,24 @@ Tensor<T> linear_gelu(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b
   return detail::linear_impl(x, w, b, &pre);
 }
 
+namespace detail {
+// db += the bias gradient that a fused GEMM epilogue writes (not adds) into
+// `part`, a fresh buffer; false, with db unchanged, off the GPU or where the
+// epilogue does not apply.
+template <class T, class Fused>
+bool add_fused_bias_grad(Tensor<T>& db, Fused&& fused) {
+  if (!db.device().is_cuda()) return false;
+  auto part = Tensor<T>::empty(db.shape(), db.device());
+  if (!fused(part.data())) return false;
+  axpy_(1, part, db);
+  return true;
+}
+}  // namespace detail
+
 /// Backward of linear: dw += dy^T x, db += column sums of dy, returns dx = dy W
 /// (undefined when need_dx is false, which saves a GEMM for the first layer).
+/// On a GPU the bias gradient comes out of the weight-gradient GEMM where it
+/// can (Note [cuBLASLt epilogues]).
 template <class T>
 Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& dy, Tensor<T>& dw, Tensor<T>* db,
                           bool need_dx = true) {
@@ -87,16 +104,53 @@ Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T
                "[ptrain.linear.backward] output gradient ", dy.shape(), " does not match input ", x.shape(),
                " and weight ", w.shape());
   check_shape(dw, w.shape(), "linear weight gradient");
-  if (db) check_shape(*db, Shape{out}, "linear bias gradient");
+  detail::check_devices("linear_backward", x.device(), w, dy, dw);
+  if (db) {
+    check_shape(*db, Shape{out}, "linear bias gradient");
+    detail::check_devices("linear_backward", x.device(), *db);
+  }
   auto dy2 = dy.reshape({rows, out});
   auto x2 = x.reshape({rows, in});
-  matmul_into(dy2, x2, dw, true, false, 1, 1);
-  if (db) PTRAIN_DISPATCH(x.device(), bias_grad, rows, out, dy.data(), db->data());
+  const bool fused = db && detail::add_fused_bias_grad(*db, [&](T* part) {
+    return PTRAIN_DISPATCH(x.device(), linear_weight_grad_epilogue, rows, out, in, dy.data(), x2.data(), dw.data(),
+                           part);
+  });
+  if (!fused) {
+    matmul_into(dy2, x2, dw, true, false, 1, 1);
+    if (db) PTRAIN_DISPATCH(x.device(), bias_grad, rows, out, dy.data(), db->data());
+  }
   if (!need_dx) return {};
   auto dx = Tensor<T>::empty(x.shape(), x.device());
   auto dx2 = dx.reshape({rows, in});
   matmul_into(dy2, w, dx2);
   return dx;
+}
+
+/// Backward of y = gelu(pre) W^T + b down to pre, for an MLP's second layer: as
+/// linear_backward with x = h = gelu(pre) for dw and db, then returns dpre =
+/// gelu'(pre) * (dy W) and adds its column sums to db_pre, the bias gradient of
+/// the layer that produced pre. On a GPU in bf16, dpre and db_pre come out of one
+/// GEMM (Note [cuBLASLt epilogues]).
+template <class T>
+Tensor<T> linear_gelu_backward(const Tensor<T>& h, const Tensor<T>& pre, const Tensor<T>& w, const Tensor<T>& dy,
+                               Tensor<T>& dw, Tensor<T>* db, Tensor<T>& db_pre) {
+  linear_backward(h, w, dy, dw, db, false);
+  check_shape(pre, h.shape(), "GELU input");
+  const std::int64_t in = w.size(1), out = w.size(0), rows = rows_of(h, "linear input");
+  check_shape(db_pre, Shape{in}, "bias gradient before the GELU");
+  detail::check_devices("linear_gelu_backward", h.device(), pre, db_pre);
+  auto dpre = Tensor<T>::empty(pre.shape(), pre.device());
+  const bool fused = detail::add_fused_bias_grad(db_pre, [&](T* part) {
+    return PTRAIN_DISPATCH(pre.device(), linear_dgelu_epilogue, rows, out, in, dy.data(), w.data(), pre.data(),
+                           dpre.data(), part);
+  });
+  if (!fused) {
+    auto dpre2 = dpre.reshape({rows, in});
+    matmul_into(dy.reshape({rows, out}), w, dpre2);
+    PTRAIN_DISPATCH(pre.device(), gelu_backward, dpre.numel(), pre.data(), dpre.data(), dpre.data());
+    PTRAIN_DISPATCH(pre.device(), bias_grad, rows, in, dpre.data(), db_pre.data());
+  }
+  return dpre;
 }
 
 }  // namespace ptrain::ops

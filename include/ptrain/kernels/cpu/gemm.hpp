@@ -118,10 +118,19 @@ inline void set_num_threads(int n) {
 #endif
 }
 
-/// The CPU has no fused GEMM epilogue (kernels::cuda::linear_epilogue): always
-/// false, and ops::linear runs the GEMM, the bias and the activation apart.
+/// The CPU has no fused GEMM epilogues (kernels/cuda/gemm_lt.cuh): these are
+/// always false, and ops:: runs the GEMM, the bias, the bias gradient and the
+/// activation apart.
 template <class T>
 bool linear_epilogue(std::int64_t, std::int64_t, std::int64_t, const T*, const T*, const T*, T*, T*, bool) {
+  return false;
+}
+template <class T>
+bool linear_weight_grad_epilogue(std::int64_t, std::int64_t, std::int64_t, const T*, const T*, T*, T*) {
+  return false;
+}
+template <class T>
+bool linear_dgelu_epilogue(std::int64_t, std::int64_t, std::int64_t, const T*, const T*, const T*, T*, T*) {
   return false;
 }
 
