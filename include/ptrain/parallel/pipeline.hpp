@@ -209,11 +209,12 @@ struct PipelineEvent {
   double start, end;
 };
 
-/// Loss of the last stage: returns the loss of one micro-batch and sets dout to
-/// the gradient of scale * loss with respect to the output.
+/// Loss of the last stage: returns the loss of one micro-batch and, unless dout
+/// is null (eval_step needs no gradient), sets *dout to the gradient of
+/// scale * loss with respect to the output.
 template <class T>
 using PipelineLoss = std::function<double(const Tensor<T>& output, const Tensor<std::int32_t>& targets,
-                                          Tensor<T>& dout, acc_t<T> scale)>;
+                                          Tensor<T>* dout, acc_t<T> scale)>;
 
 template <class T>
 struct PipelineOptions {
@@ -587,10 +588,7 @@ class Pipeline {
   // The loss of one micro-batch and, with dout, the gradient of loss / m.
   double compute_loss(const Tensor<T>& y, const Tensor<std::int32_t>& t, Tensor<T>* dout) {
     const auto scale = static_cast<acc_t<T>>(1.0 / opt_.micro_batches);
-    if (opt_.loss) {
-      Tensor<T> unused;
-      return opt_.loss(y, t, dout ? *dout : unused, scale);
-    }
+    if (opt_.loss) return opt_.loss(y, t, dout, scale);
     nn::CrossEntropyLoss<T> ce;
     nn::Cache<T> lc;
     const double loss = ce.forward(y, t, lc);

@@ -358,6 +358,75 @@ TEST_CASE("eval_step: the forward loss of one process, no gradients, no caches k
   }
 }
 
+// A loss of the test's own: half the squared distance of each output row to its
+// target's one-hot vector, averaged over the rows; with dout, scale times its gradient.
+double one_hot_sq_loss(const Tensor<float>& y, const Tensor<std::int32_t>& t, Tensor<float>* dout, float scale) {
+  const std::int64_t rows = y.size(0), cols = y.size(1);
+  if (dout) *dout = Tensor<float>::empty(y.shape());
+  double sum = 0;
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double d = static_cast<double>(y.data()[i * cols + j]) - (j == t.data()[i] ? 1.0 : 0.0);
+      sum += 0.5 * d * d;
+      if (dout) dout->data()[i * cols + j] = static_cast<float>(scale * d / static_cast<double>(rows));
+    }
+  return sum / static_cast<double>(rows);
+}
+
+// PipelineOptions::loss against one process trained with the same loss on the
+// whole batch; eval_step must ask it for no gradient, train_step for every one.
+TEST_CASE("A custom loss trains like one process; eval_step asks it for no gradient", "[pipeline][loss]") {
+  auto& comm = world();
+  const int p = comm.size(), s = comm.rank();
+  const std::int64_t B = 8, steps = 2;
+  const int m = 4;
+  std::vector<Batch> batches;
+  for (std::int64_t i = 0; i < steps; ++i) batches.push_back(make_batch(B, 90 + static_cast<std::uint64_t>(i)));
+  auto held_out = make_batch(B, 99);
+
+  auto ref = full_model();
+  nn::FlatParameters<float> ref_p(*ref);
+  auto ref_opt = make_opt(Opt::SGD, ref_p);
+  auto ref_eval = [&] {
+    nn::Cache<float> c;
+    return one_hot_sq_loss(ref->forward(held_out.x, c), held_out.y, nullptr, 1.0f);
+  };
+  const double eval_before = ref_eval();
+  std::vector<double> ref_losses;
+  for (const Batch& b : batches) {
+    nn::Cache<float> c;
+    ref_p.zero_grad();
+    Tensor<float> dout;
+    ref_losses.push_back(one_hot_sq_loss(ref->forward(b.x, c), b.y, &dout, 1.0f));
+    ref->backward(dout, c);
+    ref_opt->step();
+  }
+  const double eval_after = ref_eval();
+
+  int with_grad = 0, without = 0;  // calls on this stage (the last one makes them all)
+  auto loss = [&](const Tensor<float>& y, const Tensor<std::int32_t>& t, Tensor<float>* dout, float scale) {
+    ++(dout ? with_grad : without);
+    return one_hot_sq_loss(y, t, dout, scale);
+  };
+  parallel::Pipeline<float> pipe(comm, kUnits, make_unit, parallel::partition_balanced(param_costs(), p),
+                                 {.micro_batches = m, .loss = loss});
+  auto opt = make_opt(Opt::SGD, pipe.parameters());
+  INFO("stage " << s << " of " << p);
+  for (std::int64_t i = 0; i < steps; ++i) {
+    const double got = pipe.train_step(batches[static_cast<std::size_t>(i)].x, batches[static_cast<std::size_t>(i)].y);
+    opt->step();
+    const double want = ref_losses[static_cast<std::size_t>(i)];
+    CHECK(std::abs(got - want) <= 1e-5 * want);
+  }
+  CHECK(rel_error(pipe.module(), *ref) <= 1e-5);
+  const int last = s == p - 1 ? 1 : 0;
+  CHECK(with_grad == last * m * static_cast<int>(steps));
+  CHECK(without == 0);
+  CHECK(std::abs(pipe.eval_step(held_out.x, held_out.y) - eval_after) <= 1e-5 * eval_after);
+  CHECK(without == last * m);
+  CHECK(std::abs(eval_after - eval_before) > 1e-3 * eval_before);  // the steps changed the loss: the checks can fail
+}
+
 TEST_CASE("mesh broadcast_parameters copies replica 0's values", "[pipeline][mesh]") {
   auto& comm = world();
   if (comm.size() % 2) return;
