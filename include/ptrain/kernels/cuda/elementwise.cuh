@@ -4,12 +4,14 @@
 //
 // Same names and arguments as kernels/cpu/elementwise.hpp, on device pointers
 // of the current device; each launches on current_stream() and returns without
-// waiting. Grid-stride loops, so any n runs with a bounded grid.
+// waiting. Grid-stride loops, so any n runs with a bounded grid; the pointwise
+// ones share one loop (Note [Elementwise loops]).
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/random.hpp"
@@ -21,10 +23,75 @@ namespace ptrain::kernels::cuda {
 
 namespace detail {
 
+// Note [Elementwise loops]
+// y[i] = op(i, x0[i], x1[i], ...) over n elements, each thread taking kUnroll<T>
+// elements per pass (indices first, first + stride, ... with stride the grid's
+// thread count, so a warp's accesses stay contiguous) and issuing every load of
+// a pass before its first store. That keeps 16 bytes per input in flight per
+// thread (4 floats, 8 bf16, 2 doubles): with one element per pass, a kernel
+// that reads one bf16 array has 2 bytes in flight per thread, far from the
+// ~9 bytes per thread (bandwidth x latency / resident threads) that H100's
+// memory needs to run at speed. Loads and stores of an element stay in one
+// thread, so y may be one of the inputs (in-place axpy, scale, GELU backward).
+// Any alignment works (no vector types). pointwise_elements is the loop of one
+// thread, host-callable so that the [nogpu] test runs it over emulated threads.
 template <class T>
-__global__ void bias_add_kernel(std::int64_t rows, std::int64_t cols, T* y, const T* bias) {
-  for (std::int64_t i = global_index(); i < rows * cols; i += grid_stride()) y[i] = st<T>(ld(y[i]) + ld(bias[i % cols]));
+inline constexpr int kUnroll = 16 / static_cast<int>(sizeof(T));
+
+template <class T, int NIn>
+struct Inputs {
+  const T* p[NIn];
+};
+
+template <class T, int NIn, class Op, std::size_t... J>
+PTRAIN_HOST_DEVICE void pointwise_elements_impl(std::int64_t n, std::int64_t first, std::int64_t stride,
+                                                const Inputs<T, NIn>& in, T* y, const Op& op,
+                                                std::index_sequence<J...>) {
+  constexpr int U = kUnroll<T>;
+  for (std::int64_t base = first; base < n; base += U * stride) {
+    T v[NIn][U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const std::int64_t i = base + k * stride;
+      if (i < n) ((v[J][k] = in.p[J][i]), ...);
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const std::int64_t i = base + k * stride;
+      if (i < n) y[i] = op(i, v[J][k]...);
+    }
+  }
 }
+
+/// The elements of n that the thread with global index `first` of `stride` threads owns.
+template <class T, int NIn, class Op>
+PTRAIN_HOST_DEVICE void pointwise_elements(std::int64_t n, std::int64_t first, std::int64_t stride,
+                                           const Inputs<T, NIn>& in, T* y, const Op& op) {
+  pointwise_elements_impl(n, first, stride, in, y, op, std::make_index_sequence<NIn>{});
+}
+
+template <class T, int NIn, class Op>
+__global__ void pointwise_kernel(std::int64_t n, Inputs<T, NIn> in, T* y, Op op) {
+  pointwise_elements(n, global_index(), grid_stride(), in, y, op);
+}
+
+/// Launches y[i] = op(i, xs[i]...) on the current stream (Note [Elementwise loops]).
+template <class T, class Op, class... X>
+void pointwise(std::int64_t n, T* y, Op op, const X*... xs) {
+  check_element_type<T>();
+  if (n <= 0) return;
+  constexpr int U = kUnroll<T>;
+  pointwise_kernel<T, sizeof...(X), Op><<<grid_for((n + U - 1) / U), kBlock, 0, current_stream()>>>(
+      n, Inputs<T, sizeof...(X)>{{xs...}}, y, op);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+template <class T>
+struct BiasAddOp {
+  const T* bias;
+  std::int64_t cols;
+  __device__ T operator()(std::int64_t i, T y) const { return st<T>(ld(y) + ld(bias[i % cols])); }
+};
 
 // The bias gradient's term for column sums (reduce.cuh): dy[r, c].
 template <class T>
@@ -36,64 +103,65 @@ struct BiasGradTerm {
 };
 
 template <class T>
-__global__ void relu_forward_kernel(std::int64_t n, const T* x, T* y) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] = ld(x[i]) > 0 ? x[i] : T(0);
-}
+struct ReluOp {
+  __device__ T operator()(std::int64_t, T x) const { return ld(x) > 0 ? x : T(0); }
+};
 
 template <class T>
-__global__ void relu_backward_kernel(std::int64_t n, const T* x, const T* dy, T* dx) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) dx[i] = ld(x[i]) > 0 ? dy[i] : T(0);
-}
+struct ReluBackwardOp {
+  __device__ T operator()(std::int64_t, T x, T dy) const { return ld(x) > 0 ? dy : T(0); }
+};
 
 template <class T>
-__global__ void gelu_forward_kernel(std::int64_t n, const T* x, T* y) {
-  using A = acc_t<T>;
-  const A k0 = A(0.7978845608028654), k1 = A(0.044715);
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
-    const A v = ld(x[i]);
-    y[i] = st<T>(A(0.5) * v * (A(1) + dev_tanh(k0 * (v + k1 * v * v * v))));
+struct GeluOp {
+  __device__ T operator()(std::int64_t, T x) const {
+    using A = acc_t<T>;
+    const A k0 = A(0.7978845608028654), k1 = A(0.044715), v = ld(x);
+    return st<T>(A(0.5) * v * (A(1) + dev_tanh(k0 * (v + k1 * v * v * v))));
   }
-}
+};
 
 template <class T>
-__global__ void gelu_backward_kernel(std::int64_t n, const T* x, const T* dy, T* dx) {
-  using A = acc_t<T>;
-  const A k0 = A(0.7978845608028654), k1 = A(0.044715);
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) {
-    const A v = ld(x[i]);
+struct GeluBackwardOp {
+  __device__ T operator()(std::int64_t, T x, T dy) const {
+    using A = acc_t<T>;
+    const A k0 = A(0.7978845608028654), k1 = A(0.044715), v = ld(x);
     const A t = dev_tanh(k0 * (v + k1 * v * v * v));
-    dx[i] = st<T>(ld(dy[i]) * (A(0.5) * (A(1) + t) + A(0.5) * v * (A(1) - t * t) * k0 * (A(1) + A(3) * k1 * v * v)));
+    return st<T>(ld(dy) * (A(0.5) * (A(1) + t) + A(0.5) * v * (A(1) - t * t) * k0 * (A(1) + A(3) * k1 * v * v)));
   }
-}
+};
 
 // The mask comes from random_uniform(seed, offset + i), the CPU's formula, in
 // double as on the CPU, so both devices drop exactly the same elements.
 template <class T>
-__global__ void dropout_kernel(std::int64_t n, const T* x, T* y, double p, acc_t<T> scale, std::uint64_t seed,
-                               std::uint64_t offset) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride())
-    y[i] = random_uniform(seed, offset + static_cast<std::uint64_t>(i)) >= p ? st<T>(ld(x[i]) * scale) : T(0);
-}
+struct DropoutOp {
+  double p;
+  acc_t<T> scale;
+  std::uint64_t seed, offset;
+  __device__ T operator()(std::int64_t i, T x) const {
+    return random_uniform(seed, offset + static_cast<std::uint64_t>(i)) >= p ? st<T>(ld(x) * scale) : T(0);
+  }
+};
 
 template <class T>
-__global__ void axpy_kernel(std::int64_t n, acc_t<T> alpha, const T* x, T* y) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] = st<T>(ld(y[i]) + alpha * ld(x[i]));
-}
+struct AxpyOp {
+  acc_t<T> alpha;
+  __device__ T operator()(std::int64_t, T x, T y) const { return st<T>(ld(y) + alpha * ld(x)); }
+};
 
 template <class T>
-__global__ void scale_kernel(std::int64_t n, acc_t<T> alpha, T* x) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) x[i] = st<T>(ld(x[i]) * alpha);
-}
+struct ScaleOp {
+  acc_t<T> alpha;
+  __device__ T operator()(std::int64_t, T x) const { return st<T>(ld(x) * alpha); }
+};
 
 }  // namespace detail
 
 /// y[r, :] += bias for each of `rows` rows of width `cols`.
 template <class T>
 void bias_add(std::int64_t rows, std::int64_t cols, T* y, const T* bias) {
-  detail::check_element_type<T>();
   if (rows <= 0 || cols <= 0) return;
-  detail::bias_add_kernel<T><<<detail::grid_for(rows * cols), detail::kBlock, 0, current_stream()>>>(rows, cols, y, bias);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(rows * cols, y, detail::BiasAddOp<T>{bias, cols}, static_cast<const T*>(y));
 }
 
 /// dbias += sum over rows of dy (column sums of a [rows, cols] array).
@@ -105,65 +173,43 @@ void bias_grad(std::int64_t rows, std::int64_t cols, const T* dy, T* dbias) {
 
 template <class T>
 void relu_forward(std::int64_t n, const T* x, T* y) {
-  detail::check_element_type<T>();
-  if (n <= 0) return;
-  detail::relu_forward_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(n, y, detail::ReluOp<T>{}, x);
 }
 
 /// dx = dy where x > 0, else 0 (x is the forward input).
 template <class T>
 void relu_backward(std::int64_t n, const T* x, const T* dy, T* dx) {
-  detail::check_element_type<T>();
-  if (n <= 0) return;
-  detail::relu_backward_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, dy, dx);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(n, dx, detail::ReluBackwardOp<T>{}, x, dy);
 }
 
 /// GELU, tanh form (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 template <class T>
 void gelu_forward(std::int64_t n, const T* x, T* y) {
-  detail::check_element_type<T>();
-  if (n <= 0) return;
-  detail::gelu_forward_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(n, y, detail::GeluOp<T>{}, x);
 }
 
 template <class T>
 void gelu_backward(std::int64_t n, const T* x, const T* dy, T* dx) {
-  detail::check_element_type<T>();
-  if (n <= 0) return;
-  detail::gelu_backward_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, dy, dx);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(n, dx, detail::GeluBackwardOp<T>{}, x, dy);
 }
 
 /// Inverted dropout: y = x * mask / (1 - p), mask[i] = uniform(seed, offset + i) >= p.
 /// The same mask as kernels::cpu::dropout for the same (seed, offset).
 template <class T>
 void dropout(std::int64_t n, const T* x, T* y, double p, std::uint64_t seed, std::uint64_t offset) {
-  detail::check_element_type<T>();
-  if (n <= 0) return;
   const acc_t<T> scale = acc_t<T>(1.0 / (1.0 - p));  // rounded as the CPU rounds it
-  detail::dropout_kernel<T>
-      <<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y, p, scale, seed, offset);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(n, y, detail::DropoutOp<T>{p, scale, seed, offset}, x);
 }
 
 /// y += alpha * x
 template <class T>
 void axpy(std::int64_t n, acc_t<T> alpha, const T* x, T* y) {
-  detail::check_element_type<T>();
-  if (n <= 0) return;
-  detail::axpy_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, alpha, x, y);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(n, y, detail::AxpyOp<T>{alpha}, x, static_cast<const T*>(y));
 }
 
 template <class T>
 void scale(std::int64_t n, acc_t<T> alpha, T* x) {
-  detail::check_element_type<T>();
-  if (n <= 0) return;
-  detail::scale_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, alpha, x);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(n, x, detail::ScaleOp<T>{alpha}, static_cast<const T*>(x));
 }
 
 namespace detail {
