@@ -192,14 +192,14 @@ TEMPLATE_TEST_CASE("pointwise loop: each element by one thread, in place too, fo
       std::vector<int> writers(a.size());
       for (std::int64_t t : ids) {
         std::vector<T> y(a.size(), nan_of<T>());
-        kc::detail::pointwise_elements<T, 2>(n, t, threads, {{a.data(), b.data()}}, y.data(), LoopTestOp<T>{});
+        kc::detail::pointwise_elements<T, T, 2>(n, t, threads, {{a.data(), b.data()}}, y.data(), LoopTestOp<T>{});
         for (std::size_t i = 0; i < y.size(); ++i) writers[i] += std::isnan(as_double(y[i])) ? 0 : 1;
       }
       CHECK(std::count(writers.begin(), writers.end(), 1) == n);
 
       std::vector<T> y = b;  // in place: b is input and output
       for (std::int64_t t : ids)
-        kc::detail::pointwise_elements<T, 2>(n, t, threads, {{a.data(), y.data()}}, y.data(), LoopTestOp<T>{});
+        kc::detail::pointwise_elements<T, T, 2>(n, t, threads, {{a.data(), y.data()}}, y.data(), LoopTestOp<T>{});
       CHECK(rel_err(y, to_double(ref)) == 0);
     }
 }

@@ -38,18 +38,18 @@ namespace detail {
 template <class T>
 inline constexpr int kUnroll = 16 / static_cast<int>(sizeof(T));
 
-template <class T, int NIn>
+template <class X, int NIn>
 struct Inputs {
-  const T* p[NIn];
+  const X* p[NIn];
 };
 
-template <class T, int NIn, class Op, std::size_t... J>
+template <class Y, class X, int NIn, class Op, std::size_t... J>
 PTRAIN_HOST_DEVICE void pointwise_elements_impl(std::int64_t n, std::int64_t first, std::int64_t stride,
-                                                const Inputs<T, NIn>& in, T* y, const Op& op,
+                                                const Inputs<X, NIn>& in, Y* y, const Op& op,
                                                 std::index_sequence<J...>) {
-  constexpr int U = kUnroll<T>;
+  constexpr int U = kUnroll<X>;
   for (std::int64_t base = first; base < n; base += U * stride) {
-    T v[NIn][U];
+    X v[NIn][U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const std::int64_t i = base + k * stride;
@@ -64,25 +64,28 @@ PTRAIN_HOST_DEVICE void pointwise_elements_impl(std::int64_t n, std::int64_t fir
 }
 
 /// The elements of n that the thread with global index `first` of `stride` threads owns.
-template <class T, int NIn, class Op>
+template <class Y, class X, int NIn, class Op>
 PTRAIN_HOST_DEVICE void pointwise_elements(std::int64_t n, std::int64_t first, std::int64_t stride,
-                                           const Inputs<T, NIn>& in, T* y, const Op& op) {
+                                           const Inputs<X, NIn>& in, Y* y, const Op& op) {
   pointwise_elements_impl(n, first, stride, in, y, op, std::make_index_sequence<NIn>{});
 }
 
-template <class T, int NIn, class Op>
-__global__ void pointwise_kernel(std::int64_t n, Inputs<T, NIn> in, T* y, Op op) {
+template <class Y, class X, int NIn, class Op>
+__global__ void pointwise_kernel(std::int64_t n, Inputs<X, NIn> in, Y* y, Op op) {
   pointwise_elements(n, global_index(), grid_stride(), in, y, op);
 }
 
-/// Launches y[i] = op(i, xs[i]...) on the current stream (Note [Elementwise loops]).
-template <class T, class Op, class... X>
-void pointwise(std::int64_t n, T* y, Op op, const X*... xs) {
-  check_element_type<T>();
+/// Launches y[i] = op(i, x[i], xs[i]...) on the current stream (Note [Elementwise
+/// loops]); the inputs share one element type.
+template <class Y, class X, class Op, class... Xs>
+void pointwise(std::int64_t n, Y* y, Op op, const X* x, const Xs*... xs) {
+  static_assert((std::is_same_v<X, Xs> && ...), "pointwise: the inputs share one element type");
+  check_element_type<Y>();
+  check_element_type<X>();
   if (n <= 0) return;
-  constexpr int U = kUnroll<T>;
-  pointwise_kernel<T, sizeof...(X), Op><<<grid_for((n + U - 1) / U), kBlock, 0, current_stream()>>>(
-      n, Inputs<T, sizeof...(X)>{{xs...}}, y, op);
+  constexpr int NIn = 1 + sizeof...(Xs), U = kUnroll<X>;
+  pointwise_kernel<Y, X, NIn, Op><<<grid_for((n + U - 1) / U), kBlock, 0, current_stream()>>>(
+      n, Inputs<X, NIn>{{x, xs...}}, y, op);
   PTRAIN_CHECK_CUDA_LAUNCH();
 }
 
@@ -213,10 +216,13 @@ void scale(std::int64_t n, acc_t<T> alpha, T* x) {
 }
 
 namespace detail {
-template <class From, class To>
-__global__ void cast_kernel(std::int64_t n, const From* x, To* y) {
-  for (std::int64_t i = global_index(); i < n; i += grid_stride()) y[i] = static_cast<To>(static_cast<float>(x[i]));
-}
+template <class To>
+struct CastOp {
+  template <class From>
+  __device__ To operator()(std::int64_t, From x) const {
+    return static_cast<To>(static_cast<float>(x));
+  }
+};
 }  // namespace detail
 
 /// y[i] = x[i] converted: to bf16 through float, rounding to nearest even (NaN stays
@@ -224,9 +230,7 @@ __global__ void cast_kernel(std::int64_t n, const From* x, To* y) {
 template <class From, class To>
 void cast(std::int64_t n, const From* x, To* y) {
   static_assert(is_bf16_cast<From, To>, "ptrain::kernels::cuda::cast: float or double <-> bf16");
-  if (n <= 0) return;
-  detail::cast_kernel<From, To><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, x, y);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  detail::pointwise(n, y, detail::CastOp<To>{}, x);
 }
 
 }  // namespace ptrain::kernels::cuda
