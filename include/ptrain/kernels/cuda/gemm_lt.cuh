@@ -211,9 +211,15 @@ bool lt_matmul(const LtGemm& g) {
   const std::uint64_t need = it->second.workspace;
   Tensor<std::uint8_t> workspace;
   if (need > 0) workspace = Tensor<std::uint8_t>::empty(Shape{static_cast<std::int64_t>(need)}, Device::cuda(device));
-  PTRAIN_CHECK_CUBLAS(cublasLtMatmul(handle, op.get(), &alpha, g.a, a.get(), g.b, b.get(), &g.beta, g.d, d.get(), g.d,
-                                     d.get(), &it->second.algo, need > 0 ? workspace.data() : nullptr, need,
-                                     current_stream(device)));
+  const cublasStatus_t status =
+      cublasLtMatmul(handle, op.get(), &alpha, g.a, a.get(), g.b, b.get(), &g.beta, g.d, d.get(), g.d, d.get(),
+                     &it->second.algo, need > 0 ? workspace.data() : nullptr, need, current_stream(device));
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {  // refused before it ran: the unfused kernels take this problem
+    it->second.found = false;
+    return false;
+  }
+  if (status != CUBLAS_STATUS_SUCCESS)
+    ::ptrain::detail::throw_cublas_error(status, "cublasLtMatmul", __FILE__, __LINE__);
   return true;
 }
 
