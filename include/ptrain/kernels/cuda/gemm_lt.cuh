@@ -26,13 +26,13 @@
 // Each function returns false, having done nothing, where the fused form does
 // not apply (double, no bias, GELU on float, sizes over 32 bits, an auxiliary
 // leading dimension that is not a multiple of 8, a bias or auxiliary buffer off
-// a 16-byte boundary, no algorithm from the heuristic, or after
-// set_gemm_epilogues(false)); the caller then runs the unfused kernels. Each
-// host thread keeps one cuBLASLt handle per device; each call takes the
-// workspace its algorithm needs (at most 32 MiB, often none) from the device's
-// caching allocator on the current stream and frees it once queued, so the
-// block serves only later work of that stream (Note [Stream semantics] in
-// device.cuh) and two streams never share scratch. The heuristic's algorithm is
+// a 16-byte boundary, no algorithm from the heuristic or one the matmul refuses
+// as not supported, or after set_gemm_epilogues(false)); the caller then runs
+// the unfused kernels. Each host thread keeps one cuBLASLt handle per device;
+// each call takes the workspace its algorithm needs (at most 32 MiB, often
+// none) from the device's caching allocator on the current stream and frees it
+// once queued, so the block serves only later work of that stream (Note [Stream
+// semantics] in device.cuh) and two streams never share scratch. The heuristic's algorithm is
 // remembered per problem (layout, types, epilogue and the alignment of the
 // operands, the bias and the auxiliary buffer, which views into flat parameter
 // buffers may lower), so a training step asks once per layer shape, not once
