@@ -466,7 +466,7 @@ TEMPLATE_TEST_CASE("cuda: linear_epilogue fuses the bias and GELU into the GEMM"
 // bf16) and the gradient through the GELU with the bias gradient of the layer
 // before it (bf16 only), against the CPU in double. dW accumulates, so it starts
 // from random values; what is written starts as NaN. Where both widths are
-// multiples of 8 the fused path must be taken; through ops:: (which accumulates
+// multiples of 8 the bf16 fused path must be taken; through ops:: (which accumulates
 // the bias gradients and falls back where the fused forms do not apply) the
 // result must be right either way.
 TEMPLATE_TEST_CASE("cuda: backward epilogues fuse the bias gradients and the GELU's gradient into the GEMMs", "[gpu]",
@@ -491,7 +491,10 @@ TEMPLATE_TEST_CASE("cuda: backward epilogues fuse the bias gradients and the GEL
     {
       auto gw = on_gpu(dw0), gb = poisoned<T>(n);
       const bool fused = kc::linear_weight_grad_epilogue<T>(m, n, k, ddy.data(), dh.data(), gw.data(), gb.data());
-      if (widths8) CHECK(fused);
+      // Required in bf16 (the mixed-precision path); in float reported only, as
+      // cuBLASLt need not offer the bias-gradient epilogue for FP32 GEMMs.
+      if (widths8 && std::is_same_v<T, bf16>) CHECK(fused);
+      if (widths8 && !fused) WARN("no fused weight-gradient epilogue for this float shape");
       if (fused) {
         CHECK_CLOSE(host(gw), rdw);
         CHECK_CLOSE(host(gb), rdb);
