@@ -48,6 +48,7 @@
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/ops/linear.hpp"
 #include "ptrain/optim/adamw.hpp"
 
 using namespace ptrain;
@@ -181,57 +182,38 @@ Tensor<bf16> to_bf16(const Tensor<float>& t) {
   return b;
 }
 
-// A layer's backward in bf16 with cuBLASLt's epilogues (Note [cuBLASLt
-// epilogues]) and the same work apart, as ops::linear_backward and
-// ops::linear_gelu_backward issue it: dW += dy^T x with the bias gradient, and
-// with `gelu` (the layer after the MLP's GELU, whose input x stands in for pre)
-// dpre = gelu'(pre) * (dy W) with the bias gradient of the layer before.
+// A layer's backward in bf16 through ops:: with cuBLASLt's epilogues (Note
+// [cuBLASLt epilogues]) and with them switched off, i.e. the same work apart:
+// dW += dy^T x with the bias gradient (linear_backward without dx), and with
+// `gelu` (the layer after the MLP's GELU, whose input x stands in for pre) also
+// dpre = gelu'(pre) * (dy W) with the bias gradient of the layer before
+// (linear_gelu_backward). `fused` says whether the epilogue applied.
 void time_backward_epilogues(const Options& o, const char* layer, std::int64_t M, std::int64_t k, std::int64_t n,
-                             const Tensor<bf16>& x, const Tensor<bf16>& w, const Tensor<bf16>& dy, Tensor<bf16>& dx,
-                             Tensor<bf16>& dw, bool gelu) {
-  auto db = Tensor<bf16>::zeros({n}, kGpu), part = Tensor<bf16>::empty({n}, kGpu);
-  auto dbp = Tensor<bf16>::zeros({k}, kGpu), partp = Tensor<bf16>::empty({k}, kGpu);
-  struct Case {
-    const char* op;
-    std::function<bool()> fused;
-    std::function<void()> apart;
+                             const Tensor<bf16>& x, const Tensor<bf16>& w, const Tensor<bf16>& dy, Tensor<bf16>& dw,
+                             bool gelu) {
+  const auto x2 = x.reshape({M, k}), w2 = w.reshape({n, k}), dy2 = dy.reshape({M, n});
+  auto dw2 = dw.reshape({n, k});
+  auto db = Tensor<bf16>::zeros({n}, kGpu), db_pre = Tensor<bf16>::zeros({k}, kGpu);
+  auto part = Tensor<bf16>::empty({gelu ? k : n}, kGpu), dpre = Tensor<bf16>::empty({M, k}, kGpu);
+  const char* op = gelu ? "dgelu_wgrad_bias" : "wgrad_bias";
+  const bool fused =
+      gelu ? kc::linear_dgelu_epilogue<bf16>(M, n, k, dy.data(), w.data(), x.data(), dpre.data(), part.data())
+           : kc::linear_weight_grad_epilogue<bf16>(M, n, k, dy.data(), x.data(), dw.data(), part.data());
+  auto run = [&] {
+    if (gelu) ops::linear_gelu_backward(x2, x2, w2, dy2, dw2, &db, db_pre);
+    else ops::linear_backward(x2, w2, dy2, dw2, &db, false);
   };
-  std::vector<Case> cases{{"wgrad_bias",
-                           [&] {
-                             if (!kc::linear_weight_grad_epilogue<bf16>(M, n, k, dy.data(), x.data(), dw.data(),
-                                                                        part.data()))
-                               return false;
-                             kc::axpy<bf16>(n, 1.0f, part.data(), db.data());
-                             return true;
-                           },
-                           [&] {
-                             kc::gemm<bf16>(true, false, n, k, M, 1.0f, dy.data(), n, x.data(), k, 1.0f, dw.data(), k);
-                             kc::bias_grad<bf16>(M, n, dy.data(), db.data());
-                           }}};
-  if (gelu)
-    cases.push_back({"dgrad_dgelu_bias",
-                     [&] {
-                       if (!kc::linear_dgelu_epilogue<bf16>(M, n, k, dy.data(), w.data(), x.data(), dx.data(),
-                                                            partp.data()))
-                         return false;
-                       kc::axpy<bf16>(k, 1.0f, partp.data(), dbp.data());
-                       return true;
-                     },
-                     [&] {
-                       kc::gemm<bf16>(false, false, M, k, n, 1.0f, dy.data(), n, w.data(), k, 0.0f, dx.data(), k);
-                       kc::gelu_backward<bf16>(M * k, x.data(), dx.data(), dx.data());
-                       kc::bias_grad<bf16>(M, k, dx.data(), dbp.data());
-                     }});
-  for (Case& c : cases) {
-    const Timing apart = time_gpu(o, c.apart);
-    const bool applies = c.fused();
-    const Timing fused = applies ? time_gpu(o, [&] { c.fused(); }) : Timing{};
-    emit({{"bench", "gpu_epilogue"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"layer", layer}, {"op", c.op},
-          {"m", M}, {"n", n}, {"k", k}, {"precision", "bf16"}, {"fused", applies},
-          {"fused_median_ms", fused.median_ms}, {"apart_median_ms", apart.median_ms}, {"samples", o.samples}});
-    std::fprintf(stderr, "%-10s %-16s fused %s %8.3f ms, apart %8.3f ms\n", layer, c.op, applies ? "yes" : "no ",
-                 fused.median_ms, apart.median_ms);
+  Timing t[2];
+  for (const bool on : {true, false}) {
+    kc::set_gemm_epilogues(on);
+    t[on ? 0 : 1] = time_gpu(o, run);
   }
+  kc::set_gemm_epilogues(true);
+  emit({{"bench", "gpu_epilogue"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"layer", layer}, {"op", op},
+        {"m", M}, {"n", n}, {"k", k}, {"precision", "bf16"}, {"fused", fused}, {"fused_median_ms", t[0].median_ms},
+        {"apart_median_ms", t[1].median_ms}, {"samples", o.samples}});
+  std::fprintf(stderr, "%-10s %-16s fused %s %8.3f ms, apart %8.3f ms\n", layer, op, fused ? "yes" : "no ",
+               t[0].median_ms, t[1].median_ms);
 }
 
 void bench_gemm(const Options& o) {
@@ -259,7 +241,8 @@ void bench_gemm(const Options& o) {
     auto dwb = Tensor<bf16>::empty({l.n, l.k}, kGpu);
     time_linear_products<bf16>(o, l.name, "bf16", M, l.k, l.n, xb.data(), wb.data(), dyb.data(), yb.data(),
                                dxb.data(), dwb.data());
-    time_backward_epilogues(o, l.name, M, l.k, l.n, xb, wb, dyb, dxb, dwb, std::string(l.name) == "mlp_proj");
+    time_backward_epilogues(o, l.name, M, l.k, l.n, xb, wb, dyb, dwb, false);
+    if (std::string(l.name) == "mlp_proj") time_backward_epilogues(o, l.name, M, l.k, l.n, xb, wb, dyb, dwb, true);
   }
 }
 
@@ -409,8 +392,8 @@ void bench_gpt(const Options& o) {
   const char* mixed = is_bf16 ? "bf16 parameters, gradients and activations; fp32 master weights and AdamW moments"
                               : "none";
   emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", attention},
-        {"precision", precision}, {"gemm_epilogues", o.epilogues}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"embd", cfg.n_embd},
-        {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps}, {"warmup", o.warmup},
+        {"precision", precision}, {"gemm_epilogues", o.epilogues}, {"layers", cfg.n_layer}, {"heads", cfg.n_head},
+        {"embd", cfg.n_embd}, {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps}, {"warmup", o.warmup},
         {"mixed_precision", mixed},
         {"adamw", "flat buffer, one kernel per contiguous decay range"}, {"dropout", cfg.dropout},
         {"parameters", model.num_parameters()}, {"step_ms_median", ms},

@@ -134,11 +134,11 @@ Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T
 template <class T>
 Tensor<T> linear_gelu_backward(const Tensor<T>& h, const Tensor<T>& pre, const Tensor<T>& w, const Tensor<T>& dy,
                                Tensor<T>& dw, Tensor<T>* db, Tensor<T>& db_pre) {
-  linear_backward(h, w, dy, dw, db, false);
   check_shape(pre, h.shape(), "GELU input");
   const std::int64_t in = w.size(1), out = w.size(0), rows = rows_of(h, "linear input");
   check_shape(db_pre, Shape{in}, "bias gradient before the GELU");
   detail::check_devices("linear_gelu_backward", h.device(), pre, db_pre);
+  linear_backward(h, w, dy, dw, db, false);  // checks the rest before anything is written
   auto dpre = Tensor<T>::empty(pre.shape(), pre.device());
   const bool fused = detail::add_fused_bias_grad(db_pre, [&](T* part) {
     return PTRAIN_DISPATCH(pre.device(), linear_dgelu_epilogue, rows, out, in, dy.data(), w.data(), pre.data(),

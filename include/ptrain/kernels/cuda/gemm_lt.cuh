@@ -143,7 +143,7 @@ struct LtChoice {
   cublasLtMatmulAlgo_t algo{};
   std::uint64_t workspace = 0;  // bytes the algorithm needs (at most kLtWorkspaceBytes)
 };
-using LtKey = std::array<std::int64_t, 19>;
+using LtKey = std::array<std::int64_t, 18>;
 
 /// Runs g on the current stream and returns true, or returns false having done
 /// nothing where cuBLASLt has no algorithm for it (Note [cuBLASLt epilogues]).
@@ -179,9 +179,8 @@ bool lt_matmul(const LtGemm& g) {
 
   const cublasLtHandle_t handle = lt_handle(device);
   thread_local std::map<LtKey, LtChoice> choices;
-  const LtKey key{device,    g.m,     g.n,     g.k,        g.trans_a, g.trans_b, g.lda,
-                  g.ldb,     g.ldd,   type,    compute,    g.epilogue, g.aux_ld, align_a,
-                  align_b,   align_d, align_bias, align_aux, g.beta != 0};
+  const LtKey key{device,  g.m,     g.n,  g.k,     g.trans_a, g.trans_b,  g.lda,      g.ldb,     g.ldd,
+                  type,    compute, g.epilogue, g.aux_ld, align_a, align_b, align_d, align_bias, align_aux};
   auto it = choices.find(key);
   if (it == choices.end()) {
     cublasLtMatmulPreference_t praw = nullptr;
