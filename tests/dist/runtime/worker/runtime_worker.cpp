@@ -9,6 +9,7 @@
 //   sleep OUTDIR [ignore]    write a pid file and sleep; on SIGTERM write OUTDIR/term_<rank> and exit 0
 //                            ("ignore": SIGTERM is ignored, so only SIGKILL ends it)
 
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -45,10 +46,13 @@ bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0;
 
 void write_pid() { write_file(out_dir + "/pid_" + std::to_string(my_rank), std::to_string(::getpid())); }
 
+// The SIGTERM handler may only make async-signal-safe calls, so the path of
+// the file it creates is built before the handler is installed.
+std::string term_path;
+
 void on_term(int) {
-  std::string path = out_dir + "/term_" + std::to_string(my_rank);
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (f) std::fclose(f);
+  int fd = ::open(term_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd >= 0) ::close(fd);
   ::_exit(0);
 }
 
@@ -117,6 +121,7 @@ int main(int argc, char** argv) {
   if (mode == "sleep") {
     out_dir = argv[2];
     bool ignore = argc >= 4 && std::string(argv[3]) == "ignore";
+    term_path = out_dir + "/term_" + std::to_string(my_rank);
     ::signal(SIGTERM, ignore ? SIG_IGN : on_term);
     write_pid();
     std::this_thread::sleep_for(std::chrono::seconds(60));
