@@ -101,7 +101,7 @@ struct FSDPOptions {
   DType reduce_dtype = DType::F32;
   /// Parameter-name prefix of each unit (e.g. GPT::unit_names()), so names match
   /// the unwrapped model's; default "u<i>".
-  std::vector<std::string> unit_names;
+  std::vector<std::string> unit_names = {};
 };
 
 /// One entry of the step timeline (steady-clock seconds), for overlap checks.
