@@ -203,12 +203,13 @@ void time_backward_epilogues(const Options& o, const char* layer, std::int64_t M
     if (gelu) ops::linear_gelu_backward(x2, x2, w2, dy2, dw2, &db, db_pre);
     else ops::linear_backward(x2, w2, dy2, dw2, &db, false);
   };
+  const bool was_on = kc::gemm_epilogues_enabled();
   Timing t[2];
   for (const bool on : {true, false}) {
     kc::set_gemm_epilogues(on);
     t[on ? 0 : 1] = time_gpu(o, run);
   }
-  kc::set_gemm_epilogues(true);
+  kc::set_gemm_epilogues(was_on);
   emit({{"bench", "gpu_epilogue"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"layer", layer}, {"op", op},
         {"m", M}, {"n", n}, {"k", k}, {"precision", "bf16"}, {"fused", fused}, {"fused_median_ms", t[0].median_ms},
         {"apart_median_ms", t[1].median_ms}, {"samples", o.samples}});
@@ -393,8 +394,8 @@ void bench_gpt(const Options& o) {
                               : "none";
   emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", attention},
         {"precision", precision}, {"gemm_epilogues", o.epilogues}, {"layers", cfg.n_layer}, {"heads", cfg.n_head},
-        {"embd", cfg.n_embd}, {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps}, {"warmup", o.warmup},
-        {"mixed_precision", mixed},
+        {"embd", cfg.n_embd}, {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps},
+        {"warmup", o.warmup}, {"mixed_precision", mixed},
         {"adamw", "flat buffer, one kernel per contiguous decay range"}, {"dropout", cfg.dropout},
         {"parameters", model.num_parameters()}, {"step_ms_median", ms},
         {"step_ms_min", *std::min_element(times.begin(), times.end())}, {"tokens_per_s", 1000.0 * tokens / ms},
