@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "ptrain/core/tensor.hpp"
@@ -151,7 +153,7 @@ TEST_CASE("nccl: bad calls throw at once", "[gpu][nccl]") {
   CHECK(v == 1.0);
 }
 
-TEST_CASE("nccl: a call on another communicator while a group is open is refused", "[gpu][nccl]") {
+TEST_CASE("nccl: a call on another communicator, or from another thread, while a group is open is refused", "[gpu][nccl]") {
   auto a = nccl_world(), b = nccl_world();
   auto& na = dynamic_cast<dist::NcclCommunicator&>(*a);
   auto in = Tensor<float>::from(iota(8, 1.0f), {8}).to(Device::cuda(0));
@@ -160,6 +162,16 @@ TEST_CASE("nccl: a call on another communicator while a group is open is refused
   auto w = a->all_reduce_async(in.data(), out.data(), 8, DType::F32, dist::ReduceOp::Sum);
   CHECK_THROWS_WITH(b->all_reduce(in.data(), 8, DType::F32, dist::ReduceOp::Sum),
                     Catch::Contains("[ptrain.nccl.group]") && Catch::Contains("group_end()"));
+  // NCCL's group is per thread: another thread's call on `a` would run outside it.
+  std::string other_thread;
+  std::thread([&] {
+    try {
+      a->all_reduce(in.data(), 8, DType::F32, dist::ReduceOp::Sum);
+    } catch (const CommError& e) {
+      other_thread = e.what();
+    }
+  }).join();
+  CHECK_THAT(other_thread, Catch::Contains("[ptrain.nccl.group]") && Catch::Contains("from a thread other than"));
   na.group_end();
   w->wait();
   CHECK(out.to_vector() == iota(8, 1.0f));

@@ -9,8 +9,8 @@
 # Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
 #   env.txt          nvidia-smi, nvcc, cmake, torch versions
 #   build.log        configure and build of ptrain_gpu and gpu_bench
-#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu, then examples/gpt_char_cuda trained on
-#                    the GPU for 300 steps in fp32 and in bf16
+#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu (the [nccl] cases in a second run), then
+#                    examples/gpt_char_cuda trained on the GPU for 300 steps in fp32 and in bf16
 #   gpu_bench.jsonl  one JSON line per measurement, "impl": "ptrain" and "pytorch"
 #                    (ptrain's GPT steps twice: with cuBLASLt's fused epilogues and without)
 #   gpu_bench.log    everything the benchmarks printed (tables on stderr)
@@ -177,7 +177,10 @@ if want test; then
   : >"$OUT/gpu_tests.log"
   if [[ -x $tests_bin ]]; then
     # --durations yes: the time of each test case, to see what a session's budget goes to.
-    step gpu_tests 180 240 "$OUT/gpu_tests.log" "$tests_bin" --durations yes
+    # The NCCL cases run on their own: one that hangs (a collective, the init
+    # timeout) then costs only its own cap, not the kernels' results.
+    step gpu_tests 150 300 "$OUT/gpu_tests.log" "$tests_bin" "~[nccl]" --durations yes
+    step gpu_tests_nccl 90 240 "$OUT/gpu_tests.log" "$tests_bin" "[nccl]" --durations yes
   else
     summary+=("gpu_tests: not run, $tests_bin was not built")
   fi

@@ -87,12 +87,14 @@ inline std::atomic<int>& cuda_error_rank() {
 #define PTRAIN_NCCL_CHECK_CUDA(call)                                                                          \
   do {                                                                                                        \
     cudaError_t ptrain_cuda_rc_ = (call);                                                                     \
-    if (ptrain_cuda_rc_ != cudaSuccess)                                                                       \
+    if (ptrain_cuda_rc_ != cudaSuccess) {                                                                     \
+      (void)cudaGetLastError(); /* reported here, not again by the next unrelated check */                    \
       ::ptrain::detail::throw_at<::ptrain::CudaError>(                                                        \
           __FILE__, __LINE__,                                                                                 \
           ::ptrain::detail::cat("[ptrain.cuda] ", #call, " failed on rank ",                                  \
                                 ::ptrain::dist::detail::cuda_error_rank().load(), ": ",                       \
                                 cudaGetErrorName(ptrain_cuda_rc_), ": ", cudaGetErrorString(ptrain_cuda_rc_))); \
+    }                                                                                                         \
   } while (0)
 
 /// Throws CommError with file:line, the call, NCCL's message (and last error) and the rank when an NCCL call fails.
@@ -362,6 +364,7 @@ class NcclCommunicator : public Communicator {
     std::lock_guard lock(comm_m_);
     PTRAIN_CHECK(group_depth_ > 0, CommError, "[ptrain.nccl.group] group_end() on rank ", rank_,
                  " without a matching group_start()");
+    check_no_other_group("group_end()");
     --group_depth_;
     const ncclResult_t rc = ncclGroupEnd();
     const bool failed = !detail::nccl_ok(rc);
@@ -556,12 +559,21 @@ class NcclCommunicator : public Communicator {
   }
 
   void start() {
-    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
-    PTRAIN_NCCL_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    PTRAIN_NCCL_CHECK_CUDA(cudaMalloc(&scratch_, sizeof(int)));
-    PTRAIN_NCCL_CHECK_CUDA(cudaMemset(scratch_, 0, sizeof(int)));
-    ready_ = std::make_unique<detail::CudaEvent>();  // created on device_, like the stream
-    watchdog_ = std::thread([this] { watch(); });
+    try {
+      PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+      PTRAIN_NCCL_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      PTRAIN_NCCL_CHECK_CUDA(cudaMalloc(&scratch_, sizeof(int)));
+      PTRAIN_NCCL_CHECK_CUDA(cudaMemset(scratch_, 0, sizeof(int)));
+      ready_ = std::make_unique<detail::CudaEvent>();  // created on device_, like the stream
+      watchdog_ = std::thread([this] { watch(); });
+    } catch (...) {
+      // A constructor that throws runs no destructor: release the handle (and NCCL's threads) here.
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+      if (scratch_) cudaFree(scratch_);
+      if (stream_) cudaStreamDestroy(stream_);
+      throw;
+    }
   }
 
   static void check_tag(int tag, const char* op) {
@@ -571,12 +583,17 @@ class NcclCommunicator : public Communicator {
   }
 
   // NCCL's group is per thread: a call on this communicator while another one's group
-  // is open would join that group, which only the other one's group_end() launches.
+  // is open would join that group, which only the other one's group_end() launches;
+  // a call from another thread while this one's group is open would run at once,
+  // outside the group, while its Work waited for group_end(). Caller holds comm_m_.
   void check_no_other_group(const std::string& what) const {
     const void* owner = detail::open_group();
     PTRAIN_CHECK(owner == nullptr || owner == this, CommError, "[ptrain.nccl.group] ", what, " on rank ", rank_,
                  " while another NCCL communicator's group_start() is open on this thread; call its group_end() "
                  "first");
+    PTRAIN_CHECK(group_depth_ == 0 || owner == this, CommError, "[ptrain.nccl.group] ", what, " on rank ", rank_,
+                 " from a thread other than the one whose group_start() is open on this communicator (NCCL "
+                 "groups are per thread); call it from that thread, or after its group_end()");
   }
 
   void check_alive(const std::string& what) {

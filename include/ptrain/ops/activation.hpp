@@ -18,6 +18,7 @@ Tensor<T> relu(const Tensor<T>& x) {
 template <class T>
 Tensor<T> relu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
   check_shape(dy, x.shape(), "relu output gradient");
+  detail::check_devices("relu_backward", x.device(), dy);
   auto dx = Tensor<T>::empty(x.shape(), x.device());
   PTRAIN_DISPATCH(x.device(), relu_backward, x.numel(), x.data(), dy.data(), dx.data());
   return dx;
@@ -34,6 +35,7 @@ Tensor<T> gelu(const Tensor<T>& x) {
 template <class T>
 Tensor<T> gelu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
   check_shape(dy, x.shape(), "gelu output gradient");
+  detail::check_devices("gelu_backward", x.device(), dy);
   auto dx = Tensor<T>::empty(x.shape(), x.device());
   PTRAIN_DISPATCH(x.device(), gelu_backward, x.numel(), x.data(), dy.data(), dx.data());
   return dx;

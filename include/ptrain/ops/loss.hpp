@@ -18,6 +18,7 @@ Tensor<T> softmax(const Tensor<T>& x) {
 template <class T>
 Tensor<T> softmax_backward(const Tensor<T>& y, const Tensor<T>& dy) {
   check_shape(dy, y.shape(), "softmax output gradient");
+  detail::check_devices("softmax_backward", y.device(), dy);
   const std::int64_t rows = rows_of(y, "softmax output"), cols = y.size(-1);
   auto dx = Tensor<T>::empty(y.shape(), y.device());
   PTRAIN_DISPATCH(y.device(), softmax_rows_backward, rows, cols, y.data(), dy.data(), dx.data());
@@ -51,6 +52,10 @@ Tensor<T> cross_entropy_backward(const Tensor<T>& logits, const Tensor<acc_t<T>>
                                  const Tensor<std::int32_t>& targets, std::int64_t valid, acc_t<T> dloss,
                                  std::int32_t ignore_index = -100) {
   const std::int64_t rows = rows_of(logits, "logits"), classes = logits.size(-1);
+  check_shape(lse, {rows}, "cross_entropy log-sum-exp");
+  PTRAIN_CHECK(targets.numel() == rows, ShapeError, "[ptrain.cross_entropy] ", rows, " rows of logits ",
+               logits.shape(), " but ", targets.numel(), " targets");
+  detail::check_devices("cross_entropy_backward", logits.device(), lse, targets);
   auto d = Tensor<T>::empty(logits.shape(), logits.device());
   PTRAIN_DISPATCH(logits.device(), cross_entropy_backward, rows, classes, logits.data(), lse.data(), targets.data(),
                   valid, dloss, d.data(), ignore_index);

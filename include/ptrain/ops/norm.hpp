@@ -28,6 +28,12 @@ Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, 
                               const Tensor<T>& gamma, const Tensor<T>& dy, Tensor<T>& dgamma, Tensor<T>& dbeta) {
   const std::int64_t rows = rows_of(x, "layer_norm input"), d = x.size(-1);
   check_shape(dy, x.shape(), "layer_norm output gradient");
+  check_shape(mean, {rows}, "layer_norm mean");
+  check_shape(rstd, {rows}, "layer_norm rstd");
+  check_shape(gamma, {d}, "layer_norm weight");
+  check_shape(dgamma, {d}, "layer_norm weight gradient");
+  check_shape(dbeta, {d}, "layer_norm bias gradient");
+  detail::check_devices("layer_norm_backward", x.device(), mean, rstd, gamma, dy, dgamma, dbeta);
   auto dx = Tensor<T>::empty(x.shape(), x.device());
   PTRAIN_DISPATCH(x.device(), layer_norm_backward, rows, d, x.data(), mean.data(), rstd.data(), gamma.data(),
                   dy.data(), dx.data(), dgamma.data(), dbeta.data());

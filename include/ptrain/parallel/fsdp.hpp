@@ -234,7 +234,8 @@ class FSDP : public nn::Module<T> {
     std::vector<std::pair<std::string, Tensor<T>>> out;
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       auto& grp = groups_[g];
-      Tensor<T> full = grp.full.defined() && !grp.gather_work ? grp.full : Tensor<T>::empty({grp.padded});
+      Tensor<T> full =
+          grp.full.defined() && !grp.gather_work ? grp.full : Tensor<T>::empty({grp.padded}, local_values_.device());
       if (!(grp.full.defined() && !grp.gather_work))
         shard_comm_->all_gather(local_values_.data() + grp.local_offset, full.data(),
                                 static_cast<std::size_t>(grp.shard), dtype_of<T>());

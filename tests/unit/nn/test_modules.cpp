@@ -55,6 +55,37 @@ TEST_CASE("Linear matches an explicit x W^T + b", "[nn][linear]") {
   REQUIRE_THROWS_AS(nn::LayerNorm<double>(0), ShapeError);
 }
 
+TEST_CASE("Backward ops refuse saved tensors and gradients of the wrong shape", "[nn][ops]") {
+  // Each backward writes through raw pointers sized by its first argument: a
+  // mismatched saved tensor or gradient must be a ShapeError, not a stray write.
+  const auto x = random_input({4, 3}, 8), dy = random_input({4, 3}, 9);
+  auto gamma = Tensor<double>::full({3}, 1.0), beta = Tensor<double>::zeros({3});
+  Tensor<double> mean, rstd;
+  ops::layer_norm(x, gamma, beta, 1e-5, mean, rstd);
+  auto dgamma = Tensor<double>::zeros({3}), dbeta = Tensor<double>::zeros({3}), short_grad = Tensor<double>::zeros({2});
+  REQUIRE_NOTHROW(ops::layer_norm_backward(x, mean, rstd, gamma, dy, dgamma, dbeta));
+  const auto wrong_rows = Tensor<double>::zeros({3});
+  REQUIRE_THROWS_WITH(ops::layer_norm_backward(x, wrong_rows, rstd, gamma, dy, dgamma, dbeta),
+                      Catch::Contains("layer_norm mean"));
+  REQUIRE_THROWS_WITH(ops::layer_norm_backward(x, mean, wrong_rows, gamma, dy, dgamma, dbeta),
+                      Catch::Contains("layer_norm rstd"));
+  REQUIRE_THROWS_WITH(ops::layer_norm_backward(x, mean, rstd, gamma, dy, short_grad, dbeta),
+                      Catch::Contains("layer_norm weight gradient"));
+  REQUIRE_THROWS_WITH(ops::layer_norm_backward(x, mean, rstd, gamma, dy, dgamma, short_grad),
+                      Catch::Contains("layer_norm bias gradient"));
+
+  const std::vector<std::int32_t> t{0, 2, 1, 2};
+  const auto targets = Tensor<std::int32_t>::from(t, {4});
+  Tensor<double> lse;
+  std::int64_t valid = 0;
+  ops::cross_entropy(x, targets, lse, valid);
+  REQUIRE_NOTHROW(ops::cross_entropy_backward(x, lse, targets, valid, 1.0));
+  REQUIRE_THROWS_WITH(ops::cross_entropy_backward(x, wrong_rows, targets, valid, 1.0),
+                      Catch::Contains("cross_entropy log-sum-exp"));
+  REQUIRE_THROWS_WITH(ops::cross_entropy_backward(x, lse, Tensor<std::int32_t>::from({0, 1}, {2}), valid, 1.0),
+                      Catch::Contains("but 2 targets"));
+}
+
 TEST_CASE("Sequential takes token ids through its first layer", "[nn][sequential]") {
   Generator gen(6);
   nn::Sequential<double> seq;

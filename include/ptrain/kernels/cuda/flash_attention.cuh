@@ -438,13 +438,16 @@ inline std::atomic<bool>& enabled_flag() {
 template <int D>
 bool ready(int device) {
   static std::array<std::atomic<int>, kMaxDevices> state{};  // 0 not yet known, 1 ready, 2 not supported
+  PTRAIN_CHECK(device >= 0 && device < kMaxDevices, CudaError, "[ptrain.cuda.device] device index ", device,
+               " is out of range [0, ", kMaxDevices, ")");
   auto& s = state[static_cast<std::size_t>(device)];
   if (const int v = s.load(); v != 0) return v == 1;
+  // A failed device query is an error (e.g. one left by an earlier kernel), not an answer to cache.
   int major = 0, optin = 0;
+  PTRAIN_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  PTRAIN_CHECK_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   cudaFuncAttributes attr{};
-  bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-            cudaFuncGetAttributes(&attr, forward_kernel<D>) == cudaSuccess;
+  bool ok = cudaFuncGetAttributes(&attr, forward_kernel<D>) == cudaSuccess;
   if (!ok) (void)cudaGetLastError();  // no usable image here: an answer (not supported), not an error
   const std::size_t need = std::max(forward_smem<D>(), std::max(backward_smem<D>(2), backward_smem<D>(1)));
   ok = ok && major >= 8 && !(attr.ptxVersion > 0 && attr.ptxVersion < 80) && static_cast<std::size_t>(optin) >= need;
