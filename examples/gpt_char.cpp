@@ -280,8 +280,9 @@ int run(Options opt) {
                       .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout,
                       .tie_weights = !opt.untied && !mesh, .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank)};
     nn::GPT<T> model(cfg);
-    // Initialised on the CPU, so every device starts from the same values; a pipeline stage moves its own units.
-    if (!device.is_cpu() && !mesh) model.to(device);
+    // Initialised on the CPU, so every device starts from the same values; a pipeline stage moves
+    // its own units, and FSDP its shards (the GPU never holds the whole model).
+    if (!device.is_cpu() && !mesh && opt.parallel != "fsdp") model.to(device);
     const std::int64_t num_parameters = model.num_parameters();  // FSDP releases the model's tensors
     // none/ddp: the parameters packed in one flat buffer (DDP's buckets are ranges of it).
     // fsdp: every unit (embedding, blocks, head) is sharded under the model's own
@@ -309,7 +310,8 @@ int run(Options opt) {
     } else if (opt.parallel == "fsdp") {
       if (opt.fsdp_strategy == "hybrid" && opt.hybrid_shard_size == 0)
         opt.hybrid_shard_size = dist::detect_launch_env().local_world_size;
-      parallel::FSDPOptions fo{.hybrid_shard_size = opt.hybrid_shard_size, .unit_names = model.unit_names()};
+      parallel::FSDPOptions fo{
+          .hybrid_shard_size = opt.hybrid_shard_size, .unit_names = model.unit_names(), .device = device};
       for (auto st : {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp,
                       parallel::ShardingStrategy::ShardOptimizer, parallel::ShardingStrategy::NoShard,
                       parallel::ShardingStrategy::Hybrid})

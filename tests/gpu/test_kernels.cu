@@ -1283,14 +1283,14 @@ TEST_CASE("cuda: a DDP, an FSDP and a pipeline step through NCCL equal the plain
       fsdp_model(12, {16}, 5, nn::Activation::GELU, g_fsdp), pipe_model(12, {16}, 5, nn::Activation::GELU, g_pipe);
   plain.to(kGpu);
   ddp_model.to(kGpu);
-  fsdp_model.to(kGpu);
-  pipe_model.to(kGpu);
+  pipe_model.to(kGpu);  // fsdp_model stays on the CPU: FSDP places its shards on the GPU
   nn::FlatParameters<float> plain_p(plain), ddp_p(ddp_model);
   const optim::AdamWOptions adam{.lr = 0.01, .weight_decay = 0.1};
   optim::AdamW<float> plain_opt(plain_p, adam), ddp_opt(ddp_p, adam);
   parallel::DDP<float> ddp(ddp_model, ddp_p, *comm, {.bucket_cap_bytes = 256, .first_bucket_bytes = 128});
   REQUIRE(ddp.num_buckets() > 1);
-  parallel::FSDP<float> fsdp(fsdp_model.units(), *comm);
+  parallel::FSDP<float> fsdp(fsdp_model.units(), *comm, {.device = kGpu});
+  CHECK(fsdp.local_values().device() == kGpu);
   optim::AdamW<float> fsdp_opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
   const auto pipe_units = pipe_model.units();
   parallel::Pipeline<float> pipe(*comm, pipe_units.size(), [&](std::size_t u) { return pipe_units[u]; },
@@ -1351,6 +1351,8 @@ TEST_CASE("cuda: a DDP, an FSDP and a pipeline step through NCCL equal the plain
   nn::MLP<float> cpu_model(12, {16}, 5, nn::Activation::GELU, g_plain);
   nn::FlatParameters<float> cpu_p(cpu_model);
   CHECK_THROWS_WITH(parallel::DDP<float>(cpu_model, cpu_p, *comm),
+                    Catch::Contains("[ptrain.comm.device]") && Catch::Contains("cpu"));
+  CHECK_THROWS_WITH(parallel::FSDP<float>(cpu_model.units(), *comm),
                     Catch::Contains("[ptrain.comm.device]") && Catch::Contains("cpu"));
 }
 

@@ -187,7 +187,9 @@ if want test; then
   # End to end: examples/gpt_char trained on the GPU in fp32 and in bf16 on the
   # repository's docs as a corpus, then a one-stage bf16 pipeline over NCCL (the
   # path of --parallel pipeline: stage units on the GPU, eval_step, the gather for
-  # the sample); its log goes to gpu_tests.log ($OUT holds at most 8 files).
+  # the sample) and bf16 FSDP over NCCL (shards placed from the CPU-built model,
+  # full_parameters for the sample); its log goes to gpu_tests.log ($OUT holds at
+  # most 8 files).
   if ! nvidia-smi -L >/dev/null 2>&1; then
     summary+=("example: not run, no GPU visible")
   elif [[ -x $example_bin ]]; then
@@ -195,8 +197,10 @@ if want test; then
     step example 150 200 "$OUT/gpu_tests.log" bash -c 'for p in fp32 bf16; do
         "$0" --device cuda --precision "$p" --data "$1" --steps 300 --batch 32 --block 128 --eval-every 100 \
           --eval-batches 8 --sample-tokens 100 --log-every 100 || exit; done
-        "$0" --device cuda --precision bf16 --parallel pipeline --data "$1" --steps 100 --batch 32 --block 128 \
-          --eval-every 50 --eval-batches 8 --sample-tokens 100 --log-every 50' "$example_bin" "$build/corpus.txt"
+        for par in pipeline fsdp; do
+          "$0" --device cuda --precision bf16 --parallel "$par" --data "$1" --steps 100 --batch 32 --block 128 \
+            --eval-every 50 --eval-batches 8 --sample-tokens 100 --log-every 50 || exit; done' \
+      "$example_bin" "$build/corpus.txt"
   else
     summary+=("example: not run, $example_bin was not built")
   fi

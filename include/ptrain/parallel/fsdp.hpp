@@ -55,6 +55,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -102,6 +103,10 @@ struct FSDPOptions {
   /// Parameter-name prefix of each unit (e.g. GPT::unit_names()), so names match
   /// the unwrapped model's; default "u<i>".
   std::vector<std::string> unit_names = {};
+  /// Where the shards and gathered parameters live; default: the parameters' own device.
+  /// A model built on the CPU is moved group by group, each group's copy freed once it
+  /// is sharded, so the device never holds the whole model (PyTorch FSDP's device_id).
+  std::optional<Device> device = {};
 };
 
 /// One entry of the step timeline (steady-clock seconds), for overlap checks.
@@ -376,10 +381,15 @@ class FSDP : public nn::Module<T> {
     }
   }
 
-  // Copies rank 0's values into every rank's shard and releases the units' tensors.
+  // Copies rank 0's values into every rank's shard (on the target device) and releases
+  // the units' tensors group by group.
   void shard_parameters() {
-    const Device dev = groups_.empty() ? Device::cpu() : groups_.front().params.front()->value.device();
-    world_.check_serves(dev, "FSDP");
+    const Device dev = opt_.device         ? *opt_.device
+                       : groups_.empty()   ? Device::cpu()
+                                           : groups_.front().params.front()->value.device();
+    world_.check_serves(dev, dev.is_cpu() && !opt_.device
+                                 ? "FSDP (FSDPOptions::device = cuda:N places a CPU-built model's shards on that GPU)"
+                                 : "FSDP");
     std::vector<std::string> desc;
     for (auto& grp : groups_)
       for (auto& e : grp.entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));

@@ -274,6 +274,11 @@ TEST_CASE("FSDP shards each unit evenly, padding to the world size", "[fsdp]") {
   for (auto& e : fsdp.local_entries()) mine += e.numel();
   comm.all_reduce(&mine, 1, DType::I64, dist::ReduceOp::Sum);
   CHECK(mine == 40 + 18);
+  // `device` names where the shards go, and the communicator must move that memory
+  // (MPI and Gloo move host memory only); refused before any collective.
+  nn::MLP<float> other(7, {5}, 3, nn::Activation::ReLU, g);
+  CHECK_THROWS_WITH(parallel::FSDP<float>(other.units(), comm, {.device = Device::cuda(0)}),
+                    Catch::Contains("[ptrain.comm.device]") && Catch::Contains("cuda:0"));
 }
 
 TEST_CASE("FSDP persistent memory follows the ZeRO formulas", "[fsdp][memory]") {
