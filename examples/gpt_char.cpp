@@ -76,6 +76,7 @@ struct Options {
   int micro_batches = 4;
   std::string schedule = "1f1b";
   bool untied = false;        // the LM head has its own weight (always under --parallel pipeline)
+  bool recompute = false;     // activation checkpointing of every block
   std::int64_t steps = 1500;
   std::int64_t batch = 16;  // per replica: a rank, or the stages of one pipeline
   std::int64_t block = 128;
@@ -278,7 +279,8 @@ int run(Options opt) {
     manual_seed(opt.seed);
     nn::GPTConfig cfg{.vocab_size = tok.vocab_size(), .block_size = opt.block, .n_layer = opt.n_layer,
                       .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout,
-                      .tie_weights = !opt.untied && !mesh, .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank)};
+                      .tie_weights = !opt.untied && !mesh, .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank),
+                      .recompute = opt.recompute};
     nn::GPT<T> model(cfg);
     // Initialised on the CPU, so every device starts from the same values; a pipeline stage moves
     // its own units, and FSDP its shards (the GPU never holds the whole model).
@@ -638,6 +640,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"1f1b", "gpipe"}));
   app.add_flag("--untied", opt.untied, "give the LM head its own weight instead of the token embedding's "
                "(always so under --parallel pipeline)");
+  app.add_flag("--recompute", opt.recompute, "recompute each block's activations in backward (activation "
+               "checkpointing: same results, less memory, about a third more compute)");
   app.add_option("--steps", opt.steps, "optimizer steps")->check(positive);
   app.add_option("--batch", opt.batch, "sequences per step and replica (a rank, or the stages of one pipeline)")
       ->check(positive);

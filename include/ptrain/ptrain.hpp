@@ -29,6 +29,7 @@
 #include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/models/mlp.hpp"
 #include "ptrain/nn/module.hpp"
+#include "ptrain/nn/recompute.hpp"
 #include "ptrain/nn/sequential.hpp"
 #include "ptrain/nn/transformer_block.hpp"
 

@@ -64,6 +64,9 @@ class Dropout : public Module<T> {
   std::string describe() const override { return "Dropout(" + std::to_string(p_) + ")"; }
   Generator& generator() { return gen_; }
 
+ protected:
+  void own_random_streams(std::vector<Generator*>& out) override { out.push_back(&gen_); }
+
  private:
   double p_;
   Generator gen_;

@@ -72,6 +72,9 @@ class CausalSelfAttention : public Module<T> {
   Dropout<T>& resid_dropout() { return *resid_drop_; }
   std::int64_t n_head() const { return n_head_; }
 
+ protected:
+  void own_random_streams(std::vector<Generator*>& out) override { out.push_back(&attn_gen_); }
+
  private:
   std::int64_t n_embd_, n_head_;
   double p_;

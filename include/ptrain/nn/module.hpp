@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "ptrain/core/random.hpp"
 #include "ptrain/core/tensor.hpp"
 
 namespace ptrain::nn {
@@ -124,6 +125,14 @@ class Module {
   }
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
 
+  /// The random streams this module and its children draw from in forward (dropout
+  /// masks), depth-first. Recompute sets their offsets back to replay a forward.
+  std::vector<Generator*> random_streams() {
+    std::vector<Generator*> out;
+    collect_streams(out);
+    return out;
+  }
+
   /// Parameters this module (or a child) uses without owning them, e.g. an LM
   /// head tied to the token embedding. Wrappers that place or shard parameters
   /// per module (FSDP units, pipeline stages) use this to keep them together.
@@ -143,16 +152,23 @@ class Module {
     params_.emplace_back(name, std::move(p));
     return *params_.back().second;
   }
+  /// Registers a child; an empty name adds no level to its parameters' names (a wrapper).
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
     children_.emplace_back(name, m);
     return m;
   }
+  /// This module's own random streams, not its children's (see random_streams()).
+  virtual void own_random_streams(std::vector<Generator*>& out) { (void)out; }
 
  private:
   void collect(const std::string& prefix, std::vector<NamedParameter<T>>& out) {
     for (auto& [name, p] : params_) out.push_back({prefix + name, p.get()});
-    for (auto& [name, child] : children_) child->collect(prefix + name + ".", out);
+    for (auto& [name, child] : children_) child->collect(name.empty() ? prefix : prefix + name + ".", out);
+  }
+  void collect_streams(std::vector<Generator*>& out) {
+    own_random_streams(out);
+    for (auto& c : children_) c.second->collect_streams(out);
   }
 
   std::vector<std::pair<std::string, std::unique_ptr<Parameter<T>>>> params_;

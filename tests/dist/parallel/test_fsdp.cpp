@@ -62,14 +62,17 @@ parallel::FSDPOptions options_for(ShardingStrategy s, std::vector<std::string> n
 }
 
 // K AdamW steps of a tiny GPT: FSDP on this rank's rows vs one process on all rows.
-void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int micro_batches) {
+// With `recompute`, FSDP's model recomputes its blocks in backward (nn/recompute.hpp).
+void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int micro_batches, bool recompute = false) {
   auto& comm = world();
   const int n = comm.size(), r = comm.rank();
   const auto cfg = tiny_gpt(tie);
+  auto wrapped = cfg;
+  wrapped.recompute = recompute;
   const std::int64_t B = 2, S = 6, steps = 3;
   Generator ga(11), gb(11);
   nn::GPT<float> ref(cfg, ga);
-  nn::GPT<float> model(cfg, gb);
+  nn::GPT<float> model(wrapped, gb);
   nn::FlatParameters<float> ref_p(ref);
   const optim::AdamWOptions adam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
   optim::AdamW<float> ref_opt(ref_p, adam);
@@ -114,8 +117,9 @@ void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int m
   }
   REQUIRE(full.size() == ref.named_parameters().size());
   const double err = rel_error(got, want);
-  INFO(parallel::strategy_name(strategy) << (tie ? " tied" : " untied") << ", " << micro_batches
-                                         << " micro-batches, rank " << r << " of " << n << ": relative error " << err);
+  INFO(parallel::strategy_name(strategy) << (tie ? " tied" : " untied") << (recompute ? ", recompute" : "") << ", "
+                                         << micro_batches << " micro-batches, rank " << r << " of " << n
+                                         << ": relative error " << err);
   CHECK(err <= 1e-5);
 }
 
@@ -128,6 +132,8 @@ TEST_CASE("FSDP strategies equal one process on a GPT", "[fsdp]") {
   // Tied LM head: the embedding and head units share one group (Note [FSDP units and groups]).
   check_gpt_matches_single_process(ShardingStrategy::FullShard, true, 1);
   check_gpt_matches_single_process(ShardingStrategy::Hybrid, true, 2);
+  // Recomputed blocks: the second forward runs inside FSDP's backward, on the gathered unit.
+  check_gpt_matches_single_process(ShardingStrategy::FullShard, true, 2, true);
 }
 
 // A bf16 GPT (int32 token ids through forward_tokens, fp32 master weights in

@@ -467,10 +467,14 @@ TEST_CASE("GPT (untied) in a pipeline equals one process; a tied GPT is refused"
     int_ids.push_back(ids);
   }
   auto ref_losses = train_reference(ref, ref_p, Opt::AdamW, batches);
-  for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB}) {
+  // Last, 1F1B with recomputed blocks: several micro-batches' forwards before their backwards.
+  for (auto [sched, recompute] : {std::pair{Schedule::GPipe, false}, std::pair{Schedule::OneFOneB, false},
+                                  std::pair{Schedule::OneFOneB, true}}) {
     std::vector<double> cost;
     for (std::size_t u = 0; u < units; ++u) cost.push_back(static_cast<double>(ref.units()[u]->num_parameters()));
-    parallel::Pipeline<float> pipe(comm, units, factory_for(cfg), parallel::partition_balanced(cost, p),
+    auto stage_cfg = cfg;
+    stage_cfg.recompute = recompute;
+    parallel::Pipeline<float> pipe(comm, units, factory_for(stage_cfg), parallel::partition_balanced(cost, p),
                                    {.schedule = sched, .micro_batches = 2, .unit_names = ref.unit_names()});
     auto opt = make_opt(Opt::AdamW, pipe.parameters());
     for (std::int64_t i = 0; i < steps; ++i) {
@@ -480,7 +484,8 @@ TEST_CASE("GPT (untied) in a pipeline equals one process; a tied GPT is refused"
       CHECK(std::abs(loss - ref_losses[static_cast<std::size_t>(i)]) <= 1e-5 * ref_losses[static_cast<std::size_t>(i)]);
     }
     const double err = rel_error(pipe.module(), ref);
-    INFO("GPT stage " << s << " of " << p << ", " << schedule_name(sched) << ": relative error " << err);
+    INFO("GPT stage " << s << " of " << p << ", " << schedule_name(sched) << (recompute ? ", recompute" : "")
+                      << ": relative error " << err);
     CHECK(err <= 1e-5);
   }
   // Tied: the stage holding the head refuses to build (no communication in the constructor).

@@ -434,6 +434,72 @@ TEST_CASE("gpt_unit builds each unit alone with the whole model's values", "[nn]
   REQUIRE(g.offset() == 11);  // the caller's generator is not advanced
 }
 
+namespace {
+// One training step's forward and backward (cross-entropy); returns the bytes the step
+// held at its peak beyond what was live before it.
+template <class T>
+std::int64_t step_peak(nn::GPT<T>& model, const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets,
+                       Tensor<T>& logits) {
+  auto& alloc = allocator_for(Device::cpu());
+  const std::int64_t before = alloc.stats().live_bytes;
+  alloc.reset_peak();
+  nn::CrossEntropyLoss<T> ce;
+  nn::Cache<T> c, lc;
+  logits = model.forward_tokens(ids, c);
+  ce.forward(logits, targets, lc);
+  model.backward(ce.backward(lc), c);
+  return alloc.stats().peak_bytes - before;
+}
+}  // namespace
+
+TEST_CASE("Recompute: a GPT with recomputed blocks trains bitwise like the plain one, in less memory",
+          "[nn][gpt][recompute]") {
+  // Dropout everywhere: the second forward must draw the masks of the first.
+  nn::GPTConfig cfg{.vocab_size = 11, .block_size = 32, .n_layer = 4, .n_head = 2, .n_embd = 16, .dropout = 0.2,
+                    .dropout_seed = 5};
+  for (bool tie : {true, false}) {
+    INFO("tie_weights = " << tie);
+    cfg.tie_weights = tie;
+    auto wrapped = cfg;
+    wrapped.recompute = true;
+    Generator ga(3), gb(3);
+    nn::GPT<double> plain(cfg, ga), rec(wrapped, gb);
+    REQUIRE(rec.units()[1]->describe().rfind("Recompute(", 0) == 0);
+    auto pn = plain.named_parameters(), rn = rec.named_parameters();
+    REQUIRE(pn.size() == rn.size());
+    for (std::size_t i = 0; i < pn.size(); ++i) REQUIRE(pn[i].name == rn[i].name);
+    std::int64_t peak_plain = 0, peak_rec = 0;
+    for (int step = 0; step < 2; ++step) {
+      INFO("step " << step);
+      Generator gd(40 + static_cast<std::uint64_t>(step));
+      std::vector<std::int32_t> ids(8 * 32), targets(8 * 32);
+      for (auto& v : ids) v = static_cast<std::int32_t>(gd.below(11));
+      for (auto& v : targets) v = static_cast<std::int32_t>(gd.below(11));
+      const auto x = Tensor<std::int32_t>::from(ids, {8, 32}), y = Tensor<std::int32_t>::from(targets, {8 * 32});
+      plain.zero_grad();
+      rec.zero_grad();
+      Tensor<double> lp, lr;
+      peak_plain = step_peak(plain, x, y, lp);
+      peak_rec = step_peak(rec, x, y, lr);
+      REQUIRE(lp.to_vector() == lr.to_vector());
+      for (std::size_t i = 0; i < pn.size(); ++i) {
+        INFO(pn[i].name);
+        REQUIRE(pn[i].param->grad.to_vector() == rn[i].param->grad.to_vector());
+      }
+      // The streams end where the plain model's do, so the next step draws the same masks.
+      auto sp = plain.generators(), sr = rec.generators();
+      for (std::size_t i = 0; i < sp.size(); ++i) REQUIRE(sp[i].second->offset() == sr[i].second->offset());
+    }
+    // Four blocks' activations at once against one block's plus the blocks' inputs.
+    INFO("peak bytes of a step: plain " << peak_plain << ", recompute " << peak_rec);
+    CHECK(peak_rec < peak_plain / 2);
+  }
+  nn::Recompute<double> lone(std::make_shared<nn::Linear<double>>(3, 2));
+  nn::Cache<double> empty;
+  REQUIRE_THROWS_WITH(lone.backward(Tensor<double>::zeros({1, 2}), empty),
+                      Catch::Contains("[ptrain.backward] Recompute::backward without a forward"));
+}
+
 TEST_CASE("sample_logits: greedy, top-k support and frequencies", "[nn][sample]") {
   const std::vector<double> logits = {0.1, 2.0, -1.0, 1.5, 2.0, 0.3};
   REQUIRE(nn::sample_logits(logits.data(), 6, 0.0, 0, 0.7) == 1);  // first of the tied maxima

@@ -3,6 +3,7 @@
 //
 //   unit 0        "embed"   TokenPositionEmbedding  ids [B, S] -> [B, S, C]
 //   unit 1..L     "h.i"     TransformerBlock        [B, S, C] -> [B, S, C]
+//                           (in a Recompute wrapper with cfg.recompute)
 //   unit L+1      "head"    LMHead (ln_f + lm_head) [B, S, C] -> logits [B, S, V]
 //
 // Every unit is a Module<T>, so wrappers split the model without special
@@ -34,6 +35,7 @@
 
 #include "ptrain/nn/embedding.hpp"
 #include "ptrain/nn/layer_norm.hpp"
+#include "ptrain/nn/recompute.hpp"
 #include "ptrain/nn/sequential.hpp"
 #include "ptrain/nn/transformer_block.hpp"
 #include "ptrain/ops/linear.hpp"
@@ -50,6 +52,9 @@ struct GPTConfig {
   double dropout = 0.0;     ///< embedding, attention-probability, residual and MLP dropout
   bool tie_weights = true;  ///< LM head = token embedding (Note [Weight tying])
   std::uint64_t dropout_seed = 0;
+  /// Activation checkpointing: each block keeps only its input and recomputes its
+  /// activations in backward (nn/recompute.hpp); same results, less memory, more compute.
+  bool recompute = false;
 
   /// Parameters of the model built from this config (tied weight counted once).
   std::int64_t num_parameters() const {
@@ -140,6 +145,12 @@ std::shared_ptr<TransformerBlock<T>> make_gpt_block(const GPTConfig& c, std::int
   return std::make_shared<TransformerBlock<T>>(c.n_embd, c.n_head, c.dropout,
                                                gpt_dropout_site(c, static_cast<std::uint64_t>(layer) + 1), scratch);
 }
+// A block as the model's unit: wrapped in Recompute when the config asks for it.
+template <class T>
+std::shared_ptr<Module<T>> gpt_block_unit(const GPTConfig& c, std::shared_ptr<TransformerBlock<T>> block) {
+  if (c.recompute) return std::make_shared<Recompute<T>>(std::move(block));
+  return block;
+}
 
 inline bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -185,7 +196,7 @@ class GPT : public Module<T> {
     add_unit("embed", embed_);
     for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
       blocks_.push_back(detail::make_gpt_block<T>(cfg, l, scratch));
-      add_unit("h." + std::to_string(l), blocks_.back());
+      add_unit("h." + std::to_string(l), detail::gpt_block_unit(cfg, blocks_.back()));
     }
     head_ = std::make_shared<LMHead<T>>(cfg.n_embd, cfg.vocab_size,
                                         cfg.tie_weights ? &embed_->wte().weight() : nullptr, scratch);
@@ -270,7 +281,8 @@ std::shared_ptr<Module<T>> gpt_unit(const GPTConfig& cfg, std::size_t u, const G
   Generator draws(gen.seed(), offset), scratch(0);
   std::shared_ptr<Module<T>> unit;
   if (u == 0) unit = detail::make_gpt_embedding<T>(cfg, scratch);
-  else if (u + 1 < units) unit = detail::make_gpt_block<T>(cfg, static_cast<std::int64_t>(u) - 1, scratch);
+  else if (u + 1 < units)
+    unit = detail::gpt_block_unit(cfg, detail::make_gpt_block<T>(cfg, static_cast<std::int64_t>(u) - 1, scratch));
   else unit = std::make_shared<LMHead<T>>(cfg.n_embd, cfg.vocab_size, nullptr, scratch);
   detail::init_gpt_unit(*unit, cfg, draws);
   return unit;
