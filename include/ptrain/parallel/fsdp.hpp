@@ -43,6 +43,19 @@
 // for when the next group's starts (so at most two full gradient buffers are
 // alive) or in finish_gradient_sync().
 //
+// Note [FSDP units built one at a time]
+// FSDP(num_units, make_unit, comm) never holds the whole model: it builds unit
+// u, broadcasts rank 0's values of it (on the shard device), keeps this rank's
+// shard, frees the unit's full tensors and only then builds unit u + 1. Peak
+// memory is the shards (twice, briefly: they are copied into the one local
+// buffer once its size is known) plus one unit, where building the model first
+// would hold all of it (and its gradients). The units are then the same as
+// from FSDP(units, comm) on a built model, and rank 0's values are the same if
+// the factory gives each unit the values the whole model would (nn::gpt_unit).
+// Units built alone cannot share parameters (a tied LM head borrows the
+// embedding's weight): such a factory is refused. ShardGradOp, ShardOptimizer
+// and NoShard keep the full parameters anyway: their units are built first.
+//
 // Note [Accumulation]
 // With sharded gradients (FullShard, ShardGradOp, Hybrid) every backward
 // reduce-scatters into the local shard, which accumulates across backward
@@ -52,6 +65,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -123,10 +137,33 @@ class FSDP : public nn::Module<T> {
   /// rank must build the same units; rank 0's initial values are used.
   /// After this, the units' parameters are bound only while gathered.
   FSDP(std::vector<std::shared_ptr<nn::Module<T>>> units, dist::Communicator& comm, FSDPOptions opt = {})
-      : units_(std::move(units)), world_(comm), opt_(opt) {
-    PTRAIN_CHECK(opt.reduce_dtype == DType::F32 || opt.reduce_dtype == DType::BF16, Error,
-                 "[ptrain.fsdp.options] reduce_dtype must be F32 or BF16");
+      : units_(std::move(units)), world_(comm), opt_(std::move(opt)) {
+    check_options();
     setup_communicators();
+    build_groups();
+    shard_parameters();
+  }
+
+  using UnitFactory = std::function<std::shared_ptr<nn::Module<T>>(std::size_t)>;
+
+  /// Builds unit u with make_unit(u), u = 0 .. num_units - 1, and shards it before
+  /// building the next (Note [FSDP units built one at a time]): no rank ever holds the
+  /// whole model, only its shards and one unit (nn::gpt_unit is such a factory). Every
+  /// rank must build the same units; units may not share parameters.
+  FSDP(std::size_t num_units, const UnitFactory& make_unit, dist::Communicator& comm, FSDPOptions opt = {})
+      : world_(comm), opt_(std::move(opt)) {
+    check_options();
+    setup_communicators();
+    if (reshard_) {
+      build_and_shard(num_units, make_unit);
+      return;
+    }
+    // The strategies that keep the full parameters hold the whole model anyway.
+    for (std::size_t u = 0; u < num_units; ++u) {
+      units_.push_back(make_unit(u));
+      PTRAIN_CHECK(units_.back() != nullptr, Error, "[ptrain.fsdp.factory] the unit factory returned no module for "
+                   "unit ", u);
+    }
     build_groups();
     shard_parameters();
   }
@@ -311,6 +348,11 @@ class FSDP : public nn::Module<T> {
   }
   void record(const char* what, int index) { events_.push_back({what, index, now()}); }
 
+  void check_options() const {
+    PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || opt_.reduce_dtype == DType::BF16, Error,
+                 "[ptrain.fsdp.options] reduce_dtype must be F32 or BF16");
+  }
+
   void setup_communicators() {
     const int n = world_.size(), r = world_.rank();
     switch (opt_.strategy) {
@@ -348,10 +390,9 @@ class FSDP : public nn::Module<T> {
     };
     std::map<nn::Parameter<T>*, std::size_t> owner;
     std::vector<std::vector<nn::NamedParameter<T>>> owned(n);
-    PTRAIN_CHECK(opt_.unit_names.empty() || opt_.unit_names.size() == n, Error, "[ptrain.fsdp.names] ",
-                 opt_.unit_names.size(), " unit names for ", n, " units");
+    check_unit_names(n);
     for (std::size_t u = 0; u < n; ++u) {
-      owned[u] = units_[u]->named_parameters((opt_.unit_names.empty() ? "u" + std::to_string(u) : opt_.unit_names[u]) + ".");
+      owned[u] = units_[u]->named_parameters(unit_prefix(u));
       for (auto& p : owned[u]) owner.emplace(p.param, u);
     }
     for (std::size_t u = 0; u < n; ++u)
@@ -373,30 +414,46 @@ class FSDP : public nn::Module<T> {
       auto& grp = groups_[static_cast<std::size_t>(it->second)];
       grp.last_unit = static_cast<int>(u);
       unit_group_[u] = it->second;
-      for (auto& p : owned[u]) {
-        grp.entries.push_back({p.name, grp.numel, p.param->value.shape(), p.param});
-        grp.params.push_back(p.param);
-        grp.numel += p.param->value.numel();
-      }
+      add_entries(grp, owned[u]);
     }
   }
 
-  // Copies rank 0's values into every rank's shard (on the target device) and releases
-  // the units' tensors group by group.
-  void shard_parameters() {
-    const Device dev = opt_.device         ? *opt_.device
-                       : groups_.empty()   ? Device::cpu()
-                                           : groups_.front().params.front()->value.device();
+  static void add_entries(Group& grp, const std::vector<nn::NamedParameter<T>>& owned) {
+    for (auto& p : owned) {
+      grp.entries.push_back({p.name, grp.numel, p.param->value.shape(), p.param});
+      grp.params.push_back(p.param);
+      grp.numel += p.param->value.numel();
+    }
+  }
+
+  std::string unit_prefix(std::size_t u) const {
+    return (opt_.unit_names.empty() ? "u" + std::to_string(u) : opt_.unit_names[u]) + ".";
+  }
+  void check_unit_names(std::size_t n) const {
+    PTRAIN_CHECK(opt_.unit_names.empty() || opt_.unit_names.size() == n, Error, "[ptrain.fsdp.names] ",
+                 opt_.unit_names.size(), " unit names for ", n, " units");
+  }
+
+  // Where the shards live: FSDPOptions::device, else the first parameter's device;
+  // the communicator must move that memory.
+  Device shard_device(const Group& first) const {
+    const Device dev = opt_.device ? *opt_.device : first.params.front()->value.device();
     world_.check_serves(dev, dev.is_cpu() && !opt_.device
                                  ? "FSDP (FSDPOptions::device = cuda:N places a CPU-built model's shards on that GPU)"
                                  : "FSDP");
-    std::vector<std::string> desc;
-    for (auto& grp : groups_)
-      for (auto& e : grp.entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
-    check_same_model(world_, desc);
+    return dev;
+  }
 
+  // Places groups_[g..] after the groups before them: padded size, shard, offsets.
+  void layout_groups(std::size_t g) {
     std::int64_t local_total = 0, full_total = 0;
-    for (auto& grp : groups_) {
+    if (g > 0) {
+      const auto& prev = groups_[g - 1];
+      local_total = prev.local_offset + prev.shard;
+      full_total = prev.full_offset + prev.padded;
+    }
+    for (; g < groups_.size(); ++g) {
+      auto& grp = groups_[g];
       grp.padded = (grp.numel + shard_size_ - 1) / shard_size_ * shard_size_;
       grp.shard = grp.padded / shard_size_;
       grp.local_offset = local_total;
@@ -404,40 +461,104 @@ class FSDP : public nn::Module<T> {
       local_total += grp.shard;
       full_total += grp.padded;
     }
-    if (!reshard_) full_values_ = Tensor<T>::zeros({full_total}, dev);
-    if (keep_full_grads_) full_grads_ = Tensor<T>::zeros({full_total}, dev);
+  }
+  std::int64_t local_total() const { return groups_.empty() ? 0 : groups_.back().local_offset + groups_.back().shard; }
+  std::int64_t full_total() const { return groups_.empty() ? 0 : groups_.back().full_offset + groups_.back().padded; }
+
+  // Collective: checks that every rank has the same entries in `groups`.
+  void check_same_groups(const std::vector<Group>& groups) {
+    std::vector<std::string> desc;
+    for (auto& grp : groups)
+      for (auto& e : grp.entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
+    check_same_model(world_, desc);
+  }
+
+  // Broadcasts rank 0's values of grp through `full` ([padded], on the shard device) and
+  // returns this rank's shard of it (a view of full). The units' gradients are released,
+  // their values too when resharding (else bound to full, which the group keeps), and
+  // the shard's pieces of parameters are recorded.
+  Tensor<T> scatter_group(Group& grp, Tensor<T> full) {
+    for (auto& e : grp.entries) full.view(e.offset, e.shape).copy_(e.param->value);
+    world_.broadcast(full, 0);
+    for (auto* p : grp.params) p->grad = Tensor<T>();
+    if (reshard_) {
+      for (auto* p : grp.params) p->value = Tensor<T>();
+    } else {
+      grp.full = full;
+      bind_values(grp);
+    }
+    // Local pieces of parameters: the overlap of each entry with this rank's range.
+    const std::int64_t lo = static_cast<std::int64_t>(shard_rank_) * grp.shard, hi = lo + grp.shard;
+    for (auto& e : grp.entries) {
+      const std::int64_t b = std::max(lo, e.offset), en = std::min(hi, e.offset + e.numel());
+      if (b >= en) continue;
+      local_entries_.push_back({e.name, grp.local_offset + (b - lo), Shape{en - b}, nullptr});
+      shard_pieces_.push_back({e.name, e.shape, b - e.offset, grp.local_offset + (b - lo), en - b});
+    }
+    return full.view(lo, {grp.shard});
+  }
+
+  // Copies rank 0's values into every rank's shard (on the shard device) and releases
+  // the units' tensors group by group.
+  void shard_parameters() {
+    const Device dev = groups_.empty() ? opt_.device.value_or(Device::cpu()) : shard_device(groups_.front());
+    check_same_groups(groups_);
+    layout_groups(0);
+    if (!reshard_) full_values_ = Tensor<T>::zeros({full_total()}, dev);
+    if (keep_full_grads_) full_grads_ = Tensor<T>::zeros({full_total()}, dev);
     if (shard_size_ == 1 && !reshard_) {
       // NoShard: the local shard is the whole model; no second copy.
       local_values_ = full_values_;
-      local_grads_ = keep_full_grads_ ? full_grads_ : Tensor<T>::zeros({local_total}, dev);
+      local_grads_ = keep_full_grads_ ? full_grads_ : Tensor<T>::zeros({local_total()}, dev);
     } else {
-      local_values_ = Tensor<T>::zeros({local_total}, dev);
-      local_grads_ = Tensor<T>::zeros({local_total}, dev);
+      local_values_ = Tensor<T>::zeros({local_total()}, dev);
+      local_grads_ = Tensor<T>::zeros({local_total()}, dev);
     }
-
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      auto& grp = groups_[g];
+    for (auto& grp : groups_) {
       auto full = reshard_ ? Tensor<T>::zeros({grp.padded}, dev) : full_values_.view(grp.full_offset, {grp.padded});
-      for (auto& e : grp.entries) full.view(e.offset, e.shape).copy_(e.param->value);
-      world_.broadcast(full, 0);
-      auto mine = full.view(static_cast<std::int64_t>(shard_rank_) * grp.shard, {grp.shard});
-      local_values_.view(grp.local_offset, {grp.shard}).copy_(mine);
-      for (auto* p : grp.params) p->grad = Tensor<T>();
-      if (reshard_) {
-        for (auto* p : grp.params) p->value = Tensor<T>();
-      } else {
-        grp.full = full;
-        bind_values(grp);
-      }
-      // Local pieces of parameters: the overlap of each entry with this rank's range.
-      const std::int64_t lo = static_cast<std::int64_t>(shard_rank_) * grp.shard, hi = lo + grp.shard;
-      for (auto& e : grp.entries) {
-        const std::int64_t b = std::max(lo, e.offset), en = std::min(hi, e.offset + e.numel());
-        if (b >= en) continue;
-        local_entries_.push_back({e.name, grp.local_offset + (b - lo), Shape{en - b}, nullptr});
-        shard_pieces_.push_back({e.name, e.shape, b - e.offset, grp.local_offset + (b - lo), en - b});
-      }
+      local_values_.view(grp.local_offset, {grp.shard}).copy_(scatter_group(grp, full));  // in place under NoShard
     }
+  }
+
+  // Note [FSDP units built one at a time]: builds, shards and releases unit after
+  // unit; the shards wait in `shards` until their total size is known.
+  void build_and_shard(std::size_t num_units, const UnitFactory& make_unit) {
+    check_unit_names(num_units);
+    std::optional<Device> dev;
+    std::vector<Tensor<T>> shards;
+    for (std::size_t u = 0; u < num_units; ++u) {
+      auto unit = make_unit(u);
+      PTRAIN_CHECK(unit != nullptr, Error, "[ptrain.fsdp.factory] the unit factory returned no module for "
+                   "unit ", u);
+      PTRAIN_CHECK(unit->borrowed_parameters().empty(), Error, "[ptrain.fsdp.borrowed] unit ", u,
+                   " uses a parameter of another unit; units built one at a time cannot share one (build the "
+                   "model with tie_weights = false, or pass the built units)");
+      units_.push_back(unit);
+      const auto owned = unit->named_parameters(unit_prefix(u));
+      std::vector<Group> added;
+      if (!owned.empty()) {
+        added.emplace_back();
+        added.back().first_unit = added.back().last_unit = static_cast<int>(u);
+        add_entries(added.back(), owned);
+      }
+      check_same_groups(added);  // every rank, every unit: the same collectives
+      if (added.empty()) {
+        unit_group_.push_back(-1);
+        continue;
+      }
+      if (!dev) dev = shard_device(added.front());
+      unit_group_.push_back(static_cast<int>(groups_.size()));
+      groups_.push_back(std::move(added.front()));
+      layout_groups(groups_.size() - 1);
+      auto& grp = groups_.back();
+      shards.push_back(scatter_group(grp, Tensor<T>::zeros({grp.padded}, *dev)).clone());
+    }
+    const Device d = dev.value_or(opt_.device.value_or(Device::cpu()));
+    local_values_ = Tensor<T>::zeros({local_total()}, d);
+    for (std::size_t g = 0; g < groups_.size(); ++g)
+      local_values_.view(groups_[g].local_offset, {groups_[g].shard}).copy_(shards[g]);
+    shards.clear();  // before the gradients' buffer: at most two shard-sized buffers at once
+    local_grads_ = Tensor<T>::zeros({local_total()}, d);
   }
 
   void bind_values(Group& grp) {

@@ -62,8 +62,10 @@ parallel::FSDPOptions options_for(ShardingStrategy s, std::vector<std::string> n
 }
 
 // K AdamW steps of a tiny GPT: FSDP on this rank's rows vs one process on all rows.
-// With `recompute`, FSDP's model recomputes its blocks in backward (nn/recompute.hpp).
-void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int micro_batches, bool recompute = false) {
+// With `recompute`, FSDP's model recomputes its blocks in backward (nn/recompute.hpp);
+// with `factory`, FSDP builds the units one at a time with nn::gpt_unit (untied only).
+void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int micro_batches, bool recompute = false,
+                                      bool factory = false) {
   auto& comm = world();
   const int n = comm.size(), r = comm.rank();
   const auto cfg = tiny_gpt(tie);
@@ -76,7 +78,11 @@ void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int m
   nn::FlatParameters<float> ref_p(ref);
   const optim::AdamWOptions adam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
   optim::AdamW<float> ref_opt(ref_p, adam);
-  parallel::FSDP<float> fsdp(model.units(), comm, options_for(strategy, model.unit_names()));
+  const Generator gu(11);
+  parallel::FSDP<float> fsdp =
+      factory ? parallel::FSDP<float>(model.units().size(), [&](std::size_t u) { return nn::gpt_unit<float>(wrapped, u, gu); },
+                                      comm, options_for(strategy, model.unit_names()))
+              : parallel::FSDP<float>(model.units(), comm, options_for(strategy, model.unit_names()));
   optim::AdamW<float> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
   nn::CrossEntropyLoss<float> ce;
 
@@ -134,6 +140,60 @@ TEST_CASE("FSDP strategies equal one process on a GPT", "[fsdp]") {
   check_gpt_matches_single_process(ShardingStrategy::Hybrid, true, 2);
   // Recomputed blocks: the second forward runs inside FSDP's backward, on the gathered unit.
   check_gpt_matches_single_process(ShardingStrategy::FullShard, true, 2, true);
+  // Units built one at a time (Note [FSDP units built one at a time]); ShardGradOp builds them all first.
+  for (auto s : {ShardingStrategy::FullShard, ShardingStrategy::Hybrid, ShardingStrategy::ShardGradOp})
+    check_gpt_matches_single_process(s, false, 1, false, true);
+}
+
+TEST_CASE("FSDP built unit by unit never holds the whole model", "[fsdp][memory]") {
+  auto& comm = world();
+  const auto cfg = nn::GPTConfig{.vocab_size = 64, .block_size = 16, .n_layer = 8, .n_head = 2, .n_embd = 32,
+                                 .tie_weights = false};
+  const std::size_t units = static_cast<std::size_t>(cfg.n_layer) + 2;
+  const Generator g(5);
+  auto make = [&](std::size_t u) { return nn::gpt_unit<float>(cfg, u, g); };
+  std::int64_t largest = 0;
+  for (std::size_t u = 0; u < units; ++u) largest = std::max(largest, make(u)->num_parameters());
+  const auto names = nn::gpt_unit_names(cfg);
+  CHECK(names == nn::GPT<float>(cfg).unit_names());
+
+  // Peak bytes above what was live, while `build` runs, and the local shard's elements.
+  auto construction_peak = [&](auto build) {
+    const auto before = memory_stats().live_bytes;
+    reset_peak_memory();
+    auto fsdp = build();
+    return std::pair{memory_stats().peak_bytes - before, fsdp->local_values().numel()};
+  };
+  const auto [whole, shard] = construction_peak([&] {
+    Generator gw(5);
+    nn::GPT<float> model(cfg, gw);
+    return std::make_unique<parallel::FSDP<float>>(model.units(), comm, parallel::FSDPOptions{.unit_names = names});
+  });
+  const auto [by_unit, shard2] = construction_peak([&] {
+    return std::make_unique<parallel::FSDP<float>>(units, make, comm, parallel::FSDPOptions{.unit_names = names});
+  });
+  CHECK(shard2 == shard);
+  // Unit by unit: one unit's values and gradients and its broadcast copy, the shards
+  // twice (values, then values and gradients), and 64 bytes of rounding per tensor.
+  // The whole model first: its values and gradients, 8 bytes per parameter, besides.
+  const std::int64_t bound = 4 * (3 * largest + 2 * shard) + 64 * 64;
+  const std::int64_t model_bytes = 8 * cfg.num_parameters();
+  if (comm.rank() == 0)
+    std::printf("FSDP construction peak per rank: whole model built first %lld bytes, unit by unit %lld "
+                "(bound %lld; the model's values and gradients: %lld)\n",
+                static_cast<long long>(whole), static_cast<long long>(by_unit), static_cast<long long>(bound),
+                static_cast<long long>(model_bytes));
+  CHECK(whole >= model_bytes);
+  CHECK(by_unit <= bound);
+  CHECK(by_unit < whole / 2);
+
+  // Units built alone cannot share a parameter: a factory of tied units is refused.
+  auto tied = cfg;
+  tied.tie_weights = true;
+  nn::GPT<float> tied_model(tied);
+  auto shared = tied_model.units();
+  CHECK_THROWS_WITH(parallel::FSDP<float>(units, [&](std::size_t u) { return shared[u]; }, comm),
+                    Catch::Contains("[ptrain.fsdp.borrowed]") && Catch::Contains("tie_weights = false"));
 }
 
 // A bf16 GPT (int32 token ids through forward_tokens, fp32 master weights in

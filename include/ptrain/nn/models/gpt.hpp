@@ -288,6 +288,14 @@ std::shared_ptr<Module<T>> gpt_unit(const GPTConfig& cfg, std::size_t u, const G
   return unit;
 }
 
+/// GPT<T>(cfg).unit_names() without building the model: "embed", "h.0", ..., "head".
+inline std::vector<std::string> gpt_unit_names(const GPTConfig& cfg) {
+  std::vector<std::string> names{"embed"};
+  for (std::int64_t l = 0; l < cfg.n_layer; ++l) names.push_back("h." + std::to_string(l));
+  names.push_back("head");
+  return names;
+}
+
 /// Weight-decay filter for a GPT (pass to optim::AdamW): decay for the matrices of
 /// Linear layers, none for biases, LayerNorm parameters and embeddings (wte, wpe).
 inline std::function<bool(const std::string&)> gpt_decay_filter() {
