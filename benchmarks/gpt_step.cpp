@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   nn::GPTConfig cfg{.vocab_size = 65, .block_size = 256, .n_layer = 6, .n_head = 6, .n_embd = 384};
   std::int64_t batch = 8;
   int steps = 10, warmup = 2;
+  app.add_flag("--recompute", cfg.recompute, "recompute each block's activations in backward");
   app.add_option("--layers", cfg.n_layer, "transformer blocks");
   app.add_option("--heads", cfg.n_head, "attention heads");
   app.add_option("--embd", cfg.n_embd, "embedding width");
@@ -51,6 +52,8 @@ int main(int argc, char** argv) {
 
   nn::Cache<float> cache, loss_cache;
   double loss = 0;
+  const std::int64_t live = memory_stats().live_bytes;  // parameters, gradients, AdamW state, batch
+  reset_peak_memory();
   auto times = bench::time_runs(warmup, steps, [&] {
     flat.zero_grad();
     loss = loss_fn.forward(model.forward(x, cache), y, loss_cache);
@@ -69,6 +72,7 @@ int main(int argc, char** argv) {
                       {"block", S},
                       {"vocab", cfg.vocab_size},
                       {"batch", batch},
+                      {"recompute", cfg.recompute},
                       {"steps", steps},
                       {"parameters", model.num_parameters()},
                       {"step_ms_median", ms},
@@ -76,6 +80,7 @@ int main(int argc, char** argv) {
                       {"tokens_per_s", 1000.0 * tokens / ms},
                       {"mflop_per_token", fpt / 1e6},
                       {"gflops", fpt * tokens / (ms * 1e6)},
+                      {"step_peak_mb", static_cast<double>(memory_stats().peak_bytes - live) / 1e6},
                       {"final_loss", loss}};
   std::printf("%s\n", j.dump().c_str());
 }

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 class Block(nn.Module):
@@ -43,8 +44,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, block, layers, heads, embd):
+    def __init__(self, vocab, block, layers, heads, embd, recompute=False):
         super().__init__()
+        self.recompute = recompute
         self.wte = nn.Embedding(vocab, embd)
         self.wpe = nn.Embedding(block, embd)
         self.h = nn.ModuleList([Block(embd, heads) for _ in range(layers)])
@@ -54,7 +56,10 @@ class GPT(nn.Module):
     def forward(self, idx):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
         for b in self.h:
-            x = b(x, self.mask)
+            if self.recompute:  # activation checkpointing, as ptrain's --recompute
+                x = torch.utils.checkpoint.checkpoint(b, x, self.mask, use_reentrant=False)
+            else:
+                x = b(x, self.mask)
         return F.linear(self.ln_f(x), self.wte.weight)  # tied head
 
 
@@ -88,11 +93,12 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--recompute", action="store_true", help="checkpoint each block (torch.utils.checkpoint)")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
-    model = GPT(a.vocab, a.block, a.layers, a.heads, a.embd)
+    model = GPT(a.vocab, a.block, a.layers, a.heads, a.embd, a.recompute)
     with torch.no_grad():
         init_gpt2(model, a.layers)
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and "wte" not in n and "wpe" not in n]
@@ -124,7 +130,7 @@ def main():
     print(json.dumps({"bench": "gpt_step", "impl": "pytorch", "torch": torch.__version__,
                       "blas": loaded_blas(),
                       "layers": L, "heads": a.heads, "embd": C, "block": S, "vocab": a.vocab, "batch": a.batch,
-                      "steps": a.steps, "parameters": sum(q.numel() for q in model.parameters()),
+                      "recompute": a.recompute, "steps": a.steps, "parameters": sum(q.numel() for q in model.parameters()),
                       "step_ms_median": ms, "step_ms_min": min(times), "tokens_per_s": 1000.0 * tokens / ms,
                       "mflop_per_token": fpt / 1e6, "gflops": fpt * tokens / (ms * 1e6), "final_loss": loss}))
 
