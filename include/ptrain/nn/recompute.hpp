@@ -43,11 +43,12 @@ class Recompute : public Module<T> {
   }
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    PTRAIN_CHECK(cache.tensors.size() == 1 && cache.values.size() == inner_->random_streams().size(), Error,
+    auto streams = inner_->random_streams();
+    PTRAIN_CHECK(cache.tensors.size() == 1 && cache.values.size() == streams.size(), Error,
                  "[ptrain.backward] Recompute::backward without a forward of ", describe(), " in this cache");
     Cache<T> replay;
     {
-      const Replay at(*inner_, cache.values);
+      const Replay at(std::move(streams), cache.values);
       inner_->forward(cache.tensors[0], replay);
     }
     cache.clear();
@@ -61,7 +62,7 @@ class Recompute : public Module<T> {
   // Sets the streams to `at` for its lifetime, then back to where they were.
   class Replay {
    public:
-    Replay(Module<T>& m, const std::vector<std::uint64_t>& at) : streams_(m.random_streams()) {
+    Replay(std::vector<Generator*> streams, const std::vector<std::uint64_t>& at) : streams_(std::move(streams)) {
       for (std::size_t i = 0; i < streams_.size(); ++i) {
         now_.push_back(streams_[i]->offset());
         streams_[i]->set_offset(at[i]);

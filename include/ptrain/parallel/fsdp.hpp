@@ -444,24 +444,14 @@ class FSDP : public nn::Module<T> {
     return dev;
   }
 
-  // Places groups_[g..] after the groups before them: padded size, shard, offsets.
-  void layout_groups(std::size_t g) {
-    std::int64_t local_total = 0, full_total = 0;
-    if (g > 0) {
-      const auto& prev = groups_[g - 1];
-      local_total = prev.local_offset + prev.shard;
-      full_total = prev.full_offset + prev.padded;
-    }
-    for (; g < groups_.size(); ++g) {
-      auto& grp = groups_[g];
-      grp.padded = (grp.numel + shard_size_ - 1) / shard_size_ * shard_size_;
-      grp.shard = grp.padded / shard_size_;
-      grp.local_offset = local_total;
-      grp.full_offset = full_total;
-      local_total += grp.shard;
-      full_total += grp.padded;
-    }
+  // Pads and places grp right after the groups in groups_: padded size, shard, offsets.
+  void layout(Group& grp) const {
+    grp.padded = (grp.numel + shard_size_ - 1) / shard_size_ * shard_size_;
+    grp.shard = grp.padded / shard_size_;
+    grp.local_offset = local_total();
+    grp.full_offset = full_total();
   }
+  // Elements of the groups in groups_: the local buffers' and the full buffers' sizes.
   std::int64_t local_total() const { return groups_.empty() ? 0 : groups_.back().local_offset + groups_.back().shard; }
   std::int64_t full_total() const { return groups_.empty() ? 0 : groups_.back().full_offset + groups_.back().padded; }
 
@@ -503,7 +493,12 @@ class FSDP : public nn::Module<T> {
   void shard_parameters() {
     const Device dev = groups_.empty() ? opt_.device.value_or(Device::cpu()) : shard_device(groups_.front());
     check_same_groups(groups_);
-    layout_groups(0);
+    auto built = std::move(groups_);
+    groups_.clear();
+    for (auto& grp : built) {
+      layout(grp);
+      groups_.push_back(std::move(grp));
+    }
     if (!reshard_) full_values_ = Tensor<T>::zeros({full_total()}, dev);
     if (keep_full_grads_) full_grads_ = Tensor<T>::zeros({full_total()}, dev);
     if (shard_size_ == 1 && !reshard_) {
@@ -548,8 +543,8 @@ class FSDP : public nn::Module<T> {
       }
       if (!dev) dev = shard_device(added.front());
       unit_group_.push_back(static_cast<int>(groups_.size()));
+      layout(added.front());
       groups_.push_back(std::move(added.front()));
-      layout_groups(groups_.size() - 1);
       auto& grp = groups_.back();
       shards.push_back(scatter_group(grp, Tensor<T>::zeros({grp.padded}, *dev)).clone());
     }
