@@ -5,7 +5,9 @@
 // Starts nproc-per-node copies of prog with the variables torchrun sets
 // (RANK, WORLD_SIZE, LOCAL_RANK, ...), forwards SIGINT/SIGTERM/SIGHUP to them,
 // and when one rank fails stops the others (SIGTERM, SIGKILL after a grace
-// period) and exits with that rank's status (128 + signal for a signal).
+// period). With --max-restarts N it then starts every rank again, up to N
+// times (one node only); otherwise, or when no restart is left, it exits with
+// that rank's status (128 + signal for a signal).
 // There is no agent store: rank 0 of the program serves ptrain's TCP store.
 
 #include <arpa/inet.h>
@@ -74,11 +76,176 @@ void signal_children(std::vector<Child>& children, int sig) {
     if (c.running) ::kill(-c.pid, sig);
 }
 
+// What every round of ranks shares.
+struct Launch {
+  std::vector<std::string> command;
+  int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0, max_restarts = 0;
+  std::string master_addr, run_id;
+  double grace = 5.0;
+};
+
+// How a round ended. `failure` is the first failing rank's status (exit code, or
+// 128 + signal); later failures are its consequences.
+struct RoundEnd {
+  std::optional<int> failure;
+  int signal = 0;            // a signal ptrun received (and forwarded)
+  bool cannot_start = false;  // exec or fork failed: starting again cannot help
+};
+
+// Starts this node's ranks as restart number `restart`, waits until all have
+// ended, and stops the others as soon as one fails or a signal arrives.
+// Signals come through `sfd` (a signalfd) so that they are handled in order
+// with child exits, never inside an async handler.
+RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask) {
+  RoundEnd end;
+  // A signal that came between rounds stops the job before anything starts.
+  signalfd_siginfo si;
+  while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si))
+    if (si.ssi_signo != SIGCHLD) end.signal = static_cast<int>(si.ssi_signo);
+  if (end.signal) return end;
+
+  const int world = l.nnodes * l.nproc;
+  std::vector<Child> children(l.nproc);
+  int running = 0;
+  using Clock = std::chrono::steady_clock;
+  constexpr auto no_deadline = Clock::time_point::max();
+  auto kill_at = no_deadline;  // SIGKILL for ranks still running then
+  auto stop_all = [&](int sig) {
+    signal_children(children, sig);
+    if (kill_at == no_deadline)
+      kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(l.grace));
+  };
+
+  for (int local = 0; local < l.nproc; ++local) {
+    const int rank = l.node_rank * l.nproc + local;
+    // A close-on-exec pipe tells the parent whether exec worked: it reads EOF
+    // on success and the child's errno on failure.
+    int ep[2];
+    if (::pipe2(ep, O_CLOEXEC) != 0) {
+      std::perror("ptrun: pipe");
+      stop_all(SIGKILL);
+      end.failure = 1;
+      end.cannot_start = true;
+      break;
+    }
+    const pid_t parent = ::getpid();
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(ep[0]);
+      ::setpgid(0, 0);
+      // Die with ptrun, even if it is SIGKILLed and cannot stop us itself.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+      auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
+      set("RANK", std::to_string(rank));
+      set("LOCAL_RANK", std::to_string(local));
+      set("WORLD_SIZE", std::to_string(world));
+      set("LOCAL_WORLD_SIZE", std::to_string(l.nproc));
+      set("GROUP_RANK", std::to_string(l.node_rank));
+      set("GROUP_WORLD_SIZE", std::to_string(l.nnodes));
+      set("ROLE_RANK", std::to_string(rank));
+      set("ROLE_WORLD_SIZE", std::to_string(world));
+      set("ROLE_NAME", "default");
+      set("MASTER_ADDR", l.master_addr);
+      set("MASTER_PORT", std::to_string(l.master_port));
+      set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+      set("TORCHELASTIC_MAX_RESTARTS", std::to_string(l.max_restarts));
+      set("TORCHELASTIC_RUN_ID", l.run_id);
+      set("TORCHELASTIC_USE_AGENT_STORE", "False");
+      // torchrun's default: one thread per rank unless the user chose otherwise.
+      if (l.nproc > 1 && !std::getenv("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
+      std::vector<char*> args;
+      for (auto& a : l.command) args.push_back(a.data());
+      args.push_back(nullptr);
+      ::execvp(args[0], args.data());
+      int err = errno;
+      [[maybe_unused]] auto n = ::write(ep[1], &err, sizeof err);
+      ::_exit(127);
+    }
+    ::close(ep[1]);
+    if (pid < 0) {
+      std::perror("ptrun: fork");
+      ::close(ep[0]);
+      stop_all(SIGKILL);
+      end.failure = 1;
+      end.cannot_start = true;
+      break;
+    }
+    ::setpgid(pid, pid);  // also here, so the group exists before any kill(-pid)
+    children[local] = {pid, rank, true};
+    ++running;
+    int err = 0;
+    ssize_t got;
+    do got = ::read(ep[0], &err, sizeof err);
+    while (got < 0 && errno == EINTR);
+    ::close(ep[0]);
+    if (got == static_cast<ssize_t>(sizeof err)) {
+      std::fprintf(stderr, "ptrun: cannot execute '%s': %s\n", l.command[0].c_str(), std::strerror(err));
+      stop_all(SIGTERM);
+      end.failure = 127;
+      end.cannot_start = true;
+      break;
+    }
+  }
+
+  while (running > 0) {
+    int timeout_ms = -1;
+    if (kill_at != no_deadline) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(kill_at - Clock::now());
+      timeout_ms = static_cast<int>(std::max<long long>(left.count(), 0));
+    }
+    pollfd p{sfd, POLLIN, 0};
+    int n = ::poll(&p, 1, timeout_ms);
+    if (n == 0 && kill_at != no_deadline) {
+      std::fprintf(stderr, "ptrun: %d rank(s) still running %.1f s after SIGTERM; sending SIGKILL\n", running,
+                   l.grace);
+      signal_children(children, SIGKILL);
+      kill_at = no_deadline;
+      continue;
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      std::perror("ptrun: poll");
+      signal_children(children, SIGKILL);
+    }
+    while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+      if (si.ssi_signo != SIGCHLD) {
+        end.signal = static_cast<int>(si.ssi_signo);
+        std::fprintf(stderr, "ptrun: got signal %d (%s); forwarding it to %d rank(s)\n", end.signal,
+                     strsignal(end.signal), running);
+        stop_all(end.signal);
+      }
+    }
+    // Reap every exited child; SIGCHLD signals coalesce, so one read may stand for several.
+    for (;;) {
+      int status = 0;
+      pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      for (auto& c : children) {
+        if (c.pid != pid || !c.running) continue;
+        c.running = false;
+        --running;
+        // Also stop what the rank left behind in its process group.
+        ::kill(-c.pid, SIGKILL);
+        bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && !end.failure && !end.signal) {
+          end.failure = exit_code(status);
+          std::fprintf(stderr, "ptrun: rank %d (pid %d) %s; stopping the other %d rank(s)\n", c.rank, pid,
+                       describe(status).c_str(), running);
+          stop_all(SIGTERM);
+        }
+      }
+    }
+  }
+  return end;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ptrun: start a ptrain program on this node the way torchrun does"};
-  int nproc = 1, nnodes = 1, node_rank = 0, master_port = 29500;
+  int nproc = 1, nnodes = 1, node_rank = 0, master_port = 29500, max_restarts = 0;
   double grace = 5.0;
   std::string master_addr = "127.0.0.1";
   bool no_python = false, standalone = false;
@@ -97,6 +264,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-python,--no_python", no_python, "accepted for torchrun compatibility; ptrun never runs python");
   app.add_option("--grace-period,--grace_period", grace, "seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::Range(0.0, 3600.0));
+  app.add_option("--max-restarts,--max_restarts", max_restarts,
+                 "start every rank again after a failure, up to this many times (single node only)")
+      ->envname("PET_MAX_RESTARTS")->check(CLI::Range(0, 1000000));
   // Everything from the first positional argument on is the program's command line.
   app.prefix_command();
   app.footer("Sets RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT for each rank.");
@@ -126,7 +296,16 @@ int main(int argc, char** argv) {
     master_addr = "127.0.0.1";
     if (port_opt->count() == 0) master_port = 0;
   }
-  if (master_port == 0) {
+  if (max_restarts > 0 && nnodes != 1) {
+    // Ranks of a restarted node would meet the other nodes' ranks of the failed
+    // round at the store; there is no rendezvous that orders rounds across nodes.
+    std::fprintf(stderr, "ptrun: --max-restarts works on one node only; with --nnodes %d let the scheduler restart "
+                         "the job (Kubernetes backoffLimit, Slurm --requeue; docs/launching.md) and resume from "
+                         "the last checkpoint\n", nnodes);
+    return 2;
+  }
+  const bool pick_port = master_port == 0;
+  if (pick_port) {
     if (nnodes != 1) {
       std::fprintf(stderr, "ptrun: --master-port 0 (pick a free port) works on one node only; "
                            "with --nnodes %d give every node the same --master-port\n", nnodes);
@@ -135,11 +314,9 @@ int main(int argc, char** argv) {
     master_port = free_port();
   }
 
-  const int world = nnodes * nproc;
-  const std::string run_id = std::to_string(::getpid());
+  Launch l{std::move(command), nproc, nnodes, node_rank, master_port, max_restarts, master_addr,
+           std::to_string(::getpid()), grace};
 
-  // Signals arrive through a signalfd so that the wait loop below handles them
-  // in order with child exits, never inside an async handler.
   sigset_t mask, old_mask;
   sigemptyset(&mask);
   for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&mask, s);
@@ -150,139 +327,17 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  std::vector<Child> children(nproc);
-  int running = 0;
-  // First failure decides the exit status; later ones are its consequences.
-  std::optional<int> first_failure;
-  int received_signal = 0;
-  std::optional<std::chrono::steady_clock::time_point> kill_at;
-  auto stop_all = [&](int sig) {
-    signal_children(children, sig);
-    if (!kill_at) kill_at = std::chrono::steady_clock::now() + std::chrono::duration_cast<
-                                std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
-  };
-
-  for (int local = 0; local < nproc; ++local) {
-    const int rank = node_rank * nproc + local;
-    // A close-on-exec pipe tells the parent whether exec worked: it reads EOF
-    // on success and the child's errno on failure.
-    int ep[2];
-    if (::pipe2(ep, O_CLOEXEC) != 0) {
-      std::perror("ptrun: pipe");
-      stop_all(SIGKILL);
-      first_failure = 1;
-      break;
+  for (int restart = 0;; ++restart) {
+    // A port picked for the run is picked again: the last round's may be taken by now.
+    if (restart > 0 && pick_port) l.master_port = free_port();
+    RoundEnd end = run_round(l, restart, sfd, old_mask);
+    const bool again = end.failure && !end.signal && !end.cannot_start && restart < max_restarts;
+    if (!again) {
+      ::close(sfd);
+      if (end.failure) return *end.failure;
+      return end.signal ? 128 + end.signal : 0;
     }
-    const pid_t parent = ::getpid();
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      ::close(ep[0]);
-      ::setpgid(0, 0);
-      // Die with ptrun, even if it is SIGKILLed and cannot stop us itself.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(1);
-      sigprocmask(SIG_SETMASK, &old_mask, nullptr);
-      auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
-      set("RANK", std::to_string(rank));
-      set("LOCAL_RANK", std::to_string(local));
-      set("WORLD_SIZE", std::to_string(world));
-      set("LOCAL_WORLD_SIZE", std::to_string(nproc));
-      set("GROUP_RANK", std::to_string(node_rank));
-      set("GROUP_WORLD_SIZE", std::to_string(nnodes));
-      set("ROLE_RANK", std::to_string(rank));
-      set("ROLE_WORLD_SIZE", std::to_string(world));
-      set("ROLE_NAME", "default");
-      set("MASTER_ADDR", master_addr);
-      set("MASTER_PORT", std::to_string(master_port));
-      set("TORCHELASTIC_RESTART_COUNT", "0");
-      set("TORCHELASTIC_MAX_RESTARTS", "0");
-      set("TORCHELASTIC_RUN_ID", run_id);
-      set("TORCHELASTIC_USE_AGENT_STORE", "False");
-      // torchrun's default: one thread per rank unless the user chose otherwise.
-      if (nproc > 1 && !std::getenv("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
-      std::vector<char*> args;
-      for (auto& a : command) args.push_back(a.data());
-      args.push_back(nullptr);
-      ::execvp(args[0], args.data());
-      int err = errno;
-      [[maybe_unused]] auto n = ::write(ep[1], &err, sizeof err);
-      ::_exit(127);
-    }
-    ::close(ep[1]);
-    if (pid < 0) {
-      std::perror("ptrun: fork");
-      ::close(ep[0]);
-      stop_all(SIGKILL);
-      first_failure = 1;
-      break;
-    }
-    ::setpgid(pid, pid);  // also here, so the group exists before any kill(-pid)
-    children[local] = {pid, rank, true};
-    ++running;
-    int err = 0;
-    ssize_t got;
-    do got = ::read(ep[0], &err, sizeof err);
-    while (got < 0 && errno == EINTR);
-    ::close(ep[0]);
-    if (got == static_cast<ssize_t>(sizeof err)) {
-      std::fprintf(stderr, "ptrun: cannot execute '%s': %s\n", command[0].c_str(), std::strerror(err));
-      stop_all(SIGTERM);
-      first_failure = 127;
-      break;
-    }
+    std::fprintf(stderr, "ptrun: starting all %d rank(s) again (restart %d of %d)\n", nproc, restart + 1,
+                 max_restarts);
   }
-
-  while (running > 0) {
-    int timeout_ms = -1;
-    if (kill_at) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*kill_at - std::chrono::steady_clock::now());
-      timeout_ms = static_cast<int>(std::max<long long>(left.count(), 0));
-    }
-    pollfd p{sfd, POLLIN, 0};
-    int n = ::poll(&p, 1, timeout_ms);
-    if (n == 0 && kill_at) {
-      std::fprintf(stderr, "ptrun: %d rank(s) still running %.1f s after SIGTERM; sending SIGKILL\n", running, grace);
-      signal_children(children, SIGKILL);
-      kill_at.reset();
-      continue;
-    }
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      std::perror("ptrun: poll");
-      signal_children(children, SIGKILL);
-    }
-    signalfd_siginfo si;
-    while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
-      if (si.ssi_signo != SIGCHLD) {
-        received_signal = static_cast<int>(si.ssi_signo);
-        std::fprintf(stderr, "ptrun: got signal %d (%s); forwarding it to %d rank(s)\n", received_signal,
-                     strsignal(received_signal), running);
-        stop_all(received_signal);
-      }
-    }
-    // Reap every exited child; SIGCHLD signals coalesce, so one read may stand for several.
-    for (;;) {
-      int status = 0;
-      pid_t pid = ::waitpid(-1, &status, WNOHANG);
-      if (pid <= 0) break;
-      for (auto& c : children) {
-        if (c.pid != pid || !c.running) continue;
-        c.running = false;
-        --running;
-        // Also stop what the rank left behind in its process group.
-        ::kill(-c.pid, SIGKILL);
-        bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-        if (failed && !first_failure && !received_signal) {
-          first_failure = exit_code(status);
-          std::fprintf(stderr, "ptrun: rank %d (pid %d) %s; stopping the other %d rank(s)\n", c.rank, pid,
-                       describe(status).c_str(), running);
-          stop_all(SIGTERM);
-        }
-      }
-    }
-  }
-  ::close(sfd);
-  if (first_failure) return *first_failure;
-  if (received_signal) return 128 + received_signal;
-  return 0;
 }

@@ -26,6 +26,9 @@ position, dropout offsets and optimizer step count:
                  rounding depends on operand alignment (heap placement must not matter)
   ddp.*          the same with 2 ranks under ptrun (--parallel ddp); the signal goes to
                  rank 1 only, and every rank must stop at the same step
+  ddp.restart    ptrun --max-restarts 1: SIGKILL rank 1 once a checkpoint exists; ptrun starts
+                 both ranks again, they resume from the last checkpoint and end bitwise equal
+                 to the uninterrupted run
   fsdp.*         copy, config and signal with 2 ranks under --parallel fsdp (full_shard):
                  sharded checkpoints, resumed bitwise on the same layout
   fsdp.ddp       fsdp's final parameters equal ddp's within 1e-5 relative (same flags);
@@ -210,9 +213,9 @@ class Runner:
         self.exe, self.ptrun, self.work = exe, ptrun, work
         self.env = dict(os.environ, PTRAIN_COMM_TIMEOUT_S=os.environ.get("PTRAIN_COMM_TIMEOUT_S", "60"))
 
-    def argv(self, ranks, args, mode=None):
+    def argv(self, ranks, args, mode=None, restarts=0):
         """TINY with args (a flag of TINY given in args takes args' value); mode: --parallel,
-        by default none on 1 rank and ddp on more."""
+        by default none on 1 rank and ddp on more; restarts: ptrun's --max-restarts."""
         flags = list(TINY)
         where = {TINY[k]: k for k in range(0, len(TINY), 2)}  # TINY is flag, value pairs
         rest = []
@@ -229,10 +232,11 @@ class Runner:
         if mode == "none":
             return base
         # --standalone: a free store port, so that concurrent tests do not collide on 29500.
-        return [self.ptrun, "--standalone", "--nproc-per-node", str(ranks)] + base + ["--parallel", mode]
+        return ([self.ptrun, "--standalone", "--nproc-per-node", str(ranks), "--max-restarts", str(restarts)] + base
+                + ["--parallel", mode])
 
-    def start(self, ranks, args, mode=None):
-        return subprocess.Popen(self.argv(ranks, args, mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    def start(self, ranks, args, mode=None, restarts=0):
+        return subprocess.Popen(self.argv(ranks, args, mode, restarts), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=self.env, start_new_session=True)
 
     def finish(self, proc, what):
@@ -353,6 +357,35 @@ def case_signal(r, ranks, tag, mode=None, long_steps=LONG_STEPS):
     if f"resumed from {step_dir(ckpt, stopped)}: step {stopped}" not in out:
         raise Failure(f"{tag}: the resumed run did not start at step {stopped}:\n{out}")
     expect_same(step_dir(ref, long_steps), step_dir(ckpt, long_steps), f"{tag}.signal (stopped at {stopped})")
+
+
+def case_restart(r, tag="ddp"):
+    """ptrun --max-restarts 1 and a crash: SIGKILL rank 1 of 2 once a checkpoint exists (no checkpoint
+    at the kill). ptrun starts both ranks again, they resume from the last committed checkpoint and
+    end bitwise where case_signal's uninterrupted run ended."""
+    ref = os.path.join(r.work, f"{tag}-long-ref")
+    ckpt = os.path.join(r.work, f"{tag}-restart")
+    args = ["--steps", str(LONG_STEPS), "--checkpoint-dir", ckpt, "--checkpoint-every", str(LONG_EVERY), "--resume"]
+    proc = r.start(2, args, restarts=1)
+    target = rank_pid(proc.pid, 1)
+    deadline = time.time() + TIMEOUT_S
+    while not committed_steps(ckpt):
+        if proc.poll() is not None or time.time() > deadline:
+            _, out, err = r.finish(proc, tag)
+            raise Failure(f"{tag}.restart: the run ended (or stalled) before its first checkpoint\n{out}\n{err}")
+        time.sleep(0.002)
+    os.kill(target, signal.SIGKILL)
+    rc, out, err = r.finish(proc, f"{tag} restarted run")
+    if rc != 0 or "restart 1 of 1" not in err:
+        raise Failure(f"{tag}.restart: exit code {rc}, expected 0 after one restart\n{out}\n{err}")
+    marker = f"resumed from {ckpt}/"
+    if marker not in out:
+        raise Failure(f"{tag}.restart: the restarted ranks did not resume from {ckpt}:\n{out}")
+    resumed = int(out.split(marker, 1)[1].split(": step ", 1)[1].split()[0])
+    if not LONG_EVERY <= resumed < LONG_STEPS:
+        raise Failure(f"{tag}.restart: resumed at step {resumed}")
+    expect_same(step_dir(ref, LONG_STEPS), step_dir(ckpt, LONG_STEPS),
+                f"{tag}.restart (rank 1 killed, ptrun restarted both, resumed at step {resumed})")
 
 
 def case_config(r, ranks, tag, ref, mode=None):
@@ -601,6 +634,7 @@ def main():
                 ddp_ref, _ = case_copy(r, 2, "ddp")
                 case_config(r, 2, "ddp", ddp_ref)
                 case_signal(r, 2, "ddp")
+                case_restart(r)
                 export = os.path.join(work, "fsdp-export.safetensors")
                 fsdp_ref, fsdp_out = case_copy(r, 2, "fsdp", mode="fsdp", extra=["--export", export] + SAMPLE)
                 case_fsdp_vs_ddp(r, fsdp_ref, ddp_ref, export)

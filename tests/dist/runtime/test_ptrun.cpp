@@ -1,6 +1,6 @@
 // ptrun with real processes: the variables each rank sees, exit-status
-// propagation, one failing rank stopping the others, signal forwarding and
-// the SIGKILL escalation.
+// propagation, one failing rank stopping the others, signal forwarding, the
+// SIGKILL escalation and restarts (--max-restarts).
 
 #include <catch2/catch.hpp>
 
@@ -157,4 +157,66 @@ TEST_CASE("ptrun: ranks that ignore SIGTERM get SIGKILL after the grace period",
   CHECK(took >= 400ms);  // it did wait for the grace period
   CHECK(took < 10s);
   for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+}
+
+TEST_CASE("ptrun: --max-restarts starts every rank again after a failure", "[ptrun]") {
+  const int n = 3;
+  for (bool fixed_port : {false, true}) {
+    TempDir dir;
+    // Rank 1 fails in rounds 0 and 1; the third round, restart 2, succeeds.
+    const std::string port = fixed_port ? std::to_string(ptrain_test::free_port()) : "0";
+    Process p(ptrun({"--nproc-per-node", std::to_string(n), "--master-port", port, "--max-restarts", "3",
+                     PTRAIN_TEST_WORKER, "flaky", "1", "2", dir.path()}));
+    auto st = p.wait(60s);
+    REQUIRE(st.has_value());
+    CHECK(ptrain_test::exit_code(*st) == 0);
+    std::string run_id;
+    for (int round = 0; round <= 2; ++round)
+      for (int r = 0; r < n; ++r) {
+        INFO("round " << round << ", rank " << r << ", fixed port " << fixed_port);
+        std::string f = dir.file("round_" + std::to_string(round) + "_" + std::to_string(r));
+        REQUIRE(ptrain_test::file_exists(f));
+        auto kv = ptrain_test::read_kv(f);
+        CHECK(kv["TORCHELASTIC_RESTART_COUNT"] == std::to_string(round));
+        CHECK(kv["TORCHELASTIC_MAX_RESTARTS"] == "3");
+        if (fixed_port) CHECK(kv["MASTER_PORT"] == port);
+        if (run_id.empty()) run_id = kv["TORCHELASTIC_RUN_ID"];
+        CHECK(kv["TORCHELASTIC_RUN_ID"] == run_id);  // one run, several rounds
+      }
+    CHECK_FALSE(ptrain_test::file_exists(dir.file("round_3_0")));
+  }
+}
+
+TEST_CASE("ptrun: when the restarts are used up, the last failure sets the exit status", "[ptrun]") {
+  TempDir dir;
+  Process p(ptrun({"--standalone", "--nproc-per-node", "2", "--max-restarts", "1", PTRAIN_TEST_WORKER, "flaky", "0",
+                   "5", dir.path()}));
+  auto st = p.wait(60s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 3);
+  CHECK(ptrain_test::file_exists(dir.file("round_1_1")));
+  CHECK_FALSE(ptrain_test::file_exists(dir.file("round_2_0")));
+}
+
+TEST_CASE("ptrun: no restart after a signal, a program that cannot start, or on several nodes", "[ptrun]") {
+  TempDir dir;
+  Process p(ptrun({"--nproc-per-node", "2", "--max-restarts", "3", PTRAIN_TEST_WORKER, "sleep", dir.path()}));
+  auto pids = worker_pids(dir, 2);
+  ::kill(p.pid(), SIGTERM);
+  auto st = p.wait(20s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 128 + SIGTERM);
+  for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+
+  auto t0 = std::chrono::steady_clock::now();
+  Process missing(ptrun({"--nproc-per-node", "2", "--max-restarts", "100", "/nonexistent/program"}));
+  auto st2 = missing.wait(20s);
+  REQUIRE(st2.has_value());
+  CHECK(ptrain_test::exit_code(*st2) == 127);
+  CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+
+  Process nodes(ptrun({"--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "/bin/true"}));
+  auto st3 = nodes.wait(20s);
+  REQUIRE(st3.has_value());
+  CHECK(ptrain_test::exit_code(*st3) == 2);
 }

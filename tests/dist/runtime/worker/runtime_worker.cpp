@@ -6,6 +6,9 @@
 //   rendezvous OUTDIR        detect the launch, meet through the store, write OUTDIR/rank_<rank>
 //   fail R CODE OUTDIR       write a pid file; rank R exits with CODE ("sig9": SIGKILL itself) once
 //                            every rank has started, the others sleep
+//   flaky R FAILS OUTDIR     meet through the store, write OUTDIR/round_<restart>_<rank> (MASTER_PORT and
+//                            the TORCHELASTIC_* variables); while TORCHELASTIC_RESTART_COUNT < FAILS
+//                            rank R then exits with 3 and the others sleep, afterwards all exit 0
 //   sleep OUTDIR [ignore]    write a pid file and sleep; on SIGTERM write OUTDIR/term_<rank> and exit 0
 //                            ("ignore": SIGTERM is ignored, so only SIGKILL ends it)
 
@@ -116,6 +119,32 @@ int main(int argc, char** argv) {
     }
     std::this_thread::sleep_for(std::chrono::seconds(60));
     return 0;
+  }
+
+  if (mode == "flaky" && argc >= 5) {
+    int victim = std::atoi(argv[2]), fails = std::atoi(argv[3]);
+    out_dir = argv[4];
+    int restart = std::atoi(env_or("TORCHELASTIC_RESTART_COUNT", "-1").c_str());
+    std::string text;
+    for (const char* v : {"MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                          "TORCHELASTIC_RUN_ID"})
+      text += std::string(v) + "=" + env_or(v, "<unset>") + "\n";
+    try {
+      auto env = ptrain::dist::detect_launch_env();
+      auto store = ptrain::dist::make_store(env, std::chrono::seconds(30));
+      store->barrier("met", env.world_size);
+      write_file(out_dir + "/round_" + std::to_string(restart) + "_" + std::to_string(my_rank), text);
+      store->barrier("written", env.world_size);  // every rank's file is there before one fails
+      if (restart < fails) {
+        if (my_rank == victim) return 3;
+        std::this_thread::sleep_for(std::chrono::seconds(60));
+      }
+      store->barrier("end", env.world_size);  // rank 0 serves the store until all are done
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "runtime_worker: %s\n", e.what());
+      return 4;
+    }
   }
 
   if (mode == "sleep") {
