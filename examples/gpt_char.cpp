@@ -5,6 +5,7 @@
 //   mpirun -np 2 build/examples/gpt_char --parallel ddp       # data parallel (also under ptrun)
 //   ptrun --nproc-per-node 2 gpt_char --parallel fsdp          # fully sharded (--fsdp-strategy ...)
 //   ptrun --nproc-per-node 4 gpt_char --parallel pipeline --stages 2 --micro-batches 4   # 2 replicas x 2 stages
+//   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
 // saves every --checkpoint-every steps (in the background), at the end, and when
@@ -79,6 +80,7 @@ struct Options {
   bool recompute = false;     // activation checkpointing of every block
   std::int64_t steps = 1500;
   std::int64_t batch = 16;  // per replica: a rank, or the stages of one pipeline
+  int grad_accum = 1;       // batches whose gradients add up to one optimizer step (not under pipeline)
   std::int64_t block = 128;
   std::int64_t n_layer = 4;
   std::int64_t n_head = 4;
@@ -165,7 +167,7 @@ std::string parallel_layout(const Options& o, int world) {
 nlohmann::json train_flags(const Options& o, int world) {
   return {{"seed", o.seed},   {"batch", o.batch},   {"dropout", o.dropout},     {"steps", o.steps},
           {"lr", o.lr},       {"min-lr", o.min_lr}, {"warmup", o.warmup},       {"weight-decay", o.weight_decay},
-          {"grad-clip", o.grad_clip}, {"parallel", parallel_layout(o, world)}};
+          {"grad-clip", o.grad_clip}, {"parallel", parallel_layout(o, world)}, {"grad-accum", o.grad_accum}};
 }
 
 // Refuses a checkpoint of another program or model before any tensor is read,
@@ -195,7 +197,8 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
   std::string train_diff;
   const nlohmann::json saved = user.value("train", nlohmann::json::object());
   for (const auto& [key, want] : train.items()) {
-    const nlohmann::json have = saved.value(key, nlohmann::json());
+    // Checkpoints from before --grad-accum existed took one batch per step.
+    const nlohmann::json have = saved.value(key, key == "grad-accum" ? nlohmann::json(1) : nlohmann::json());
     auto str = [](const nlohmann::json& j) { return j.is_string() ? j.get<std::string>() : j.dump(); };
     if (have != want)
       train_diff += (train_diff.empty() ? "--" : ", --") + key + " " + str(want) + " (checkpoint: " +
@@ -252,6 +255,9 @@ int run(Options opt) {
       const int pp = opt.stages > 0 ? opt.stages : world;
       PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
                    " ranks; launch a multiple of --stages ranks (each group of --stages ranks is one replica)");
+      PTRAIN_CHECK(opt.grad_accum == 1, Error, "[gpt_char.grad_accum] --parallel pipeline accumulates its "
+                   "--micro-batches already; instead of --grad-accum ", opt.grad_accum, " multiply --batch and "
+                   "--micro-batches by ", opt.grad_accum);
       PTRAIN_CHECK(opt.batch % opt.micro_batches == 0, Error, "[gpt_char.micro_batches] --batch ", opt.batch,
                    " is not divisible by --micro-batches ", opt.micro_batches, "; pick a multiple");
       PTRAIN_CHECK(opt.n_layer + 2 >= pp, Error, "[gpt_char.stages] ", pp, " stages for ", opt.n_layer + 2,
@@ -366,8 +372,8 @@ int run(Options opt) {
       saver = std::make_unique<ckpt::AsyncCheckpointer>(*checkpoints);
     }
     // Note [gpt_char resume state]
-    // - Data: every rank takes one batch per step, so each rank's position() equals
-    //   the step, and replica r's batch at position t is global windows
+    // - Data: every rank takes --grad-accum batches per step (pipeline: one), so each
+    //   rank's position() is a multiple of the step, and replica r's batch at position t is global windows
     //   (t*replicas + r)*batch + j (a replica is one rank, or the stages of one
     //   pipeline, which read the same batch): one number describes every stream,
     //   and no per-rank positions need gathering. It is saved as the global
@@ -469,7 +475,7 @@ int run(Options opt) {
 
     MetricsWriter metrics(lead ? opt.metrics : "", resumed);
     Progress progress(opt.steps, lead ? opt.log_every : 0, std::cout, state.step);
-    const double tokens_per_step = static_cast<double>(opt.batch * opt.block * replicas);
+    const double tokens_per_step = static_cast<double>(opt.batch * opt.grad_accum * opt.block * replicas);
     if (lead) {
       std::printf("corpus %s: %lld characters, vocabulary %lld, unigram entropy %.4f nats/char\n",
                   opt.data.empty() ? kFortunesDir : opt.data.c_str(), static_cast<long long>(n),
@@ -509,19 +515,38 @@ int run(Options opt) {
                        {"val_loss_over_entropy", val_loss / entropy}});
       }
     };
-    while (state.step < opt.steps) {
+    // One batch's forward and backward; the loss gradient is scaled by 1 / --grad-accum,
+    // so that the accumulated gradient is that of the mean loss over the step's batches.
+    auto accumulate = [&] {
       train_windows.next(opt.batch, x, y);
+      const double l = ce.forward(net.forward_tokens(x.to(device), cache), y.to(device), loss_cache);
+      net.backward(ce.backward(loss_cache, static_cast<acc_t<T>>(1.0 / opt.grad_accum)), cache);
+      return l;
+    };
+    while (state.step < opt.steps) {
       optimizer.set_lr(schedule(state.step));
-      double loss;
+      double loss = 0;
       if (pipe) {  // zeroes, accumulates the micro-batches and averages over the replicas
+        train_windows.next(opt.batch, x, y);
         loss = pipe->train_step_tokens(x.to(device), y.to(device));
       } else {
         zero_grad();
-        loss = ce.forward(net.forward_tokens(x.to(device), cache), y.to(device), loss_cache);
-        net.backward(ce.backward(loss_cache), cache);
+        // All but the last batch add up locally (DDP/FSDP no_sync); the last backward reduces the sum.
+        for (int k = 1; k < opt.grad_accum; ++k) {
+          if (ddp) {
+            auto local = ddp->no_sync();
+            loss += accumulate();
+          } else if (fsdp) {
+            auto local = fsdp->no_sync();
+            loss += accumulate();
+          } else {
+            loss += accumulate();
+          }
+        }
+        loss += accumulate();
         if (ddp) ddp->finish_gradient_sync();
         if (fsdp) fsdp->finish_gradient_sync();
-        loss = average(loss);
+        loss = average(loss / opt.grad_accum);
       }
       const double norm = clip();
       if (fsdp) fsdp->optimizer_step(optimizer);  // steps the local shard; ZeRO-1/2 re-gather their full copy
@@ -645,6 +670,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", opt.steps, "optimizer steps")->check(positive);
   app.add_option("--batch", opt.batch, "sequences per step and replica (a rank, or the stages of one pipeline)")
       ->check(positive);
+  app.add_option("--grad-accum", opt.grad_accum, "batches per optimizer step, their gradients added up (the "
+                 "global batch is --batch x --grad-accum x replicas; not with --parallel pipeline)")->check(positive);
   app.add_option("--block", opt.block, "context length")->check(positive);
   app.add_option("--layers", opt.n_layer, "transformer blocks");
   app.add_option("--heads", opt.n_head, "attention heads")->check(positive);

@@ -37,6 +37,10 @@ position, dropout offsets and optimizer step count:
                  1e-5 of the uninterrupted runs
   fsdp.reshape   (dropout 0) a 2-rank fsdp checkpoint resumed by 1 process (--parallel
                  none, --batch 8) and by 2 ranks with the other strategies: within 1e-5
+  accum          (dropout 0, no clipping) --grad-accum 2 at half the batch, resumed from step 8 of
+                 1 process with --batch 8, by 1 process and by 2 ranks (ddp, fsdp full_shard
+                 and shard_optimizer): model and AdamW moments within 1e-5 of its step 12;
+                 ddp-accum.copy resumes --grad-accum bitwise
   fsdp.sample    1 process loading fsdp's final checkpoint evaluates and samples
                  (greedy) exactly as the fsdp run did
   pipeline.*     --parallel pipeline (untied model, stage checkpoints): copy and signal
@@ -416,7 +420,8 @@ def case_bad_flags(r, ref):
              (["--prompt", "a\u2603", "--sample-tokens", "5"], "[ptrain.data.tokenizer.unknown]"),
              (["--export", os.path.join(r.work, "missing", "x.safetensors")], "[gpt_char.export]"),
              (["--parallel", "pipeline", "--batch", "6"], "[gpt_char.micro_batches]"),
-             (["--parallel", "pipeline", "--stages", "4"], "[gpt_char.stages]"))
+             (["--parallel", "pipeline", "--stages", "4"], "[gpt_char.stages]"),
+             (["--parallel", "pipeline", "--grad-accum", "2"], "[gpt_char.grad_accum]"))
     for args, want in cases:
         what = f"bad flag {' '.join(args)}"
         t0 = time.time()
@@ -546,6 +551,30 @@ def case_fsdp_reshape(r):
         expect_close(step_dir(ref, 12), step_dir(res, 12), f"fsdp.reshape (full_shard -> {strategy})")
 
 
+def case_grad_accum(r):
+    """--grad-accum 2 at half the batch takes the same windows per step as one process with
+    --batch 8: resumed from that run's step 8 by 1 process (4 x 2), and by 2 ranks (2 x 2 each)
+    under ddp, fsdp full_shard (shards accumulate) and shard_optimizer (no_sync), the model and
+    the AdamW moments end within TOL of its step 12. No dropout, and no clipping, which would
+    hide a wrong gradient scale (AdamW's moments, carried over from step 8, do not)."""
+    ref = os.path.join(r.work, "accum-ref")
+    flags = ["--dropout", "0", "--grad-clip", "0"]
+    r.run(1, ["--steps", "12", "--batch", "8", "--checkpoint-dir", ref, "--checkpoint-every", "4",
+              "--keep-checkpoints", "0"] + flags, "accum reference: 1 process, --batch 8")
+    for i, (ranks, mode, batch, extra) in enumerate(((1, None, "4", []), (2, "ddp", "2", []), (2, "fsdp", "2", []),
+                                                     (2, "fsdp", "2", ["--fsdp-strategy", "shard_optimizer"]))):
+        what = " ".join([f"{ranks} x {mode or 'none'}"] + extra + ["--batch", batch, "--grad-accum", "2"])
+        res = copy_step(ref, 8, os.path.join(r.work, f"accum-{i}"))
+        _, out, _ = r.run(ranks, ["--steps", "12", "--batch", batch, "--grad-accum", "2", "--checkpoint-dir", res,
+                                  "--resume"] + flags + extra, what, mode=mode)
+        if "--grad-accum 2 (checkpoint: 1)" not in out:
+            raise Failure(f"accum: no note about the changed --grad-accum:\n{out}")
+        expect_close(step_dir(ref, 12), step_dir(res, 12), f"accum ({what})")
+        rel = max_rel_diff(step_dir(res, 12), step_dir(ref, 12), role="optimizer")
+        if rel > TOL:
+            raise Failure(f"accum ({what}): AdamW moments differ by {rel:.3g} relative (> {TOL:g})")
+
+
 def case_fsdp_sample(r, fsdp_ref, fsdp_out, tag="fsdp", flags=()):
     """1 process resumes fsdp's (or another mode's) final checkpoint at its last step: it
     trains no step, and its evaluation and greedy sample equal those the run printed (same
@@ -641,6 +670,8 @@ def main():
                 case_config(r, 2, "fsdp", fsdp_ref, mode="fsdp")
                 case_fsdp_cross(r, fsdp_ref, ddp_ref)
                 case_fsdp_reshape(r)
+                case_grad_accum(r)
+                case_copy(r, 2, "ddp-accum", flags=["--grad-accum", "2"])
                 case_fsdp_sample(r, fsdp_ref, fsdp_out)
                 case_signal(r, 2, "fsdp", mode="fsdp", long_steps=FSDP_LONG_STEPS)
                 export = os.path.join(work, "pipeline-export.safetensors")
