@@ -326,6 +326,15 @@ def case_control(r, ranks, tag, ref):
     print(f"ok   {tag}.control: another --seed differs, with a note")
 
 
+def wait_first_checkpoint(r, proc, ckpt, what):
+    deadline = time.time() + TIMEOUT_S
+    while not committed_steps(ckpt):
+        if proc.poll() is not None or time.time() > deadline:
+            _, out, err = r.finish(proc, what)
+            raise Failure(f"{what}: the run ended (or stalled) before its first checkpoint\n{out}\n{err}")
+        time.sleep(0.002)
+
+
 def case_signal(r, ranks, tag, mode=None, long_steps=LONG_STEPS):
     """SIGTERM (to the only rank, or to rank 1 of 2) once a checkpoint exists; resume; compare."""
     ref = os.path.join(r.work, f"{tag}-long-ref")
@@ -336,12 +345,7 @@ def case_signal(r, ranks, tag, mode=None, long_steps=LONG_STEPS):
                    str(PREEMPT_CODE), "--resume"]
     proc = r.start(ranks, args, mode)
     target = proc.pid if ranks == 1 else rank_pid(proc.pid, 1)
-    deadline = time.time() + TIMEOUT_S
-    while not committed_steps(ckpt):
-        if proc.poll() is not None or time.time() > deadline:
-            _, out, err = r.finish(proc, tag)
-            raise Failure(f"{tag}: the run ended (or stalled) before its first checkpoint\n{out}\n{err}")
-        time.sleep(0.002)
+    wait_first_checkpoint(r, proc, ckpt, tag)
     os.kill(target, signal.SIGTERM)
     rc, out, err = r.finish(proc, f"{tag} signalled run")
     if rc == 0 and f"step {long_steps}:" in out:
@@ -372,12 +376,7 @@ def case_restart(r, tag="ddp"):
     args = ["--steps", str(LONG_STEPS), "--checkpoint-dir", ckpt, "--checkpoint-every", str(LONG_EVERY), "--resume"]
     proc = r.start(2, args, restarts=1)
     target = rank_pid(proc.pid, 1)
-    deadline = time.time() + TIMEOUT_S
-    while not committed_steps(ckpt):
-        if proc.poll() is not None or time.time() > deadline:
-            _, out, err = r.finish(proc, tag)
-            raise Failure(f"{tag}.restart: the run ended (or stalled) before its first checkpoint\n{out}\n{err}")
-        time.sleep(0.002)
+    wait_first_checkpoint(r, proc, ckpt, f"{tag}.restart")
     os.kill(target, signal.SIGKILL)
     rc, out, err = r.finish(proc, f"{tag} restarted run")
     if rc != 0 or "restart 1 of 1" not in err:
