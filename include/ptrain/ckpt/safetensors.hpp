@@ -22,8 +22,6 @@
 // at the end of the file. Every failure is a CheckpointError naming the file
 // and, where there is one, the tensor.
 
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -43,6 +41,7 @@
 #include <zlib.h>
 
 #include "ptrain/core/error.hpp"
+#include "ptrain/core/mapped_file.hpp"
 #include "ptrain/core/tensor.hpp"
 
 namespace ptrain::ckpt {
@@ -227,50 +226,6 @@ inline SafetensorsHeader parse_safetensors(const std::uint8_t* data, std::size_t
   return h;
 }
 
-// Read-only mapping of a whole file; move-only, unmapped at destruction.
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path) : path_(path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    PTRAIN_CHECK(fd >= 0, CheckpointError, "[ptrain.ckpt.open] cannot open ", path, ": ", std::strerror(errno),
-                 "; check that the checkpoint is complete and readable");
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int err = errno;
-      ::close(fd);
-      PTRAIN_THROW(CheckpointError, "[ptrain.ckpt.open] cannot stat ", path, ": ", std::strerror(err));
-    }
-    size_ = static_cast<std::size_t>(st.st_size);
-    if (size_ > 0) {
-      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-      const int err = errno;
-      ::close(fd);
-      PTRAIN_CHECK(p != MAP_FAILED, CheckpointError, "[ptrain.ckpt.open] cannot mmap ", path, ": ",
-                   std::strerror(err));
-      data_ = static_cast<const std::uint8_t*>(p);
-    } else {
-      ::close(fd);
-    }
-  }
-  ~MappedFile() {
-    if (data_) ::munmap(const_cast<std::uint8_t*>(data_), size_);
-  }
-  MappedFile(MappedFile&& o) noexcept
-      : path_(std::move(o.path_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  MappedFile& operator=(MappedFile&&) = delete;
-
-  const std::uint8_t* data() const { return data_; }
-  std::size_t size() const { return size_; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  const std::uint8_t* data_ = nullptr;
-  std::size_t size_ = 0;
-};
-
 // Owned file descriptor for writing; close() reports errors, the destructor does not throw.
 class WriteFd {
  public:
@@ -380,7 +335,8 @@ class SafetensorsReader {
  public:
   /// Maps and validates `path`; throws CheckpointError naming the file (and tensor) on any defect.
   explicit SafetensorsReader(const std::string& path)
-      : file_(std::make_shared<detail::MappedFile>(path)),
+      : file_(std::make_shared<ptrain::detail::MappedFile<CheckpointError>>(
+            path, "[ptrain.ckpt.open]", "check that the checkpoint is complete and readable")),
         header_(detail::parse_safetensors(file_->data(), file_->size(), path)) {
     for (std::size_t i = 0; i < header_.tensors.size(); ++i) index_[header_.tensors[i].name] = i;
   }
@@ -429,7 +385,7 @@ class SafetensorsReader {
   }
 
  private:
-  std::shared_ptr<detail::MappedFile> file_;
+  std::shared_ptr<ptrain::detail::MappedFile<CheckpointError>> file_;
   SafetensorsHeader header_;
   std::map<std::string, std::size_t> index_;
 };

@@ -1,6 +1,6 @@
 #pragma once
-// Text data for language models: flat token files, a character-level
-// tokenizer, and random training windows.
+// Text data for language models: token files, a character-level tokenizer,
+// and random training windows.
 //
 //   auto text = read_text_file("corpus.txt");
 //   auto tok = CharTokenizer::fit(text);                 // vocabulary: the bytes that occur
@@ -8,8 +8,20 @@
 //   RandomWindows windows(ids, block_size, seed, rank, world);
 //   windows.next(batch, x, y);                           // x [batch, S] ids as T, y [batch * S] targets
 //
-// A token file is nanoGPT's format: the ids as raw little-endian uint16 (or
-// int32) values, nothing else.
+//   auto corpus = TokenCorpus::open(glob_paths({"data/fineweb_train_*.bin"}));   // mapped, not read
+//   RandomWindows windows(corpus, block_size, seed, rank, world, /*vocab_size=*/50304);
+//
+// Note [Token files]
+// nanoGPT's train.bin / val.bin hold the ids as raw little-endian values,
+// uint16 (TokenFormat::U16) or int32, nothing else. llm.c's shards (its
+// dev/data scripts) start with a header of 256 little-endian int32: [0] =
+// 20240520 (magic), [1] = version (1: uint16 ids, GPT-2; 2: uint32 ids, Llama 3),
+// [2] = number of tokens; the ids follow at byte 1024. A file that starts with
+// the magic is read as a shard whatever format is asked for, and its size must
+// be 1024 + count * width. TokenCorpus maps its files instead of reading them:
+// a run touches only the pages of its windows, so corpora larger than memory
+// work, and RandomWindows checks each id against the vocabulary as it copies
+// it (a corrupt id fails the batch that meets it, naming the file and offset).
 //
 // Note [Random windows]
 // Window g of a run starts at a position drawn from (seed, g) by the
@@ -29,10 +41,15 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <glob.h>
+
+#include <algorithm>
+#include <memory>
 #include <string_view>
 #include <vector>
 
 #include "ptrain/core/error.hpp"
+#include "ptrain/core/mapped_file.hpp"
 #include "ptrain/core/random.hpp"
 #include "ptrain/core/tensor.hpp"
 
@@ -62,36 +79,6 @@ inline std::string read_file_bytes(const std::string& path, const char* what) {
 /// The whole file as bytes.
 inline std::string read_text_file(const std::string& path) { return detail::read_file_bytes(path, "text file"); }
 
-/// Reads a flat token file into int32 [N]. Checks that the size is a whole number of
-/// tokens, that there is at least one, and (when vocab_size > 0) that every id is below it.
-inline Tensor<std::int32_t> read_token_file(const std::string& path, TokenFormat format = TokenFormat::U16,
-                                            std::int64_t vocab_size = 0) {
-  const std::string bytes = detail::read_file_bytes(path, "token file");
-  const std::size_t width = detail::token_bytes(format);
-  PTRAIN_CHECK(!bytes.empty() && bytes.size() % width == 0, DataError, "[ptrain.data.tokens.size] token file '", path,
-               "' has ", bytes.size(), " bytes, not a positive multiple of ", width, " (",
-               format == TokenFormat::U16 ? "uint16" : "int32", " tokens); check the format");
-  const auto n = static_cast<std::int64_t>(bytes.size() / width);
-  auto out = Tensor<std::int32_t>::empty({n});
-  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
-  for (std::int64_t i = 0; i < n; ++i) {
-    const unsigned char* b = p + static_cast<std::size_t>(i) * width;
-    std::int64_t v;
-    if (format == TokenFormat::U16) {
-      v = b[0] | (b[1] << 8);
-    } else {
-      const std::uint32_t u = static_cast<std::uint32_t>(b[0]) | (static_cast<std::uint32_t>(b[1]) << 8) |
-                              (static_cast<std::uint32_t>(b[2]) << 16) | (static_cast<std::uint32_t>(b[3]) << 24);
-      v = static_cast<std::int32_t>(u);
-    }
-    PTRAIN_CHECK(v >= 0 && (vocab_size <= 0 || v < vocab_size), DataError, "[ptrain.data.tokens.range] token ", i,
-                 " of '", path, "' is ", v, ", outside [0, ", vocab_size > 0 ? vocab_size : std::int64_t(INT32_MAX),
-                 "); the file does not match the vocabulary (or the format)");
-    out.data()[i] = static_cast<std::int32_t>(v);
-  }
-  return out;
-}
-
 /// Writes int32 tokens as a flat token file (throws if an id does not fit the format).
 inline void write_token_file(const std::string& path, const Tensor<std::int32_t>& tokens,
                              TokenFormat format = TokenFormat::U16) {
@@ -109,6 +96,142 @@ inline void write_token_file(const std::string& path, const Tensor<std::int32_t>
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   PTRAIN_CHECK(out.good(), DataError, "[ptrain.data.tokens.write] cannot write '", path,
                "'; check the directory and free space");
+}
+
+/// The files that glob patterns match, each pattern's matches in name order
+/// (llm.c's "fineweb_train_*.bin"); an entry without *, ? or [ stays as it is.
+inline std::vector<std::string> glob_paths(const std::vector<std::string>& patterns) {
+  std::vector<std::string> out;
+  for (const std::string& pat : patterns) {
+    if (pat.find_first_of("*?[") == std::string::npos) {
+      out.push_back(pat);
+      continue;
+    }
+    glob_t g{};
+    const int rc = ::glob(pat.c_str(), 0, nullptr, &g);
+    for (std::size_t i = 0; rc == 0 && i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
+    ::globfree(&g);
+    PTRAIN_CHECK(rc == 0, DataError, "[ptrain.data.tokens.missing] no file matches '", pat,
+                 "'; check the path (quote the pattern so that the shell passes it on)");
+  }
+  return out;
+}
+
+/// Token ids where they lie: an int32 tensor in memory, or token files mapped
+/// from disk (Note [Token files]), one part per file in the given order (e.g.
+/// llm.c's shards). Copies share the tensor and the mappings.
+class TokenCorpus {
+ public:
+  /// The ids of an in-memory int32 tensor [N] (e.g. CharTokenizer::encode_tensor).
+  TokenCorpus(Tensor<std::int32_t> ids) {  // NOLINT: implicit, so a tensor serves wherever a corpus does
+    PTRAIN_CHECK(ids.dim() == 1 && ids.device().is_cpu(), DataError,
+                 "[ptrain.data.tokens.tensor] token ids must be a 1-D CPU int32 tensor, got shape ", ids.shape().str(),
+                 " on ", ids.device().str());
+    auto state = std::make_shared<State>();
+    state->parts.push_back({reinterpret_cast<const std::uint8_t*>(ids.data()), ids.numel(), 4, "memory"});
+    state->ids = std::move(ids);
+    state_ = std::move(state);
+  }
+
+  /// Maps the files, at least one, as parts in this order. `format` is the width of
+  /// raw files: llm.c shards say theirs (Note [Token files]).
+  static TokenCorpus open(const std::vector<std::string>& paths, TokenFormat format = TokenFormat::U16) {
+    PTRAIN_CHECK(!paths.empty(), DataError, "[ptrain.data.tokens.missing] no token file given");
+    auto state = std::make_shared<State>();
+    for (const std::string& path : paths) {
+      PTRAIN_CHECK(std::filesystem::is_regular_file(path), DataError, "[ptrain.data.tokens.missing] token file '",
+                   path, "' does not exist or is not a regular file; check the path");
+      auto file = std::make_shared<detail::MappedFile<DataError>>(path, "[ptrain.data.tokens.open]",
+                                                                 "check the path and its permissions");
+      state->parts.push_back(parse(*file, format));
+      state->files.push_back(std::move(file));
+    }
+    TokenCorpus c;
+    c.state_ = std::move(state);
+    return c;
+  }
+
+  std::size_t num_parts() const { return state_->parts.size(); }
+  std::int64_t part_size(std::size_t p) const { return state_->parts.at(p).size; }
+  /// The file of part p ("memory" for a tensor).
+  const std::string& part_name(std::size_t p) const { return state_->parts.at(p).name; }
+  /// Tokens in all parts.
+  std::int64_t size() const {
+    std::int64_t n = 0;
+    for (const auto& part : state_->parts) n += part.size;
+    return n;
+  }
+  /// Token i of part p, unchecked: uint16 or int32 as stored.
+  std::int64_t at(std::size_t p, std::int64_t i) const {
+    const Part& part = state_->parts[p];
+    const std::uint8_t* b = part.data + static_cast<std::size_t>(i) * static_cast<std::size_t>(part.width);
+    if (part.width == 2) return b[0] | (b[1] << 8);
+    std::int32_t v;
+    std::memcpy(&v, b, sizeof v);  // little-endian hosts only (as the checkpoints)
+    return v;
+  }
+  /// "N tokens in K file(s)" or "N tokens in memory".
+  std::string describe() const {
+    const auto n = std::to_string(size());
+    return state_->files.empty() ? n + " tokens in memory"
+                                 : n + " tokens in " + std::to_string(state_->files.size()) + " file(s)";
+  }
+
+ private:
+  struct Part {
+    const std::uint8_t* data;
+    std::int64_t size;  // tokens
+    int width;          // bytes per token
+    std::string name;
+  };
+  struct State {
+    std::vector<Part> parts;
+    std::vector<std::shared_ptr<detail::MappedFile<DataError>>> files;  // keep the mappings alive
+    Tensor<std::int32_t> ids;                                             // or the tensor
+  };
+  TokenCorpus() = default;
+
+  static Part parse(const detail::MappedFile<DataError>& f, TokenFormat format) {
+    constexpr std::int32_t kMagic = 20240520;
+    constexpr std::size_t kHeader = 256 * sizeof(std::int32_t);
+    std::int32_t head[3] = {};
+    if (f.size() >= sizeof head) std::memcpy(head, f.data(), sizeof head);
+    if (head[0] == kMagic) {  // an llm.c shard
+      PTRAIN_CHECK(head[1] == 1 || head[1] == 2, DataError, "[ptrain.data.tokens.header] '", f.path(),
+                   "' is an llm.c token shard of version ", head[1], "; only 1 (uint16 ids) and 2 (uint32 ids) exist");
+      const int width = head[1] == 1 ? 2 : 4;
+      const std::size_t want = kHeader + static_cast<std::size_t>(std::max(head[2], 0)) * width;
+      PTRAIN_CHECK(head[2] > 0 && f.size() == want, DataError, "[ptrain.data.tokens.size] '", f.path(),
+                   "' is an llm.c token shard whose header says ", head[2], " tokens (", want, " bytes) but it has ",
+                   f.size(), " bytes; the file is truncated or corrupt: write it again");
+      return {f.data() + kHeader, head[2], width, f.path()};
+    }
+    const int width = static_cast<int>(detail::token_bytes(format));
+    PTRAIN_CHECK(f.size() > 0 && f.size() % static_cast<std::size_t>(width) == 0, DataError,
+                 "[ptrain.data.tokens.size] token file '", f.path(), "' has ", f.size(),
+                 " bytes, not a positive multiple of ", width, " (", format == TokenFormat::U16 ? "uint16" : "int32",
+                 " tokens); check the format");
+    return {f.data(), static_cast<std::int64_t>(f.size()) / width, width, f.path()};
+  }
+
+  std::shared_ptr<const State> state_;
+};
+
+/// Reads a token file (Note [Token files]) into int32 [N]. Checks that the size fits
+/// the format, that there is at least one token, and (when vocab_size > 0) that every
+/// id is below it.
+inline Tensor<std::int32_t> read_token_file(const std::string& path, TokenFormat format = TokenFormat::U16,
+                                            std::int64_t vocab_size = 0) {
+  const TokenCorpus file = TokenCorpus::open({path}, format);
+  auto out = Tensor<std::int32_t>::empty({file.size()});
+  for (std::int64_t i = 0; i < file.size(); ++i) {
+    const std::int64_t v = file.at(0, i);
+    PTRAIN_CHECK(v >= 0 && (vocab_size <= 0 || v < vocab_size), DataError, "[ptrain.data.tokens.range] token ", i,
+                 " of '", path, "' is ", v, ", outside [0, ", vocab_size > 0 ? vocab_size : std::int64_t(INT32_MAX),
+                 "); the file does not match the vocabulary (or the format)");
+    out.data()[i] = static_cast<std::int32_t>(v);
+  }
+  return out;
 }
 
 /// Character-level tokenizer: one token per byte value that occurs in the training
@@ -204,41 +327,51 @@ class CharTokenizer {
 };
 
 /// Entropy of the token frequencies in nats: the loss of the best model that ignores context.
-inline double unigram_entropy(const Tensor<std::int32_t>& tokens, std::int64_t vocab_size) {
+inline double unigram_entropy(const TokenCorpus& tokens, std::int64_t vocab_size) {
   std::vector<std::int64_t> count(static_cast<std::size_t>(vocab_size), 0);
-  for (std::int64_t i = 0; i < tokens.numel(); ++i) {
-    const std::int32_t t = tokens.data()[i];
-    PTRAIN_CHECK(t >= 0 && t < vocab_size, DataError, "[ptrain.data.tokens.range] token ", i, " is ", t,
-                 ", outside [0, ", vocab_size, ")");
-    ++count[static_cast<std::size_t>(t)];
-  }
-  const double n = static_cast<double>(tokens.numel());
+  for (std::size_t p = 0; p < tokens.num_parts(); ++p)
+    for (std::int64_t i = 0; i < tokens.part_size(p); ++i) {
+      const std::int64_t t = tokens.at(p, i);
+      PTRAIN_CHECK(t >= 0 && t < vocab_size, DataError, "[ptrain.data.tokens.range] token ", i, " of ",
+                   tokens.part_name(p), " is ", t, ", outside [0, ", vocab_size, ")");
+      ++count[static_cast<std::size_t>(t)];
+    }
+  const double n = static_cast<double>(tokens.size());
   double h = 0;
   for (std::int64_t c : count)
     if (c) h -= (static_cast<double>(c) / n) * std::log(static_cast<double>(c) / n);
   return h;
 }
 
-/// Random windows of block_size + 1 tokens (Note [Random windows]).
+/// Random windows of block_size + 1 tokens (Note [Random windows]); a window
+/// lies inside one part of the corpus (one file), every start equally likely.
 class RandomWindows {
  public:
-  RandomWindows(Tensor<std::int32_t> tokens, std::int64_t block_size, std::uint64_t seed, int rank = 0,
-                int world_size = 1)
-      : tokens_(std::move(tokens)), block_(block_size), seed_(seed), rank_(rank), world_(world_size) {
+  /// vocab_size > 0: every id copied must be below it (DataError otherwise).
+  RandomWindows(TokenCorpus tokens, std::int64_t block_size, std::uint64_t seed, int rank = 0, int world_size = 1,
+                std::int64_t vocab_size = 0)
+      : tokens_(std::move(tokens)), block_(block_size), seed_(seed), rank_(rank), world_(world_size),
+        vocab_(vocab_size) {
     PTRAIN_CHECK(block_size > 0, DataError, "[ptrain.data.windows] block_size must be positive, got ", block_size);
-    PTRAIN_CHECK(tokens_.dim() == 1 && tokens_.numel() >= block_size + 1, DataError, "[ptrain.data.windows] ",
-                 tokens_.numel(), " tokens cannot hold a window of block_size + 1 = ", block_size + 1,
+    for (std::size_t p = 0; p < tokens_.num_parts(); ++p)
+      cum_starts_.push_back(starts_ += std::max<std::int64_t>(tokens_.part_size(p) - block_, 0));
+    PTRAIN_CHECK(starts_ > 0, DataError, "[ptrain.data.windows] ", tokens_.describe(),
+                 ": no part holds a window of block_size + 1 = ", block_size + 1,
                  " tokens; use more data or a smaller block_size");
     PTRAIN_CHECK(world_size > 0 && rank >= 0 && rank < world_size, DataError, "[ptrain.data.windows] rank ", rank,
                  " is not in [0, ", world_size, ")");
   }
 
-  /// First token of global window g (the same on every rank).
-  std::int64_t window_start(std::uint64_t g) const {
+  /// Part and first token of global window g (the same on every rank).
+  std::pair<std::size_t, std::int64_t> window_start(std::uint64_t g) const {
     const auto r = detail::philox(seed_, g);
     const std::uint64_t bits = (static_cast<std::uint64_t>(r.x[0]) << 32) | r.x[1];
-    const auto starts = static_cast<std::uint64_t>(tokens_.numel() - block_);
-    return static_cast<std::int64_t>((static_cast<unsigned __int128>(bits) * starts) >> 64);
+    const auto s = static_cast<std::int64_t>(
+        (static_cast<unsigned __int128>(bits) * static_cast<std::uint64_t>(starts_)) >> 64);
+    // cum_starts_[p] is the number of starts in parts 0..p.
+    const auto p = static_cast<std::size_t>(std::upper_bound(cum_starts_.begin(), cum_starts_.end(), s) -
+                                            cum_starts_.begin());
+    return {p, s - (p == 0 ? 0 : cum_starts_[p - 1])};
   }
 
   /// This rank's next batch: x [batch, S] receives the ids (as T) of tokens [s, s + S),
@@ -249,12 +382,14 @@ class RandomWindows {
     if (y.shape() != Shape{batch * block_}) y = Tensor<std::int32_t>::empty({batch * block_});
     const std::uint64_t first = (static_cast<std::uint64_t>(position_) * static_cast<std::uint64_t>(world_) +
                                  static_cast<std::uint64_t>(rank_)) * static_cast<std::uint64_t>(batch);
-    const std::int32_t* tok = tokens_.data();
     for (std::int64_t j = 0; j < batch; ++j) {
-      const std::int64_t s = window_start(first + static_cast<std::uint64_t>(j));
+      const auto [p, s] = window_start(first + static_cast<std::uint64_t>(j));
+      std::int64_t prev = id(p, s);
       for (std::int64_t i = 0; i < block_; ++i) {
-        x.data()[j * block_ + i] = static_cast<T>(tok[s + i]);
-        y.data()[j * block_ + i] = tok[s + i + 1];
+        const std::int64_t next = id(p, s + i + 1);
+        x.data()[j * block_ + i] = static_cast<T>(prev);
+        y.data()[j * block_ + i] = static_cast<std::int32_t>(next);
+        prev = next;
       }
     }
     ++position_;
@@ -268,13 +403,24 @@ class RandomWindows {
   }
   std::int64_t block_size() const { return block_; }
   std::uint64_t seed() const { return seed_; }
-  const Tensor<std::int32_t>& tokens() const { return tokens_; }
+  const TokenCorpus& tokens() const { return tokens_; }
 
  private:
-  Tensor<std::int32_t> tokens_;
+  std::int64_t id(std::size_t p, std::int64_t i) const {
+    const std::int64_t v = tokens_.at(p, i);
+    PTRAIN_CHECK(v >= 0 && (vocab_ <= 0 || v < vocab_), DataError, "[ptrain.data.tokens.range] token ", i, " of ",
+                 tokens_.part_name(p), " is ", v, ", outside [0, ", vocab_ > 0 ? vocab_ : std::int64_t(INT32_MAX),
+                 "); the file does not match the vocabulary size (or its format)");
+    return v;
+  }
+
+  TokenCorpus tokens_;
   std::int64_t block_;
   std::uint64_t seed_;
   int rank_, world_;
+  std::int64_t vocab_;
+  std::int64_t starts_ = 0;               // window starts in all parts
+  std::vector<std::int64_t> cum_starts_;  // starts in parts 0..p
   std::int64_t position_ = 0;
 };
 

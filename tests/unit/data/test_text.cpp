@@ -69,7 +69,7 @@ TEST_CASE("Token files round-trip and are validated", "[data][text]") {
   write_bytes(path, std::string("\xff\xff\xff\xff", 4));  // -1 as int32
   REQUIRE_THROWS_AS(read_token_file(path, TokenFormat::I32), DataError);
   std::filesystem::remove(path);
-  REQUIRE_THROWS_WITH(read_token_file(path), Catch::Contains("[ptrain.data.text.missing]"));
+  REQUIRE_THROWS_WITH(read_token_file(path), Catch::Contains("[ptrain.data.tokens.missing]"));
 }
 
 TEST_CASE("unigram_entropy matches hand-computed values", "[data][text]") {
@@ -136,4 +136,110 @@ TEST_CASE("RandomWindows: targets are the next tokens, shards partition the sing
 
   REQUIRE_THROWS_AS(RandomWindows(tokens.narrow(0, S), S, 1), DataError);  // needs S + 1 tokens
   REQUIRE_THROWS_AS(RandomWindows(tokens, S, 1, 2, 2), DataError);
+}
+
+namespace {
+// An llm.c shard built byte by byte: 256 little-endian int32 (magic, version, count), then the ids.
+std::string llmc_shard(std::int32_t version, std::int32_t count, const std::vector<std::uint32_t>& ids) {
+  std::string b(1024, '\0');
+  auto put32 = [&](std::size_t at, std::uint32_t v) {
+    for (int k = 0; k < 4; ++k) b[at + k] = static_cast<char>((v >> (8 * k)) & 0xFF);
+  };
+  put32(0, 20240520);
+  put32(4, static_cast<std::uint32_t>(version));
+  put32(8, static_cast<std::uint32_t>(count));
+  for (std::uint32_t v : ids)
+    for (int k = 0; k < (version == 1 ? 2 : 4); ++k) b.push_back(static_cast<char>((v >> (8 * k)) & 0xFF));
+  return b;
+}
+}  // namespace
+
+TEST_CASE("TokenCorpus maps nanoGPT files and llm.c shards, and refuses corrupt ones", "[data][text]") {
+  const std::string a = temp_path("shard_a.bin"), b = temp_path("shard_b.bin");
+  write_bytes(a, llmc_shard(1, 3, {7, 50256, 300}));
+  write_bytes(b, llmc_shard(2, 2, {70000, 1}));
+  const TokenCorpus c = TokenCorpus::open({a, b});
+  REQUIRE(c.num_parts() == 2);
+  REQUIRE(c.size() == 5);
+  REQUIRE(c.part_name(1) == b);
+  REQUIRE(std::vector<std::int64_t>{c.at(0, 0), c.at(0, 1), c.at(0, 2), c.at(1, 0), c.at(1, 1)} ==
+          std::vector<std::int64_t>{7, 50256, 300, 70000, 1});
+  REQUIRE(read_token_file(a).to_vector() == std::vector<std::int32_t>{7, 50256, 300});  // whatever format is asked
+
+  // A pattern expands to its matches in name order.
+  const std::string pattern = temp_path("shard_?.bin");
+  REQUIRE(glob_paths({pattern}) == std::vector<std::string>{a, b});
+  REQUIRE_THROWS_WITH(glob_paths({temp_path("none_*.bin")}), Catch::Contains("[ptrain.data.tokens.missing]"));
+
+  // Truncated, a count that disagrees with the size, an unknown version.
+  std::string bytes = llmc_shard(1, 3, {7, 8, 9});
+  write_bytes(a, bytes.substr(0, bytes.size() - 1));
+  REQUIRE_THROWS_WITH(TokenCorpus::open({a}), Catch::Contains("[ptrain.data.tokens.size]") &&
+                                                  Catch::Contains("header says 3 tokens"));
+  write_bytes(a, llmc_shard(1, 4, {7, 8, 9}));
+  REQUIRE_THROWS_WITH(TokenCorpus::open({a}), Catch::Contains("[ptrain.data.tokens.size]"));
+  write_bytes(a, llmc_shard(3, 3, {7, 8, 9}));
+  REQUIRE_THROWS_WITH(TokenCorpus::open({a}), Catch::Contains("[ptrain.data.tokens.header]") &&
+                                                  Catch::Contains("version 3"));
+  REQUIRE_THROWS_WITH(TokenCorpus::open({}), Catch::Contains("[ptrain.data.tokens.missing]"));
+  std::filesystem::remove(a);
+  std::filesystem::remove(b);
+  REQUIRE_THROWS_WITH(TokenCorpus::open({a}), Catch::Contains("[ptrain.data.tokens.missing]"));
+}
+
+TEST_CASE("RandomWindows over token files: the same windows as in memory, never across files", "[data][text]") {
+  const std::int64_t S = 8;
+  // One file: windows equal those of the same ids in memory.
+  auto ids = Tensor<std::int32_t>::empty({300});
+  for (std::int64_t i = 0; i < 300; ++i) ids.data()[i] = static_cast<std::int32_t>((i * 37) % 1000);
+  const std::string one = temp_path("one.bin");
+  write_token_file(one, ids, TokenFormat::U16);
+  RandomWindows mem(ids, S, 5, 1, 2), file(TokenCorpus::open({one}), S, 5, 1, 2, 1000);
+  Tensor<std::int32_t> xm, xf, ym, yf;
+  for (int step = 0; step < 10; ++step) {
+    mem.next(4, xm, ym);
+    file.next(4, xf, yf);
+    REQUIRE(xm.to_vector() == xf.to_vector());
+    REQUIRE(ym.to_vector() == yf.to_vector());
+  }
+
+  // Three files, ids 10000 * file + position; the middle one is too short for a window.
+  // Each window is consecutive ids of one file, and the files are drawn in proportion to
+  // their starts (100 - S and 400 - S of 492).
+  std::vector<std::string> paths;
+  const std::int64_t sizes[] = {100, 5, 400};
+  for (std::int64_t f = 0; f < 3; ++f) {
+    auto t = Tensor<std::int32_t>::empty({sizes[f]});
+    for (std::int64_t i = 0; i < sizes[f]; ++i) t.data()[i] = static_cast<std::int32_t>(10000 * f + i);
+    paths.push_back(temp_path("part" + std::to_string(f) + ".bin"));
+    write_token_file(paths.back(), t, TokenFormat::I32);
+  }
+  RandomWindows w(TokenCorpus::open(paths, TokenFormat::I32), S, 11);
+  std::int64_t from_first = 0, total = 0;
+  Tensor<std::int32_t> x, y;
+  for (int step = 0; step < 250; ++step) {
+    w.next(8, x, y);
+    for (std::int64_t j = 0; j < 8; ++j, ++total) {
+      const std::int32_t s = x.data()[j * S];
+      REQUIRE(s / 10000 != 1);
+      from_first += s / 10000 == 0;
+      for (std::int64_t i = 0; i < S; ++i) {
+        REQUIRE(x.data()[j * S + i] == s + i);
+        REQUIRE(y.data()[j * S + i] == s + i + 1);
+      }
+      REQUIRE(s % 10000 + S < (s / 10000 == 0 ? 100 : 400));
+    }
+  }
+  // 2000 windows, p = 92 / 484 for the first file: mean 380, sd 17.5.
+  REQUIRE(std::abs(static_cast<double>(from_first) - 2000.0 * 92 / 484) < 5 * 17.5);
+  REQUIRE(total == 2000);
+
+  // An id outside the vocabulary fails the batch that copies it, naming the file.
+  RandomWindows small_vocab(TokenCorpus::open(paths, TokenFormat::I32), S, 11, 0, 1, 10000);
+  REQUIRE_THROWS_WITH([&] { for (int step = 0; step < 50; ++step) small_vocab.next(8, x, y); }(),
+                      Catch::Contains("[ptrain.data.tokens.range]") && Catch::Contains(paths[2]));
+  REQUIRE_THROWS_WITH(RandomWindows(TokenCorpus::open({paths[1]}, TokenFormat::I32), S, 1),
+                      Catch::Contains("no part holds a window"));
+  for (const auto& p : paths) std::filesystem::remove(p);
+  std::filesystem::remove(one);
 }
