@@ -28,9 +28,11 @@
 //
 // Data: Debian's `fortunes` package (/usr/share/games/fortunes, about 2.5 MB of
 // English): every fortune file, in name order, without the "%" separator lines.
-// The last 10% of the characters are the validation split. Metrics (--metrics)
-// are JSON lines; evaluation lines carry val_loss and unigram_entropy (nats per
-// character: the loss of the best context-free model).
+// The last 10% of the characters are the validation split. Or pre-tokenized
+// files, nanoGPT's train.bin/val.bin or llm.c's shards, mapped rather than read:
+//   gpt_char --train-tokens 'data/fineweb_train_*.bin' --val-tokens 'data/fineweb_val_*.bin' --vocab-size 50304
+// Metrics (--metrics) are JSON lines; evaluation lines carry val_loss and
+// unigram_entropy (nats per token: the loss of the best context-free model).
 //
 // The state a checkpoint needs is all in TrainState below: step, the train
 // windows' position, the dropout streams' offsets (model.generators()), the
@@ -43,6 +45,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <ptrain/ckpt/async_writer.hpp>
 #include <ptrain/ckpt/checkpoint.hpp>
 #include <ptrain/ckpt/fsdp_checkpoint.hpp>
@@ -68,6 +71,9 @@ constexpr const char* kFortunesDir = "/usr/share/games/fortunes";
 
 struct Options {
   std::string data;  // empty: the fortunes corpus
+  std::vector<std::string> train_tokens, val_tokens;  // token files instead of text (paths or glob patterns)
+  std::string token_format = "u16";
+  std::int64_t vocab_size = 0;  // of the token files
   std::string parallel = "none";
   std::string device = "cpu";
   std::string precision = "fp32";
@@ -134,6 +140,36 @@ std::string fortunes_corpus() {
   return out;
 }
 
+// What the run trains and validates on: the characters of a text (the fortunes,
+// or --data), the last 10% for validation; or token files (--train-tokens,
+// --val-tokens), mapped and read where the windows fall.
+struct Corpus {
+  std::optional<CharTokenizer> tok;  // characters only
+  TokenCorpus train, val;
+  std::int64_t vocab_size;
+  double entropy;  // unigram entropy (nats per token): of the whole text, or of the validation files
+  std::string describe;
+};
+
+Corpus load_corpus(const Options& o) {
+  if (!o.train_tokens.empty()) {
+    const TokenFormat f = o.token_format == "i32" ? TokenFormat::I32 : TokenFormat::U16;
+    TokenCorpus train = TokenCorpus::open(glob_paths(o.train_tokens), f);
+    TokenCorpus val = TokenCorpus::open(glob_paths(o.val_tokens), f);
+    const double entropy = unigram_entropy(val, o.vocab_size);  // also checks every validation id
+    const std::string what = "token files: train " + train.describe() + ", validation " + val.describe();
+    return {std::nullopt, std::move(train), std::move(val), o.vocab_size, entropy, what};
+  }
+  const std::string text = o.data.empty() ? fortunes_corpus() : read_text_file(o.data);
+  CharTokenizer tok = CharTokenizer::fit(text);
+  const Tensor<std::int32_t> ids = tok.encode_tensor(text);
+  const std::int64_t n = ids.numel(), n_val = n / 10, vocab = tok.vocab_size();
+  const double entropy = unigram_entropy(ids, vocab);
+  return {std::move(tok), ids.narrow(0, n - n_val), ids.narrow(n - n_val, n_val), vocab, entropy,
+          "corpus " + (o.data.empty() ? std::string(kFortunesDir) : o.data) + ": " + std::to_string(n) +
+              " characters"};
+}
+
 // Everything a checkpoint must capture to resume this loop exactly.
 template <class T>
 struct TrainState {
@@ -187,7 +223,7 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
     const nlohmann::json have = user.at("model").value(key, old);
     if (have == want) continue;
     model_diff += (key == "vocab" ? "; vocabulary size " : "; --" + key + " ") + have.dump() + " in the checkpoint, " +
-                  want.dump() + (key == "vocab" ? " from --data now" : " now") +
+                  want.dump() + (key == "vocab" ? " from the data now" : " now") +
                   (key == "untied" ? " (--parallel pipeline always trains an untied model)" : "");
   }
   PTRAIN_CHECK(model_diff.empty(), CheckpointError, "[ptrain.example.config] ", path,
@@ -268,22 +304,19 @@ int run(Options opt) {
     // Ranks of one node would oversubscribe the cores with a thread pool each.
     if (opt.threads > 0 || comm) kernels::cpu::set_num_threads(opt.threads > 0 ? opt.threads : 1);
 
-    const std::string text = opt.data.empty() ? fortunes_corpus() : read_text_file(opt.data);
-    const CharTokenizer tok = CharTokenizer::fit(text);
-    if (lead && !opt.save_tokenizer.empty()) tok.save(opt.save_tokenizer);
+    const Corpus corpus = load_corpus(opt);
+    const double entropy = corpus.entropy;
+    if (lead && corpus.tok && !opt.save_tokenizer.empty()) corpus.tok->save(opt.save_tokenizer);
     // What the end of the run needs, checked before training: the prompt's characters, the export's folder.
-    if (opt.sample_tokens > 0) (void)tok.encode(opt.prompt);
+    if (corpus.tok && opt.sample_tokens > 0) (void)corpus.tok->encode(opt.prompt);
     if (const auto folder = std::filesystem::path(opt.export_path).parent_path(); lead && !folder.empty())
       PTRAIN_CHECK(std::filesystem::is_directory(folder), Error, "[gpt_char.export] folder ", folder.string(),
                    " of --export does not exist; create it or choose another path");
-    const Tensor<std::int32_t> ids = tok.encode_tensor(text);
-    const std::int64_t n = ids.numel(), n_val = n / 10;
-    const double entropy = unigram_entropy(ids, tok.vocab_size());
-    RandomWindows train_windows(ids.narrow(0, n - n_val), opt.block, opt.seed, replica, replicas);
-    RandomWindows val_windows(ids.narrow(n - n_val, n_val), opt.block, opt.seed + 1);
+    RandomWindows train_windows(corpus.train, opt.block, opt.seed, replica, replicas, corpus.vocab_size);
+    RandomWindows val_windows(corpus.val, opt.block, opt.seed + 1, 0, 1, corpus.vocab_size);
 
     manual_seed(opt.seed);
-    nn::GPTConfig cfg{.vocab_size = tok.vocab_size(), .block_size = opt.block, .n_layer = opt.n_layer,
+    nn::GPTConfig cfg{.vocab_size = corpus.vocab_size, .block_size = opt.block, .n_layer = opt.n_layer,
                       .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout,
                       .tie_weights = !opt.untied && !mesh, .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank),
                       .recompute = opt.recompute};
@@ -474,12 +507,12 @@ int run(Options opt) {
     };
 
     MetricsWriter metrics(lead ? opt.metrics : "", resumed);
+    const char* unit = corpus.tok ? "char" : "token";
     Progress progress(opt.steps, lead ? opt.log_every : 0, std::cout, state.step);
     const double tokens_per_step = static_cast<double>(opt.batch * opt.grad_accum * opt.block * replicas);
     if (lead) {
-      std::printf("corpus %s: %lld characters, vocabulary %lld, unigram entropy %.4f nats/char\n",
-                  opt.data.empty() ? kFortunesDir : opt.data.c_str(), static_cast<long long>(n),
-                  static_cast<long long>(tok.vocab_size()), entropy);
+      std::printf("%s, vocabulary %lld, unigram entropy %.4f nats/%s\n", corpus.describe.c_str(),
+                  static_cast<long long>(corpus.vocab_size), entropy, unit);
       std::printf("model %s: %lld parameters, %.1f MFLOP/token; %lld steps of %.0f tokens on %d rank(s)\n",
                   model.describe().c_str(), static_cast<long long>(num_parameters),
                   cfg.flops_per_token(opt.block) / 1e6, static_cast<long long>(opt.steps), tokens_per_step, world);
@@ -491,7 +524,7 @@ int run(Options opt) {
         std::printf("parallel: pipeline of %d stages (units %s) x %d replica(s), %d micro-batches, %s\n",
                     pipe->num_stages(), pipe->partition().str().c_str(), replicas, opt.micro_batches,
                     opt.schedule.c_str());
-      metrics.write({{"event", "config"}, {"vocab_size", tok.vocab_size()}, {"characters", n},
+      metrics.write({{"event", "config"}, {"vocab_size", corpus.vocab_size}, {"train_tokens", corpus.train.size()},
                      {"parameters", num_parameters}, {"unigram_entropy", entropy}, {"world_size", world},
                      {"start_step", state.step}});
     }
@@ -624,13 +657,21 @@ int run(Options opt) {
 
     if (lead) {
       if (opt.sample_tokens > 0) {
+        // Token files come without their tokenizer: the sample continues the first validation
+        // token and is printed as ids.
+        const std::vector<std::int32_t> prompt =
+            corpus.tok ? corpus.tok->encode(opt.prompt)
+                       : std::vector<std::int32_t>{static_cast<std::int32_t>(corpus.val.at(0, 0))};
         Generator sample_gen(opt.seed);
-        const auto out = nn::generate(model, tok.encode(opt.prompt), opt.sample_tokens, opt.temperature, opt.top_k,
-                                      sample_gen);
-        std::printf("--- sample ---\n%s\n--------------\n", tok.decode(out).c_str());
+        const auto out = nn::generate(model, prompt, opt.sample_tokens, opt.temperature, opt.top_k, sample_gen);
+        std::string text;
+        if (corpus.tok) text = corpus.tok->decode(out);
+        else
+          for (std::int32_t t : out) text += (text.empty() ? "" : " ") + std::to_string(t);
+        std::printf("--- sample%s ---\n%s\n--------------\n", corpus.tok ? "" : " (token ids)", text.c_str());
       }
       const double secs = wall.seconds();
-      std::printf("final val_loss %.4f nats/char = %.3f x unigram entropy %.4f; wall time %.1f s\n", val_loss,
+      std::printf("final val_loss %.4f nats/%s = %.3f x unigram entropy %.4f; wall time %.1f s\n", val_loss, unit,
                   val_loss / entropy, entropy, secs);
       metrics.write({{"event", "final"}, {"step", state.step}, {"val_loss", val_loss}, {"unigram_entropy", entropy},
                      {"wall_s", secs}});
@@ -645,7 +686,17 @@ int run(Options opt) {
 int main(int argc, char** argv) {
   Options opt;
   CLI::App app{"Train a character-level GPT with ptrain"};
-  app.add_option("--data", opt.data, "plain-text file (default: the fortunes corpus in /usr/share/games/fortunes)");
+  auto* data = app.add_option("--data", opt.data, "plain-text file (default: the fortunes corpus in "
+                              "/usr/share/games/fortunes)");
+  auto* train_tokens = app.add_option("--train-tokens", opt.train_tokens, "token files to train on instead of text: "
+                                      "nanoGPT's train.bin or llm.c's shards (paths or quoted glob patterns)");
+  auto* val_tokens = app.add_option("--val-tokens", opt.val_tokens, "token files to validate on (with --train-tokens)");
+  auto* vocab = app.add_option("--vocab-size", opt.vocab_size, "vocabulary of the token files (e.g. 50304 for "
+                               "GPT-2's 50257 ids, padded)")->check(positive);
+  app.add_option("--token-format", opt.token_format, "u16 or i32: ids of raw token files (llm.c shards say theirs)")
+      ->check(CLI::IsMember({"u16", "i32"}));
+  train_tokens->needs(val_tokens)->needs(vocab)->excludes(data);
+  val_tokens->needs(train_tokens);
   app.add_option("--parallel", opt.parallel, "none, ddp, fsdp or pipeline (under mpirun or ptrun)")
       ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline"}));
   app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
@@ -690,8 +741,9 @@ int main(int argc, char** argv) {
   app.add_option("--sample-tokens", opt.sample_tokens, "characters to generate at the end");
   app.add_option("--temperature", opt.temperature, "sampling temperature (0: greedy)")->check(non_negative);
   app.add_option("--top-k", opt.top_k, "sample among the k most likely characters (0: all)");
-  app.add_option("--prompt", opt.prompt, "text the sample continues");
-  app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file");
+  app.add_option("--prompt", opt.prompt, "text the sample continues")->excludes(train_tokens);
+  app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file")
+      ->excludes(train_tokens);
   app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
   add_checkpoint_flags(app, opt);
   app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "

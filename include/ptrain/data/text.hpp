@@ -64,6 +64,14 @@ enum class TokenFormat {
 namespace detail {
 inline std::size_t token_bytes(TokenFormat f) { return f == TokenFormat::U16 ? 2 : 4; }
 
+// Id v, token i of `where`, must lie in [0, vocab_size) (vocab_size <= 0: [0, 2^31)).
+inline std::int64_t checked_id(std::int64_t v, std::int64_t vocab_size, std::int64_t i, const std::string& where) {
+  PTRAIN_CHECK(v >= 0 && (vocab_size <= 0 || v < vocab_size), DataError, "[ptrain.data.tokens.range] token ", i,
+               " of ", where, " is ", v, ", outside [0, ", vocab_size > 0 ? vocab_size : std::int64_t(INT32_MAX),
+               "); the file does not match the vocabulary size (or its format)");
+  return v;
+}
+
 inline std::string read_file_bytes(const std::string& path, const char* what) {
   PTRAIN_CHECK(std::filesystem::is_regular_file(path), DataError, "[ptrain.data.text.missing] ", what, " '", path,
                "' does not exist or is not a regular file; check the path");
@@ -224,13 +232,8 @@ inline Tensor<std::int32_t> read_token_file(const std::string& path, TokenFormat
                                             std::int64_t vocab_size = 0) {
   const TokenCorpus file = TokenCorpus::open({path}, format);
   auto out = Tensor<std::int32_t>::empty({file.size()});
-  for (std::int64_t i = 0; i < file.size(); ++i) {
-    const std::int64_t v = file.at(0, i);
-    PTRAIN_CHECK(v >= 0 && (vocab_size <= 0 || v < vocab_size), DataError, "[ptrain.data.tokens.range] token ", i,
-                 " of '", path, "' is ", v, ", outside [0, ", vocab_size > 0 ? vocab_size : std::int64_t(INT32_MAX),
-                 "); the file does not match the vocabulary (or the format)");
-    out.data()[i] = static_cast<std::int32_t>(v);
-  }
+  for (std::int64_t i = 0; i < file.size(); ++i)
+    out.data()[i] = static_cast<std::int32_t>(detail::checked_id(file.at(0, i), vocab_size, i, path));
   return out;
 }
 
@@ -328,14 +331,11 @@ class CharTokenizer {
 
 /// Entropy of the token frequencies in nats: the loss of the best model that ignores context.
 inline double unigram_entropy(const TokenCorpus& tokens, std::int64_t vocab_size) {
+  PTRAIN_CHECK(vocab_size > 0, DataError, "[ptrain.data.tokens.range] vocabulary size ", vocab_size, " must be > 0");
   std::vector<std::int64_t> count(static_cast<std::size_t>(vocab_size), 0);
   for (std::size_t p = 0; p < tokens.num_parts(); ++p)
-    for (std::int64_t i = 0; i < tokens.part_size(p); ++i) {
-      const std::int64_t t = tokens.at(p, i);
-      PTRAIN_CHECK(t >= 0 && t < vocab_size, DataError, "[ptrain.data.tokens.range] token ", i, " of ",
-                   tokens.part_name(p), " is ", t, ", outside [0, ", vocab_size, ")");
-      ++count[static_cast<std::size_t>(t)];
-    }
+    for (std::int64_t i = 0; i < tokens.part_size(p); ++i)
+      ++count[static_cast<std::size_t>(detail::checked_id(tokens.at(p, i), vocab_size, i, tokens.part_name(p)))];
   const double n = static_cast<double>(tokens.size());
   double h = 0;
   for (std::int64_t c : count)
@@ -407,11 +407,7 @@ class RandomWindows {
 
  private:
   std::int64_t id(std::size_t p, std::int64_t i) const {
-    const std::int64_t v = tokens_.at(p, i);
-    PTRAIN_CHECK(v >= 0 && (vocab_ <= 0 || v < vocab_), DataError, "[ptrain.data.tokens.range] token ", i, " of ",
-                 tokens_.part_name(p), " is ", v, ", outside [0, ", vocab_ > 0 ? vocab_ : std::int64_t(INT32_MAX),
-                 "); the file does not match the vocabulary size (or its format)");
-    return v;
+    return detail::checked_id(tokens_.at(p, i), vocab_, i, tokens_.part_name(p));
   }
 
   TokenCorpus tokens_;

@@ -41,6 +41,10 @@ position, dropout offsets and optimizer step count:
                  1 process with --batch 8, by 1 process and by 2 ranks (ddp, fsdp full_shard
                  and shard_optimizer): model and AdamW moments within 1e-5 of its step 12;
                  ddp-accum.copy resumes --grad-accum bitwise
+  tokens.*       the corpus's character ids written here as nanoGPT's uint16 train.bin/val.bin and
+                 as llm.c shards train (1 process, and ddp on 2 ranks) bitwise like the text;
+                 a too small --vocab-size, a truncated shard, a pattern that matches nothing
+                 and a missing --vocab-size are refused before training
   fsdp.sample    1 process loading fsdp's final checkpoint evaluates and samples
                  (greedy) exactly as the fsdp run did
   pipeline.*     --parallel pipeline (untied model, stage checkpoints): copy and signal
@@ -231,7 +235,8 @@ class Runner:
             else:
                 rest.append(args[i])
                 i += 1
-        base = [self.exe, "--data", os.path.join(self.work, "corpus.txt")] + flags + rest
+        data = [] if "--train-tokens" in args else ["--data", os.path.join(self.work, "corpus.txt")]
+        base = [self.exe] + data + flags + rest
         mode = mode or ("none" if ranks == 1 else "ddp")
         if mode == "none":
             return base
@@ -574,6 +579,58 @@ def case_grad_accum(r):
             raise Failure(f"accum ({what}): AdamW moments differ by {rel:.3g} relative (> {TOL:g})")
 
 
+def case_tokens(r, single_ref, ddp_ref):
+    """Token files written here from the corpus's character ids (the tokenizer's ids: its
+    distinct bytes in increasing order; the last 10% for validation), as nanoGPT's raw
+    uint16 files and as llm.c shards (1024-byte header), train exactly as the text does:
+    the 12-step checkpoints equal single.copy's and ddp.copy's references bitwise. Bad token
+    data fails before training."""
+    text = open(os.path.join(r.work, "corpus.txt"), "rb").read()
+    vocab = sorted(set(text))
+    ids = [vocab.index(c) for c in text]
+    n_val = len(ids) // 10
+    d = os.path.join(r.work, "tokens")
+    os.makedirs(d)
+    def raw(name, toks):
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(struct.pack(f"<{len(toks)}H", *toks))
+    def shard(name, toks, count=None):
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(struct.pack("<256i", 20240520, 1, len(toks) if count is None else count, *([0] * 253)))
+            f.write(struct.pack(f"<{len(toks)}H", *toks))
+    raw("train.bin", ids[:-n_val])
+    raw("val.bin", ids[-n_val:])
+    shard("shard_train_000.bin", ids[:-n_val])
+    shard("shard_val_000.bin", ids[-n_val:])
+    runs = (("nanogpt", 1, single_ref, ["train.bin"], ["val.bin"]),
+            ("llmc", 1, single_ref, ["shard_train_*.bin"], ["shard_val_000.bin"]),
+            ("nanogpt.ddp", 2, ddp_ref, ["train.bin"], ["val.bin"]))
+    for tag, ranks, ref, train, val in runs:
+        res = os.path.join(r.work, f"tokens-{tag}")
+        _, out, _ = r.run(ranks, ["--steps", "12", "--checkpoint-dir", res, "--checkpoint-every", "4",
+                                  "--train-tokens"] + [os.path.join(d, t) for t in train] +
+                          ["--val-tokens"] + [os.path.join(d, v) for v in val] + ["--vocab-size", str(len(vocab))],
+                          f"tokens.{tag}")
+        if "token files: train" not in out:
+            raise Failure(f"tokens.{tag}: the run did not report its token files:\n{out}")
+        expect_same(step_dir(ref, 12), step_dir(res, 12), f"tokens.{tag}")
+    shard("truncated.bin", ids[:100], count=101)
+    bad = ((["--train-tokens", "train.bin", "--val-tokens", "val.bin", "--vocab-size", str(len(vocab) - 1)],
+            "[ptrain.data.tokens.range]"),
+           (["--train-tokens", "truncated.bin", "--val-tokens", "val.bin", "--vocab-size", str(len(vocab))],
+            "[ptrain.data.tokens.size]"),
+           (["--train-tokens", "missing_*.bin", "--val-tokens", "val.bin", "--vocab-size", str(len(vocab))],
+            "[ptrain.data.tokens.missing]"),
+           (["--train-tokens", "train.bin", "--val-tokens", "val.bin"], "requires --vocab-size"))
+    for args, want in bad:
+        args = [os.path.join(d, a) if a.endswith(".bin") else a for a in args]
+        rc, out, err = r.run(1, ["--steps", "12"] + args, f"tokens: {want}", expect=None)
+        if rc == 0 or want not in err or "step " in out:
+            raise Failure(f"tokens: {' '.join(args)}: exit code {rc}, expected != 0, '{want}' and no training\n"
+                          f"stdout:\n{out}\nstderr:\n{err}")
+        print(f"ok   tokens: {want} refused (exit {rc})")
+
+
 def case_fsdp_sample(r, fsdp_ref, fsdp_out, tag="fsdp", flags=()):
     """1 process resumes fsdp's (or another mode's) final checkpoint at its last step: it
     trains no step, and its evaluation and greedy sample equal those the run printed (same
@@ -660,6 +717,7 @@ def main():
             case_bf16(r)
             if ptrun:
                 ddp_ref, _ = case_copy(r, 2, "ddp")
+                case_tokens(r, ref, ddp_ref)
                 case_config(r, 2, "ddp", ddp_ref)
                 case_signal(r, 2, "ddp")
                 case_restart(r)
