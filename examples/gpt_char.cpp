@@ -49,6 +49,7 @@
 #include <ptrain/ckpt/async_writer.hpp>
 #include <ptrain/ckpt/checkpoint.hpp>
 #include <ptrain/ckpt/fsdp_checkpoint.hpp>
+#include <ptrain/ckpt/gpt2_weights.hpp>
 #include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/ckpt/stage_checkpoint.hpp>
 #include <ptrain/data/text.hpp>
@@ -114,6 +115,7 @@ struct Options {
   int preempt_exit_code = 0;
   bool resume = false;
   std::string export_path;
+  std::string init_from;  // pretrained weights: Hugging Face GPT-2 or ptrain names
 };
 
 // The fortune files of Debian's `fortunes` package, concatenated in name order.
@@ -321,6 +323,10 @@ int run(Options opt) {
                       .tie_weights = !opt.untied && !mesh, .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank),
                       .recompute = opt.recompute};
     nn::GPT<T> model(cfg);
+    if (!opt.init_from.empty()) {  // a checkpoint found by --resume replaces these weights
+      const std::string loaded = ckpt::load_gpt2_weights(opt.init_from, model);
+      if (lead) std::printf("initialised from %s: %s\n", opt.init_from.c_str(), loaded.c_str());
+    }
     // Initialised on the CPU, so every device starts from the same values; a pipeline stage moves
     // its own units, and FSDP its shards (the GPU never holds the whole model).
     if (!device.is_cpu() && !mesh && opt.parallel != "fsdp") model.to(device);
@@ -746,6 +752,8 @@ int main(int argc, char** argv) {
       ->excludes(train_tokens);
   app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
   add_checkpoint_flags(app, opt);
+  app.add_option("--init-from", opt.init_from, "start from pretrained weights: a Hugging Face GPT-2 "
+                 "model.safetensors or a ptrain file (--export, a checkpoint's model.safetensors)");
   app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "
                  "safetensors file (PyTorch's safetensors.torch.load_file reads it)");
   CLI11_PARSE(app, argc, argv);

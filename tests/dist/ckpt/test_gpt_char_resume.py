@@ -41,6 +41,8 @@ position, dropout offsets and optimizer step count:
                  1 process with --batch 8, by 1 process and by 2 ranks (ddp, fsdp full_shard
                  and shard_optimizer): model and AdamW moments within 1e-5 of its step 12;
                  ddp-accum.copy resumes --grad-accum bitwise
+  init.*         --init-from single.copy's final model, as ptrain wrote it and converted here to
+                 Hugging Face's GPT-2 layout: a run with lr 0 validates as that run ended
   tokens.*       the corpus's character ids written here as nanoGPT's uint16 train.bin/val.bin and
                  as llm.c shards train (1 process, and ddp on 2 ranks) bitwise like the text;
                  a too small --vocab-size, a truncated shard, a pattern that matches nothing
@@ -579,6 +581,37 @@ def case_grad_accum(r):
             raise Failure(f"accum ({what}): AdamW moments differ by {rel:.3g} relative (> {TOL:g})")
 
 
+def case_init_from(r, ref, ref_out):
+    """--init-from the step-12 model of single.copy's run, as ptrain wrote it and converted
+    here to Hugging Face's GPT-2 layout ("transformer." names, Conv1D weights transposed,
+    the mask buffers): a run that trains with lr 0 validates exactly as that run ended."""
+    model = read_checkpoint(step_dir(ref, 12))["model"]
+    hf = {}
+    for name, (dtype, shape, blob) in model.items():
+        if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            n_out, n_in = shape
+            vals = struct.unpack(f"<{n_out * n_in}f", blob)
+            blob = struct.pack(f"<{n_out * n_in}f", *(vals[o * n_in + i] for i in range(n_in) for o in range(n_out)))
+            shape = [n_in, n_out]
+        hf["transformer." + name.replace("embed.", "").replace("head.", "")] = (dtype, shape, blob)
+    hf["transformer.h.0.attn.bias"] = ("F32", [1], struct.pack("<f", 1.0))
+    header, off = {}, 0
+    for name, (dtype, shape, blob) in hf.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(blob)]}
+        off += len(blob)
+    h = json.dumps(header).encode()
+    hf_path = os.path.join(r.work, "hf-gpt2.safetensors")
+    with open(hf_path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(b for _, _, b in hf.values()))
+    want = ref_out.split("final val_loss ", 1)[1].split()[0]
+    for tag, path in (("ptrain", os.path.join(step_dir(ref, 12), "model.safetensors")), ("hf", hf_path)):
+        _, out, _ = r.run(1, ["--steps", "1", "--lr", "0", "--min-lr", "0", "--init-from", path], f"init.{tag}")
+        got = out.split("final val_loss ", 1)[1].split()[0] if "final val_loss " in out else None
+        if "initialised from" not in out or got != want:
+            raise Failure(f"init.{tag}: final val_loss {got}, expected {want} (the run it starts from)\n{out}")
+        print(f"ok   init.{tag}: --init-from {os.path.basename(path)} validates as the run it comes from ({want})")
+
+
 def case_tokens(r, single_ref, ddp_ref):
     """Token files written here from the corpus's character ids (the tokenizer's ids: its
     distinct bytes in increasing order; the last 10% for validation), as nanoGPT's raw
@@ -709,7 +742,8 @@ def main():
         write_corpus(os.path.join(work, "corpus.txt"))
         r = Runner(exe, ptrun, work)
         try:
-            ref, _ = case_copy(r, 1, "single")
+            ref, ref_out = case_copy(r, 1, "single")
+            case_init_from(r, ref, ref_out)
             case_control(r, 1, "single", ref)
             case_config(r, 1, "single", ref)
             case_bad_flags(r, ref)

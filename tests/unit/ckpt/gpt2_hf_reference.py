@@ -1,0 +1,93 @@
+"""Reference for tests/unit/ckpt/test_gpt2_weights.cpp: a GPT-2 in Hugging Face's layout.
+
+usage: gpt2_hf_reference.py OUT_DIR
+
+Writes random weights as Hugging Face's GPT2LMHeadModel state dict stores them
+(names with "transformer.", Conv1D weights [in, out], the attention-mask buffers,
+lm_head.weight equal to wte) to OUT_DIR/hf.safetensors, the same without the
+prefix, the buffers and lm_head to OUT_DIR/hf_plain.safetensors, token ids to
+tokens.bin (int64) and the logits of GPT-2's forward pass, written here from
+scratch in numpy float64 (x @ W + b for Conv1D, tanh GELU, eps 1e-5), for the
+first S positions to logits.bin, plus meta.json with the sizes.
+"""
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+
+V, P, L, H, C = 37, 12, 2, 2, 16  # vocabulary, positions, layers, heads, width
+B, S = 2, 8                       # the test's model has block_size S < P and a larger vocabulary
+
+
+def write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        b = np.ascontiguousarray(a, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def layer_norm(x, w, b):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + 1e-5) * w + b
+
+
+def gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def forward(w, ids):
+    x = w["wte.weight"][ids] + w["wpe.weight"][:ids.shape[1]]
+    D = C // H
+    mask = np.tril(np.ones((S, S), dtype=bool))
+    for l in range(L):
+        p = lambda n: w[f"h.{l}.{n}"]
+        a = layer_norm(x, p("ln_1.weight"), p("ln_1.bias")) @ p("attn.c_attn.weight") + p("attn.c_attn.bias")
+        q, k, v = (a[..., i * C:(i + 1) * C].reshape(B, S, H, D).transpose(0, 2, 1, 3) for i in range(3))
+        att = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)
+        att = np.where(mask, att, -np.inf)
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        y = (att @ v).transpose(0, 2, 1, 3).reshape(B, S, C)
+        x = x + y @ p("attn.c_proj.weight") + p("attn.c_proj.bias")
+        m = gelu(layer_norm(x, p("ln_2.weight"), p("ln_2.bias")) @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"))
+        x = x + m @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
+    return layer_norm(x, w["ln_f.weight"], w["ln_f.bias"]) @ w["wte.weight"].T
+
+
+def main():
+    out = sys.argv[1]
+    rng = np.random.default_rng(5)
+    u = lambda *shape: rng.uniform(-0.4, 0.4, shape).astype(np.float32)
+    w = {"wte.weight": u(V, C), "wpe.weight": u(P, C)}
+    for l in range(L):
+        w.update({f"h.{l}.ln_1.weight": 1 + u(C), f"h.{l}.ln_1.bias": u(C),
+                  f"h.{l}.attn.c_attn.weight": u(C, 3 * C), f"h.{l}.attn.c_attn.bias": u(3 * C),
+                  f"h.{l}.attn.c_proj.weight": u(C, C), f"h.{l}.attn.c_proj.bias": u(C),
+                  f"h.{l}.ln_2.weight": 1 + u(C), f"h.{l}.ln_2.bias": u(C),
+                  f"h.{l}.mlp.c_fc.weight": u(C, 4 * C), f"h.{l}.mlp.c_fc.bias": u(4 * C),
+                  f"h.{l}.mlp.c_proj.weight": u(4 * C, C), f"h.{l}.mlp.c_proj.bias": u(C)})
+    w.update({"ln_f.weight": 1 + u(C), "ln_f.bias": u(C)})
+    full = {"transformer." + k: v for k, v in w.items()}
+    for l in range(L):
+        full[f"transformer.h.{l}.attn.bias"] = np.tril(np.ones((P, P), dtype=np.float32))[None, None]
+    full["lm_head.weight"] = w["wte.weight"]
+    write_safetensors(os.path.join(out, "hf.safetensors"), full)
+    write_safetensors(os.path.join(out, "hf_plain.safetensors"), w)
+    ids = rng.integers(0, V, (B, S))
+    ids.astype("<i8").tofile(os.path.join(out, "tokens.bin"))
+    forward({k: v.astype(np.float64) for k, v in w.items()}, ids).astype("<f8").tofile(os.path.join(out, "logits.bin"))
+    json.dump({"vocab": V, "positions": P, "layers": L, "heads": H, "embd": C, "batch": B, "seq": S},
+              open(os.path.join(out, "meta.json"), "w"))
+
+
+if __name__ == "__main__":
+    main()
