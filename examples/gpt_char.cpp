@@ -691,7 +691,7 @@ int run(Options opt) {
 
 int main(int argc, char** argv) {
   Options opt;
-  CLI::App app{"Train a character-level GPT with ptrain"};
+  CLI::App app{"Train a GPT with ptrain on the characters of a text or on token files"};
   auto* data = app.add_option("--data", opt.data, "plain-text file (default: the fortunes corpus in "
                               "/usr/share/games/fortunes)");
   auto* train_tokens = app.add_option("--train-tokens", opt.train_tokens, "token files to train on instead of text: "

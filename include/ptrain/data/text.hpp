@@ -31,8 +31,11 @@
 // batch t of a single process with batch world*batch. position() counts the
 // batches taken; a checkpoint saves it and set_position() resumes there.
 
+#include <glob.h>
+
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -40,12 +43,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <string>
-#include <glob.h>
-
-#include <algorithm>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ptrain/core/error.hpp"
