@@ -6,9 +6,10 @@
 // (RANK, WORLD_SIZE, LOCAL_RANK, ...), forwards SIGINT/SIGTERM/SIGHUP to them,
 // and when one rank fails stops the others (SIGTERM, SIGKILL after a grace
 // period). With --max-restarts N it then starts every rank again, up to N
-// times (one node only); otherwise, or when no restart is left, it exits with
-// that rank's status (128 + signal for a signal).
-// There is no agent store: rank 0 of the program serves ptrain's TCP store.
+// times, on every node (Note [Restarts across nodes]); otherwise, or when no
+// restart is left, it exits with that rank's status (128 + signal for a signal).
+// Rank 0 of the program serves ptrain's TCP store; only several nodes with
+// --max-restarts add an agent store, served by node 0's ptrun.
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "ptrain/config.hpp"
+#include "ptrain/dist/store.hpp"
 
 extern char** environ;
 
@@ -82,6 +84,105 @@ struct Launch {
   int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0, max_restarts = 0;
   std::string master_addr, run_id;
   double grace = 5.0;
+  bool agent_store = false;  // Note [Restarts across nodes]
+};
+
+// The first signal (not SIGCHLD) waiting in `sfd`, or 0.
+int pending_signal(int sfd) {
+  int sig = 0;
+  signalfd_siginfo si;
+  while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si))
+    if (si.ssi_signo != SIGCHLD && !sig) sig = static_cast<int>(si.ssi_signo);
+  return sig;
+}
+
+// Note [Restarts across nodes]
+// With --nnodes > 1 and --max-restarts, node 0's ptrun serves an agent store at
+// --master-port (the programs' rank 0 then serves theirs at MASTER_PORT + 1, as
+// under torchrun: TORCHELASTIC_USE_AGENT_STORE=True), and the agents agree on
+// every round k there:
+//   join   every agent counts itself in round/k/joined; the ranks start once all
+//          nnodes have (a node that never comes fails the others at the timeout);
+//   run    an agent whose rank fails sets round/k/failed, one that gets a signal
+//          round/k/stopped; every agent polls both keys and stops its own ranks
+//          when one is set, so a failure anywhere ends the round everywhere;
+//   end    an agent whose ranks have all exited counts itself in round/k/ended and
+//          waits for all; every agent then reads the same keys and takes the same
+//          decision: stopped -> exit, failed -> round k + 1 while restarts are
+//          left, else exit 0. Node 0 serves the store, so it leaves last
+//          (round/k/left).
+// Waits poll every 100 ms, so that signals to ptrun still stop the job.
+class Rendezvous {
+ public:
+  enum class Outcome { Done, Failed, Stopped };
+
+  Rendezvous(const Launch& l, std::chrono::milliseconds timeout)
+      : store_(l.master_addr, l.master_port, l.node_rank == 0, timeout), nnodes_(l.nnodes), node_(l.node_rank),
+        timeout_(timeout) {}
+
+  /// Waits until every node joined round k; returns a signal that came meanwhile (0: none).
+  int join(int k, int sfd) {
+    store_.add(key(k, "joined"), 1);
+    return wait_count(k, "joined", sfd);
+  }
+  /// What a node reported for round k ("round k failed on node n: ..."), or nothing. An
+  /// unreachable store counts as a failure (node 0's ptrun is gone).
+  std::optional<std::string> reported(int k) noexcept {
+    try {
+      for (const char* what : {"stopped", "failed"})
+        if (store_.check({key(k, what)})) return "round " + std::to_string(k) + " " + what + " on " + store_.get(key(k, what));
+      return std::nullopt;
+    } catch (const std::exception& e) {
+      return "the agent store is unreachable (" + std::string(e.what()) + ")";
+    }
+  }
+  /// Tells every node that round k failed or stopped here (the first report of each kind stays).
+  void report(int k, const char* what, const std::string& detail) noexcept {
+    try {
+      store_.compare_set(key(k, what), "", "node " + std::to_string(node_) + ": " + detail);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ptrun: cannot report to the agent store: %s\n", e.what());
+    }
+  }
+  /// After this node's ranks have exited: waits for every node, then the round's outcome.
+  Outcome end(int k, int sfd, int& signal) {
+    store_.add(key(k, "ended"), 1);
+    if (const int sig = wait_count(k, "ended", sfd)) signal = sig;
+    if (store_.check({key(k, "stopped")})) return Outcome::Stopped;
+    return store_.check({key(k, "failed")}) ? Outcome::Failed : Outcome::Done;
+  }
+  /// Node 0 serves the store: it returns once every node has read round k's outcome.
+  void leave(int k, int sfd) {
+    store_.add(key(k, "left"), 1);
+    if (node_ == 0) wait_count(k, "left", sfd);
+  }
+
+ private:
+  static std::string key(int k, const char* what) { return "ptrun/round/" + std::to_string(k) + "/" + what; }
+
+  // Polls the counter round/k/<what> until it reaches nnodes. A signal in the meantime is
+  // reported as round k stopped (and returned); the wait goes on, so that every node learns it.
+  int wait_count(int k, const char* what, int sfd) {
+    const auto until = std::chrono::steady_clock::now() + timeout_;
+    int sig = 0;
+    for (;;) {
+      const std::int64_t n = store_.add(key(k, what), 0);
+      if (n >= nnodes_) return sig;
+      if (const int s = pending_signal(sfd); s && !sig) {
+        sig = s;
+        report(k, "stopped", "signal " + std::to_string(s));
+      }
+      if (std::chrono::steady_clock::now() >= until)
+        PTRAIN_THROW(CommError, "[ptrun.rendezvous] round ", k, ": ", n, " of ", nnodes_, " node(s) reached '", what,
+                     "' within ", timeout_.count() / 1000, " s; start ptrun on every node (--node-rank 0..",
+                     nnodes_ - 1, "), or raise --rdzv-timeout");
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+
+  ptrain::dist::TCPStore store_;
+  int nnodes_, node_;
+  std::chrono::milliseconds timeout_;
 };
 
 // How a round ended. `failure` is the first failing rank's status (exit code, or
@@ -96,13 +197,15 @@ struct RoundEnd {
 // ended, and stops the others as soon as one fails or a signal arrives.
 // Signals come through `sfd` (a signalfd) so that they are handled in order
 // with child exits, never inside an async handler.
-RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask) {
+// With `rdzv` (Note [Restarts across nodes]) a failure or signal is reported to
+// the other nodes, and one they report stops this node's ranks too.
+RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Rendezvous* rdzv) {
   RoundEnd end;
   // A signal that came between rounds stops the job before anything starts.
-  signalfd_siginfo si;
-  while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si))
-    if (si.ssi_signo != SIGCHLD) end.signal = static_cast<int>(si.ssi_signo);
-  if (end.signal) return end;
+  if ((end.signal = pending_signal(sfd))) {
+    if (rdzv) rdzv->report(restart, "stopped", "signal " + std::to_string(end.signal));
+    return end;
+  }
 
   const int world = l.nnodes * l.nproc;
   std::vector<Child> children(l.nproc);
@@ -152,7 +255,7 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask) {
       set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
       set("TORCHELASTIC_MAX_RESTARTS", std::to_string(l.max_restarts));
       set("TORCHELASTIC_RUN_ID", l.run_id);
-      set("TORCHELASTIC_USE_AGENT_STORE", "False");
+      set("TORCHELASTIC_USE_AGENT_STORE", l.agent_store ? "True" : "False");
       // torchrun's default: one thread per rank unless the user chose otherwise.
       if (l.nproc > 1 && !std::getenv("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
       std::vector<char*> args;
@@ -189,15 +292,16 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask) {
     }
   }
 
+  if (end.cannot_start && rdzv) rdzv->report(restart, "stopped", "the program cannot start");
   while (running > 0) {
-    int timeout_ms = -1;
+    int timeout_ms = rdzv ? 100 : -1;  // the other nodes' reports are polled
     if (kill_at != no_deadline) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(kill_at - Clock::now());
-      timeout_ms = static_cast<int>(std::max<long long>(left.count(), 0));
+      timeout_ms = static_cast<int>(std::clamp<long long>(left.count(), 0, rdzv ? 100 : INT32_MAX));
     }
     pollfd p{sfd, POLLIN, 0};
     int n = ::poll(&p, 1, timeout_ms);
-    if (n == 0 && kill_at != no_deadline) {
+    if (n == 0 && kill_at != no_deadline && Clock::now() >= kill_at) {
       std::fprintf(stderr, "ptrun: %d rank(s) still running %.1f s after SIGTERM; sending SIGKILL\n", running,
                    l.grace);
       signal_children(children, SIGKILL);
@@ -209,14 +313,18 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask) {
       std::perror("ptrun: poll");
       signal_children(children, SIGKILL);
     }
-    while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
-      if (si.ssi_signo != SIGCHLD) {
-        end.signal = static_cast<int>(si.ssi_signo);
-        std::fprintf(stderr, "ptrun: got signal %d (%s); forwarding it to %d rank(s)\n", end.signal,
-                     strsignal(end.signal), running);
-        stop_all(end.signal);
-      }
+    if (const int sig = pending_signal(sfd)) {
+      end.signal = sig;
+      std::fprintf(stderr, "ptrun: got signal %d (%s); forwarding it to %d rank(s)\n", sig, strsignal(sig), running);
+      stop_all(sig);
+      if (rdzv) rdzv->report(restart, "stopped", "signal " + std::to_string(sig));
     }
+    if (rdzv && !end.failure && !end.signal)
+      if (auto other = rdzv->reported(restart)) {
+        std::fprintf(stderr, "ptrun: %s; stopping this node's %d rank(s)\n", other->c_str(), running);
+        end.failure = 1;  // the exits that follow are consequences
+        stop_all(SIGTERM);
+      }
     // Reap every exited child; SIGCHLD signals coalesce, so one read may stand for several.
     for (;;) {
       int status = 0;
@@ -234,6 +342,7 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask) {
           std::fprintf(stderr, "ptrun: rank %d (pid %d) %s; stopping the other %d rank(s)\n", c.rank, pid,
                        describe(status).c_str(), running);
           stop_all(SIGTERM);
+          if (rdzv) rdzv->report(restart, "failed", "rank " + std::to_string(c.rank) + " " + describe(status));
         }
       }
     }
@@ -246,7 +355,7 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask) {
 int main(int argc, char** argv) {
   CLI::App app{"ptrun: start a ptrain program on this node the way torchrun does"};
   int nproc = 1, nnodes = 1, node_rank = 0, master_port = 29500, max_restarts = 0;
-  double grace = 5.0;
+  double grace = 5.0, rdzv_timeout = 600.0;
   std::string master_addr = "127.0.0.1";
   bool no_python = false, standalone = false;
   std::vector<std::string> command;
@@ -265,8 +374,10 @@ int main(int argc, char** argv) {
   app.add_option("--grace-period,--grace_period", grace, "seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::Range(0.0, 3600.0));
   app.add_option("--max-restarts,--max_restarts", max_restarts,
-                 "start every rank again after a failure, up to this many times (single node only)")
+                 "start every rank (of every node) again after a failure, up to this many times")
       ->envname("PET_MAX_RESTARTS")->check(CLI::Range(0, 1000000));
+  app.add_option("--rdzv-timeout,--rdzv_timeout", rdzv_timeout, "with --nnodes > 1 and --max-restarts: seconds "
+                 "a node waits for the others at the start and end of a round")->check(CLI::Range(1.0, 86400.0));
   // Everything from the first positional argument on is the program's command line.
   app.prefix_command();
   app.footer("Sets RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT for each rank.");
@@ -296,14 +407,6 @@ int main(int argc, char** argv) {
     master_addr = "127.0.0.1";
     if (port_opt->count() == 0) master_port = 0;
   }
-  if (max_restarts > 0 && nnodes != 1) {
-    // Ranks of a restarted node would meet the other nodes' ranks of the failed
-    // round at the store; there is no rendezvous that orders rounds across nodes.
-    std::fprintf(stderr, "ptrun: --max-restarts works on one node only; with --nnodes %d let the scheduler restart "
-                         "the job (Kubernetes backoffLimit, Slurm --requeue; docs/launching.md) and resume from "
-                         "the last checkpoint\n", nnodes);
-    return 2;
-  }
   const bool pick_port = master_port == 0;
   if (pick_port) {
     if (nnodes != 1) {
@@ -315,7 +418,7 @@ int main(int argc, char** argv) {
   }
 
   Launch l{std::move(command), nproc, nnodes, node_rank, master_port, max_restarts, master_addr,
-           std::to_string(::getpid()), grace};
+           std::to_string(::getpid()), grace, nnodes > 1 && max_restarts > 0};
 
   sigset_t mask, old_mask;
   sigemptyset(&mask);
@@ -327,17 +430,34 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  for (int restart = 0;; ++restart) {
-    // A port picked for the run is picked again: the last round's may be taken by now.
-    if (restart > 0 && pick_port) l.master_port = free_port();
-    RoundEnd end = run_round(l, restart, sfd, old_mask);
-    const bool again = end.failure && !end.signal && !end.cannot_start && restart < max_restarts;
-    if (!again) {
-      ::close(sfd);
-      if (end.failure) return *end.failure;
-      return end.signal ? 128 + end.signal : 0;
+  try {
+    std::unique_ptr<Rendezvous> rdzv;  // Note [Restarts across nodes]
+    if (l.agent_store)
+      rdzv = std::make_unique<Rendezvous>(
+          l, std::chrono::milliseconds(static_cast<long long>(rdzv_timeout * 1000)));
+    for (int restart = 0;; ++restart) {
+      // A port picked for the run is picked again: the last round's may be taken by now.
+      if (restart > 0 && pick_port) l.master_port = free_port();
+      RoundEnd end;
+      if (rdzv) end.signal = rdzv->join(restart, sfd);
+      if (!end.signal) end = run_round(l, restart, sfd, old_mask, rdzv.get());
+      bool again = end.failure && !end.signal && !end.cannot_start && restart < max_restarts;
+      if (rdzv) {  // every node takes the same decision
+        const auto outcome = rdzv->end(restart, sfd, end.signal);
+        again = outcome == Rendezvous::Outcome::Failed && restart < max_restarts;
+        if (outcome != Rendezvous::Outcome::Done && !end.failure && !end.signal) end.failure = 1;
+        if (!again) rdzv->leave(restart, sfd);
+      }
+      if (!again) {
+        ::close(sfd);
+        if (end.failure) return *end.failure;
+        return end.signal ? 128 + end.signal : 0;
+      }
+      std::fprintf(stderr, "ptrun: starting all %d rank(s)%s again (restart %d of %d)\n", nproc,
+                   rdzv ? " of this node" : "", restart + 1, max_restarts);
     }
-    std::fprintf(stderr, "ptrun: starting all %d rank(s) again (restart %d of %d)\n", nproc, restart + 1,
-                 max_restarts);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ptrun: %s\n", e.what());
+    return 1;
   }
 }

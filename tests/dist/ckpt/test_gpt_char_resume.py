@@ -28,7 +28,8 @@ position, dropout offsets and optimizer step count:
                  rank 1 only, and every rank must stop at the same step
   ddp.restart    ptrun --max-restarts 1: SIGKILL rank 1 once a checkpoint exists; ptrun starts
                  both ranks again, they resume from the last checkpoint and end bitwise equal
-                 to the uninterrupted run
+                 to the uninterrupted run; ddp.restart-nodes: the same with two ptrun nodes
+                 (--nnodes 2, one rank each), restarted together through node 0's agent store
   fsdp.*         copy, config and signal with 2 ranks under --parallel fsdp (full_shard):
                  sharded checkpoints, resumed bitwise on the same layout
   fsdp.ddp       fsdp's final parameters equal ddp's within 1e-5 relative (same flags);
@@ -64,6 +65,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -396,6 +398,37 @@ def case_restart(r, tag="ddp"):
         raise Failure(f"{tag}.restart: resumed at step {resumed}")
     expect_same(step_dir(ref, LONG_STEPS), step_dir(ckpt, LONG_STEPS),
                 f"{tag}.restart (rank 1 killed, ptrun restarted both, resumed at step {resumed})")
+
+
+def case_restart_nodes(r, tag="ddp"):
+    """The same crash with two ptrun "nodes" of one rank each (--nnodes 2, --max-restarts 1):
+    node 1's rank is SIGKILLed; both nodes agree through node 0's agent store, start round 1
+    together, resume, and end bitwise where the uninterrupted run ended."""
+    ref = os.path.join(r.work, f"{tag}-long-ref")
+    ckpt = os.path.join(r.work, f"{tag}-restart-nodes")
+    port = str(free_port())
+    base = r.argv(1, ["--steps", str(LONG_STEPS), "--checkpoint-dir", ckpt, "--checkpoint-every", str(LONG_EVERY),
+                      "--resume"]) + ["--parallel", tag]
+    procs = [subprocess.Popen([r.ptrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                               "--master-port", port, "--max-restarts", "1"] + base, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=r.env, start_new_session=True)
+             for node in (0, 1)]
+    target = rank_pid(procs[1].pid, 1)
+    wait_first_checkpoint(r, procs[0], ckpt, f"{tag}.restart-nodes")
+    os.kill(target, signal.SIGKILL)
+    (rc0, out, err0), (rc1, _, err1) = (r.finish(p, f"{tag} restarted node {i}") for i, p in enumerate(procs))
+    if rc0 != 0 or rc1 != 0 or "restart 1 of 1" not in err0 or "restart 1 of 1" not in err1:
+        raise Failure(f"{tag}.restart-nodes: exit codes {rc0}, {rc1}, expected 0 after one restart on both nodes\n"
+                      f"{out}\n{err0}\n{err1}")
+    resumed = int(out.split(f"resumed from {ckpt}/", 1)[1].split(": step ", 1)[1].split()[0])
+    expect_same(step_dir(ref, LONG_STEPS), step_dir(ckpt, LONG_STEPS),
+                f"{tag}.restart-nodes (node 1's rank killed, both nodes restarted, resumed at step {resumed})")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def case_config(r, ranks, tag, ref, mode=None):
@@ -755,6 +788,7 @@ def main():
                 case_config(r, 2, "ddp", ddp_ref)
                 case_signal(r, 2, "ddp")
                 case_restart(r)
+                case_restart_nodes(r)
                 export = os.path.join(work, "fsdp-export.safetensors")
                 fsdp_ref, fsdp_out = case_copy(r, 2, "fsdp", mode="fsdp", extra=["--export", export] + SAMPLE)
                 case_fsdp_vs_ddp(r, fsdp_ref, ddp_ref, export)

@@ -198,7 +198,7 @@ TEST_CASE("ptrun: when the restarts are used up, the last failure sets the exit 
   CHECK_FALSE(ptrain_test::file_exists(dir.file("round_2_0")));
 }
 
-TEST_CASE("ptrun: no restart after a signal, a program that cannot start, or on several nodes", "[ptrun]") {
+TEST_CASE("ptrun: no restart after a signal or when the program cannot start", "[ptrun]") {
   TempDir dir;
   Process p(ptrun({"--nproc-per-node", "2", "--max-restarts", "3", PTRAIN_TEST_WORKER, "sleep", dir.path()}));
   auto pids = worker_pids(dir, 2);
@@ -214,9 +214,78 @@ TEST_CASE("ptrun: no restart after a signal, a program that cannot start, or on 
   REQUIRE(st2.has_value());
   CHECK(ptrain_test::exit_code(*st2) == 127);
   CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+}
 
-  Process nodes(ptrun({"--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "/bin/true"}));
-  auto st3 = nodes.wait(20s);
-  REQUIRE(st3.has_value());
-  CHECK(ptrain_test::exit_code(*st3) == 2);
+namespace {
+// Two ptrun "nodes" on this machine: --nnodes 2, --node-rank 0 and 1, 2 ranks each.
+std::vector<Process> two_nodes(const std::string& port, std::vector<std::string> extra,
+                               const std::vector<std::string>& program) {
+  std::vector<Process> nodes;
+  for (int node = 0; node < 2; ++node) {
+    std::vector<std::string> args{"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "2",
+                                  "--master-addr", "127.0.0.1", "--master-port", port};
+    args.insert(args.end(), extra.begin(), extra.end());
+    args.insert(args.end(), program.begin(), program.end());
+    nodes.emplace_back(ptrun(args));
+  }
+  return nodes;
+}
+}  // namespace
+
+TEST_CASE("ptrun: --max-restarts on several nodes restarts every node together", "[ptrun]") {
+  // Rank 3 (node 1) fails in rounds 0 and 1: node 0's ranks are stopped through the agent
+  // store, and both nodes start round 1, then round 2, which succeeds.
+  TempDir dir;
+  const std::string port = std::to_string(ptrain_test::free_port());
+  auto nodes = two_nodes(port, {"--max-restarts", "3"}, {PTRAIN_TEST_WORKER, "flaky", "3", "2", dir.path()});
+  for (auto& n : nodes) {
+    auto st = n.wait(90s);
+    REQUIRE(st.has_value());
+    CHECK(ptrain_test::exit_code(*st) == 0);
+  }
+  for (int round = 0; round <= 2; ++round)
+    for (int r = 0; r < 4; ++r) {
+      INFO("round " << round << ", rank " << r);
+      auto kv = ptrain_test::read_kv(dir.file("round_" + std::to_string(round) + "_" + std::to_string(r)));
+      CHECK(kv["TORCHELASTIC_RESTART_COUNT"] == std::to_string(round));
+      CHECK(kv["MASTER_PORT"] == port);  // the programs' store is on MASTER_PORT + 1 (agent store)
+    }
+  CHECK_FALSE(ptrain_test::file_exists(dir.file("round_3_0")));
+
+  // Restarts used up: the failing node exits with its rank's code, the other with 1.
+  TempDir dir2;
+  auto used_up = two_nodes(std::to_string(ptrain_test::free_port()), {"--max-restarts", "1"},
+                           {PTRAIN_TEST_WORKER, "flaky", "3", "5", dir2.path()});
+  auto st0 = used_up[0].wait(90s), st1 = used_up[1].wait(90s);
+  REQUIRE((st0 && st1));
+  CHECK(ptrain_test::exit_code(*st0) == 1);
+  CHECK(ptrain_test::exit_code(*st1) == 3);
+  CHECK(ptrain_test::file_exists(dir2.file("round_1_0")));
+  CHECK_FALSE(ptrain_test::file_exists(dir2.file("round_2_0")));
+}
+
+TEST_CASE("ptrun: on several nodes a signal stops every node, and a missing node times out", "[ptrun]") {
+  TempDir dir;
+  auto nodes = two_nodes(std::to_string(ptrain_test::free_port()), {"--max-restarts", "3"},
+                         {PTRAIN_TEST_WORKER, "sleep", dir.path()});
+  auto pids = worker_pids(dir, 4);
+  ::kill(nodes[0].pid(), SIGTERM);
+  auto st0 = nodes[0].wait(30s), st1 = nodes[1].wait(30s);
+  REQUIRE((st0 && st1));
+  CHECK(ptrain_test::exit_code(*st0) == 128 + SIGTERM);
+  CHECK(ptrain_test::exit_code(*st1) != 0);
+  for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+  for (int r = 0; r < 4; ++r) CHECK(ptrain_test::file_exists(dir.file("term_" + std::to_string(r))));
+
+  // Node 1 never starts: node 0 gives up after --rdzv-timeout, before starting any rank.
+  TempDir dir2;
+  auto t0 = std::chrono::steady_clock::now();
+  Process alone(ptrun({"--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-port",
+                       std::to_string(ptrain_test::free_port()), "--max-restarts", "1", "--rdzv-timeout", "2",
+                       PTRAIN_TEST_WORKER, "sleep", dir2.path()}));
+  auto st = alone.wait(30s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 1);
+  CHECK(std::chrono::steady_clock::now() - t0 < 15s);
+  CHECK_FALSE(ptrain_test::file_exists(dir2.file("pid_0")));
 }
