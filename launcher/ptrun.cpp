@@ -111,10 +111,12 @@ int pending_signal(int sfd) {
 //          decision: stopped -> exit, failed -> round k + 1 while restarts are
 //          left, else exit 0. Node 0 serves the store, so it leaves last
 //          (round/k/left).
-// Waits poll every 100 ms, so that signals to ptrun still stop the job.
+// Waits poll every 100 ms, so that signals to ptrun still stop the job, and end
+// after --rdzv-timeout: at join with an error; at end (as torchrun's exit barrier)
+// with this node's own status and no restart, since the others may be gone.
 class Rendezvous {
  public:
-  enum class Outcome { Done, Failed, Stopped };
+  enum class Outcome { Done, Failed, Stopped, Incomplete };
 
   Rendezvous(const Launch& l, std::chrono::milliseconds timeout)
       : store_(l.master_addr, l.master_port, l.node_rank == 0, timeout), nnodes_(l.nnodes), node_(l.node_rank),
@@ -123,7 +125,12 @@ class Rendezvous {
   /// Waits until every node joined round k; returns a signal that came meanwhile (0: none).
   int join(int k, int sfd) {
     store_.add(key(k, "joined"), 1);
-    return wait_count(k, "joined", sfd);
+    int sig = 0;
+    const std::int64_t n = wait_count(k, "joined", sfd, sig);
+    PTRAIN_CHECK(n >= nnodes_, CommError, "[ptrun.rendezvous] round ", k, ": ", n, " of ", nnodes_,
+                 " node(s) joined within ", timeout_.count() / 1000, " s; start ptrun on every node (--node-rank 0..",
+                 nnodes_ - 1, " with the same --master-addr and --master-port), or raise --rdzv-timeout");
+    return sig;
   }
   /// What a node reported for round k ("round k failed on node n: ..."), or nothing. An
   /// unreachable store counts as a failure (node 0's ptrun is gone).
@@ -147,35 +154,38 @@ class Rendezvous {
   /// After this node's ranks have exited: waits for every node, then the round's outcome.
   Outcome end(int k, int sfd, int& signal) {
     store_.add(key(k, "ended"), 1);
-    if (const int sig = wait_count(k, "ended", sfd)) signal = sig;
+    if (const std::int64_t n = wait_count(k, "ended", sfd, signal); n < nnodes_) {
+      std::fprintf(stderr, "ptrun: round %d: %lld of %d node(s) ended within %lld s; exiting with this node's "
+                           "status, without a restart\n", k, static_cast<long long>(n), nnodes_,
+                   static_cast<long long>(timeout_.count() / 1000));
+      return Outcome::Incomplete;
+    }
     if (store_.check({key(k, "stopped")})) return Outcome::Stopped;
     return store_.check({key(k, "failed")}) ? Outcome::Failed : Outcome::Done;
   }
-  /// Node 0 serves the store: it returns once every node has read round k's outcome.
+  /// Node 0 serves the store: it returns once every node has read round k's outcome
+  /// (or after the timeout: then the others have gone already).
   void leave(int k, int sfd) {
     store_.add(key(k, "left"), 1);
-    if (node_ == 0) wait_count(k, "left", sfd);
+    int sig = 0;
+    if (node_ == 0) wait_count(k, "left", sfd, sig);
   }
 
  private:
   static std::string key(int k, const char* what) { return "ptrun/round/" + std::to_string(k) + "/" + what; }
 
-  // Polls the counter round/k/<what> until it reaches nnodes. A signal in the meantime is
-  // reported as round k stopped (and returned); the wait goes on, so that every node learns it.
-  int wait_count(int k, const char* what, int sfd) {
+  // Polls the counter round/k/<what> until it reaches nnodes or the timeout passes; returns
+  // the count. A signal in the meantime is reported as round k stopped and kept in `sig`;
+  // the wait goes on, so that every node learns it.
+  std::int64_t wait_count(int k, const char* what, int sfd, int& sig) {
     const auto until = std::chrono::steady_clock::now() + timeout_;
-    int sig = 0;
     for (;;) {
       const std::int64_t n = store_.add(key(k, what), 0);
-      if (n >= nnodes_) return sig;
+      if (n >= nnodes_ || std::chrono::steady_clock::now() >= until) return n;
       if (const int s = pending_signal(sfd); s && !sig) {
         sig = s;
         report(k, "stopped", "signal " + std::to_string(s));
       }
-      if (std::chrono::steady_clock::now() >= until)
-        PTRAIN_THROW(CommError, "[ptrun.rendezvous] round ", k, ": ", n, " of ", nnodes_, " node(s) reached '", what,
-                     "' within ", timeout_.count() / 1000, " s; start ptrun on every node (--node-rank 0..",
-                     nnodes_ - 1, "), or raise --rdzv-timeout");
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
@@ -443,10 +453,12 @@ int main(int argc, char** argv) {
       if (!end.signal) end = run_round(l, restart, sfd, old_mask, rdzv.get());
       bool again = end.failure && !end.signal && !end.cannot_start && restart < max_restarts;
       if (rdzv) {  // every node takes the same decision
-        const auto outcome = rdzv->end(restart, sfd, end.signal);
-        again = outcome == Rendezvous::Outcome::Failed && restart < max_restarts;
-        if (outcome != Rendezvous::Outcome::Done && !end.failure && !end.signal) end.failure = 1;
-        if (!again) rdzv->leave(restart, sfd);
+        using Outcome = Rendezvous::Outcome;
+        const Outcome outcome = rdzv->end(restart, sfd, end.signal);
+        again = outcome == Outcome::Failed && restart < max_restarts;
+        if ((outcome == Outcome::Failed || outcome == Outcome::Stopped) && !end.failure && !end.signal)
+          end.failure = 1;  // this node's ranks were stopped because of another node
+        if (!again && outcome != Outcome::Incomplete) rdzv->leave(restart, sfd);
       }
       if (!again) {
         ::close(sfd);

@@ -289,3 +289,18 @@ TEST_CASE("ptrun: on several nodes a signal stops every node, and a missing node
   CHECK(std::chrono::steady_clock::now() - t0 < 15s);
   CHECK_FALSE(ptrain_test::file_exists(dir2.file("pid_0")));
 }
+
+TEST_CASE("ptrun: on several nodes a node whose ranks are done does not wait past --rdzv-timeout", "[ptrun]") {
+  // Rank 0 (node 0) works 6 s longer than the others: node 1 leaves after --rdzv-timeout 1
+  // with its own status (0), as torchrun's exit barrier does, and node 0 still ends with 0.
+  auto t0 = std::chrono::steady_clock::now();
+  auto nodes = two_nodes(std::to_string(ptrain_test::free_port()), {"--max-restarts", "1", "--rdzv-timeout", "1"},
+                         {PTRAIN_TEST_WORKER, "linger", "0", "6"});
+  auto st1 = nodes[1].wait(30s);
+  const auto node1_done = std::chrono::steady_clock::now() - t0;
+  auto st0 = nodes[0].wait(30s);
+  REQUIRE((st0 && st1));
+  CHECK(ptrain_test::exit_code(*st1) == 0);
+  CHECK(ptrain_test::exit_code(*st0) == 0);
+  CHECK(node1_done < 5s);  // it did not wait for rank 0
+}

@@ -9,6 +9,7 @@
 //   flaky R FAILS OUTDIR     meet through the store, write OUTDIR/round_<restart>_<rank> (MASTER_PORT and
 //                            the TORCHELASTIC_* variables); while TORCHELASTIC_RESTART_COUNT < FAILS
 //                            rank R then exits with 3 and the others sleep, afterwards all exit 0
+//   linger R SECONDS         rank R sleeps SECONDS, then every rank exits 0 (the others at once)
 //   sleep OUTDIR [ignore]    write a pid file and sleep; on SIGTERM write OUTDIR/term_<rank> and exit 0
 //                            ("ignore": SIGTERM is ignored, so only SIGKILL ends it)
 
@@ -145,6 +146,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "runtime_worker: %s\n", e.what());
       return 4;
     }
+  }
+
+  if (mode == "linger" && argc >= 4) {
+    if (my_rank == std::atoi(argv[2])) std::this_thread::sleep_for(std::chrono::seconds(std::atoi(argv[3])));
+    return 0;
   }
 
   if (mode == "sleep") {
