@@ -120,7 +120,15 @@ class Rendezvous {
 
   Rendezvous(const Launch& l, std::chrono::milliseconds timeout)
       : store_(l.master_addr, l.master_port, l.node_rank == 0, timeout), nnodes_(l.nnodes), node_(l.node_rank),
-        timeout_(timeout) {}
+        timeout_(timeout) {
+    // Two ptruns with one --node-rank would each start the same ranks.
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    const std::string me = std::string(host) + " (pid " + l.run_id + ")";
+    const std::string owner = store_.compare_set("ptrun/node/" + std::to_string(node_), "", me);
+    PTRAIN_CHECK(owner == me, CommError, "[ptrun.rendezvous] --node-rank ", node_, " is taken by the ptrun on ",
+                 owner, "; give every node its own --node-rank (0 to ", nnodes_ - 1, ")");
+  }
 
   /// Waits until every node joined round k; returns a signal that came meanwhile (0: none).
   int join(int k, int sfd) {
@@ -372,8 +380,9 @@ int main(int argc, char** argv) {
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "processes on this node")
       ->envname("PET_NPROC_PER_NODE")->check(CLI::Range(1, 4096));
   app.add_option("--nnodes", nnodes, "number of nodes")->envname("PET_NNODES")->check(CLI::Range(1, 1 << 16));
-  app.add_option("--node-rank,--node_rank", node_rank, "index of this node, 0 <= node-rank < nnodes")
-      ->envname("PET_NODE_RANK")->check(CLI::Range(0, (1 << 16) - 1));
+  auto* node_rank_opt = app.add_option("--node-rank,--node_rank", node_rank, "index of this node, 0 <= node-rank < "
+                                       "nnodes (needed with --nnodes > 1)")
+                            ->envname("PET_NODE_RANK")->check(CLI::Range(0, (1 << 16) - 1));
   app.add_option("--master-addr,--master_addr", master_addr, "host of rank 0 (node-rank 0)")
       ->envname("PET_MASTER_ADDR");
   auto* port_opt = app.add_option("--master-port,--master_port", master_port,
@@ -403,6 +412,12 @@ int main(int argc, char** argv) {
   }
   if (command.empty()) {
     std::fprintf(stderr, "ptrun: no program given; usage: ptrun --nproc-per-node N prog args...\n");
+    return 2;
+  }
+  if (nnodes > 1 && node_rank_opt->count() == 0) {
+    // A forgotten --node-rank would make every node node 0: two rank 0s, two stores.
+    std::fprintf(stderr, "ptrun: --nnodes %d needs --node-rank (or PET_NODE_RANK): 0 on the node of --master-addr, "
+                         "and each other node one of 1..%d\n", nnodes, nnodes - 1);
     return 2;
   }
   if (node_rank >= nnodes) {

@@ -304,3 +304,27 @@ TEST_CASE("ptrun: on several nodes a node whose ranks are done does not wait pas
   CHECK(ptrain_test::exit_code(*st0) == 0);
   CHECK(node1_done < 5s);  // it did not wait for rank 0
 }
+
+TEST_CASE("ptrun: several nodes need --node-rank, each its own", "[ptrun]") {
+  Process none(ptrun({"--nnodes", "2", "--nproc-per-node", "1", "/bin/true"}));
+  auto st = none.wait(20s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 2);
+
+  // With --max-restarts the agent store sees a second --node-rank 1 and refuses it (exit 1);
+  // node 0 and the other node 1 run.
+  const std::string port = std::to_string(ptrain_test::free_port());
+  std::vector<Process> nodes;
+  for (const char* node : {"0", "1", "1"})
+    nodes.emplace_back(ptrun({"--nnodes", "2", "--node-rank", node, "--nproc-per-node", "1", "--master-port", port,
+                              "--max-restarts", "1", "--rdzv-timeout", "20", PTRAIN_TEST_WORKER, "linger", "0", "2"}));
+  std::vector<int> codes;
+  for (auto& n : nodes) {
+    auto s = n.wait(60s);
+    REQUIRE(s.has_value());
+    codes.push_back(ptrain_test::exit_code(*s));
+  }
+  CHECK(codes[0] == 0);
+  CHECK(std::min(codes[1], codes[2]) == 0);
+  CHECK(std::max(codes[1], codes[2]) == 1);
+}
