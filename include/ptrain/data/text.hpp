@@ -232,8 +232,9 @@ class TokenCorpus {
 inline Tensor<std::int32_t> read_token_file(const std::string& path, TokenFormat format = TokenFormat::U16,
                                             std::int64_t vocab_size = 0) {
   const TokenCorpus file = TokenCorpus::open({path}, format);
-  auto out = Tensor<std::int32_t>::empty({file.size()});
-  for (std::int64_t i = 0; i < file.size(); ++i)
+  const std::int64_t n = file.part_size(0);
+  auto out = Tensor<std::int32_t>::empty({n});
+  for (std::int64_t i = 0; i < n; ++i)
     out.data()[i] = static_cast<std::int32_t>(detail::checked_id(file.at(0, i), vocab_size, i, path));
   return out;
 }
