@@ -17,7 +17,7 @@ packages=(
   libgloo-dev            # Gloo communicator (torchrun / Kubernetes launches)
   dataset-fashion-mnist  # the main example's data
   fortunes               # plain English text for the character-level GPT example
-  python3 python3-numpy  # independent readers in tests
+  python3 python3-numpy python3-regex  # independent readers and references in tests
   clang libclang-rt-14-dev  # libFuzzer target for the safetensors parser
   python3-yaml iproute2  # manifest checks and the multi-pod test (network namespaces)
 )

@@ -1,0 +1,132 @@
+// GPT-2's byte-level BPE against bpe_reference.py (next to this file): its own
+// trainer and encoder on Python's `regex` module, in Hugging Face's and OpenAI's
+// file layouts.
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <ptrain/data/bpe.hpp>
+#include <unistd.h>
+
+using namespace ptrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+// The reference's files, written once per test run.
+const fs::path& reference_dir() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("ptrain_bpe_" + std::to_string(::getpid()));
+    fs::remove_all(d);
+    const fs::path script = fs::path(__FILE__).parent_path() / "bpe_reference.py";
+    REQUIRE(std::system(("/usr/bin/python3 '" + script.string() + "' '" + d.string() + "'").c_str()) == 0);
+    return d;
+  }();
+  return dir;
+}
+
+nlohmann::json read_json(const fs::path& p) {
+  nlohmann::json j;
+  std::ifstream(p) >> j;
+  return j;
+}
+
+void write_file(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary) << bytes; }
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+}  // namespace
+
+TEST_CASE("BPE encodes as the reference, in both file layouts, and decodes back", "[data][bpe]") {
+  const fs::path dir = reference_dir();
+  const auto cases = read_json(dir / "cases.json");
+  REQUIRE(cases.size() > 50);
+  for (const char* layout : {"hf", "openai"}) {
+    const auto tok = BpeTokenizer::load((dir / layout).string());
+    const auto vocab = read_json(dir / layout / (std::string(layout) == "hf" ? "vocab.json" : "encoder.json"));
+    CHECK(tok.vocab_size() == static_cast<std::int64_t>(vocab.size()));
+    CHECK(tok.num_merges() == 300);
+    REQUIRE(tok.token_id("<|endoftext|>") == std::optional<std::int32_t>(tok.vocab_size() - 1));
+    CHECK_FALSE(tok.token_id("no such token").has_value());
+    for (const auto& c : cases) {
+      const std::string text = c["text"];
+      const std::vector<std::int32_t> want = c["ids"];
+      INFO(layout << ": " << nlohmann::json(text).dump());
+      const auto got = tok.encode(text);
+      CHECK(got == want);
+      CHECK(tok.decode(got) == text);
+    }
+    // The larger text, and the end-of-text token as ordinary text (tiktoken's encode_ordinary).
+    const std::vector<std::int32_t> corpus_ids = read_json(dir / "corpus.ids.json");
+    CHECK(tok.encode(read_file(dir / "corpus.txt")) == corpus_ids);
+    CHECK(tok.encode("<|endoftext|>").size() > 1);
+    CHECK(tok.decode({*tok.token_id("<|endoftext|>")}) == "<|endoftext|>");
+  }
+}
+
+TEST_CASE("BPE pre-tokenizer classes match the regex module on every assigned code point", "[data][bpe]") {
+  const auto classes = read_json(reference_dir() / "classes.json");
+  // Unassigned code points are Other in both (the tables come from the same unicodedata).
+  INFO("reference Unicode " << std::string(classes["version"]) << ", tables " << detail::unicode::kVersion);
+  const std::pair<const char*, detail::CharClass> kinds[] = {
+      {"letters", detail::CharClass::Letter}, {"numbers", detail::CharClass::Number},
+      {"spaces", detail::CharClass::Space}};
+  std::vector<int> want(0x110000, -1);
+  for (const auto& [name, cls] : kinds)
+    for (const auto& r : classes[name])
+      for (std::uint32_t cp = r[0]; cp <= r[1]; ++cp) want[cp] = static_cast<int>(cls);
+  std::int64_t wrong = 0, first = -1;
+  for (std::uint32_t cp = 0; cp < 0x110000; ++cp) {
+    const int expect = want[cp] < 0 ? static_cast<int>(detail::CharClass::Other) : want[cp];
+    if (static_cast<int>(detail::char_class(cp)) != expect) {
+      if (first < 0) first = cp;
+      ++wrong;
+    }
+  }
+  INFO("first differing code point U+" << std::hex << first);
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("BPE refuses bad files and bad input with what to do", "[data][bpe]") {
+  const fs::path ref = reference_dir() / "hf";
+  const fs::path d = fs::temp_directory_path() / ("ptrain_bpe_bad_" + std::to_string(::getpid()));
+  fs::create_directories(d);
+  const std::string vocab = (ref / "vocab.json").string(), merges = (ref / "merges.txt").string();
+
+  CHECK_THROWS_WITH(BpeTokenizer::load(d.string()), Catch::Contains("[ptrain.data.bpe.missing]"));
+  CHECK_THROWS_WITH(BpeTokenizer::from_files((d / "none.json").string(), merges),
+                    Catch::Contains("does not exist"));
+  write_file(d / "bad.json", "{\"a\": 1,");
+  CHECK_THROWS_WITH(BpeTokenizer::from_files((d / "bad.json").string(), merges),
+                    Catch::Contains("[ptrain.data.bpe.vocab]") && Catch::Contains("is not JSON"));
+  write_file(d / "neg.json", "{\"a\": -1}");
+  CHECK_THROWS_WITH(BpeTokenizer::from_files((d / "neg.json").string(), merges), Catch::Contains("has id -1"));
+  write_file(d / "dup.json", "{\"a\": 1, \"b\": 1}");
+  CHECK_THROWS_WITH(BpeTokenizer::from_files((d / "dup.json").string(), merges),
+                    Catch::Contains("id 1 belongs to two tokens"));
+  write_file(d / "bytes.json", "{\"a\": 0, \"b\": 1}");  // no token for most bytes
+  CHECK_THROWS_WITH(BpeTokenizer::from_files((d / "bytes.json").string(), merges),
+                    Catch::Contains("has no token for byte 0"));
+
+  // A merges file of another vocabulary, and a malformed line: the line is named.
+  write_file(d / "other.txt", "#version: 0.2\nĠ t\nzz qq\n");
+  CHECK_THROWS_WITH(BpeTokenizer::from_files(vocab, (d / "other.txt").string()),
+                    Catch::Contains("line 3") && Catch::Contains("do not belong together"));
+  write_file(d / "three.txt", "Ġ t h\n");
+  CHECK_THROWS_WITH(BpeTokenizer::from_files(vocab, (d / "three.txt").string()),
+                    Catch::Contains("line 1") && Catch::Contains("not two tokens"));
+
+  const auto tok = BpeTokenizer::from_files(vocab, merges);
+  // Invalid UTF-8: a stray continuation byte, a truncated sequence, an overlong form, a surrogate.
+  for (const std::string bad : {"ab\x80", "x\xe6\x97", "\xc0\xaf", "\xed\xa0\x80"})
+    CHECK_THROWS_WITH(tok.encode(bad), Catch::Contains("[ptrain.data.bpe.utf8]") && Catch::Contains("iconv"));
+  CHECK_THROWS_WITH(tok.encode("ok\xff"), Catch::Contains("byte 2 (0xff)"));
+  CHECK_THROWS_WITH(tok.decode({0, static_cast<std::int32_t>(tok.vocab_size())}),
+                    Catch::Contains("[ptrain.data.bpe.id]") && Catch::Contains("at index 1"));
+  CHECK_THROWS_WITH(tok.decode({-1}), Catch::Contains("[ptrain.data.bpe.id]"));
+  fs::remove_all(d);
+}
