@@ -323,7 +323,15 @@ int run(Options opt) {
                       .tie_weights = !opt.untied && !mesh, .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank),
                       .recompute = opt.recompute};
     nn::GPT<T> model(cfg);
-    if (!opt.init_from.empty()) {  // a checkpoint found by --resume replaces these weights
+    // Checkpoints (optional), found first: a checkpoint to resume replaces --init-from's weights.
+    std::unique_ptr<ckpt::CheckpointManager> checkpoints;
+    ckpt::LatestCheckpoint last;
+    if (!opt.checkpoint_dir.empty()) {
+      checkpoints = std::make_unique<ckpt::CheckpointManager>(
+          opt.checkpoint_dir, comm.get(), ckpt::CheckpointOptions{.keep_last = opt.keep_checkpoints});
+      if (opt.resume) last = checkpoints->latest();
+    }
+    if (!opt.init_from.empty() && !last.found()) {
       const std::string loaded = ckpt::load_gpt2_weights(opt.init_from, model);
       if (lead) std::printf("initialised from %s: %s\n", opt.init_from.c_str(), loaded.c_str());
     }
@@ -400,16 +408,11 @@ int run(Options opt) {
                                        .min_lr = opt.min_lr};
 
     TrainState<T> state{0, &train_windows, &model, &optimizer};
-    // Checkpoints (optional): resume first, so that metrics append to the resumed run's file.
-    std::unique_ptr<ckpt::CheckpointManager> checkpoints;
+    // Resume before training, so that metrics append to the resumed run's file.
     std::unique_ptr<ckpt::AsyncCheckpointer> saver;
+    if (checkpoints) saver = std::make_unique<ckpt::AsyncCheckpointer>(*checkpoints);
     std::int64_t last_saved = -1;
     bool resumed = false;
-    if (!opt.checkpoint_dir.empty()) {
-      checkpoints = std::make_unique<ckpt::CheckpointManager>(
-          opt.checkpoint_dir, comm.get(), ckpt::CheckpointOptions{.keep_last = opt.keep_checkpoints});
-      saver = std::make_unique<ckpt::AsyncCheckpointer>(*checkpoints);
-    }
     // Note [gpt_char resume state]
     // - Data: every rank takes --grad-accum batches per step (pipeline: one), so each
     //   rank's position() is a multiple of the step, and replica r's batch at position t is global windows
@@ -437,8 +440,7 @@ int run(Options opt) {
     //   (save_stage); load_stage resumes the same layout, and a checkpoint of
     //   another mode or layout loads the stage's tensors by name.
     const nlohmann::json model_cfg = model_flags(cfg, opt), train_cfg = train_flags(opt, world);
-    if (checkpoints && opt.resume) {
-      const auto last = checkpoints->latest();
+    if (opt.resume) {
       for (const auto& s : last.skipped)
         if (lead) std::fprintf(stderr, "gpt_char: skipping %s: %s\n", s.path.c_str(), s.reason.c_str());
       if (last.found()) {

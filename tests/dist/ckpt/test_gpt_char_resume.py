@@ -43,7 +43,8 @@ position, dropout offsets and optimizer step count:
                  and shard_optimizer): model and AdamW moments within 1e-5 of its step 12;
                  ddp-accum.copy resumes --grad-accum bitwise
   init.*         --init-from single.copy's final model, as ptrain wrote it and converted here to
-                 Hugging Face's GPT-2 layout: a run with lr 0 validates as that run ended
+                 Hugging Face's GPT-2 layout: a run with lr 0 validates as that run ended;
+                 init.resume: a checkpoint to resume wins (--init-from's file is not read)
   tokens.*       the corpus's character ids written here as nanoGPT's uint16 train.bin/val.bin and
                  as llm.c shards train (1 process, and ddp on 2 ranks) bitwise like the text;
                  a too small --vocab-size, a truncated shard, a pattern that matches nothing
@@ -643,6 +644,13 @@ def case_init_from(r, ref, ref_out):
         if "initialised from" not in out or got != want:
             raise Failure(f"init.{tag}: final val_loss {got}, expected {want} (the run it starts from)\n{out}")
         print(f"ok   init.{tag}: --init-from {os.path.basename(path)} validates as the run it comes from ({want})")
+    # A checkpoint to resume wins: the weights file is not read (here it is gone).
+    res = copy_step(ref, 8, os.path.join(r.work, "init-resume"))
+    _, out, _ = r.run(1, ["--steps", "12", "--checkpoint-dir", res, "--checkpoint-every", "4", "--resume",
+                          "--init-from", os.path.join(r.work, "gone.safetensors")], "init.resume")
+    if "initialised from" in out:
+        raise Failure(f"init.resume: --init-from was loaded although a checkpoint was resumed:\n{out}")
+    expect_same(step_dir(ref, 12), step_dir(res, 12), "init.resume (--init-from of a missing file, resumed)")
 
 
 def case_tokens(r, single_ref, ddp_ref):
