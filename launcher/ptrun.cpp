@@ -124,7 +124,7 @@ class Rendezvous {
     // Two ptruns with one --node-rank would each start the same ranks.
     char host[256] = {};
     ::gethostname(host, sizeof host - 1);
-    const std::string me = std::string(host) + " (pid " + l.run_id + ")";
+    const std::string me = std::string(host) + " (pid " + std::to_string(::getpid()) + ")";
     const std::string owner = store_.compare_set("ptrun/node/" + std::to_string(node_), "", me);
     PTRAIN_CHECK(owner == me, CommError, "[ptrun.rendezvous] --node-rank ", node_, " is taken by the ptrun on ",
                  owner, "; give every node its own --node-rank (0 to ", nnodes_ - 1, ")");
@@ -374,7 +374,7 @@ int main(int argc, char** argv) {
   CLI::App app{"ptrun: start a ptrain program on this node the way torchrun does"};
   int nproc = 1, nnodes = 1, node_rank = 0, master_port = 29500, max_restarts = 0;
   double grace = 5.0, rdzv_timeout = 600.0;
-  std::string master_addr = "127.0.0.1";
+  std::string master_addr = "127.0.0.1", run_id;
   bool no_python = false, standalone = false;
   std::vector<std::string> command;
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "processes on this node")
@@ -397,6 +397,9 @@ int main(int argc, char** argv) {
       ->envname("PET_MAX_RESTARTS")->check(CLI::Range(0, 1000000));
   app.add_option("--rdzv-timeout,--rdzv_timeout", rdzv_timeout, "with --nnodes > 1 and --max-restarts: seconds "
                  "a node waits for the others at the start and end of a round")->check(CLI::Range(1.0, 86400.0));
+  auto* run_id_opt = app.add_option("--rdzv-id,--rdzv_id", run_id, "the job's id, TORCHELASTIC_RUN_ID of every rank "
+                                    "(default: ptrun's pid on one node, 'none' on several)")
+                        ->envname("PET_RDZV_ID");
   // Everything from the first positional argument on is the program's command line.
   app.prefix_command();
   app.footer("Sets RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT for each rank.");
@@ -442,8 +445,10 @@ int main(int argc, char** argv) {
     master_port = free_port();
   }
 
+  // The nodes of one job share their id: torchrun's default 'none' unless the job names itself.
+  if (run_id_opt->count() == 0) run_id = nnodes > 1 ? "none" : std::to_string(::getpid());
   Launch l{std::move(command), nproc, nnodes, node_rank, master_port, max_restarts, master_addr,
-           std::to_string(::getpid()), grace, nnodes > 1 && max_restarts > 0};
+           run_id, grace, nnodes > 1 && max_restarts > 0};
 
   sigset_t mask, old_mask;
   sigemptyset(&mask);

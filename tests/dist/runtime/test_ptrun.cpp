@@ -59,6 +59,7 @@ TEST_CASE("ptrun: every rank sees torchrun's variables", "[ptrun]") {
     CHECK(kv["MASTER_ADDR"] == "10.9.8.7");
     CHECK(kv["MASTER_PORT"] == "4242");
     CHECK(kv["TORCHELASTIC_USE_AGENT_STORE"] == "False");
+    CHECK(kv["TORCHELASTIC_RUN_ID"] == "none");  // torchrun's default on several nodes: the same on each
     CHECK(kv["ARGS"] == "--nnodes x");
   }
   // Ranks of node 0 were not started here.
@@ -241,7 +242,8 @@ TEST_CASE("ptrun: --max-restarts on several nodes restarts every node together",
   // store, and both nodes start round 1, then round 2, which succeeds.
   TempDir dir;
   const std::string port = std::to_string(ptrain_test::free_port());
-  auto nodes = two_nodes(port, {"--max-restarts", "3"}, {PTRAIN_TEST_WORKER, "flaky", "3", "2", dir.path()});
+  auto nodes = two_nodes(port, {"--max-restarts", "3", "--rdzv-id", "job-42"},
+                         {PTRAIN_TEST_WORKER, "flaky", "3", "2", dir.path()});
   for (auto& n : nodes) {
     auto st = n.wait(90s);
     REQUIRE(st.has_value());
@@ -253,6 +255,7 @@ TEST_CASE("ptrun: --max-restarts on several nodes restarts every node together",
       auto kv = ptrain_test::read_kv(dir.file("round_" + std::to_string(round) + "_" + std::to_string(r)));
       CHECK(kv["TORCHELASTIC_RESTART_COUNT"] == std::to_string(round));
       CHECK(kv["MASTER_PORT"] == port);  // the programs' store is on MASTER_PORT + 1 (agent store)
+      CHECK(kv["TORCHELASTIC_RUN_ID"] == "job-42");
     }
   CHECK_FALSE(ptrain_test::file_exists(dir.file("round_3_0")));
 
