@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
     out_dir = argv[2];
     std::string text;
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                          "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS"})
+                          "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
+                          "OMP_NUM_THREADS"})
       text += std::string(v) + "=" + env_or(v, "<unset>") + "\n";
     text += "ARGS=";
     for (int i = 3; i < argc; ++i) text += std::string(i > 3 ? " " : "") + argv[i];
