@@ -31,6 +31,10 @@
 // The last 10% of the characters are the validation split. Or pre-tokenized
 // files, nanoGPT's train.bin/val.bin or llm.c's shards, mapped rather than read:
 //   gpt_char --train-tokens 'data/fineweb_train_*.bin' --val-tokens 'data/fineweb_val_*.bin' --vocab-size 50304
+// --tokenizer DIR (GPT-2's vocab.json + merges.txt) tokenizes --data with GPT-2's BPE
+// instead of characters, and encodes --prompt and decodes the sample of token files;
+// with --init-from, nanoGPT's fine-tuning of GPT-2 on a text:
+//   gpt_char --data input.txt --tokenizer gpt2 --init-from gpt2/model.safetensors --block 256 --layers 12 --heads 12 --embd 768
 // Metrics (--metrics) are JSON lines; evaluation lines carry val_loss and
 // unigram_entropy (nats per token: the loss of the best context-free model).
 //
@@ -52,6 +56,7 @@
 #include <ptrain/ckpt/gpt2_weights.hpp>
 #include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/ckpt/stage_checkpoint.hpp>
+#include <ptrain/data/bpe.hpp>
 #include <ptrain/data/text.hpp>
 #include <ptrain/dist/launch_env.hpp>
 #include <ptrain/dist/process_group.hpp>
@@ -74,7 +79,8 @@ struct Options {
   std::string data;  // empty: the fortunes corpus
   std::vector<std::string> train_tokens, val_tokens;  // token files instead of text (paths or glob patterns)
   std::string token_format = "u16";
-  std::int64_t vocab_size = 0;  // of the token files
+  std::int64_t vocab_size = 0;  // of the token files (0: the tokenizer's)
+  std::string tokenizer;         // GPT-2 BPE folder; empty: characters (text) or none (token files)
   std::string parallel = "none";
   std::string device = "cpu";
   std::string precision = "fp32";
@@ -142,34 +148,60 @@ std::string fortunes_corpus() {
   return out;
 }
 
-// What the run trains and validates on: the characters of a text (the fortunes,
-// or --data), the last 10% for validation; or token files (--train-tokens,
-// --val-tokens), mapped and read where the windows fall.
+// What the run trains and validates on: a text (the fortunes, or --data) as
+// characters or as GPT-2 BPE tokens (--tokenizer), the last 10% for validation; or
+// token files (--train-tokens, --val-tokens), mapped and read where the windows fall.
 struct Corpus {
-  std::optional<CharTokenizer> tok;  // characters only
+  std::optional<CharTokenizer> chars;  // a text without --tokenizer
+  std::optional<BpeTokenizer> bpe;     // --tokenizer
   TokenCorpus train, val;
   std::int64_t vocab_size;
   double entropy;  // unigram entropy (nats per token): of the whole text, or of the validation files
   std::string describe;
+
+  bool can_encode() const { return chars || bpe; }  // token files without --tokenizer cannot
+  std::vector<std::int32_t> encode(std::string_view text) const {
+    return chars ? chars->encode(text) : bpe->encode(text);
+  }
+  std::string decode(const std::vector<std::int32_t>& ids) const { return chars ? chars->decode(ids) : bpe->decode(ids); }
 };
 
 Corpus load_corpus(const Options& o) {
+  std::optional<BpeTokenizer> bpe;
+  std::int64_t vocab = o.vocab_size;
+  if (!o.tokenizer.empty()) {
+    bpe = BpeTokenizer::load(o.tokenizer);
+    const std::int64_t padded = (bpe->vocab_size() + 63) / 64 * 64;
+    PTRAIN_CHECK(vocab == 0 || vocab >= bpe->vocab_size(), DataError, "[gpt_char.vocab] --vocab-size ", vocab,
+                 " is smaller than the tokenizer's ", bpe->vocab_size(), " ids; pass at least that (e.g. ", padded,
+                 ") or leave it out");
+    if (vocab == 0) vocab = bpe->vocab_size();
+  }
   if (!o.train_tokens.empty()) {
     const TokenFormat f = o.token_format == "i32" ? TokenFormat::I32 : TokenFormat::U16;
     TokenCorpus train = TokenCorpus::open(glob_paths(o.train_tokens), f);
     TokenCorpus val = TokenCorpus::open(glob_paths(o.val_tokens), f);
-    const double entropy = unigram_entropy(val, o.vocab_size);  // also checks every validation id
+    const double entropy = unigram_entropy(val, vocab);  // also checks every validation id
     const std::string what = "token files: train " + train.describe() + ", validation " + val.describe();
-    return {std::nullopt, std::move(train), std::move(val), o.vocab_size, entropy, what};
+    return {std::nullopt, std::move(bpe), std::move(train), std::move(val), vocab, entropy, what};
   }
   const std::string text = o.data.empty() ? fortunes_corpus() : read_text_file(o.data);
-  CharTokenizer tok = CharTokenizer::fit(text);
-  const Tensor<std::int32_t> ids = tok.encode_tensor(text);
-  const std::int64_t n = ids.numel(), n_val = n / 10, vocab = tok.vocab_size();
+  std::string what = "corpus " + (o.data.empty() ? std::string(kFortunesDir) : o.data) + ": ";
+  std::optional<CharTokenizer> chars;
+  Tensor<std::int32_t> ids;
+  if (bpe) {
+    ids = bpe->encode_tensor(text);
+    what += std::to_string(text.size()) + " bytes, " + std::to_string(ids.numel()) + " GPT-2 BPE tokens";
+  } else {
+    chars = CharTokenizer::fit(text);
+    ids = chars->encode_tensor(text);
+    vocab = chars->vocab_size();
+    what += std::to_string(ids.numel()) + " characters";
+  }
+  const std::int64_t n = ids.numel(), n_val = n / 10;
   const double entropy = unigram_entropy(ids, vocab);
-  return {std::move(tok), ids.narrow(0, n - n_val), ids.narrow(n - n_val, n_val), vocab, entropy,
-          "corpus " + (o.data.empty() ? std::string(kFortunesDir) : o.data) + ": " + std::to_string(n) +
-              " characters"};
+  return {std::move(chars), std::move(bpe), ids.narrow(0, n - n_val), ids.narrow(n - n_val, n_val), vocab, entropy,
+          what};
 }
 
 // Everything a checkpoint must capture to resume this loop exactly.
@@ -308,9 +340,11 @@ int run(Options opt) {
 
     const Corpus corpus = load_corpus(opt);
     const double entropy = corpus.entropy;
-    if (lead && corpus.tok && !opt.save_tokenizer.empty()) corpus.tok->save(opt.save_tokenizer);
-    // What the end of the run needs, checked before training: the prompt's characters, the export's folder.
-    if (corpus.tok && opt.sample_tokens > 0) (void)corpus.tok->encode(opt.prompt);
+    if (lead && corpus.chars && !opt.save_tokenizer.empty()) corpus.chars->save(opt.save_tokenizer);
+    // What the end of the run needs, checked before training: the prompt's tokens, the export's folder.
+    if (corpus.can_encode() && opt.sample_tokens > 0)
+      PTRAIN_CHECK(!corpus.encode(opt.prompt).empty(), Error, "[gpt_char.prompt] --prompt is empty; give the "
+                   "sample some text to continue");
     if (const auto folder = std::filesystem::path(opt.export_path).parent_path(); lead && !folder.empty())
       PTRAIN_CHECK(std::filesystem::is_directory(folder), Error, "[gpt_char.export] folder ", folder.string(),
                    " of --export does not exist; create it or choose another path");
@@ -515,7 +549,7 @@ int run(Options opt) {
     };
 
     MetricsWriter metrics(lead ? opt.metrics : "", resumed);
-    const char* unit = corpus.tok ? "char" : "token";
+    const char* unit = corpus.chars ? "char" : "token";
     Progress progress(opt.steps, lead ? opt.log_every : 0, std::cout, state.step);
     const double tokens_per_step = static_cast<double>(opt.batch * opt.grad_accum * opt.block * replicas);
     if (lead) {
@@ -665,18 +699,18 @@ int run(Options opt) {
 
     if (lead) {
       if (opt.sample_tokens > 0) {
-        // Token files come without their tokenizer: the sample continues the first validation
-        // token and is printed as ids.
+        // Token files without --tokenizer: the sample continues the first validation token
+        // and is printed as ids. A model's padded vocabulary may sample ids the tokenizer lacks.
+        const bool text = corpus.can_encode();
         const std::vector<std::int32_t> prompt =
-            corpus.tok ? corpus.tok->encode(opt.prompt)
-                       : std::vector<std::int32_t>{static_cast<std::int32_t>(corpus.val.at(0, 0))};
+            text ? corpus.encode(opt.prompt) : std::vector<std::int32_t>{static_cast<std::int32_t>(corpus.val.at(0, 0))};
         Generator sample_gen(opt.seed);
         const auto out = nn::generate(model, prompt, opt.sample_tokens, opt.temperature, opt.top_k, sample_gen);
-        std::string text;
-        if (corpus.tok) text = corpus.tok->decode(out);
+        std::string sample;
+        if (text) sample = corpus.decode(out);
         else
-          for (std::int32_t t : out) text += (text.empty() ? "" : " ") + std::to_string(t);
-        std::printf("--- sample%s ---\n%s\n--------------\n", corpus.tok ? "" : " (token ids)", text.c_str());
+          for (std::int32_t t : out) sample += (sample.empty() ? "" : " ") + std::to_string(t);
+        std::printf("--- sample%s ---\n%s\n--------------\n", text ? "" : " (token ids)", sample.c_str());
       }
       const double secs = wall.seconds();
       std::printf("final val_loss %.4f nats/%s = %.3f x unigram entropy %.4f; wall time %.1f s\n", val_loss, unit,
@@ -699,11 +733,13 @@ int main(int argc, char** argv) {
   auto* train_tokens = app.add_option("--train-tokens", opt.train_tokens, "token files to train on instead of text: "
                                       "nanoGPT's train.bin or llm.c's shards (paths or quoted glob patterns)");
   auto* val_tokens = app.add_option("--val-tokens", opt.val_tokens, "token files to validate on (with --train-tokens)");
-  auto* vocab = app.add_option("--vocab-size", opt.vocab_size, "vocabulary of the token files (e.g. 50304 for "
-                               "GPT-2's 50257 ids, padded)")->check(positive);
+  auto* vocab = app.add_option("--vocab-size", opt.vocab_size, "vocabulary of the token files, or padded above "
+                               "--tokenizer's (e.g. 50304 for GPT-2's 50257 ids)")->check(positive);
+  auto* tokenizer = app.add_option("--tokenizer", opt.tokenizer, "folder of a GPT-2 tokenizer (vocab.json + "
+                                   "merges.txt): --data as BPE tokens, --prompt and the sample of token files as text");
   app.add_option("--token-format", opt.token_format, "u16 or i32: ids of raw token files (llm.c shards say theirs)")
       ->check(CLI::IsMember({"u16", "i32"}));
-  train_tokens->needs(val_tokens)->needs(vocab)->excludes(data);
+  train_tokens->needs(val_tokens)->excludes(data);
   val_tokens->needs(train_tokens);
   app.add_option("--parallel", opt.parallel, "none, ddp, fsdp or pipeline (under mpirun or ptrun)")
       ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline"}));
@@ -746,12 +782,12 @@ int main(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "seed for initialisation, windows and sampling");
   app.add_option("--metrics", opt.metrics, "write JSON-lines metrics to this file (rank 0)");
   app.add_option("--log-every", opt.log_every, "progress line every N steps (0: none)");
-  app.add_option("--sample-tokens", opt.sample_tokens, "characters to generate at the end");
+  app.add_option("--sample-tokens", opt.sample_tokens, "tokens (characters) to generate at the end");
   app.add_option("--temperature", opt.temperature, "sampling temperature (0: greedy)")->check(non_negative);
-  app.add_option("--top-k", opt.top_k, "sample among the k most likely characters (0: all)");
-  app.add_option("--prompt", opt.prompt, "text the sample continues")->excludes(train_tokens);
-  app.add_option("--save-tokenizer", opt.save_tokenizer, "write the vocabulary (JSON) to this file")
-      ->excludes(train_tokens);
+  app.add_option("--top-k", opt.top_k, "sample among the k most likely tokens (0: all)");
+  auto* prompt = app.add_option("--prompt", opt.prompt, "text the sample continues (token files: with --tokenizer)");
+  app.add_option("--save-tokenizer", opt.save_tokenizer, "write the character vocabulary (JSON) to this file")
+      ->excludes(train_tokens)->excludes(tokenizer);
   app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
   add_checkpoint_flags(app, opt);
   app.add_option("--init-from", opt.init_from, "start from pretrained weights: a Hugging Face GPT-2 "
@@ -762,6 +798,15 @@ int main(int argc, char** argv) {
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir\n");
     return 2;
+  }
+  if (train_tokens->count() > 0 && tokenizer->count() == 0) {
+    const char* missing = vocab->count() == 0 ? "--train-tokens requires --vocab-size (or --tokenizer)"
+                          : prompt->count() > 0 ? "--prompt with --train-tokens requires --tokenizer"
+                                                : nullptr;
+    if (missing) {
+      std::fprintf(stderr, "gpt_char: %s\n", missing);
+      return 2;
+    }
   }
 
   return opt.precision == "bf16" ? run<bf16>(opt) : run<float>(opt);

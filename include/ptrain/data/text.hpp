@@ -107,6 +107,36 @@ inline void write_token_file(const std::string& path, const Tensor<std::int32_t>
                "'; check the directory and free space");
 }
 
+/// Writes ids as an llm.c token shard (Note [Token files]): the 1024-byte header, then
+/// uint16 ids (version 1, GPT-2) or, with `uint32_ids`, uint32 ids (version 2). The file
+/// appears whole or not at all (written beside it, then renamed).
+inline void write_token_shard(const std::string& path, const std::vector<std::int32_t>& ids, bool uint32_ids = false) {
+  PTRAIN_CHECK(!ids.empty() && ids.size() <= static_cast<std::size_t>(INT32_MAX), DataError,
+               "[ptrain.data.tokens.write] an llm.c shard holds 1 to 2^31-1 tokens, not ", ids.size());
+  std::int32_t header[256] = {20240520, uint32_ids ? 2 : 1, static_cast<std::int32_t>(ids.size())};
+  std::string bytes(reinterpret_cast<const char*>(header), sizeof header);
+  const std::size_t width = uint32_ids ? 4 : 2;
+  bytes.reserve(bytes.size() + ids.size() * width);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    PTRAIN_CHECK(ids[i] >= 0 && (uint32_ids || ids[i] < 65536), DataError, "[ptrain.data.tokens.range] token ", i,
+                 " is ", ids[i], ", which a ", uint32_ids ? "uint32" : "uint16", " shard cannot hold",
+                 uint32_ids ? "" : "; write uint32 ids (version 2)");
+    const auto u = static_cast<std::uint32_t>(ids[i]);
+    for (std::size_t k = 0; k < width; ++k) bytes.push_back(static_cast<char>((u >> (8 * k)) & 0xFF));
+  }
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    PTRAIN_CHECK(out.good(), DataError, "[ptrain.data.tokens.write] cannot write '", tmp,
+                 "'; check the directory and free space");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  PTRAIN_CHECK(!ec, DataError, "[ptrain.data.tokens.write] cannot rename '", tmp, "' to '", path, "': ", ec.message());
+}
+
 /// The files that glob patterns match, each pattern's matches in name order
 /// (llm.c's "fineweb_train_*.bin"); an entry without *, ? or [ stays as it is.
 inline std::vector<std::string> glob_paths(const std::vector<std::string>& patterns) {

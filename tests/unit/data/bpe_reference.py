@@ -138,8 +138,7 @@ def ranges_of(pred):
     return out
 
 
-def main():
-    out = sys.argv[1]
+def main_to(out, classes=True):
     rng = random.Random(20261125)
     merges = train(random_text(rng, 4000) + " ".join(EDGE), 300)
     tokens = [B2U[b] for b in range(256)] + [a + b for a, b in merges]
@@ -160,14 +159,15 @@ def main():
     cases += [{"text": t, "ids": encode(t, ranks, vocab)} for t in (random_text(rng, 200) for _ in range(40))]
     with open(os.path.join(out, "cases.json"), "w") as f:
         json.dump(cases, f)
-    classes = {
-        "version": unicodedata.unidata_version,
-        "letters": ranges_of(lambda c: regex.match(r"\p{L}", c) is not None),
-        "numbers": ranges_of(lambda c: regex.match(r"\p{N}", c) is not None),
-        "spaces": ranges_of(lambda c: regex.match(r"\s", c) is not None),
-    }
-    with open(os.path.join(out, "classes.json"), "w") as f:
-        json.dump(classes, f)
+    if classes:
+        table = {
+            "version": unicodedata.unidata_version,
+            "letters": ranges_of(lambda c: regex.match(r"\p{L}", c) is not None),
+            "numbers": ranges_of(lambda c: regex.match(r"\p{N}", c) is not None),
+            "spaces": ranges_of(lambda c: regex.match(r"\s", c) is not None),
+        }
+        with open(os.path.join(out, "classes.json"), "w") as f:
+            json.dump(table, f)
     corpus = random_text(rng, 30000)
     with open(os.path.join(out, "corpus.txt"), "w", encoding="utf-8", newline="") as f:
         f.write(corpus)
@@ -176,4 +176,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main_to(sys.argv[1])

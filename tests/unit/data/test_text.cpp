@@ -187,6 +187,25 @@ TEST_CASE("TokenCorpus maps nanoGPT files and llm.c shards, and refuses corrupt 
   REQUIRE_THROWS_WITH(TokenCorpus::open({a}), Catch::Contains("[ptrain.data.tokens.missing]"));
 }
 
+TEST_CASE("write_token_shard writes llm.c's layout, whole or not at all", "[data][text]") {
+  const std::string a = temp_path("written.bin");
+  auto read_all = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  write_token_shard(a, {7, 50256, 300});
+  REQUIRE(read_all(a) == llmc_shard(1, 3, {7, 50256, 300}));
+  write_token_shard(a, {70000, 1}, /*uint32_ids=*/true);
+  REQUIRE(read_all(a) == llmc_shard(2, 2, {70000, 1}));
+  REQUIRE_THROWS_WITH(write_token_shard(a, {1, 70000}), Catch::Contains("[ptrain.data.tokens.range]") &&
+                                                            Catch::Contains("token 1 is 70000"));
+  REQUIRE_THROWS_WITH(write_token_shard(a, {}), Catch::Contains("[ptrain.data.tokens.write]"));
+  REQUIRE(read_all(a) == llmc_shard(2, 2, {70000, 1}));  // a refused write leaves the file as it was
+  REQUIRE_FALSE(std::filesystem::exists(a + ".tmp"));
+  REQUIRE_THROWS_WITH(write_token_shard(temp_path("no/such/dir.bin"), {1}), Catch::Contains("cannot write"));
+  std::filesystem::remove(a);
+}
+
 TEST_CASE("RandomWindows over token files: the same windows as in memory, never across files", "[data][text]") {
   const std::int64_t S = 8;
   // One file: windows equal those of the same ids in memory.

@@ -1,0 +1,176 @@
+// Tokenizes text with GPT-2's BPE into llm.c's token shards, which gpt_char
+// (--train-tokens, --val-tokens) and llm.c-style trainers read.
+//
+//   tokenize_text --tokenizer gpt2 --out data/books books/*.txt          # each file is one document
+//   tokenize_text --tokenizer gpt2 --out data/owt owt_*.jsonl             # one JSON document per line ("text")
+//   gpt_char --train-tokens 'data/books_train_*.bin' --val-tokens data/books_val_000000.bin --tokenizer gpt2
+//
+// Every document starts with <|endoftext|>, as in nanoGPT's and llm.c's data
+// scripts. The tokens go into shards of --shard-tokens, in input order: the
+// first shard is the validation split (PREFIX_val_000000.bin), the others train
+// (PREFIX_train_000001.bin, ...), as llm.c names them. Each shard is llm.c's
+// layout (1024-byte header, uint16 ids; uint32 for vocabularies above 65536) and
+// appears whole or not at all. Documents are tokenized on --threads threads; a
+// document is held in memory whole.
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <ptrain/data/bpe.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli_checks.hpp"
+
+using namespace ptrain;
+
+namespace {
+
+// Tokens in, shards out (see the top of the file).
+class ShardWriter {
+ public:
+  ShardWriter(std::string prefix, std::int64_t shard_tokens, bool uint32_ids)
+      : prefix_(std::move(prefix)), shard_tokens_(shard_tokens), uint32_ids_(uint32_ids) {}
+
+  void add(const std::vector<std::int32_t>& ids) {
+    for (std::int32_t id : ids) {
+      buf_.push_back(id);
+      if (static_cast<std::int64_t>(buf_.size()) == shard_tokens_) flush();
+    }
+  }
+  void flush() {
+    if (buf_.empty()) return;
+    char name[32];
+    std::snprintf(name, sizeof name, "_%s_%06d.bin", shards_ == 0 ? "val" : "train", shards_);
+    write_token_shard(prefix_ + name, buf_, uint32_ids_);
+    total_ += static_cast<std::int64_t>(buf_.size());
+    buf_.clear();
+    ++shards_;
+  }
+  int shards() const { return shards_; }
+  std::int64_t total() const { return total_; }
+
+ private:
+  std::string prefix_;
+  std::int64_t shard_tokens_;
+  bool uint32_ids_;
+  std::vector<std::int32_t> buf_;
+  int shards_ = 0;
+  std::int64_t total_ = 0;
+};
+
+// Calls batch(documents, where) with the documents of one input file, about 64 MB at
+// a time: the whole file, or the `field` of a .jsonl file's lines (where: "path:line").
+template <class F>
+void read_documents(const std::string& path, const std::string& field, F&& batch) {
+  if (std::filesystem::path(path).extension() != ".jsonl")
+    return batch(std::vector<std::string>{read_text_file(path)}, std::vector<std::string>{path});
+  std::ifstream in(path, std::ios::binary);
+  PTRAIN_CHECK(in.good(), DataError, "[tokenize_text.input] cannot open '", path, "'; check the path");
+  std::vector<std::string> docs, where;
+  std::size_t size = 0;
+  std::string line;
+  for (std::int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      PTRAIN_THROW(DataError, "[tokenize_text.jsonl] ", path, ":", n, " is not JSON (", e.what(), ")");
+    }
+    PTRAIN_CHECK(j.is_object() && j.contains(field) && j[field].is_string(), DataError, "[tokenize_text.jsonl] ",
+                 path, ":", n, " has no string field \"", field, "\"; name the text's field with --field");
+    docs.push_back(j[field].get<std::string>());
+    where.push_back(path + ":" + std::to_string(n));
+    size += docs.back().size();
+    if (size >= (64u << 20)) {
+      batch(docs, where);
+      docs.clear();
+      where.clear();
+      size = 0;
+    }
+  }
+  if (!docs.empty()) batch(docs, where);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string tokenizer_dir, out;
+  std::vector<std::string> inputs;
+  std::int64_t shard_tokens = 100'000'000;
+  std::string field = "text";
+  bool no_eot = false;
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  CLI::App app{"Tokenize text files with GPT-2's BPE into llm.c token shards (first shard: validation)"};
+  app.add_option("--tokenizer", tokenizer_dir, "folder of a GPT-2 tokenizer (vocab.json + merges.txt, or "
+                 "encoder.json + vocab.bpe)")->required();
+  app.add_option("--out", out, "prefix of the shards: PREFIX_val_000000.bin, PREFIX_train_000001.bin, ...")
+      ->required();
+  app.add_option("--shard-tokens", shard_tokens, "tokens per shard (llm.c: 100000000)")->check(positive);
+  app.add_option("--field", field, "the text's field in .jsonl inputs");
+  app.add_flag("--no-eot", no_eot, "no <|endoftext|> before each document");
+  app.add_option("--threads", threads, "tokenizer threads")->check(CLI::Range(1, 1024));
+  app.add_option("inputs", inputs, "text files (one document each) or .jsonl files (one document per line)")
+      ->required();
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    const auto t0 = std::chrono::steady_clock::now();
+    const BpeTokenizer tok = BpeTokenizer::load(tokenizer_dir);
+    const auto folder = std::filesystem::path(out).parent_path();
+    PTRAIN_CHECK(folder.empty() || std::filesystem::is_directory(folder), DataError, "[tokenize_text.out] folder ",
+                 folder.string(), " of --out does not exist; create it first");
+    const std::optional<std::int32_t> eot = no_eot ? std::nullopt : tok.token_id("<|endoftext|>");
+    PTRAIN_CHECK(no_eot || eot, DataError, "[tokenize_text.eot] the tokenizer has no <|endoftext|> token; pass "
+                 "--no-eot to write the documents without a separator");
+
+    ShardWriter shards(out, shard_tokens, tok.vocab_size() > 65536);
+    std::int64_t docs = 0, bytes = 0;
+    for (const std::string& path : inputs) {
+      read_documents(path, field, [&](const std::vector<std::string>& texts, const std::vector<std::string>& where) {
+        // Each thread a stride of the documents; written in input order.
+        const auto nt = static_cast<std::size_t>(threads);
+        std::vector<std::vector<std::int32_t>> ids(texts.size());
+        std::vector<std::pair<std::size_t, std::string>> failed(nt, {texts.size(), ""});  // first failure of each
+        std::vector<std::thread> pool;
+        for (std::size_t t = 0; t < nt; ++t)
+          pool.emplace_back([&, t] {
+            for (std::size_t d = t; d < texts.size(); d += nt) try {
+                ids[d] = tok.encode(texts[d]);
+              } catch (const Error& e) {
+                failed[t] = {d, e.what()};
+                return;
+              }
+          });
+        for (auto& th : pool) th.join();
+        const auto bad = *std::min_element(failed.begin(), failed.end());
+        PTRAIN_CHECK(bad.first == texts.size(), DataError, "[tokenize_text.input] ",
+                     bad.first < where.size() ? where[bad.first] : path, ": ", bad.second);
+        for (std::size_t d = 0; d < texts.size(); ++d) {
+          if (eot) shards.add({*eot});
+          shards.add(ids[d]);
+          bytes += static_cast<std::int64_t>(texts[d].size());
+        }
+        docs += static_cast<std::int64_t>(texts.size());
+      });
+    }
+    shards.flush();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("%lld documents, %lld bytes -> %lld tokens in %d shard(s) (%s*.bin); %.1f s, %.1f MB/s\n",
+                static_cast<long long>(docs), static_cast<long long>(bytes), static_cast<long long>(shards.total()),
+                shards.shards(), out.c_str(), secs, static_cast<double>(bytes) / 1e6 / secs);
+    PTRAIN_CHECK(shards.shards() >= 2, DataError, "[tokenize_text.split] all ", shards.total(), " tokens are in the ",
+                 "validation shard, so there is nothing to train on; pass --shard-tokens below ", shards.total(),
+                 " (e.g. ", std::max<std::int64_t>(1, shards.total() / 10), ")");
+  } catch (const Error& e) {
+    std::fprintf(stderr, "tokenize_text: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
