@@ -121,6 +121,7 @@ struct Options {
   int preempt_exit_code = 0;
   bool resume = false;
   std::string export_path;
+  std::string export_hf;  // Hugging Face GPT-2 folder
   std::string init_from;  // pretrained weights: Hugging Face GPT-2 or ptrain names
 };
 
@@ -348,6 +349,9 @@ int run(Options opt) {
     if (const auto folder = std::filesystem::path(opt.export_path).parent_path(); lead && !folder.empty())
       PTRAIN_CHECK(std::filesystem::is_directory(folder), Error, "[gpt_char.export] folder ", folder.string(),
                    " of --export does not exist; create it or choose another path");
+    if (const auto folder = std::filesystem::path(opt.export_hf).parent_path(); lead && !folder.empty())
+      PTRAIN_CHECK(std::filesystem::is_directory(folder), Error, "[gpt_char.export] folder ", folder.string(),
+                   " of --export-hf does not exist; create it or choose another path");
     RandomWindows train_windows(corpus.train, opt.block, opt.seed, replica, replicas, corpus.vocab_size);
     RandomWindows val_windows(corpus.val, opt.block, opt.seed + 1, 0, 1, corpus.vocab_size);
 
@@ -661,7 +665,8 @@ int run(Options opt) {
     // gathers them (full_parameters is collective) and rank 0 binds the model's own
     // Parameters to the copies, so generate() and the tied head work unchanged and
     // no second model is built. FSDP is not used after this.
-    if (fsdp && (opt.sample_tokens > 0 || !opt.export_path.empty())) {
+    const bool gather = opt.sample_tokens > 0 || !opt.export_path.empty() || !opt.export_hf.empty();
+    if (fsdp && gather) {
       auto full = fsdp->full_parameters();
       if (lead) {
         std::map<std::string, Tensor<T>> by_name(full.begin(), full.end());
@@ -672,7 +677,7 @@ int run(Options opt) {
         }
       }
     }
-    if (pipe && mesh->replica() == 0 && (opt.sample_tokens > 0 || !opt.export_path.empty())) {
+    if (pipe && mesh->replica() == 0 && gather) {
       dist::Communicator& stages = mesh->pipeline_group();
       const auto& part = pipe->partition();
       for (int s = 1; s < stages.size(); ++s) {
@@ -695,6 +700,16 @@ int run(Options opt) {
       ckpt::write_safetensors(opt.export_path, refs, {{"format", "pt"}, {"ptrain.step", std::to_string(state.step)}});
       std::printf("exported %zu tensors of step %lld to %s\n", refs.size(), static_cast<long long>(state.step),
                   opt.export_path.c_str());
+    }
+    if (lead && !opt.export_hf.empty()) {
+      // The tokenizer's vocabulary (not the padded one) and its files: a folder transformers loads whole.
+      const std::string what = ckpt::save_gpt2_weights(opt.export_hf, model, corpus.bpe ? corpus.bpe->vocab_size() : 0);
+      for (const char* f : {"vocab.json", "merges.txt"})
+        if (corpus.bpe && std::filesystem::is_regular_file(std::filesystem::path(opt.tokenizer) / f))
+          std::filesystem::copy_file(std::filesystem::path(opt.tokenizer) / f, std::filesystem::path(opt.export_hf) / f,
+                                     std::filesystem::copy_options::overwrite_existing);
+      std::printf("exported step %lld as Hugging Face GPT-2 to %s: %s\n", static_cast<long long>(state.step),
+                  opt.export_hf.c_str(), what.c_str());
     }
 
     if (lead) {
@@ -794,6 +809,8 @@ int main(int argc, char** argv) {
                  "model.safetensors or a ptrain file (--export, a checkpoint's model.safetensors)");
   app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "
                  "safetensors file (PyTorch's safetensors.torch.load_file reads it)");
+  app.add_option("--export-hf", opt.export_hf, "at the end, rank 0 writes the model as a Hugging Face GPT-2 folder "
+                 "(model.safetensors, config.json, --tokenizer's files) for transformers' from_pretrained");
   CLI11_PARSE(app, argc, argv);
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir\n");

@@ -1,10 +1,12 @@
 #pragma once
 // Pretrained weights for nn::GPT: Hugging Face's GPT-2 safetensors files, or a
 // ptrain file with the model's own names (gpt_char --export, a checkpoint's
-// model.safetensors), to fine-tune from.
+// model.safetensors), to fine-tune from; and the way back, a Hugging Face GPT-2
+// folder that transformers' GPT2LMHeadModel.from_pretrained loads.
 //
 //   nn::GPT<float> model({.vocab_size = 50304, .block_size = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768});
 //   ckpt::load_gpt2_weights("gpt2/model.safetensors", model);
+//   ckpt::save_gpt2_weights("finetuned", model, /*vocab_size=*/50257);   // model.safetensors + config.json
 //
 // Note [GPT-2 names]
 // Hugging Face's GPT2Model is the same network as nn::GPT (pre-LayerNorm blocks,
@@ -26,8 +28,12 @@
 // (layers, width, a tensor missing or left over) is refused before any
 // parameter changes, naming the tensor and the model's shape.
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <vector>
@@ -126,6 +132,62 @@ std::string load_gpt2_weights(const std::string& path, nn::GPT<T>& model) {
   for (auto& [param, v] : values) param->value.copy_(v);
   return std::string(ours ? "ptrain GPT weights, " : "Hugging Face GPT-2 weights, ") + std::to_string(values.size()) +
          " tensors" + (note.empty() ? "" : " (" + note.substr(2) + ")");
+}
+
+/// Writes `model` as a Hugging Face GPT-2 folder (created if missing): model.safetensors
+/// with GPT2LMHeadModel's names (Note [GPT-2 names] the other way: "transformer."
+/// prefix, Conv1D weights transposed, F32, lm_head.weight only when untied) and
+/// config.json (GPT2Config: sizes, tanh GELU, eps 1e-5, the model's dropout,
+/// tie_word_embeddings). `vocab_size` (0: the model's) keeps the first rows of wte and
+/// lm_head, dropping a padded vocabulary's extra rows. The model may live on any device.
+/// Returns what was written, e.g. "148 tensors, vocabulary 50257 (of 50304)".
+template <class T>
+std::string save_gpt2_weights(const std::string& folder, nn::GPT<T>& model, std::int64_t vocab_size = 0) {
+  namespace fs = std::filesystem;
+  const nn::GPTConfig& cfg = model.config();
+  if (vocab_size == 0) vocab_size = cfg.vocab_size;
+  PTRAIN_CHECK(vocab_size > 0 && vocab_size <= cfg.vocab_size, CheckpointError, "[ptrain.ckpt.gpt2] cannot write a ",
+               "vocabulary of ", vocab_size, " from a model of ", cfg.vocab_size, " ids; pass at most the model's");
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  PTRAIN_CHECK(fs::is_directory(folder), CheckpointError, "[ptrain.ckpt.write] cannot create folder '", folder,
+               "': ", ec.message());
+  std::vector<std::string> names;
+  std::vector<Tensor<float>> values;  // host F32, in the file's layout
+  for (auto& [name, param] : model.named_parameters()) {
+    auto [file_name, transposed] = detail::hf_gpt2_name(name);
+    if (file_name != "lm_head.weight") file_name = "transformer." + file_name;
+    const Tensor<T> v = param->value.to(Device::cpu());
+    const bool vocab_rows = name == "embed.wte.weight" || name == "head.lm_head.weight";
+    Shape shape = v.shape();
+    if (vocab_rows) shape[0] = vocab_size;
+    if (transposed) std::swap(shape[0], shape[1]);
+    auto out = Tensor<float>::empty(shape);
+    const std::int64_t rows = v.dim() == 2 ? v.shape()[0] : 1, cols = v.numel() / rows;
+    for (std::int64_t i = 0; i < (vocab_rows ? vocab_size : rows); ++i)
+      for (std::int64_t j = 0; j < cols; ++j)
+        out.data()[transposed ? j * rows + i : i * cols + j] =
+            static_cast<float>(static_cast<acc_t<T>>(v.data()[i * cols + j]));
+    names.push_back(file_name);
+    values.push_back(std::move(out));
+  }
+  std::vector<TensorRef> refs;
+  for (std::size_t i = 0; i < names.size(); ++i) refs.push_back(tensor_ref(names[i], values[i]));
+  write_safetensors((fs::path(folder) / "model.safetensors").string(), refs, {{"format", "pt"}});
+
+  const nlohmann::ordered_json config = {
+      {"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", vocab_size},
+      {"n_positions", cfg.block_size}, {"n_ctx", cfg.block_size}, {"n_embd", cfg.n_embd}, {"n_layer", cfg.n_layer},
+      {"n_head", cfg.n_head}, {"n_inner", nullptr}, {"activation_function", "gelu_new"},
+      {"layer_norm_epsilon", 1e-5}, {"resid_pdrop", cfg.dropout}, {"embd_pdrop", cfg.dropout},
+      {"attn_pdrop", cfg.dropout}, {"initializer_range", 0.02}, {"tie_word_embeddings", cfg.tie_weights},
+      {"torch_dtype", "float32"}};
+  const std::string config_path = (fs::path(folder) / "config.json").string();
+  std::ofstream(config_path, std::ios::trunc) << config.dump(2) << "\n";
+  PTRAIN_CHECK(fs::file_size(config_path, ec) > 0, CheckpointError, "[ptrain.ckpt.write] cannot write '",
+               config_path, "'");
+  return std::to_string(refs.size()) + " tensors, vocabulary " + std::to_string(vocab_size) +
+         (vocab_size < cfg.vocab_size ? " (of " + std::to_string(cfg.vocab_size) + ")" : "");
 }
 
 }  // namespace ptrain::ckpt

@@ -14,6 +14,8 @@ usage: test_gpt_char_bpe.py GPT_CHAR TOKENIZE_TEXT
   sample       from that checkpoint, with the same seed: the text sample that continues
                --prompt "hello" (--tokenizer) is the reference's decoding of the id sample
                that continues the id of "hello" (no --tokenizer)
+  export       --export-hf writes a folder with the tokenizer's files and vocabulary size, and
+               --init-from its model.safetensors validates as the run ended (lr 0)
   refused      a missing tokenizer, a --vocab-size below the tokenizer's and --prompt with
                token files but no tokenizer fail before training"""
 import json
@@ -180,6 +182,30 @@ def case_text_and_sample(exe, ref_dir, ref, work):
     return d
 
 
+def final_loss(out):
+    return out.split(b"final val_loss ", 1)[1].split()[0] if b"final val_loss " in out else None
+
+
+def case_export(exe, ref_dir, ref, work):
+    corpus = os.path.join(ref_dir, "corpus.txt")
+    hf = os.path.join(ref_dir, "hf")
+    folder = os.path.join(work, "export-hf")
+    flags = [exe, "--data", corpus, "--tokenizer", hf] + tiny(dropout=0)
+    _, out, _ = run(flags + ["--steps", "12", "--export-hf", folder], "export")
+    config = json.load(open(os.path.join(folder, "config.json")))
+    if config["vocab_size"] != len(ref.vocab) or config["n_layer"] != 1 or config["n_embd"] != 32:
+        raise Failure(f"export: config.json {config} does not describe the model")
+    for f in ("vocab.json", "merges.txt"):
+        if open(os.path.join(folder, f), "rb").read() != open(os.path.join(hf, f), "rb").read():
+            raise Failure(f"export: {f} is not the tokenizer's")
+    _, again, _ = run(flags + ["--steps", "1", "--lr", "0", "--min-lr", "0", "--init-from",
+                               os.path.join(folder, "model.safetensors")], "init from the export")
+    if final_loss(out) is None or final_loss(again) != final_loss(out):
+        raise Failure(f"export: --init-from the folder validates at {final_loss(again)}, the run ended at "
+                      f"{final_loss(out)}")
+    print(f"ok   export: the Hugging Face folder validates as the run ended ({final_loss(out).decode()})")
+
+
 def case_refused(exe, ref_dir, d):
     hf = os.path.join(ref_dir, "hf")
     tokens = ["--train-tokens", os.path.join(d, "train.bin"), "--val-tokens", os.path.join(d, "val.bin")]
@@ -205,6 +231,7 @@ def main():
         try:
             case_shards(tool, ref_dir, ref, work)
             d = case_text_and_sample(exe, ref_dir, ref, work)
+            case_export(exe, ref_dir, ref, work)
             case_refused(exe, ref_dir, d)
         except Failure as e:
             print(f"FAIL {e}")

@@ -1,6 +1,7 @@
 """Reference for tests/unit/ckpt/test_gpt2_weights.cpp: a GPT-2 in Hugging Face's layout.
 
 usage: gpt2_hf_reference.py OUT_DIR
+       gpt2_hf_reference.py logits MODEL_DIR IDS_JSON OUT_BIN
 
 Writes random weights as Hugging Face's GPT2LMHeadModel state dict stores them
 (names with "transformer.", Conv1D weights [in, out], the attention-mask buffers,
@@ -9,6 +10,10 @@ prefix, the buffers and lm_head to OUT_DIR/hf_plain.safetensors, token ids to
 tokens.bin (int64) and the logits of GPT-2's forward pass, written here from
 scratch in numpy float64 (x @ W + b for Conv1D, tanh GELU, eps 1e-5), for the
 first S positions to logits.bin, plus meta.json with the sizes.
+
+The logits mode reads a Hugging Face GPT-2 folder (config.json, model.safetensors, as
+transformers' GPT2LMHeadModel.from_pretrained does) and writes the logits (float64) of
+the token ids in IDS_JSON ({"ids": [[...], ...]}).
 """
 import json
 import os
@@ -44,8 +49,25 @@ def gelu(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-def forward(w, ids):
-    x = w["wte.weight"][ids] + w["wpe.weight"][:ids.shape[1]]
+def read_safetensors(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        if e["dtype"] != "F32":
+            raise SystemExit(f"{path}: {name} is {e['dtype']}, expected F32")
+        a, b = e["data_offsets"]
+        out[name] = np.frombuffer(data[8 + n + a:8 + n + b], dtype="<f4").reshape(e["shape"])
+    return out
+
+
+def forward(w, ids, L=L, H=H, head=None):
+    B, S = ids.shape
+    C = w["wte.weight"].shape[1]
+    x = w["wte.weight"][ids] + w["wpe.weight"][:S]
     D = C // H
     mask = np.tril(np.ones((S, S), dtype=bool))
     for l in range(L):
@@ -60,10 +82,30 @@ def forward(w, ids):
         x = x + y @ p("attn.c_proj.weight") + p("attn.c_proj.bias")
         m = gelu(layer_norm(x, p("ln_2.weight"), p("ln_2.bias")) @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"))
         x = x + m @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
-    return layer_norm(x, w["ln_f.weight"], w["ln_f.bias"]) @ w["wte.weight"].T
+    return layer_norm(x, w["ln_f.weight"], w["ln_f.bias"]) @ (w["wte.weight"] if head is None else head).T
+
+
+def logits_of_folder(model_dir, ids_json, out_bin):
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    if cfg["model_type"] != "gpt2" or cfg["activation_function"] != "gelu_new" or cfg["layer_norm_epsilon"] != 1e-5:
+        raise SystemExit(f"{model_dir}/config.json does not describe the GPT-2 this forward pass computes: {cfg}")
+    raw = read_safetensors(os.path.join(model_dir, "model.safetensors"))
+    w = {k[len("transformer."):]: v.astype(np.float64) for k, v in raw.items() if k.startswith("transformer.")}
+    tied = cfg.get("tie_word_embeddings", True)
+    if tied != ("lm_head.weight" not in raw):
+        raise SystemExit(f"tie_word_embeddings {tied}, but lm_head.weight is {'' if tied else 'not '}in the file")
+    if w["wte.weight"].shape != (cfg["vocab_size"], cfg["n_embd"]) or w["wpe.weight"].shape[0] != cfg["n_positions"]:
+        raise SystemExit(f"wte {w['wte.weight'].shape}, wpe {w['wpe.weight'].shape} do not match {cfg}")
+    if len(raw) != 2 + 12 * cfg["n_layer"] + 2 + (0 if tied else 1):
+        raise SystemExit(f"{len(raw)} tensors for {cfg['n_layer']} layers")
+    ids = np.array(json.load(open(ids_json))["ids"], dtype=np.int64)
+    head = None if tied else raw["lm_head.weight"].astype(np.float64)
+    forward(w, ids, cfg["n_layer"], cfg["n_head"], head).astype("<f8").tofile(out_bin)
 
 
 def main():
+    if sys.argv[1] == "logits":
+        return logits_of_folder(*sys.argv[2:5])
     out = sys.argv[1]
     rng = np.random.default_rng(5)
     u = lambda *shape: rng.uniform(-0.4, 0.4, shape).astype(np.float32)

@@ -99,3 +99,64 @@ TEST_CASE("GPT-2 weights in Hugging Face's layout give GPT-2's logits", "[ckpt][
   REQUIRE_THROWS_WITH(ckpt::load_gpt2_weights((dir / "logits.bin").string(), copy), Catch::Contains("[ptrain.ckpt"));
   fs::remove_all(dir);
 }
+
+TEST_CASE("save_gpt2_weights writes a Hugging Face GPT-2 folder with the model's logits", "[ckpt][gpt]") {
+  const fs::path dir = fs::temp_directory_path() / ("ptrain_gpt2_save_" + std::to_string(::getpid()));
+  const fs::path script = fs::path(__FILE__).parent_path() / "gpt2_hf_reference.py";
+  const std::int64_t V = 37, B = 2, S = 8;  // the model pads its vocabulary to V + 3
+  fs::create_directories(dir);
+  nlohmann::json ids_json;
+  auto ids = Tensor<std::int32_t>::empty({B, S});
+  for (std::int64_t i = 0; i < B * S; ++i) ids.data()[i] = static_cast<std::int32_t>((i * 11 + 5) % V);
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::vector<std::int32_t> row(ids.data() + b * S, ids.data() + (b + 1) * S);
+    ids_json["ids"].push_back(row);
+  }
+  std::ofstream(dir / "ids.json") << ids_json.dump();
+
+  for (bool tie : {true, false}) {
+    INFO("tie_weights " << tie);
+    const nn::GPTConfig cfg{.vocab_size = V + 3, .block_size = S, .n_layer = 2, .n_head = 2, .n_embd = 16,
+                            .tie_weights = tie};
+    Generator init(tie ? 3 : 4);
+    nn::GPT<double> model(cfg, init);
+    for (auto& p : model.named_parameters())  // values a float holds exactly: the file is F32
+      for (std::int64_t i = 0; i < p.param->value.numel(); ++i)
+        p.param->value.data()[i] = static_cast<float>(p.param->value.data()[i] + 0.01 * std::sin(double(i)));
+    const fs::path out = dir / (tie ? "tied" : "untied");
+    CHECK(ckpt::save_gpt2_weights(out.string(), model, V) ==
+          std::to_string(tie ? 28 : 29) + " tensors, vocabulary 37 (of 40)");
+
+    // The reference's forward pass reads the folder as transformers would (config.json, names, layout).
+    const std::string cmd = "/usr/bin/python3 '" + script.string() + "' logits '" + out.string() + "' '" +
+                            (dir / "ids.json").string() + "' '" + (out / "logits.bin").string() + "'";
+    REQUIRE(std::system(cmd.c_str()) == 0);
+    const auto want = read_raw<double>(out / "logits.bin");
+    REQUIRE(static_cast<std::int64_t>(want.size()) == B * S * V);
+    nn::Cache<double> cache;
+    const auto got = model.forward_tokens(ids, cache).to_vector();
+    for (std::int64_t t = 0; t < B * S; ++t)
+      for (std::int64_t v = 0; v < V; ++v) {
+        INFO("token " << t << ", logit " << v);
+        REQUIRE(std::abs(got[t * (V + 3) + v] - want[t * V + v]) <= 1e-10 * (1 + std::abs(want[t * V + v])));
+      }
+
+    // And back: the same parameters, the dropped rows zero.
+    nn::GPT<double> back(cfg);
+    CHECK(ckpt::load_gpt2_weights((out / "model.safetensors").string(), back).find("padded to 40") !=
+          std::string::npos);
+    const auto a = parameter_values(model), b = parameter_values(back);
+    std::size_t k = 0;
+    for (auto& p : model.named_parameters()) {
+      INFO(p.name);
+      const bool vocab_rows = p.name == "embed.wte.weight" || p.name == "head.lm_head.weight";
+      const std::size_t keep = vocab_rows ? static_cast<std::size_t>(V * cfg.n_embd) : a[k].size();
+      CHECK(std::vector<double>(b[k].begin(), b[k].begin() + keep) == std::vector<double>(a[k].begin(), a[k].begin() + keep));
+      CHECK(std::all_of(b[k].begin() + keep, b[k].end(), [](double x) { return x == 0.0; }));
+      ++k;
+    }
+  }
+  nn::GPT<double> small({.vocab_size = V, .block_size = S, .n_layer = 1, .n_head = 2, .n_embd = 16});
+  CHECK_THROWS_WITH(ckpt::save_gpt2_weights((dir / "x").string(), small, V + 1), Catch::Contains("at most the model's"));
+  fs::remove_all(dir);
+}

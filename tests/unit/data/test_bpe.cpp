@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <ptrain/data/bpe.hpp>
 #include <unistd.h>
@@ -129,4 +130,28 @@ TEST_CASE("BPE refuses bad files and bad input with what to do", "[data][bpe]") 
                     Catch::Contains("[ptrain.data.bpe.id]") && Catch::Contains("at index 1"));
   CHECK_THROWS_WITH(tok.decode({-1}), Catch::Contains("[ptrain.data.bpe.id]"));
   fs::remove_all(d);
+}
+
+TEST_CASE("BPE: random UTF-8 over every plane round-trips, and the pieces tile the text", "[data][bpe]") {
+  const auto tok = BpeTokenizer::load((reference_dir() / "hf").string());
+  std::mt19937 rng(7);
+  for (int t = 0; t < 2000; ++t) {
+    std::string text;
+    const int n = static_cast<int>(rng() % 40);
+    for (int i = 0; i < n; ++i) {
+      // Mostly ASCII (spaces, apostrophes, letters), else any code point but a surrogate.
+      std::uint32_t cp = rng() % 3 ? " '\nsa1.\t"[rng() % 8] : rng() % 0x110000;
+      if (cp >= 0xD800 && cp <= 0xDFFF) cp = 0xFFFD;
+      detail::append_utf8(text, cp);
+    }
+    INFO(nlohmann::json(text).dump());
+    std::size_t at = 0;
+    for (const auto& [begin, end] : detail::gpt2_pieces(text)) {
+      REQUIRE(begin == at);
+      REQUIRE(end > begin);
+      at = end;
+    }
+    REQUIRE(at == text.size());
+    REQUIRE(tok.decode(tok.encode(text)) == text);
+  }
 }
