@@ -715,12 +715,13 @@ int run(Options opt) {
     if (lead) {
       if (opt.sample_tokens > 0) {
         // Token files without --tokenizer: the sample continues the first validation token
-        // and is printed as ids. A model's padded vocabulary may sample ids the tokenizer lacks.
+        // and is printed as ids. A padded vocabulary's extra ids are never sampled.
         const bool text = corpus.can_encode();
         const std::vector<std::int32_t> prompt =
             text ? corpus.encode(opt.prompt) : std::vector<std::int32_t>{static_cast<std::int32_t>(corpus.val.at(0, 0))};
         Generator sample_gen(opt.seed);
-        const auto out = nn::generate(model, prompt, opt.sample_tokens, opt.temperature, opt.top_k, sample_gen);
+        const auto out = nn::generate(model, prompt, opt.sample_tokens, opt.temperature, opt.top_k, sample_gen,
+                                      corpus.bpe ? corpus.bpe->vocab_size() : 0);
         std::string sample;
         if (text) sample = corpus.decode(out);
         else

@@ -13,7 +13,8 @@ usage: test_gpt_char_bpe.py GPT_CHAR TOKENIZE_TEXT
                files of the reference's ids of T (90% / 10%)
   sample       from that checkpoint, with the same seed: the text sample that continues
                --prompt "hello" (--tokenizer) is the reference's decoding of the id sample
-               that continues the id of "hello" (no --tokenizer)
+               that continues the id of "hello" (no --tokenizer); with a vocabulary padded to
+               4096 only the tokenizer's ids are sampled (the sample decodes)
   export       --export-hf writes a folder with the tokenizer's files and vocabulary size, and
                --init-from its model.safetensors validates as the run ended (lr 0)
   refused      a missing tokenizer, a --vocab-size below the tokenizer's and --prompt with
@@ -179,6 +180,13 @@ def case_text_and_sample(exe, ref_dir, ref, work):
     if got != want:
         raise Failure(f"sample: --tokenizer printed {got!r}, the reference decodes the ids to {want!r}")
     print(f"ok   sample: {got[:30]!r}... is the reference's decoding of the id sample")
+
+    # A vocabulary padded far beyond the tokenizer's: the sample keeps to the tokenizer's ids.
+    _, out, _ = run([exe, "--data", corpus, "--tokenizer", hf, "--vocab-size", "4096", "--steps", "2", "--temperature",
+                     "1", "--top-k", "0"] + tiny(sample_tokens=100), "padded vocabulary")
+    if b"--- sample ---" not in out:
+        raise Failure(f"padded vocabulary: no text sample:\n{out.decode(errors='replace')}")
+    print("ok   sample: with --vocab-size 4096 the sample decodes (only the tokenizer's ids are sampled)")
     return d
 
 

@@ -538,4 +538,19 @@ TEST_CASE("generate: greedy continuation follows the model's argmax; crops the c
   }
   Generator s1(7), s2(7);
   REQUIRE(nn::generate(model, {3}, 12, 1.0, 4, s1) == nn::generate(model, {3}, 12, 1.0, 4, s2));
+  // A vocabulary limit below the greedy choices: only ids under it, and the largest logit among them.
+  const std::int32_t limit = *std::min_element(out.begin() + 2, out.end());
+  REQUIRE(limit > 0);
+  auto limited = nn::generate(model, {1, 2}, 8, 0.0, 0, sg, limit);
+  for (std::size_t n = 2; n < limited.size(); ++n) {
+    nn::Cache<double> c;
+    const std::int64_t len = std::min<std::int64_t>(6, static_cast<std::int64_t>(n));
+    auto x = Tensor<double>::empty({1, len});
+    for (std::int64_t i = 0; i < len; ++i) x.data()[i] = limited[n - static_cast<std::size_t>(len - i)];
+    auto logits = model.forward(x, c);
+    std::int32_t best = 0;
+    for (std::int32_t v = 1; v < limit; ++v)
+      if (logits.at({0, len - 1, v}) > logits.at({0, len - 1, best})) best = v;
+    REQUIRE(limited[n] == best);
+  }
 }

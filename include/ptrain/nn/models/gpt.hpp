@@ -335,9 +335,12 @@ std::int32_t sample_logits(const T* logits, std::int64_t vocab, double temperatu
 /// of context each step; returns prompt + new tokens. Runs in evaluation mode
 /// (dropout off) and restores the previous mode. Draws one uniform per token from gen.
 /// The model may be on any device (ids go there, the last row of logits comes back).
+/// vocab_limit > 0 samples among the first vocab_limit ids only: a tokenizer's ids when
+/// the model's vocabulary is padded (as llm.c samples GPT-2's 50257 of 50304).
 template <class T>
 std::vector<std::int32_t> generate(GPT<T>& model, std::vector<std::int32_t> prompt, std::int64_t max_new_tokens,
-                                   double temperature, std::int64_t top_k, Generator& gen) {
+                                   double temperature, std::int64_t top_k, Generator& gen,
+                                   std::int64_t vocab_limit = 0) {
   PTRAIN_CHECK(!prompt.empty(), Error, "[ptrain.sample] the prompt needs at least one token");
   const bool was_training = model.training();
   model.train(false);
@@ -351,7 +354,8 @@ std::vector<std::int32_t> generate(GPT<T>& model, std::vector<std::int32_t> prom
     auto logits = model.forward_tokens(Tensor<std::int32_t>::from(window, {1, len}).to(device), cache);
     const auto row = logits.view((len - 1) * V, {V}).to(Device::cpu());
     for (std::int64_t v = 0; v < V; ++v) last[static_cast<std::size_t>(v)] = static_cast<acc_t<T>>(row.data()[v]);
-    prompt.push_back(sample_logits(last.data(), V, temperature, top_k, gen.uniform()));
+    prompt.push_back(sample_logits(last.data(), vocab_limit > 0 ? std::min(vocab_limit, V) : V, temperature, top_k,
+                                   gen.uniform()));
   }
   model.train(was_training);
   return prompt;
