@@ -10,8 +10,8 @@
 // first shard is the validation split (PREFIX_val_000000.bin), the others train
 // (PREFIX_train_000001.bin, ...), as llm.c names them. Each shard is llm.c's
 // layout (1024-byte header, uint16 ids; uint32 for vocabularies above 65536) and
-// appears whole or not at all. Documents are tokenized on --threads threads; a
-// document is held in memory whole.
+// appears whole or not at all. A text file streams from a memory mapping, so it may
+// be larger than memory; .jsonl documents are tokenized on --threads threads.
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -64,12 +64,10 @@ class ShardWriter {
   std::int64_t total_ = 0;
 };
 
-// Calls batch(documents, where) with the documents of one input file, about 64 MB at
-// a time: the whole file, or the `field` of a .jsonl file's lines (where: "path:line").
+// Calls batch(documents, where) with the `field` of a .jsonl file's lines, about 64 MB
+// at a time (where: "path:line" of each).
 template <class F>
-void read_documents(const std::string& path, const std::string& field, F&& batch) {
-  if (std::filesystem::path(path).extension() != ".jsonl")
-    return batch(std::vector<std::string>{read_text_file(path)}, std::vector<std::string>{path});
+void read_jsonl(const std::string& path, const std::string& field, F&& batch) {
   std::ifstream in(path, std::ios::binary);
   PTRAIN_CHECK(in.good(), DataError, "[tokenize_text.input] cannot open '", path, "'; check the path");
   std::vector<std::string> docs, where;
@@ -133,7 +131,20 @@ int main(int argc, char** argv) {
     ShardWriter shards(out, shard_tokens, tok.vocab_size() > 65536);
     std::int64_t docs = 0, bytes = 0;
     for (const std::string& path : inputs) {
-      read_documents(path, field, [&](const std::vector<std::string>& texts, const std::vector<std::string>& where) {
+      if (std::filesystem::path(path).extension() != ".jsonl") {  // one document, streamed
+        const detail::MappedFile<DataError> file(path, "[tokenize_text.input]", "check the path");
+        try {
+          if (eot) shards.add({*eot});
+          tok.encode_to({reinterpret_cast<const char*>(file.data()), file.size()},
+                        [&](const std::vector<std::int32_t>& ids) { shards.add(ids); });
+        } catch (const Error& e) {
+          PTRAIN_THROW(DataError, "[tokenize_text.input] ", path, ": ", e.what());
+        }
+        docs += 1;
+        bytes += static_cast<std::int64_t>(file.size());
+        continue;
+      }
+      read_jsonl(path, field, [&](const std::vector<std::string>& texts, const std::vector<std::string>& where) {
         // Each thread a stride of the documents; written in input order.
         const auto nt = static_cast<std::size_t>(threads);
         std::vector<std::vector<std::int32_t>> ids(texts.size());
@@ -150,8 +161,8 @@ int main(int argc, char** argv) {
           });
         for (auto& th : pool) th.join();
         const auto bad = *std::min_element(failed.begin(), failed.end());
-        PTRAIN_CHECK(bad.first == texts.size(), DataError, "[tokenize_text.input] ",
-                     bad.first < where.size() ? where[bad.first] : path, ": ", bad.second);
+        PTRAIN_CHECK(bad.first == texts.size(), DataError, "[tokenize_text.input] ", where[bad.first], ": ",
+                     bad.second);
         for (std::size_t d = 0; d < texts.size(); ++d) {
           if (eot) shards.add({*eot});
           shards.add(ids[d]);

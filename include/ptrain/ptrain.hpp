@@ -61,6 +61,7 @@
 #include "ptrain/data/batches.hpp"
 #include "ptrain/data/idx.hpp"
 #include "ptrain/data/sampler.hpp"
+#include "ptrain/data/bpe.hpp"
 #include "ptrain/data/text.hpp"
 
 #include "ptrain/train/metrics.hpp"

@@ -12,7 +12,7 @@
 // 1. Pieces: the UTF-8 text splits where GPT-2's pattern matches,
 //      's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 //    leftmost-first at each position, as a backtracking regex engine does
-//    (detail::gpt2_pieces); \p{L} and \p{N} are Unicode's general categories
+//    (detail::for_each_gpt2_piece); \p{L} and \p{N} are Unicode's general categories
 //    (unicode_tables.hpp), \s is the White_Space property.
 // 2. Bytes: each byte of a piece starts as one symbol, the vocabulary's token for
 //    the byte's printable stand-in (detail::byte_to_unicode: printable Latin-1
@@ -75,74 +75,75 @@ inline CharClass char_class(std::uint32_t cp) {
   return CharClass::Other;
 }
 
-/// Code points of UTF-8 `text` and the byte offset of each (one more: text.size()).
-/// Strict: overlong forms, surrogates and truncated sequences are errors.
-inline void decode_utf8(std::string_view text, std::vector<std::uint32_t>& cps, std::vector<std::size_t>& offsets) {
-  cps.clear();
-  offsets.clear();
+/// The code point at byte i of UTF-8 `text` and its length in bytes. Strict: overlong
+/// forms, surrogates and truncated sequences throw, naming the offset.
+inline std::pair<std::uint32_t, std::size_t> utf8_at(std::string_view text, std::size_t i) {
   const auto* s = reinterpret_cast<const unsigned char*>(text.data());
-  const std::size_t n = text.size();
-  for (std::size_t i = 0; i < n;) {
-    offsets.push_back(i);
-    const unsigned char c = s[i];
-    int len = 0;
-    std::uint32_t cp = 0, min = 0;
-    if (c < 0x80) len = 1, cp = c;
-    else if ((c & 0xE0) == 0xC0) len = 2, cp = c & 0x1Fu, min = 0x80;
-    else if ((c & 0xF0) == 0xE0) len = 3, cp = c & 0x0Fu, min = 0x800;
-    else if ((c & 0xF8) == 0xF0) len = 4, cp = c & 0x07u, min = 0x10000;
-    bool ok = len > 0 && i + static_cast<std::size_t>(len) <= n;
-    for (int k = 1; ok && k < len; ++k) {
-      ok = (s[i + k] & 0xC0) == 0x80;
-      cp = (cp << 6) | (s[i + k] & 0x3Fu);
-    }
-    ok = ok && cp >= min && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF);
-    PTRAIN_CHECK(ok, DataError, "[ptrain.data.bpe.utf8] byte ", i, " (0x", "0123456789abcdef"[c >> 4],
-                 "0123456789abcdef"[c & 15], ") starts no valid UTF-8 character; the tokenizer encodes UTF-8 text: "
-                 "convert the text first (e.g. iconv -f LATIN1 -t UTF-8)");
-    cps.push_back(cp);
-    i += static_cast<std::size_t>(len);
+  const unsigned char c = s[i];
+  std::size_t len = 0;
+  std::uint32_t cp = 0, min = 0;
+  if (c < 0x80) return {c, 1};
+  if ((c & 0xE0) == 0xC0) len = 2, cp = c & 0x1Fu, min = 0x80;
+  else if ((c & 0xF0) == 0xE0) len = 3, cp = c & 0x0Fu, min = 0x800;
+  else if ((c & 0xF8) == 0xF0) len = 4, cp = c & 0x07u, min = 0x10000;
+  bool ok = len > 0 && i + len <= text.size();
+  for (std::size_t k = 1; ok && k < len; ++k) {
+    ok = (s[i + k] & 0xC0) == 0x80;
+    cp = (cp << 6) | (s[i + k] & 0x3Fu);
   }
-  offsets.push_back(n);
+  ok = ok && cp >= min && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF);
+  PTRAIN_CHECK(ok, DataError, "[ptrain.data.bpe.utf8] byte ", i, " (0x", "0123456789abcdef"[c >> 4],
+               "0123456789abcdef"[c & 15], ") starts no valid UTF-8 character; the tokenizer encodes UTF-8 text: "
+               "convert the text first (e.g. iconv -f LATIN1 -t UTF-8)");
+  return {cp, len};
 }
 
-/// Byte ranges [first, second) of the pieces of GPT-2's pattern (Note [GPT-2 byte-level BPE]).
-inline std::vector<std::pair<std::size_t, std::size_t>> gpt2_pieces(std::string_view text) {
-  std::vector<std::uint32_t> cps;
-  std::vector<std::size_t> off;
-  decode_utf8(text, cps, off);
-  const std::size_t n = cps.size();
-  std::vector<CharClass> cls(n);
-  for (std::size_t i = 0; i < n; ++i) cls[i] = char_class(cps[i]);
-  std::vector<std::pair<std::size_t, std::size_t>> out;
-  auto run = [&](std::size_t j, CharClass c) {  // end of the run of class c from j
-    while (j < n && cls[j] == c) ++j;
-    return j;
+/// Calls piece(begin, end) with the byte range of each piece of GPT-2's pattern, in
+/// order (Note [GPT-2 byte-level BPE]); reads the text once, keeping nothing.
+template <class F>
+void for_each_gpt2_piece(std::string_view text, F&& piece) {
+  const std::size_t n = text.size();
+  auto class_at = [&](std::size_t i) {
+    const auto [cp, len] = utf8_at(text, i);
+    return std::pair{char_class(cp), len};
+  };
+  auto run_end = [&](std::size_t i, CharClass c) {  // end of the run of class c from i
+    while (i < n) {
+      const auto [k, len] = class_at(i);
+      if (k != c) break;
+      i += len;
+    }
+    return i;
   };
   for (std::size_t i = 0; i < n;) {
     std::size_t end = i;
-    const std::uint32_t c = cps[i];
-    if (c == '\'' && i + 1 < n) {  // 's 't 'm 'd, then 're 've 'll
-      const std::uint32_t a = cps[i + 1], b = i + 2 < n ? cps[i + 2] : 0;
+    if (text[i] == '\'' && i + 1 < n) {  // 's 't 'm 'd, then 're 've 'll (ASCII: bytes are characters)
+      const char a = text[i + 1], b = i + 2 < n ? text[i + 2] : '\0';
       if (a == 's' || a == 't' || a == 'm' || a == 'd') end = i + 2;
       else if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) end = i + 3;
     }
     if (end == i) {
       // " ?\p{L}+", " ?\p{N}+", " ?[^\s\p{L}\p{N}]+": an optional space, then a run of one class.
-      const std::size_t j = i + (c == ' ' ? 1 : 0);
-      if (j < n && cls[j] != CharClass::Space) {
-        end = run(j, cls[j]);
+      const std::size_t j = text[i] == ' ' && i + 1 < n ? i + 1 : i;
+      const CharClass c = class_at(j).first;
+      if (c != CharClass::Space) {
+        end = run_end(j, c);
       } else {
         // "\s+(?!\S)": whitespace up to the end, or up to the last one before a non-space
         // (which may then lead the next piece); else "\s+": one whitespace character.
-        const std::size_t k = run(i, CharClass::Space);
-        end = k == n ? n : (k - i >= 2 ? k - 1 : i + 1);
+        std::size_t last = i;  // start of the run's last character
+        for (end = i; end < n;) {
+          const auto [k, len] = class_at(end);
+          if (k != CharClass::Space) break;
+          last = end;
+          end += len;
+        }
+        if (end < n && last > i) end = last;
       }
     }
-    out.emplace_back(off[i], off[end]);
+    piece(i, end);
     i = end;
   }
-  return out;
 }
 
 /// GPT-2's printable stand-in for byte b (encoder.py's bytes_to_unicode).
@@ -214,8 +215,6 @@ class BpeTokenizer {
     for (unsigned b = 0; b < 256; ++b) byte_of[detail::byte_to_unicode(b)] = static_cast<int>(b);
     t.bytes_.resize(static_cast<std::size_t>(size));
     t.known_.assign(static_cast<std::size_t>(size), false);
-    std::vector<std::uint32_t> cps;
-    std::vector<std::size_t> offsets;
     for (const auto& [token, value] : vocab.items()) {
       const auto id = value.get<std::int32_t>();
       PTRAIN_CHECK(!t.known_[id], DataError, "[ptrain.data.bpe.vocab] '", vocab_path, "': id ", id,
@@ -223,11 +222,12 @@ class BpeTokenizer {
       t.known_[id] = true;
       t.ids_.emplace(token, id);
       // The token's bytes; a character without a byte (an added token) stands for its own UTF-8.
-      detail::decode_utf8(token, cps, offsets);
       std::string& bytes = t.bytes_[id];
-      for (std::size_t k = 0; k < cps.size(); ++k) {
-        if (cps[k] < byte_of.size() && byte_of[cps[k]] >= 0) bytes += static_cast<char>(byte_of[cps[k]]);
-        else bytes.append(token, offsets[k], offsets[k + 1] - offsets[k]);
+      for (std::size_t k = 0; k < token.size();) {
+        const auto [cp, len] = detail::utf8_at(token, k);
+        if (cp < byte_of.size() && byte_of[cp] >= 0) bytes += static_cast<char>(byte_of[cp]);
+        else bytes.append(token, k, len);
+        k += len;
       }
     }
     for (unsigned b = 0; b < 256; ++b) {
@@ -279,15 +279,22 @@ class BpeTokenizer {
 
   /// Token ids of UTF-8 `text`; DataError names the offset of invalid UTF-8.
   std::vector<std::int32_t> encode(std::string_view text) const {
-    std::vector<std::int32_t> out, symbols;
+    std::vector<std::int32_t> out;
     out.reserve(text.size() / 3);
-    for (const auto& [begin, end] : detail::gpt2_pieces(text)) {
+    encode_to(text, [&](const std::vector<std::int32_t>& ids) { out.insert(out.end(), ids.begin(), ids.end()); });
+    return out;
+  }
+  /// encode() piece by piece: sink(ids) gets the ids of each piece in order, and no
+  /// more than a piece is held (a text larger than memory can stream from a mapping).
+  template <class F>
+  void encode_to(std::string_view text, F&& sink) const {
+    std::vector<std::int32_t> symbols;
+    detail::for_each_gpt2_piece(text, [&](std::size_t begin, std::size_t end) {
       symbols.clear();
       for (std::size_t i = begin; i < end; ++i) symbols.push_back(byte_id_[static_cast<unsigned char>(text[i])]);
       merge(symbols);
-      out.insert(out.end(), symbols.begin(), symbols.end());
-    }
-    return out;
+      sink(std::as_const(symbols));
+    });
   }
   /// encode() as an int32 tensor [N].
   Tensor<std::int32_t> encode_tensor(std::string_view text) const {

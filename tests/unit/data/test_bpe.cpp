@@ -146,12 +146,19 @@ TEST_CASE("BPE: random UTF-8 over every plane round-trips, and the pieces tile t
     }
     INFO(nlohmann::json(text).dump());
     std::size_t at = 0;
-    for (const auto& [begin, end] : detail::gpt2_pieces(text)) {
+    detail::for_each_gpt2_piece(text, [&](std::size_t begin, std::size_t end) {
       REQUIRE(begin == at);
       REQUIRE(end > begin);
       at = end;
-    }
+    });
     REQUIRE(at == text.size());
-    REQUIRE(tok.decode(tok.encode(text)) == text);
+    const auto ids = tok.encode(text);
+    REQUIRE(tok.decode(ids) == text);
+    std::vector<std::int32_t> streamed;
+    tok.encode_to(text, [&](const std::vector<std::int32_t>& piece) {
+      REQUIRE_FALSE(piece.empty());
+      streamed.insert(streamed.end(), piece.begin(), piece.end());
+    });
+    REQUIRE(streamed == ids);
   }
 }
