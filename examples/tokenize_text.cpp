@@ -10,8 +10,9 @@
 // first shard is the validation split (PREFIX_val_000000.bin), the others train
 // (PREFIX_train_000001.bin, ...), as llm.c names them. Each shard is llm.c's
 // layout (1024-byte header, uint16 ids; uint32 for vocabularies above 65536) and
-// appears whole or not at all. A text file streams from a memory mapping, so it may
-// be larger than memory; .jsonl documents are tokenized on --threads threads.
+// appears whole or not at all. A text file is read from a memory mapping, so it may
+// be larger than memory; text files (in parts) and .jsonl documents are tokenized on
+// --threads threads.
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -96,12 +97,35 @@ void read_jsonl(const std::string& path, const std::string& field, F&& batch) {
   if (!docs.empty()) batch(docs, where);
 }
 
+// encode(i) for i < n on `threads` threads, each a stride of the i, in order; the
+// smallest failing i's error is thrown as "where(i): what".
+template <class Encode, class Where>
+std::vector<std::vector<std::int32_t>> encode_parallel(std::size_t n, int threads, Encode&& encode, Where&& where) {
+  const auto nt = static_cast<std::size_t>(threads);
+  std::vector<std::vector<std::int32_t>> ids(n);
+  std::vector<std::pair<std::size_t, std::string>> failed(nt, {n, ""});  // each thread's first failure
+  std::vector<std::thread> pool;
+  for (std::size_t t = 0; t < nt; ++t)
+    pool.emplace_back([&, t] {
+      for (std::size_t i = t; i < n; i += nt) try {
+          ids[i] = encode(i);
+        } catch (const Error& e) {
+          failed[t] = {i, e.what()};
+          return;
+        }
+    });
+  for (auto& th : pool) th.join();
+  const auto bad = *std::min_element(failed.begin(), failed.end());
+  PTRAIN_CHECK(bad.first == n, DataError, "[tokenize_text.input] ", where(bad.first), ": ", bad.second);
+  return ids;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string tokenizer_dir, out;
   std::vector<std::string> inputs;
-  std::int64_t shard_tokens = 100'000'000;
+  std::int64_t shard_tokens = 100'000'000, part_bytes = 16 << 20;
   std::string field = "text";
   bool no_eot = false;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -114,6 +138,8 @@ int main(int argc, char** argv) {
   app.add_option("--field", field, "the text's field in .jsonl inputs");
   app.add_flag("--no-eot", no_eot, "no <|endoftext|> before each document");
   app.add_option("--threads", threads, "tokenizer threads")->check(CLI::Range(1, 1024));
+  app.add_option("--part-bytes", part_bytes, "a text file is tokenized in parts of about this size, one per thread")
+      ->check(positive);
   app.add_option("inputs", inputs, "text files (one document each) or .jsonl files (one document per line)")
       ->required();
   CLI11_PARSE(app, argc, argv);
@@ -131,38 +157,37 @@ int main(int argc, char** argv) {
     ShardWriter shards(out, shard_tokens, tok.vocab_size() > 65536);
     std::int64_t docs = 0, bytes = 0;
     for (const std::string& path : inputs) {
-      if (std::filesystem::path(path).extension() != ".jsonl") {  // one document, streamed
+      if (std::filesystem::path(path).extension() != ".jsonl") {
+        // One document from a mapping: a round of --part-bytes parts per thread, cut where
+        // pieces end (detail::piece_boundary_after), so the parts' ids are the whole's.
         const detail::MappedFile<DataError> file(path, "[tokenize_text.input]", "check the path");
-        try {
-          if (eot) shards.add({*eot});
-          tok.encode_to({reinterpret_cast<const char*>(file.data()), file.size()},
-                        [&](const std::vector<std::int32_t>& ids) { shards.add(ids); });
-        } catch (const Error& e) {
-          PTRAIN_THROW(DataError, "[tokenize_text.input] ", path, ": ", e.what());
+        const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
+        if (eot) shards.add({*eot});
+        for (std::size_t at = 0; at < text.size();) {
+          std::vector<std::pair<std::size_t, std::size_t>> parts;
+          for (int t = 0; t < threads && at < text.size(); ++t) {
+            parts.emplace_back(at, detail::piece_boundary_after(text, at + static_cast<std::size_t>(part_bytes)));
+            at = parts.back().second;
+          }
+          const auto ids = encode_parallel(
+              parts.size(), threads,
+              [&](std::size_t i) {
+                std::vector<std::int32_t> out;
+                tok.encode_to(text, [&](const auto& piece) { out.insert(out.end(), piece.begin(), piece.end()); },
+                              parts[i].first, parts[i].second);
+                return out;
+              },
+              [&](std::size_t) { return path; });
+          for (const auto& part : ids) shards.add(part);
         }
         docs += 1;
-        bytes += static_cast<std::int64_t>(file.size());
+        bytes += static_cast<std::int64_t>(text.size());
         continue;
       }
       read_jsonl(path, field, [&](const std::vector<std::string>& texts, const std::vector<std::string>& where) {
-        // Each thread a stride of the documents; written in input order.
-        const auto nt = static_cast<std::size_t>(threads);
-        std::vector<std::vector<std::int32_t>> ids(texts.size());
-        std::vector<std::pair<std::size_t, std::string>> failed(nt, {texts.size(), ""});  // first failure of each
-        std::vector<std::thread> pool;
-        for (std::size_t t = 0; t < nt; ++t)
-          pool.emplace_back([&, t] {
-            for (std::size_t d = t; d < texts.size(); d += nt) try {
-                ids[d] = tok.encode(texts[d]);
-              } catch (const Error& e) {
-                failed[t] = {d, e.what()};
-                return;
-              }
-          });
-        for (auto& th : pool) th.join();
-        const auto bad = *std::min_element(failed.begin(), failed.end());
-        PTRAIN_CHECK(bad.first == texts.size(), DataError, "[tokenize_text.input] ", where[bad.first], ": ",
-                     bad.second);
+        const auto ids = encode_parallel(
+            texts.size(), threads, [&](std::size_t d) { return tok.encode(texts[d]); },
+            [&](std::size_t d) { return where[d]; });
         for (std::size_t d = 0; d < texts.size(); ++d) {
           if (eot) shards.add({*eot});
           shards.add(ids[d]);

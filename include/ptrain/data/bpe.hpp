@@ -99,10 +99,12 @@ inline std::pair<std::uint32_t, std::size_t> utf8_at(std::string_view text, std:
 }
 
 /// Calls piece(begin, end) with the byte range of each piece of GPT-2's pattern, in
-/// order (Note [GPT-2 byte-level BPE]); reads the text once, keeping nothing.
+/// order (Note [GPT-2 byte-level BPE]); reads the text once, keeping nothing. Only
+/// text[from, to) is split, as if it were the whole text.
 template <class F>
-void for_each_gpt2_piece(std::string_view text, F&& piece) {
-  const std::size_t n = text.size();
+void for_each_gpt2_piece(std::string_view text, F&& piece, std::size_t from = 0,
+                         std::size_t to = std::string_view::npos) {
+  const std::size_t n = std::min(to, text.size());
   auto class_at = [&](std::size_t i) {
     const auto [cp, len] = utf8_at(text, i);
     return std::pair{char_class(cp), len};
@@ -115,7 +117,7 @@ void for_each_gpt2_piece(std::string_view text, F&& piece) {
     }
     return i;
   };
-  for (std::size_t i = 0; i < n;) {
+  for (std::size_t i = from; i < n;) {
     std::size_t end = i;
     if (text[i] == '\'' && i + 1 < n) {  // 's 't 'm 'd, then 're 've 'll (ASCII: bytes are characters)
       const char a = text[i + 1], b = i + 2 < n ? text[i + 2] : '\0';
@@ -144,6 +146,16 @@ void for_each_gpt2_piece(std::string_view text, F&& piece) {
     piece(i, end);
     i = end;
   }
+}
+
+/// The first position p >= from (else text.size()) after a '\n' whose byte is printable
+/// ASCII. Every such p ends a piece whatever came before (only white-space pieces hold
+/// a '\n', and they end at or before the next non-space), so text[0, p) and text[p, ...)
+/// encode apart to the ids of the whole: a place to cut a text for parallel encoding.
+inline std::size_t piece_boundary_after(std::string_view text, std::size_t from) {
+  for (std::size_t p = std::max<std::size_t>(from, 1); p < text.size(); ++p)
+    if (text[p - 1] == '\n' && text[p] > ' ' && text[p] < 0x7F) return p;
+  return text.size();
 }
 
 /// GPT-2's printable stand-in for byte b (encoder.py's bytes_to_unicode).
@@ -286,15 +298,22 @@ class BpeTokenizer {
   }
   /// encode() piece by piece: sink(ids) gets the ids of each piece in order, and no
   /// more than a piece is held (a text larger than memory can stream from a mapping).
+  /// Only text[from, to) is encoded, as if it were the whole text; error offsets count
+  /// from text's start. Cut at detail::piece_boundary_after, the parts' ids joined are
+  /// the whole text's.
   template <class F>
-  void encode_to(std::string_view text, F&& sink) const {
+  void encode_to(std::string_view text, F&& sink, std::size_t from = 0,
+                 std::size_t to = std::string_view::npos) const {
     std::vector<std::int32_t> symbols;
-    detail::for_each_gpt2_piece(text, [&](std::size_t begin, std::size_t end) {
-      symbols.clear();
-      for (std::size_t i = begin; i < end; ++i) symbols.push_back(byte_id_[static_cast<unsigned char>(text[i])]);
-      merge(symbols);
-      sink(std::as_const(symbols));
-    });
+    detail::for_each_gpt2_piece(
+        text,
+        [&](std::size_t begin, std::size_t end) {
+          symbols.clear();
+          for (std::size_t i = begin; i < end; ++i) symbols.push_back(byte_id_[static_cast<unsigned char>(text[i])]);
+          merge(symbols);
+          sink(std::as_const(symbols));
+        },
+        from, to);
   }
   /// encode() as an int32 tensor [N].
   Tensor<std::int32_t> encode_tensor(std::string_view text) const {

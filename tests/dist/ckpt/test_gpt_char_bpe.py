@@ -4,9 +4,9 @@ Python reference tokenizer (tests/unit/data/bpe_reference.py, on the regex modul
 
 usage: test_gpt_char_bpe.py GPT_CHAR TOKENIZE_TEXT
 
-  shards       tokenize_text on a text file and a .jsonl file: the shards hold exactly
-               [eot] + ids of each document, cut every --shard-tokens (first: validation),
-               in llm.c's layout; OpenAI's file layout gives the same bytes; bad input
+  shards       tokenize_text on a text file (in 1000-byte parts on 3 threads) and a .jsonl
+               file: the shards hold exactly [eot] + ids of each document, cut every
+               --shard-tokens (first: validation), in llm.c's layout; OpenAI's file layout gives the same bytes; bad input
                (a line that is not JSON, a missing field, Latin-1 text, everything in one
                shard) fails naming the place
   text         gpt_char --data T --tokenizer trains bitwise like gpt_char on nanoGPT token
@@ -100,7 +100,7 @@ def case_shards(tool, ref_dir, ref, work):
         out = os.path.join(work, f"shards-{layout}", "doc")
         os.makedirs(os.path.dirname(out))
         _, stdout, _ = run([tool, "--tokenizer", os.path.join(ref_dir, layout), "--out", out, "--shard-tokens", str(n),
-                            "--threads", "3", corpus, jsonl], f"shards ({layout})")
+                            "--threads", "3", "--part-bytes", "1000", corpus, jsonl], f"shards ({layout})")
         names = sorted(os.listdir(os.path.dirname(out)))
         expect = ["doc_train_%06d.bin" % i for i in range(1, (len(want) + n - 1) // n)] + ["doc_val_000000.bin"]
         if names != expect:

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <ptrain/data/bpe.hpp>
 #include <unistd.h>
@@ -161,4 +162,32 @@ TEST_CASE("BPE: random UTF-8 over every plane round-trips, and the pieces tile t
     });
     REQUIRE(streamed == ids);
   }
+}
+
+TEST_CASE("BPE: a text cut at piece_boundary_after encodes in parts to the whole's ids", "[data][bpe]") {
+  const auto tok = BpeTokenizer::load((reference_dir() / "hf").string());
+  std::mt19937 rng(11);
+  const std::uint32_t alphabet[] = {'\n', '\n', ' ', ' ', '\'', 's', 'a', '1', '.', '\t', 0xA0, 0x3000, 0x65E5, 0x1F600};
+  int cuts = 0;
+  for (int t = 0; t < 2000; ++t) {
+    std::string text;
+    for (int i = static_cast<int>(rng() % 30); i > 0; --i) detail::append_utf8(text, alphabet[rng() % 14]);
+    std::set<std::size_t> ends;
+    detail::for_each_gpt2_piece(text, [&](std::size_t, std::size_t end) { ends.insert(end); });
+    const auto whole = tok.encode(text);
+    for (std::size_t p = 0; p < text.size(); ++p) {
+      if (detail::piece_boundary_after(text, p) != p) continue;
+      INFO(nlohmann::json(text).dump() << " cut at " << p);
+      REQUIRE(ends.count(p) == 1);
+      std::vector<std::int32_t> parts;
+      auto add = [&](const std::vector<std::int32_t>& ids) { parts.insert(parts.end(), ids.begin(), ids.end()); };
+      tok.encode_to(text, add, 0, p);
+      tok.encode_to(text, add, p);
+      REQUIRE(parts == whole);
+      ++cuts;
+    }
+  }
+  CHECK(cuts > 1000);
+  // Error offsets count from the text's start, also in a part.
+  CHECK_THROWS_WITH(tok.encode_to("ab\ncd\xff", [](const auto&) {}, 3), Catch::Contains("byte 5 (0xff)"));
 }
