@@ -807,7 +807,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
   add_checkpoint_flags(app, opt);
   app.add_option("--init-from", opt.init_from, "start from pretrained weights: a Hugging Face GPT-2 "
-                 "model.safetensors or a ptrain file (--export, a checkpoint's model.safetensors)");
+                 "model.safetensors (or its folder) or a ptrain file (--export, a checkpoint's model.safetensors)");
   app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "
                  "safetensors file (PyTorch's safetensors.torch.load_file reads it)");
   app.add_option("--export-hf", opt.export_hf, "at the end, rank 0 writes the model as a Hugging Face GPT-2 folder "

@@ -72,12 +72,14 @@ inline std::pair<std::string, bool> hf_gpt2_name(const std::string& name) {
 
 }  // namespace detail
 
-/// Loads every parameter of `model` from `path` (Note [GPT-2 names]); the model may
-/// live on any device. Returns what was loaded, e.g. "Hugging Face GPT-2 weights,
+/// Loads every parameter of `model` from `path` (Note [GPT-2 names]), a safetensors
+/// file or a folder holding model.safetensors (a Hugging Face model folder, or
+/// save_gpt2_weights'); the model may live on any device. Returns what was loaded, e.g. "Hugging Face GPT-2 weights,
 /// 148 tensors (vocabulary 50257 padded to 50304)". Throws CheckpointError, and
 /// changes nothing, when the file does not fit the model.
 template <class T>
-std::string load_gpt2_weights(const std::string& path, nn::GPT<T>& model) {
+std::string load_gpt2_weights(std::string path, nn::GPT<T>& model) {
+  if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "model.safetensors").string();
   const SafetensorsReader r(path);
   const bool ours = r.contains("embed.wte.weight");
   std::string prefix;
