@@ -778,7 +778,7 @@ int main(int argc, char** argv) {
                "(always so under --parallel pipeline)");
   app.add_flag("--recompute", opt.recompute, "recompute each block's activations in backward (activation "
                "checkpointing: same results, less memory, about a third more compute)");
-  app.add_option("--steps", opt.steps, "optimizer steps")->check(positive);
+  app.add_option("--steps", opt.steps, "optimizer steps")->check(non_negative);
   app.add_option("--batch", opt.batch, "sequences per step and replica (a rank, or the stages of one pipeline)")
       ->check(positive);
   app.add_option("--grad-accum", opt.grad_accum, "batches per optimizer step, their gradients added up (the "

@@ -459,6 +459,7 @@ def case_bad_flags(r, ref):
              (["--temperature", "-1"], "--temperature: -1 must be >= 0"),
              (["--prompt", "a\u2603", "--sample-tokens", "5"], "[ptrain.data.tokenizer.unknown]"),
              (["--export", os.path.join(r.work, "missing", "x.safetensors")], "[gpt_char.export]"),
+             (["--export-hf", os.path.join(r.work, "missing", "hf")], "[gpt_char.export]"),
              (["--parallel", "pipeline", "--batch", "6"], "[gpt_char.micro_batches]"),
              (["--parallel", "pipeline", "--stages", "4"], "[gpt_char.stages]"),
              (["--parallel", "pipeline", "--grad-accum", "2"], "[gpt_char.grad_accum]"))
