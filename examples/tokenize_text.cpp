@@ -97,6 +97,25 @@ void read_jsonl(const std::string& path, const std::string& field, F&& batch) {
   if (!docs.empty()) batch(docs, where);
 }
 
+// The shards of an earlier run with this prefix: PREFIX_val_*.bin and PREFIX_train_*.bin.
+std::vector<std::filesystem::path> existing_shards(const std::string& prefix) {
+  namespace fs = std::filesystem;
+  const fs::path p(prefix);
+  const fs::path folder = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  const std::string stem = p.filename().string();
+  std::vector<fs::path> out;
+  auto numbered = [](const std::string& name, const std::string& head) {  // head + 6 digits + ".bin"
+    return name.size() == head.size() + 10 && name.rfind(head, 0) == 0 && name.ends_with(".bin") &&
+           std::all_of(name.begin() + static_cast<std::ptrdiff_t>(head.size()), name.end() - 4,
+                       [](char c) { return c >= '0' && c <= '9'; });
+  };
+  for (const auto& e : fs::directory_iterator(folder)) {
+    const std::string name = e.path().filename().string();
+    if (numbered(name, stem + "_val_") || numbered(name, stem + "_train_")) out.push_back(e.path());
+  }
+  return out;
+}
+
 // encode(i) for i < n on `threads` threads, each a stride of the i, in order; the
 // smallest failing i's error is thrown as "where(i): what".
 template <class Encode, class Where>
@@ -127,7 +146,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> inputs;
   std::int64_t shard_tokens = 100'000'000, part_bytes = 16 << 20;
   std::string field = "text";
-  bool no_eot = false;
+  bool no_eot = false, overwrite = false;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   CLI::App app{"Tokenize text files with GPT-2's BPE into llm.c token shards (first shard: validation)"};
   app.add_option("--tokenizer", tokenizer_dir, "folder of a GPT-2 tokenizer (vocab.json + merges.txt, or "
@@ -137,6 +156,7 @@ int main(int argc, char** argv) {
   app.add_option("--shard-tokens", shard_tokens, "tokens per shard (llm.c: 100000000)")->check(positive);
   app.add_option("--field", field, "the text's field in .jsonl inputs");
   app.add_flag("--no-eot", no_eot, "no <|endoftext|> before each document");
+  app.add_flag("--overwrite", overwrite, "remove the shards of an earlier run with this --out first");
   app.add_option("--threads", threads, "tokenizer threads")->check(CLI::Range(1, 1024));
   app.add_option("--part-bytes", part_bytes, "a text file is tokenized in parts of about this size, one per thread")
       ->check(positive);
@@ -150,6 +170,12 @@ int main(int argc, char** argv) {
     const auto folder = std::filesystem::path(out).parent_path();
     PTRAIN_CHECK(folder.empty() || std::filesystem::is_directory(folder), DataError, "[tokenize_text.out] folder ",
                  folder.string(), " of --out does not exist; create it first");
+    // Shards of an earlier run would mix with this run's under a glob ('PREFIX_train_*.bin').
+    const auto earlier = existing_shards(out);
+    PTRAIN_CHECK(earlier.empty() || overwrite, DataError, "[tokenize_text.out] ", earlier.size(), " shard(s) of an ",
+                 "earlier run are there (e.g. ", earlier.empty() ? "" : earlier.front().string(), "); pass ",
+                 "--overwrite to remove them first, or choose another --out");
+    for (const auto& f : earlier) std::filesystem::remove(f);
     const std::optional<std::int32_t> eot = no_eot ? std::nullopt : tok.token_id("<|endoftext|>");
     PTRAIN_CHECK(no_eot || eot, DataError, "[tokenize_text.eot] the tokenizer has no <|endoftext|> token; pass "
                  "--no-eot to write the documents without a separator");

@@ -6,9 +6,10 @@ usage: test_gpt_char_bpe.py GPT_CHAR TOKENIZE_TEXT
 
   shards       tokenize_text on a text file (in 1000-byte parts on 3 threads) and a .jsonl
                file: the shards hold exactly [eot] + ids of each document, cut every
-               --shard-tokens (first: validation), in llm.c's layout; OpenAI's file layout gives the same bytes; bad input
-               (a line that is not JSON, a missing field, Latin-1 text, everything in one
-               shard) fails naming the place
+               --shard-tokens (first: validation), in llm.c's layout; OpenAI's file layout
+               gives the same bytes; shards of an earlier run with the prefix are refused
+               (removed with --overwrite); bad input (a line that is not JSON, a missing
+               field, Latin-1 text, everything in one shard) fails naming the place
   text         gpt_char --data T --tokenizer trains bitwise like gpt_char on nanoGPT token
                files of the reference's ids of T (90% / 10%)
   sample       from that checkpoint, with the same seed: the text sample that continues
@@ -114,6 +115,18 @@ def case_shards(tool, ref_dir, ref, work):
         if b"4 documents" not in stdout or f"-> {len(want)} tokens".encode() not in stdout:
             raise Failure(f"shards ({layout}): the summary does not say 4 documents, {len(want)} tokens:\n{stdout}")
         print(f"ok   shards ({layout}): {len(want)} tokens in {len(expect)} shards equal the reference's ids")
+
+    # Again into the same prefix: refused, then with --overwrite the earlier shards go (here: all but one).
+    again = [tool, "--tokenizer", os.path.join(ref_dir, "hf"), "--out", out, "--shard-tokens", str(len(want) - 1), corpus,
+             jsonl]
+    rc, _, err = run(again, "shards again", None)
+    if rc == 0 or b"--overwrite" not in err:
+        raise Failure(f"shards again: exit code {rc}, expected != 0 naming --overwrite\n{err.decode()}")
+    run(again + ["--overwrite"], "shards again --overwrite")
+    names = sorted(os.listdir(os.path.dirname(out)))
+    if names != ["doc_train_000001.bin", "doc_val_000000.bin"]:
+        raise Failure(f"shards --overwrite: files {names}; the earlier run's shards remain")
+    print("ok   shards: an earlier run's shards are refused, and removed with --overwrite")
 
     bad_json = os.path.join(work, "bad.jsonl")
     with open(bad_json, "wb") as f:
