@@ -27,10 +27,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <climits>
 #include <cstdint>
 #include <filesystem>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -48,13 +50,9 @@ namespace detail {
 
 template <std::size_t N>
 bool in_ranges(std::uint32_t cp, const std::uint32_t (&ranges)[N][2]) {
-  std::size_t lo = 0, hi = N;  // the first range that ends at or after cp
-  while (lo < hi) {
-    const std::size_t mid = (lo + hi) / 2;
-    if (ranges[mid][1] < cp) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo < N && ranges[lo][0] <= cp;
+  // The first range that ends at or after cp.
+  const auto* r = std::partition_point(std::begin(ranges), std::end(ranges), [&](const auto& x) { return x[1] < cp; });
+  return r != std::end(ranges) && (*r)[0] <= cp;
 }
 
 enum class CharClass : std::uint8_t { Letter, Number, Space, Other };

@@ -88,39 +88,17 @@ inline std::string read_file_bytes(const std::string& path, const char* what) {
 /// The whole file as bytes.
 inline std::string read_text_file(const std::string& path) { return detail::read_file_bytes(path, "text file"); }
 
-/// Writes int32 tokens as a flat token file (throws if an id does not fit the format).
-inline void write_token_file(const std::string& path, const Tensor<std::int32_t>& tokens,
-                             TokenFormat format = TokenFormat::U16) {
-  std::string bytes;
-  bytes.reserve(static_cast<std::size_t>(tokens.numel()) * detail::token_bytes(format));
-  for (std::int64_t i = 0; i < tokens.numel(); ++i) {
-    const std::int32_t v = tokens.data()[i];
-    PTRAIN_CHECK(v >= 0 && (format == TokenFormat::I32 || v < 65536), DataError, "[ptrain.data.tokens.range] token ",
-                 i, " is ", v, ", which a ", format == TokenFormat::U16 ? "uint16" : "int32",
-                 " token file cannot hold; use TokenFormat::I32");
-    const auto u = static_cast<std::uint32_t>(v);
-    for (std::size_t k = 0; k < detail::token_bytes(format); ++k) bytes.push_back(static_cast<char>((u >> (8 * k)) & 0xFF));
-  }
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  PTRAIN_CHECK(out.good(), DataError, "[ptrain.data.tokens.write] cannot write '", path,
-               "'; check the directory and free space");
-}
-
-/// Writes ids as an llm.c token shard (Note [Token files]): the 1024-byte header, then
-/// uint16 ids (version 1, GPT-2) or, with `uint32_ids`, uint32 ids (version 2). The file
-/// appears whole or not at all (written beside it, then renamed).
-inline void write_token_shard(const std::string& path, const std::vector<std::int32_t>& ids, bool uint32_ids = false) {
-  PTRAIN_CHECK(!ids.empty() && ids.size() <= static_cast<std::size_t>(INT32_MAX), DataError,
-               "[ptrain.data.tokens.write] an llm.c shard holds 1 to 2^31-1 tokens, not ", ids.size());
-  std::int32_t header[256] = {20240520, uint32_ids ? 2 : 1, static_cast<std::int32_t>(ids.size())};
-  std::string bytes(reinterpret_cast<const char*>(header), sizeof header);
-  const std::size_t width = uint32_ids ? 4 : 2;
-  bytes.reserve(bytes.size() + ids.size() * width);
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    PTRAIN_CHECK(ids[i] >= 0 && (uint32_ids || ids[i] < 65536), DataError, "[ptrain.data.tokens.range] token ", i,
-                 " is ", ids[i], ", which a ", uint32_ids ? "uint32" : "uint16", " shard cannot hold",
-                 uint32_ids ? "" : "; write uint32 ids (version 2)");
+namespace detail {
+// Writes `head` and then ids[0, n) as little-endian values of `width` bytes to `path`:
+// whole or not at all (written beside it, then renamed). An id that does not fit
+// names `what` is written and, for 2-byte ids, `wider` (how to write wider ones).
+inline void write_ids(const std::string& path, std::string head, const std::int32_t* ids, std::size_t n,
+                      std::size_t width, const char* what, const char* wider) {
+  std::string bytes = std::move(head);
+  bytes.reserve(bytes.size() + n * width);
+  for (std::size_t i = 0; i < n; ++i) {
+    PTRAIN_CHECK(ids[i] >= 0 && (width == 4 || ids[i] < 65536), DataError, "[ptrain.data.tokens.range] token ", i,
+                 " is ", ids[i], ", which a ", what, " cannot hold", width == 2 ? "; " : "", width == 2 ? wider : "");
     const auto u = static_cast<std::uint32_t>(ids[i]);
     for (std::size_t k = 0; k < width; ++k) bytes.push_back(static_cast<char>((u >> (8 * k)) & 0xFF));
   }
@@ -135,6 +113,26 @@ inline void write_token_shard(const std::string& path, const std::vector<std::in
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   PTRAIN_CHECK(!ec, DataError, "[ptrain.data.tokens.write] cannot rename '", tmp, "' to '", path, "': ", ec.message());
+}
+}  // namespace detail
+
+/// Writes int32 tokens as a flat token file (throws if an id does not fit the format);
+/// the file appears whole or not at all.
+inline void write_token_file(const std::string& path, const Tensor<std::int32_t>& tokens,
+                             TokenFormat format = TokenFormat::U16) {
+  detail::write_ids(path, {}, tokens.data(), static_cast<std::size_t>(tokens.numel()), detail::token_bytes(format),
+                    format == TokenFormat::U16 ? "uint16 token file" : "int32 token file", "use TokenFormat::I32");
+}
+
+/// Writes ids as an llm.c token shard (Note [Token files]): the 1024-byte header, then
+/// uint16 ids (version 1, GPT-2) or, with `uint32_ids`, uint32 ids (version 2). The file
+/// appears whole or not at all.
+inline void write_token_shard(const std::string& path, const std::vector<std::int32_t>& ids, bool uint32_ids = false) {
+  PTRAIN_CHECK(!ids.empty() && ids.size() <= static_cast<std::size_t>(INT32_MAX), DataError,
+               "[ptrain.data.tokens.write] an llm.c shard holds 1 to 2^31-1 tokens, not ", ids.size());
+  const std::int32_t header[256] = {20240520, uint32_ids ? 2 : 1, static_cast<std::int32_t>(ids.size())};
+  detail::write_ids(path, std::string(reinterpret_cast<const char*>(header), sizeof header), ids.data(), ids.size(),
+                    uint32_ids ? 4 : 2, uint32_ids ? "uint32 shard" : "uint16 shard", "write uint32 ids (version 2)");
 }
 
 /// The files that glob patterns match, each pattern's matches in name order
@@ -386,8 +384,8 @@ class RandomWindows {
         vocab_(vocab_size) {
     PTRAIN_CHECK(block_size > 0, DataError, "[ptrain.data.windows] block_size must be positive, got ", block_size);
     for (std::size_t p = 0; p < tokens_.num_parts(); ++p)
-      cum_starts_.push_back(starts_ += std::max<std::int64_t>(tokens_.part_size(p) - block_, 0));
-    PTRAIN_CHECK(starts_ > 0, DataError, "[ptrain.data.windows] ", tokens_.describe(),
+      cum_starts_.push_back((p == 0 ? 0 : cum_starts_.back()) + std::max<std::int64_t>(tokens_.part_size(p) - block_, 0));
+    PTRAIN_CHECK(cum_starts_.back() > 0, DataError, "[ptrain.data.windows] ", tokens_.describe(),
                  ": no part holds a window of block_size + 1 = ", block_size + 1,
                  " tokens; use more data or a smaller block_size");
     PTRAIN_CHECK(world_size > 0 && rank >= 0 && rank < world_size, DataError, "[ptrain.data.windows] rank ", rank,
@@ -399,7 +397,7 @@ class RandomWindows {
     const auto r = detail::philox(seed_, g);
     const std::uint64_t bits = (static_cast<std::uint64_t>(r.x[0]) << 32) | r.x[1];
     const auto s = static_cast<std::int64_t>(
-        (static_cast<unsigned __int128>(bits) * static_cast<std::uint64_t>(starts_)) >> 64);
+        (static_cast<unsigned __int128>(bits) * static_cast<std::uint64_t>(cum_starts_.back())) >> 64);
     // cum_starts_[p] is the number of starts in parts 0..p.
     const auto p = static_cast<std::size_t>(std::upper_bound(cum_starts_.begin(), cum_starts_.end(), s) -
                                             cum_starts_.begin());
@@ -447,8 +445,7 @@ class RandomWindows {
   std::uint64_t seed_;
   int rank_, world_;
   std::int64_t vocab_;
-  std::int64_t starts_ = 0;               // window starts in all parts
-  std::vector<std::int64_t> cum_starts_;  // starts in parts 0..p
+  std::vector<std::int64_t> cum_starts_;  // window starts in parts 0..p (back(): in all)
   std::int64_t position_ = 0;
 };
 

@@ -153,14 +153,7 @@ TEST_CASE("BPE: random UTF-8 over every plane round-trips, and the pieces tile t
       at = end;
     });
     REQUIRE(at == text.size());
-    const auto ids = tok.encode(text);
-    REQUIRE(tok.decode(ids) == text);
-    std::vector<std::int32_t> streamed;
-    tok.encode_to(text, [&](const std::vector<std::int32_t>& piece) {
-      REQUIRE_FALSE(piece.empty());
-      streamed.insert(streamed.end(), piece.begin(), piece.end());
-    });
-    REQUIRE(streamed == ids);
+    REQUIRE(tok.decode(tok.encode(text)) == text);
   }
 }
 
