@@ -31,9 +31,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "unit", "data"))
 import bpe_reference  # noqa: E402
+from test_gpt_char_resume import TINY, Failure  # noqa: E402  (the same tiny model)
 
-TINY = ["--layers", "1", "--heads", "2", "--embd", "32", "--block", "32", "--batch", "4", "--dropout", "0.1",
-        "--warmup", "3", "--eval-every", "1000000", "--sample-tokens", "0", "--log-every", "0", "--threads", "1"]
 TIMEOUT_S = 120
 
 
@@ -43,10 +42,6 @@ def tiny(**changes):
     for key, value in changes.items():
         flags[flags.index("--" + key.replace("_", "-")) + 1] = str(value)
     return flags
-
-
-class Failure(Exception):
-    pass
 
 
 def run(argv, what, expect=0):

@@ -73,6 +73,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from safetensors_io import read as read_safetensors, write as write_safetensors  # noqa: E402
+
 TIMEOUT_S = 120
 PREEMPT_CODE = 75
 TINY = ["--layers", "1", "--heads", "2", "--embd", "32", "--block", "32", "--batch", "4", "--dropout", "0.1",
@@ -94,35 +97,6 @@ def write_corpus(path):
              "a", "mat,", "and", "then", "it", "slept."]
     with open(path, "w") as f:
         f.write(" ".join(rng.choice(words) for _ in range(4000)) + "\n")
-
-
-def read_safetensors(path):
-    """name -> (dtype, shape, raw bytes), checking the layout independently of ptrain."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < 8:
-        raise Failure(f"{path}: shorter than 8 bytes")
-    (n,) = struct.unpack("<Q", blob[:8])
-    if 8 + n > len(blob):
-        raise Failure(f"{path}: header length {n} runs past the file ({len(blob)} bytes)")
-    header = json.loads(blob[8:8 + n])
-    data = blob[8 + n:]
-    out, end = {}, 0
-    sizes = {"F32": 4, "F64": 8, "I32": 4, "I64": 8, "BF16": 2, "F16": 2, "U8": 1}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        lo, hi = e["data_offsets"]
-        count = 1
-        for d in e["shape"]:
-            count *= d
-        if hi - lo != count * sizes[e["dtype"]] or hi > len(data):
-            raise Failure(f"{path}: tensor {name} has offsets {lo}..{hi} for shape {e['shape']} {e['dtype']}")
-        out[name] = (e["dtype"], tuple(e["shape"]), data[lo:hi])
-        end = max(end, hi)
-    if end != len(data):
-        raise Failure(f"{path}: tensors end at {end}, data is {len(data)} bytes")
-    return out
 
 
 def step_dir(ckpt, step):
@@ -630,14 +604,8 @@ def case_init_from(r, ref, ref_out):
             shape = [n_in, n_out]
         hf["transformer." + name.replace("embed.", "").replace("head.", "")] = (dtype, shape, blob)
     hf["transformer.h.0.attn.bias"] = ("F32", [1], struct.pack("<f", 1.0))
-    header, off = {}, 0
-    for name, (dtype, shape, blob) in hf.items():
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(blob)]}
-        off += len(blob)
-    h = json.dumps(header).encode()
     hf_path = os.path.join(r.work, "hf-gpt2.safetensors")
-    with open(hf_path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(b for _, _, b in hf.values()))
+    write_safetensors(hf_path, hf)
     want = ref_out.split("final val_loss ", 1)[1].split()[0]
     for tag, path in (("ptrain", os.path.join(step_dir(ref, 12), "model.safetensors")), ("hf", hf_path)):
         _, out, _ = r.run(1, ["--steps", "1", "--lr", "0", "--min-lr", "0", "--init-from", path], f"init.{tag}")
@@ -814,7 +782,7 @@ def main():
                 case_signal(r, 2, "pipeline", mode="pipeline", long_steps=FSDP_LONG_STEPS)
             else:
                 print("skip ddp, fsdp and pipeline cases: no ptrun given")
-        except Failure as e:
+        except (Failure, ValueError) as e:  # ValueError: a safetensors file that does not fit the layout
             print(f"FAIL {e}")
             return 1
     print(f"all cases passed in {time.time() - t0:.1f} s")

@@ -17,26 +17,15 @@ the token ids in IDS_JSON ({"ids": [[...], ...]}).
 """
 import json
 import os
-import struct
 import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import safetensors_io  # noqa: E402
+
 V, P, L, H, C = 37, 12, 2, 2, 16  # vocabulary, positions, layers, heads, width
 B, S = 2, 8                       # the test's model has block_size S < P and a larger vocabulary
-
-
-def write_safetensors(path, tensors):
-    header, blobs, off = {}, [], 0
-    for name, a in tensors.items():
-        b = np.ascontiguousarray(a, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
 def layer_norm(x, w, b):
@@ -49,19 +38,18 @@ def gelu(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-def read_safetensors(path):
-    data = open(path, "rb").read()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
+def read_f32(path):
     out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        if e["dtype"] != "F32":
-            raise SystemExit(f"{path}: {name} is {e['dtype']}, expected F32")
-        a, b = e["data_offsets"]
-        out[name] = np.frombuffer(data[8 + n + a:8 + n + b], dtype="<f4").reshape(e["shape"])
+    for name, (dtype, shape, raw) in safetensors_io.read(path).items():
+        if dtype != "F32":
+            raise SystemExit(f"{path}: {name} is {dtype}, expected F32")
+        out[name] = np.frombuffer(raw, dtype="<f4").reshape(shape)
     return out
+
+
+def write_f32(path, arrays):
+    safetensors_io.write(path, {n: ("F32", a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes())
+                                for n, a in arrays.items()})
 
 
 def forward(w, ids, L=L, H=H, head=None):
@@ -89,7 +77,7 @@ def logits_of_folder(model_dir, ids_json, out_bin):
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     if cfg["model_type"] != "gpt2" or cfg["activation_function"] != "gelu_new" or cfg["layer_norm_epsilon"] != 1e-5:
         raise SystemExit(f"{model_dir}/config.json does not describe the GPT-2 this forward pass computes: {cfg}")
-    raw = read_safetensors(os.path.join(model_dir, "model.safetensors"))
+    raw = read_f32(os.path.join(model_dir, "model.safetensors"))
     w = {k[len("transformer."):]: v.astype(np.float64) for k, v in raw.items() if k.startswith("transformer.")}
     tied = cfg.get("tie_word_embeddings", True)
     if tied != ("lm_head.weight" not in raw):
@@ -122,8 +110,8 @@ def main():
     for l in range(L):
         full[f"transformer.h.{l}.attn.bias"] = np.tril(np.ones((P, P), dtype=np.float32))[None, None]
     full["lm_head.weight"] = w["wte.weight"]
-    write_safetensors(os.path.join(out, "hf.safetensors"), full)
-    write_safetensors(os.path.join(out, "hf_plain.safetensors"), w)
+    write_f32(os.path.join(out, "hf.safetensors"), full)
+    write_f32(os.path.join(out, "hf_plain.safetensors"), w)
     ids = rng.integers(0, V, (B, S))
     ids.astype("<i8").tofile(os.path.join(out, "tokens.bin"))
     forward({k: v.astype(np.float64) for k, v in w.items()}, ids).astype("<f8").tofile(os.path.join(out, "logits.bin"))
