@@ -64,7 +64,7 @@ struct Options {
   int samples = 7;
   double sample_ms = 20.0;
   int steps = 10, warmup = 3;
-  bool tf32 = true, bf16 = true, flash = true, epilogues = true;
+  bool fp = true, tf32 = true, bf16 = true, flash = true, epilogues = true;
   double peak_tflops = 494.7, peak_tflops_bf16 = 989.4;
   std::string gpu_name;
 };
@@ -426,6 +426,7 @@ int main(int argc, char** argv) {
   app.add_option("--sample-ms", o.sample_ms, "target length of one kernel sample");
   app.add_option("--steps", o.steps, "timed GPT steps");
   app.add_option("--warmup", o.warmup, "untimed GPT steps first");
+  app.add_flag("--float,!--no-float", o.fp, "run the GPT step in float (default on; --no-float: bf16 only)");
   app.add_flag("--tf32,!--no-tf32", o.tf32, "TF32 GEMMs in the GPT step (default on)");
   app.add_option("--peak-tflops", o.peak_tflops, "peak for MFU; 494.7 = H100/H200 SXM dense TF32");
   app.add_flag("--bf16,!--no-bf16", o.bf16, "also run the GPT step in bf16 mixed precision (default on)");
@@ -470,7 +471,7 @@ int main(int argc, char** argv) {
   if (wanted("gemm")) section("gemm", bench_gemm);
   if (wanted("bandwidth")) section("bandwidth", bench_bandwidth);
   if (wanted("gpt")) {
-    section(o.tf32 ? "gpt_tf32" : "gpt_fp32", bench_gpt<float>);
+    if (o.fp) section(o.tf32 ? "gpt_tf32" : "gpt_fp32", bench_gpt<float>);
     if (o.bf16) section("gpt_bf16", bench_gpt<bf16>);
   }
   return failed ? 1 : 0;

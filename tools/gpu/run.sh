@@ -4,7 +4,7 @@
 # -dev packages: the header-only dependencies come from .deps/, which
 # tools/gpu/stage-deps.sh fills on a machine that has them.
 #
-#   bash tools/gpu/run.sh [build] [test] [bench] [sanitize]   (no argument: the first three)
+#   bash tools/gpu/run.sh [build] [test] [bench] [sanitize] [profile]   (no argument: the first three)
 #
 # Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
 #   env.txt          nvidia-smi, nvcc, cmake, torch versions
@@ -18,6 +18,8 @@
 #   summary.txt      each step's exit code
 #   sanitize.log     (sanitize only) the GPU tests under compute-sanitizer: memcheck on
 #                    all but the NCCL cases, racecheck and synccheck on the flash attention case
+#   profile.log      (profile only) the bf16 GPT step with and without fused attention, and
+#                    its GPU time per kernel from ncu (ncu.csv: the raw numbers)
 # Environment: PTRAIN_GPU_BUILD (build directory, default build-gpu),
 # PTRAIN_GPU_BUDGET_S (default 540), PTRAIN_PYTHON (default python3),
 # PTRAIN_GPU_BENCH_ARGS (flags passed to both benchmarks, so only those both take:
@@ -179,7 +181,7 @@ if want test; then
     # --durations yes: the time of each test case, to see what a session's budget goes to.
     # The NCCL cases run on their own: one that hangs (a collective, the init
     # timeout) then costs only its own cap, not the kernels' results.
-    step gpu_tests 150 300 "$OUT/gpu_tests.log" "$tests_bin" "~[nccl]" --durations yes
+    step gpu_tests 150 300 "$OUT/gpu_tests.log" "$tests_bin" "~[nccl]~[.]" --durations yes
     step gpu_tests_nccl 90 240 "$OUT/gpu_tests.log" "$tests_bin" "[nccl]" --durations yes
   else
     summary+=("gpu_tests: not run, $tests_bin was not built")
@@ -220,9 +222,34 @@ if want sanitize; then
     summary+=("sanitize: not run, no compute-sanitizer in PATH or /usr/local/cuda/bin")
   else
     flash="cuda: flash attention matches the CPU in double"
-    step memcheck 300 150 "$OUT/sanitize.log" "$sanitizer" --tool memcheck --error-exitcode 1 "$tests_bin" "~[nccl]"
+    step memcheck 300 150 "$OUT/sanitize.log" "$sanitizer" --tool memcheck --error-exitcode 1 "$tests_bin" "~[nccl]~[.]"
     step racecheck 120 40 "$OUT/sanitize.log" "$sanitizer" --tool racecheck --error-exitcode 1 "$tests_bin" "$flash"
     step synccheck 60 0 "$OUT/sanitize.log" "$sanitizer" --tool synccheck --error-exitcode 1 "$tests_bin" "$flash"
+  fi
+fi
+
+# ------------------------------------------------------------------- profile ----
+# Not in the default run: where the bf16 GPT step's time goes. The step with and
+# without the fused attention, then one step of the model cut to 2 layers (each
+# layer's kernels are the same, and ncu's time grows with the launches) under
+# Nsight Compute (GPU time of each kernel, clocks left alone), summed by kernel
+# (tools/gpu/ncu_summary.py).
+if want profile; then
+  : >"$OUT/profile.log"
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  if [[ ! -x $bench_bin ]]; then
+    summary+=("profile: not run, $bench_bin was not built")
+  else
+    step bf16_flash 60 120 "$OUT/profile.log" "$bench_bin" --only gpt --no-float
+    step bf16_materialized 60 100 "$OUT/profile.log" "$bench_bin" --only gpt --no-float --no-flash
+    if [[ -n $ncu ]]; then
+      step ncu 120 15 "$OUT/profile.log" bash -c '"$@" >"$0"' "$OUT/ncu.csv" "$ncu" --clock-control none \
+        --cache-control none --metrics gpu__time_duration.sum --csv --page raw --print-units base \
+        "$bench_bin" --only gpt --no-float --layers 2 --warmup 0 --steps 1
+      step ncu_summary 15 0 "$OUT/profile.log" python3 tools/gpu/ncu_summary.py "$OUT/ncu.csv" 60
+    else
+      summary+=("ncu: not run, no ncu in PATH, /usr/local/cuda/bin or /opt/nvidia/nsight-compute")
+    fi
   fi
 fi
 

@@ -115,7 +115,8 @@ struct FSDPOptions {
   /// (float gradients rounded to bf16 on their device: half the bytes on the wire).
   DType reduce_dtype = DType::F32;
   /// Parameter-name prefix of each unit (e.g. GPT::unit_names()), so names match
-  /// the unwrapped model's; default "u<i>".
+  /// the unwrapped model's; default the unit's index "<i>", as nn::Sequential (and so
+  /// nn::MLP) names its layers.
   std::vector<std::string> unit_names = {};
   /// Where the shards and gathered parameters live; default: the parameters' own device.
   /// A model built on the CPU is moved group by group, each group's copy freed once it
@@ -427,7 +428,7 @@ class FSDP : public nn::Module<T> {
   }
 
   std::string unit_prefix(std::size_t u) const {
-    return (opt_.unit_names.empty() ? "u" + std::to_string(u) : opt_.unit_names[u]) + ".";
+    return (opt_.unit_names.empty() ? std::to_string(u) : opt_.unit_names[u]) + ".";
   }
   void check_unit_names(std::size_t n) const {
     PTRAIN_CHECK(opt_.unit_names.empty() || opt_.unit_names.size() == n, Error, "[ptrain.fsdp.names] ",
