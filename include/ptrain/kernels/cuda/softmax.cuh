@@ -4,7 +4,8 @@
 //
 // Same names and arguments as kernels/cpu/softmax.hpp. One thread block per
 // row: the row's max and sum are block reductions, so a row is read from
-// global memory two or three times and never leaves the block. Float, double
+// global memory two or three times (cross-entropy's forward: once) and never
+// leaves the block. Float, double
 // and bf16 (Note [bf16 kernels]; the log-sum-exp saved for backward is float).
 
 #include <cuda_runtime.h>
@@ -68,10 +69,20 @@ __global__ void cross_entropy_forward_kernel(std::int64_t rows, std::int64_t col
   using A = acc_t<T>;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = logits + r * cols;
-    const A mx = row_max(xr, cols);
-    A s = A(0);
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += dev_exp(ld(xr[c]) - mx);
-    s = block_sum(s);
+    // One pass: each thread keeps its running max m and sum s of exp(x - m)
+    // (rescaled when m grows), then the block combines them at the block's max.
+    A m = A(-INFINITY), s = A(0);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      const A x = ld(xr[c]);
+      if (x > m) {
+        s = s * dev_exp(m - x) + A(1);
+        m = x;
+      } else if (m != A(-INFINITY)) {
+        s += dev_exp(x - m);
+      }
+    }
+    const A mx = block_max(m);
+    s = block_sum(m == A(-INFINITY) ? A(0) : s * dev_exp(m - mx));
     if (threadIdx.x == 0) {
       const A l = mx + dev_log(s);
       lse[r] = l;
@@ -114,16 +125,17 @@ __global__ void cross_entropy_backward_kernel(std::int64_t rows, std::int64_t co
                                               const acc_t<T>* lse, const std::int32_t* targets, acc_t<T> scale,
                                               T* dlogits, std::int32_t ignore_index) {
   using A = acc_t<T>;
-  for (std::int64_t i = global_index(); i < rows * cols; i += grid_stride()) {
-    const std::int64_t r = i / cols, c = i % cols;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {  // a block per row: no index division
+    const T* xr = logits + r * cols;
+    T* dr = dlogits + r * cols;
     const std::int32_t t = targets[r];
-    if (t == ignore_index) {
-      dlogits[i] = T(0);
-      continue;
+    const bool ignored = t == ignore_index;
+    const A l = lse[r];
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      A d = ignored ? A(0) : scale * dev_exp(ld(xr[c]) - l);
+      if (!ignored && c == t) d -= scale;
+      dr[c] = st<T>(d);
     }
-    A d = scale * dev_exp(ld(logits[i]) - lse[r]);
-    if (c == t) d -= scale;
-    dlogits[i] = st<T>(d);
   }
 }
 
@@ -191,7 +203,8 @@ void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const T* logit
   detail::check_element_type<T>();
   if (rows <= 0 || cols <= 0) return;
   const A scale = valid ? dloss / static_cast<A>(valid) : A(0);  // as the CPU computes it
-  detail::cross_entropy_backward_kernel<T><<<detail::grid_for(rows * cols), detail::kBlock, 0, current_stream()>>>(
+  detail::cross_entropy_backward_kernel<T><<<detail::grid_for_rows(rows), detail::block_for_cols(cols), 0,
+                                            current_stream()>>>(
       rows, cols, logits, lse, targets, scale, dlogits, ignore_index);
   PTRAIN_CHECK_CUDA_LAUNCH();
 }
