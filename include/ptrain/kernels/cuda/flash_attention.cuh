@@ -29,7 +29,7 @@
 // most key tiles to visit (dK/dV's first key tiles have the most queries).
 // Limits: bf16 only, head width D of 32, 64 or 128, a GPU of compute
 // capability 8.0 or newer (bf16 mma.sync) whose per-block shared memory holds
-// the kernels' four tiles (68 KiB at D = 128), qkv on a 16-byte boundary
+// the kernels' four tiles (69 KiB at D = 128), qkv on a 16-byte boundary
 // (flash_attention_supported); other cases take the materialised path, and so
 // does everything after set_flash_attention(false).
 
