@@ -19,7 +19,8 @@
 #   sanitize.log     (sanitize only) the GPU tests under compute-sanitizer: memcheck on
 #                    all but the NCCL cases, racecheck and synccheck on the flash attention case
 #   profile.log      (profile only) the bf16 GPT step with and without fused attention, and
-#                    its GPU time per kernel from ncu (ncu.csv: the raw numbers)
+#                    its GPU time per kernel from ncu (the raw CSV stays in the build
+#                    directory: $OUT returns at most 8 files, and a full run fills them)
 # Environment: PTRAIN_GPU_BUILD (build directory, default build-gpu),
 # PTRAIN_GPU_BUDGET_S (default 540), PTRAIN_PYTHON (default python3),
 # PTRAIN_GPU_BENCH_ARGS (flags passed to both benchmarks, so only those both take:
@@ -243,10 +244,10 @@ if want profile; then
     step bf16_flash 60 120 "$OUT/profile.log" "$bench_bin" --only gpt --no-float
     step bf16_materialized 60 100 "$OUT/profile.log" "$bench_bin" --only gpt --no-float --no-flash
     if [[ -n $ncu ]]; then
-      step ncu 120 15 "$OUT/profile.log" bash -c '"$@" >"$0"' "$OUT/ncu.csv" "$ncu" --clock-control none \
+      step ncu 120 15 "$OUT/profile.log" bash -c '"$@" >"$0"' "$build/ncu.csv" "$ncu" --clock-control none \
         --cache-control none --metrics gpu__time_duration.sum --csv --page raw --print-units base \
         "$bench_bin" --only gpt --no-float --layers 2 --warmup 0 --steps 1
-      step ncu_summary 15 0 "$OUT/profile.log" python3 tools/gpu/ncu_summary.py "$OUT/ncu.csv" 60
+      step ncu_summary 15 0 "$OUT/profile.log" python3 tools/gpu/ncu_summary.py "$build/ncu.csv" 60
     else
       summary+=("ncu: not run, no ncu in PATH, /usr/local/cuda/bin or /opt/nvidia/nsight-compute")
     fi

@@ -340,6 +340,18 @@ TEST_CASE("FSDP shards each unit evenly, padding to the world size", "[fsdp]") {
   for (auto& e : fsdp.local_entries()) mine += e.numel();
   comm.all_reduce(&mine, 1, DType::I64, dist::ReduceOp::Sum);
   CHECK(mine == 40 + 18);
+  // Without unit_names each unit's prefix is its index, as Sequential names its
+  // layers: the gathered parameters carry the model's names and values (an MLP
+  // built from the same seed is the reference).
+  Generator g_ref(1);
+  nn::MLP<float> ref(7, {5}, 3, nn::Activation::ReLU, g_ref);
+  const auto full = fsdp.full_parameters();
+  const auto want = ref.named_parameters();
+  REQUIRE(full.size() == want.size());
+  for (std::size_t i = 0; i < full.size(); ++i) {
+    CHECK(full[i].first == want[i].name);
+    CHECK(full[i].second.to_vector() == want[i].param->value.to_vector());
+  }
   // `device` names where the shards go, and the communicator must move that memory
   // (MPI and Gloo move host memory only); refused before any collective.
   nn::MLP<float> other(7, {5}, 3, nn::Activation::ReLU, g);

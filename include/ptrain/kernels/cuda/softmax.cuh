@@ -5,8 +5,8 @@
 // Same names and arguments as kernels/cpu/softmax.hpp. One thread block per
 // row: the row's max and sum are block reductions, so a row is read from
 // global memory two or three times (cross-entropy's forward: once) and never
-// leaves the block. Float, double
-// and bf16 (Note [bf16 kernels]; the log-sum-exp saved for backward is float).
+// leaves the block. Float, double and bf16 (Note [bf16 kernels]; the
+// log-sum-exp saved for backward is float).
 
 #include <cuda_runtime.h>
 
