@@ -72,13 +72,13 @@ struct FSDPRunner {
   optim::AdamW<float> opt;
   nn::CrossEntropyLoss<float> ce;
   FSDPRunner(nn::GPT<float>& m, dist::Communicator& c, parallel::FSDPOptions o)
-      : fsdp(m.units(), c, o), opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), {}) {}
+      : fsdp(m.units(), c, o), opt(fsdp.parameters(), {}) {}
   void step(const Tensor<float>& ids, const Tensor<std::int32_t>& t) {
     nn::Cache<float> cache, lc;
     fsdp.zero_grad();
     ce.forward(fsdp.forward(ids, cache), t, lc);
     fsdp.backward(ce.backward(lc), cache);
-    fsdp.optimizer_step(opt);
+    fsdp.step(opt);
   }
 };
 

@@ -419,7 +419,7 @@ int run(Options opt) {
     const optim::AdamWOptions adamw{.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay};
     optim::AdamW<T> optimizer = [&] {
       if (fsdp)
-        return optim::AdamW<T>(fsdp->local_values(), fsdp->local_grads(), fsdp->local_entries(), adamw,
+        return optim::AdamW<T>(fsdp->parameters(), adamw,
                                    nn::gpt_decay_filter());
       return optim::AdamW<T>(pipe ? pipe->parameters() : *params, adamw, nn::gpt_decay_filter());
     }();
@@ -582,7 +582,7 @@ int run(Options opt) {
       // Every rank evaluates (FSDP's forward and the pipeline's are collective); the result is
       // identical on every rank (the pipeline averages over its replicas itself).
       const double mean = evaluate(model, val_windows, opt.eval_batches, opt.batch, [&](auto& vx, auto& vy) {
-        if (pipe) return pipe->eval_step_tokens(vx.to(device), vy.to(device));
+        if (pipe) return pipe->eval_loss(vx.to(device), vy.to(device));
         nn::Cache<T> c, lc;
         return ce.forward((fsdp ? net : model).forward_tokens(vx.to(device), c), vy.to(device), lc);
       });
@@ -607,7 +607,7 @@ int run(Options opt) {
       double loss = 0;
       if (pipe) {  // zeroes, accumulates the micro-batches and averages over the replicas
         train_windows.next(opt.batch, x, y);
-        loss = pipe->train_step_tokens(x.to(device), y.to(device));
+        loss = pipe->train_step(x.to(device), y.to(device));
       } else {
         zero_grad();
         // All but the last batch add up locally (DDP/FSDP no_sync); the last backward reduces the sum.
@@ -628,7 +628,7 @@ int run(Options opt) {
         loss = average(loss / opt.grad_accum);
       }
       const double norm = clip();
-      if (fsdp) fsdp->optimizer_step(optimizer);  // steps the local shard; ZeRO-1/2 re-gather their full copy
+      if (fsdp) fsdp->step(optimizer);  // steps the local shard; ZeRO-1/2 re-gather their full copy
       else optimizer.step();
       ++state.step;
       progress.update(state.step, 1, loss, optimizer.lr(), static_cast<std::int64_t>(tokens_per_step));

@@ -1290,8 +1290,8 @@ TEST_CASE("cuda: a DDP, an FSDP and a pipeline step through NCCL equal the plain
   parallel::DDP<float> ddp(ddp_model, ddp_p, *comm, {.bucket_cap_bytes = 256, .first_bucket_bytes = 128});
   REQUIRE(ddp.num_buckets() > 1);
   parallel::FSDP<float> fsdp(fsdp_model.units(), *comm, {.device = kGpu});
-  CHECK(fsdp.local_values().device() == kGpu);
-  optim::AdamW<float> fsdp_opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
+  CHECK(fsdp.parameters().values().device() == kGpu);
+  optim::AdamW<float> fsdp_opt(fsdp.parameters(), adam);
   const auto pipe_units = pipe_model.units();
   parallel::Pipeline<float> pipe(*comm, pipe_units.size(), [&](std::size_t u) { return pipe_units[u]; },
                                  parallel::partition_by_cuts(pipe_units.size(), {}));
@@ -1325,7 +1325,7 @@ TEST_CASE("cuda: a DDP, an FSDP and a pipeline step through NCCL equal the plain
       fsdp.zero_grad();
       losses[2] = ce.forward(fsdp.forward(x, c), y, lc);
       fsdp.backward(ce.backward(lc), c);
-      fsdp.optimizer_step(fsdp_opt);
+      fsdp.step(fsdp_opt);
     }
     losses[3] = pipe.train_step(x, y);
     pipe_opt.step();
@@ -1369,7 +1369,7 @@ TEST_CASE("cuda: DDP's bf16 gradient compression rounds on the device", "[gpu][n
   nn::FlatParameters<float> plain_p(plain), p(model);
   parallel::DDP<float> ddp(model, p, *comm,
                            {.bucket_cap_bytes = 256, .first_bucket_bytes = 128,
-                            .compression = parallel::GradCompression::BF16});
+                            .reduce_dtype = DType::BF16});
   const auto x = Tensor<float>::from(uniform<float>(8 * 12, -1, 1), {8, 12}).to(kGpu);
   std::vector<std::int32_t> t(8);
   for (auto& v : t) v = static_cast<std::int32_t>(rng().below(5));

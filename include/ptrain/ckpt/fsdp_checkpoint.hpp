@@ -30,7 +30,7 @@ ShardedState fsdp_state(parallel::FSDP<T>& fsdp, std::type_identity_t<optim::Opt
   if (opt) s.record(*opt);
   if (!fsdp.writes_checkpoint()) return s;
   for (const auto& p : fsdp.shard_pieces()) {
-    s.model.push_back(piece(p.name, p.shape, p.param_offset, fsdp.local_values().view(p.local_offset, {p.numel})));
+    s.model.push_back(piece(p.name, p.shape, p.param_offset, fsdp.parameters().values().view(p.local_offset, {p.numel})));
     if (opt)
       for (const auto& [kind, buf] : opt->flat_state())
         s.optimizer.push_back(piece(p.name + "." + kind, p.shape, p.param_offset, buf.view(p.local_offset, {p.numel})));
@@ -60,7 +60,7 @@ TrainerState load_fsdp(const fs::path& path, parallel::FSDP<T>& fsdp,
       for (const auto& entry : opt->flat_state()) c.check(name + "." + entry.first, shape, dtype_of<acc_t<T>>());
   }
   for (const auto& p : fsdp.shard_pieces()) {
-    auto values = fsdp.local_values().view(p.local_offset, {p.numel});
+    auto values = fsdp.parameters().values().view(p.local_offset, {p.numel});
     c.read_range(p.name, p.param_offset, values);
     if (opt)
       for (const auto& [kind, buf] : opt->flat_state()) {
@@ -68,7 +68,7 @@ TrainerState load_fsdp(const fs::path& path, parallel::FSDP<T>& fsdp,
         c.read_range(p.name + "." + kind, p.param_offset, state);
       }
   }
-  fsdp.shards_updated();
+  fsdp.parameters_changed();
   return restore_trainer_state(c, opt);
 }
 

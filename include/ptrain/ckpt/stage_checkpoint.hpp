@@ -140,8 +140,6 @@ template <class T>
 StageSnapshot stage_snapshot(dist::Communicator* world, parallel::Pipeline<T>& pipe, optim::Optimizer<T>* opt,
                              TrainerState state) {
   detail::check_world(world, pipe, "save_stage");
-  PTRAIN_CHECK(!opt || pipe.has_parameters(), CheckpointError, "[ptrain.ckpt.stage_opt] stage ", pipe.stage(),
-               " has no parameters but was given an optimizer");
   // One record per rank: stage, replica, generator, optimizer (present, steps, lr bits).
   const Generator& g = default_generator();
   std::vector<std::int64_t> mine = {pipe.stage(),
@@ -247,8 +245,6 @@ TrainerState load_stage(CheckpointManager& mgr, const fs::path& path, parallel::
   TrainerState state;
   detail::all_or_none(mgr.communicator(), "loading its pipeline stage", [&] {
     detail::check_world(mgr.communicator(), pipe, "load_stage");
-    PTRAIN_CHECK(!opt || pipe.has_parameters(), CheckpointError, "[ptrain.ckpt.stage_opt] stage ", pipe.stage(),
-                 " has no parameters but was given an optimizer");
     // Sizes and headers only: load() below verifies the data before copying.
     const TrainerState saved = Checkpoint(path, false).trainer_state();
     const nlohmann::json layout = saved_pipeline_layout(saved);

@@ -3,11 +3,12 @@
 // picked from the device and the launch environment.
 //
 //   backend "auto" (default, or $PTRAIN_BACKEND):
+//     a world of one rank                  -> self (no peers: collectives are copies)
 //     device cuda:N                        -> NCCL (unique id via MPI under mpirun, else the store)
 //     launched by mpirun/mpiexec or srun   -> MPI, when ptrain was built with MPI
 //     torchrun, ptrun, Kubernetes, none    -> Gloo, rendezvous through the TCP store
 //                                             (MPI when built without Gloo)
-//   "mpi", "gloo", "nccl" force a backend; an error names what is missing.
+//   "self", "mpi", "gloo", "nccl" force a backend; an error names what is missing.
 
 #include <memory>
 #include <string>
@@ -16,6 +17,7 @@
 #include "ptrain/dist/checked.hpp"
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/dist/launch_env.hpp"
+#include "ptrain/dist/self_communicator.hpp"
 #include "ptrain/dist/store.hpp"
 #ifdef PTRAIN_MPI
 #include "ptrain/dist/mpi.hpp"
@@ -31,7 +33,7 @@ namespace ptrain::dist {
 
 /// Options of init_process_group.
 struct ProcessGroupOptions {
-  /// "auto", "mpi", "gloo" or "nccl"; empty reads $PTRAIN_BACKEND (default "auto").
+  /// "auto", "self", "mpi", "gloo" or "nccl"; empty reads $PTRAIN_BACKEND (default "auto").
   std::string backend = {};
   /// Where the buffers passed to collectives live; cuda:N selects NCCL under "auto".
   Device device = Device::cpu();
@@ -61,15 +63,15 @@ inline std::string compiled_backends() {
   return s;
 }
 
-/// The backend init_process_group would use for these options and environment ("mpi", "gloo", "nccl").
+/// The backend init_process_group would use for these options and environment ("self", "mpi", "gloo", "nccl").
 inline std::string select_backend(const ProcessGroupOptions& opts, const LaunchEnv& env) {
   std::string b = opts.backend;
   if (b.empty()) {
     const char* v = std::getenv("PTRAIN_BACKEND");
     b = v && *v ? v : "auto";
   }
-  PTRAIN_CHECK(b == "auto" || b == "mpi" || b == "gloo" || b == "nccl", LaunchError, "[ptrain.pg.backend] backend '",
-               b, "' is unknown; use auto, mpi, gloo or nccl (this build has: ", compiled_backends(), ")");
+  PTRAIN_CHECK(b == "auto" || b == "self" || b == "mpi" || b == "gloo" || b == "nccl", LaunchError, "[ptrain.pg.backend] backend '",
+               b, "' is unknown; use auto, self, mpi, gloo or nccl (this build has: ", compiled_backends(), ")");
   bool has_mpi = false, has_gloo = false, has_nccl = false;
 #ifdef PTRAIN_MPI
   has_mpi = true;
@@ -83,7 +85,8 @@ inline std::string select_backend(const ProcessGroupOptions& opts, const LaunchE
   if (b == "auto") {
     bool mpi_launch = env.launcher == Launcher::OpenMPI || env.launcher == Launcher::MPICH ||
                       env.launcher == Launcher::Slurm;
-    if (opts.device.is_cuda()) b = "nccl";
+    if (env.world_size == 1) b = "self";
+    else if (opts.device.is_cuda()) b = "nccl";
     else if (mpi_launch && has_mpi) b = "mpi";
     else if (has_gloo) b = "gloo";
     else if (has_mpi) b = "mpi";
@@ -127,6 +130,11 @@ inline void check_mpi_world(const Communicator& c, const LaunchEnv& env) {
 inline std::unique_ptr<Communicator> init_backend(const ProcessGroupOptions& opts) {
   LaunchEnv env = opts.env ? *opts.env : detect_launch_env();
   std::string b = select_backend(opts, env);
+  if (b == "self") {
+    PTRAIN_CHECK(env.world_size == 1, LaunchError, "[ptrain.pg.self] backend 'self' is a world of one rank, but the "
+                 "launch environment (", env.launcher_name(), ") says ", env.world_size, " ranks; use auto");
+    return std::make_unique<SelfCommunicator>(opts.device, opts.timeout);
+  }
 #ifdef PTRAIN_MPI
   if (b == "mpi") {
     auto c = std::make_unique<MpiCommunicator>(opts.timeout);

@@ -20,7 +20,7 @@ struct FlatEntry {
   std::string name;
   std::int64_t offset;  ///< first element in the flat buffers
   Shape shape;
-  Parameter<T>* param;
+  Parameter<T>* param;  ///< the module's parameter bound to this range; null for a piece of one (FSDP shard)
   std::int64_t numel() const { return shape.numel(); }
 };
 
@@ -30,7 +30,7 @@ struct FlatEntry {
 template <class T>
 void check_bound(const std::vector<FlatEntry<T>>& entries, const Tensor<T>& values, const Tensor<T>& grads) {
   for (const auto& e : entries)
-    PTRAIN_CHECK(e.param->value.data() == values.data() + e.offset && e.param->grad.data() == grads.data() + e.offset,
+    PTRAIN_CHECK(!e.param || (e.param->value.data() == values.data() + e.offset && e.param->grad.data() == grads.data() + e.offset),
                  Error, "[ptrain.flat.unbound] parameter ", e.name,
                  " is no longer a view into the flat parameter buffers, so the optimizer would update a copy "
                  "the model does not use (module.to() or an assignment after FlatParameters was built); move "
@@ -62,6 +62,16 @@ class FlatParameters {
       e.param->grad = grads_.view(e.offset, e.shape);
     }
   }
+
+  /// Flat buffers owned elsewhere, e.g. an FSDP rank's shard: `entries` name the
+  /// pieces of parameters they hold (param null: no module parameter is bound to them).
+  FlatParameters(Tensor<T> values, Tensor<T> grads, std::vector<FlatEntry<T>> entries)
+      : values_(std::move(values)), grads_(std::move(grads)), entries_(std::move(entries)) {
+    PTRAIN_CHECK(values_.numel() == grads_.numel(), ShapeError, "[ptrain.flat] values ", values_.shape(),
+                 " and grads ", grads_.shape(), " differ");
+  }
+  FlatParameters(const FlatParameters&) = delete;
+  FlatParameters& operator=(const FlatParameters&) = delete;
 
   Tensor<T>& values() { return values_; }
   Tensor<T>& grads() { return grads_; }

@@ -1,16 +1,13 @@
 #pragma once
 // Distributed data parallel: every rank holds the whole model, computes
 // gradients on its own part of the batch, and the gradients are averaged
-// across ranks before each optimizer step.
+// across ranks before each optimizer step. An Engine (parallel/engine.hpp):
 //
-//   nn::FlatParameters<float> params(model);
-//   parallel::DDP<float> ddp(model, params, comm);     // broadcasts rank 0's parameters
-//   params.zero_grad();
-//   auto logits = ddp.forward(x, cache);
-//   ... loss ...
-//   ddp.backward(dlogits, cache);                       // all-reduces start during backward
-//   ddp.finish_gradient_sync();                         // waits; grads are now averaged
-//   opt.step();
+//   parallel::DDP<float> ddp(model, comm);              // broadcasts rank 0's parameters
+//   optim::AdamW<float> opt(ddp.parameters(), {.lr = 1e-3});
+//   ddp.zero_grad();
+//   double loss = ddp.forward_backward(x, y);          // all-reduces start during backward
+//   ddp.step(opt);                                     // waits for them, then steps
 //
 // Note [Bucketing]
 // Gradients live in one flat buffer (nn::FlatParameters), parameters in
@@ -29,7 +26,8 @@
 // Note [Unused parameters]
 // A parameter that gets no gradient in a step (an unused branch) never
 // announces it, so its bucket is not launched during backward.
-// finish_gradient_sync() launches every bucket not launched yet, in index
+// finish_gradient_sync() (called by step(), clip_grad_norm_() and the next
+// forward_backward()) launches every bucket not launched yet, in index
 // order, and waits for all. All ranks therefore make the same calls in the
 // same order whatever each used, and nothing deadlocks; the unused parameter's
 // (zero or accumulated) gradient is averaged like any other.
@@ -49,23 +47,20 @@
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/ops/activation.hpp"
+#include "ptrain/parallel/engine.hpp"
 #include "ptrain/parallel/model_check.hpp"
 
 namespace ptrain::parallel {
-
-/// How gradients travel over the wire.
-enum class GradCompression {
-  None,  ///< all-reduce in the gradient's own dtype
-  BF16,  ///< round to bf16, all-reduce in bf16, widen back (half the bytes; ~3 significant digits);
-         ///< on the gradients' device; a no-op for bf16 gradients
-};
 
 struct DDPOptions {
   std::int64_t bucket_cap_bytes = 25 << 20;
   std::int64_t first_bucket_bytes = 1 << 20;
   /// Copy rank 0's parameters to every rank at construction (as PyTorch DDP).
   bool broadcast_parameters = true;
-  GradCompression compression = GradCompression::None;
+  /// How gradients travel over the wire (as FSDPOptions::reduce_dtype): F32, the
+  /// gradients' own type; or BF16, rounded to bf16 on their device, all-reduced in
+  /// bf16 and widened back (half the bytes, ~3 significant digits; a no-op for bf16 models).
+  DType reduce_dtype = DType::F32;
 };
 
 /// Timing of one bucket's all-reduce in the last backward (steady-clock seconds).
@@ -75,40 +70,66 @@ struct BucketEvent {
 };
 
 template <class T>
-class DDP : public nn::Module<T> {
+class DDP : public nn::Module<T>, public Engine<T> {
  public:
-  /// Wraps `module`, whose parameters `params` packs; both and `comm` must outlive the wrapper.
-  /// Verifies that every rank has the same parameters (names, shapes, dtype) and broadcasts rank 0's values.
+  /// Wraps `module` (which, with `comm`, must outlive the wrapper) and packs its parameters
+  /// into flat buffers. Verifies that every rank has the same parameters (names, shapes,
+  /// dtype) and broadcasts rank 0's values.
+  DDP(nn::Module<T>& module, dist::Communicator& comm, DDPOptions opt = {})
+      : owned_params_(std::make_unique<nn::FlatParameters<T>>(module)),
+        module_(module), params_(*owned_params_), comm_(comm), opt_(opt) {
+    init();
+  }
+  /// Wraps `module`, whose parameters `params` packs already; both must outlive the wrapper.
   DDP(nn::Module<T>& module, nn::FlatParameters<T>& params, dist::Communicator& comm, DDPOptions opt = {})
       : module_(module), params_(params), comm_(comm), opt_(opt) {
-    PTRAIN_CHECK(opt.bucket_cap_bytes > 0 && opt.first_bucket_bytes > 0, Error,
+    init();
+  }
+  ~DDP() override {
+    for (auto& e : params_.entries()) e.param->on_grad_ready = nullptr;
+  }
+
+  Mode mode() const override { return Mode::DDP; }
+  nn::FlatParameters<T>& parameters() override { return params_; }
+  nn::Module<T>& local_module() override { return module_; }
+  dist::Communicator& communicator() override { return comm_; }
+  using Engine<T>::train;
+  void zero_grad() override {
+    finish_gradient_sync();
+    params_.zero_grad();
+  }
+
+ private:
+  void init() {
+    PTRAIN_CHECK(opt_.bucket_cap_bytes > 0 && opt_.first_bucket_bytes > 0, Error,
                  "[ptrain.ddp.options] bucket sizes must be positive");
+    PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || opt_.reduce_dtype == DType::BF16, Error,
+                 "[ptrain.ddp.options] reduce_dtype must be F32 (the gradients' own type) or BF16");
     comm_.check_serves(params_.values().device(), "DDP");
     verify_same_parameters();
     if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
     build_buckets();
     install_hooks();
   }
-  ~DDP() override {
-    for (auto& e : params_.entries()) e.param->on_grad_ready = nullptr;
-  }
 
+ public:
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override { return module_.forward(x, cache); }
   Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
     return module_.forward_tokens(ids, cache);
   }
 
   /// Backward of the wrapped module; full buckets start their all-reduce while it runs.
-  /// Call finish_gradient_sync() before reading gradients or stepping the optimizer.
+  /// finish_gradient_sync() (step() calls it) waits for them.
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
-    if (sync_ && !in_backward_) begin_sync();
+    if (in_backward_) finish_gradient_sync();  // a second backward before step(): the first one's sync ends first
+    if (this->syncing()) begin_sync();
     return module_.backward(dy, cache);
   }
 
   /// Launches buckets that backward left (unused parameters), waits for all
   /// all-reduces, and leaves the averaged gradients in the flat buffer.
   /// A no-op inside no_sync(). Throws CommError naming the bucket on failure or timeout.
-  void finish_gradient_sync() {
+  void finish_gradient_sync() override {
     if (!in_backward_) return;
     for (std::size_t b = next_launch_; b < buckets_.size(); ++b) buckets_[b].ready = buckets_[b].expected;
     launch_ready();
@@ -126,23 +147,7 @@ class DDP : public nn::Module<T> {
     in_backward_ = false;
   }
 
-  /// While the returned guard lives, backward accumulates gradients locally
-  /// without communication (gradient accumulation); the first backward after
-  /// it synchronises the accumulated gradients.
-  [[nodiscard]] auto no_sync() {
-    sync_ = false;
-    auto restore = [this](void*) { sync_ = true; };
-    return std::unique_ptr<void, decltype(restore)>(this, restore);
-  }
-
-  /// Mean of a scalar over ranks (loss, accuracy); a blocking collective every rank must call.
-  double average(double local) {
-    comm_.all_reduce(&local, 1, DType::F64, dist::ReduceOp::Avg);
-    return local;
-  }
-
   std::string describe() const override { return "DDP(" + module_.describe() + ")"; }
-  dist::Communicator& communicator() { return comm_; }
   std::size_t num_buckets() const { return buckets_.size(); }
   /// Element range [begin, end) of bucket b in the flat gradient buffer.
   std::pair<std::int64_t, std::int64_t> bucket_range(std::size_t b) const {
@@ -161,8 +166,9 @@ class DDP : public nn::Module<T> {
     Tensor<bf16> wire;                // BF16 compression buffer, on the gradients' device
   };
 
-  static double now() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+             bool training) override {
+    return this->run_module(*this, in, targets, grad_scale, training);
   }
 
   void verify_same_parameters() {
@@ -213,7 +219,7 @@ class DDP : public nn::Module<T> {
   }
 
   void on_ready(std::size_t entry) {
-    if (!sync_ || !in_backward_) return;
+    if (!in_backward_) return;
     PTRAIN_CHECK(!announced_[entry], Error, "[ptrain.ddp.hook] parameter ", params_.entries()[entry].name,
                  " announced its gradient twice in one backward; a module must call mark_grad_ready() once, "
                  "when the gradient is final (a shared weight announces after its last use)");
@@ -228,7 +234,7 @@ class DDP : public nn::Module<T> {
       Bucket& b = buckets_[next_launch_];
       Tensor<T> grad = bucket_grads(b);
       const auto count = static_cast<std::size_t>(grad.numel());
-      events_.push_back({static_cast<int>(next_launch_), now()});
+      events_.push_back({static_cast<int>(next_launch_), detail::steady_seconds()});
       if (compressed()) {
         pack_bf16(b, grad);
         b.work = comm_.all_reduce_async(b.wire.data(), b.wire.data(), count, DType::BF16, dist::ReduceOp::Avg);
@@ -242,7 +248,7 @@ class DDP : public nn::Module<T> {
   Tensor<T> bucket_grads(const Bucket& b) { return params_.grads().view(b.begin, {b.end - b.begin}); }
   // BF16 compression: the bucket's gradients rounded into its wire buffer (on
   // their device, so a GPU run never copies them to the host), and back.
-  bool compressed() const { return opt_.compression == GradCompression::BF16 && !std::is_same_v<T, bf16>; }
+  bool compressed() const { return opt_.reduce_dtype == DType::BF16 && !std::is_same_v<T, bf16>; }
   void pack_bf16(Bucket& b, const Tensor<T>& grad) {
     if (!b.wire.defined()) b.wire = Tensor<bf16>::empty(Shape{grad.numel()}, grad.device());
     ops::cast_into(grad, b.wire);
@@ -252,6 +258,7 @@ class DDP : public nn::Module<T> {
     ops::cast_into(b.wire, grad);
   }
 
+  std::unique_ptr<nn::FlatParameters<T>> owned_params_;
   nn::Module<T>& module_;
   nn::FlatParameters<T>& params_;
   dist::Communicator& comm_;
@@ -261,7 +268,6 @@ class DDP : public nn::Module<T> {
   std::vector<char> announced_;
   std::vector<BucketEvent> events_;
   std::size_t next_launch_ = 0;
-  bool sync_ = true;
   bool in_backward_ = false;
 };
 

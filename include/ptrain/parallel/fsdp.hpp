@@ -4,13 +4,14 @@
 // the unit runs.
 //
 //   parallel::FSDP<float> fsdp(gpt.units(), comm);         // shards; the model's own tensors are released
-//   optim::AdamW<float> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), {...});
+//   optim::AdamW<float> opt(fsdp.parameters(), {...});    // this rank's shard
 //   fsdp.zero_grad();
-//   auto logits = fsdp.forward(ids, cache);                // all-gather unit by unit, prefetching the next
-//   ... loss ...
-//   fsdp.backward(dlogits, cache);                         // gather again, reduce-scatter each unit's grads
-//   fsdp.finish_gradient_sync();
-//   fsdp.optimizer_step(opt);                              // steps the local shard (and re-gathers if needed)
+//   double loss = fsdp.forward_backward(ids, targets);     // all-gather unit by unit, prefetching the next;
+//                                                          // reduce-scatter each unit's grads in backward
+//   fsdp.step(opt);                                        // waits for them, steps the local shard
+//                                                          // (and re-gathers if the strategy keeps full copies)
+//
+// An Engine (parallel/engine.hpp); forward() and backward() are there too, as for any Module.
 //
 // Note [FSDP units and groups]
 // The model is an ordered list of units (GPT::units(), Sequential::units()),
@@ -78,8 +79,8 @@
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/ops/activation.hpp"
-#include "ptrain/optim/clip.hpp"
 #include "ptrain/optim/optimizer.hpp"
+#include "ptrain/parallel/engine.hpp"
 #include "ptrain/parallel/model_check.hpp"
 
 namespace ptrain::parallel {
@@ -98,7 +99,7 @@ inline const char* strategy_name(ShardingStrategy s) {
 }
 
 /// A parameter's part in a rank's local shard: elements [param_offset, param_offset + numel)
-/// of parameter `name` (whole shape `shape`), at local_offset in local_values().
+/// of parameter `name` (whole shape `shape`), at local_offset in parameters().values().
 struct ShardPiece {
   std::string name;
   Shape shape;
@@ -132,7 +133,7 @@ struct FSDPEvent {
 };
 
 template <class T>
-class FSDP : public nn::Module<T> {
+class FSDP : public nn::Module<T>, public Engine<T> {
  public:
   /// Shards the parameters of `units` (run in this order) over `comm`. Every
   /// rank must build the same units; rank 0's initial values are used.
@@ -143,6 +144,7 @@ class FSDP : public nn::Module<T> {
     setup_communicators();
     build_groups();
     shard_parameters();
+    make_view();
   }
 
   using UnitFactory = std::function<std::shared_ptr<nn::Module<T>>(std::size_t)>;
@@ -157,6 +159,7 @@ class FSDP : public nn::Module<T> {
     setup_communicators();
     if (reshard_) {
       build_and_shard(num_units, make_unit);
+      make_view();
       return;
     }
     // The strategies that keep the full parameters hold the whole model anyway.
@@ -167,6 +170,18 @@ class FSDP : public nn::Module<T> {
     }
     build_groups();
     shard_parameters();
+    make_view();
+  }
+
+  Mode mode() const override { return Mode::FSDP; }
+  /// This rank's shard of every group, one flat buffer (what the optimizer updates);
+  /// its entries are pieces of parameters: name, offset in the buffer, [length].
+  nn::FlatParameters<T>& parameters() override { return *view_; }
+  nn::Module<T>& local_module() override { return *this; }
+  dist::Communicator& communicator() override { return world_; }
+  void train(bool on = true) override {
+    nn::Module<T>::train(on);
+    for (auto& u : units_) u->train(on);
   }
 
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override { return run_forward(x, cache); }
@@ -198,22 +213,14 @@ class FSDP : public nn::Module<T> {
   }
 
   /// Waits for the outstanding gradient reductions; the local shard's gradients are then final.
-  void finish_gradient_sync() {
+  void finish_gradient_sync() override {
     while (!pending_.empty()) complete_reduction();
   }
 
-  /// Steps the optimizer on the local shard, then refreshes the full parameters
-  /// of strategies that keep them (ZeRO-1/2); FullShard gathers at the next forward.
-  void optimizer_step(optim::Optimizer<T>& opt) {
-    finish_gradient_sync();
-    opt.step();
-    shards_updated();
-  }
-
-  /// Call (collectively) after changing local_values() other than through
-  /// optimizer_step(), e.g. after loading a checkpoint: strategies that keep
-  /// full parameters (ZeRO-1/2) gather them again, FullShard drops gathered copies.
-  void shards_updated() {
+  /// Called by step() after the optimizer updated the shard, and (collectively) after
+  /// changing it otherwise, e.g. loading a checkpoint: strategies that keep full
+  /// parameters (ZeRO-1/2) gather them again, FullShard drops gathered copies.
+  void parameters_changed() override {
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       auto& grp = groups_[g];
       if (reshard_) {
@@ -227,38 +234,14 @@ class FSDP : public nn::Module<T> {
     }
   }
 
-  /// Global-norm clipping of the sharded gradients (collective): the squared
-  /// norm of each shard is summed over the shard group, whose shards together
-  /// hold every gradient once; replicas (Hybrid) hold the same shards.
-  double clip_grad_norm_(double max_norm) {
+  /// Zeroes the local gradient shard (and kept full gradients), after the sync that writes them.
+  void zero_grad() override {
     finish_gradient_sync();
-    return optim::clip_grad_norm_(local_grads_, max_norm, [this](double sq) {
-      if (shard_comm_ && shard_comm_->size() > 1) shard_comm_->all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
-      return sq;
-    });
-  }
-
-  /// Zeroes the local gradient shard (and kept full gradients).
-  void zero_grad() {
     local_grads_.zero_();
     if (full_grads_.defined()) full_grads_.zero_();
   }
 
-  /// While the guard lives, strategies that keep full gradients (ShardOptimizer,
-  /// NoShard) accumulate without communication; sharded-gradient strategies
-  /// reduce every backward anyway (Note [Accumulation]).
-  [[nodiscard]] auto no_sync() {
-    sync_ = false;
-    auto restore = [this](void*) { sync_ = true; };
-    return std::unique_ptr<void, decltype(restore)>(this, restore);
-  }
-
-  /// This rank's shard of every group, one flat buffer (what the optimizer updates).
-  Tensor<T>& local_values() { return local_values_; }
-  Tensor<T>& local_grads() { return local_grads_; }
-  /// Pieces of parameters in the local shard: name, offset in the local buffer, [length].
-  const std::vector<nn::FlatEntry<T>>& local_entries() const { return local_entries_; }
-  /// The same pieces with their place in the whole parameters (for checkpoints).
+  /// The pieces of parameters in parameters() with their place in the whole parameters (for checkpoints).
   const std::vector<ShardPiece>& shard_pieces() const { return shard_pieces_; }
   /// Name and shape of every parameter, in group order.
   std::vector<std::pair<std::string, Shape>> parameter_shapes() const {
@@ -299,6 +282,18 @@ class FSDP : public nn::Module<T> {
   void clear_events() { events_.clear(); }
 
  private:
+  double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+             bool training) override {
+    return this->run_module(*this, in, targets, grad_scale, training);
+  }
+  // The squared norms of the shards add up over the shard group, whose shards
+  // together hold every gradient once; replicas (Hybrid) hold the same shards.
+  double sum_over_model(double sq) override {
+    if (shard_comm_ && shard_comm_->size() > 1) shard_comm_->all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
+    return sq;
+  }
+  void make_view() { view_ = std::make_unique<nn::FlatParameters<T>>(local_values_, local_grads_, local_entries_); }
+
   template <class X>
   Tensor<T> run_forward(const X& x, nn::Cache<T>& cache) {
     Tensor<T> h;
@@ -344,10 +339,7 @@ class FSDP : public nn::Module<T> {
     bool replicated = false;    // the replica all-reduce was started
   };
 
-  static double now() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
-  void record(const char* what, int index) { events_.push_back({what, index, now()}); }
+  void record(const char* what, int index) { events_.push_back({what, index, detail::steady_seconds()}); }
 
   void check_options() const {
     PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || opt_.reduce_dtype == DType::BF16, Error,
@@ -612,7 +604,7 @@ class FSDP : public nn::Module<T> {
     for (auto* p : grp.params) p->grad = Tensor<T>();
     Tensor<T> grad = grp.full_grad;
     grp.full_grad = Tensor<T>();
-    if (!sync_ && keep_full_grads_) return;  // accumulate locally (no_sync)
+    if (!this->syncing() && keep_full_grads_) return;  // accumulate locally (no_sync)
     while (!pending_.empty()) complete_reduction();
     record("reduce", g);
     Pending p{g, grad, {}, {}, {}, {}};
@@ -676,11 +668,12 @@ class FSDP : public nn::Module<T> {
   dist::Communicator* shard_comm_ = nullptr;
   dist::Communicator* replicate_comm_ = nullptr;
   int shard_size_ = 1, shard_rank_ = 0;
-  bool reshard_ = true, keep_full_grads_ = false, sync_ = true;
+  bool reshard_ = true, keep_full_grads_ = false;
   std::vector<Group> groups_;
   std::vector<int> unit_group_;
   Tensor<T> local_values_, local_grads_, full_values_, full_grads_;
   std::vector<nn::FlatEntry<T>> local_entries_;
+  std::unique_ptr<nn::FlatParameters<T>> view_;  // the local buffers as the optimizer's parameters
   std::vector<ShardPiece> shard_pieces_;
   std::vector<Pending> pending_;
   std::vector<FSDPEvent> events_;

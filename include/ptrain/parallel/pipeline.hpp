@@ -11,11 +11,12 @@
 //   parallel::Pipeline<float> pipe(comm, num_units, make_unit, part,
 //                                  {.schedule = parallel::Schedule::OneFOneB, .micro_batches = 8});
 //   optim::AdamW<float> opt(pipe.parameters(), {.lr = 1e-3});
-//   double loss = pipe.train_step(x, y);   // x used on the first stage, y on the last
-//   opt.step();
+//   pipe.zero_grad();
+//   double loss = pipe.forward_backward(x, y);   // x used on the first stage, y on the last
+//   pipe.step(opt);
 //
-// Language models take int32 token ids on the first stage with
-// train_step_tokens(ids, y) (the only form for bf16, Note [bf16 kernels]).
+// An Engine (parallel/engine.hpp). Language models pass int32 token ids as the
+// first stage's input (the only form for bf16, Note [bf16 kernels]).
 //
 // Each rank calls the factory only for its own units, so a stage never holds
 // the rest of the model.
@@ -85,6 +86,8 @@
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/module.hpp"
 #include "ptrain/nn/sequential.hpp"
+#include "ptrain/parallel/engine.hpp"
+#include "ptrain/parallel/mesh.hpp"
 
 namespace ptrain::parallel {
 
@@ -209,13 +212,6 @@ struct PipelineEvent {
   double start, end;
 };
 
-/// Loss of the last stage: returns the loss of one micro-batch and, unless dout
-/// is null (eval_step needs no gradient), sets *dout to the gradient of
-/// scale * loss with respect to the output.
-template <class T>
-using PipelineLoss = std::function<double(const Tensor<T>& output, const Tensor<std::int32_t>& targets,
-                                          Tensor<T>* dout, acc_t<T> scale)>;
-
 template <class T>
 struct PipelineOptions {
   Schedule schedule = Schedule::OneFOneB;
@@ -223,11 +219,11 @@ struct PipelineOptions {
   /// Parameter-name prefix of each unit (e.g. GPT's unit_names()); default: the unit index.
   std::vector<std::string> unit_names = {};
   /// Loss on the last stage; default: mean cross-entropy over the rows of the output.
-  PipelineLoss<T> loss = {};
+  LossFn<T> loss = {};
   /// Replicas of this stage in other pipelines (data parallel): gradients are averaged over this group
   /// after the stage's last backward, overlapping the stages still running. Must outlive the pipeline.
   dist::Communicator* data_parallel = nullptr;
-  /// Zero the stage's gradients at the start of each train_step (off: accumulate across steps).
+  /// train_step() zeroes the stage's gradients first (off: accumulate across steps).
   bool zero_grad = true;
   /// Broadcast the loss from the last stage so train_step returns it on every stage.
   bool broadcast_loss = true;
@@ -291,14 +287,11 @@ class P2PGroup {
   bool open_ = true;
 };
 
-inline double steady_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 }  // namespace detail
 
 /// One rank's stage of a pipeline over the ranks of `comm` (stage = comm.rank()).
 template <class T>
-class Pipeline {
+class Pipeline : public Engine<T> {
  public:
   /// Builds unit u of the model; called only for this stage's units, in increasing u.
   using UnitFactory = std::function<std::shared_ptr<nn::Module<T>>(std::size_t unit)>;
@@ -324,43 +317,64 @@ class Pipeline {
       module_.add(opt_.unit_names.empty() ? std::to_string(u) : opt_.unit_names[u], std::move(unit));
     }
     reject_borrowed_across_stages();
+    // A stage without parameters has empty flat buffers, so an optimizer is built
+    // (and stepped) on every stage alike.
     if (!module_.named_parameters().empty()) flat_ = std::make_unique<nn::FlatParameters<T>>(module_);
+    else flat_ = std::make_unique<nn::FlatParameters<T>>(Tensor<T>::zeros({0}), Tensor<T>::zeros({0}),
+                                                         std::vector<nn::FlatEntry<T>>{});
     // Activations and gradients are received on the device of the stage's parameters.
-    if (flat_) device_ = flat_->values().device();
-    PTRAIN_CHECK(flat_ || comm_.serves(Device::cpu()), Error, "[ptrain.pipeline.device] stage ", stage_,
+    if (has_parameters()) device_ = flat_->values().device();
+    PTRAIN_CHECK(has_parameters() || comm_.serves(Device::cpu()), Error, "[ptrain.pipeline.device] stage ", stage_,
                  " holds no parameters, so it has no GPU to receive activations on; over ", comm_.backend(),
                  " every stage needs a unit with parameters on its GPU (cut the model differently)");
     comm_.check_serves(device_, "Pipeline");
     if (opt_.data_parallel) opt_.data_parallel->check_serves(device_, "Pipeline (data-parallel group)");
+    if (opt_.loss) this->set_loss(opt_.loss);
   }
+
+  /// This rank's stage on a dp x pp mesh: the pipeline of its replica, with
+  /// gradients averaged over the replicas of its stage (mesh.data_group()).
+  /// `mesh` must outlive the pipeline.
+  Pipeline(Mesh& mesh, std::size_t num_units, const UnitFactory& factory, StagePartition partition,
+           PipelineOptions<T> options = {})
+      : Pipeline(mesh.pipeline_group(), num_units, factory, std::move(partition),
+                 with_data_group(std::move(options), mesh)) {
+    world_ = &mesh.world();
+  }
+
+  Mode mode() const override { return Mode::Pipeline; }
+  nn::Module<T>& local_module() override { return module_; }
+  /// The world of the mesh (or the pipeline group without one).
+  dist::Communicator& communicator() override { return world_ ? *world_ : comm_; }
+  dist::Communicator* data_parallel_group() override { return opt_.data_parallel; }
+  void zero_grad() override {
+    flat_->zero_grad();
+  }
+  /// The data-parallel average ends inside forward_backward(): nothing is outstanding after it.
+  void finish_gradient_sync() override {}
 
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
 
-  /// One batch: forward and backward of m micro-batches in the configured schedule,
-  /// gradients accumulated into parameters().grads() (and averaged over options.data_parallel).
-  /// input [B, ...] is read on the first stage and targets [B, ...] on the last; other
-  /// stages may pass empty tensors. B must be divisible by m and the same every step.
-  /// Returns the mean micro-batch loss (every stage with broadcast_loss, else NaN off the last stage).
-  double train_step(const Tensor<T>& input, const Tensor<std::int32_t>& targets) { return run_step(input, targets); }
-  /// train_step() with int32 token ids [B, S] as the first stage's input, which
-  /// its first unit looks up (Module::forward_tokens: embeddings, GPT units); the
-  /// form for language models in every T and the only one for bf16. Stages after
-  /// the first may call either form (their input comes from the previous stage).
-  double train_step_tokens(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
-    return run_step(ids, targets);
+  // Note [Pipeline batches]
+  // forward_backward(input, targets) runs one batch: forward and backward of m
+  // micro-batches in the configured schedule, gradients accumulated into
+  // parameters().grads() (and averaged over options.data_parallel, unless inside
+  // no_sync()). input [B, ...] (features, or int32 token ids that the first unit
+  // looks up) is read on the first stage and targets [B, ...] on the last; other
+  // stages may pass empty tensors. B must be divisible by m and the same every
+  // step. It returns the mean micro-batch loss (on every stage with
+  // broadcast_loss, averaged over the replicas; else NaN off the last stage).
+  // eval_loss() runs the m micro-batches forward only (no activations kept);
+  // call train(false) first to turn dropout off.
+
+  /// zero_grad() (unless options.zero_grad is off) and forward_backward().
+  double train_step(const Tensor<T>& input, const Tensor<std::int32_t>& targets) {
+    return run_step(input, targets, true, opt_.zero_grad);
   }
-  /// Forward only, for evaluation: the m micro-batches run through the stages in order and
-  /// the last stage computes the loss; no gradients, no activations kept. Returns what
-  /// train_step() would (the mean micro-batch loss, averaged over options.data_parallel).
-  /// Call module().train(false) on every stage first to turn dropout off. The micro-batch
-  /// shape is the one agreed on the first step, as for train_step().
-  double eval_step(const Tensor<T>& input, const Tensor<std::int32_t>& targets) {
-    return run_step(input, targets, false);
-  }
-  /// eval_step() with int32 token ids as the first stage's input (see train_step_tokens()).
-  double eval_step_tokens(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
-    return run_step(ids, targets, false);
+  /// train_step() from int32 token ids.
+  double train_step(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
+    return run_step(ids, targets, true, opt_.zero_grad);
   }
 
   int stage() const { return stage_; }
@@ -379,13 +393,9 @@ class Pipeline {
 
   /// This stage's units in one module; parameter names are "<unit name>.<param>".
   nn::Module<T>& module() { return module_; }
-  bool has_parameters() const { return flat_ != nullptr; }
-  /// The stage's parameters in flat buffers (for the optimizer); throws for a stage without parameters.
-  nn::FlatParameters<T>& parameters() {
-    PTRAIN_CHECK(flat_ != nullptr, Error, "[ptrain.pipeline.no_params] stage ", stage_,
-                 " has no parameters; cut the model so every stage holds a layer with weights");
-    return *flat_;
-  }
+  bool has_parameters() const override { return !flat_->entries().empty(); }
+  /// The stage's parameters in flat buffers (for the optimizer); empty buffers on a stage without parameters.
+  nn::FlatParameters<T>& parameters() override { return *flat_; }
 
   /// Forward/backward events of the last train_step (or eval_step), in execution order.
   const std::vector<PipelineEvent>& timeline() const { return events_; }
@@ -407,12 +417,28 @@ class Pipeline {
     Tensor<T> keep;  // the buffer must outlive the transfer
   };
 
+  static PipelineOptions<T> with_data_group(PipelineOptions<T> o, Mesh& mesh) {
+    o.data_parallel = &mesh.data_group();
+    return o;
+  }
+
+  double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+             bool training) override {
+    grad_scale_ = grad_scale;
+    return in.ids ? run_step(*in.ids, targets, training, false) : run_step(*in.x, targets, training, false);
+  }
+  // The stages hold distinct parameters: their squared norms add up.
+  double sum_over_model(double sq) override {
+    if (comm_.size() > 1) comm_.all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
+    return sq;
+  }
+
   template <class In>
-  double run_step(const Tensor<In>& input, const Tensor<std::int32_t>& targets, bool training = true) {
+  double run_step(const Tensor<In>& input, const Tensor<std::int32_t>& targets, bool training, bool zero) {
     const int m = opt_.micro_batches, p = num_stages();
     if (is_first()) check_batch(input, "input");
     if (is_last()) check_batch(targets, "targets");
-    if (training && opt_.zero_grad && flat_) flat_->zero_grad();
+    if (training && zero) zero_grad();
     training_ = training;
     events_.clear();
     caches_.clear();
@@ -585,15 +611,9 @@ class Pipeline {
     return y;
   }
 
-  // The loss of one micro-batch and, with dout, the gradient of loss / m.
+  // The loss of one micro-batch and, with dout, the gradient of grad_scale * loss / m.
   double compute_loss(const Tensor<T>& y, const Tensor<std::int32_t>& t, Tensor<T>* dout) {
-    const auto scale = static_cast<acc_t<T>>(1.0 / opt_.micro_batches);
-    if (opt_.loss) return opt_.loss(y, t, dout, scale);
-    nn::CrossEntropyLoss<T> ce;
-    nn::Cache<T> lc;
-    const double loss = ce.forward(y, t, lc);
-    if (dout) *dout = ce.backward(lc, scale);
-    return loss;
+    return this->loss(y, t, dout, grad_scale_ / opt_.micro_batches);
   }
 
   // Runs micro-batch mb's backward; returns the input gradient for the previous stage (undefined on the first).
@@ -607,7 +627,8 @@ class Pipeline {
     caches_.erase(it);  // the activations of this micro-batch are no longer needed
     // The stage's gradients are final: average them over the replicas while
     // earlier stages still run their backwards.
-    if (++backwards_done_ == opt_.micro_batches && opt_.data_parallel && opt_.data_parallel->size() > 1 && flat_)
+    if (++backwards_done_ == opt_.micro_batches && this->syncing() && opt_.data_parallel &&
+        opt_.data_parallel->size() > 1 && has_parameters())
       dp_work_ = opt_.data_parallel->all_reduce_async(flat_->grads(), dist::ReduceOp::Avg);
     record('B', mb, t0);
     if (is_first()) return {};
@@ -646,6 +667,7 @@ class Pipeline {
   }
 
   dist::Communicator& comm_;
+  dist::Communicator* world_ = nullptr;  // the dp x pp mesh's world, when built on one
   StagePartition part_;
   PipelineOptions<T> opt_;
   int stage_ = 0;
@@ -655,6 +677,7 @@ class Pipeline {
   Device device_ = Device::cpu();  // of the parameters, where activations are received
   int peak_live_ = 0, backwards_done_ = 0;
   double loss_sum_ = 0;
+  double grad_scale_ = 1.0;  // of the forward_backward() in progress
   bool shapes_agreed_ = false, agreeing_ = false, training_ = true;
   Shape in_shape_, out_shape_;
   Tensor<T> incoming_;  // the next action's input, being received

@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
       auto f = std::make_unique<parallel::FSDP<float>>(model.units(), *comm, fo);
       fsdp = f.get();
       wrapped = std::move(f);
-      adamw = std::make_unique<optim::AdamW<float>>(fsdp->local_values(), fsdp->local_grads(), fsdp->local_entries(),
+      adamw = std::make_unique<optim::AdamW<float>>(fsdp->parameters(),
                                                     optim::AdamWOptions{.lr = 0.01});
       sharded = true;
     }
@@ -192,7 +192,7 @@ int main(int argc, char** argv) {
         fsdp->zero_grad();
         ce.forward(fsdp->forward(x, c), y, lc);
         fsdp->backward(ce.backward(lc), c);
-        fsdp->optimizer_step(opt);
+        fsdp->step(opt);
       } else {
         auto& ddp = static_cast<parallel::DDP<float>&>(*wrapped);
         flat->zero_grad();

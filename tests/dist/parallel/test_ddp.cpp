@@ -290,12 +290,12 @@ TEST_CASE("DDP runs are bitwise reproducible", "[ddp]") {
 
 TEST_CASE("bf16 gradient compression stays within bf16 precision", "[ddp]") {
   auto& comm = world();
-  auto grads = [&](parallel::GradCompression comp) {
+  auto grads = [&](DType comp) {
     Generator g(31);
     nn::MLP<float> model(12, {24}, 5, nn::Activation::ReLU, g);
     nn::FlatParameters<float> p(model);
     parallel::DDP<float> ddp(model, p, comm, {.bucket_cap_bytes = 512, .first_bucket_bytes = 128,
-                                              .compression = comp});
+                                              .reduce_dtype = comp});
     auto b = make_batch<float>(8, 12, 5, 2000 + static_cast<std::uint64_t>(comm.rank()));
     nn::CrossEntropyLoss<float> ce;
     nn::Cache<float> c, lc;
@@ -305,8 +305,8 @@ TEST_CASE("bf16 gradient compression stays within bf16 precision", "[ddp]") {
     ddp.finish_gradient_sync();
     return p.grads().clone();
   };
-  auto exact = grads(parallel::GradCompression::None);
-  auto bf = grads(parallel::GradCompression::BF16);
+  auto exact = grads(DType::F32);
+  auto bf = grads(DType::BF16);
   double worst = 0, scale = 0;
   for (std::int64_t i = 0; i < exact.numel(); ++i) {
     worst = std::max(worst, static_cast<double>(std::abs(exact.data()[i] - bf.data()[i])));

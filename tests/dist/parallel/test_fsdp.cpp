@@ -16,6 +16,7 @@
 #include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>
+#include <ptrain/optim/clip.hpp>
 #include <ptrain/parallel/fsdp.hpp>
 
 using namespace ptrain;
@@ -83,7 +84,7 @@ void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int m
       factory ? parallel::FSDP<float>(model.units().size(), [&](std::size_t u) { return nn::gpt_unit<float>(wrapped, u, gu); },
                                       comm, options_for(strategy, model.unit_names()))
               : parallel::FSDP<float>(model.units(), comm, options_for(strategy, model.unit_names()));
-  optim::AdamW<float> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
+  optim::AdamW<float> opt(fsdp.parameters(), adam);
   nn::CrossEntropyLoss<float> ce;
 
   for (std::int64_t s = 0; s < steps; ++s) {
@@ -109,7 +110,7 @@ void check_gpt_matches_single_process(ShardingStrategy strategy, bool tie, int m
         fsdp.backward(d, c);
       }
     }
-    fsdp.optimizer_step(opt);
+    fsdp.step(opt);
   }
   // Compare by name: FSDP lists parameters group by group, the model unit by unit.
   std::map<std::string, std::vector<float>> full;
@@ -162,7 +163,7 @@ TEST_CASE("FSDP built unit by unit never holds the whole model", "[fsdp][memory]
     const auto before = memory_stats().live_bytes;
     reset_peak_memory();
     auto fsdp = build();
-    return std::pair{memory_stats().peak_bytes - before, fsdp->local_values().numel()};
+    return std::pair{memory_stats().peak_bytes - before, fsdp->parameters().values().numel()};
   };
   const auto [whole, shard] = construction_peak([&] {
     Generator gw(5);
@@ -216,7 +217,7 @@ TEST_CASE("FSDP trains a bf16 GPT like one process", "[fsdp][bf16]") {
   const optim::AdamWOptions adam{.lr = 0.02, .weight_decay = 0.1};
   optim::AdamW<bf16> ref_opt(ref_p, adam);
   parallel::FSDP<bf16> fsdp(model.units(), comm, options_for(ShardingStrategy::FullShard, model.unit_names()));
-  optim::AdamW<bf16> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), adam);
+  optim::AdamW<bf16> opt(fsdp.parameters(), adam);
   nn::CrossEntropyLoss<bf16> ce;
   const auto global = make_tokens(n * B, S, cfg.vocab_size, 900);
   auto ids = Tensor<std::int32_t>::empty({n * B, S});
@@ -234,7 +235,7 @@ TEST_CASE("FSDP trains a bf16 GPT like one process", "[fsdp][bf16]") {
     fsdp.zero_grad();
     double loss = ce.forward(fsdp.forward_tokens(ids.narrow(r * B, B), fc), global.targets.narrow(r * B * S, B * S), flc);
     fsdp.backward(ce.backward(flc), fc);
-    fsdp.optimizer_step(opt);
+    fsdp.step(opt);
     comm.all_reduce(&loss, &loss, 1, DType::F64, dist::ReduceOp::Avg);
     INFO("step " << step << ": FSDP " << loss << ", one process " << last_ref << " (rank " << r << " of " << n << ")");
     CHECK(std::abs(loss - last_ref) <= 2e-2 * first);
@@ -266,8 +267,8 @@ TEST_CASE("FSDP bf16 sharded checkpoints resume bitwise and load in one process"
     run.model = std::make_unique<nn::GPT<bf16>>(cfg, g);
     run.fsdp = std::make_unique<parallel::FSDP<bf16>>(run.model->units(), comm,
                                                       options_for(ShardingStrategy::FullShard, run.model->unit_names()));
-    run.opt = std::make_unique<optim::AdamW<bf16>>(run.fsdp->local_values(), run.fsdp->local_grads(),
-                                                   run.fsdp->local_entries(), optim::AdamWOptions{.lr = 0.02});
+    run.opt = std::make_unique<optim::AdamW<bf16>>(run.fsdp->parameters().values(), run.fsdp->parameters().grads(),
+                                                   run.fsdp->parameters().entries(), optim::AdamWOptions{.lr = 0.02});
     return run;
   };
   nn::CrossEntropyLoss<bf16> ce;
@@ -277,7 +278,7 @@ TEST_CASE("FSDP bf16 sharded checkpoints resume bitwise and load in one process"
       run.fsdp->zero_grad();
       ce.forward(run.fsdp->forward_tokens(ids, c), targets, lc);
       run.fsdp->backward(ce.backward(lc), c);
-      run.fsdp->optimizer_step(*run.opt);
+      run.fsdp->step(*run.opt);
     }
   };
   auto bytes = [](const auto& t) {
@@ -296,7 +297,7 @@ TEST_CASE("FSDP bf16 sharded checkpoints resume bitwise and load in one process"
   Run b = build(12);
   ckpt::load_fsdp(mgr.step_path(2), *b.fsdp, b.opt.get());
   train(b, 2);
-  CHECK(bytes(b.fsdp->local_values()) == bytes(a.fsdp->local_values()));
+  CHECK(bytes(b.fsdp->parameters().values()) == bytes(a.fsdp->parameters().values()));
   bool same_state = b.opt->flat_state().size() == 3;  // exp_avg, exp_avg_sq, master
   for (std::size_t k = 0; k < std::min(b.opt->flat_state().size(), a.opt->flat_state().size()); ++k)
     same_state = same_state && bytes(b.opt->flat_state()[k].second) == bytes(a.opt->flat_state()[k].second);
@@ -334,10 +335,10 @@ TEST_CASE("FSDP shards each unit evenly, padding to the world size", "[fsdp]") {
   const std::int64_t n = comm.size();
   CHECK(fsdp.group_numel(0) == 7 * 5 + 5);
   CHECK(fsdp.group_padded(0) == (40 + n - 1) / n * n);
-  CHECK(fsdp.local_values().numel() == fsdp.group_padded(0) / n + fsdp.group_padded(1) / n);
+  CHECK(fsdp.parameters().values().numel() == fsdp.group_padded(0) / n + fsdp.group_padded(1) / n);
   // The pieces of parameters on all ranks cover every parameter exactly once.
   std::int64_t mine = 0;
-  for (auto& e : fsdp.local_entries()) mine += e.numel();
+  for (auto& e : fsdp.parameters().entries()) mine += e.numel();
   comm.all_reduce(&mine, 1, DType::I64, dist::ReduceOp::Sum);
   CHECK(mine == 40 + 18);
   // Without unit_names each unit's prefix is its index, as Sequential names its
@@ -374,7 +375,7 @@ TEST_CASE("FSDP persistent memory follows the ZeRO formulas", "[fsdp][memory]") 
       Generator g(3);
       nn::GPT<float> model(cfg, g);
       parallel::FSDP<float> fsdp(model.units(), comm, options_for(s));
-      optim::AdamW<float> opt(fsdp.local_values(), fsdp.local_grads(), fsdp.local_entries(), {});
+      optim::AdamW<float> opt(fsdp.parameters(), {});
       persistent = memory_stats().live_bytes - before;
       for (std::size_t gi = 0; gi < fsdp.num_groups(); ++gi) padding += fsdp.group_padded(gi) - fsdp.group_numel(gi);
       // One step, for the peak.
@@ -385,7 +386,7 @@ TEST_CASE("FSDP persistent memory follows the ZeRO formulas", "[fsdp][memory]") 
       fsdp.zero_grad();
       ce.forward(fsdp.forward(b.ids, c), b.targets, lc);
       fsdp.backward(ce.backward(lc), c);
-      fsdp.optimizer_step(opt);
+      fsdp.step(opt);
       peak = memory_stats().peak_bytes - before;
     }
     const int ns = s == ShardingStrategy::NoShard ? 1 : (s == ShardingStrategy::Hybrid ? options_for(s).hybrid_shard_size : n);
@@ -463,7 +464,7 @@ TEST_CASE("FSDP global-norm clipping equals clipping the full gradient", "[fsdp]
   const double got = fsdp.clip_grad_norm_(1e-3);
   CHECK(got == Approx(want).epsilon(1e-5));
   // The clipped local shard has norm 1e-3 / (norm + 1e-6) * norm over the shard group.
-  double sq = ops::sum_squares(fsdp.local_grads());
+  double sq = ops::sum_squares(fsdp.parameters().grads());
   comm.all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
   const int replicas = n / options_for(ShardingStrategy::Hybrid).hybrid_shard_size;
   CHECK(std::sqrt(sq / replicas) == Approx(1e-3 * want / (want + 1e-6)).epsilon(1e-4));

@@ -313,10 +313,10 @@ TEST_CASE("pipelines under NCCL's point-to-point rules equal one process", "[pip
   }
 }
 
-// eval_step against the reference's forward loss, over the world and (MPI) under
+// eval_loss against the reference's forward loss, over the world and (MPI) under
 // NCCL's rules: before any train_step (it agrees the shapes itself), and after one,
 // when it must leave the accumulated gradients and the parameters as they are.
-TEST_CASE("eval_step: the forward loss of one process, no gradients, no caches kept", "[pipeline][eval]") {
+TEST_CASE("eval_loss: the forward loss of one process, no gradients, no caches kept", "[pipeline][eval]") {
   auto& comm = world();
   std::unique_ptr<NcclModel> model;
   std::vector<dist::Communicator*> comms{&comm};
@@ -340,10 +340,10 @@ TEST_CASE("eval_step: the forward loss of one process, no gradients, no caches k
                                    {.micro_batches = m});
     auto opt = make_opt(Opt::SGD, pipe.parameters());
     INFO("stage " << s << " of " << p << " over " << c->backend());
-    CHECK(std::abs(pipe.eval_step(held_out.x, held_out.y) - before) <= 1e-5 * before);
+    CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - before) <= 1e-5 * before);
     pipe.train_step(train.x, train.y);
     const auto grads = pipe.parameters().grads().clone(), values = pipe.parameters().values().clone();
-    const double loss = pipe.eval_step(held_out.x, held_out.y);
+    const double loss = pipe.eval_loss(held_out.x, held_out.y);
     CHECK(pipe.live_caches() == 0);
     CHECK(pipe.peak_live_caches() == 1);
     CHECK(pipe.timeline().size() == static_cast<std::size_t>(m));
@@ -353,7 +353,7 @@ TEST_CASE("eval_step: the forward loss of one process, no gradients, no caches k
     opt->step();
     // Evaluated before the update: the loss of the initial parameters again.
     CHECK(std::abs(loss - before) <= 1e-5 * before);
-    CHECK(std::abs(pipe.eval_step(held_out.x, held_out.y) - after) <= 1e-5 * after);
+    CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - after) <= 1e-5 * after);
     CHECK(std::abs(after - before) > 1e-3 * before);  // the step changed the loss: the check above can fail
   }
 }
@@ -374,8 +374,8 @@ double one_hot_sq_loss(const Tensor<float>& y, const Tensor<std::int32_t>& t, Te
 }
 
 // PipelineOptions::loss against one process trained with the same loss on the
-// whole batch; eval_step must ask it for no gradient, train_step for every one.
-TEST_CASE("A custom loss trains like one process; eval_step asks it for no gradient", "[pipeline][loss]") {
+// whole batch; eval_loss must ask it for no gradient, train_step for every one.
+TEST_CASE("A custom loss trains like one process; eval_loss asks it for no gradient", "[pipeline][loss]") {
   auto& comm = world();
   const int p = comm.size(), s = comm.rank();
   const std::int64_t B = 8, steps = 2;
@@ -422,7 +422,7 @@ TEST_CASE("A custom loss trains like one process; eval_step asks it for no gradi
   const int last = s == p - 1 ? 1 : 0;
   CHECK(with_grad == last * m * static_cast<int>(steps));
   CHECK(without == 0);
-  CHECK(std::abs(pipe.eval_step(held_out.x, held_out.y) - eval_after) <= 1e-5 * eval_after);
+  CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - eval_after) <= 1e-5 * eval_after);
   CHECK(without == last * m);
   CHECK(std::abs(eval_after - eval_before) > 1e-3 * eval_before);  // the steps changed the loss: the checks can fail
 }
@@ -456,7 +456,7 @@ TEST_CASE("GPT (untied) in a pipeline equals one process; a tied GPT is refused"
   nn::GPT<float> ref(cfg, gr);
   nn::FlatParameters<float> ref_p(ref);
   const std::int64_t B = 4, S = 8, steps = 2;
-  // Float ids through train_step() and int32 ids through train_step_tokens() take turns.
+  // Float ids through train_step() and int32 ids through train_step() take turns.
   std::vector<std::pair<Tensor<float>, Tensor<std::int32_t>>> batches;
   std::vector<Tensor<std::int32_t>> int_ids;
   for (std::int64_t i = 0; i < steps; ++i) {
@@ -479,7 +479,7 @@ TEST_CASE("GPT (untied) in a pipeline equals one process; a tied GPT is refused"
     auto opt = make_opt(Opt::AdamW, pipe.parameters());
     for (std::int64_t i = 0; i < steps; ++i) {
       const auto& [x, y] = batches[static_cast<std::size_t>(i)];
-      const double loss = i % 2 ? pipe.train_step_tokens(int_ids[static_cast<std::size_t>(i)], y) : pipe.train_step(x, y);
+      const double loss = i % 2 ? pipe.train_step(int_ids[static_cast<std::size_t>(i)], y) : pipe.train_step(x, y);
       opt->step();
       CHECK(std::abs(loss - ref_losses[static_cast<std::size_t>(i)]) <= 1e-5 * ref_losses[static_cast<std::size_t>(i)]);
     }
@@ -502,7 +502,7 @@ TEST_CASE("GPT (untied) in a pipeline equals one process; a tied GPT is refused"
   }
 }
 
-// A bf16 GPT (int32 ids through train_step_tokens, fp32 master weights in
+// A bf16 GPT (int32 ids through train_step, fp32 master weights in
 // AdamW) in a pipeline against the same model in one process on the whole
 // batch. The pipeline adds two micro-batches' bf16 gradients where the one
 // process rounds the batch gradient once, and Adam turns a rounding flip of a
@@ -535,7 +535,7 @@ TEST_CASE("a bf16 GPT trains in a pipeline from token ids like one process", "[p
     ref.backward(ce.backward(lc), c);
     ref_opt.step();
     if (step == 0) first = last_ref;
-    const double loss = pipe.train_step_tokens(ids, tgt);
+    const double loss = pipe.train_step(ids, tgt);
     opt.step();
     INFO("step " << step << ": stage " << s << " of " << p << ", pipeline " << loss << ", one process " << last_ref);
     CHECK(std::abs(loss - last_ref) <= 2e-2 * first);

@@ -276,7 +276,7 @@ TEST_CASE("a bf16 GPT pipeline resumes bitwise from its stage checkpoint", "[pip
     std::unique_ptr<optim::AdamW<bf16>> opt;
     void train(const Tensor<std::int32_t>& x, const Tensor<std::int32_t>& y, int steps) {
       for (int i = 0; i < steps; ++i) {
-        pipe->train_step_tokens(x, y);
+        pipe->train_step(x, y);
         opt->step();
       }
     }

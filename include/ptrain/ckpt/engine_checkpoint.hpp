@@ -1,0 +1,111 @@
+#pragma once
+// Checkpoints of any Engine (parallel/engine.hpp): one call saves and one
+// loads, whatever the mode, and a checkpoint of one mode or world size loads
+// into another (the tensors keep the model's names in every mode).
+//
+//   ckpt::CheckpointManager mgr(dir, &engine->communicator());
+//   if (auto last = mgr.latest(); last.found()) state = ckpt::load(mgr, last.path, *engine, &opt);
+//   ...
+//   ckpt::save(mgr, step, *engine, &opt, state);          // collective
+//
+// What each mode writes:
+//   Local, DDP   rank 0 writes the whole model (model.safetensors, optimizer.safetensors)
+//   FSDP         every shard group writes its pieces (ckpt/fsdp_checkpoint.hpp)
+//   Pipeline     replica 0 of each stage writes its stage (ckpt/stage_checkpoint.hpp)
+// Loading reads the tensors (or the ranges of them) that this rank holds, from
+// a checkpoint of any of these. A pipeline resumes its own layout bit for bit
+// (per-stage optimizer counts and generators); another layout or mode loads
+// its stage's tensors by name.
+
+#include "ptrain/ckpt/async_writer.hpp"
+#include "ptrain/ckpt/checkpoint.hpp"
+#include "ptrain/ckpt/fsdp_checkpoint.hpp"
+#include "ptrain/ckpt/stage_checkpoint.hpp"
+#include "ptrain/parallel/engine.hpp"
+
+namespace ptrain::ckpt {
+
+namespace detail {
+inline void check_same_world(const CheckpointManager& mgr, dist::Communicator& world) {
+  PTRAIN_CHECK(mgr.world_size() == world.size() && mgr.rank() == world.rank(), CheckpointError,
+               "[ptrain.ckpt.world] the checkpoint manager spans ", mgr.world_size(), " ranks (this is rank ",
+               mgr.rank(), ") but the engine spans ", world.size(), " (rank ", world.rank(),
+               "); make the manager with &engine.communicator()");
+}
+
+// Hands this rank's part of a checkpoint of `engine` to `replicated(params, state)`
+// (the whole model, written by rank 0) or `sharded(pieces, state)`.
+template <class T, class Replicated, class Sharded>
+void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Optimizer<T>* opt, TrainerState state,
+                Replicated&& replicated, Sharded&& sharded) {
+  check_same_world(mgr, engine.communicator());
+  switch (engine.mode()) {
+    case parallel::Mode::Local:
+    case parallel::Mode::DDP:
+      replicated(engine.parameters(), std::move(state));
+      return;
+    case parallel::Mode::FSDP:
+      sharded(fsdp_state(static_cast<parallel::FSDP<T>&>(engine), opt), std::move(state));
+      return;
+    case parallel::Mode::Pipeline: {
+      StageSnapshot snap =
+          stage_snapshot(mgr.communicator(), static_cast<parallel::Pipeline<T>&>(engine), opt, std::move(state));
+      sharded(snap.tensors, std::move(snap.state));
+      return;
+    }
+  }
+}
+}  // namespace detail
+
+/// Saves step `step` of `engine` and `opt` (collective over the engine's ranks, which
+/// mgr must span); returns when the checkpoint is committed.
+template <class T>
+void save(CheckpointManager& mgr, std::int64_t step, parallel::Engine<T>& engine,
+          std::type_identity_t<optim::Optimizer<T>>* opt, TrainerState state = {}) {
+  detail::save_parts(
+      mgr, engine, opt, std::move(state),
+      [&](nn::FlatParameters<T>& params, TrainerState s) { mgr.save(step, params, opt, std::move(s)); },
+      [&](const ShardedState& mine, TrainerState s) { mgr.save_sharded(step, mine, std::move(s)); });
+}
+
+/// save() in the background (collective): returns once the tensors are copied to host memory.
+template <class T>
+void save(AsyncCheckpointer& saver, CheckpointManager& mgr, std::int64_t step, parallel::Engine<T>& engine,
+          std::type_identity_t<optim::Optimizer<T>>* opt, TrainerState state = {}) {
+  detail::save_parts(
+      mgr, engine, opt, std::move(state),
+      [&](nn::FlatParameters<T>& params, TrainerState s) { saver.save(step, params, opt, std::move(s)); },
+      [&](const ShardedState& mine, TrainerState s) { saver.save_sharded(step, mine, std::move(s)); });
+}
+
+/// Loads a checkpoint written by save() in any mode and world size into `engine`
+/// (and opt's state, step count and learning rate); collective. Restores
+/// default_generator() and returns the trainer state. A mismatch (another model,
+/// a missing tensor, a corrupt file) throws before anything is changed.
+template <class T>
+TrainerState load(CheckpointManager& mgr, const fs::path& path, parallel::Engine<T>& engine,
+                  std::type_identity_t<optim::Optimizer<T>>* opt = nullptr) {
+  detail::check_same_world(mgr, engine.communicator());
+  switch (engine.mode()) {
+    case parallel::Mode::Local:
+    case parallel::Mode::DDP:
+      return mgr.load(path, engine.parameters(), opt);
+    case parallel::Mode::FSDP:
+      return load_fsdp(path, static_cast<parallel::FSDP<T>&>(engine), opt);
+    case parallel::Mode::Pipeline: {
+      auto& pipe = static_cast<parallel::Pipeline<T>&>(engine);
+      if (same_pipeline_layout(saved_pipeline_layout(Checkpoint(path, false).trainer_state()), pipe))
+        return load_stage(mgr, path, pipe, opt);
+      // Another mode or cut: this stage's tensors by name.
+      TrainerState state;
+      detail::all_or_none(mgr.communicator(), "loading its pipeline stage", [&] {
+        state = pipe.has_parameters() ? mgr.load(path, pipe.parameters(), opt, LoadOptions{.partial = true})
+                                      : Checkpoint(path).trainer_state();
+      });
+      return state;
+    }
+  }
+  return {};
+}
+
+}  // namespace ptrain::ckpt

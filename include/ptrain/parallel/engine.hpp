@@ -1,0 +1,217 @@
+#pragma once
+// The training contract. Every way of spreading training over ranks is an
+// Engine: one process (Local), data parallel (DDP), fully sharded (FSDP, every
+// strategy), pipeline (Pipeline, with data-parallel replicas); a training loop
+// written against Engine runs unchanged in each of them.
+//
+//   auto world = dist::init_process_group();                  // a world of one without a launcher
+//   auto engine = parallel::make_engine<float>(units, *world, parallel::FSDPOptions{});  // picks the mode
+//   optim::AdamW<float> opt(engine->parameters(), {.lr = 1e-3});
+//   for (...) {
+//     engine->zero_grad();
+//     double loss = engine->forward_backward(x, y);          // this rank's batch
+//     engine->clip_grad_norm_(1.0);
+//     engine->step(opt);                                       // finishes the gradient sync first
+//   }
+//
+// Note [Engine contract]
+// - parameters() are the flat parameters this rank's optimizer updates: the
+//   whole model (Local, DDP), this rank's shard (FSDP), this stage's
+//   (Pipeline). Optimizers are built on them the same way in every mode.
+// - forward_backward(input, targets, grad_scale) runs forward, the loss
+//   (LossFn; default: mean cross-entropy over rows) and backward on this rank's
+//   batch and adds grad_scale * d(loss) to the gradients. Synchronisation of
+//   the gradients may start during backward and go on after it returns.
+// - Nothing reads gradients before their synchronisation has finished:
+//   clip_grad_norm_(), step() and parameter checkpoints finish it first, and
+//   a forward_backward() that follows another without step() waits for the
+//   previous one's (so accumulating without no_sync() is correct, only slower).
+// - Inside no_sync() forward_backward() accumulates without communicating
+//   where the mode keeps full gradients (Local, DDP, FSDP ShardOptimizer and
+//   NoShard, the pipeline's data-parallel reduction); the first one after the
+//   scope reduces what was accumulated. Sharded-gradient FSDP reduces every
+//   time (Note [Accumulation] in fsdp.hpp).
+// - Every rank calls the same Engine functions in the same order, with the
+//   same batch shape (Note [Collective order contract] in dist/communicator.hpp);
+//   only Local calls no collective.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/module.hpp"
+#include "ptrain/optim/clip.hpp"
+#include "ptrain/optim/optimizer.hpp"
+
+namespace ptrain::parallel {
+
+namespace detail {
+using ::ptrain::detail::cat;
+
+/// Steady-clock seconds, for the event timelines of DDP, FSDP and the pipeline.
+inline double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace detail
+
+/// A loss on a model's output: returns the loss of one batch and, unless dout is
+/// null (evaluation), sets *dout to the gradient of scale * loss with respect to
+/// the output.
+template <class T>
+using LossFn = std::function<double(const Tensor<T>& output, const Tensor<std::int32_t>& targets,
+                                    Tensor<T>* dout, acc_t<T> scale)>;
+
+/// The default LossFn: mean cross-entropy over the rows of the output (nn::CrossEntropyLoss).
+template <class T>
+double cross_entropy(const Tensor<T>& output, const Tensor<std::int32_t>& targets, Tensor<T>* dout,
+                     acc_t<T> scale) {
+  nn::CrossEntropyLoss<T> ce;
+  nn::Cache<T> cache;
+  const double loss = ce.forward(output, targets, cache);
+  if (dout) *dout = ce.backward(cache, scale);
+  return loss;
+}
+
+/// One batch's input: features (x) or int32 token ids, which the first unit looks
+/// up (Module::forward_tokens; the only form for bf16 language models).
+template <class T>
+struct BatchInput {
+  const Tensor<T>* x = nullptr;
+  const Tensor<std::int32_t>* ids = nullptr;
+};
+
+/// Which mode an engine runs (for descriptions and checkpoint layouts).
+enum class Mode { Local, DDP, FSDP, Pipeline };
+
+inline const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::Local: return "local";
+    case Mode::DDP: return "ddp";
+    case Mode::FSDP: return "fsdp";
+    case Mode::Pipeline: return "pipeline";
+  }
+  return "?";
+}
+
+template <class T>
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  Engine() = default;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  virtual Mode mode() const = 0;
+  /// The flat parameters this rank's optimizer updates (Note [Engine contract]).
+  virtual nn::FlatParameters<T>& parameters() = 0;
+  /// The module this rank runs: the model (Local, DDP), the sharded model whose
+  /// forward gathers (FSDP, collective), this stage's units (Pipeline).
+  virtual nn::Module<T>& local_module() = 0;
+  /// The ranks this engine spans.
+  virtual dist::Communicator& communicator() = 0;
+
+  /// Zeroes every gradient buffer the engine keeps (after finishing any sync that writes them).
+  virtual void zero_grad() = 0;
+  /// Waits for outstanding gradient synchronisation; gradients are then final.
+  virtual void finish_gradient_sync() = 0;
+
+  /// Forward, loss and backward of this rank's batch (Note [Engine contract]); returns the loss.
+  double forward_backward(const Tensor<T>& x, const Tensor<std::int32_t>& targets, double grad_scale = 1.0) {
+    return run(BatchInput<T>{&x, nullptr}, targets, grad_scale, true);
+  }
+  /// forward_backward() from int32 token ids.
+  double forward_backward(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets,
+                          double grad_scale = 1.0) {
+    return run(BatchInput<T>{nullptr, &ids}, targets, grad_scale, true);
+  }
+  /// The loss of a batch without backward (evaluation; call train(false) first to turn dropout off).
+  double eval_loss(const Tensor<T>& x, const Tensor<std::int32_t>& targets) {
+    return run(BatchInput<T>{&x, nullptr}, targets, 1.0, false);
+  }
+  double eval_loss(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
+    return run(BatchInput<T>{nullptr, &ids}, targets, 1.0, false);
+  }
+
+  /// Finishes the gradient sync, steps the optimizer (built on parameters()) and
+  /// refreshes what the mode derives from the parameters (FSDP's gathered copies).
+  void step(optim::Optimizer<T>& opt) {
+    finish_gradient_sync();
+    opt.step();
+    parameters_changed();
+  }
+
+  /// Global-norm clipping (torch.nn.utils.clip_grad_norm_) over the whole model's
+  /// gradients, after the sync; collective. Returns the norm before clipping.
+  double clip_grad_norm_(double max_norm) {
+    finish_gradient_sync();
+    return optim::clip_grad_norm_(parameters().grads(), max_norm, [this](double sq) { return sum_over_model(sq); });
+  }
+
+  /// While the returned guard lives, forward_backward() accumulates without
+  /// communicating where the mode allows it (Note [Engine contract]).
+  [[nodiscard]] auto no_sync() {
+    set_sync(false);
+    auto restore = [this](void*) { set_sync(true); };
+    return std::unique_ptr<void, decltype(restore)>(this, restore);
+  }
+
+  /// Mean of a scalar (a loss, an accuracy) over the data-parallel replicas; collective.
+  double average(double local) {
+    if (dist::Communicator* dp = data_parallel_group(); dp && dp->size() > 1)
+      dp->all_reduce(&local, 1, DType::F64, dist::ReduceOp::Avg);
+    return local;
+  }
+
+  /// Training mode (dropout on) or evaluation mode, on this rank's module.
+  virtual void train(bool on = true) { local_module().train(on); }
+
+  /// The loss forward_backward() and eval_loss() use; default cross_entropy.
+  void set_loss(LossFn<T> loss) { loss_ = std::move(loss); }
+
+  /// Call (collectively) after changing parameters() other than through step(),
+  /// e.g. after loading a checkpoint (FSDP gathers or drops its full copies).
+  virtual void parameters_changed() {}
+  /// Whether this rank has parameters (a pipeline stage may have none: its parameters() are empty).
+  virtual bool has_parameters() const { return true; }
+  /// The group over which replicas of this rank's parameters are averaged (null: none).
+  virtual dist::Communicator* data_parallel_group() { return &communicator(); }
+
+ protected:
+  /// One batch: training (forward, loss, backward) or evaluation (forward, loss).
+  virtual double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+                     bool training) = 0;
+  /// Sum of a per-rank partial sum of squares over the ranks that hold distinct
+  /// parts of the model (FSDP shards, pipeline stages); identity for replicas.
+  virtual double sum_over_model(double local) { return local; }
+  virtual void set_sync(bool on) { sync_ = on; }
+  bool syncing() const { return sync_; }
+
+  double loss(const Tensor<T>& out, const Tensor<std::int32_t>& targets, Tensor<T>* dout, double scale) const {
+    const auto s = static_cast<acc_t<T>>(scale);
+    return loss_ ? loss_(out, targets, dout, s) : cross_entropy<T>(out, targets, dout, s);
+  }
+
+  /// run() for engines that hold a whole module: forward, loss, backward.
+  double run_module(nn::Module<T>& m, const BatchInput<T>& in, const Tensor<std::int32_t>& targets,
+                    double grad_scale, bool training) {
+    cache_.clear();
+    Tensor<T> out = in.ids ? m.forward_tokens(*in.ids, cache_) : m.forward(*in.x, cache_);
+    Tensor<T> dout;
+    const double l = loss(out, targets, training ? &dout : nullptr, grad_scale);
+    if (training) m.backward(dout, cache_);
+    cache_.clear();
+    return l;
+  }
+
+ private:
+  LossFn<T> loss_;
+  nn::Cache<T> cache_;
+  bool sync_ = true;
+};
+
+}  // namespace ptrain::parallel
