@@ -1,0 +1,298 @@
+#pragma once
+// Trainer: an optional training loop on the Engine contract (parallel/engine.hpp),
+// in the spirit of a Determined trial or a Lightning Trainer. It runs epochs
+// of steps over a Dataset with gradient accumulation, clipping and a learning
+// rate schedule; evaluates every N steps and after each epoch; saves
+// asynchronous checkpoints every N steps and at the end; on SIGTERM, SIGINT or
+// SIGUSR1 saves a checkpoint and returns the agreed exit code; resumes from the
+// newest checkpoint that verifies (skipping corrupt ones, restoring the sampler
+// position and the schedule's step, at any world size); writes JSON-lines
+// metrics and the progress line on rank 0.
+//
+//   train::Trainer<float> trainer(*engine, opt, data, {.epochs = 10, .batch = 64, .checkpoint_dir = "ckpt"});
+//   trainer.schedule = optim::WarmupCosine{...};        // optional
+//   trainer.evaluate = [&](parallel::Engine<float>& e) { return nlohmann::json{{"accuracy", acc(e)}}; };
+//   return trainer.run().exit_code;
+//
+// Every part is a public piece (Engine, DistributedSampler, ckpt::save/load,
+// PreemptionHandler, MetricsWriter, Progress) and run() is the loop a program
+// would write with them; replace a part with a callback, or copy the loop.
+//
+// Note [Trainer steps]
+// A step is one optimizer update: `batch` samples per data-parallel rank,
+// split into grad_accum micro-batches (all but the last inside no_sync()),
+// each weighted by its share of the rows so the gradient is that of the mean
+// over the whole batch. The step count is derived from the sampler position,
+// not stored: a checkpoint taken after p samples per rank of epoch e on W ranks
+// continues on M ranks at step e * steps_per_epoch(M) + ceil(p W / M / batch),
+// so the schedule, the progress total and the end of training follow the new
+// world size (Note [Sampler reshape] in ckpt/checkpoint.hpp).
+
+#include <csignal>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "ptrain/ckpt/async_writer.hpp"
+#include "ptrain/ckpt/checkpoint.hpp"
+#include "ptrain/ckpt/engine_checkpoint.hpp"
+#include "ptrain/ckpt/preemption.hpp"
+#include "ptrain/data/batches.hpp"
+#include "ptrain/data/dataset.hpp"
+#include "ptrain/data/sampler.hpp"
+#include "ptrain/optim/optimizer.hpp"
+#include "ptrain/optim/schedule.hpp"
+#include "ptrain/parallel/engine.hpp"
+#include "ptrain/train/metrics.hpp"
+#include "ptrain/train/progress.hpp"
+
+namespace ptrain::train {
+
+struct TrainerOptions {
+  int epochs = 1;
+  std::int64_t batch = 32;  ///< samples per data-parallel rank per step
+  int grad_accum = 1;       ///< micro-batches per step (Note [Trainer steps])
+  double grad_clip = 0;     ///< global-norm clipping before each update; 0: off
+  bool drop_last = false;   ///< drop an epoch's last partial batch (the pipeline needs equal batches)
+  std::uint64_t seed = 0;   ///< data order (DistributedSampler)
+  std::int64_t log_every = 100;   ///< progress line and metrics record every N steps (0: none)
+  std::int64_t eval_every = 0;    ///< evaluate every N steps (0: only after each epoch)
+  std::string metrics = {};       ///< JSON-lines file written by rank 0 ("": none)
+  std::string checkpoint_dir = {};    ///< "": no checkpoints, no resume, signals end the process as usual
+  std::int64_t checkpoint_every = 0;  ///< background checkpoint every N steps (0: only at the end and on a signal)
+  int keep_checkpoints = 3;           ///< committed checkpoints kept; 0 keeps all
+  bool resume = true;                 ///< continue from the newest good checkpoint in checkpoint_dir
+  int preempt_exit_code = 0;          ///< returned after the checkpoint a signal asked for
+  nlohmann::json config = nlohmann::json::object();  ///< the run's settings; a resume with others is refused
+};
+
+/// What run() ended with.
+struct TrainResult {
+  std::int64_t step = 0;      ///< steps done, over all runs of the job
+  bool preempted = false;     ///< stopped by a signal after a checkpoint
+  int exit_code = 0;          ///< 0, or options.preempt_exit_code after a signal
+  nlohmann::json last_eval;   ///< the last evaluate() result (null without one)
+};
+
+/// What on_step sees after each step.
+struct StepInfo {
+  std::int64_t step;  ///< 1-based, over the whole run
+  int epoch;          ///< 1-based
+  double loss;        ///< this rank's mean micro-batch loss
+  double lr;
+};
+
+template <class T>
+class Trainer {
+ public:
+  /// `engine`, `opt` (built on engine.parameters()) and `data` must outlive the trainer.
+  Trainer(parallel::Engine<T>& engine, optim::Optimizer<T>& opt, Dataset<T>& data, TrainerOptions options)
+      : engine_(engine), opt_(opt), data_(data), o_(std::move(options)) {
+    PTRAIN_CHECK(o_.epochs >= 1 && o_.batch >= 1 && o_.grad_accum >= 1 && o_.grad_accum <= o_.batch, Error,
+                 "[ptrain.trainer.options] need epochs >= 1, batch >= 1 and 1 <= grad_accum <= batch (got ", o_.epochs,
+                 ", ", o_.batch, ", ", o_.grad_accum, ")");
+    PTRAIN_CHECK(o_.log_every >= 0 && o_.eval_every >= 0 && o_.checkpoint_every >= 0 && o_.grad_clip >= 0, Error,
+                 "[ptrain.trainer.options] log_every, eval_every, checkpoint_every and grad_clip must be >= 0");
+    dist::Communicator* dp = engine_.data_parallel_group();
+    data_rank_ = dp ? dp->rank() : 0;
+    data_world_ = dp ? dp->size() : 1;
+    const std::int64_t per_rank = DistributedSampler(data_.size(), data_rank_, data_world_, o_.seed).num_samples();
+    per_epoch_ = num_batches(per_rank, o_.batch, o_.drop_last);
+    PTRAIN_CHECK(per_epoch_ > 0, Error, "[ptrain.trainer.data] ", data_.size(), " samples give no batch of ",
+                 o_.batch, " on each of ", data_world_, " data-parallel ranks; use a smaller batch");
+  }
+
+  /// Steps of the whole run (for a schedule); depends on the data-parallel world size.
+  std::int64_t total_steps() const { return per_epoch_ * o_.epochs; }
+
+  /// Learning rate of step s (0-based); default: the optimizer's rate, unchanged.
+  std::function<double(std::int64_t step)> schedule;
+  /// Collective evaluation (every rank calls it); its JSON object goes to the metrics and the log.
+  std::function<nlohmann::json(parallel::Engine<T>&)> evaluate;
+  /// Called after every step on every rank.
+  std::function<void(const StepInfo&)> on_step;
+
+  /// Runs (or resumes) the training; collective.
+  TrainResult run() {
+    const int data_world = data_world_;
+    const bool lead = engine_.communicator().rank() == 0;
+    DistributedSampler sampler(data_.size(), data_rank_, data_world, o_.seed);
+    const std::int64_t total = total_steps();
+
+    TrainResult result;
+    int start_epoch = 0;
+    bool resumed = false;
+    std::unique_ptr<ckpt::CheckpointManager> mgr;
+    std::unique_ptr<ckpt::AsyncCheckpointer> saver;
+    std::unique_ptr<ckpt::PreemptionHandler> preempt;
+    if (!o_.checkpoint_dir.empty()) {
+      mgr = std::make_unique<ckpt::CheckpointManager>(o_.checkpoint_dir, &engine_.communicator(),
+                                                      ckpt::CheckpointOptions{.keep_last = o_.keep_checkpoints});
+      saver = std::make_unique<ckpt::AsyncCheckpointer>(*mgr);
+      if (o_.resume) resumed = try_resume(*mgr, sampler, lead, start_epoch, result.step);
+      preempt = std::make_unique<ckpt::PreemptionHandler>();
+    }
+    std::int64_t last_saved = resumed ? result.step : -1;
+    auto state = [&] {
+      ckpt::TrainerState ts;
+      ts.step = result.step;
+      ts.sampler = ckpt::sampler_state(sampler, data_world);
+      ts.user = {{"config", o_.config}};
+      return ts;
+    };
+
+    MetricsWriter metrics(lead ? o_.metrics : "", resumed);
+    Progress progress(total, lead ? o_.log_every : 0, std::cout, result.step);
+    double window_loss = 0;
+    Stopwatch window;
+    auto run_eval = [&](int epoch) {
+      if (!evaluate) return;
+      engine_.train(false);
+      result.last_eval = evaluate(engine_);
+      engine_.train(true);
+      nlohmann::json rec = {{"step", result.step}, {"epoch", epoch}};
+      rec.update(result.last_eval);
+      metrics.write(rec);
+      if (lead) std::printf("eval at step %lld: %s\n", static_cast<long long>(result.step), result.last_eval.dump().c_str());
+    };
+
+    for (int epoch = start_epoch; epoch < o_.epochs; ++epoch) {
+      if (!(resumed && epoch == start_epoch)) sampler.set_epoch(static_cast<std::uint64_t>(epoch));
+      while (!sampler.epoch_done()) {
+        const auto idx = sampler.next(o_.batch);
+        if (o_.drop_last && static_cast<std::int64_t>(idx.size()) < o_.batch) break;
+        const Batch<T> b = to_device(data_.get(idx));
+        if (schedule) opt_.set_lr(schedule(result.step));
+        const double loss = step(b);
+        ++result.step;
+        progress.update(result.step, epoch + 1, loss, opt_.lr(), b.rows() * data_world);
+        if (on_step) on_step({result.step, epoch + 1, loss, opt_.lr()});
+        window_loss += loss;
+        if (o_.log_every > 0 && (result.step % o_.log_every == 0 || result.step == total)) {
+          const std::int64_t n = (result.step - 1) % o_.log_every + 1;
+          const double mean = engine_.average(window_loss / static_cast<double>(n));  // every rank, same steps
+          metrics.write({{"step", result.step}, {"epoch", epoch + 1}, {"loss", mean}, {"lr", opt_.lr()},
+                         {"samples_per_s", static_cast<double>(n * o_.batch * data_world) / window.seconds()}});
+          window_loss = 0;
+          window.reset();
+        }
+        if (saver && o_.checkpoint_every > 0 && result.step % o_.checkpoint_every == 0) {
+          ckpt::save(*saver, *mgr, result.step, engine_, &opt_, state());  // returns after a copy to host memory
+          last_saved = result.step;
+        }
+        if (o_.eval_every > 0 && result.step % o_.eval_every == 0) run_eval(epoch + 1);
+        // One all-reduce per step: every rank stops at the same step when any got a signal.
+        if (preempt && preempt->should_stop(&engine_.communicator())) {
+          saver->wait();
+          ckpt::save(*mgr, result.step, engine_, &opt_, state());
+          if (lead) {
+            std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
+                        static_cast<long long>(result.step), o_.checkpoint_dir.c_str());
+            std::fflush(stdout);  // the launcher's SIGTERM may come before exit() flushes a pipe
+          }
+          result.preempted = true;
+          result.exit_code = o_.preempt_exit_code;
+          return result;
+        }
+      }
+      if (o_.eval_every == 0 || result.step % o_.eval_every != 0) run_eval(epoch + 1);
+    }
+    if (saver) {
+      saver->wait();
+      if (last_saved != result.step) ckpt::save(*mgr, result.step, engine_, &opt_, state());
+    }
+    return result;
+  }
+
+  /// One optimizer step on this rank's batch (Note [Trainer steps]); returns the mean micro-batch loss.
+  double step(const Batch<T>& b) {
+    const std::int64_t rows = b.rows();
+    const int k = static_cast<int>(std::min<std::int64_t>(o_.grad_accum, rows));
+    engine_.zero_grad();
+    double loss = 0;
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t begin = rows * j / k, end = rows * (j + 1) / k;
+      const Batch<T> mb = b.narrow(begin, end - begin);
+      const double w = static_cast<double>(end - begin) / static_cast<double>(rows);
+      if (j + 1 < k) {
+        auto guard = engine_.no_sync();
+        loss += w * forward_backward(mb, w);
+      } else {
+        loss += w * forward_backward(mb, w);
+      }
+    }
+    if (o_.grad_clip > 0) engine_.clip_grad_norm_(o_.grad_clip);
+    engine_.step(opt_);
+    return loss;
+  }
+
+ private:
+  // The batch on the device of the engine's parameters (a copy when the data lives elsewhere).
+  Batch<T> to_device(Batch<T> b) const {
+    const Device d = engine_.parameters().values().device();
+    auto move = [d](auto& t) {
+      if (t.defined() && t.device() != d) t = t.to(d);
+    };
+    move(b.x);
+    move(b.ids);
+    move(b.targets);
+    return b;
+  }
+
+  double forward_backward(const Batch<T>& mb, double scale) {
+    return mb.ids.defined() ? engine_.forward_backward(mb.ids, mb.targets, scale)
+                            : engine_.forward_backward(mb.x, mb.targets, scale);
+  }
+
+  // Loads the newest good checkpoint (if any); sets the sampler, the epoch and the step.
+  bool try_resume(ckpt::CheckpointManager& mgr, DistributedSampler& sampler, bool lead, int& epoch,
+                  std::int64_t& step) {
+    const auto last = mgr.latest();
+    for (const auto& s : last.skipped)
+      if (lead) std::fprintf(stderr, "ptrain: skipping checkpoint %s: %s\n", s.path.c_str(), s.reason.c_str());
+    if (!last.found()) {
+      if (lead) std::printf("no checkpoint in %s; starting from step 0\n", o_.checkpoint_dir.c_str());
+      return false;
+    }
+    // The settings first, from trainer.json alone: a mismatch leaves the model untouched.
+    const ckpt::TrainerState saved = ckpt::Checkpoint(last.path, false).trainer_state();
+    check_config(saved.user, last.path.string());
+    PTRAIN_CHECK(saved.sampler.has_value(), CheckpointError, "[ptrain.trainer.resume] ", last.path.string(),
+                 " has no sampler position; it was not written by a Trainer");
+    ckpt::load(mgr, last.path, engine_, &opt_);
+    // Another data-parallel size continues the epoch as exactly as the sample count
+    // allows (Note [Sampler reshape]); the same size resumes bit for bit.
+    ckpt::restore_sampler(sampler, *saved.sampler, data_world_, saved.sampler->world_size != data_world_);
+    epoch = static_cast<int>(saved.sampler->epoch);
+    step = epoch * per_epoch_ + (sampler.position() + o_.batch - 1) / o_.batch;
+    if (lead)
+      std::printf("resumed from %s: step %lld, epoch %d (saved at step %lld on %d data-parallel rank(s))\n",
+                  last.path.c_str(), static_cast<long long>(step), epoch + 1, static_cast<long long>(saved.step),
+                  saved.sampler->world_size);
+    return true;
+  }
+
+  void check_config(const nlohmann::json& user, const std::string& path) const {
+    const nlohmann::json was = user.is_object() && user.contains("config") ? user["config"] : nlohmann::json();
+    std::string diff;
+    for (const auto& [key, now] : o_.config.items()) {
+      const nlohmann::json before = was.is_object() && was.contains(key) ? was[key] : nlohmann::json();
+      if (before != now) diff += "; " + key + " " + before.dump() + " in the checkpoint, " + now.dump() + " now";
+    }
+    PTRAIN_CHECK(diff.empty(), CheckpointError, "[ptrain.trainer.config] ", path,
+                 " was written with other settings", diff,
+                 "; resume with the same settings, or use another checkpoint directory");
+  }
+
+  parallel::Engine<T>& engine_;
+  optim::Optimizer<T>& opt_;
+  Dataset<T>& data_;
+  TrainerOptions o_;
+  int data_rank_ = 0, data_world_ = 1;
+  std::int64_t per_epoch_ = 0;  // steps per epoch
+};
+
+}  // namespace ptrain::train

@@ -1,0 +1,144 @@
+// train::Trainer against one process: W ranks with batch B per rank take, at
+// every step, the samples that one process with batch B W takes (positions
+// [k B W, (k + 1) B W) of the epoch order, Note [Sampler reshape]), so both end
+// with the same parameters. Interrupted runs (an exception, a signal) resume to
+// the uninterrupted run's parameters bit for bit.
+#include <catch2/catch.hpp>
+#include <csignal>
+#include <filesystem>
+#include <ptrain/dist/process_group.hpp>
+#include <ptrain/nn/models/mlp.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/make_engine.hpp>
+#include <ptrain/train/trainer.hpp>
+
+#include "dist/world.hpp"
+
+using namespace ptrain;
+using ptrain::testing::world;
+
+namespace {
+
+constexpr std::int64_t kIn = 6, kOut = 4, kBatch = 4;
+
+TensorDataset<float> make_data(std::int64_t n) {
+  Generator g(21);
+  auto x = Tensor<float>::empty({n, kIn});
+  auto y = Tensor<std::int32_t>::empty({n});
+  for (std::int64_t i = 0; i < n * kIn; ++i) x.data()[i] = static_cast<float>(g.uniform() * 2 - 1);
+  for (std::int64_t i = 0; i < n; ++i) y.data()[i] = static_cast<std::int32_t>(g.below(kOut));
+  return TensorDataset<float>(x, y);
+}
+
+struct Run {
+  std::unique_ptr<parallel::Engine<float>> engine;
+  std::unique_ptr<optim::AdamW<float>> opt;
+  std::unique_ptr<train::Trainer<float>> trainer;
+};
+
+// A Trainer over `plan` with batch `batch` per data-parallel rank (2 epochs, accumulation 2, clipping).
+Run make_run(const parallel::Plan<float>& plan, Dataset<float>& data, std::int64_t batch,
+             std::string dir = {}, std::int64_t every = 0) {
+  Generator g(5);
+  auto model = std::make_shared<nn::MLP<float>>(kIn, std::vector<std::int64_t>{8}, kOut, nn::Activation::ReLU, g);
+  Run r;
+  r.engine = parallel::make_engine<float>(model, world(), plan);
+  r.opt = std::make_unique<optim::AdamW<float>>(r.engine->parameters(), optim::AdamWOptions{.lr = 0.02, .eps = 1e-6});
+  r.trainer = std::make_unique<train::Trainer<float>>(
+      *r.engine, *r.opt, data,
+      train::TrainerOptions{.epochs = 2, .batch = batch, .grad_accum = 2, .grad_clip = 0.5, .seed = 9,
+                            .log_every = 0, .checkpoint_dir = std::move(dir), .checkpoint_every = every,
+                            .preempt_exit_code = 75});
+  r.trainer->schedule = optim::WarmupCosine{.base_lr = 0.02, .warmup = 2, .total = r.trainer->total_steps()};
+  return r;
+}
+
+// The whole model's parameters in one process, read back from a checkpoint of `run`.
+std::vector<float> parameters_of(Run& run, const std::filesystem::path& dir) {
+  if (run.engine->communicator().rank() == 0) std::filesystem::remove_all(dir);
+  world().barrier();
+  {
+    ckpt::CheckpointManager mgr(dir, &run.engine->communicator());
+    ckpt::save(mgr, 0, *run.engine, run.opt.get());
+  }
+  Generator g(5);
+  nn::MLP<float> back(kIn, {8}, kOut, nn::Activation::ReLU, g);
+  nn::FlatParameters<float> p(back);
+  ckpt::CheckpointManager reader(dir);
+  reader.load(reader.latest().path, p);
+  return p.values().to_vector();
+}
+
+}  // namespace
+
+TEST_CASE("Trainer on W ranks equals one process with W times the batch", "[trainer]") {
+  auto& comm = world();
+  const int n = comm.size();
+  auto data = make_data(kBatch * n * 5);  // 5 full steps per epoch on every world size
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_trainer_");
+
+  auto one = make_run(parallel::LocalOptions{}, data, kBatch * n);
+  const auto done = one.trainer->run();
+  CHECK(done.step == 10);
+  const auto want = parameters_of(one, dir / ("local" + std::to_string(comm.rank())));  // a world of one per rank
+
+  for (const auto& [name, plan] :
+       std::vector<std::pair<std::string, parallel::Plan<float>>>{{"ddp", parallel::DDPOptions{}},
+                                                                  {"fsdp", parallel::FSDPOptions{}}}) {
+    INFO(name << " on " << n << " ranks");
+    auto r = make_run(plan, data, kBatch);
+    CHECK(r.trainer->total_steps() == 10);
+    const auto res = r.trainer->run();
+    CHECK(res.step == 10);
+    CHECK_FALSE(res.preempted);
+    const auto got = parameters_of(r, dir / name);
+    double diff = 0, scale = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      diff = std::max(diff, std::abs(static_cast<double>(got[i]) - want[i]));
+      scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+    }
+    CHECK(diff / scale < 1e-5);
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("Trainer resumes bit for bit after an exception and after a signal", "[trainer][resume]") {
+  auto& comm = world();
+  const int n = comm.size();
+  auto data = make_data(kBatch * n * 5);
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_trainer_resume_");
+  auto whole = make_run(parallel::DDPOptions{}, data, kBatch);
+  whole.trainer->run();
+  const auto want = parameters_of(whole, dir / "whole");
+
+  // Killed (an exception on every rank) at step 7, after the checkpoint of step 6.
+  const auto ckpt = dir / "ckpt";
+  if (comm.rank() == 0) std::filesystem::remove_all(ckpt);
+  comm.barrier();
+  {
+    auto r = make_run(parallel::DDPOptions{}, data, kBatch, ckpt.string(), 3);
+    r.trainer->on_step = [](const train::StepInfo& s) {
+      if (s.step == 7) throw std::runtime_error("killed");
+    };
+    CHECK_THROWS_WITH(r.trainer->run(), "killed");
+  }
+  // A signal to rank 0 at step 8: every rank stops at the same step, saves and returns 75.
+  {
+    auto r = make_run(parallel::DDPOptions{}, data, kBatch, ckpt.string(), 3);
+    r.trainer->on_step = [&](const train::StepInfo& s) {
+      if (s.step == 8 && comm.rank() == 0) std::raise(SIGUSR1);
+    };
+    const auto res = r.trainer->run();
+    CHECK(res.preempted);
+    CHECK(res.exit_code == 75);
+    CHECK(res.step == 8);
+  }
+  // The rest of the run.
+  auto r = make_run(parallel::DDPOptions{}, data, kBatch, ckpt.string(), 3);
+  const auto res = r.trainer->run();
+  CHECK(res.step == 10);
+  CHECK(parameters_of(r, dir / "resumed") == want);
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
