@@ -62,9 +62,11 @@ void cast_into(const Tensor<From>& src, Tensor<To>& dst) {
   } else if (src.device().is_cuda()) {
     // The table keeps casts under their float or double side: T -> bf16 and bf16 -> T.
     if constexpr (std::is_same_v<To, bf16>)
-      kernels::cuda_kernel<From>(&kernels::CudaKernels<From>::cast_to_bf16, "cast")(src.numel(), src.data(), dst.data());
+      kernels::cuda_kernel<From>(&kernels::CudaKernels<From>::cast_to_bf16, "cast")(src.numel(), src.data(),
+                                                                                   dst.data());
     else
-      kernels::cuda_kernel<To>(&kernels::CudaKernels<To>::cast_from_bf16, "cast")(src.numel(), src.data(), dst.data());
+      kernels::cuda_kernel<To>(&kernels::CudaKernels<To>::cast_from_bf16, "cast")(src.numel(), src.data(),
+                                                                                 dst.data());
   } else {
     kernels::cpu::cast(src.numel(), src.data(), dst.data());
   }

@@ -71,7 +71,8 @@ inline int cuda_current_device_or_minus_one() {
   // again by the next unrelated check; clear it so each failure is reported once.
   (void)cudaGetLastError();
   throw_at<CudaError>(file, line,
-                      cat("[ptrain.cuda] ", call, " failed", cuda_rank_suffix(), ": ", cudaGetErrorName(e), ": ", cudaGetErrorString(e),
+                      cat("[ptrain.cuda] ", call, " failed", cuda_rank_suffix(), ": ", cudaGetErrorName(e), ": ",
+                          cudaGetErrorString(e),
                           " (device ", cuda_current_device_or_minus_one(), ")", cuda_error_hint(e)));
 }
 
@@ -80,7 +81,8 @@ inline int cuda_current_device_or_minus_one() {
                          ? "; cuBLAS could not start: check that a device is visible and has free memory"
                          : s == CUBLAS_STATUS_ALLOC_FAILED ? "; the device is out of memory" : "";
   throw_at<CudaError>(file, line,
-                      cat("[ptrain.cublas] ", call, " failed", cuda_rank_suffix(), ": ", cublasGetStatusName(s), ": ", cublasGetStatusString(s),
+                      cat("[ptrain.cublas] ", call, " failed", cuda_rank_suffix(), ": ", cublasGetStatusName(s), ": ",
+                          cublasGetStatusString(s),
                           " (device ", cuda_current_device_or_minus_one(), ")", hint));
 }
 
