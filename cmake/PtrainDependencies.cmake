@@ -90,11 +90,15 @@ function(ptrain_link_dependencies target)
     target_link_libraries(${target} INTERFACE gloo)
     target_compile_definitions(${target} INTERFACE PTRAIN_GLOO=1)
   endif()
-  if(PTRAIN_HAVE_CUDA)
-    # Host code that includes ptrain headers needs only the runtime and cuBLAS
-    # link lines; kernels compile when a .cu file includes the .cuh headers.
-    target_link_libraries(${target} INTERFACE CUDA::cudart CUDA::cublas CUDA::cublasLt)
-  endif()
+  # CUDA and NCCL link lines belong to ptrain::cuda (ptrain_link_cuda_dependencies),
+  # so that a CPU program of a CUDA-enabled build needs neither libcudart nor libnccl.
+endfunction()
+
+# ptrain::cuda: the CUDA runtime, cuBLAS, cuBLASLt and, when found, NCCL with the
+# PTRAIN_NCCL definition (dist/nccl.hpp calls the CUDA runtime, so NCCL comes
+# only with the target that brings it).
+function(ptrain_link_cuda_dependencies target)
+  target_link_libraries(${target} INTERFACE CUDA::cudart CUDA::cublas CUDA::cublasLt)
   if(PTRAIN_HAVE_NCCL)
     target_include_directories(${target} INTERFACE ${PTRAIN_NCCL_INCLUDE})
     target_link_libraries(${target} INTERFACE ${PTRAIN_NCCL_LIBRARY})

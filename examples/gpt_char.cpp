@@ -21,8 +21,8 @@
 //
 // --precision bf16 trains a bf16 model (bf16 parameters and activations, fp32
 // master weights and moments in AdamW; docs/models.md). --device cuda runs on
-// the GPU of the rank's LOCAL_RANK, with NCCL between ranks: it needs the build
-// of this file by nvcc, gpt_char_cuda (PTRAIN_WITH_CUDA=ON):
+// the GPU of the rank's LOCAL_RANK, with NCCL between ranks: it needs this file
+// linked with ptrain::cuda, gpt_char_cuda (built where CMake finds the toolkit):
 //   gpt_char_cuda --device cuda --precision bf16 --batch 64 --block 256 --layers 6 --embd 384
 //   torchrun --nproc-per-node 8 gpt_char_cuda --device cuda --precision bf16 --parallel fsdp
 //
@@ -313,8 +313,9 @@ int run(Options opt) {
   try {
     Stopwatch wall;
     // cuda: the GPU of this rank's LOCAL_RANK (0 without a launcher), NCCL between ranks.
-    PTRAIN_CHECK(opt.device == "cpu" || ptrain::detail::cuda_backend_slot(), Error, "[ptrain.example.device] "
-                 "--device cuda needs gpt_char_cuda, this program compiled by nvcc (cmake -DPTRAIN_WITH_CUDA=ON)");
+    PTRAIN_CHECK(opt.device == "cpu" || kernels::cuda_kernels_linked(), Error, "[ptrain.example.device] "
+                 "--device cuda needs gpt_char_cuda, this program linked with ptrain::cuda (a CUDA toolkit at "
+                 "configure time, PTRAIN_WITH_CUDA=AUTO or ON)");
     const Device device = opt.device == "cuda" ? Device::cuda(dist::detect_launch_env().local_rank) : Device::cpu();
     std::unique_ptr<dist::Communicator> comm;
     if (opt.parallel != "none") comm = dist::init_process_group({.device = device});

@@ -18,6 +18,7 @@
 #include "ptrain/ops/linear.hpp"
 #include "ptrain/ops/loss.hpp"
 #include "ptrain/ops/norm.hpp"
+#include "ptrain/ops/optimizer.hpp"
 
 #include "ptrain/nn/activation.hpp"
 #include "ptrain/nn/attention.hpp"

@@ -256,8 +256,8 @@ class CpuAllocator final : public CachingAllocator {
 };
 
 /// What a non-CPU device provides: its allocator and copies between devices.
-/// The CUDA backend (kernels/cuda/device.cuh) registers itself here when a
-/// translation unit compiled by nvcc includes it.
+/// The CUDA backend (kernels/cuda/backend.hpp) is stored in cuda_backend_slot()
+/// by the CUDA translation unit of the ptrain::cuda target (src/cuda_register.cu).
 class DeviceBackend {
  public:
   virtual ~DeviceBackend() = default;
@@ -275,8 +275,9 @@ inline DeviceBackend*& cuda_backend_slot() {
 inline DeviceBackend& cuda_backend() {
   DeviceBackend* b = cuda_backend_slot();
   PTRAIN_CHECK(b != nullptr, CudaError,
-               "[ptrain.cuda.unavailable] a cuda device was requested but this program was built without CUDA; "
-               "compile the translation unit that includes ptrain with nvcc (a .cu file) or use Device::cpu()");
+               "[ptrain.cuda.unavailable] a cuda device was requested but this program does not contain ptrain's "
+               "CUDA backend: link the ptrain::cuda CMake target (and call enable_language(CUDA)), or use "
+               "Device::cpu()");
   return *b;
 }
 

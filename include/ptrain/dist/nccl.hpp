@@ -58,7 +58,7 @@
 
 #if defined(PTRAIN_NCCL)
 
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -72,30 +72,8 @@
 
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/dist/store.hpp"
+#include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/stream.hpp"
-
-namespace ptrain::dist::detail {
-// Rank shown in CUDA/NCCL error messages; set by the last NCCL communicator created.
-inline std::atomic<int>& cuda_error_rank() {
-  static std::atomic<int> r{-1};
-  return r;
-}
-}  // namespace ptrain::dist::detail
-
-/// Throws CudaError with file:line, the call, CUDA's message and the rank when a CUDA runtime call fails
-/// (kernels/cuda/check.cuh's PTRAIN_CHECK_CUDA, plus the rank; a separate name so both headers can meet).
-#define PTRAIN_NCCL_CHECK_CUDA(call)                                                                          \
-  do {                                                                                                        \
-    cudaError_t ptrain_cuda_rc_ = (call);                                                                     \
-    if (ptrain_cuda_rc_ != cudaSuccess) {                                                                     \
-      (void)cudaGetLastError(); /* reported here, not again by the next unrelated check */                    \
-      ::ptrain::detail::throw_at<::ptrain::CudaError>(                                                        \
-          __FILE__, __LINE__,                                                                                 \
-          ::ptrain::detail::cat("[ptrain.cuda] ", #call, " failed on rank ",                                  \
-                                ::ptrain::dist::detail::cuda_error_rank().load(), ": ",                       \
-                                cudaGetErrorName(ptrain_cuda_rc_), ": ", cudaGetErrorString(ptrain_cuda_rc_))); \
-    }                                                                                                         \
-  } while (0)
 
 /// Throws CommError with file:line, the call, NCCL's message (and last error) and the rank when an NCCL call fails.
 #define PTRAIN_CHECK_NCCL(call)                                                                               \
@@ -105,7 +83,7 @@ inline std::atomic<int>& cuda_error_rank() {
       ::ptrain::detail::throw_at<::ptrain::CommError>(                                                        \
           __FILE__, __LINE__,                                                                                 \
           ::ptrain::detail::cat("[ptrain.nccl] ", #call, " failed on rank ",                                  \
-                                ::ptrain::dist::detail::cuda_error_rank().load(), ": ",                       \
+                                ::ptrain::detail::cuda_error_rank().load(), ": ",                       \
                                 ncclGetErrorString(ptrain_nccl_rc_), " (", ncclGetLastError(nullptr), ")"));  \
   } while (0)
 
@@ -171,26 +149,6 @@ inline ncclResult_t wait_settled(ncclComm_t comm, std::chrono::steady_clock::tim
   }
 }
 
-// Owns a CUDA event; destroying a pending event is allowed (CUDA frees it on completion).
-class CudaEvent {
- public:
-  CudaEvent() { PTRAIN_NCCL_CHECK_CUDA(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
-  ~CudaEvent() {
-    if (e_) cudaEventDestroy(e_);
-  }
-  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-  CudaEvent& operator=(CudaEvent&& o) noexcept {
-    std::swap(e_, o.e_);
-    return *this;
-  }
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-  cudaEvent_t get() const { return e_; }
-
- private:
-  cudaEvent_t e_ = nullptr;
-};
-
 // State the watchdog and the Works share; outlives the communicator while Works exist.
 struct NcclShared {
   std::mutex m;
@@ -206,7 +164,7 @@ class NcclWork : public Work {
         timeout_(timeout), deadline_(std::chrono::steady_clock::now() + timeout) {
     mark_enqueued();  // no worker queue: the operation is on the stream already
   }
-  CudaEvent event;
+  kernels::cuda::Event event;  // destroying a pending event is allowed: CUDA frees it on completion
   std::chrono::steady_clock::time_point deadline() const { return deadline_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
@@ -389,7 +347,7 @@ class NcclCommunicator : public Communicator {
     try {
       settle("group_end()");
       if (deferred_abort_.empty()) {
-        PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+        PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
         for (auto& f : after) f();
         for (auto& w : works) record_launched(w);
         return;
@@ -427,7 +385,7 @@ class NcclCommunicator : public Communicator {
             PTRAIN_CHECK_NCCL(ncclReduceScatter(s, mine, recv_count, t, detail::nccl_op(op), comm_, stream_));
             if (rank_ > 0 && bytes)
               after_launch([this, r, mine, bytes] {
-                PTRAIN_NCCL_CHECK_CUDA(cudaMemcpyAsync(r, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
+                PTRAIN_CHECK_CUDA(cudaMemcpyAsync(r, mine, bytes, cudaMemcpyDeviceToDevice, stream_));
               });
           } else {
             PTRAIN_CHECK_NCCL(ncclReduceScatter(s, r, recv_count, t, detail::nccl_op(op), comm_, stream_));
@@ -495,7 +453,7 @@ class NcclCommunicator : public Communicator {
       last = last_.lock();
     }
     if (last) last->wait(timeout());
-    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
     ncclComm_t out = nullptr;
     ncclResult_t rc = ncclSuccess;
     {
@@ -535,8 +493,8 @@ class NcclCommunicator : public Communicator {
   }
 
   void init(const ncclUniqueId& id) {
-    detail::cuda_error_rank() = rank_;
-    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+    ::ptrain::detail::cuda_error_rank() = rank_;
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
     // Note [NCCL nonblocking]: a rank that never joins ends the wait at the timeout.
     const auto deadline = std::chrono::steady_clock::now() + timeout();
     ncclConfig_t config = detail::nonblocking_config();
@@ -560,11 +518,11 @@ class NcclCommunicator : public Communicator {
 
   void start() {
     try {
-      PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
-      PTRAIN_NCCL_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-      PTRAIN_NCCL_CHECK_CUDA(cudaMalloc(&scratch_, sizeof(int)));
-      PTRAIN_NCCL_CHECK_CUDA(cudaMemset(scratch_, 0, sizeof(int)));
-      ready_ = std::make_unique<detail::CudaEvent>();  // created on device_, like the stream
+      PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
+      PTRAIN_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      PTRAIN_CHECK_CUDA(cudaMalloc(&scratch_, sizeof(int)));
+      PTRAIN_CHECK_CUDA(cudaMemset(scratch_, 0, sizeof(int)));
+      ready_ = std::make_unique<kernels::cuda::Event>();  // created on device_, like the stream
       watchdog_ = std::thread([this] { watch(); });
     } catch (...) {
       // A constructor that throws runs no destructor: release the handle (and NCCL's threads) here.
@@ -610,14 +568,14 @@ class NcclCommunicator : public Communicator {
   template <class F>
   std::shared_ptr<Work> enqueue(std::string what, int peer, F&& call) {
     check_alive(what);
-    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));  // the Work's event belongs to the stream's device
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));  // the Work's event belongs to the stream's device
     auto w = std::make_shared<detail::NcclWork>(std::move(what), rank_, peer, timeout(), shared_, device_);
     std::lock_guard lock(comm_m_);
     check_alive(w->what());
     check_no_other_group(w->what());
     const cudaStream_t user = user_stream_ ? user_stream_ : kernels::cuda::current_stream(device_);
-    PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(ready_->get(), user));
-    PTRAIN_NCCL_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
+    PTRAIN_CHECK_CUDA(cudaEventRecord(ready_->get(), user));
+    PTRAIN_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
     call();
     if (group_depth_ > 0) {
       group_works_.push_back(w);
@@ -656,7 +614,7 @@ class NcclCommunicator : public Communicator {
 
   // Records w's event behind everything queued so far and hands it to the watchdog. Caller holds comm_m_.
   void record_launched(const std::shared_ptr<detail::NcclWork>& w) {
-    PTRAIN_NCCL_CHECK_CUDA(cudaEventRecord(w->event.get(), stream_));
+    PTRAIN_CHECK_CUDA(cudaEventRecord(w->event.get(), stream_));
     w->set_launched();
     last_ = w;
     std::lock_guard lock(pending_m_);
@@ -686,7 +644,7 @@ class NcclCommunicator : public Communicator {
                  ": host buffers cannot be used between group_start() and group_end() (NCCL runs the group only "
                  "at group_end(), and staging waits for the operation); pass device buffers");
     std::lock_guard stage_lock(stage_m_);  // one staged call at a time owns stage_
-    PTRAIN_NCCL_CHECK_CUDA(cudaSetDevice(device_));
+    PTRAIN_CHECK_CUDA(cudaSetDevice(device_));
     // In place stays in place (reduce_scatter keeps its result at the front).
     const bool same = host_send && host_recv && send == recv;
     constexpr std::size_t kAlign = 256;
@@ -694,21 +652,21 @@ class NcclCommunicator : public Communicator {
     const std::size_t need = std::max(host_send ? send_bytes : 0, recv_at + (host_recv ? recv_bytes : 0));
     if (need > stage_bytes_) {
       // Staged calls complete before they return, so the old buffer is idle.
-      if (stage_) PTRAIN_NCCL_CHECK_CUDA(cudaFree(stage_));
+      if (stage_) PTRAIN_CHECK_CUDA(cudaFree(stage_));
       stage_ = nullptr;
       stage_bytes_ = 0;
-      PTRAIN_NCCL_CHECK_CUDA(cudaMalloc(&stage_, need));
+      PTRAIN_CHECK_CUDA(cudaMalloc(&stage_, need));
       stage_bytes_ = need;
     }
     char* stage = static_cast<char*>(stage_);
-    if (host_send) PTRAIN_NCCL_CHECK_CUDA(cudaMemcpyAsync(stage, send, send_bytes, cudaMemcpyHostToDevice, stream_));
+    if (host_send) PTRAIN_CHECK_CUDA(cudaMemcpyAsync(stage, send, send_bytes, cudaMemcpyHostToDevice, stream_));
     const void* s = host_send ? stage : send;
     void* r = host_recv ? stage + recv_at : recv;
     auto w = enqueue(std::move(what), peer, [&] { call(s, r); });
     w->wait(timeout());
     if (host_recv) {
-      PTRAIN_NCCL_CHECK_CUDA(cudaMemcpyAsync(recv, stage + recv_at, recv_bytes, cudaMemcpyDeviceToHost, stream_));
-      PTRAIN_NCCL_CHECK_CUDA(cudaStreamSynchronize(stream_));
+      PTRAIN_CHECK_CUDA(cudaMemcpyAsync(recv, stage + recv_at, recv_bytes, cudaMemcpyDeviceToHost, stream_));
+      PTRAIN_CHECK_CUDA(cudaStreamSynchronize(stream_));
     }
     return w;
   }
@@ -813,7 +771,7 @@ class NcclCommunicator : public Communicator {
   int* scratch_ = nullptr;
   void* stage_ = nullptr;  // Note [Host buffers]
   std::size_t stage_bytes_ = 0;
-  std::unique_ptr<detail::CudaEvent> ready_;
+  std::unique_ptr<kernels::cuda::Event> ready_;
   std::shared_ptr<detail::NcclShared> shared_ = std::make_shared<detail::NcclShared>();
   std::mutex comm_m_;     // held around NCCL calls on comm_ (Note [NCCL watchdog])
   std::mutex stage_m_;    // Note [Host buffers]

@@ -10,7 +10,7 @@ namespace ptrain::ops {
 template <class T>
 Tensor<T> relu(const Tensor<T>& x) {
   auto y = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), relu_forward, x.numel(), x.data(), y.data());
+  PTRAIN_DISPATCH(x.device(), T, relu_forward, x.numel(), x.data(), y.data());
   return y;
 }
 
@@ -20,7 +20,7 @@ Tensor<T> relu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
   check_shape(dy, x.shape(), "relu output gradient");
   detail::check_devices("relu_backward", x.device(), dy);
   auto dx = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), relu_backward, x.numel(), x.data(), dy.data(), dx.data());
+  PTRAIN_DISPATCH(x.device(), T, relu_backward, x.numel(), x.data(), dy.data(), dx.data());
   return dx;
 }
 
@@ -28,7 +28,7 @@ Tensor<T> relu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
 template <class T>
 Tensor<T> gelu(const Tensor<T>& x) {
   auto y = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), gelu_forward, x.numel(), x.data(), y.data());
+  PTRAIN_DISPATCH(x.device(), T, gelu_forward, x.numel(), x.data(), y.data());
   return y;
 }
 
@@ -37,7 +37,7 @@ Tensor<T> gelu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
   check_shape(dy, x.shape(), "gelu output gradient");
   detail::check_devices("gelu_backward", x.device(), dy);
   auto dx = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), gelu_backward, x.numel(), x.data(), dy.data(), dx.data());
+  PTRAIN_DISPATCH(x.device(), T, gelu_backward, x.numel(), x.data(), dy.data(), dx.data());
   return dx;
 }
 
@@ -47,7 +47,7 @@ template <class T>
 Tensor<T> dropout(const Tensor<T>& x, double p, std::uint64_t seed, std::uint64_t offset) {
   PTRAIN_CHECK(p >= 0.0 && p < 1.0, Error, "[ptrain.dropout] probability ", p, " must be in [0, 1)");
   auto y = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), dropout, x.numel(), x.data(), y.data(), p, seed, offset);
+  PTRAIN_DISPATCH(x.device(), T, dropout, x.numel(), x.data(), y.data(), p, seed, offset);
   return y;
 }
 
@@ -57,8 +57,19 @@ template <class From, class To>
 void cast_into(const Tensor<From>& src, Tensor<To>& dst) {
   check_shape(dst, src.shape(), "cast destination");
   detail::check_devices("cast", src.device(), dst);
-  if constexpr (std::is_same_v<From, To>) dst.copy_(src);
-  else PTRAIN_DISPATCH(src.device(), cast, src.numel(), src.data(), dst.data());
+  if constexpr (std::is_same_v<From, To>) {
+    dst.copy_(src);
+  } else if (src.device().is_cuda()) {
+    // The table keeps casts under their float or double side: T -> bf16 and bf16 -> T.
+    if constexpr (std::is_same_v<To, bf16>)
+      kernels::cuda_kernel<From>(&kernels::CudaKernels<From>::cast_to_bf16, "cast")(src.numel(), src.data(),
+                                                                                   dst.data());
+    else
+      kernels::cuda_kernel<To>(&kernels::CudaKernels<To>::cast_from_bf16, "cast")(src.numel(), src.data(),
+                                                                                 dst.data());
+  } else {
+    kernels::cpu::cast(src.numel(), src.data(), dst.data());
+  }
 }
 
 /// y += alpha * x
@@ -66,25 +77,25 @@ template <class T>
 void axpy_(acc_t<T> alpha, const Tensor<T>& x, Tensor<T>& y) {
   PTRAIN_CHECK(x.numel() == y.numel(), ShapeError, "[ptrain.axpy] ", x.shape(), " vs ", y.shape());
   detail::check_devices("axpy", x.device(), y);
-  PTRAIN_DISPATCH(x.device(), axpy, x.numel(), alpha, x.data(), y.data());
+  PTRAIN_DISPATCH(x.device(), T, axpy, x.numel(), alpha, x.data(), y.data());
 }
 
 /// x *= alpha
 template <class T>
 void scale_(Tensor<T>& x, acc_t<T> alpha) {
-  PTRAIN_DISPATCH(x.device(), scale, x.numel(), alpha, x.data());
+  PTRAIN_DISPATCH(x.device(), T, scale, x.numel(), alpha, x.data());
 }
 
 /// Sum of all elements, accumulated in double.
 template <class T>
 double sum(const Tensor<T>& x) {
-  return PTRAIN_DISPATCH(x.device(), sum, x.numel(), x.data());
+  return PTRAIN_DISPATCH(x.device(), T, sum, x.numel(), x.data());
 }
 
 /// Sum of squares of all elements, accumulated in double.
 template <class T>
 double sum_squares(const Tensor<T>& x) {
-  return PTRAIN_DISPATCH(x.device(), sum_squares, x.numel(), x.data());
+  return PTRAIN_DISPATCH(x.device(), T, sum_squares, x.numel(), x.data());
 }
 
 /// Index of the largest element of each row of a [rows, cols] tensor.
@@ -94,7 +105,7 @@ Tensor<std::int32_t> argmax_rows(const Tensor<T>& x) {
   PTRAIN_CHECK(x.size(1) >= 1 || x.size(0) == 0, ShapeError, "[ptrain.argmax] the rows of ", x.shape(),
                " are empty and have no largest element");
   auto out = Tensor<std::int32_t>::empty({x.size(0)}, x.device());
-  PTRAIN_DISPATCH(x.device(), argmax_rows, x.size(0), x.size(1), x.data(), out.data());
+  PTRAIN_DISPATCH(x.device(), T, argmax_rows, x.size(0), x.size(1), x.data(), out.data());
   return out;
 }
 

@@ -53,17 +53,17 @@ Tensor<T> causal_attention(const Tensor<T>& qkv, std::int64_t n_head, double p, 
   saved.seed = seed;
   saved.offset = offset;
   const auto scale = static_cast<acc_t<T>>(1.0 / std::sqrt(double(D)));
-  if (PTRAIN_DISPATCH(dev, flash_attention_supported, D, qkv.data())) {
+  if (PTRAIN_DISPATCH(dev, T, flash_attention_supported, D, qkv.data())) {
     saved.out = Tensor<T>::empty({B, S, C}, dev);
     saved.lse = Tensor<acc_t<T>>::empty({B, n_head, S}, dev);
-    PTRAIN_DISPATCH(dev, flash_attention_forward, B, S, n_head, D, qkv.data(), scale, p, seed, offset,
+    PTRAIN_DISPATCH(dev, T, flash_attention_forward, B, S, n_head, D, qkv.data(), scale, p, seed, offset,
                     saved.out.data(), saved.lse.data());
     return saved.out;
   }
   saved.probs = Tensor<T>::empty({B, n_head, S, S}, dev);
   saved.probs_drop = p > 0 ? Tensor<T>::empty({B, n_head, S, S}, dev) : Tensor<T>();
   auto y = Tensor<T>::empty({B, S, C}, dev);
-  PTRAIN_DISPATCH(dev, causal_attention_forward, B, S, n_head, D, qkv.data(), scale, saved.probs.data(),
+  PTRAIN_DISPATCH(dev, T, causal_attention_forward, B, S, n_head, D, qkv.data(), scale, saved.probs.data(),
                   saved.probs_drop.data(), p, seed, offset, y.data());
   return y;
 }
@@ -81,7 +81,7 @@ Tensor<T> causal_attention_backward(const Tensor<T>& qkv, const AttentionSaved<T
     check_shape(saved.lse, {B, n_head, S}, "saved attention log-sum-exp");
     detail::check_devices("causal_attention_backward", qkv.device(), dy, saved.out, saved.lse);
     auto dqkv = Tensor<T>::empty(qkv.shape(), qkv.device());
-    PTRAIN_DISPATCH(qkv.device(), flash_attention_backward, B, S, n_head, D, qkv.data(), saved.out.data(),
+    PTRAIN_DISPATCH(qkv.device(), T, flash_attention_backward, B, S, n_head, D, qkv.data(), saved.out.data(),
                     saved.lse.data(), saved.p, saved.seed, saved.offset, dy.data(), scale, dqkv.data());
     return dqkv;
   }
@@ -89,7 +89,7 @@ Tensor<T> causal_attention_backward(const Tensor<T>& qkv, const AttentionSaved<T
   if (saved.p > 0) check_shape(saved.probs_drop, {B, n_head, S, S}, "saved dropped attention probabilities");
   detail::check_devices("causal_attention_backward", qkv.device(), dy, saved.probs);
   auto dqkv = Tensor<T>::empty(qkv.shape(), qkv.device());
-  PTRAIN_DISPATCH(qkv.device(), causal_attention_backward, B, S, n_head, D, qkv.data(), saved.probs.data(),
+  PTRAIN_DISPATCH(qkv.device(), T, causal_attention_backward, B, S, n_head, D, qkv.data(), saved.probs.data(),
                   saved.probs_drop.data(), saved.p, saved.seed, saved.offset, dy.data(), scale, dqkv.data());
   return dqkv;
 }

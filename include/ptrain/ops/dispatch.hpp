@@ -1,8 +1,10 @@
 #pragma once
-// Device dispatch: ops call PTRAIN_DISPATCH(device, kernel, args...) and get
-// kernels::cpu::kernel or kernels::cuda::kernel with the same arguments. The
-// CUDA kernels exist only in translation units compiled by nvcc; elsewhere a
-// cuda device cannot hold tensors in the first place (its allocator throws).
+// Device dispatch: ops call PTRAIN_DISPATCH(device, T, kernel, args...) and get
+// kernels::cpu::kernel(args...) on the CPU, or the CUDA kernel table's entry for
+// element type T (kernels/cuda_table.hpp) on cuda:N. The body is the same in
+// every translation unit, whichever compiler builds it (Note [One definition of
+// dispatch]); a program that is not linked with ptrain::cuda throws
+// [ptrain.cuda.unavailable] when it reaches a CUDA tensor.
 
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cpu/attention.hpp"
@@ -14,22 +16,14 @@
 #include "ptrain/kernels/cpu/optimizer.hpp"
 #include "ptrain/kernels/cpu/reduce.hpp"
 #include "ptrain/kernels/cpu/softmax.hpp"
+#include "ptrain/kernels/cuda_table.hpp"
 
-#ifdef PTRAIN_CUDA
-#include "ptrain/kernels/cuda/all.cuh"
-#define PTRAIN_DISPATCH(dev, fn, ...) \
-  ((dev).is_cuda() ? ::ptrain::kernels::cuda::fn(__VA_ARGS__) : ::ptrain::kernels::cpu::fn(__VA_ARGS__))
-#else
-#define PTRAIN_DISPATCH(dev, fn, ...) \
-  (::ptrain::ops::detail::require_cpu(dev), ::ptrain::kernels::cpu::fn(__VA_ARGS__))
-#endif
+/// kernels::cpu::fn(args...) or, for a cuda device, the table's fn for element type T.
+#define PTRAIN_DISPATCH(dev, T, fn, ...)                                                                 \
+  ((dev).is_cuda() ? ::ptrain::kernels::cuda_kernel<T>(&::ptrain::kernels::CudaKernels<T>::fn, #fn)(__VA_ARGS__) \
+                   : ::ptrain::kernels::cpu::fn(__VA_ARGS__))
 
 namespace ptrain::ops::detail {
-
-inline void require_cpu(Device d) {
-  PTRAIN_CHECK(d.is_cpu(), CudaError, "[ptrain.cuda.unavailable] ", d,
-               " tensor in a translation unit not compiled by nvcc; compile it as a .cu file");
-}
 
 /// Throws ShapeError unless every tensor is on `d`.
 inline void check_device(const char* op, Device expected, Device got) {

@@ -24,7 +24,7 @@ Tensor<std::int32_t> token_ids(const Tensor<T>& x, std::int64_t vocab) {
                              "pass them as an int32 tensor (GPT::forward_tokens) or as float");
   } else {
     auto ids = Tensor<std::int32_t>::empty(x.shape(), x.device());
-    const std::int64_t bad = PTRAIN_DISPATCH(x.device(), token_ids, x.numel(), x.data(), vocab, ids.data());
+    const std::int64_t bad = PTRAIN_DISPATCH(x.device(), T, token_ids, x.numel(), x.data(), vocab, ids.data());
     if (bad >= 0) {
       const std::int64_t cols = x.dim() >= 1 ? x.size(-1) : 1;
       const double v = static_cast<double>(x.reshape({x.numel()}).view(bad, {1}).to(Device::cpu()).data()[0]);
@@ -50,7 +50,7 @@ Tensor<T> embedding(const Tensor<std::int32_t>& ids, const Tensor<T>& table, con
                  seq, " tokens but only ", pos.size(0), " positions; use sequences of at most block_size tokens");
     detail::check_devices("embedding", table.device(), pos);
   }
-  PTRAIN_DISPATCH(table.device(), embedding_forward, ids.numel(), dim, ids.data(), table.data(),
+  PTRAIN_DISPATCH(table.device(), T, embedding_forward, ids.numel(), dim, ids.data(), table.data(),
                   pos.defined() ? pos.data() : static_cast<const T*>(nullptr), seq, out.data());
   return out;
 }
@@ -63,7 +63,7 @@ void embedding_backward(const Tensor<std::int32_t>& ids, const Tensor<T>& dout, 
                dout.shape(), " does not match ids ", ids.shape(), " and width ", dim);
   detail::check_devices("embedding_backward", dtable.device(), ids, dout);
   if (dpos) detail::check_devices("embedding_backward", dtable.device(), *dpos);
-  PTRAIN_DISPATCH(dtable.device(), embedding_backward, ids.numel(), dim, ids.data(), dout.data(), dtable.data(),
+  PTRAIN_DISPATCH(dtable.device(), T, embedding_backward, ids.numel(), dim, ids.data(), dout.data(), dtable.data(),
                   dpos ? dpos->data() : static_cast<T*>(nullptr), seq);
 }
 

@@ -18,7 +18,7 @@ void matmul_into(const Tensor<T>& a, const Tensor<T>& b, Tensor<T>& c, bool tran
   PTRAIN_CHECK(k == kb && c.size(0) == m && c.size(1) == n, ShapeError, "[ptrain.matmul] shapes ", a.shape(),
                trans_a ? "^T" : "", " x ", b.shape(), trans_b ? "^T" : "", " -> ", c.shape(), " do not match");
   detail::check_devices("matmul", a.device(), b, c);
-  PTRAIN_DISPATCH(a.device(), gemm, trans_a, trans_b, m, n, k, alpha, a.data(), a.size(1), b.data(), b.size(1), beta,
+  PTRAIN_DISPATCH(a.device(), T, gemm, trans_a, trans_b, m, n, k, alpha, a.data(), a.size(1), b.data(), b.size(1), beta,
                   c.data(), c.size(1));
 }
 
@@ -51,14 +51,14 @@ Tensor<T> linear_impl(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b
   }
   if (pre) *pre = Tensor<T>::empty(y.shape(), x.device());
   T* pre_data = pre ? pre->data() : nullptr;
-  if (b.defined() && PTRAIN_DISPATCH(x.device(), linear_epilogue, rows, out, in, x2.data(), w.data(), b.data(),
+  if (b.defined() && PTRAIN_DISPATCH(x.device(), T, linear_epilogue, rows, out, in, x2.data(), w.data(), b.data(),
                                      y.data(), pre_data, pre != nullptr))
     return y;
   Tensor<T>& z = pre ? *pre : y;  // x W^T + b
   auto z2 = z.reshape({rows, out});
   matmul_into(x2, w, z2, false, true);
-  if (b.defined()) PTRAIN_DISPATCH(x.device(), bias_add, rows, out, z.data(), b.data());
-  if (pre) PTRAIN_DISPATCH(x.device(), gelu_forward, z.numel(), z.data(), y.data());
+  if (b.defined()) PTRAIN_DISPATCH(x.device(), T, bias_add, rows, out, z.data(), b.data());
+  if (pre) PTRAIN_DISPATCH(x.device(), T, gelu_forward, z.numel(), z.data(), y.data());
   return y;
 }
 }  // namespace detail
@@ -112,12 +112,12 @@ Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T
   auto dy2 = dy.reshape({rows, out});
   auto x2 = x.reshape({rows, in});
   const bool fused = db && detail::add_fused_bias_grad(*db, [&](T* part) {
-    return PTRAIN_DISPATCH(x.device(), linear_weight_grad_epilogue, rows, out, in, dy.data(), x2.data(), dw.data(),
+    return PTRAIN_DISPATCH(x.device(), T, linear_weight_grad_epilogue, rows, out, in, dy.data(), x2.data(), dw.data(),
                            part);
   });
   if (!fused) {
     matmul_into(dy2, x2, dw, true, false, 1, 1);
-    if (db) PTRAIN_DISPATCH(x.device(), bias_grad, rows, out, dy.data(), db->data());
+    if (db) PTRAIN_DISPATCH(x.device(), T, bias_grad, rows, out, dy.data(), db->data());
   }
   if (!need_dx) return {};
   auto dx = Tensor<T>::empty(x.shape(), x.device());
@@ -141,14 +141,14 @@ Tensor<T> linear_gelu_backward(const Tensor<T>& h, const Tensor<T>& pre, const T
   linear_backward(h, w, dy, dw, db, false);  // checks the rest before anything is written
   auto dpre = Tensor<T>::empty(pre.shape(), pre.device());
   const bool fused = detail::add_fused_bias_grad(db_pre, [&](T* part) {
-    return PTRAIN_DISPATCH(pre.device(), linear_dgelu_epilogue, rows, out, in, dy.data(), w.data(), pre.data(),
+    return PTRAIN_DISPATCH(pre.device(), T, linear_dgelu_epilogue, rows, out, in, dy.data(), w.data(), pre.data(),
                            dpre.data(), part);
   });
   if (!fused) {
     auto dpre2 = dpre.reshape({rows, in});
     matmul_into(dy.reshape({rows, out}), w, dpre2);
-    PTRAIN_DISPATCH(pre.device(), gelu_backward, dpre.numel(), pre.data(), dpre.data(), dpre.data());
-    PTRAIN_DISPATCH(pre.device(), bias_grad, rows, in, dpre.data(), db_pre.data());
+    PTRAIN_DISPATCH(pre.device(), T, gelu_backward, dpre.numel(), pre.data(), dpre.data(), dpre.data());
+    PTRAIN_DISPATCH(pre.device(), T, bias_grad, rows, in, dpre.data(), db_pre.data());
   }
   return dpre;
 }

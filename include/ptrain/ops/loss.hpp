@@ -10,7 +10,7 @@ template <class T>
 Tensor<T> softmax(const Tensor<T>& x) {
   const std::int64_t rows = rows_of(x, "softmax input"), cols = x.size(-1);
   auto y = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), softmax_rows, rows, cols, x.data(), y.data());
+  PTRAIN_DISPATCH(x.device(), T, softmax_rows, rows, cols, x.data(), y.data());
   return y;
 }
 
@@ -21,7 +21,7 @@ Tensor<T> softmax_backward(const Tensor<T>& y, const Tensor<T>& dy) {
   detail::check_devices("softmax_backward", y.device(), dy);
   const std::int64_t rows = rows_of(y, "softmax output"), cols = y.size(-1);
   auto dx = Tensor<T>::empty(y.shape(), y.device());
-  PTRAIN_DISPATCH(y.device(), softmax_rows_backward, rows, cols, y.data(), dy.data(), dx.data());
+  PTRAIN_DISPATCH(y.device(), T, softmax_rows_backward, rows, cols, y.data(), dy.data(), dx.data());
   return dx;
 }
 
@@ -42,7 +42,7 @@ double cross_entropy(const Tensor<T>& logits, const Tensor<std::int32_t>& target
                    "[ptrain.cross_entropy] target ", t[i], " at row ", i, " is outside [0, ", classes, ")");
   }
   lse = Tensor<acc_t<T>>::empty({rows}, logits.device());
-  return PTRAIN_DISPATCH(logits.device(), cross_entropy_forward, rows, classes, logits.data(), targets.data(),
+  return PTRAIN_DISPATCH(logits.device(), T, cross_entropy_forward, rows, classes, logits.data(), targets.data(),
                          lse.data(), valid, ignore_index);
 }
 
@@ -57,7 +57,7 @@ Tensor<T> cross_entropy_backward(const Tensor<T>& logits, const Tensor<acc_t<T>>
                logits.shape(), " but ", targets.numel(), " targets");
   detail::check_devices("cross_entropy_backward", logits.device(), lse, targets);
   auto d = Tensor<T>::empty(logits.shape(), logits.device());
-  PTRAIN_DISPATCH(logits.device(), cross_entropy_backward, rows, classes, logits.data(), lse.data(), targets.data(),
+  PTRAIN_DISPATCH(logits.device(), T, cross_entropy_backward, rows, classes, logits.data(), lse.data(), targets.data(),
                   valid, dloss, d.data(), ignore_index);
   return d;
 }

@@ -17,7 +17,7 @@ Tensor<T> layer_norm(const Tensor<T>& x, const Tensor<T>& gamma, const Tensor<T>
   auto y = Tensor<T>::empty(x.shape(), x.device());
   mean = Tensor<acc_t<T>>::empty({rows}, x.device());
   rstd = Tensor<acc_t<T>>::empty({rows}, x.device());
-  PTRAIN_DISPATCH(x.device(), layer_norm_forward, rows, d, x.data(), gamma.data(), beta.data(), eps, y.data(),
+  PTRAIN_DISPATCH(x.device(), T, layer_norm_forward, rows, d, x.data(), gamma.data(), beta.data(), eps, y.data(),
                   mean.data(), rstd.data());
   return y;
 }
@@ -35,7 +35,7 @@ Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, 
   check_shape(dbeta, {d}, "layer_norm bias gradient");
   detail::check_devices("layer_norm_backward", x.device(), mean, rstd, gamma, dy, dgamma, dbeta);
   auto dx = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), layer_norm_backward, rows, d, x.data(), mean.data(), rstd.data(), gamma.data(),
+  PTRAIN_DISPATCH(x.device(), T, layer_norm_backward, rows, d, x.data(), mean.data(), rstd.data(), gamma.data(),
                   dy.data(), dx.data(), dgamma.data(), dbeta.data());
   return dx;
 }

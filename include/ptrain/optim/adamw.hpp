@@ -9,6 +9,7 @@
 // optimizer after loading weights into the model.
 
 #include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/optimizer.hpp"
 #include "ptrain/optim/optimizer.hpp"
 
 namespace ptrain::optim {
@@ -47,20 +48,18 @@ class AdamW : public Optimizer<T> {
     using A = acc_t<T>;
     this->check_bound();
     ++this->steps_;
-    const Device dev = this->values_.device();
     for (const auto& r : this->ranges_) {
-      const std::int64_t n = r.end - r.begin;
+      const Shape range{r.end - r.begin};
       const A lr = static_cast<A>(this->lr_), b1 = static_cast<A>(opt_.beta1), b2 = static_cast<A>(opt_.beta2),
               eps = static_cast<A>(opt_.eps), wd = static_cast<A>(r.decay ? opt_.weight_decay : 0.0);
-      const T* g = this->grads_.data() + r.begin;
-      A* m = exp_avg_->data() + r.begin;
-      A* v = exp_avg_sq_->data() + r.begin;
+      const auto g = this->grads_.view(r.begin, range);
+      auto m = exp_avg_->view(r.begin, range), v = exp_avg_sq_->view(r.begin, range);
+      auto p = this->values_.view(r.begin, range);
       if constexpr (std::is_same_v<T, bf16>) {
-        PTRAIN_DISPATCH(dev, adamw_update_mixed, n, master_->data() + r.begin, g, m, v, lr, b1, b2, eps, wd,
-                        this->steps_, this->values_.data() + r.begin);
+        auto master = master_->view(r.begin, range);
+        ops::adamw_update_mixed_(master, g, m, v, lr, b1, b2, eps, wd, this->steps_, p);
       } else {
-        PTRAIN_DISPATCH(dev, adamw_update, n, this->values_.data() + r.begin, g, m, v, lr, b1, b2, eps, wd,
-                        this->steps_);
+        ops::adamw_update_(p, g, m, v, lr, b1, b2, eps, wd, this->steps_);
       }
     }
   }

@@ -2,7 +2,7 @@
 // SGD with momentum, dampening, Nesterov and (coupled) weight decay, with
 // torch.optim.SGD's semantics.
 
-#include "ptrain/ops/dispatch.hpp"
+#include "ptrain/ops/optimizer.hpp"
 #include "ptrain/optim/optimizer.hpp"
 
 namespace ptrain::optim {
@@ -37,13 +37,13 @@ class SGD : public Optimizer<T> {
 
   void step() override {
     this->check_bound();
-    const Device dev = this->values_.device();
     for (const auto& r : this->ranges_) {
-      T* buf = momentum_ ? momentum_->data() + r.begin : nullptr;
-      PTRAIN_DISPATCH(dev, sgd_update, r.end - r.begin, this->values_.data() + r.begin,
-                      static_cast<const T*>(this->grads_.data() + r.begin), buf, static_cast<T>(this->lr_),
-                      static_cast<T>(opt_.momentum), static_cast<T>(opt_.dampening), opt_.nesterov,
-                      static_cast<T>(r.decay ? opt_.weight_decay : 0.0), this->steps_ == 0);
+      const Shape range{r.end - r.begin};
+      auto p = this->values_.view(r.begin, range);
+      auto buf = momentum_ ? momentum_->view(r.begin, range) : Tensor<T>();
+      ops::sgd_update_(p, this->grads_.view(r.begin, range), buf, static_cast<T>(this->lr_),
+                       static_cast<T>(opt_.momentum), static_cast<T>(opt_.dampening), opt_.nesterov,
+                       static_cast<T>(r.decay ? opt_.weight_decay : 0.0), this->steps_ == 0);
     }
     ++this->steps_;
   }

@@ -1,10 +1,13 @@
 #pragma once
-// Every CUDA kernel of ptrain, in dependency order. The ops layer includes this
-// under #ifdef PTRAIN_CUDA and calls kernels::cuda::<name> with the arguments
-// it passes to kernels::cpu::<name>, on device pointers.
+// Every CUDA kernel of ptrain, in dependency order. The kernels take the
+// arguments of kernels::cpu::<name>, on device pointers; ptrain::cuda's CUDA
+// source (src/cuda_register.cu) puts them in the table that ops/ calls
+// (kernels/cuda_table.hpp). A .cu file may also call them directly.
 //
-//   check.cuh        PTRAIN_CHECK_CUDA, PTRAIN_CHECK_CUBLAS
-//   device.cuh       CudaAllocator, CudaBackend (cuda:N tensors), Stream, Event, current_stream
+//   check.hpp        PTRAIN_CHECK_CUDA, PTRAIN_CHECK_CUBLAS (host code, g++ too)
+//   stream.hpp       device_count, DeviceGuard, Stream, Event, StreamGuard, current_stream (host code)
+//   backend.hpp      CudaAllocator, CudaBackend (cuda:N tensors; host code)
+//   device.cuh       launch shapes, device math, bf16 loads and stores
 //   gemm.cuh         cuBLAS GEMM, per-thread handle cache, set_tf32
 //   elementwise.cuh  bias_add/grad, relu, gelu, dropout, axpy, scale
 //   reduce.cuh       sum, sum_squares, argmax_rows, block reductions
@@ -14,7 +17,9 @@
 //   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
 //   optimizer.cuh    sgd_update, adamw_update
 
-#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/check.hpp"
+#include "ptrain/kernels/cuda/stream.hpp"
+#include "ptrain/kernels/cuda/backend.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 #include "ptrain/kernels/cuda/gemm.cuh"
 #include "ptrain/kernels/cuda/gemm_lt.cuh"

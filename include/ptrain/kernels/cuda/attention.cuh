@@ -36,7 +36,7 @@
 
 #include "ptrain/core/random.hpp"
 #include "ptrain/core/tensor.hpp"
-#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 #include "ptrain/kernels/cuda/gemm.cuh"
 #include "ptrain/kernels/cuda/reduce.cuh"

@@ -15,7 +15,7 @@
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/random.hpp"
-#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 #include "ptrain/kernels/cuda/reduce.cuh"
 

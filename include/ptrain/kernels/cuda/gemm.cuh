@@ -32,7 +32,7 @@
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
 #include "ptrain/core/tensor.hpp"
-#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 
 namespace ptrain::kernels::cuda {

@@ -32,7 +32,7 @@
 // each call takes the workspace its algorithm needs (at most 32 MiB, often
 // none) from the device's caching allocator on the current stream and frees it
 // once queued, so the block serves only later work of that stream (Note [Stream
-// semantics] in device.cuh) and two streams never share scratch. The heuristic's algorithm is
+// semantics] in stream.hpp) and two streams never share scratch. The heuristic's algorithm is
 // remembered per problem (layout, types, epilogue and the alignment of the
 // operands, the bias and the auxiliary buffer, which views into flat parameter
 // buffers may lower), so a training step asks once per layer shape, not once
@@ -52,7 +52,7 @@
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/tensor.hpp"
-#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 #include "ptrain/kernels/cuda/gemm.cuh"
 

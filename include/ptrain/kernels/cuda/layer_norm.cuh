@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 #include "ptrain/kernels/cuda/reduce.cuh"
 

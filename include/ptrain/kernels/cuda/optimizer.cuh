@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #include "ptrain/core/dtype.hpp"
-#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 
 namespace ptrain::kernels::cuda {

@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "ptrain/core/tensor.hpp"
-#include "ptrain/kernels/cuda/check.cuh"
+#include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 
 namespace ptrain::kernels::cuda {

@@ -1,22 +1,39 @@
 #pragma once
-// Check macros for CUDA runtime and cuBLAS calls.
+// Check macros for CUDA runtime and cuBLAS calls. Host code only: g++ compiles
+// this header (with the toolkit's include directory) as well as nvcc, so the
+// NCCL communicator and the device backend use the same checks as the kernels.
 //
 //   PTRAIN_CHECK_CUDA(cudaMalloc(&p, bytes));
 //   PTRAIN_CHECK_CUBLAS(cublasCreate(&handle));
 //   kernel<<<grid, block, 0, stream>>>(...); PTRAIN_CHECK_CUDA_LAUNCH();
 //
 // A failure throws ptrain::CudaError whose message holds a stable id, the call
-// as written, the backend's error name and string, the current device, a hint
-// for the common failures, and file:line of the call.
+// as written, the backend's error name and string, the current device, the rank
+// once a process group has set it (cuda_error_rank), a hint for the common
+// failures, and file:line of the call.
 
 #include <cublas_v2.h>
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <string>
 
 #include "ptrain/core/error.hpp"
 
 namespace ptrain::detail {
+
+// Rank shown in CUDA and NCCL error messages; -1 (not shown) until a
+// communicator sets it (the NCCL backend does, when it is created).
+inline std::atomic<int>& cuda_error_rank() {
+  static std::atomic<int> r{-1};
+  return r;
+}
+
+// " on rank r" once a communicator has set the rank, else nothing.
+inline std::string cuda_rank_suffix() {
+  const int r = cuda_error_rank().load(std::memory_order_relaxed);
+  return r >= 0 ? cat(" on rank ", r) : std::string();
+}
 
 // What to try for the errors users meet most; empty when there is no general advice.
 inline const char* cuda_error_hint(cudaError_t e) {
@@ -54,7 +71,8 @@ inline int cuda_current_device_or_minus_one() {
   // again by the next unrelated check; clear it so each failure is reported once.
   (void)cudaGetLastError();
   throw_at<CudaError>(file, line,
-                      cat("[ptrain.cuda] ", call, " failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e),
+                      cat("[ptrain.cuda] ", call, " failed", cuda_rank_suffix(), ": ", cudaGetErrorName(e), ": ",
+                          cudaGetErrorString(e),
                           " (device ", cuda_current_device_or_minus_one(), ")", cuda_error_hint(e)));
 }
 
@@ -63,7 +81,8 @@ inline int cuda_current_device_or_minus_one() {
                          ? "; cuBLAS could not start: check that a device is visible and has free memory"
                          : s == CUBLAS_STATUS_ALLOC_FAILED ? "; the device is out of memory" : "";
   throw_at<CudaError>(file, line,
-                      cat("[ptrain.cublas] ", call, " failed: ", cublasGetStatusName(s), ": ", cublasGetStatusString(s),
+                      cat("[ptrain.cublas] ", call, " failed", cuda_rank_suffix(), ": ", cublasGetStatusName(s), ": ",
+                          cublasGetStatusString(s),
                           " (device ", cuda_current_device_or_minus_one(), ")", hint));
 }
 

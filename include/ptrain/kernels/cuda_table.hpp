@@ -1,0 +1,142 @@
+#pragma once
+// The CUDA kernel table: function pointers to kernels::cuda::<name>, per element
+// type, that ops/ calls for tensors on cuda:N. No CUDA header and no device code,
+// so every translation unit (g++ or nvcc) sees the same definitions.
+//
+// Note [One definition of dispatch]
+// An op is an inline function (a template) that a .cpp file built by g++ and a
+// .cu file built by nvcc may both instantiate; the linker keeps one of the two
+// copies. Its body therefore must not depend on the compiler: ops/ always
+// dispatches through this table (`dev.is_cuda() ? table.fn(...) :
+// kernels::cpu::fn(...)`), never through `#ifdef __CUDACC__`. The table is empty
+// until the one CUDA translation unit of the ptrain::cuda CMake target
+// (src/cuda_register.cu) fills it, together with the cuda:N device backend,
+// during static initialisation. A program that does not link ptrain::cuda needs
+// neither nvcc nor libcudart, and a cuda:N tensor there throws
+// [ptrain.cuda.unavailable]. Filling the table twice (ptrain::cuda linked
+// through two targets) stores the same pointers again, which is harmless.
+// Members are null where the CUDA kernels have no form for the type (sgd_update
+// for bf16, token_ids for bf16, everything but token_ids for int32); calling one
+// throws [ptrain.cuda.unsupported].
+
+#include <cstdint>
+#include <type_traits>
+
+#include "ptrain/core/dtype.hpp"
+#include "ptrain/core/error.hpp"
+
+namespace ptrain::kernels {
+
+/// kernels::cuda's functions for element type T, with kernels::cpu's signatures
+/// (src/cuda_register.cu assigns `&kernels::cuda::fn<T>` to each, so a mismatch
+/// does not compile).
+template <class T>
+struct CudaKernels {
+  using A = acc_t<T>;
+  using I64 = std::int64_t;
+  using U64 = std::uint64_t;
+  using I32 = std::int32_t;
+
+  // gemm.cuh, gemm_lt.cuh
+  void (*gemm)(bool, bool, I64, I64, I64, A, const T*, I64, const T*, I64, A, T*, I64) = nullptr;
+  bool (*linear_epilogue)(I64, I64, I64, const T*, const T*, const T*, T*, T*, bool) = nullptr;
+  bool (*linear_weight_grad_epilogue)(I64, I64, I64, const T*, const T*, T*, T*) = nullptr;
+  bool (*linear_dgelu_epilogue)(I64, I64, I64, const T*, const T*, const T*, T*, T*) = nullptr;
+  // elementwise.cuh
+  void (*bias_add)(I64, I64, T*, const T*) = nullptr;
+  void (*bias_grad)(I64, I64, const T*, T*) = nullptr;
+  void (*relu_forward)(I64, const T*, T*) = nullptr;
+  void (*relu_backward)(I64, const T*, const T*, T*) = nullptr;
+  void (*gelu_forward)(I64, const T*, T*) = nullptr;
+  void (*gelu_backward)(I64, const T*, const T*, T*) = nullptr;
+  void (*dropout)(I64, const T*, T*, double, U64, U64) = nullptr;
+  void (*axpy)(I64, A, const T*, T*) = nullptr;
+  void (*scale)(I64, A, T*) = nullptr;
+  void (*cast_to_bf16)(I64, const T*, bf16*) = nullptr;    ///< cast<T, bf16> (T float or double)
+  void (*cast_from_bf16)(I64, const bf16*, T*) = nullptr;  ///< cast<bf16, T> (T float or double)
+  // reduce.cuh
+  double (*sum)(I64, const T*) = nullptr;
+  double (*sum_squares)(I64, const T*) = nullptr;
+  void (*argmax_rows)(I64, I64, const T*, I32*) = nullptr;
+  // softmax.cuh
+  void (*softmax_rows)(I64, I64, const T*, T*) = nullptr;
+  void (*softmax_rows_backward)(I64, I64, const T*, const T*, T*) = nullptr;
+  double (*cross_entropy_forward)(I64, I64, const T*, const I32*, A*, I64&, I32) = nullptr;
+  void (*cross_entropy_backward)(I64, I64, const T*, const A*, const I32*, I64, A, T*, I32) = nullptr;
+  // layer_norm.cuh
+  void (*layer_norm_forward)(I64, I64, const T*, const T*, const T*, A, T*, A*, A*) = nullptr;
+  void (*layer_norm_backward)(I64, I64, const T*, const A*, const A*, const T*, const T*, T*, T*, T*) = nullptr;
+  // embedding.cuh
+  I64 (*token_ids)(I64, const T*, I64, I32*) = nullptr;
+  void (*embedding_forward)(I64, I64, const I32*, const T*, const T*, I64, T*) = nullptr;
+  void (*embedding_backward)(I64, I64, const I32*, const T*, T*, T*, I64) = nullptr;
+  // attention.cuh, flash_attention.cuh
+  void (*causal_attention_forward)(I64, I64, I64, I64, const T*, A, T*, T*, double, U64, U64, T*) = nullptr;
+  void (*causal_attention_backward)(I64, I64, I64, I64, const T*, const T*, const T*, double, U64, U64, const T*,
+                                    A, T*) = nullptr;
+  bool (*flash_attention_supported)(I64, const T*) = nullptr;
+  void (*flash_attention_forward)(I64, I64, I64, I64, const T*, A, double, U64, U64, T*, A*) = nullptr;
+  void (*flash_attention_backward)(I64, I64, I64, I64, const T*, const T*, const A*, double, U64, U64, const T*, A,
+                                   T*) = nullptr;
+  // optimizer.cuh
+  void (*sgd_update)(I64, T*, const T*, T*, T, T, T, bool, T, bool) = nullptr;
+  void (*adamw_update)(I64, T*, const T*, T*, T*, T, T, T, T, T, I64) = nullptr;
+  /// adamw_update_mixed<T>: fp32 master weights and moments, gradient in T, bf16 copy.
+  void (*adamw_update_mixed)(I64, float*, const T*, float*, float*, float, float, float, float, float, I64,
+                             bf16*) = nullptr;
+};
+
+/// Every element type's table. int32 has token_ids only.
+struct CudaKernelTable {
+  CudaKernels<float> f32;
+  CudaKernels<double> f64;
+  CudaKernels<bf16> bf16_;
+  CudaKernels<std::int32_t> i32;
+};
+
+namespace detail {
+/// The process's kernel table; null until a CUDA translation unit of ptrain::cuda installs it.
+inline const CudaKernelTable*& cuda_kernel_table_slot() {
+  static const CudaKernelTable* table = nullptr;
+  return table;
+}
+
+[[noreturn]] inline void throw_cuda_unavailable(const char* what) {
+  PTRAIN_THROW(CudaError, "[ptrain.cuda.unavailable] ", what,
+               " needs ptrain's CUDA kernels, which this program does not contain: link the ptrain::cuda CMake "
+               "target (it compiles ptrain's one CUDA source file into the program; call enable_language(CUDA)), "
+               "or compile src/cuda_register.cu from ptrain's installed sources into it");
+}
+}  // namespace detail
+
+/// True when ptrain's CUDA kernels and the cuda:N backend are linked into this program
+/// (the ptrain::cuda target); it says nothing about GPUs being present.
+inline bool cuda_kernels_linked() { return detail::cuda_kernel_table_slot() != nullptr; }
+
+/// The CUDA kernels for element type T; throws [ptrain.cuda.unavailable] when the
+/// program was not linked with ptrain::cuda.
+template <class T>
+const CudaKernels<T>& cuda_kernels() {
+  const CudaKernelTable* t = detail::cuda_kernel_table_slot();
+  if (!t) detail::throw_cuda_unavailable("a tensor on a CUDA device");
+  if constexpr (std::is_same_v<T, float>) return t->f32;
+  else if constexpr (std::is_same_v<T, double>) return t->f64;
+  else if constexpr (std::is_same_v<T, bf16>) return t->bf16_;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return t->i32;
+  else {
+    static const CudaKernels<T> none{};  // every member null: calls throw [ptrain.cuda.unsupported]
+    return none;
+  }
+}
+
+/// The kernel `fn` of the table for T, checked: [ptrain.cuda.unsupported] when the
+/// CUDA kernels have no form of it for T.
+template <class T, class Fn>
+Fn cuda_kernel(Fn CudaKernels<T>::*fn, const char* name) {
+  const Fn f = cuda_kernels<T>().*fn;
+  PTRAIN_CHECK(f != nullptr, CudaError, "[ptrain.cuda.unsupported] ", name, " has no CUDA kernel for ",
+               dtype_name(dtype_of<T>()), " tensors; use float, or move the tensors to the CPU");
+  return f;
+}
+
+}  // namespace ptrain::kernels

@@ -1,0 +1,88 @@
+// ptrain's one CUDA translation unit (the ptrain::cuda CMake target adds it to
+// every program that links the target). During static initialisation it fills
+// the CUDA kernel table that ops/ dispatches to (kernels/cuda_table.hpp, Note
+// [One definition of dispatch]) and stores the cuda:N device backend
+// (kernels/cuda/backend.hpp). Nothing here touches a device, so the program
+// starts on machines without a GPU and fails only when it asks for cuda:N.
+//
+// Everything has internal linkage or is inline, so two copies in one program
+// (ptrain::cuda reached through two targets) link, and the second registration
+// stores the same pointers again.
+
+#include "ptrain/kernels/cuda/all.cuh"
+#include "ptrain/kernels/cuda_table.hpp"
+
+namespace {
+
+namespace kc = ptrain::kernels::cuda;
+using ptrain::bf16;
+using ptrain::kernels::CudaKernelTable;
+using ptrain::kernels::CudaKernels;
+
+// Kernels of the floating-point element types (float, double, bf16). Each
+// assignment takes the address of kernels::cuda::fn<T> as the table's type, so
+// a kernel whose signature differs from the CPU's does not compile.
+template <class T>
+void fill_floating(CudaKernels<T>& k) {
+  k.gemm = &kc::gemm<T>;
+  k.linear_epilogue = &kc::linear_epilogue<T>;
+  k.linear_weight_grad_epilogue = &kc::linear_weight_grad_epilogue<T>;
+  k.linear_dgelu_epilogue = &kc::linear_dgelu_epilogue<T>;
+  k.bias_add = &kc::bias_add<T>;
+  k.bias_grad = &kc::bias_grad<T>;
+  k.relu_forward = &kc::relu_forward<T>;
+  k.relu_backward = &kc::relu_backward<T>;
+  k.gelu_forward = &kc::gelu_forward<T>;
+  k.gelu_backward = &kc::gelu_backward<T>;
+  k.dropout = &kc::dropout<T>;
+  k.axpy = &kc::axpy<T>;
+  k.scale = &kc::scale<T>;
+  k.sum = &kc::sum<T>;
+  k.sum_squares = &kc::sum_squares<T>;
+  k.argmax_rows = &kc::argmax_rows<T>;
+  k.softmax_rows = &kc::softmax_rows<T>;
+  k.softmax_rows_backward = &kc::softmax_rows_backward<T>;
+  k.cross_entropy_forward = &kc::cross_entropy_forward<T>;
+  k.cross_entropy_backward = &kc::cross_entropy_backward<T>;
+  k.layer_norm_forward = &kc::layer_norm_forward<T>;
+  k.layer_norm_backward = &kc::layer_norm_backward<T>;
+  k.embedding_forward = &kc::embedding_forward<T>;
+  k.embedding_backward = &kc::embedding_backward<T>;
+  k.causal_attention_forward = &kc::causal_attention_forward<T>;
+  k.causal_attention_backward = &kc::causal_attention_backward<T>;
+  k.flash_attention_supported = &kc::flash_attention_supported<T>;
+  k.flash_attention_forward = &kc::flash_attention_forward<T>;
+  k.flash_attention_backward = &kc::flash_attention_backward<T>;
+}
+
+// float and double: the forms bf16 has not (token ids, the plain optimizer
+// updates) and the casts to and from bf16.
+template <class T>
+void fill_full_precision(CudaKernels<T>& k) {
+  fill_floating(k);
+  k.token_ids = &kc::token_ids<T>;
+  k.cast_to_bf16 = &kc::cast<T, bf16>;
+  k.cast_from_bf16 = &kc::cast<bf16, T>;
+  k.sgd_update = &kc::sgd_update<T>;
+  k.adamw_update = &kc::adamw_update<T>;
+}
+
+CudaKernelTable make_table() {
+  CudaKernelTable t;
+  fill_full_precision(t.f32);
+  fill_full_precision(t.f64);
+  fill_floating(t.bf16_);
+  t.f32.adamw_update_mixed = &kc::adamw_update_mixed<float>;
+  t.bf16_.adamw_update_mixed = &kc::adamw_update_mixed<bf16>;
+  t.i32.token_ids = &kc::token_ids<std::int32_t>;
+  return t;
+}
+
+const bool registered = [] {
+  static const CudaKernelTable table = make_table();
+  ptrain::kernels::detail::cuda_kernel_table_slot() = &table;
+  kc::register_backend();
+  return true;
+}();
+
+}  // namespace

@@ -1,0 +1,171 @@
+// The CUDA kernel table (kernels/cuda_table.hpp) without CUDA: this binary does
+// not link ptrain::cuda, so the table is empty and a cuda tensor must fail with
+// [ptrain.cuda.unavailable] naming the fix. Then a stand-in table and device
+// backend (host memory posing as cuda:0, kernels that count their calls and run
+// the CPU kernel) check that ops/ and optim/ reach the table for cuda tensors,
+// pass their arguments through unchanged, and refuse missing entries.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <ptrain/core/tensor.hpp>
+#include <ptrain/kernels/cuda_table.hpp>
+#include <ptrain/nn/flat_parameters.hpp>
+#include <ptrain/nn/linear.hpp>
+#include <ptrain/ops/activation.hpp>
+#include <ptrain/ops/linear.hpp>
+#include <ptrain/ops/optimizer.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/optim/sgd.hpp>
+
+using namespace ptrain;
+
+namespace {
+
+// cuda:N backed by the CPU allocator and memcpy.
+class HostBackend final : public ptrain::detail::DeviceBackend {
+ public:
+  Allocator& allocator(int) override { return allocator_for(Device::cpu()); }
+  void copy(void* dst, Device, const void* src, Device, std::size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void memset_zero(void* dst, Device, std::size_t bytes) override {
+    if (bytes) std::memset(dst, 0, bytes);
+  }
+};
+
+struct Calls {
+  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0;
+};
+Calls& calls() {
+  static Calls c;
+  return c;
+}
+
+void fake_gelu(std::int64_t n, const float* x, float* y) {
+  ++calls().gelu;
+  kernels::cpu::gelu_forward(n, x, y);
+}
+void fake_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+               std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  ++calls().gemm;
+  kernels::cpu::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+bool no_epilogue(std::int64_t, std::int64_t, std::int64_t, const float*, const float*, const float*, float*, float*,
+                 bool) {
+  return false;
+}
+void fake_bias_add(std::int64_t rows, std::int64_t cols, float* y, const float* b) {
+  ++calls().bias_add;
+  kernels::cpu::bias_add(rows, cols, y, b);
+}
+void fake_adamw(std::int64_t n, double* p, const double* g, double* m, double* v, double lr, double b1, double b2,
+                double eps, double wd, std::int64_t step) {
+  ++calls().adamw;
+  kernels::cpu::adamw_update(n, p, g, m, v, lr, b1, b2, eps, wd, step);
+}
+void fake_cast(std::int64_t n, const float* x, bf16* y) {
+  ++calls().cast;
+  kernels::cpu::cast(n, x, y);
+}
+
+// Installs the stand-ins for a scope and empties both slots again afterwards.
+struct FakeCuda {
+  HostBackend backend;
+  kernels::CudaKernelTable table;
+  FakeCuda() {
+    calls() = {};
+    table.f32.gelu_forward = &fake_gelu;
+    table.f32.gemm = &fake_gemm;
+    table.f32.linear_epilogue = &no_epilogue;
+    table.f32.bias_add = &fake_bias_add;
+    table.f32.cast_to_bf16 = &fake_cast;
+    table.f64.adamw_update = &fake_adamw;
+    kernels::detail::cuda_kernel_table_slot() = &table;
+    ptrain::detail::cuda_backend_slot() = &backend;
+  }
+  ~FakeCuda() {
+    kernels::detail::cuda_kernel_table_slot() = nullptr;
+    ptrain::detail::cuda_backend_slot() = nullptr;
+  }
+};
+
+const Device kFakeGpu = Device::cuda(0);
+
+}  // namespace
+
+TEST_CASE("cuda table: a program without ptrain::cuda says what to link", "[kernels][cuda_table]") {
+  REQUIRE_FALSE(kernels::cuda_kernels_linked());
+  CHECK_THROWS_WITH(kernels::cuda_kernels<float>(),
+                    Catch::Contains("[ptrain.cuda.unavailable]") && Catch::Contains("ptrain::cuda"));
+  CHECK_THROWS_WITH(Tensor<float>::empty({2}, Device::cuda(0)),
+                    Catch::Contains("[ptrain.cuda.unavailable]") && Catch::Contains("ptrain::cuda"));
+}
+
+TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels][cuda_table]") {
+  FakeCuda fake;
+  REQUIRE(kernels::cuda_kernels_linked());
+  const std::vector<float> xs{-2.0f, -0.5f, 0.0f, 0.25f, 1.0f, 3.0f};
+  const auto x_cpu = Tensor<float>::from(xs, {2, 3});
+  const auto x_gpu = x_cpu.to(kFakeGpu);
+  REQUIRE(x_gpu.device() == kFakeGpu);
+
+  SECTION("elementwise: the CPU path does not touch the table, the cuda path does") {
+    const auto y_cpu = ops::gelu(x_cpu);
+    CHECK(calls().gelu == 0);
+    const auto y_gpu = ops::gelu(x_gpu);
+    CHECK(calls().gelu == 1);
+    CHECK(y_gpu.device() == kFakeGpu);
+    // gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), by hand in double.
+    const auto got = y_gpu.to_vector();
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      const double v = xs[i];
+      const double want = 0.5 * v * (1 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+      CHECK(got[i] == Approx(want).margin(1e-6));
+    }
+    CHECK(got == y_cpu.to_vector());
+  }
+  SECTION("a linear layer: GEMM and bias from the table") {
+    const auto w = Tensor<float>::from({1.0f, 2.0f, 3.0f, -1.0f, 0.0f, 1.0f}, {2, 3}).to(kFakeGpu);
+    const auto b = Tensor<float>::from({0.5f, -0.5f}, {2}).to(kFakeGpu);
+    const auto y = ops::linear(x_gpu, w, b).to_vector();
+    CHECK(calls().gemm == 1);
+    CHECK(calls().bias_add == 1);
+    // rows of x times rows of w, plus b
+    CHECK(y == std::vector<float>{-2.0f + -1.0f + 0.0f + 0.5f, 2.0f + 0.0f + 0.0f - 0.5f,
+                                  0.25f + 2.0f + 9.0f + 0.5f, -0.25f + 0.0f + 3.0f - 0.5f});
+  }
+  SECTION("casts go through the float table's bf16 entry") {
+    auto out = Tensor<bf16>::empty({2, 3}, kFakeGpu);
+    ops::cast_into(x_gpu, out);
+    CHECK(calls().cast == 1);
+    const auto got = out.to_vector();
+    for (std::size_t i = 0; i < xs.size(); ++i) CHECK(static_cast<float>(got[i]) == xs[i]);  // exact in bf16
+  }
+  SECTION("optimizers step through ops:: and the table") {
+    nn::Linear<double> lin(2, 1, false);
+    lin.weight().value.data()[0] = 1.0;
+    lin.weight().value.data()[1] = -1.0;
+    lin.to(kFakeGpu);
+    nn::FlatParameters<double> flat(lin);
+    lin.weight().grad.copy_(Tensor<double>::from({0.5, -2.0}, {1, 2}));  // a view into flat.grads()
+    optim::AdamW<double> adamw(flat, {.lr = 0.1, .weight_decay = 0.0});
+    adamw.step();
+    CHECK(calls().adamw == 1);
+    // First AdamW step without decay: p -= lr * g / (|g| + eps'), i.e. lr * sign(g) up to eps.
+    const auto p = lin.weight().value.to_vector();
+    CHECK(p[0] == Approx(1.0 - 0.1).epsilon(1e-6));
+    CHECK(p[1] == Approx(-1.0 + 0.1).epsilon(1e-6));
+  }
+  SECTION("an entry the table lacks is refused, not called") {
+    CHECK_THROWS_WITH(ops::relu(x_gpu),
+                      Catch::Contains("[ptrain.cuda.unsupported]") && Catch::Contains("relu_forward"));
+    auto p = x_gpu.clone();
+    Tensor<float> none;
+    CHECK_THROWS_WITH(ops::sgd_update_(p, x_gpu, none, 0.1f, 0.0f, 0.0f, false, 0.0f, true),
+                      Catch::Contains("[ptrain.cuda.unsupported]") && Catch::Contains("sgd_update"));
+  }
+}
