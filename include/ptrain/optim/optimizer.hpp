@@ -42,7 +42,6 @@ class Optimizer {
 
   /// One update from the current gradients.
   virtual void step() = 0;
-  void zero_grad() { grads_.zero_(); }
 
   double lr() const { return lr_; }
   void set_lr(double lr) { lr_ = checked_lr(lr); }

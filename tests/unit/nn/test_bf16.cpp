@@ -213,8 +213,8 @@ TEST_CASE("AdamW on bf16 parameters keeps fp32 master weights that follow the do
   for (int step = 0; step < 30; ++step) {
     nn::Cache<bf16> c16, lc16;
     nn::Cache<double> c64, lc64;
-    opt16.zero_grad();
-    opt64.zero_grad();
+    f16.zero_grad();
+    f64.zero_grad();
     last16 = l16.forward(m16.forward_tokens(ids, c16), targets, lc16);
     last64 = l64.forward(m64.forward_tokens(ids, c64), targets, lc64);
     if (step == 0) first = last64;
