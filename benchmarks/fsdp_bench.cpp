@@ -51,36 +51,21 @@ Result measure(const Setup& s, dist::Communicator& comm, Make&& make) {
   return {ms, persistent, memory_stats().peak_bytes - base};
 }
 
-struct DDPRunner {
-  nn::FlatParameters<float> params;
-  parallel::DDP<float> ddp;
+// One training step through the Engine contract, the same for DDP and FSDP.
+template <class E>
+struct Runner {
+  E engine;
   optim::AdamW<float> opt;
-  nn::CrossEntropyLoss<float> ce;
-  DDPRunner(nn::GPT<float>& m, dist::Communicator& c) : params(m), ddp(m, params, c), opt(params, {}) {}
+  template <class... Args>
+  explicit Runner(Args&&... args) : engine(std::forward<Args>(args)...), opt(engine.parameters(), {}) {}
   void step(const Tensor<float>& ids, const Tensor<std::int32_t>& t) {
-    nn::Cache<float> cache, lc;
-    params.zero_grad();
-    ce.forward(ddp.forward(ids, cache), t, lc);
-    ddp.backward(ce.backward(lc), cache);
-    ddp.finish_gradient_sync();
-    opt.step();
+    engine.zero_grad();
+    engine.forward_backward(ids, t);
+    engine.step(opt);
   }
 };
-
-struct FSDPRunner {
-  parallel::FSDP<float> fsdp;
-  optim::AdamW<float> opt;
-  nn::CrossEntropyLoss<float> ce;
-  FSDPRunner(nn::GPT<float>& m, dist::Communicator& c, parallel::FSDPOptions o)
-      : fsdp(m.units(), c, o), opt(fsdp.parameters(), {}) {}
-  void step(const Tensor<float>& ids, const Tensor<std::int32_t>& t) {
-    nn::Cache<float> cache, lc;
-    fsdp.zero_grad();
-    ce.forward(fsdp.forward(ids, cache), t, lc);
-    fsdp.backward(ce.backward(lc), cache);
-    fsdp.step(opt);
-  }
-};
+using DDPRunner = Runner<parallel::DDP<float>>;
+using FSDPRunner = Runner<parallel::FSDP<float>>;
 
 }  // namespace
 
@@ -114,7 +99,7 @@ int main(int argc, char** argv) {
   for (auto st : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::ShardOptimizer,
                   ShardingStrategy::NoShard, ShardingStrategy::Hybrid}) {
     parallel::FSDPOptions o{.strategy = st, .hybrid_shard_size = n % 2 == 0 ? n / 2 : n};
-    const Result r = measure(s, *comm, [&](nn::GPT<float>& m) { return std::make_unique<FSDPRunner>(m, *comm, o); });
+    const Result r = measure(s, *comm, [&](nn::GPT<float>& m) { return std::make_unique<FSDPRunner>(m.units(), *comm, o); });
     report(parallel::strategy_name(st), r, ddp.step_ms);
   }
 }
