@@ -490,6 +490,80 @@ bool resume(ckpt::CheckpointManager& mgr, const ckpt::LatestCheckpoint& last, pa
   return true;
 }
 
+// --checkpoint-dir: the manager, saves in the background, the final save and the
+// one a signal asks for. Every call is collective.
+template <class T>
+class RunCheckpoints {
+ public:
+  RunCheckpoints(const Options& o, dist::Communicator& world) : o_(o), world_(world) {
+    if (o.checkpoint_dir.empty()) return;
+    mgr_ = std::make_unique<ckpt::CheckpointManager>(o.checkpoint_dir, &world,
+                                                     ckpt::CheckpointOptions{.keep_last = o.keep_checkpoints});
+    if (o.resume) last_ = mgr_->latest();
+  }
+  /// Whether --resume found a checkpoint (which then replaces --init-from's weights).
+  bool found() const { return last_.found(); }
+
+  /// Resumes (--resume) into the engine, the optimizer and the state, which later saves
+  /// write; returns whether a checkpoint was loaded.
+  bool start(parallel::Engine<T>& engine, optim::AdamW<T>& opt, TrainState<T>& state,
+             const optim::WarmupCosine& schedule) {
+    engine_ = &engine, opt_ = &opt, state_ = &state, schedule_ = schedule;
+    if (!mgr_) return false;
+    const bool resumed = o_.resume && resume(*mgr_, last_, engine, opt, state, o_.checkpoint_dir);
+    last_saved_ = resumed ? state.step : -1;
+    saver_ = std::make_unique<ckpt::AsyncCheckpointer>(*mgr_);
+    preempt_ = std::make_unique<ckpt::PreemptionHandler>();
+    return resumed;
+  }
+
+  /// After each step: the save of every --checkpoint-every steps (in the background:
+  /// returns after a copy to host memory), and the signal check, one all-reduce, so
+  /// that every rank stops at the same step when any got a signal. Returns true when
+  /// the run must exit, with a checkpoint of this step committed.
+  bool after_step() {
+    if (!mgr_) return false;
+    if (o_.checkpoint_every > 0 && state_->step % o_.checkpoint_every == 0) save(true);
+    if (!preempt_->should_stop(&world_)) return false;
+    saver_->wait();  // rank 0: the save in flight (perhaps of this very step) is committed
+    if (last_saved_ != state_->step) save(false);
+    else world_.barrier();  // a launcher stops every rank once one exits: not before rank 0 commits
+    if (world_.rank() == 0) {
+      std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt_->signal(),
+                  static_cast<long long>(state_->step), o_.checkpoint_dir.c_str());
+      std::fflush(stdout);  // the launcher's SIGTERM may come before exit() flushes a pipe
+    }
+    return true;
+  }
+
+  /// The final checkpoint, before evaluation and sampling, which change no training state.
+  void finish() {
+    if (!mgr_) return;
+    saver_->wait();
+    if (last_saved_ != state_->step) save(false);
+  }
+
+ private:
+  void save(bool background) {
+    const ckpt::TrainerState ts = checkpoint_state(*state_, world_, schedule_);
+    if (background) ckpt::save(*saver_, *mgr_, state_->step, *engine_, opt_, ts);
+    else ckpt::save(*mgr_, state_->step, *engine_, opt_, ts);
+    last_saved_ = state_->step;
+  }
+
+  const Options& o_;
+  dist::Communicator& world_;
+  std::unique_ptr<ckpt::CheckpointManager> mgr_;
+  ckpt::LatestCheckpoint last_;
+  parallel::Engine<T>* engine_ = nullptr;
+  optim::AdamW<T>* opt_ = nullptr;
+  TrainState<T>* state_ = nullptr;
+  optim::WarmupCosine schedule_;
+  std::int64_t last_saved_ = -1;
+  std::unique_ptr<ckpt::AsyncCheckpointer> saver_;  // after mgr_: destroyed (and drained) first
+  std::unique_ptr<ckpt::PreemptionHandler> preempt_;
+};
+
 // --export and --export-hf, on rank 0, of the whole model.
 template <class T>
 void export_model(const Options& o, nn::GPT<T>& model, const Corpus& corpus, std::int64_t step) {
@@ -564,14 +638,8 @@ int run(Options opt) {
                       .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank), .recompute = opt.recompute};
     auto model = std::make_shared<nn::GPT<T>>(cfg);
     // Checkpoints (optional), found first: a checkpoint to resume replaces --init-from's weights.
-    std::unique_ptr<ckpt::CheckpointManager> checkpoints;
-    ckpt::LatestCheckpoint last;
-    if (!opt.checkpoint_dir.empty()) {
-      checkpoints = std::make_unique<ckpt::CheckpointManager>(
-          opt.checkpoint_dir, world.get(), ckpt::CheckpointOptions{.keep_last = opt.keep_checkpoints});
-      if (opt.resume) last = checkpoints->latest();
-    }
-    if (!opt.init_from.empty() && !last.found()) {
+    RunCheckpoints<T> checkpoints(opt, *world);
+    if (!opt.init_from.empty() && !checkpoints.found()) {
       const std::string loaded = ckpt::load_gpt2_weights(opt.init_from, *model);
       if (lead) std::printf("initialised from %s: %s\n", opt.init_from.c_str(), loaded.c_str());
     }
@@ -592,20 +660,7 @@ int run(Options opt) {
                         {{"program", "gpt_char"}, {"model", model_flags(cfg, opt)},
                          {"train", train_flags(opt, world->size())}}};
     // Resume before training, so that metrics append to the resumed run's file.
-    const bool resumed = opt.resume && resume(*checkpoints, last, engine, optimizer, state, opt.checkpoint_dir);
-    std::int64_t last_saved = resumed ? state.step : -1;
-    std::unique_ptr<ckpt::AsyncCheckpointer> saver;
-    std::unique_ptr<ckpt::PreemptionHandler> preempt;
-    if (checkpoints) {
-      saver = std::make_unique<ckpt::AsyncCheckpointer>(*checkpoints);
-      preempt = std::make_unique<ckpt::PreemptionHandler>();
-    }
-    auto save = [&](bool background) {  // collective; in the background it returns after a copy to host memory
-      const ckpt::TrainerState ts = checkpoint_state(state, *world, schedule);
-      if (background) ckpt::save(*saver, *checkpoints, state.step, engine, &optimizer, ts);
-      else ckpt::save(*checkpoints, state.step, engine, &optimizer, ts);
-      last_saved = state.step;
-    };
+    const bool resumed = checkpoints.start(engine, optimizer, state, schedule);
 
     MetricsWriter metrics(lead ? opt.metrics : "", resumed);
     const char* unit = corpus.chars ? "char" : "token";
@@ -669,25 +724,9 @@ int run(Options opt) {
         metrics.write({{"step", state.step}, {"loss", loss}, {"lr", optimizer.lr()}, {"grad_norm", norm},
                        {"data_position", train_windows.position()}});
       if (opt.eval_every > 0 && state.step % opt.eval_every == 0 && state.step < opt.steps) validate();
-      if (saver && opt.checkpoint_every > 0 && state.step % opt.checkpoint_every == 0) save(true);
-      // One all-reduce per step: every rank stops at the same step when any got a signal.
-      if (preempt && preempt->should_stop(world.get())) {
-        saver->wait();  // rank 0: the save in flight (perhaps of this very step) is committed
-        if (last_saved != state.step) save(false);
-        else world->barrier();  // a launcher stops every rank once one exits: not before rank 0 commits
-        if (lead) {
-          std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
-                      static_cast<long long>(state.step), opt.checkpoint_dir.c_str());
-          std::fflush(stdout);  // the launcher's SIGTERM may come before exit() flushes a pipe
-        }
-        return opt.preempt_exit_code;
-      }
+      if (checkpoints.after_step()) return opt.preempt_exit_code;
     }
-    // The final checkpoint comes before evaluation and sampling, which change no training state.
-    if (saver) {
-      saver->wait();
-      if (last_saved != state.step) save(false);
-    }
+    checkpoints.finish();
     validate();
     // Sampling and --export need the whole parameters in rank 0's model (Note [gpt_char engines]).
     if (built.gather && (opt.sample_tokens > 0 || !opt.export_path.empty() || !opt.export_hf.empty()))
