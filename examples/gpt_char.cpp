@@ -41,7 +41,7 @@
 // The training step is the same in every mode: it talks to a parallel::Engine
 // (zero_grad, forward_backward under no_sync for --grad-accum, clip_grad_norm_,
 // step), evaluates with eval_loss and checkpoints with ckpt::save / ckpt::load;
-// --parallel is read in one place, build_engine (Note [gpt_char engines]).
+// the modes differ only in build_engine (Note [gpt_char engines]).
 // The state a checkpoint needs besides the engine's parameters and the optimizer
 // is in TrainState: step, the train windows' position and the dropout streams'
 // offsets (model.generators()); the LR schedule is a function of the step.
@@ -314,8 +314,9 @@ struct GptEngine {
 };
 
 // Note [gpt_char engines]
-// The one place where --parallel matters; the loop, evaluation and checkpoints
-// talk to the Engine alone. Every rank builds the whole GPT in host memory
+// Where the modes differ in code: building the engine, and bringing the whole
+// model back to rank 0 at the end; the loop, evaluation and checkpoints talk to
+// the Engine alone. Every rank builds the whole GPT in host memory
 // (one initialisation stream, so every mode starts where one process does, and
 // the model lists the dropout streams and samples at the end by its own names).
 // - none, ddp: parallel::make_engine on the model, moved to --device first.
