@@ -38,10 +38,14 @@
 // Metrics (--metrics) are JSON lines; evaluation lines carry val_loss and
 // unigram_entropy (nats per token: the loss of the best context-free model).
 //
-// The state a checkpoint needs is all in TrainState below: step, the train
-// windows' position, the dropout streams' offsets (model.generators()), the
-// parameters and the optimizer state; the LR schedule is a function of the step.
-// Note [gpt_char resume state] in main() says how each is saved and restored.
+// The training step is the same in every mode: it talks to a parallel::Engine
+// (zero_grad, forward_backward under no_sync for --grad-accum, clip_grad_norm_,
+// step), evaluates with eval_loss and checkpoints with ckpt::save / ckpt::load;
+// the modes differ only in build_engine (Note [gpt_char engines]).
+// The state a checkpoint needs besides the engine's parameters and the optimizer
+// is in TrainState: step, the train windows' position and the dropout streams'
+// offsets (model.generators()); the LR schedule is a function of the step.
+// Note [gpt_char resume state] says how each is saved and restored.
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -50,21 +54,16 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <ptrain/ckpt/async_writer.hpp>
-#include <ptrain/ckpt/checkpoint.hpp>
-#include <ptrain/ckpt/fsdp_checkpoint.hpp>
+#include <functional>
+#include <ptrain/ckpt/engine_checkpoint.hpp>
 #include <ptrain/ckpt/gpt2_weights.hpp>
 #include <ptrain/ckpt/preemption.hpp>
-#include <ptrain/ckpt/stage_checkpoint.hpp>
 #include <ptrain/data/bpe.hpp>
 #include <ptrain/data/text.hpp>
 #include <ptrain/dist/launch_env.hpp>
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/nn/models/gpt.hpp>
-#include <ptrain/parallel/ddp.hpp>
-#include <ptrain/parallel/fsdp.hpp>
-#include <ptrain/parallel/mesh.hpp>
-#include <ptrain/parallel/pipeline.hpp>
+#include <ptrain/parallel/make_engine.hpp>
 #include <ptrain/ptrain.hpp>
 
 #include "checkpoint_flags.hpp"
@@ -205,15 +204,6 @@ Corpus load_corpus(const Options& o) {
           what};
 }
 
-// Everything a checkpoint must capture to resume this loop exactly.
-template <class T>
-struct TrainState {
-  std::int64_t step = 0;
-  RandomWindows* windows = nullptr;  // position() = batches taken (by each rank of a replica)
-  nn::GPT<T>* model = nullptr;       // parameters; model->generators() = dropout stream offsets
-  optim::AdamW<T>* optimizer = nullptr;
-};
-
 // The flags that fix the parameters' meaning, keyed by flag name ("vocab" comes
 // from --data). --heads changes no tensor shape, so only this check catches it.
 nlohmann::json model_flags(const nn::GPTConfig& c, const Options& o) {
@@ -278,21 +268,30 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
   return train_diff;
 }
 
-// Mean loss over eval_batches fixed windows of the validation split (eval mode).
-// `batch_loss` is the loss of one batch: by the model, its FSDP wrapper or the pipeline (the last two collective).
-template <class T, class BatchLoss>
-double evaluate(nn::GPT<T>& model, RandomWindows& windows, std::int64_t batches, std::int64_t batch,
-                BatchLoss&& batch_loss) {
-  model.train(false);
-  Tensor<std::int32_t> x, y;
-  windows.set_position(0);
-  double total = 0;
-  for (std::int64_t b = 0; b < batches; ++b) {
-    windows.next(batch, x, y);
-    total += batch_loss(x, y);
-  }
-  model.train(true);
-  return total / static_cast<double>(batches);
+// Flags that contradict each other or the world, refused before anything is read.
+void check_parallel_flags(const Options& o, int world) {
+  if (o.parallel != "pipeline") return;
+  const int pp = o.stages > 0 ? o.stages : world;
+  PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
+               " ranks; launch a multiple of --stages ranks (each group of --stages ranks is one replica)");
+  PTRAIN_CHECK(o.grad_accum == 1, Error, "[gpt_char.grad_accum] --parallel pipeline accumulates its "
+               "--micro-batches already; instead of --grad-accum ", o.grad_accum, " multiply --batch and "
+               "--micro-batches by ", o.grad_accum);
+  PTRAIN_CHECK(o.batch % o.micro_batches == 0, Error, "[gpt_char.micro_batches] --batch ", o.batch,
+               " is not divisible by --micro-batches ", o.micro_batches, "; pick a multiple");
+  PTRAIN_CHECK(o.n_layer + 2 >= pp, Error, "[gpt_char.stages] ", pp, " stages for ", o.n_layer + 2,
+               " units (embedding, ", o.n_layer, " blocks, head); use at most ", o.n_layer + 2, " stages");
+}
+
+// What the end of the run needs, checked before training: the prompt's tokens, the export's folders.
+void check_end_of_run(const Options& o, const Corpus& corpus, bool lead) {
+  if (corpus.can_encode() && o.sample_tokens > 0)
+    PTRAIN_CHECK(!corpus.encode(o.prompt).empty(), Error, "[gpt_char.prompt] --prompt is empty; give the "
+                 "sample some text to continue");
+  for (const auto& [path, flag] : {std::pair{o.export_path, "--export"}, std::pair{o.export_hf, "--export-hf"}})
+    if (const auto folder = std::filesystem::path(path).parent_path(); lead && !folder.empty())
+      PTRAIN_CHECK(std::filesystem::is_directory(folder), Error, "[gpt_char.export] folder ", folder.string(),
+                   " of ", flag, " does not exist; create it or choose another path");
 }
 
 // The cost of each GPT unit for partition_balanced: forward matmul FLOPs per token
@@ -303,6 +302,309 @@ std::vector<double> unit_costs(const nn::GPTConfig& c) {
   for (std::int64_t l = 0; l < c.n_layer; ++l) cost.push_back(24 * C * C + 4 * S * C);
   cost.push_back(2 * C * static_cast<double>(c.vocab_size));
   return cost;
+}
+
+// The engine of --parallel, and what differs per mode besides it.
+template <class T>
+struct GptEngine {
+  std::unique_ptr<parallel::Mesh> mesh;  // pipeline: the dp x pp mesh (declared first: outlives the engine)
+  std::unique_ptr<parallel::Engine<T>> engine;
+  std::string describe;         // the "parallel: ..." line (fsdp, pipeline)
+  std::function<void()> gather;  // collective: the whole parameters into rank 0's model
+};
+
+// Note [gpt_char engines]
+// Where the modes differ in code: building the engine, and bringing the whole
+// model back to rank 0 at the end; the loop, evaluation and checkpoints talk to
+// the Engine alone. Every rank builds the whole GPT in host memory
+// (one initialisation stream, so every mode starts where one process does, and
+// the model lists the dropout streams and samples at the end by its own names).
+// - none, ddp: parallel::make_engine on the model, moved to --device first.
+// - fsdp: make_engine shards every unit (embedding, blocks, head) under the
+//   model's parameter names and moves the shards to --device (the GPU never
+//   holds the whole model); the model object and its tied head stay intact.
+//   For the sample and --export every rank gathers full_parameters() and rank 0
+//   binds the model's own Parameters to the copies (FSDP is not used after).
+// - pipeline: a world / stages x stages Mesh; each rank keeps the units of its
+//   stage (moved to --device), stages balanced by forward FLOPs (unit_costs);
+//   the model is untied (one weight cannot live on two stages). For the sample
+//   and --export, stages 1.. of replica 0 send their parameters, in the model's
+//   order, into rank 0's copy of the model, on the training device.
+// A model too large for one host builds each rank's units alone instead
+// (FSDP(num_units, nn::gpt_unit, ...), Pipeline(mesh, num_units, nn::gpt_unit, ...)).
+template <class T>
+GptEngine<T> build_engine(Options& o, const std::shared_ptr<nn::GPT<T>>& model, dist::Communicator& world,
+                          Device device) {
+  GptEngine<T> e;
+  nn::GPT<T>& m = *model;
+  const bool lead = world.rank() == 0;
+  if (o.parallel == "pipeline") {
+    const int pp = o.stages > 0 ? o.stages : world.size();
+    e.mesh = std::make_unique<parallel::Mesh>(world, world.size() / pp, pp);
+    auto unit = [&](std::size_t u) {
+      if (!device.is_cpu()) m.units()[u]->to(device);
+      return m.units()[u];
+    };
+    auto pipe = std::make_unique<parallel::Pipeline<T>>(
+        *e.mesh, m.units().size(), unit, parallel::partition_balanced(unit_costs(m.config()), pp),
+        parallel::PipelineOptions<T>{
+            .schedule = o.schedule == "gpipe" ? parallel::Schedule::GPipe : parallel::Schedule::OneFOneB,
+            .micro_batches = o.micro_batches, .unit_names = m.unit_names()});
+    e.describe = detail::cat("pipeline of ", pp, " stages (units ", pipe->partition().str(), ") x ",
+                             e.mesh->dp_size(), " replica(s), ", o.micro_batches, " micro-batches, ", o.schedule);
+    e.gather = [&m, &stage = *pipe, &mesh = *e.mesh, device, lead] {
+      if (mesh.replica() != 0) return;
+      dist::Communicator& stages = mesh.pipeline_group();
+      for (int s = 1; s < stages.size(); ++s) {
+        if (!lead && stages.rank() != s) continue;
+        for (std::size_t u = stage.partition().begin(s); u < stage.partition().end(s); ++u) {
+          if (lead && !device.is_cpu()) m.units()[u]->to(device);
+          for (auto& p : m.units()[u]->named_parameters()) {
+            if (lead) stages.recv(p.param->value, s);
+            else stages.send(p.param->value, 0);
+          }
+        }
+      }
+    };
+    e.engine = std::move(pipe);
+    return e;
+  }
+  parallel::Plan<T> plan = parallel::LocalOptions{};
+  if (o.parallel == "ddp") plan = parallel::DDPOptions{};
+  if (o.parallel == "fsdp") {
+    if (o.fsdp_strategy == "hybrid" && o.hybrid_shard_size == 0)
+      o.hybrid_shard_size = dist::detect_launch_env().local_world_size;
+    parallel::FSDPOptions fo{.hybrid_shard_size = o.hybrid_shard_size, .device = device};
+    for (auto st : {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp,
+                    parallel::ShardingStrategy::ShardOptimizer, parallel::ShardingStrategy::NoShard,
+                    parallel::ShardingStrategy::Hybrid})
+      if (o.fsdp_strategy == parallel::strategy_name(st)) fo.strategy = st;
+    plan = fo;
+  } else if (!device.is_cpu()) {
+    m.to(device);
+  }
+  e.engine = parallel::make_engine<T>(model, world, plan);
+  if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(e.engine.get())) {
+    e.describe = detail::cat(fsdp->describe(), " over ", world.size(), " rank(s) (shard groups of ",
+                             fsdp->shard_size(), ")");
+    e.gather = [&m, fsdp, lead] {
+      auto full = fsdp->full_parameters();
+      if (!lead) return;
+      std::map<std::string, Tensor<T>> by_name(full.begin(), full.end());
+      for (auto& p : m.named_parameters()) {
+        const auto it = by_name.find(p.name);
+        PTRAIN_CHECK(it != by_name.end(), Error, "[ptrain.example.fsdp] FSDP has no parameter '", p.name, "'");
+        p.param->value = it->second;
+      }
+    };
+  }
+  return e;
+}
+
+// Everything a checkpoint must capture to resume this loop exactly (Note [gpt_char resume state]).
+template <class T>
+struct TrainState {
+  std::int64_t step = 0;
+  RandomWindows& windows;  // position() = batches taken by each rank
+  nn::GPT<T>& model;       // generators() = the dropout streams (the parameters are the engine's)
+  int replicas;            // a rank, or the stages of one pipeline
+  std::int64_t batch;      // --batch: windows per batch
+  nlohmann::json user;             // program, model and training flags (check_checkpoint_config)
+};
+
+// Note [gpt_char resume state]
+// - Data: every rank takes --grad-accum batches per step (pipeline: one), so each
+//   rank's position() is a multiple of the step, and replica r's batch at position t is global windows
+//   (t*replicas + r)*batch + j (a replica is one rank, or the stages of one
+//   pipeline, which read the same batch): one number describes every stream,
+//   and no per-rank positions need gathering. It is saved as the global
+//   windows consumed (SamplerState::consumed = position*replicas*batch), so a
+//   resume on another world size or batch starts at the first batch that
+//   repeats no window.
+// - Dropout: rank r's streams are seeded from --seed + r (GPTConfig::dropout_seed)
+//   and every rank draws the same count per step (same shapes), so rank 0's
+//   offsets are every rank's; rng["dropout/<name>"] holds them, and each rank
+//   keeps its own seed and takes the offset. In a pipeline each stream is
+//   drawn on one stage only, and the other stages' copies stay where they
+//   started (0, or the resumed offset): the largest offset over the world is the stream's.
+// - Parameters, AdamW moments and step count: ckpt::save and ckpt::load of the
+//   engine (ckpt/engine_checkpoint.hpp), the same tensor names in every mode:
+//   rank 0 writes the whole model (none, ddp), each shard group its pieces
+//   (fsdp), replica 0 of each stage its stage (pipeline); any mode loads any of
+//   them. The LR is schedule(step) of the flags' schedule; trainer.json keeps it for reference.
+
+// The trainer state of a checkpoint (collective: the dropout offsets' maximum over the world).
+template <class T>
+ckpt::TrainerState checkpoint_state(TrainState<T>& s, dist::Communicator& world, const optim::WarmupCosine& schedule) {
+  ckpt::TrainerState ts;
+  ts.sampler = ckpt::SamplerState{0, s.windows.position() * s.replicas * s.batch, s.replicas};
+  const auto streams = s.model.generators();
+  std::vector<std::int64_t> offsets;
+  for (const auto& [name, gen] : streams) offsets.push_back(static_cast<std::int64_t>(gen->offset()));
+  world.all_reduce(offsets.data(), offsets.size(), DType::I64, dist::ReduceOp::Max);
+  for (std::size_t i = 0; i < streams.size(); ++i)
+    ts.rng["dropout/" + streams[i].first] = {streams[i].second->seed(), static_cast<std::uint64_t>(offsets[i])};
+  ts.schedule = schedule;
+  ts.user = s.user;
+  return ts;
+}
+
+// --resume: refuses a checkpoint of another model (from trainer.json alone, so the
+// model stays untouched), loads the newest one into the engine and the optimizer
+// and restores the data position and dropout offsets; collective. Returns whether
+// a checkpoint was loaded.
+template <class T>
+bool resume(ckpt::CheckpointManager& mgr, const ckpt::LatestCheckpoint& last, parallel::Engine<T>& engine,
+            optim::AdamW<T>& opt, TrainState<T>& s, const std::string& dir) {
+  const bool lead = engine.communicator().rank() == 0;
+  for (const auto& k : last.skipped)
+    if (lead) std::fprintf(stderr, "gpt_char: skipping %s: %s\n", k.path.c_str(), k.reason.c_str());
+  if (!last.found()) {
+    if (lead) std::printf("no checkpoint in %s; starting from step 0\n", dir.c_str());
+    return false;
+  }
+  const std::string path = last.path.string();
+  std::string changed = check_checkpoint_config(ckpt::Checkpoint(last.path, false).trainer_state().user,
+                                                s.user["model"], s.user["train"], path);
+  const ckpt::TrainerState st = ckpt::load(mgr, last.path, engine, &opt);
+  PTRAIN_CHECK(st.sampler.has_value(), CheckpointError, "[ptrain.example.config] ", path,
+               " has no data position; it was not written by this program");
+  const std::int64_t per_position = s.replicas * s.batch;  // global windows per position
+  s.windows.set_position((st.sampler->consumed + per_position - 1) / per_position);
+  for (auto& [name, gen] : s.model.generators()) {
+    const auto it = st.rng.find("dropout/" + name);
+    PTRAIN_CHECK(it != st.rng.end(), CheckpointError, "[ptrain.example.config] ", path,
+                 " has no offset for dropout stream '", name, "'; it was not written by this program");
+    gen->set_offset(it->second.offset);
+  }
+  s.step = st.step;
+  if (!lead) return true;
+  std::printf("resumed from %s: step %lld (saved on %d rank(s))\n", path.c_str(), static_cast<long long>(s.step),
+              st.world_size);
+  const int world = engine.communicator().size();
+  if (st.world_size != world)
+    changed += (changed.empty() ? "" : ", ") + std::to_string(world) + " rank(s) (checkpoint: " +
+               std::to_string(st.world_size) + ")";
+  if (!changed.empty())
+    std::printf("note: resuming with other settings than the checkpoint's: %s; training continues, but "
+                "is not the bit-exact continuation\n", changed.c_str());
+  return true;
+}
+
+// --checkpoint-dir: the manager, saves in the background, the final save and the
+// one a signal asks for. Every call is collective.
+template <class T>
+class RunCheckpoints {
+ public:
+  RunCheckpoints(const Options& o, dist::Communicator& world) : o_(o), world_(world) {
+    if (o.checkpoint_dir.empty()) return;
+    mgr_ = std::make_unique<ckpt::CheckpointManager>(o.checkpoint_dir, &world,
+                                                     ckpt::CheckpointOptions{.keep_last = o.keep_checkpoints});
+    if (o.resume) last_ = mgr_->latest();
+  }
+  /// Whether --resume found a checkpoint (which then replaces --init-from's weights).
+  bool found() const { return last_.found(); }
+
+  /// Resumes (--resume) into the engine, the optimizer and the state, which later saves
+  /// write; returns whether a checkpoint was loaded.
+  bool start(parallel::Engine<T>& engine, optim::AdamW<T>& opt, TrainState<T>& state,
+             const optim::WarmupCosine& schedule) {
+    engine_ = &engine, opt_ = &opt, state_ = &state, schedule_ = schedule;
+    if (!mgr_) return false;
+    const bool resumed = o_.resume && resume(*mgr_, last_, engine, opt, state, o_.checkpoint_dir);
+    last_saved_ = resumed ? state.step : -1;
+    saver_ = std::make_unique<ckpt::AsyncCheckpointer>(*mgr_);
+    preempt_ = std::make_unique<ckpt::PreemptionHandler>();
+    return resumed;
+  }
+
+  /// After each step: the save of every --checkpoint-every steps (in the background:
+  /// returns after a copy to host memory), and the signal check, one all-reduce, so
+  /// that every rank stops at the same step when any got a signal. Returns true when
+  /// the run must exit, with a checkpoint of this step committed.
+  bool after_step() {
+    if (!mgr_) return false;
+    if (o_.checkpoint_every > 0 && state_->step % o_.checkpoint_every == 0) save(true);
+    if (!preempt_->should_stop(&world_)) return false;
+    saver_->wait();  // rank 0: the save in flight (perhaps of this very step) is committed
+    if (last_saved_ != state_->step) save(false);
+    else world_.barrier();  // a launcher stops every rank once one exits: not before rank 0 commits
+    if (world_.rank() == 0) {
+      std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt_->signal(),
+                  static_cast<long long>(state_->step), o_.checkpoint_dir.c_str());
+      std::fflush(stdout);  // the launcher's SIGTERM may come before exit() flushes a pipe
+    }
+    return true;
+  }
+
+  /// The final checkpoint, before evaluation and sampling, which change no training state.
+  void finish() {
+    if (!mgr_) return;
+    saver_->wait();
+    if (last_saved_ != state_->step) save(false);
+  }
+
+ private:
+  void save(bool background) {
+    const ckpt::TrainerState ts = checkpoint_state(*state_, world_, schedule_);
+    if (background) ckpt::save(*saver_, *mgr_, state_->step, *engine_, opt_, ts);
+    else ckpt::save(*mgr_, state_->step, *engine_, opt_, ts);
+    last_saved_ = state_->step;
+  }
+
+  const Options& o_;
+  dist::Communicator& world_;
+  std::unique_ptr<ckpt::CheckpointManager> mgr_;
+  ckpt::LatestCheckpoint last_;
+  parallel::Engine<T>* engine_ = nullptr;
+  optim::AdamW<T>* opt_ = nullptr;
+  TrainState<T>* state_ = nullptr;
+  optim::WarmupCosine schedule_;
+  std::int64_t last_saved_ = -1;
+  std::unique_ptr<ckpt::AsyncCheckpointer> saver_;  // after mgr_: destroyed (and drained) first
+  std::unique_ptr<ckpt::PreemptionHandler> preempt_;
+};
+
+// --export and --export-hf, on rank 0, of the whole model.
+template <class T>
+void export_model(const Options& o, nn::GPT<T>& model, const Corpus& corpus, std::int64_t step) {
+  if (!o.export_path.empty()) {
+    std::vector<ckpt::TensorRef> refs;
+    std::vector<Tensor<T>> host;  // the file is written from host memory
+    for (auto& p : model.named_parameters()) host.push_back(p.param->value.to(Device::cpu()));
+    std::size_t i = 0;
+    for (auto& p : model.named_parameters()) refs.push_back(ckpt::tensor_ref(p.name, host[i++]));
+    ckpt::write_safetensors(o.export_path, refs, {{"format", "pt"}, {"ptrain.step", std::to_string(step)}});
+    std::printf("exported %zu tensors of step %lld to %s\n", refs.size(), static_cast<long long>(step),
+                o.export_path.c_str());
+  }
+  if (!o.export_hf.empty()) {
+    // The tokenizer's vocabulary (not the padded one) and its files: a folder transformers loads whole.
+    const std::string what = ckpt::save_gpt2_weights(o.export_hf, model, corpus.bpe ? corpus.bpe->vocab_size() : 0);
+    for (const char* f : {"vocab.json", "merges.txt"})
+      if (corpus.bpe && std::filesystem::is_regular_file(std::filesystem::path(o.tokenizer) / f))
+        std::filesystem::copy_file(std::filesystem::path(o.tokenizer) / f, std::filesystem::path(o.export_hf) / f,
+                                   std::filesystem::copy_options::overwrite_existing);
+    std::printf("exported step %lld as Hugging Face GPT-2 to %s: %s\n", static_cast<long long>(step),
+                o.export_hf.c_str(), what.c_str());
+  }
+}
+
+// The sample at the end, on rank 0. Token files without --tokenizer: it continues the
+// first validation token and is printed as ids. A padded vocabulary's extra ids are never sampled.
+template <class T>
+void print_sample(const Options& o, nn::GPT<T>& model, const Corpus& corpus) {
+  const bool text = corpus.can_encode();
+  const std::vector<std::int32_t> prompt =
+      text ? corpus.encode(o.prompt) : std::vector<std::int32_t>{static_cast<std::int32_t>(corpus.val.at(0, 0))};
+  Generator sample_gen(o.seed);
+  const auto out = nn::generate(model, prompt, o.sample_tokens, o.temperature, o.top_k, sample_gen,
+                                corpus.bpe ? corpus.bpe->vocab_size() : 0);
+  std::string sample;
+  if (text) sample = corpus.decode(out);
+  else
+    for (std::int32_t t : out) sample += (sample.empty() ? "" : " ") + std::to_string(t);
+  std::printf("--- sample%s ---\n%s\n--------------\n", text ? "" : " (token ids)", sample.c_str());
 }
 
 }  // namespace
@@ -317,241 +619,49 @@ int run(Options opt) {
                  "--device cuda needs gpt_char_cuda, this program linked with ptrain::cuda (a CUDA toolkit at "
                  "configure time, PTRAIN_WITH_CUDA=AUTO or ON)");
     const Device device = opt.device == "cuda" ? Device::cuda(dist::detect_launch_env().local_rank) : Device::cpu();
-    std::unique_ptr<dist::Communicator> comm;
-    if (opt.parallel != "none") comm = dist::init_process_group({.device = device});
-    const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
+    std::unique_ptr<dist::Communicator> world = std::make_unique<dist::SelfCommunicator>(device);
+    if (opt.parallel != "none") world = dist::init_process_group({.device = device});
+    const int rank = world->rank();
     const bool lead = rank == 0;
-    // pipeline: a dp x pp mesh; the stages of one replica read the same batches.
-    std::unique_ptr<parallel::Mesh> mesh;
-    if (opt.parallel == "pipeline") {
-      const int pp = opt.stages > 0 ? opt.stages : world;
-      PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
-                   " ranks; launch a multiple of --stages ranks (each group of --stages ranks is one replica)");
-      PTRAIN_CHECK(opt.grad_accum == 1, Error, "[gpt_char.grad_accum] --parallel pipeline accumulates its "
-                   "--micro-batches already; instead of --grad-accum ", opt.grad_accum, " multiply --batch and "
-                   "--micro-batches by ", opt.grad_accum);
-      PTRAIN_CHECK(opt.batch % opt.micro_batches == 0, Error, "[gpt_char.micro_batches] --batch ", opt.batch,
-                   " is not divisible by --micro-batches ", opt.micro_batches, "; pick a multiple");
-      PTRAIN_CHECK(opt.n_layer + 2 >= pp, Error, "[gpt_char.stages] ", pp, " stages for ", opt.n_layer + 2,
-                   " units (embedding, ", opt.n_layer, " blocks, head); use at most ", opt.n_layer + 2, " stages");
-      mesh = std::make_unique<parallel::Mesh>(*comm, world / pp, pp);
-    }
-    const int replicas = mesh ? mesh->dp_size() : world, replica = mesh ? mesh->replica() : rank;
+    check_parallel_flags(opt, world->size());
     // Ranks of one node would oversubscribe the cores with a thread pool each.
-    if (opt.threads > 0 || comm) kernels::cpu::set_num_threads(opt.threads > 0 ? opt.threads : 1);
+    if (opt.threads > 0 || opt.parallel != "none") kernels::cpu::set_num_threads(opt.threads > 0 ? opt.threads : 1);
 
     const Corpus corpus = load_corpus(opt);
     const double entropy = corpus.entropy;
     if (lead && corpus.chars && !opt.save_tokenizer.empty()) corpus.chars->save(opt.save_tokenizer);
-    // What the end of the run needs, checked before training: the prompt's tokens, the export's folder.
-    if (corpus.can_encode() && opt.sample_tokens > 0)
-      PTRAIN_CHECK(!corpus.encode(opt.prompt).empty(), Error, "[gpt_char.prompt] --prompt is empty; give the "
-                   "sample some text to continue");
-    if (const auto folder = std::filesystem::path(opt.export_path).parent_path(); lead && !folder.empty())
-      PTRAIN_CHECK(std::filesystem::is_directory(folder), Error, "[gpt_char.export] folder ", folder.string(),
-                   " of --export does not exist; create it or choose another path");
-    if (const auto folder = std::filesystem::path(opt.export_hf).parent_path(); lead && !folder.empty())
-      PTRAIN_CHECK(std::filesystem::is_directory(folder), Error, "[gpt_char.export] folder ", folder.string(),
-                   " of --export-hf does not exist; create it or choose another path");
-    RandomWindows train_windows(corpus.train, opt.block, opt.seed, replica, replicas, corpus.vocab_size);
-    RandomWindows val_windows(corpus.val, opt.block, opt.seed + 1, 0, 1, corpus.vocab_size);
+    check_end_of_run(opt, corpus, lead);
 
     manual_seed(opt.seed);
     nn::GPTConfig cfg{.vocab_size = corpus.vocab_size, .block_size = opt.block, .n_layer = opt.n_layer,
                       .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout,
-                      .tie_weights = !opt.untied && !mesh, .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank),
-                      .recompute = opt.recompute};
-    nn::GPT<T> model(cfg);
+                      .tie_weights = !opt.untied && opt.parallel != "pipeline",
+                      .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank), .recompute = opt.recompute};
+    auto model = std::make_shared<nn::GPT<T>>(cfg);
     // Checkpoints (optional), found first: a checkpoint to resume replaces --init-from's weights.
-    std::unique_ptr<ckpt::CheckpointManager> checkpoints;
-    ckpt::LatestCheckpoint last;
-    if (!opt.checkpoint_dir.empty()) {
-      checkpoints = std::make_unique<ckpt::CheckpointManager>(
-          opt.checkpoint_dir, comm.get(), ckpt::CheckpointOptions{.keep_last = opt.keep_checkpoints});
-      if (opt.resume) last = checkpoints->latest();
-    }
-    if (!opt.init_from.empty() && !last.found()) {
-      const std::string loaded = ckpt::load_gpt2_weights(opt.init_from, model);
+    RunCheckpoints<T> checkpoints(opt, *world);
+    if (!opt.init_from.empty() && !checkpoints.found()) {
+      const std::string loaded = ckpt::load_gpt2_weights(opt.init_from, *model);
       if (lead) std::printf("initialised from %s: %s\n", opt.init_from.c_str(), loaded.c_str());
     }
-    // Initialised on the CPU, so every device starts from the same values; a pipeline stage moves
-    // its own units, and FSDP its shards (the GPU never holds the whole model).
-    if (!device.is_cpu() && !mesh && opt.parallel != "fsdp") model.to(device);
-    const std::int64_t num_parameters = model.num_parameters();  // FSDP releases the model's tensors
-    // none/ddp: the parameters packed in one flat buffer (DDP's buckets are ranges of it).
-    // fsdp: every unit (embedding, blocks, head) is sharded under the model's own
-    // parameter names, so checkpoints of all modes hold the same tensors.
-    // pipeline: every rank builds the whole model in host memory (one initialisation
-    // stream, so every stage starts as the one-process model does) and keeps the
-    // units of its stage, under the model's names; stages balance forward FLOPs.
-    std::unique_ptr<nn::FlatParameters<T>> params;
-    std::unique_ptr<parallel::DDP<T>> ddp;
-    std::unique_ptr<parallel::FSDP<T>> fsdp;
-    std::unique_ptr<parallel::Pipeline<T>> pipe;
-    if (mesh) {
-      auto unit = [&](std::size_t u) {
-        auto m = model.units()[u];
-        if (!device.is_cpu()) m->to(device);
-        return m;
-      };
-      const auto part = parallel::partition_balanced(unit_costs(cfg), mesh->pp_size());
-      pipe = std::make_unique<parallel::Pipeline<T>>(
-          mesh->pipeline_group(), model.units().size(), unit, part,
-          parallel::PipelineOptions<T>{.schedule = opt.schedule == "gpipe" ? parallel::Schedule::GPipe
-                                                                           : parallel::Schedule::OneFOneB,
-                                       .micro_batches = opt.micro_batches, .unit_names = model.unit_names(),
-                                       .data_parallel = &mesh->data_group()});
-    } else if (opt.parallel == "fsdp") {
-      if (opt.fsdp_strategy == "hybrid" && opt.hybrid_shard_size == 0)
-        opt.hybrid_shard_size = dist::detect_launch_env().local_world_size;
-      parallel::FSDPOptions fo{
-          .hybrid_shard_size = opt.hybrid_shard_size, .unit_names = model.unit_names(), .device = device};
-      for (auto st : {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp,
-                      parallel::ShardingStrategy::ShardOptimizer, parallel::ShardingStrategy::NoShard,
-                      parallel::ShardingStrategy::Hybrid})
-        if (opt.fsdp_strategy == parallel::strategy_name(st)) fo.strategy = st;
-      fsdp = std::make_unique<parallel::FSDP<T>>(model.units(), *comm, fo);
-    } else {
-      params = std::make_unique<nn::FlatParameters<T>>(model);
-      if (comm) ddp = std::make_unique<parallel::DDP<T>>(model, *params, *comm);
-    }
+    const std::int64_t num_parameters = model->num_parameters();  // FSDP releases the model's tensors
+    GptEngine<T> built = build_engine(opt, model, *world, device);  // Note [gpt_char engines]
+    parallel::Engine<T>& engine = *built.engine;
+    dist::Communicator* dp = engine.data_parallel_group();  // replicas: a rank, or the stages of one pipeline
+    const int replicas = dp ? dp->size() : 1;
+    RandomWindows train_windows(corpus.train, opt.block, opt.seed, dp ? dp->rank() : 0, replicas, corpus.vocab_size);
+    RandomWindows val_windows(corpus.val, opt.block, opt.seed + 1, 0, 1, corpus.vocab_size);
     // The same options and decay filter in every mode: FSDP's local entries carry
     // the parameter names (1-D pieces of them), and the filter decides by name.
-    const optim::AdamWOptions adamw{.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay};
-    optim::AdamW<T> optimizer = [&] {
-      if (fsdp)
-        return optim::AdamW<T>(fsdp->parameters(), adamw,
-                                   nn::gpt_decay_filter());
-      return optim::AdamW<T>(pipe ? pipe->parameters() : *params, adamw, nn::gpt_decay_filter());
-    }();
-    nn::Module<T>& net = ddp ? static_cast<nn::Module<T>&>(*ddp)
-                                 : fsdp ? static_cast<nn::Module<T>&>(*fsdp) : model;
-    // Per-mode pieces of the loop; everything else is shared.
-    auto zero_grad = [&] { fsdp ? fsdp->zero_grad() : params->zero_grad(); };
-    auto average = [&](double v) {  // the same all-reduce as DDP::average
-      if (comm) comm->all_reduce(&v, 1, DType::F64, dist::ReduceOp::Avg);
-      return v;
-    };
-    auto clip = [&] {  // FSDP: collective over the shards, each holding part of the gradient
-      if (opt.grad_clip <= 0) return 0.0;
-      if (fsdp) return fsdp->clip_grad_norm_(opt.grad_clip);
-      if (!pipe) return optim::clip_grad_norm_(params->grads(), opt.grad_clip);
-      // The stages of a replica hold disjoint parts of the (replica-averaged) gradient.
-      return optim::clip_grad_norm_(pipe->parameters().grads(), opt.grad_clip, [&](double sq) {
-        mesh->pipeline_group().all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
-        return sq;
-      });
-    };
-    nn::CrossEntropyLoss<T> ce;
+    optim::AdamW<T> optimizer(engine.parameters(), {.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay},
+                              nn::gpt_decay_filter());
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = opt.warmup, .total = opt.steps,
                                        .min_lr = opt.min_lr};
-
-    TrainState<T> state{0, &train_windows, &model, &optimizer};
+    TrainState<T> state{0, train_windows, *model, replicas, opt.batch,
+                        {{"program", "gpt_char"}, {"model", model_flags(cfg, opt)},
+                         {"train", train_flags(opt, world->size())}}};
     // Resume before training, so that metrics append to the resumed run's file.
-    std::unique_ptr<ckpt::AsyncCheckpointer> saver;
-    if (checkpoints) saver = std::make_unique<ckpt::AsyncCheckpointer>(*checkpoints);
-    std::int64_t last_saved = -1;
-    bool resumed = false;
-    // Note [gpt_char resume state]
-    // - Data: every rank takes --grad-accum batches per step (pipeline: one), so each
-    //   rank's position() is a multiple of the step, and replica r's batch at position t is global windows
-    //   (t*replicas + r)*batch + j (a replica is one rank, or the stages of one
-    //   pipeline, which read the same batch): one number describes every stream,
-    //   and no per-rank positions need gathering. It is saved as the global
-    //   windows consumed (SamplerState::consumed = position*replicas*batch), so a
-    //   resume on another world size or batch starts at the first batch that
-    //   repeats no window.
-    // - Dropout: rank r's streams are seeded from --seed + r (GPTConfig::dropout_seed)
-    //   and every rank draws the same count per step (same shapes), so rank 0's
-    //   offsets are every rank's; rng["dropout/<name>"] holds them, and each rank
-    //   keeps its own seed and takes the offset. In a pipeline each stream is
-    //   drawn on one stage only, and the other stages' copies stay where they
-    //   started (0, or the resumed offset): the largest offset over the stages of
-    //   a replica is the stream's.
-    // - Parameters, AdamW moments and step count: model/optimizer.safetensors and
-    //   trainer.json (written by rank 0: DDP replicas are identical). The LR is
-    //   schedule(step) of the flags' schedule; trainer.json keeps it for reference.
-    //   Under fsdp each rank writes the pieces of parameters and moments in its shard
-    //   (model-RRRRR-of-WWWWW.safetensors, save_sharded), under the same names;
-    //   load_fsdp reshards any checkpoint (also save()'s) onto this run's shards, and
-    //   CheckpointManager::load assembles whole tensors from pieces for none/ddp.
-    //   Under pipeline, replica 0 of each stage writes its stage's tensors whole
-    //   (save_stage); load_stage resumes the same layout, and a checkpoint of
-    //   another mode or layout loads the stage's tensors by name.
-    const nlohmann::json model_cfg = model_flags(cfg, opt), train_cfg = train_flags(opt, world);
-    if (opt.resume) {
-      for (const auto& s : last.skipped)
-        if (lead) std::fprintf(stderr, "gpt_char: skipping %s: %s\n", s.path.c_str(), s.reason.c_str());
-      if (last.found()) {
-        // The config check reads only trainer.json, so a mismatch leaves the model untouched.
-        const ckpt::TrainerState saved = ckpt::Checkpoint(last.path, false).trainer_state();
-        std::string changed = check_checkpoint_config(saved.user, model_cfg, train_cfg, last.path.string());
-        const ckpt::TrainerState st = [&] {
-          if (fsdp) return ckpt::load_fsdp(last.path, *fsdp, &optimizer);
-          if (!pipe) return checkpoints->load(last.path, *params, &optimizer);
-          if (ckpt::same_pipeline_layout(ckpt::saved_pipeline_layout(saved), *pipe))
-            return ckpt::load_stage(*checkpoints, last.path, *pipe, &optimizer);
-          // Another mode or another cut: this stage's tensors by name.
-          return checkpoints->load(last.path, pipe->parameters(), &optimizer, ckpt::LoadOptions{.partial = true});
-        }();
-        PTRAIN_CHECK(st.sampler.has_value(), CheckpointError, "[ptrain.example.config] ", last.path.string(),
-                     " has no data position; it was not written by this program");
-        const auto windows_per_step = static_cast<std::int64_t>(replicas) * opt.batch;
-        train_windows.set_position((st.sampler->consumed + windows_per_step - 1) / windows_per_step);
-        for (auto& [name, gen] : model.generators()) {
-          const auto it = st.rng.find("dropout/" + name);
-          PTRAIN_CHECK(it != st.rng.end(), CheckpointError, "[ptrain.example.config] ", last.path.string(),
-                       " has no offset for dropout stream '", name, "'; it was not written by this program");
-          gen->set_offset(it->second.offset);
-        }
-        state.step = last_saved = st.step;
-        resumed = true;
-        if (lead) {
-          std::printf("resumed from %s: step %lld (saved on %d rank(s))\n", last.path.c_str(),
-                      static_cast<long long>(state.step), st.world_size);
-          if (st.world_size != world)
-            changed += (changed.empty() ? "" : ", ") + std::to_string(world) + " rank(s) (checkpoint: " +
-                       std::to_string(st.world_size) + ")";
-          if (!changed.empty())
-            std::printf("note: resuming with other settings than the checkpoint's: %s; training continues, but "
-                        "is not the bit-exact continuation\n", changed.c_str());
-        }
-      } else if (lead) {
-        std::printf("no checkpoint in %s; starting from step 0\n", opt.checkpoint_dir.c_str());
-      }
-    }
-    std::unique_ptr<ckpt::PreemptionHandler> preempt;
-    if (checkpoints) preempt = std::make_unique<ckpt::PreemptionHandler>();
-    auto trainer_state = [&] {  // collective under pipeline
-      ckpt::TrainerState ts;
-      ts.sampler = ckpt::SamplerState{0, train_windows.position() * replicas * opt.batch, replicas};
-      const auto streams = model.generators();
-      std::vector<std::int64_t> offsets;
-      for (const auto& [name, gen] : streams) offsets.push_back(static_cast<std::int64_t>(gen->offset()));
-      if (mesh) mesh->pipeline_group().all_reduce(offsets.data(), offsets.size(), DType::I64, dist::ReduceOp::Max);
-      for (std::size_t i = 0; i < streams.size(); ++i)
-        ts.rng["dropout/" + streams[i].first] = {streams[i].second->seed(), static_cast<std::uint64_t>(offsets[i])};
-      ts.schedule = schedule;
-      ts.user = {{"program", "gpt_char"}, {"model", model_cfg}, {"train", train_cfg}};
-      return ts;
-    };
-    // Collective. In the background: returns after a copy to host memory.
-    auto save = [&](bool background) {
-      if (pipe) {
-        const ckpt::StageSnapshot mine = ckpt::stage_snapshot(comm.get(), *pipe, &optimizer, trainer_state());
-        if (background) saver->save_sharded(state.step, mine.tensors, mine.state);
-        else checkpoints->save_sharded(state.step, mine.tensors, mine.state);
-      } else if (fsdp) {
-        const ckpt::ShardedState mine = ckpt::fsdp_state(*fsdp, &optimizer);
-        if (background) saver->save_sharded(state.step, mine, trainer_state());
-        else checkpoints->save_sharded(state.step, mine, trainer_state());
-      } else if (background) {
-        saver->save(state.step, *params, &optimizer, trainer_state());
-      } else {
-        checkpoints->save(state.step, *params, &optimizer, trainer_state());
-      }
-      last_saved = state.step;
-    };
+    const bool resumed = checkpoints.start(engine, optimizer, state, schedule);
 
     MetricsWriter metrics(lead ? opt.metrics : "", resumed);
     const char* unit = corpus.chars ? "char" : "token";
@@ -561,33 +671,30 @@ int run(Options opt) {
       std::printf("%s, vocabulary %lld, unigram entropy %.4f nats/%s\n", corpus.describe.c_str(),
                   static_cast<long long>(corpus.vocab_size), entropy, unit);
       std::printf("model %s: %lld parameters, %.1f MFLOP/token; %lld steps of %.0f tokens on %d rank(s)\n",
-                  model.describe().c_str(), static_cast<long long>(num_parameters),
-                  cfg.flops_per_token(opt.block) / 1e6, static_cast<long long>(opt.steps), tokens_per_step, world);
+                  model->describe().c_str(), static_cast<long long>(num_parameters),
+                  cfg.flops_per_token(opt.block) / 1e6, static_cast<long long>(opt.steps), tokens_per_step,
+                  world->size());
       std::printf("device %s, precision %s\n", device.str().c_str(), opt.precision.c_str());
-      if (fsdp)
-        std::printf("parallel: %s over %d rank(s) (shard groups of %d)\n", fsdp->describe().c_str(), world,
-                    fsdp->shard_size());
-      if (pipe)
-        std::printf("parallel: pipeline of %d stages (units %s) x %d replica(s), %d micro-batches, %s\n",
-                    pipe->num_stages(), pipe->partition().str().c_str(), replicas, opt.micro_batches,
-                    opt.schedule.c_str());
+      if (!built.describe.empty()) std::printf("parallel: %s\n", built.describe.c_str());
       metrics.write({{"event", "config"}, {"vocab_size", corpus.vocab_size}, {"train_tokens", corpus.train.size()},
-                     {"parameters", num_parameters}, {"unigram_entropy", entropy}, {"world_size", world},
+                     {"parameters", num_parameters}, {"unigram_entropy", entropy}, {"world_size", world->size()},
                      {"start_step", state.step}});
     }
 
     Tensor<std::int32_t> x, y;
-    nn::Cache<T> cache, loss_cache;
     double val_loss = 0;
+    // Mean loss over --eval-batches fixed windows of the validation split, in evaluation
+    // mode; every rank evaluates (the forward of fsdp and pipeline is collective).
     auto validate = [&] {
-      // Every rank evaluates (FSDP's forward and the pipeline's are collective); the result is
-      // identical on every rank (the pipeline averages over its replicas itself).
-      const double mean = evaluate(model, val_windows, opt.eval_batches, opt.batch, [&](auto& vx, auto& vy) {
-        if (pipe) return pipe->eval_loss(vx.to(device), vy.to(device));
-        nn::Cache<T> c, lc;
-        return ce.forward((fsdp ? net : model).forward_tokens(vx.to(device), c), vy.to(device), lc);
-      });
-      val_loss = pipe ? mean : average(mean);
+      engine.train(false);
+      val_windows.set_position(0);
+      double total = 0;
+      for (std::int64_t b = 0; b < opt.eval_batches; ++b) {
+        val_windows.next(opt.batch, x, y);
+        total += engine.eval_loss(x.to(device), y.to(device));
+      }
+      engine.train(true);
+      val_loss = engine.average(total / static_cast<double>(opt.eval_batches));
       if (lead) {
         std::printf("step %lld: val_loss %.4f (%.3f x unigram entropy)\n", static_cast<long long>(state.step),
                     val_loss, val_loss / entropy);
@@ -599,136 +706,35 @@ int run(Options opt) {
     // so that the accumulated gradient is that of the mean loss over the step's batches.
     auto accumulate = [&] {
       train_windows.next(opt.batch, x, y);
-      const double l = ce.forward(net.forward_tokens(x.to(device), cache), y.to(device), loss_cache);
-      net.backward(ce.backward(loss_cache, static_cast<acc_t<T>>(1.0 / opt.grad_accum)), cache);
-      return l;
+      return engine.forward_backward(x.to(device), y.to(device), 1.0 / opt.grad_accum);
     };
     while (state.step < opt.steps) {
       optimizer.set_lr(schedule(state.step));
+      engine.zero_grad();
       double loss = 0;
-      if (pipe) {  // zeroes, accumulates the micro-batches and averages over the replicas
-        train_windows.next(opt.batch, x, y);
-        loss = pipe->train_step(x.to(device), y.to(device));
-      } else {
-        zero_grad();
-        // All but the last batch add up locally (DDP/FSDP no_sync); the last backward reduces the sum.
-        for (int k = 1; k < opt.grad_accum; ++k) {
-          if (ddp) {
-            auto local = ddp->no_sync();
-            loss += accumulate();
-          } else if (fsdp) {
-            auto local = fsdp->no_sync();
-            loss += accumulate();
-          } else {
-            loss += accumulate();
-          }
-        }
+      for (int k = 1; k < opt.grad_accum; ++k) {  // all but the last batch add up locally
+        auto local = engine.no_sync();
         loss += accumulate();
-        if (ddp) ddp->finish_gradient_sync();
-        if (fsdp) fsdp->finish_gradient_sync();
-        loss = average(loss / opt.grad_accum);
       }
-      const double norm = clip();
-      if (fsdp) fsdp->step(optimizer);  // steps the local shard; ZeRO-1/2 re-gather their full copy
-      else optimizer.step();
+      loss = engine.average((loss + accumulate()) / opt.grad_accum);  // the last backward reduces the sum
+      const double norm = opt.grad_clip > 0 ? engine.clip_grad_norm_(opt.grad_clip) : 0.0;
+      engine.step(optimizer);
       ++state.step;
       progress.update(state.step, 1, loss, optimizer.lr(), static_cast<std::int64_t>(tokens_per_step));
       if (lead)
         metrics.write({{"step", state.step}, {"loss", loss}, {"lr", optimizer.lr()}, {"grad_norm", norm},
                        {"data_position", train_windows.position()}});
       if (opt.eval_every > 0 && state.step % opt.eval_every == 0 && state.step < opt.steps) validate();
-      if (saver && opt.checkpoint_every > 0 && state.step % opt.checkpoint_every == 0) save(true);
-      // One all-reduce per step: every rank stops at the same step when any got a signal.
-      if (preempt && preempt->should_stop(comm.get())) {
-        saver->wait();  // rank 0: the save in flight (perhaps of this very step) is committed
-        if (last_saved != state.step) save(false);
-        else if (comm) comm->barrier();  // a launcher stops every rank once one exits: not before rank 0 commits
-        if (lead) {
-          std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
-                      static_cast<long long>(state.step), opt.checkpoint_dir.c_str());
-          std::fflush(stdout);  // the launcher's SIGTERM may come before exit() flushes a pipe
-        }
-        return opt.preempt_exit_code;
-      }
+      if (checkpoints.after_step()) return opt.preempt_exit_code;
     }
-    // The final checkpoint comes before evaluation and sampling, which change no training state.
-    if (saver) {
-      saver->wait();
-      if (last_saved != state.step) save(false);
-    }
+    checkpoints.finish();
     validate();
-
-    // Sampling and --export need the whole parameters on rank 0. Under pipeline,
-    // rank 0 (stage 0 of replica 0) holds only its stage's current values: the
-    // other stages of replica 0 send theirs, parameter by parameter in the
-    // model's order, into its copy of the model, on the training device. Under FSDP the
-    // model object is intact but FullShard/Hybrid released its tensors: every rank
-    // gathers them (full_parameters is collective) and rank 0 binds the model's own
-    // Parameters to the copies, so generate() and the tied head work unchanged and
-    // no second model is built. FSDP is not used after this.
-    const bool gather = opt.sample_tokens > 0 || !opt.export_path.empty() || !opt.export_hf.empty();
-    if (fsdp && gather) {
-      auto full = fsdp->full_parameters();
-      if (lead) {
-        std::map<std::string, Tensor<T>> by_name(full.begin(), full.end());
-        for (auto& p : model.named_parameters()) {
-          const auto it = by_name.find(p.name);
-          PTRAIN_CHECK(it != by_name.end(), Error, "[ptrain.example.fsdp] FSDP has no parameter '", p.name, "'");
-          p.param->value = it->second;
-        }
-      }
-    }
-    if (pipe && mesh->replica() == 0 && gather) {
-      dist::Communicator& stages = mesh->pipeline_group();
-      const auto& part = pipe->partition();
-      for (int s = 1; s < stages.size(); ++s) {
-        if (!lead && stages.rank() != s) continue;
-        for (std::size_t u = part.begin(s); u < part.end(s); ++u) {
-          if (lead && !device.is_cpu()) model.units()[u]->to(device);
-          for (auto& p : model.units()[u]->named_parameters()) {
-            if (lead) stages.recv(p.param->value, s);
-            else stages.send(p.param->value, 0);
-          }
-        }
-      }
-    }
-    if (lead && !opt.export_path.empty()) {
-      std::vector<ckpt::TensorRef> refs;
-      std::vector<Tensor<T>> host;  // the file is written from host memory
-      for (auto& p : model.named_parameters()) host.push_back(p.param->value.to(Device::cpu()));
-      std::size_t i = 0;
-      for (auto& p : model.named_parameters()) refs.push_back(ckpt::tensor_ref(p.name, host[i++]));
-      ckpt::write_safetensors(opt.export_path, refs, {{"format", "pt"}, {"ptrain.step", std::to_string(state.step)}});
-      std::printf("exported %zu tensors of step %lld to %s\n", refs.size(), static_cast<long long>(state.step),
-                  opt.export_path.c_str());
-    }
-    if (lead && !opt.export_hf.empty()) {
-      // The tokenizer's vocabulary (not the padded one) and its files: a folder transformers loads whole.
-      const std::string what = ckpt::save_gpt2_weights(opt.export_hf, model, corpus.bpe ? corpus.bpe->vocab_size() : 0);
-      for (const char* f : {"vocab.json", "merges.txt"})
-        if (corpus.bpe && std::filesystem::is_regular_file(std::filesystem::path(opt.tokenizer) / f))
-          std::filesystem::copy_file(std::filesystem::path(opt.tokenizer) / f, std::filesystem::path(opt.export_hf) / f,
-                                     std::filesystem::copy_options::overwrite_existing);
-      std::printf("exported step %lld as Hugging Face GPT-2 to %s: %s\n", static_cast<long long>(state.step),
-                  opt.export_hf.c_str(), what.c_str());
-    }
-
+    // Sampling and --export need the whole parameters in rank 0's model (Note [gpt_char engines]).
+    if (built.gather && (opt.sample_tokens > 0 || !opt.export_path.empty() || !opt.export_hf.empty()))
+      built.gather();
     if (lead) {
-      if (opt.sample_tokens > 0) {
-        // Token files without --tokenizer: the sample continues the first validation token
-        // and is printed as ids. A padded vocabulary's extra ids are never sampled.
-        const bool text = corpus.can_encode();
-        const std::vector<std::int32_t> prompt =
-            text ? corpus.encode(opt.prompt) : std::vector<std::int32_t>{static_cast<std::int32_t>(corpus.val.at(0, 0))};
-        Generator sample_gen(opt.seed);
-        const auto out = nn::generate(model, prompt, opt.sample_tokens, opt.temperature, opt.top_k, sample_gen,
-                                      corpus.bpe ? corpus.bpe->vocab_size() : 0);
-        std::string sample;
-        if (text) sample = corpus.decode(out);
-        else
-          for (std::int32_t t : out) sample += (sample.empty() ? "" : " ") + std::to_string(t);
-        std::printf("--- sample%s ---\n%s\n--------------\n", text ? "" : " (token ids)", sample.c_str());
-      }
+      export_model(opt, *model, corpus, state.step);
+      if (opt.sample_tokens > 0) print_sample(opt, *model, corpus);
       const double secs = wall.seconds();
       std::printf("final val_loss %.4f nats/%s = %.3f x unigram entropy %.4f; wall time %.1f s\n", val_loss, unit,
                   val_loss / entropy, entropy, secs);
