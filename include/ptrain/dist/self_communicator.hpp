@@ -39,6 +39,7 @@ class SelfCommunicator : public Communicator {
   }
   std::shared_ptr<Work> broadcast_async(void*, std::size_t count, DType dt, int root) override {
     check_root(root, "broadcast");
+    detail::visit_dtype(dt, [](auto) {});
     return done(detail::op_desc("broadcast", count, dt));
   }
   std::shared_ptr<Work> send_async(const void*, std::size_t, DType, int peer, int) override {
@@ -66,7 +67,9 @@ class SelfCommunicator : public Communicator {
   };
   static std::shared_ptr<Work> done(std::string what) { return std::make_shared<DoneWork>(std::move(what)); }
 
+  // Checks the dtype as every backend does, then copies when out of place.
   void copy(void* dst, const void* src, std::size_t count, DType dt) const {
+    detail::visit_dtype(dt, [](auto) {});
     if (dst != src) ::ptrain::detail::copy_bytes(dst, device_, src, device_, count * dtype_size(dt));
   }
 

@@ -99,20 +99,6 @@ class DDP : public nn::Module<T>, public Engine<T> {
     params_.zero_grad();
   }
 
- private:
-  void init() {
-    PTRAIN_CHECK(opt_.bucket_cap_bytes > 0 && opt_.first_bucket_bytes > 0, Error,
-                 "[ptrain.ddp.options] bucket sizes must be positive");
-    PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || opt_.reduce_dtype == DType::BF16, Error,
-                 "[ptrain.ddp.options] reduce_dtype must be F32 (the gradients' own type) or BF16");
-    comm_.check_serves(params_.values().device(), "DDP");
-    verify_same_parameters();
-    if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
-    build_buckets();
-    install_hooks();
-  }
-
- public:
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override { return module_.forward(x, cache); }
   Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
     return module_.forward_tokens(ids, cache);
@@ -157,6 +143,18 @@ class DDP : public nn::Module<T>, public Engine<T> {
   const std::vector<BucketEvent>& bucket_events() const { return events_; }
 
  private:
+  void init() {
+    PTRAIN_CHECK(opt_.bucket_cap_bytes > 0 && opt_.first_bucket_bytes > 0, Error,
+                 "[ptrain.ddp.options] bucket sizes must be positive");
+    PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || opt_.reduce_dtype == DType::BF16, Error,
+                 "[ptrain.ddp.options] reduce_dtype must be F32 (the gradients' own type) or BF16");
+    comm_.check_serves(params_.values().device(), "DDP");
+    verify_same_parameters();
+    if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
+    build_buckets();
+    install_hooks();
+  }
+
   struct Bucket {
     std::int64_t begin = 0, end = 0;  // element range of the flat buffers
     int expected = 0;                 // parameters in the bucket
