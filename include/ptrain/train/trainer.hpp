@@ -156,7 +156,15 @@ class Trainer {
       nlohmann::json rec = {{"step", result.step}, {"epoch", epoch}};
       rec.update(result.last_eval);
       metrics.write(rec);
-      if (lead) std::printf("eval at step %lld: %s\n", static_cast<long long>(result.step), result.last_eval.dump().c_str());
+      if (lead) {
+        std::string line;
+        for (const auto& [key, value] : result.last_eval.items()) {
+          char num[32];
+          if (value.is_number_float()) std::snprintf(num, sizeof num, "%.4f", value.template get<double>());
+          line += ", " + key + " " + (value.is_number_float() ? std::string(num) : value.dump());
+        }
+        std::printf("epoch %d, step %lld%s\n", epoch, static_cast<long long>(result.step), line.c_str());
+      }
     };
 
     for (int epoch = start_epoch; epoch < o_.epochs; ++epoch) {
