@@ -53,7 +53,7 @@
 #include <ptrain/ckpt/async_writer.hpp>
 #include <ptrain/ckpt/checkpoint.hpp>
 #include <ptrain/ckpt/fsdp_checkpoint.hpp>
-#include <ptrain/ckpt/gpt2_weights.hpp>
+#include <ptrain/nn/models/gpt2_weights.hpp>
 #include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/ckpt/stage_checkpoint.hpp>
 #include <ptrain/data/bpe.hpp>

@@ -39,7 +39,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "ptrain/ckpt/safetensors.hpp"
+#include "ptrain/core/safetensors.hpp"
 #include "ptrain/core/error.hpp"
 
 namespace ptrain::ckpt {

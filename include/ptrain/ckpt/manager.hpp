@@ -51,7 +51,7 @@
 #include "ptrain/ckpt/files.hpp"
 #include "ptrain/ckpt/pieces.hpp"
 #include "ptrain/ckpt/reader.hpp"
-#include "ptrain/ckpt/safetensors.hpp"
+#include "ptrain/core/safetensors.hpp"
 #include "ptrain/ckpt/trainer_state.hpp"
 #include "ptrain/core/random.hpp"
 #include "ptrain/dist/communicator.hpp"

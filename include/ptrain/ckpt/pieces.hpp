@@ -24,7 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "ptrain/ckpt/safetensors.hpp"
+#include "ptrain/core/safetensors.hpp"
 #include "ptrain/core/error.hpp"
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/nn/flat_parameters.hpp"

@@ -19,7 +19,7 @@
 
 #include "ptrain/ckpt/files.hpp"
 #include "ptrain/ckpt/pieces.hpp"
-#include "ptrain/ckpt/safetensors.hpp"
+#include "ptrain/core/safetensors.hpp"
 #include "ptrain/ckpt/trainer_state.hpp"
 #include "ptrain/core/random.hpp"
 #include "ptrain/core/tensor.hpp"
