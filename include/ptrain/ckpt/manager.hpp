@@ -1,5 +1,8 @@
 #pragma once
 // Checkpoint manager: atomic, verified, rotating checkpoints of a training run.
+// Defines CheckpointManager (save, save_sharded, latest, load, rotation), its
+// options, and the save job it writes; the files it writes are laid out as in
+// Note [Checkpoint layout] (ckpt/files.hpp).
 //
 //   ckpt::CheckpointManager mgr("ckpt", comm.get(), {.keep_last = 3});
 //   if (auto last = mgr.latest(); last.found()) {
