@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Configures build/ once (Release) and builds what the README's first command
-# runs: the ptrun launcher and the fashion_mnist example.
-#   tools/build.sh                      ptrun and fashion_mnist
+# runs: the ptrun launcher and the fashion_mnist example (target quickstart).
+#   tools/build.sh                      ptrun and fashion_mnist, in parallel
 #   tools/build.sh --all                everything: tests, examples, benchmarks, ptrun
 #   tools/build.sh --target gpt_char    the named targets (repeatable)
 # Other arguments (-D...) go to the first configure, e.g. tools/build.sh -DPTRAIN_WITH_CUDA=OFF
 set -euo pipefail
 cd "$(dirname "$0")/.."
-targets=(ptrun fashion_mnist)
+targets=(quickstart)
 chosen=()
 all=0
 configure=()
