@@ -78,7 +78,9 @@ function(ptrain_link_dependencies target)
   target_link_libraries(${target} INTERFACE Eigen3::Eigen nlohmann_json::nlohmann_json
                                             ZLIB::ZLIB Threads::Threads)
   if(PTRAIN_HAVE_BLAS)
-    target_include_directories(${target} INTERFACE ${PTRAIN_CBLAS_INCLUDE})
+    # SYSTEM: a found directory, not an imported target, would otherwise be a
+    # plain -I and cblas.h's warnings would reach every user.
+    target_include_directories(${target} SYSTEM INTERFACE ${PTRAIN_CBLAS_INCLUDE})
     target_link_libraries(${target} INTERFACE ${PTRAIN_OPENBLAS_LIBRARY})
     target_compile_definitions(${target} INTERFACE PTRAIN_BLAS=1)
   endif()

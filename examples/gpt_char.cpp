@@ -56,7 +56,7 @@
 #include <optional>
 #include <functional>
 #include <ptrain/ckpt/engine_checkpoint.hpp>
-#include <ptrain/ckpt/gpt2_weights.hpp>
+#include <ptrain/nn/models/gpt2_weights.hpp>
 #include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/data/bpe.hpp>
 #include <ptrain/data/text.hpp>

@@ -8,6 +8,7 @@
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
 #include "ptrain/core/random.hpp"
+#include "ptrain/core/safetensors.hpp"
 #include "ptrain/core/shape.hpp"
 #include "ptrain/core/tensor.hpp"
 
@@ -28,6 +29,7 @@
 #include "ptrain/nn/linear.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/models/gpt2_weights.hpp"
 #include "ptrain/nn/models/mlp.hpp"
 #include "ptrain/nn/module.hpp"
 #include "ptrain/nn/recompute.hpp"
@@ -59,10 +61,8 @@
 #include "ptrain/ckpt/checkpoint.hpp"
 #include "ptrain/ckpt/engine_checkpoint.hpp"
 #include "ptrain/ckpt/fsdp_checkpoint.hpp"
-#include "ptrain/ckpt/gpt2_weights.hpp"
 #include "ptrain/ckpt/preemption.hpp"
 #include "ptrain/ckpt/stage_checkpoint.hpp"
-#include "ptrain/ckpt/safetensors.hpp"
 
 #include "ptrain/data/batches.hpp"
 #include "ptrain/data/idx.hpp"

@@ -2,7 +2,7 @@
 // with CheckpointError or return entries that stay inside the input.
 #include <cstdint>
 #include <cstdlib>
-#include <ptrain/ckpt/safetensors.hpp>
+#include <ptrain/core/safetensors.hpp>
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   try {

@@ -1,6 +1,7 @@
 // CPU kernels against naive loops in double.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <ptrain/config.hpp>  // before the kernels: Note [GCC 12 AVX-512 warnings]
 #include <ptrain/kernels/cpu/elementwise.hpp>
 #include <ptrain/kernels/cpu/gemm.hpp>
 #include <ptrain/kernels/cpu/layer_norm.hpp>

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 import safetensors_io  # noqa: E402
 
 V, P, L, H, C = 37, 12, 2, 2, 16  # vocabulary, positions, layers, heads, width

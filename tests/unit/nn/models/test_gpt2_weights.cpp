@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <ptrain/ckpt/gpt2_weights.hpp>
+#include <ptrain/nn/models/gpt2_weights.hpp>
 #include <unistd.h>
 
 using namespace ptrain;

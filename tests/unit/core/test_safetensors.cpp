@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <ptrain/ckpt/safetensors.hpp>
+#include <ptrain/core/safetensors.hpp>
 #include <string>
 #include <unistd.h>
 

@@ -1,0 +1,421 @@
+#pragma once
+// The store server (detail::StoreServer): one thread that serves the store's
+// map to every TCP client (Note [Store protocol] in dist/store_protocol.hpp),
+// answers waits when their keys arrive, and lingers briefly at shutdown
+// (Note [Server shutdown]). TCPStore starts it on rank 0.
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "ptrain/core/error.hpp"
+#include "ptrain/dist/launch_env.hpp"  // parse_int
+#include "ptrain/dist/store_interface.hpp"
+#include "ptrain/dist/store_protocol.hpp"
+
+namespace ptrain::dist {
+
+namespace detail {
+
+/// The store server: one thread polling the listening socket, every client and a wake-up pipe.
+/// Single-threaded on purpose: the map needs no lock and requests from all clients are totally ordered.
+class StoreServer {
+ public:
+  StoreServer(int port, std::string token) : token_(std::move(token)) {
+    listen_ = open_listener(port);
+    sockaddr_storage addr{};
+    socklen_t len = sizeof addr;
+    ::getsockname(listen_.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                             : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+    int p[2];
+    PTRAIN_CHECK(::pipe2(p, O_CLOEXEC | O_NONBLOCK) == 0, CommError, "[ptrain.store.server] pipe2 failed: ",
+                 std::strerror(errno));
+    wake_read_ = Fd(p[0]);
+    wake_write_ = Fd(p[1]);
+    thread_ = std::thread([this] { loop(); });
+  }
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+  // Wakes the loop through the pipe and joins it; clients still connected see
+  // their connection close and fail instead of waiting forever.
+  ~StoreServer() {
+    stop_.store(true);
+    char c = 1;
+    [[maybe_unused]] auto n = ::write(wake_write_.get(), &c, 1);
+    if (thread_.joinable()) thread_.join();
+  }
+  int port() const { return port_; }
+  void set_shutdown_grace(std::chrono::milliseconds g) { grace_ms_.store(g.count()); }
+
+ private:
+  struct Conn {
+    Fd fd;
+    std::string in, out;
+    bool hello = false;       // the hello (magic, version, token) was accepted
+    bool closing = false;     // close once `out` is flushed (a rejected hello)
+    std::vector<std::string> waiting;  // keys of an unanswered WAIT; empty when none
+  };
+
+  static Fd open_listener(int port) {
+    // Dual-stack "::" takes IPv4 and IPv6 clients; hosts without IPv6 get 0.0.0.0.
+    for (int family : {AF_INET6, AF_INET}) {
+      Fd fd(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      if (!fd) continue;
+      int one = 1, zero = 0;
+      ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      int rc;
+      if (family == AF_INET6) {
+        ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+        sockaddr_in6 a{};
+        a.sin6_family = AF_INET6;
+        a.sin6_addr = in6addr_any;
+        a.sin6_port = htons(static_cast<std::uint16_t>(port));
+        rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+      } else {
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_ANY);
+        a.sin_port = htons(static_cast<std::uint16_t>(port));
+        rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+      }
+      if (rc != 0) {
+        if (errno == EADDRINUSE)
+          PTRAIN_THROW(CommError, "[ptrain.store.bind] cannot serve the store on port ", port,
+                       ": address already in use; another job (or a previous run still exiting) holds MASTER_PORT=",
+                       port, ", choose another free port");
+        continue;
+      }
+      PTRAIN_CHECK(::listen(fd.get(), 1024) == 0, CommError, "[ptrain.store.bind] listen on port ", port,
+                   " failed: ", std::strerror(errno));
+      set_nonblocking(fd.get());
+      return fd;
+    }
+    PTRAIN_THROW(CommError, "[ptrain.store.bind] cannot open a listening socket on port ", port, ": ",
+                 std::strerror(errno));
+  }
+
+  // Note [Server shutdown]
+  // Rank 0 often leaves right after the last barrier, while another rank's
+  // final request is still on the wire. So after stop the loop keeps serving
+  // until every client has disconnected or the grace period (default 2 s)
+  // ends, then flushes what is queued and closes. Never longer: a hung client
+  // costs rank 0 at most the grace period.
+  void loop() {
+    std::vector<pollfd> pfds;
+    std::vector<std::uint64_t> ids;
+    std::optional<std::chrono::steady_clock::time_point> linger_until;
+    for (;;) {
+      if (stop_.load() && !linger_until)
+        linger_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms_.load());
+      int wait_ms = -1;
+      if (linger_until) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*linger_until -
+                                                                          std::chrono::steady_clock::now());
+        if (conns_.empty() || left.count() <= 0) break;
+        wait_ms = static_cast<int>(std::min<long long>(left.count(), 50));
+      }
+      pfds.clear();
+      ids.clear();
+      pfds.push_back({wake_read_.get(), POLLIN, 0});
+      pfds.push_back({listen_.get(), POLLIN, 0});
+      for (auto& [id, c] : conns_) {
+        short ev = POLLIN;
+        if (!c.out.empty()) ev |= POLLOUT;
+        pfds.push_back({c.fd.get(), ev, 0});
+        ids.push_back(id);
+      }
+      int n = ::poll(pfds.data(), pfds.size(), wait_ms);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        break;  // nothing sensible left to do; clients see their connections close
+      }
+      if (pfds[0].revents) {
+        char drain[16];
+        while (::read(wake_read_.get(), drain, sizeof drain) > 0) {
+        }
+        continue;  // stop_ is set; the next turn starts the grace period
+      }
+      if (pfds[1].revents & POLLIN) accept_all();
+      for (std::size_t i = 2; i < pfds.size(); ++i) {
+        auto it = conns_.find(ids[i - 2]);
+        if (it == conns_.end() || !pfds[i].revents) continue;
+        if (!service(it->first, it->second, pfds[i].revents)) close_conn(it->first);
+      }
+    }
+    flush_all();
+    conns_.clear();  // closes every client socket before the thread ends
+    waiters_.clear();
+  }
+
+  // Replies already decided (say, the last barrier release) still reach their
+  // clients when rank 0 shuts down right after its own reply; bounded to 1 s.
+  void flush_all() {
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (auto& [id, c] : conns_) {
+      while (!c.out.empty() && std::chrono::steady_clock::now() < until) {
+        pollfd p{c.fd.get(), POLLOUT, 0};
+        if (::poll(&p, 1, 50) <= 0) continue;
+        ssize_t sent = ::send(c.fd.get(), c.out.data(), c.out.size(), MSG_NOSIGNAL);
+        if (sent <= 0 && errno != EAGAIN && errno != EINTR) break;
+        if (sent > 0) c.out.erase(0, static_cast<std::size_t>(sent));
+      }
+    }
+  }
+
+  void accept_all() {
+    for (;;) {
+      int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) return;
+      if (conns_.size() >= kMaxStoreConnections) {
+        ::close(fd);
+        continue;
+      }
+      set_nodelay(fd);
+      Conn c;
+      c.fd = Fd(fd);
+      conns_.emplace(next_id_++, std::move(c));
+    }
+  }
+
+  // Returns false when the connection must close.
+  bool service(std::uint64_t id, Conn& c, short revents) {
+    if (revents & (POLLERR | POLLNVAL)) return false;
+    if (revents & (POLLIN | POLLHUP)) {
+      char buf[1 << 16];
+      ssize_t got = ::recv(c.fd.get(), buf, sizeof buf, 0);
+      if (got == 0) return false;
+      if (got < 0) return errno == EAGAIN || errno == EINTR;
+      c.in.append(buf, static_cast<std::size_t>(got));
+      if (!process(id, c)) return false;
+    }
+    if (!c.out.empty()) {
+      ssize_t sent = ::send(c.fd.get(), c.out.data(), c.out.size(), MSG_NOSIGNAL);
+      if (sent < 0 && errno != EAGAIN && errno != EINTR) return false;
+      if (sent > 0) c.out.erase(0, static_cast<std::size_t>(sent));
+      // A client that never reads its replies may not make the server hoard them.
+      if (c.out.size() > 2 * kMaxValueBytes) return false;
+    }
+    return !(c.closing && c.out.empty());
+  }
+
+  // Handles every complete message in c.in; false on a protocol violation.
+  bool process(std::uint64_t id, Conn& c) {
+    std::size_t done = 0;
+    while (!c.closing) {
+      Reader r(std::string_view(c.in).substr(done));
+      if (!c.hello) {
+        char magic[4];
+        for (char& m : magic) m = static_cast<char>(r.u8());
+        std::uint8_t version = r.u8();
+        std::string_view token = r.str(kMaxKeyBytes);
+        if (r.need_more()) {
+          // Reject a wrong magic as soon as its bytes are in, not after a length arrives.
+          std::size_t have = std::min<std::size_t>(c.in.size() - done, 4);
+          if (std::memcmp(c.in.data() + done, kStoreMagic, have) != 0) return false;
+          break;
+        }
+        if (r.bad() || std::memcmp(magic, kStoreMagic, 4) != 0) return false;
+        std::uint8_t status = version != kStoreVersion ? 2 : same_token(token, token_) ? 0 : 1;
+        c.out.push_back(static_cast<char>(status));
+        c.hello = status == 0;
+        c.closing = status != 0;
+        done += r.consumed();
+        continue;
+      }
+      auto cmd = static_cast<StoreCmd>(r.u8());
+      if (r.need_more()) break;
+      // While a WAIT is open, the client may only cancel it.
+      if (!c.waiting.empty() && cmd != StoreCmd::CancelWait) return false;
+      if (!handle(id, c, cmd, r)) return false;
+      if (r.need_more()) break;
+      if (r.bad()) return false;
+      done += r.consumed();
+    }
+    c.in.erase(0, done);
+    return true;
+  }
+
+  static void reply_ok(Conn& c) { c.out.push_back(static_cast<char>(StoreStatus::Ok)); }
+
+  // Parses and, once complete, executes one command. Side effects only happen
+  // when r.ok() after parsing, so a partial message is re-parsed later from the start.
+  bool handle(std::uint64_t id, Conn& c, StoreCmd cmd, Reader& r) {
+    switch (cmd) {
+      case StoreCmd::Set: {
+        auto key = r.str(kMaxKeyBytes);
+        auto value = r.str(kMaxValueBytes);
+        if (!r.ok()) return true;
+        data_[std::string(key)] = std::string(value);
+        reply_ok(c);
+        notify(std::string(key));
+        return true;
+      }
+      case StoreCmd::Get: {
+        auto key = r.str(kMaxKeyBytes);
+        if (!r.ok()) return true;
+        auto it = data_.find(std::string(key));
+        reply_ok(c);
+        c.out.push_back(it != data_.end() ? 1 : 0);
+        if (it != data_.end()) put_str(c.out, it->second);
+        return true;
+      }
+      case StoreCmd::Wait: {
+        std::uint32_t n = r.u32();
+        if (!r.ok()) return true;
+        if (n == 0 || n > kMaxKeysPerRequest) return false;
+        std::vector<std::string> keys;
+        for (std::uint32_t i = 0; i < n && r.ok(); ++i) keys.emplace_back(r.str(kMaxKeyBytes));
+        if (!r.ok()) return true;
+        std::vector<std::string> missing;
+        for (auto& k : keys)
+          if (!data_.count(k)) missing.push_back(std::move(k));
+        if (missing.empty()) {
+          reply_ok(c);
+        } else {
+          for (auto& k : missing) waiters_[k].insert(id);
+          c.waiting = std::move(missing);
+        }
+        return true;
+      }
+      case StoreCmd::CancelWait: {
+        // If the WAIT was answered before the cancel arrived, the client reads
+        // that Ok first and then this Canceled (Note [Waits]).
+        drop_waits(id, c);
+        c.out.push_back(static_cast<char>(StoreStatus::Canceled));
+        return true;
+      }
+      case StoreCmd::Add: {
+        auto key = r.str(kMaxKeyBytes);
+        std::int64_t delta = r.i64();
+        if (!r.ok()) return true;
+        std::string k(key);
+        std::int64_t v = 0;
+        if (auto it = data_.find(k); it != data_.end()) {
+          auto parsed = parse_int(it->second);
+          if (!parsed) {
+            c.out.push_back(static_cast<char>(StoreStatus::Error));
+            put_str(c.out, cat("add() on key '", k, "' whose value is not a decimal integer"));
+            return true;
+          }
+          v = *parsed;
+        }
+        v += delta;
+        data_[k] = std::to_string(v);
+        reply_ok(c);
+        put_i64(c.out, v);
+        notify(k);
+        return true;
+      }
+      case StoreCmd::CompareSet: {
+        auto key = r.str(kMaxKeyBytes);
+        auto expected = r.str(kMaxValueBytes);
+        auto desired = r.str(kMaxValueBytes);
+        if (!r.ok()) return true;
+        std::string k(key);
+        auto it = data_.find(k);
+        reply_ok(c);
+        if (it == data_.end()) {
+          if (expected.empty()) {
+            data_[k] = std::string(desired);
+            put_str(c.out, desired);
+            notify(k);
+          } else {
+            put_str(c.out, expected);
+          }
+        } else {
+          if (it->second == expected) it->second = std::string(desired);
+          put_str(c.out, it->second);
+        }
+        return true;
+      }
+      case StoreCmd::Check: {
+        std::uint32_t n = r.u32();
+        if (!r.ok()) return true;
+        if (n > kMaxKeysPerRequest) return false;
+        bool all = true;
+        for (std::uint32_t i = 0; i < n && r.ok(); ++i) all = data_.count(std::string(r.str(kMaxKeyBytes))) && all;
+        if (!r.ok()) return true;
+        reply_ok(c);
+        c.out.push_back(all ? 1 : 0);
+        return true;
+      }
+      case StoreCmd::Delete: {
+        auto key = r.str(kMaxKeyBytes);
+        if (!r.ok()) return true;
+        bool erased = data_.erase(std::string(key)) > 0;
+        reply_ok(c);
+        c.out.push_back(erased ? 1 : 0);
+        return true;
+      }
+    }
+    return false;  // unknown command byte
+  }
+
+  // Answers every WAIT whose last missing key is `key`.
+  void notify(const std::string& key) {
+    auto it = waiters_.find(key);
+    if (it == waiters_.end()) return;
+    std::unordered_set<std::uint64_t> ids = std::move(it->second);
+    waiters_.erase(it);
+    for (std::uint64_t id : ids) {
+      auto cit = conns_.find(id);
+      if (cit == conns_.end()) continue;
+      Conn& c = cit->second;
+      std::erase_if(c.waiting, [&](const std::string& k) { return data_.count(k) > 0; });
+      if (c.waiting.empty()) reply_ok(c);
+      // Keys deleted again before this point stay registered in waiters_.
+    }
+  }
+
+  void drop_waits(std::uint64_t id, Conn& c) {
+    for (auto& k : c.waiting) {
+      auto it = waiters_.find(k);
+      if (it == waiters_.end()) continue;
+      it->second.erase(id);
+      if (it->second.empty()) waiters_.erase(it);
+    }
+    c.waiting.clear();
+  }
+
+  void close_conn(std::uint64_t id) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    drop_waits(id, it->second);
+    conns_.erase(it);
+  }
+
+  std::string token_;
+  Fd listen_, wake_read_, wake_write_;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<long long> grace_ms_{2000};
+  std::unordered_map<std::uint64_t, Conn> conns_;
+  std::unordered_map<std::string, std::string> data_;
+  std::unordered_map<std::string, std::unordered_set<std::uint64_t>> waiters_;
+  std::uint64_t next_id_ = 0;
+  std::thread thread_;  // last member: starts after, and is joined before, everything it uses is destroyed
+};
+
+}  // namespace detail
+
+}  // namespace ptrain::dist
