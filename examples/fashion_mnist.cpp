@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
                                    .keep_checkpoints = opt.keep_checkpoints, .resume = opt.resume,
                                    .preempt_exit_code = opt.preempt_exit_code,
                                    .config = {{"program", "fashion_mnist"}, {"hidden", opt.hidden},
-                                              {"seed", opt.seed}, {"epochs", opt.epochs}}});
+                                              {"seed", opt.seed}}});
     const std::int64_t total = trainer.total_steps();
     trainer.schedule = optim::WarmupCosine{.base_lr = opt.lr, .warmup = std::max<std::int64_t>(1, total / 100),
                                            .total = total};
