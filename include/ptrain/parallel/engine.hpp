@@ -85,18 +85,8 @@ struct BatchInput {
   const Tensor<std::int32_t>* ids = nullptr;
 };
 
-/// Which mode an engine runs (for descriptions and checkpoint layouts).
+/// Which mode an engine runs (checkpoints write and read each mode's layout).
 enum class Mode { Local, DDP, FSDP, Pipeline };
-
-inline const char* mode_name(Mode m) {
-  switch (m) {
-    case Mode::Local: return "local";
-    case Mode::DDP: return "ddp";
-    case Mode::FSDP: return "fsdp";
-    case Mode::Pipeline: return "pipeline";
-  }
-  return "?";
-}
 
 template <class T>
 class Engine {
@@ -155,8 +145,8 @@ class Engine {
   /// While the returned guard lives, forward_backward() accumulates without
   /// communicating where the mode allows it (Note [Engine contract]).
   [[nodiscard]] auto no_sync() {
-    set_sync(false);
-    auto restore = [this](void*) { set_sync(true); };
+    sync_ = false;
+    auto restore = [this](void*) { sync_ = true; };
     return std::unique_ptr<void, decltype(restore)>(this, restore);
   }
 
@@ -188,7 +178,7 @@ class Engine {
   /// Sum of a per-rank partial sum of squares over the ranks that hold distinct
   /// parts of the model (FSDP shards, pipeline stages); identity for replicas.
   virtual double sum_over_model(double local) { return local; }
-  virtual void set_sync(bool on) { sync_ = on; }
+  /// False inside no_sync().
   bool syncing() const { return sync_; }
 
   double loss(const Tensor<T>& out, const Tensor<std::int32_t>& targets, Tensor<T>* dout, double scale) const {
