@@ -189,7 +189,7 @@ if want test; then
   fi
   # End to end: examples/gpt_char trained on the GPU in fp32 and in bf16 on the
   # repository's docs as a corpus, then a one-stage bf16 pipeline over NCCL (the
-  # path of --parallel pipeline: stage units on the GPU, eval_step, the gather for
+  # path of --parallel pipeline: stage units on the GPU, eval_loss, the gather for
   # the sample) and bf16 FSDP over NCCL (shards placed from the CPU-built model,
   # full_parameters for the sample); its log goes to gpu_tests.log ($OUT holds at
   # most 8 files).
