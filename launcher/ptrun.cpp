@@ -12,6 +12,7 @@
 // --max-restarts add an agent store, served by node 0's ptrun.
 
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -28,10 +29,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <optional>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "output.hpp"
 #include "ptrain/config.hpp"
 #include "ptrain/dist/store.hpp"
 
@@ -82,9 +87,14 @@ void signal_children(std::vector<Child>& children, int sig) {
 struct Launch {
   std::vector<std::string> command;
   int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0, max_restarts = 0;
-  std::string master_addr, run_id;
+  std::string master_addr, run_id, role = "default";
   double grace = 5.0;
   bool agent_store = false;  // Note [Restarts across nodes]
+  // What happens to the ranks' output (output.hpp): files under log_dir/attempt_<k>/,
+  // lines on the console prefixed with line_prefix (a template; empty: as written).
+  std::map<int, unsigned> redirects, tee;
+  std::string log_dir, line_prefix;
+  std::chrono::milliseconds monitor{100};  // --monitor-interval
 };
 
 // The first signal (not SIGCHLD) waiting in `sfd`, or 0.
@@ -111,7 +121,7 @@ int pending_signal(int sfd) {
 //          decision: stopped -> exit, failed -> round k + 1 while restarts are
 //          left, else exit 0. Node 0 serves the store, so it leaves last
 //          (round/k/left).
-// Waits poll every 100 ms, so that signals to ptrun still stop the job, and end
+// Waits poll every --monitor-interval (0.1 s), so that signals to ptrun still stop the job, and end
 // after --rdzv-timeout: at join with an error; at end (as torchrun's exit barrier)
 // with this node's own status and no restart, since the others may be gone.
 class Rendezvous {
@@ -120,7 +130,7 @@ class Rendezvous {
 
   Rendezvous(const Launch& l, std::chrono::milliseconds timeout)
       : store_(l.master_addr, l.master_port, l.node_rank == 0, timeout), nnodes_(l.nnodes), node_(l.node_rank),
-        timeout_(timeout) {
+        timeout_(timeout), monitor_(l.monitor) {
     // Two ptruns with one --node-rank would each start the same ranks.
     char host[256] = {};
     ::gethostname(host, sizeof host - 1);
@@ -194,13 +204,13 @@ class Rendezvous {
         sig = s;
         report(k, "stopped", "signal " + std::to_string(s));
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::this_thread::sleep_for(monitor_);
     }
   }
 
   ptrain::dist::TCPStore store_;
   int nnodes_, node_;
-  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds timeout_, monitor_;
 };
 
 // How a round ended. `failure` is the first failing rank's status (exit code, or
@@ -209,6 +219,18 @@ struct RoundEnd {
   std::optional<int> failure;
   int signal = 0;            // a signal ptrun received (and forwarded)
   bool cannot_start = false;  // exec or fork failed: starting again cannot help
+  // After a forwarded signal: the lowest rank's non-zero exit code (a program that saved
+  // a checkpoint and exited 75 says so), else whether a rank died of a signal.
+  std::optional<int> code_after_signal, code_rank;
+  bool killed_after_signal = false;
+
+  /// ptrun's exit status.
+  int status() const {
+    if (failure) return *failure;
+    if (!signal) return 0;
+    if (code_after_signal) return *code_after_signal;
+    return killed_after_signal ? 128 + signal : 0;
+  }
 };
 
 // Starts this node's ranks as restart number `restart`, waits until all have
@@ -227,6 +249,8 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
 
   const int world = l.nnodes * l.nproc;
   std::vector<Child> children(l.nproc);
+  ptrun::Output output;
+  const std::string attempt_dir = l.log_dir + "/attempt_" + std::to_string(restart);
   int running = 0;
   using Clock = std::chrono::steady_clock;
   constexpr auto no_deadline = Clock::time_point::max();
@@ -242,6 +266,19 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
     // A close-on-exec pipe tells the parent whether exec worked: it reads EOF
     // on success and the child's errno on failure.
     int ep[2];
+    std::pair<int, int> out{-1, -1};
+    try {
+      const unsigned file = ptrun::std_for(l.redirects, local) | ptrun::std_for(l.tee, local);
+      const unsigned console = (ptrun::kAll & ~ptrun::std_for(l.redirects, local)) | ptrun::std_for(l.tee, local);
+      out = output.add({rank, local, file, console}, ptrun::expand_prefix(l.line_prefix, l.role, rank, local),
+                       attempt_dir);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ptrun: %s\n", e.what());
+      stop_all(SIGKILL);
+      end.failure = 1;
+      end.cannot_start = true;
+      break;
+    }
     if (::pipe2(ep, O_CLOEXEC) != 0) {
       std::perror("ptrun: pipe");
       stop_all(SIGKILL);
@@ -258,6 +295,8 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(1);
       sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+      if (out.first >= 0) ::dup2(out.first, STDOUT_FILENO);
+      if (out.second >= 0) ::dup2(out.second, STDERR_FILENO);
       auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
       set("RANK", std::to_string(rank));
       set("LOCAL_RANK", std::to_string(local));
@@ -267,7 +306,7 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
       set("GROUP_WORLD_SIZE", std::to_string(l.nnodes));
       set("ROLE_RANK", std::to_string(rank));
       set("ROLE_WORLD_SIZE", std::to_string(world));
-      set("ROLE_NAME", "default");
+      set("ROLE_NAME", l.role);
       set("MASTER_ADDR", l.master_addr);
       set("MASTER_PORT", std::to_string(l.master_port));
       set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
@@ -285,6 +324,8 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
       ::_exit(127);
     }
     ::close(ep[1]);
+    for (int fd : {out.first, out.second})
+      if (fd >= 0) ::close(fd);
     if (pid < 0) {
       std::perror("ptrun: fork");
       ::close(ep[0]);
@@ -311,14 +352,21 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
   }
 
   if (end.cannot_start && rdzv) rdzv->report(restart, "stopped", "the program cannot start");
-  while (running > 0) {
-    int timeout_ms = rdzv ? 100 : -1;  // the other nodes' reports are polled
+  // The ranks' pipes are drained up to 2 s after the last rank ended (a process it
+  // left behind may hold them open).
+  auto drain_until = no_deadline;
+  while (running > 0 || (output.open() && Clock::now() < drain_until)) {
+    if (running == 0 && drain_until == no_deadline) drain_until = Clock::now() + std::chrono::seconds(2);
+    const int poll_ms = static_cast<int>(l.monitor.count());
+    int timeout_ms = rdzv || running == 0 ? poll_ms : -1;  // the other nodes' reports are polled
     if (kill_at != no_deadline) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(kill_at - Clock::now());
-      timeout_ms = static_cast<int>(std::clamp<long long>(left.count(), 0, rdzv ? 100 : INT32_MAX));
+      timeout_ms = static_cast<int>(std::clamp<long long>(left.count(), 0, rdzv ? poll_ms : INT32_MAX));
     }
-    pollfd p{sfd, POLLIN, 0};
-    int n = ::poll(&p, 1, timeout_ms);
+    std::vector<pollfd> fds{{sfd, POLLIN, 0}};
+    output.poll_fds(fds);
+    int n = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (n > 0) output.pump(fds);
     if (n == 0 && kill_at != no_deadline && Clock::now() >= kill_at) {
       std::fprintf(stderr, "ptrun: %d rank(s) still running %.1f s after SIGTERM; sending SIGKILL\n", running,
                    l.grace);
@@ -355,6 +403,13 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
         // Also stop what the rank left behind in its process group.
         ::kill(-c.pid, SIGKILL);
         bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && end.signal) {  // ended after the forwarded signal
+          if (WIFSIGNALED(status)) end.killed_after_signal = true;
+          else if (!end.code_after_signal || c.rank < *end.code_rank) {
+            end.code_after_signal = WEXITSTATUS(status);
+            end.code_rank = c.rank;
+          }
+        }
         if (failed && !end.failure && !end.signal) {
           end.failure = exit_code(status);
           std::fprintf(stderr, "ptrun: rank %d (pid %d) %s; stopping the other %d rank(s)\n", c.rank, pid,
@@ -365,26 +420,134 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
       }
     }
   }
+  output.finish();
   return end;
+}
+
+// Note [A single node's store]
+// On one node every rank reaches rank 0's store through loopback (MASTER_ADDR
+// 127.0.0.1 by default), where the store then listens, and ptrun hands its ranks a
+// random PTRAIN_STORE_TOKEN unless the job set one: another user's process on the
+// same machine can neither join the job nor read its keys. Several nodes take the
+// token from the job (a Kubernetes Secret; docs/kubernetes.md).
+std::string random_token() {
+  std::random_device rd;
+  std::string t;
+  for (int i = 0; i < 8; ++i) {
+    char buf[9];
+    std::snprintf(buf, sizeof buf, "%08x", rd());
+    t += buf;
+  }
+  return t;
+}
+
+// Visible CUDA devices, asked of the driver (libcuda, loaded only here: ptrun links no
+// CUDA library); 0 without a driver.
+int gpu_count() {
+  void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) return 0;
+  using Init = int (*)(unsigned);
+  using Count = int (*)(int*);
+  auto init = reinterpret_cast<Init>(::dlsym(lib, "cuInit"));
+  auto count = reinterpret_cast<Count>(::dlsym(lib, "cuDeviceGetCount"));
+  int n = 0;
+  if (!init || !count || init(0) != 0 || count(&n) != 0) n = 0;
+  ::dlclose(lib);
+  return n;
+}
+
+int parse_count(const std::string& v, const char* flag, int max) {
+  std::size_t used = 0;
+  int n = 0;
+  try {
+    n = std::stoi(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != v.size() || used == 0 || n < 1 || n > max)
+    throw std::runtime_error(std::string(flag) + " '" + v + "': give a whole number from 1 to " + std::to_string(max));
+  return n;
+}
+
+// torchrun's --nproc-per-node: a number, gpu, cpu or auto.
+int procs_per_node(const std::string& v) {
+  const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (v == "cpu") return cpus;
+  if (v == "gpu" || v == "auto") {
+    if (const int gpus = gpu_count()) return gpus;
+    if (v == "auto") return cpus;
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    throw std::runtime_error(std::string("--nproc-per-node gpu: this node has no visible GPU (the CUDA driver "
+                             "libcuda.so.1 found none; CUDA_VISIBLE_DEVICES=") + (visible ? visible : "unset") +
+                             "); give a number, or cpu");
+  }
+  return parse_count(v, "--nproc-per-node (a number, gpu, cpu or auto)", 4096);
+}
+
+// "k=v,k=v" (torchrun's --rdzv-conf).
+std::vector<std::pair<std::string, std::string>> parse_conf(const std::string& v) {
+  std::vector<std::pair<std::string, std::string>> kv;
+  std::size_t start = 0;
+  while (start < v.size()) {
+    const std::size_t end = std::min(v.find(',', start), v.size());
+    const std::string item = v.substr(start, end - start);
+    const std::size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw std::runtime_error("--rdzv-conf '" + v + "': give key=value pairs separated by commas");
+    kv.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+    start = end + 1;
+  }
+  return kv;
+}
+
+// "host", "host:port" or "[v6]:port".
+std::pair<std::string, int> split_endpoint(const std::string& v, int default_port) {
+  std::string host = v, port;
+  if (!v.empty() && v.front() == '[') {
+    const std::size_t close = v.find(']');
+    if (close == std::string::npos) throw std::runtime_error("--rdzv-endpoint '" + v + "': missing ']'");
+    host = v.substr(1, close - 1);
+    if (close + 1 < v.size() && v[close + 1] == ':') port = v.substr(close + 2);
+  } else if (const std::size_t colon = v.rfind(':'); colon != std::string::npos) {
+    host = v.substr(0, colon);
+    port = v.substr(colon + 1);
+  }
+  if (host.empty()) throw std::runtime_error("--rdzv-endpoint '" + v + "': no host");
+  return {host, port.empty() ? default_port : parse_count(port, "--rdzv-endpoint's port", 65535)};
+}
+
+// <dir>/<run id>_<random>/, as torchrun lays out its log folder.
+std::string new_log_dir(std::string dir, const std::string& run_id) {
+  if (dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    dir = tmp && *tmp ? tmp : "/tmp";
+  }
+  ptrun::make_dirs(dir);
+  std::string path = dir + "/" + run_id + "_XXXXXX";
+  if (!::mkdtemp(path.data())) throw std::runtime_error("cannot create a log folder in " + dir + ": " + std::strerror(errno));
+  return path;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ptrun: start a ptrain program on this node the way torchrun does"};
-  int nproc = 1, nnodes = 1, node_rank = 0, master_port = 29500, max_restarts = 0;
-  double grace = 5.0, rdzv_timeout = 600.0;
-  std::string master_addr = "127.0.0.1", run_id;
+  int node_rank = 0, master_port = 29500, max_restarts = 0;
+  double grace = 5.0, rdzv_timeout = 600.0, monitor_interval = 0.1;
+  std::string nproc_arg = "1", nnodes_arg = "1", master_addr = "127.0.0.1", run_id, rdzv_backend = "static",
+              rdzv_endpoint, rdzv_conf, log_dir, redirects = "0", tee = "0", role = "default";
+  std::optional<std::string> line_prefix;
   bool no_python = false, standalone = false;
   std::vector<std::string> command;
-  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "processes on this node")
-      ->envname("PET_NPROC_PER_NODE")->check(CLI::Range(1, 4096));
-  app.add_option("--nnodes", nnodes, "number of nodes")->envname("PET_NNODES")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc_arg,
+                 "processes on this node: a number, gpu (one per visible GPU), cpu (one per CPU) or auto "
+                 "(gpu when there is one, else cpu)")->envname("PET_NPROC_PER_NODE");
+  app.add_option("--nnodes", nnodes_arg, "number of nodes")->envname("PET_NNODES");
   auto* node_rank_opt = app.add_option("--node-rank,--node_rank", node_rank, "index of this node, 0 <= node-rank < "
                                        "nnodes (needed with --nnodes > 1)")
                             ->envname("PET_NODE_RANK")->check(CLI::Range(0, (1 << 16) - 1));
-  app.add_option("--master-addr,--master_addr", master_addr, "host of rank 0 (node-rank 0)")
-      ->envname("PET_MASTER_ADDR");
+  auto* addr_opt = app.add_option("--master-addr,--master_addr", master_addr, "host of rank 0 (node-rank 0)")
+                       ->envname("PET_MASTER_ADDR");
   auto* port_opt = app.add_option("--master-port,--master_port", master_port,
                                   "port of rank 0's store; 0 picks a free one (single node only)")
                        ->envname("PET_MASTER_PORT")->check(CLI::Range(0, 65535));
@@ -400,55 +563,116 @@ int main(int argc, char** argv) {
   auto* run_id_opt = app.add_option("--rdzv-id,--rdzv_id", run_id, "the job's id, TORCHELASTIC_RUN_ID of every rank "
                                     "(default: ptrun's pid on one node, 'none' on several)")
                         ->envname("PET_RDZV_ID");
+  app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend, "static, or c10d (then --rdzv-endpoint names the "
+                 "store: node 0's host and port)")->envname("PET_RDZV_BACKEND");
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint, "host[:port] of the store (with c10d; port "
+                 "default 29400)")->envname("PET_RDZV_ENDPOINT");
+  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "key=value,...: join_timeout (seconds, as --rdzv-timeout)")
+      ->envname("PET_RDZV_CONF");
+  app.add_option("--monitor-interval,--monitor_interval", monitor_interval,
+                 "seconds between checks of the other nodes' state")->check(CLI::Range(0.01, 60.0));
+  app.add_option("--log-dir,--log_dir", log_dir, "folder for the ranks' log files (with --redirects or --tee; "
+                 "default: a new folder under TMPDIR)")->envname("PET_LOG_DIR");
+  app.add_option("-r,--redirects", redirects, "streams that go to the log files only: 0 none, 1 stdout, 2 stderr, "
+                 "3 both, or per local rank as 0:3,1:0")->envname("PET_REDIRECTS");
+  app.add_option("-t,--tee", tee, "streams that go to the log files and to the console (values as --redirects)")
+      ->envname("PET_TEE");
+  app.add_option("--role", role, "the ranks' ROLE_NAME (and the line prefix's ${role_name})");
+  app.add_option("--log-line-prefix-template,--log_line_prefix_template", line_prefix,
+                 "prefix of every line a rank writes; ${role_name}, ${rank}, ${local_rank} are replaced "
+                 "(default with more than one rank: [${role_name}${rank}]: ; empty: no prefix)");
   // Everything from the first positional argument on is the program's command line.
   app.prefix_command();
   app.footer("Sets RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT for each rank.");
   app.set_version_flag("--version", PTRAIN_VERSION_STRING);
   CLI11_PARSE(app, argc, argv);
   command = app.remaining();
+  auto usage_error = [](const std::string& what) {
+    std::fprintf(stderr, "ptrun: %s\n", what.c_str());
+    return 2;
+  };
   if (!command.empty() && command.front() == "--") {  // "ptrun [options] -- prog args"
     command.erase(command.begin());
   } else if (!command.empty() && command.front().size() > 1 && command.front()[0] == '-') {
-    std::fprintf(stderr, "ptrun: unknown option '%s' (the program comes after ptrun's options; see ptrun --help)\n",
-                 command.front().c_str());
-    return 2;
+    return usage_error("unknown option '" + command.front() + "' (the program comes after ptrun's options; "
+                       "see ptrun --help)");
   }
-  if (command.empty()) {
-    std::fprintf(stderr, "ptrun: no program given; usage: ptrun --nproc-per-node N prog args...\n");
-    return 2;
+  if (command.empty()) return usage_error("no program given; usage: ptrun --nproc-per-node N prog args...");
+
+  int nproc = 0, nnodes = 0;
+  std::map<int, unsigned> redirect_map, tee_map;
+  try {
+    nproc = procs_per_node(nproc_arg);
+    nnodes = parse_count(nnodes_arg, "--nnodes", 1 << 16);
+    redirect_map = ptrun::parse_std_map(redirects, "--redirects");
+    tee_map = ptrun::parse_std_map(tee, "--tee");
+    for (const auto& [key, value] : parse_conf(rdzv_conf)) {
+      if (key != "join_timeout") throw std::runtime_error("--rdzv-conf: unknown key '" + key + "' (ptrun knows join_timeout)");
+      rdzv_timeout = std::stod(value);
+    }
+    if (rdzv_backend == "c10d") {
+      if (rdzv_endpoint.empty()) throw std::runtime_error("--rdzv-backend c10d needs --rdzv-endpoint host:port (node 0's)");
+      if (addr_opt->count() || port_opt->count())
+        throw std::runtime_error("--rdzv-endpoint names node 0's host and port; drop --master-addr/--master-port");
+      std::tie(master_addr, master_port) = split_endpoint(rdzv_endpoint, 29400);
+    } else if (rdzv_backend != "static") {
+      throw std::runtime_error("--rdzv-backend " + rdzv_backend + " is not supported: use c10d (with --rdzv-endpoint) "
+                               "or static (with --master-addr/--master-port)");
+    } else if (!rdzv_endpoint.empty()) {
+      std::tie(master_addr, master_port) = split_endpoint(rdzv_endpoint, master_port);
+    }
+  } catch (const std::exception& e) {
+    return usage_error(e.what());
   }
   if (nnodes > 1 && node_rank_opt->count() == 0) {
     // A forgotten --node-rank would make every node node 0: two rank 0s, two stores.
-    std::fprintf(stderr, "ptrun: --nnodes %d needs --node-rank (or PET_NODE_RANK): 0 on the node of --master-addr, "
-                         "and each other node one of 1..%d\n", nnodes, nnodes - 1);
-    return 2;
+    return usage_error("--nnodes " + std::to_string(nnodes) + " needs --node-rank (or PET_NODE_RANK): 0 on the node "
+                       "of --master-addr, and each other node one of 1.." + std::to_string(nnodes - 1));
   }
-  if (node_rank >= nnodes) {
-    std::fprintf(stderr, "ptrun: --node-rank %d must be smaller than --nnodes %d\n", node_rank, nnodes);
-    return 2;
-  }
+  if (node_rank >= nnodes)
+    return usage_error("--node-rank " + std::to_string(node_rank) + " must be smaller than --nnodes " +
+                       std::to_string(nnodes));
   if (standalone) {
-    if (nnodes != 1) {
-      std::fprintf(stderr, "ptrun: --standalone is a single-node launch; drop --nnodes %d\n", nnodes);
-      return 2;
-    }
+    if (nnodes != 1) return usage_error("--standalone is a single-node launch; drop --nnodes " + std::to_string(nnodes));
     master_addr = "127.0.0.1";
     if (port_opt->count() == 0) master_port = 0;
   }
   const bool pick_port = master_port == 0;
   if (pick_port) {
-    if (nnodes != 1) {
-      std::fprintf(stderr, "ptrun: --master-port 0 (pick a free port) works on one node only; "
-                           "with --nnodes %d give every node the same --master-port\n", nnodes);
-      return 2;
-    }
+    if (nnodes != 1)
+      return usage_error("--master-port 0 (pick a free port) works on one node only; with --nnodes " +
+                         std::to_string(nnodes) + " give every node the same --master-port");
     master_port = free_port();
   }
+  // Note [A single node's store]
+  if (nnodes == 1 && !std::getenv("PTRAIN_STORE_TOKEN")) ::setenv("PTRAIN_STORE_TOKEN", random_token().c_str(), 1);
 
   // The nodes of one job share their id: torchrun's default 'none' unless the job names itself.
   if (run_id_opt->count() == 0) run_id = nnodes > 1 ? "none" : std::to_string(::getpid());
-  Launch l{std::move(command), nproc, nnodes, node_rank, master_port, max_restarts, master_addr,
-           run_id, grace, nnodes > 1 && max_restarts > 0};
+  Launch l;
+  l.command = std::move(command);
+  l.nproc = nproc;
+  l.nnodes = nnodes;
+  l.node_rank = node_rank;
+  l.master_port = master_port;
+  l.max_restarts = max_restarts;
+  l.master_addr = master_addr;
+  l.run_id = run_id;
+  l.role = role;
+  l.grace = grace;
+  l.agent_store = nnodes > 1 && max_restarts > 0;
+  l.redirects = std::move(redirect_map);
+  l.tee = std::move(tee_map);
+  l.line_prefix = line_prefix ? *line_prefix : nnodes * nproc > 1 ? "[${role_name}${rank}]:" : "";
+  l.monitor = std::chrono::milliseconds(static_cast<long long>(monitor_interval * 1000));
+  if (!l.redirects.empty() || !l.tee.empty()) {
+    try {
+      l.log_dir = new_log_dir(log_dir, run_id);
+    } catch (const std::exception& e) {
+      return usage_error(e.what());
+    }
+    std::fprintf(stderr, "ptrun: the ranks' log files are in %s\n", l.log_dir.c_str());
+  }
 
   sigset_t mask, old_mask;
   sigemptyset(&mask);
@@ -482,8 +706,7 @@ int main(int argc, char** argv) {
       }
       if (!again) {
         ::close(sfd);
-        if (end.failure) return *end.failure;
-        return end.signal ? 128 + end.signal : 0;
+        return end.status();
       }
       std::fprintf(stderr, "ptrun: starting all %d rank(s)%s again (restart %d of %d)\n", nproc,
                    rdzv ? " of this node" : "", restart + 1, max_restarts);

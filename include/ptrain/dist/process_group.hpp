@@ -112,10 +112,6 @@ inline std::string select_backend(const ProcessGroupOptions& opts, const LaunchE
 }
 
 namespace detail {
-inline bool is_loopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-}
-
 #ifdef PTRAIN_MPI
 // mpirun gave MPI its own world; it must agree with what the environment says.
 inline void check_mpi_world(const Communicator& c, const LaunchEnv& env) {

@@ -40,8 +40,10 @@ namespace detail {
 /// Single-threaded on purpose: the map needs no lock and requests from all clients are totally ordered.
 class StoreServer {
  public:
-  StoreServer(int port, std::string token) : token_(std::move(token)) {
-    listen_ = open_listener(port);
+  /// loopback_only: listen on 127.0.0.1 only (the store's host is a loopback address,
+  /// so no other machine should reach it).
+  StoreServer(int port, std::string token, bool loopback_only = false) : token_(std::move(token)) {
+    listen_ = open_listener(port, loopback_only);
     sockaddr_storage addr{};
     socklen_t len = sizeof addr;
     ::getsockname(listen_.get(), reinterpret_cast<sockaddr*>(&addr), &len);
@@ -76,9 +78,10 @@ class StoreServer {
     std::vector<std::string> waiting;  // keys of an unanswered WAIT; empty when none
   };
 
-  static Fd open_listener(int port) {
+  static Fd open_listener(int port, bool loopback_only) {
     // Dual-stack "::" takes IPv4 and IPv6 clients; hosts without IPv6 get 0.0.0.0.
     for (int family : {AF_INET6, AF_INET}) {
+      if (loopback_only && family == AF_INET6) continue;
       Fd fd(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
       if (!fd) continue;
       int one = 1, zero = 0;
@@ -94,7 +97,7 @@ class StoreServer {
       } else {
         sockaddr_in a{};
         a.sin_family = AF_INET;
-        a.sin_addr.s_addr = htonl(INADDR_ANY);
+        a.sin_addr.s_addr = htonl(loopback_only ? INADDR_LOOPBACK : INADDR_ANY);
         a.sin_port = htons(static_cast<std::uint16_t>(port));
         rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
       }

@@ -38,8 +38,15 @@
 
 namespace ptrain::dist {
 
+namespace detail {
+inline bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+}  // namespace detail
+
 /// A Store served over TCP. The process constructed with is_server = true serves it
 /// (and is itself a client); the others connect, retrying with backoff until the timeout.
+/// A server whose host is an IPv4 loopback address listens on loopback only.
 class TCPStore : public Store {
  public:
   /// host/port: where the server listens (port 0 with is_server picks a free port; see port()).
@@ -58,7 +65,7 @@ class TCPStore : public Store {
     PTRAIN_CHECK(port >= 0 && port <= 65535 && (port > 0 || is_server), CommError,
                  "[ptrain.store.port] port ", port, " is not a TCP port; set MASTER_PORT to 1..65535");
     if (is_server) {
-      server_ = std::make_unique<detail::StoreServer>(port, *token);
+      server_ = std::make_unique<detail::StoreServer>(port, *token, detail::is_loopback(host_) && host_ != "::1");
       port_ = server_->port();
       // The server's own client uses loopback: the advertised host may be a
       // name other hosts use for this machine, behind a firewall from itself.

@@ -6,8 +6,11 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "process_util.hpp"
@@ -61,6 +64,7 @@ TEST_CASE("ptrun: every rank sees torchrun's variables", "[ptrun]") {
     CHECK(kv["TORCHELASTIC_USE_AGENT_STORE"] == "False");
     CHECK(kv["TORCHELASTIC_RUN_ID"] == "none");  // torchrun's default on several nodes: the same on each
     CHECK(kv["ARGS"] == "--nnodes x");
+    CHECK(kv["PTRAIN_STORE_TOKEN"] == "<unset>");  // several nodes: the job's secret, not ptrun's
   }
   // Ranks of node 0 were not started here.
   CHECK_FALSE(ptrain_test::file_exists(dir.file("env_0")));
@@ -135,9 +139,9 @@ TEST_CASE("ptrun: SIGTERM and SIGINT are forwarded to every rank", "[ptrun]") {
     ::kill(p.pid(), sig);
     auto st = p.wait(20s);
     REQUIRE(st.has_value());
-    CHECK(ptrain_test::exit_code(*st) == 128 + sig);
+    // The program's own status: 75 from its SIGTERM handler; SIGINT's default action kills it.
+    CHECK(ptrain_test::exit_code(*st) == (sig == SIGTERM ? 75 : 128 + sig));
     for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
-    // The workers' SIGTERM handler ran (SIGTERM case); SIGINT's default action kills them.
     if (sig == SIGTERM)
       for (int r = 0; r < n; ++r) CHECK(ptrain_test::file_exists(dir.file("term_" + std::to_string(r))));
   }
@@ -206,7 +210,7 @@ TEST_CASE("ptrun: no restart after a signal or when the program cannot start", "
   ::kill(p.pid(), SIGTERM);
   auto st = p.wait(20s);
   REQUIRE(st.has_value());
-  CHECK(ptrain_test::exit_code(*st) == 128 + SIGTERM);
+  CHECK(ptrain_test::exit_code(*st) == 75);
   for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
 
   // ptrun's stderr goes to a file (through sh): it must say it cannot execute, and not restart.
@@ -279,7 +283,7 @@ TEST_CASE("ptrun: on several nodes a signal stops every node, and a missing node
   ::kill(nodes[0].pid(), SIGTERM);
   auto st0 = nodes[0].wait(30s), st1 = nodes[1].wait(30s);
   REQUIRE((st0 && st1));
-  CHECK(ptrain_test::exit_code(*st0) == 128 + SIGTERM);
+  CHECK(ptrain_test::exit_code(*st0) == 75);
   CHECK(ptrain_test::exit_code(*st1) != 0);
   for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
   for (int r = 0; r < 4; ++r) CHECK(ptrain_test::file_exists(dir.file("term_" + std::to_string(r))));
@@ -334,4 +338,129 @@ TEST_CASE("ptrun: several nodes need --node-rank, each its own", "[ptrun]") {
   CHECK(codes[0] == 0);
   CHECK(std::min(codes[1], codes[2]) == 0);
   CHECK(std::max(codes[1], codes[2]) == 1);
+}
+
+TEST_CASE("ptrun: a single node's ranks share a random store token, unless the job set one", "[ptrun]") {
+  TempDir a, b;
+  for (const TempDir* dir : {&a, &b}) {
+    Process p(ptrun({"--nproc-per-node", "2", PTRAIN_TEST_WORKER, "env", dir->path()}));
+    auto st = p.wait(30s);
+    REQUIRE(st.has_value());
+    REQUIRE(ptrain_test::exit_code(*st) == 0);
+  }
+  auto token = [](const TempDir& d, int r) { return ptrain_test::read_kv(d.file("env_" + std::to_string(r)))["PTRAIN_STORE_TOKEN"]; };
+  CHECK(token(a, 0).size() == 64);
+  CHECK(token(a, 0) == token(a, 1));
+  CHECK(token(a, 0) != token(b, 0));
+  CHECK(ptrain_test::read_kv(a.file("env_0"))["MASTER_ADDR"] == "127.0.0.1");
+
+  TempDir c;
+  Process p({"/usr/bin/env", "PTRAIN_STORE_TOKEN=mine", PTRAIN_TEST_PTRUN, "--nproc-per-node", "2", PTRAIN_TEST_WORKER,
+             "env", c.path()});
+  auto st = p.wait(30s);
+  REQUIRE(st.has_value());
+  CHECK(token(c, 1) == "mine");
+}
+
+namespace {
+
+// Runs `ptrun args` through sh with stdout and stderr in files; returns the exit status.
+int run_captured(const TempDir& dir, const std::string& args) {
+  Process p({"/bin/sh", "-c", std::string(PTRAIN_TEST_PTRUN) + " " + args + " >" + dir.file("out") + " 2>" +
+                                  dir.file("err")});
+  auto st = p.wait(30s);
+  REQUIRE(st.has_value());
+  return ptrain_test::exit_code(*st);
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::size_t start = 0;
+  for (std::size_t nl; (nl = text.find('\n', start)) != std::string::npos; start = nl + 1)
+    lines.push_back(text.substr(start, nl - start));
+  if (start < text.size()) lines.push_back(text.substr(start));
+  return lines;
+}
+
+}  // namespace
+
+TEST_CASE("ptrun: every line a rank writes carries its rank", "[ptrun]") {
+  TempDir dir;
+  // Many lines from each of 3 ranks at once, the last one without a newline.
+  const std::string prog = "'for i in $(seq 200); do echo line $RANK $i; done; echo oops $RANK >&2; printf tail$RANK'";
+  REQUIRE(run_captured(dir, "--nproc-per-node 3 /bin/sh -c " + prog) == 0);
+  std::map<std::string, int> per_prefix;
+  for (const auto& line : lines_of(ptrain_test::read_text(dir.file("out")))) {
+    INFO(line);
+    REQUIRE(line.rfind("[default", 0) == 0);
+    const std::string rank = line.substr(8, line.find(']') - 8);
+    const std::string body = line.substr(line.find("]:") + 2);
+    CHECK((body.rfind("line " + rank + " ", 0) == 0 || body == "tail" + rank));
+    ++per_prefix[rank];
+  }
+  CHECK(per_prefix == std::map<std::string, int>{{"0", 201}, {"1", 201}, {"2", 201}});
+  const std::string err = ptrain_test::read_text(dir.file("err"));
+  for (int r = 0; r < 3; ++r) CHECK(err.find("[default" + std::to_string(r) + "]:oops " + std::to_string(r)) != std::string::npos);
+
+  // A template of one's own, and none.
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --role trainer --log-line-prefix-template '${role_name}/${local_rank}| ' "
+                            "/bin/sh -c 'echo hi'") == 0);
+  auto out = lines_of(ptrain_test::read_text(dir.file("out")));
+  std::sort(out.begin(), out.end());
+  CHECK(out == std::vector<std::string>{"trainer/0| hi", "trainer/1| hi"});
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --log-line-prefix-template '' /bin/sh -c 'echo hi'") == 0);
+  CHECK(ptrain_test::read_text(dir.file("out")) == "hi\nhi\n");
+}
+
+TEST_CASE("ptrun: --log-dir with --redirects and --tee writes each rank's streams to its files", "[ptrun]") {
+  TempDir dir;
+  const std::string logs = dir.file("logs");
+  // stdout: to the files and the console (tee); stderr: to the files only (redirect).
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --rdzv-id job7 --log-dir " + logs + " --redirects 2 --tee 1 "
+                            "/bin/sh -c 'echo out $RANK; echo err $RANK >&2; exit 0'") == 0);
+  const std::string err = ptrain_test::read_text(dir.file("err"));
+  const std::size_t at = err.find(logs + "/job7_");
+  REQUIRE(at != std::string::npos);
+  const std::string run_dir = err.substr(at, err.find('\n', at) - at);
+  for (int r = 0; r < 2; ++r) {
+    const std::string d = run_dir + "/attempt_0/" + std::to_string(r);
+    CHECK(ptrain_test::read_text(d + "/stdout.log") == "out " + std::to_string(r) + "\n");
+    CHECK(ptrain_test::read_text(d + "/stderr.log") == "err " + std::to_string(r) + "\n");
+    CHECK(err.find("err " + std::to_string(r)) == std::string::npos);
+  }
+  auto out = lines_of(ptrain_test::read_text(dir.file("out")));
+  std::sort(out.begin(), out.end());
+  CHECK(out == std::vector<std::string>{"[default0]:out 0", "[default1]:out 1"});
+  // By local rank: rank 1's stdout only.
+  TempDir d2;
+  REQUIRE(run_captured(d2, "--nproc-per-node 2 --log-dir " + d2.file("logs") + " -r 0:0,1:1 /bin/sh -c 'echo o $RANK'") == 0);
+  CHECK(ptrain_test::read_text(d2.file("out")) == "[default0]:o 0\n");
+  CHECK(run_captured(d2, "--nproc-per-node 2 --tee 4 /bin/true") == 2);
+  CHECK(ptrain_test::read_text(d2.file("err")).find("--tee '4'") != std::string::npos);
+}
+
+TEST_CASE("ptrun: torchrun's --nproc-per-node words and rendezvous flags", "[ptrun]") {
+  TempDir dir;
+  REQUIRE(run_captured(dir, "--nproc-per-node cpu /bin/sh -c 'echo $WORLD_SIZE'") == 0);
+  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  CHECK(lines_of(ptrain_test::read_text(dir.file("out"))).size() == static_cast<std::size_t>(cpus));
+  if (!ptrain_test::file_exists("/dev/nvidia0")) {
+    REQUIRE(run_captured(dir, "--nproc-per-node gpu /bin/true") == 2);
+    CHECK(ptrain_test::read_text(dir.file("err")).find("no visible GPU") != std::string::npos);
+  }
+  CHECK(run_captured(dir, "--nproc-per-node two /bin/true") == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("'two'") != std::string::npos);
+
+  // c10d with an endpoint: the store's host and port.
+  TempDir env;
+  REQUIRE(run_captured(dir, "--nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:4711 --rdzv-conf "
+                            "join_timeout=30 " PTRAIN_TEST_WORKER " env " + env.path()) == 0);
+  auto kv = ptrain_test::read_kv(env.file("env_0"));
+  CHECK(kv["MASTER_ADDR"] == "127.0.0.1");
+  CHECK(kv["MASTER_PORT"] == "4711");
+  CHECK(run_captured(dir, "--rdzv-backend etcd --rdzv-endpoint h:1 /bin/true") == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("etcd is not supported") != std::string::npos);
+  CHECK(run_captured(dir, "--rdzv-backend c10d /bin/true") == 2);
+  CHECK(run_captured(dir, "--rdzv-conf bogus=1 /bin/true") == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("unknown key 'bogus'") != std::string::npos);
 }

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -301,6 +302,36 @@ TEST_CASE("store: clients retry until the server starts, and fail in time when i
                     Catch::Contains("[ptrain.store.connect]") && Catch::Contains(std::to_string(dead)));
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
   CHECK_THROWS_WITH(TCPStore("127.0.0.1", port, true, 300ms, std::string()), Catch::Contains("[ptrain.store.bind]"));
+}
+
+// An IPv4 address of this host other than loopback, or "" when it has none.
+static std::string external_ipv4() {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return "";
+  std::string found;
+  for (ifaddrs* i = list; i && found.empty(); i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+    char buf[INET_ADDRSTRLEN];
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+    if (std::string(buf).rfind("127.", 0) != 0) found = buf;
+  }
+  ::freeifaddrs(list);
+  return found;
+}
+
+TEST_CASE("store: a server on a loopback host listens on loopback only", "[store]") {
+  const std::string ip = external_ipv4();
+  if (ip.empty()) {
+    WARN("this host has no IPv4 address besides loopback; nothing to check");
+    return;
+  }
+  TCPStore local("127.0.0.1", 0, true, 5s, std::string());
+  CHECK_THROWS_WITH(TCPStore(ip, local.port(), false, 300ms, std::string()),
+                    Catch::Contains("[ptrain.store.connect]"));
+  // The same server on the host's own address takes clients on it.
+  TCPStore open(ip, 0, true, 5s, std::string());
+  open.set("k", "v");
+  CHECK(TCPStore(ip, open.port(), false, 2s, std::string()).get("k") == "v");
 }
 
 TEST_CASE("store: destroying the server wakes blocked clients instead of hanging", "[store]") {

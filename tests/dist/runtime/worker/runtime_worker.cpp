@@ -10,8 +10,9 @@
 //                            the TORCHELASTIC_* variables); while TORCHELASTIC_RESTART_COUNT < FAILS
 //                            rank R then exits with 3 and the others sleep, afterwards all exit 0
 //   linger R SECONDS         rank R sleeps SECONDS, then every rank exits 0 (the others at once)
-//   sleep OUTDIR [ignore]    write a pid file and sleep; on SIGTERM write OUTDIR/term_<rank> and exit 0
-//                            ("ignore": SIGTERM is ignored, so only SIGKILL ends it)
+//   sleep OUTDIR [ignore]    write a pid file and sleep; on SIGTERM write OUTDIR/term_<rank> and exit 75
+//                            (as a program that saved a checkpoint on preemption; "ignore": SIGTERM
+//                            is ignored, so only SIGKILL ends it)
 
 #include <fcntl.h>
 #include <signal.h>
@@ -57,7 +58,7 @@ std::string term_path;
 void on_term(int) {
   int fd = ::open(term_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd >= 0) ::close(fd);
-  ::_exit(0);
+  ::_exit(75);
 }
 
 }  // namespace
@@ -72,7 +73,7 @@ int main(int argc, char** argv) {
     std::string text;
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                           "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
-                          "OMP_NUM_THREADS"})
+                          "OMP_NUM_THREADS", "PTRAIN_STORE_TOKEN", "ROLE_NAME"})
       text += std::string(v) + "=" + env_or(v, "<unset>") + "\n";
     text += "ARGS=";
     for (int i = 3; i < argc; ++i) text += std::string(i > 3 ? " " : "") + argv[i];
