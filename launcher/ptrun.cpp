@@ -37,12 +37,19 @@
 #include <vector>
 
 #include "output.hpp"
+#include "rendezvous.hpp"
 #include "ptrain/config.hpp"
 #include "ptrain/dist/store.hpp"
 
 extern char** environ;
 
 namespace {
+
+using ptrun::ElasticRendezvous;
+using ptrun::Launch;
+using ptrun::Peers;
+using ptrun::pending_signal;
+using ptrun::Rendezvous;
 
 struct Child {
   pid_t pid = -1;
@@ -83,136 +90,6 @@ void signal_children(std::vector<Child>& children, int sig) {
     if (c.running) ::kill(-c.pid, sig);
 }
 
-// What every round of ranks shares.
-struct Launch {
-  std::vector<std::string> command;
-  int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0, max_restarts = 0;
-  std::string master_addr, run_id, role = "default";
-  double grace = 5.0;
-  bool agent_store = false;  // Note [Restarts across nodes]
-  // What happens to the ranks' output (output.hpp): files under log_dir/attempt_<k>/,
-  // lines on the console prefixed with line_prefix (a template; empty: as written).
-  std::map<int, unsigned> redirects, tee;
-  std::string log_dir, line_prefix;
-  std::chrono::milliseconds monitor{100};  // --monitor-interval
-};
-
-// The first signal (not SIGCHLD) waiting in `sfd`, or 0.
-int pending_signal(int sfd) {
-  int sig = 0;
-  signalfd_siginfo si;
-  while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si))
-    if (si.ssi_signo != SIGCHLD && !sig) sig = static_cast<int>(si.ssi_signo);
-  return sig;
-}
-
-// Note [Restarts across nodes]
-// With --nnodes > 1 and --max-restarts, node 0's ptrun serves an agent store at
-// --master-port (the programs' rank 0 then serves theirs at MASTER_PORT + 1, as
-// under torchrun: TORCHELASTIC_USE_AGENT_STORE=True), and the agents agree on
-// every round k there:
-//   join   every agent counts itself in round/k/joined; the ranks start once all
-//          nnodes have (a node that never comes fails the others at the timeout);
-//   run    an agent whose rank fails sets round/k/failed, one that gets a signal
-//          round/k/stopped; every agent polls both keys and stops its own ranks
-//          when one is set, so a failure anywhere ends the round everywhere;
-//   end    an agent whose ranks have all exited counts itself in round/k/ended and
-//          waits for all; every agent then reads the same keys and takes the same
-//          decision: stopped -> exit, failed -> round k + 1 while restarts are
-//          left, else exit 0. Node 0 serves the store, so it leaves last
-//          (round/k/left).
-// Waits poll every --monitor-interval (0.1 s), so that signals to ptrun still stop the job, and end
-// after --rdzv-timeout: at join with an error; at end (as torchrun's exit barrier)
-// with this node's own status and no restart, since the others may be gone.
-class Rendezvous {
- public:
-  enum class Outcome { Done, Failed, Stopped, Incomplete };
-
-  Rendezvous(const Launch& l, std::chrono::milliseconds timeout)
-      : store_(l.master_addr, l.master_port, l.node_rank == 0, timeout), nnodes_(l.nnodes), node_(l.node_rank),
-        timeout_(timeout), monitor_(l.monitor) {
-    // Two ptruns with one --node-rank would each start the same ranks.
-    char host[256] = {};
-    ::gethostname(host, sizeof host - 1);
-    const std::string me = std::string(host) + " (pid " + std::to_string(::getpid()) + ")";
-    const std::string owner = store_.compare_set("ptrun/node/" + std::to_string(node_), "", me);
-    PTRAIN_CHECK(owner == me, CommError, "[ptrun.rendezvous] --node-rank ", node_, " is taken by the ptrun on ",
-                 owner, "; give every node its own --node-rank (0 to ", nnodes_ - 1, ")");
-  }
-
-  /// Waits until every node joined round k; returns a signal that came meanwhile (0: none).
-  int join(int k, int sfd) {
-    store_.add(key(k, "joined"), 1);
-    int sig = 0;
-    const std::int64_t n = wait_count(k, "joined", sfd, sig);
-    PTRAIN_CHECK(n >= nnodes_, CommError, "[ptrun.rendezvous] round ", k, ": ", n, " of ", nnodes_,
-                 " node(s) joined within ", timeout_.count() / 1000, " s; start ptrun on every node (--node-rank 0..",
-                 nnodes_ - 1, " with the same --master-addr and --master-port), or raise --rdzv-timeout");
-    return sig;
-  }
-  /// What a node reported for round k ("round k failed on node n: ..."), or nothing. An
-  /// unreachable store counts as a failure (node 0's ptrun is gone).
-  std::optional<std::string> reported(int k) noexcept {
-    try {
-      for (const char* what : {"stopped", "failed"})
-        if (store_.check({key(k, what)})) return "round " + std::to_string(k) + " " + what + " on " + store_.get(key(k, what));
-      return std::nullopt;
-    } catch (const std::exception& e) {
-      return "the agent store is unreachable (" + std::string(e.what()) + ")";
-    }
-  }
-  /// Tells every node that round k failed or stopped here (the first report of each kind stays).
-  void report(int k, const char* what, const std::string& detail) noexcept {
-    try {
-      store_.compare_set(key(k, what), "", "node " + std::to_string(node_) + ": " + detail);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "ptrun: cannot report to the agent store: %s\n", e.what());
-    }
-  }
-  /// After this node's ranks have exited: waits for every node, then the round's outcome.
-  Outcome end(int k, int sfd, int& signal) {
-    store_.add(key(k, "ended"), 1);
-    if (const std::int64_t n = wait_count(k, "ended", sfd, signal); n < nnodes_) {
-      std::fprintf(stderr, "ptrun: round %d: %lld of %d node(s) ended within %lld s; exiting with this node's "
-                           "status, without a restart\n", k, static_cast<long long>(n), nnodes_,
-                   static_cast<long long>(timeout_.count() / 1000));
-      return Outcome::Incomplete;
-    }
-    if (store_.check({key(k, "stopped")})) return Outcome::Stopped;
-    return store_.check({key(k, "failed")}) ? Outcome::Failed : Outcome::Done;
-  }
-  /// Node 0 serves the store: it returns once every node has read round k's outcome
-  /// (or after the timeout: then the others have gone already).
-  void leave(int k, int sfd) {
-    store_.add(key(k, "left"), 1);
-    int sig = 0;
-    if (node_ == 0) wait_count(k, "left", sfd, sig);
-  }
-
- private:
-  static std::string key(int k, const char* what) { return "ptrun/round/" + std::to_string(k) + "/" + what; }
-
-  // Polls the counter round/k/<what> until it reaches nnodes or the timeout passes; returns
-  // the count. A signal in the meantime is reported as round k stopped and kept in `sig`;
-  // the wait goes on, so that every node learns it.
-  std::int64_t wait_count(int k, const char* what, int sfd, int& sig) {
-    const auto until = std::chrono::steady_clock::now() + timeout_;
-    for (;;) {
-      const std::int64_t n = store_.add(key(k, what), 0);
-      if (n >= nnodes_ || std::chrono::steady_clock::now() >= until) return n;
-      if (const int s = pending_signal(sfd); s && !sig) {
-        sig = s;
-        report(k, "stopped", "signal " + std::to_string(s));
-      }
-      std::this_thread::sleep_for(monitor_);
-    }
-  }
-
-  ptrain::dist::TCPStore store_;
-  int nnodes_, node_;
-  std::chrono::milliseconds timeout_, monitor_;
-};
-
 // How a round ended. `failure` is the first failing rank's status (exit code, or
 // 128 + signal); later failures are its consequences.
 struct RoundEnd {
@@ -239,18 +116,18 @@ struct RoundEnd {
 // with child exits, never inside an async handler.
 // With `rdzv` (Note [Restarts across nodes]) a failure or signal is reported to
 // the other nodes, and one they report stops this node's ranks too.
-RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Rendezvous* rdzv) {
+RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peers* rdzv) {
   RoundEnd end;
   // A signal that came between rounds stops the job before anything starts.
   if ((end.signal = pending_signal(sfd))) {
-    if (rdzv) rdzv->report(restart, "stopped", "signal " + std::to_string(end.signal));
+    if (rdzv) rdzv->report(round, "stopped", "signal " + std::to_string(end.signal));
     return end;
   }
 
   const int world = l.nnodes * l.nproc;
   std::vector<Child> children(l.nproc);
   ptrun::Output output;
-  const std::string attempt_dir = l.log_dir + "/attempt_" + std::to_string(restart);
+  const std::string attempt_dir = l.log_dir + "/attempt_" + std::to_string(round);
   int running = 0;
   using Clock = std::chrono::steady_clock;
   constexpr auto no_deadline = Clock::time_point::max();
@@ -309,7 +186,7 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
       set("ROLE_NAME", l.role);
       set("MASTER_ADDR", l.master_addr);
       set("MASTER_PORT", std::to_string(l.master_port));
-      set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+      set("TORCHELASTIC_RESTART_COUNT", std::to_string(l.restart_count));
       set("TORCHELASTIC_MAX_RESTARTS", std::to_string(l.max_restarts));
       set("TORCHELASTIC_RUN_ID", l.run_id);
       set("TORCHELASTIC_USE_AGENT_STORE", l.agent_store ? "True" : "False");
@@ -351,7 +228,7 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
     }
   }
 
-  if (end.cannot_start && rdzv) rdzv->report(restart, "stopped", "the program cannot start");
+  if (end.cannot_start && rdzv) rdzv->report(round, "stopped", "the program cannot start");
   // The ranks' pipes are drained up to 2 s after the last rank ended (a process it
   // left behind may hold them open).
   auto drain_until = no_deadline;
@@ -383,10 +260,10 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
       end.signal = sig;
       std::fprintf(stderr, "ptrun: got signal %d (%s); forwarding it to %d rank(s)\n", sig, strsignal(sig), running);
       stop_all(sig);
-      if (rdzv) rdzv->report(restart, "stopped", "signal " + std::to_string(sig));
+      if (rdzv) rdzv->report(round, "stopped", "signal " + std::to_string(sig));
     }
     if (rdzv && !end.failure && !end.signal)
-      if (auto other = rdzv->reported(restart)) {
+      if (auto other = rdzv->reported(round)) {
         std::fprintf(stderr, "ptrun: %s; stopping this node's %d rank(s)\n", other->c_str(), running);
         end.failure = 1;  // the exits that follow are consequences
         stop_all(SIGTERM);
@@ -415,7 +292,7 @@ RoundEnd run_round(Launch& l, int restart, int sfd, const sigset_t& old_mask, Re
           std::fprintf(stderr, "ptrun: rank %d (pid %d) %s; stopping the other %d rank(s)\n", c.rank, pid,
                        describe(status).c_str(), running);
           stop_all(SIGTERM);
-          if (rdzv) rdzv->report(restart, "failed", "rank " + std::to_string(c.rank) + " " + describe(status));
+          if (rdzv) rdzv->report(round, "failed", "rank " + std::to_string(c.rank) + " " + describe(status));
         }
       }
     }
@@ -484,6 +361,19 @@ int procs_per_node(const std::string& v) {
   return parse_count(v, "--nproc-per-node (a number, gpu, cpu or auto)", 4096);
 }
 
+double parse_seconds(const std::string& v, const char* key) {
+  std::size_t used = 0;
+  double s = -1;
+  try {
+    s = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != v.size() || !(s >= 0 && s <= 86400))
+    throw std::runtime_error(std::string("--rdzv-conf ") + key + "=" + v + ": give seconds from 0 to 86400");
+  return s;
+}
+
 // "k=v,k=v" (torchrun's --rdzv-conf).
 std::vector<std::pair<std::string, std::string>> parse_conf(const std::string& v) {
   std::vector<std::pair<std::string, std::string>> kv;
@@ -526,6 +416,44 @@ std::string new_log_dir(std::string dir, const std::string& run_id) {
   std::string path = dir + "/" + run_id + "_XXXXXX";
   if (!::mkdtemp(path.data())) throw std::runtime_error("cannot create a log folder in " + dir + ": " + std::strerror(errno));
   return path;
+}
+
+// Note [Elastic membership]: rounds on whichever nodes are there, until the job ends.
+int run_elastic(Launch& l, const ElasticRendezvous::Options& o, std::optional<bool> serve, int sfd,
+                const sigset_t& old_mask) {
+  ElasticRendezvous rdzv(l, o, serve);
+  RoundEnd last;
+  for (int k = -1, restarts = 0;; ++k) {
+    int sig = 0;
+    std::string why;
+    const auto plan = rdzv.join(k, restarts, sfd, sig, why);
+    if (sig) {
+      if (rdzv.serves()) rdzv.stop(k, "node 0's ptrun got signal " + std::to_string(sig), sfd);
+      return 128 + sig;
+    }
+    if (!plan) {
+      std::fprintf(stderr, "ptrun: the job stops: %s\n", why.c_str());
+      return last.failure.value_or(1);
+    }
+    rdzv.running(*plan);
+    l.nnodes = plan->nodes;
+    l.node_rank = plan->index;
+    l.restart_count = plan->restarts;
+    std::fprintf(stderr, "ptrun: round %d on %d node(s): this is node %d, ranks %d..%d of %d (restarts %d of %d)\n",
+                 k, l.nnodes, l.node_rank, l.node_rank * l.nproc, (l.node_rank + 1) * l.nproc - 1, l.nnodes * l.nproc,
+                 l.restart_count, l.max_restarts);
+    last = run_round(l, k, sfd, old_mask, &rdzv);
+    if (last.signal || last.cannot_start) {  // node 0 stops the job; another node leaves it
+      if (rdzv.serves()) rdzv.ended(k, false, sfd);
+      return last.status();
+    }
+    if (rdzv.ended(k, !last.failure, sfd)) return last.status();
+    if (rdzv.serves() && rdzv.failed(k) && ++restarts > l.max_restarts) {
+      rdzv.stop(k + 1, "round " + std::to_string(k) + " failed and the " + std::to_string(l.max_restarts) +
+                           " restart(s) of --max-restarts are used up", sfd);
+      return last.status();
+    }
+  }
 }
 
 }  // namespace
@@ -599,16 +527,25 @@ int main(int argc, char** argv) {
   }
   if (command.empty()) return usage_error("no program given; usage: ptrun --nproc-per-node N prog args...");
 
-  int nproc = 0, nnodes = 0;
+  int nproc = 0, nnodes = 0, min_nodes = 0;
+  double last_call = 30.0, keep_alive = 5.0, keep_alive_attempts = 3;
+  std::optional<bool> is_host;
   std::map<int, unsigned> redirect_map, tee_map;
   try {
     nproc = procs_per_node(nproc_arg);
-    nnodes = parse_count(nnodes_arg, "--nnodes", 1 << 16);
+    const std::size_t colon = nnodes_arg.find(':');
+    nnodes = parse_count(nnodes_arg.substr(colon == std::string::npos ? 0 : colon + 1), "--nnodes", 1 << 16);
+    min_nodes = colon == std::string::npos ? nnodes : parse_count(nnodes_arg.substr(0, colon), "--nnodes MIN", nnodes);
     redirect_map = ptrun::parse_std_map(redirects, "--redirects");
     tee_map = ptrun::parse_std_map(tee, "--tee");
     for (const auto& [key, value] : parse_conf(rdzv_conf)) {
-      if (key != "join_timeout") throw std::runtime_error("--rdzv-conf: unknown key '" + key + "' (ptrun knows join_timeout)");
-      rdzv_timeout = std::stod(value);
+      if (key == "join_timeout") rdzv_timeout = parse_seconds(value, "join_timeout");
+      else if (key == "last_call_timeout") last_call = parse_seconds(value, "last_call_timeout");
+      else if (key == "keep_alive_interval") keep_alive = parse_seconds(value, "keep_alive_interval");
+      else if (key == "keep_alive_max_attempt") keep_alive_attempts = parse_seconds(value, "keep_alive_max_attempt");
+      else if (key == "is_host") is_host = value == "1" || value == "true" || value == "True";
+      else throw std::runtime_error("--rdzv-conf: unknown key '" + key + "' (ptrun knows join_timeout, "
+                                    "last_call_timeout, keep_alive_interval, keep_alive_max_attempt and is_host)");
     }
     if (rdzv_backend == "c10d") {
       if (rdzv_endpoint.empty()) throw std::runtime_error("--rdzv-backend c10d needs --rdzv-endpoint host:port (node 0's)");
@@ -624,7 +561,13 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return usage_error(e.what());
   }
-  if (nnodes > 1 && node_rank_opt->count() == 0) {
+  // Note [Elastic membership]: a range of nodes, or c10d's node ranks by arrival.
+  const bool elastic = min_nodes < nnodes || (rdzv_backend == "c10d" && nnodes > 1 && node_rank_opt->count() == 0);
+  if (elastic) {
+    if (standalone || master_port == 0)
+      return usage_error("--nnodes " + nnodes_arg + " needs the store's fixed host and port (--rdzv-endpoint)");
+    node_rank = 0;  // node ranks come from the rendezvous, as under torchrun
+  } else if (nnodes > 1 && node_rank_opt->count() == 0) {
     // A forgotten --node-rank would make every node node 0: two rank 0s, two stores.
     return usage_error("--nnodes " + std::to_string(nnodes) + " needs --node-rank (or PET_NODE_RANK): 0 on the node "
                        "of --master-addr, and each other node one of 1.." + std::to_string(nnodes - 1));
@@ -660,7 +603,7 @@ int main(int argc, char** argv) {
   l.run_id = run_id;
   l.role = role;
   l.grace = grace;
-  l.agent_store = nnodes > 1 && max_restarts > 0;
+  l.agent_store = elastic || (nnodes > 1 && max_restarts > 0);
   l.redirects = std::move(redirect_map);
   l.tee = std::move(tee_map);
   l.line_prefix = line_prefix ? *line_prefix : nnodes * nproc > 1 ? "[${role_name}${rank}]:" : "";
@@ -685,6 +628,18 @@ int main(int argc, char** argv) {
   }
 
   try {
+    if (elastic) {
+      ElasticRendezvous::Options o;
+      o.min_nodes = min_nodes;
+      o.max_nodes = nnodes;
+      o.join_timeout = std::chrono::milliseconds(static_cast<long long>(rdzv_timeout * 1000));
+      o.last_call = std::chrono::milliseconds(static_cast<long long>(last_call * 1000));
+      o.monitor = l.monitor;
+      o.heartbeat = std::chrono::milliseconds(static_cast<long long>(keep_alive * keep_alive_attempts * 1000));
+      const int status = run_elastic(l, o, is_host, sfd, old_mask);
+      ::close(sfd);
+      return status;
+    }
     std::unique_ptr<Rendezvous> rdzv;  // Note [Restarts across nodes]
     if (l.agent_store)
       rdzv = std::make_unique<Rendezvous>(
@@ -693,6 +648,7 @@ int main(int argc, char** argv) {
       // A port picked for the run is picked again: the last round's may be taken by now.
       if (restart > 0 && pick_port) l.master_port = free_port();
       RoundEnd end;
+      l.restart_count = restart;
       if (rdzv) end.signal = rdzv->join(restart, sfd);
       if (!end.signal) end = run_round(l, restart, sfd, old_mask, rdzv.get());
       bool again = end.failure && !end.signal && !end.cannot_start && restart < max_restarts;

@@ -464,3 +464,116 @@ TEST_CASE("ptrun: torchrun's --nproc-per-node words and rendezvous flags", "[ptr
   CHECK(run_captured(dir, "--rdzv-conf bogus=1 /bin/true") == 2);
   CHECK(ptrain_test::read_text(dir.file("err")).find("unknown key 'bogus'") != std::string::npos);
 }
+
+namespace {
+// One elastic ptrun "node" on this machine: --nnodes MIN:MAX, one rank, the worker's elastic mode.
+// Every node but the first is told not to serve the store (on one machine each could).
+// A lost node counts against --max-restarts, as under torchrun.
+Process elastic_node(const std::string& nnodes, int port, const TempDir& dir, double seconds, bool first = false) {
+  std::vector<std::string> args{"--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
+                                "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port), "--monitor-interval",
+                                "0.05", "--rdzv-conf", std::string("last_call_timeout=1,join_timeout=20,") +
+                                "keep_alive_interval=0.5,keep_alive_max_attempt=4,is_host=" + (first ? "1" : "0")};
+  for (std::string a : {std::string(PTRAIN_TEST_WORKER), std::string("elastic"), dir.path(), std::to_string(seconds)})
+    args.push_back(a);
+  return Process(ptrun(args));
+}
+}  // namespace
+
+TEST_CASE("ptrun: an elastic job grows when a node comes", "[ptrun][elastic]") {
+  TempDir dir;
+  const int port = ptrain_test::free_port();
+  Process a = elastic_node("1:2", port, dir, 6, true);
+  REQUIRE(ptrain_test::wait_for_file(dir.file("world_1_0"), 20s));  // round 0: node a alone
+  Process b = elastic_node("1:2", port, dir, 1);
+  auto sb = b.wait(60s), sa = a.wait(60s);
+  REQUIRE((sa && sb));
+  CHECK(ptrain_test::exit_code(*sa) == 0);
+  CHECK(ptrain_test::exit_code(*sb) == 0);
+  CHECK(ptrain_test::file_exists(dir.file("term_0")));  // round 0's rank was stopped to re-form
+  // Round 1: both nodes, node a (the store's host) is node 0.
+  CHECK(ptrain_test::read_text(dir.file("world_2_0")) == "0 2\n");
+  CHECK(ptrain_test::read_text(dir.file("world_2_1")) == "1 2\n");
+}
+
+TEST_CASE("ptrun: an elastic job goes on without a node that leaves", "[ptrun][elastic]") {
+  TempDir dir;
+  const int port = ptrain_test::free_port();
+  Process a = elastic_node("1:2", port, dir, 4, true);
+  Process b = elastic_node("1:2", port, dir, 30);
+  REQUIRE(ptrain_test::wait_for_file(dir.file("world_2_1"), 20s));
+  ::kill(b.pid(), SIGTERM);  // node b is reclaimed: its rank exits 75 (a checkpoint), so does ptrun
+  auto sb = b.wait(30s);
+  REQUIRE(sb.has_value());
+  CHECK(ptrain_test::exit_code(*sb) == 75);
+  auto sa = a.wait(60s);
+  REQUIRE(sa.has_value());
+  CHECK(ptrain_test::exit_code(*sa) == 0);
+  CHECK(ptrain_test::read_text(dir.file("world_1_0")) == "0 1\n");  // the next round on node a alone
+
+  // A node that comes while the job runs on its most nodes is refused.
+  TempDir d2;
+  const int port2 = ptrain_test::free_port();
+  Process c = elastic_node("1:2", port2, d2, 8, true), d = elastic_node("1:2", port2, d2, 8);
+  REQUIRE(ptrain_test::wait_for_file(d2.file("world_2_1"), 20s));
+  TempDir d3;
+  Process e = elastic_node("1:2", port2, d3, 1);
+  auto se = e.wait(30s);
+  REQUIRE(se.has_value());
+  CHECK(ptrain_test::exit_code(*se) == 1);
+  CHECK_FALSE(ptrain_test::file_exists(d3.file("world_3_2")));
+}
+
+TEST_CASE("ptrun: when an elastic job's store host is lost, the other nodes end with an error", "[ptrun][elastic]") {
+  TempDir dir;
+  const int port = ptrain_test::free_port();
+  Process a = elastic_node("1:2", port, dir, 60, true);
+  Process b = elastic_node("1:2", port, dir, 60);
+  REQUIRE(ptrain_test::wait_for_file(dir.file("world_2_1"), 20s));
+  auto t0 = std::chrono::steady_clock::now();
+  ::kill(a.pid(), SIGKILL);
+  auto sb = b.wait(30s);
+  REQUIRE(sb.has_value());
+  CHECK(ptrain_test::exit_code(*sb) == 1);
+  CHECK(std::chrono::steady_clock::now() - t0 < 15s);
+}
+
+TEST_CASE("ptrun: an elastic job notices a lost node by its heartbeat and goes on without it", "[ptrun][elastic]") {
+  TempDir dir;
+  const int port = ptrain_test::free_port();
+  Process a = elastic_node("1:2", port, dir, 20, true);
+  Process b = elastic_node("1:2", port, dir, 60);
+  REQUIRE(ptrain_test::wait_for_file(dir.file("world_2_1"), 20s));
+  // Node b's ptrun stops without a word (SIGSTOP: as a machine cut off); its rank runs on,
+  // silent, so only the missing heartbeat (2 s here) tells node 0.
+  ::kill(b.pid(), SIGSTOP);
+  REQUIRE(ptrain_test::wait_for_file(dir.file("world_1_0"), 30s));  // the next round: node a alone
+  ::kill(b.pid(), SIGKILL);
+  b.wait(10s);
+  ::kill(a.pid(), SIGTERM);
+  auto sa = a.wait(30s);
+  REQUIRE(sa.has_value());
+  CHECK(ptrain_test::exit_code(*sa) == 75);
+}
+
+TEST_CASE("ptrun: an elastic job's failures count against --max-restarts", "[ptrun][elastic]") {
+  TempDir dir;
+  const int port = ptrain_test::free_port();
+  // Rank 0 fails in every round: one restart, then both nodes stop with its status.
+  std::vector<Process> nodes;
+  for (int i = 0; i < 2; ++i)
+    nodes.emplace_back(ptrun({"--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                              "127.0.0.1:" + std::to_string(port), "--max-restarts", "1", "--monitor-interval", "0.05",
+                              "--rdzv-conf", "last_call_timeout=1", PTRAIN_TEST_WORKER, "flaky", "0", "5",
+                              dir.path()}));
+  for (auto& n : nodes) {
+    auto st = n.wait(60s);
+    REQUIRE(st.has_value());
+    CHECK(ptrain_test::exit_code(*st) != 0);
+  }
+  // c10d without --node-rank: node ranks by arrival; rounds 0 and 1 ran, round 2 did not.
+  for (int r = 0; r < 2; ++r) {
+    CHECK(ptrain_test::file_exists(dir.file("round_1_" + std::to_string(r))));
+    CHECK_FALSE(ptrain_test::file_exists(dir.file("round_2_" + std::to_string(r))));
+  }
+}

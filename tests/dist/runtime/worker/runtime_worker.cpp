@@ -10,6 +10,8 @@
 //                            the TORCHELASTIC_* variables); while TORCHELASTIC_RESTART_COUNT < FAILS
 //                            rank R then exits with 3 and the others sleep, afterwards all exit 0
 //   linger R SECONDS         rank R sleeps SECONDS, then every rank exits 0 (the others at once)
+//   elastic OUTDIR SECONDS   write OUTDIR/world_<WORLD_SIZE>_<RANK> (GROUP_RANK, GROUP_WORLD_SIZE), sleep
+//                            SECONDS and exit 0; on SIGTERM exit 75 at once
 //   sleep OUTDIR [ignore]    write a pid file and sleep; on SIGTERM write OUTDIR/term_<rank> and exit 75
 //                            (as a program that saved a checkpoint on preemption; "ignore": SIGTERM
 //                            is ignored, so only SIGKILL ends it)
@@ -152,6 +154,16 @@ int main(int argc, char** argv) {
 
   if (mode == "linger" && argc >= 4) {
     if (my_rank == std::atoi(argv[2])) std::this_thread::sleep_for(std::chrono::seconds(std::atoi(argv[3])));
+    return 0;
+  }
+
+  if (mode == "elastic" && argc >= 4) {
+    out_dir = argv[2];
+    write_file(out_dir + "/world_" + env_or("WORLD_SIZE", "x") + "_" + env_or("RANK", "x"),
+               env_or("GROUP_RANK", "x") + " " + env_or("GROUP_WORLD_SIZE", "x") + "\n");
+    term_path = out_dir + "/term_" + std::to_string(my_rank);
+    ::signal(SIGTERM, on_term);
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(std::atof(argv[3]) * 1000)));
     return 0;
   }
 
