@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what ptrain's build, tests and examples need on Debian 12 (bookworm).
 #   tools/install-deps.sh          build, tests, examples (and Fashion-MNIST)
+#   tools/install-deps.sh --test   also what only the tests run: PyTorch's torchrun (tools/test.sh asks for it)
 #   tools/install-deps.sh --bench  also PyTorch (side-by-side benchmarks) and matplotlib (timeline pictures)
 # CUDA is not installed here: the CUDA toolkit at /usr/local/cuda is used when present.
 set -euo pipefail
@@ -21,9 +22,13 @@ packages=(
   clang libclang-rt-14-dev  # libFuzzer target for the safetensors parser
   python3-yaml iproute2  # manifest checks and the multi-pod test (network namespaces)
 )
-if [[ "${1:-}" == "--bench" ]]; then
-  packages+=(python3-torch libopenblas0-pthread python3-matplotlib)
-fi
+for arg in "$@"; do
+  case "$arg" in
+    --test) packages+=(python3-torch) ;;
+    --bench) packages+=(python3-torch libopenblas0-pthread python3-matplotlib) ;;
+    *) echo "install-deps: unknown option $arg (use --test or --bench)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${packages[@]}"; do

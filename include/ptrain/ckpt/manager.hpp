@@ -171,6 +171,7 @@ class CheckpointManager {
         Checkpoint c(path, verify_data);
         out.path = path;
         out.step = step;
+        found_latest_ = true;
         return out;
       } catch (const std::exception& e) {  // CheckpointError, or a file system error
         out.skipped.push_back({path, e.what()});
@@ -421,10 +422,13 @@ class CheckpointManager {
   }
 
   // Committed checkpoints of larger steps are deleted once this step commits
-  // (rotate), which is right after resuming from an older one. Without any
-  // committed checkpoint at or before `step`, this run cannot have resumed from
-  // this directory: deleting them would throw away another run's work. Rank 0.
+  // (rotate), which is right after resuming from an older one, or from one of
+  // fewer ranks (whose steps were larger: Note [Trainer steps]). A run that was
+  // not handed a checkpoint by latest() and finds no committed one at or before
+  // `step` did not resume from this directory: deleting them would throw away
+  // another run's work. Rank 0.
   void check_resumed(std::int64_t step) const {
+    if (found_latest_) return;
     std::int64_t newest = -1;
     for (const auto& [s, path] : list_steps()) {
       if (!fs::exists(path / detail::kMarker)) continue;
@@ -589,6 +593,7 @@ class CheckpointManager {
   dist::Communicator* comm_;
   CheckpointOptions opt_;
   std::thread cleaner_;  // deletes rotated-out checkpoints
+  mutable bool found_latest_ = false;  // latest() handed out a checkpoint: this run resumes from here
 };
 
 }  // namespace ptrain::ckpt

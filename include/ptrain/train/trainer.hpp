@@ -183,7 +183,8 @@ class Trainer {
           const std::int64_t n = (result.step - 1) % o_.log_every + 1;
           const double mean = engine_.average(window_loss / static_cast<double>(n));  // every rank, same steps
           metrics.write({{"step", result.step}, {"epoch", epoch + 1}, {"loss", mean}, {"lr", opt_.lr()},
-                         {"samples_per_s", static_cast<double>(n * o_.batch * data_world) / window.seconds()}});
+                         {"samples_per_s", static_cast<double>(n * o_.batch * data_world) / window.seconds()},
+                         {"world_size", data_world}});
           window_loss = 0;
           window.reset();
         }

@@ -337,7 +337,7 @@ TEST_CASE("saving a committed step again keeps the old checkpoint until the new 
   CHECK(dirs == std::vector<std::string>{"step-00000005"});
 }
 
-TEST_CASE("a run that did not resume may not delete newer checkpoints; steps are not negative", "[ckpt]") {
+TEST_CASE("a run that did not resume may not delete newer checkpoints; one that did may; steps are not negative", "[ckpt]") {
   TmpDir d;
   Run a(1);
   ckpt::CheckpointManager mgr(d.path);
@@ -350,6 +350,15 @@ TEST_CASE("a run that did not resume may not delete newer checkpoints; steps are
   CHECK(fs::exists(d.path / "step-00000010" / "COMMITTED"));
   CHECK_FALSE(fs::exists(d.path / "step-00000002"));
   CHECK_THROWS_WITH(mgr.save(-5, a.params, &a.opt, {}), Catch::Contains("[ptrain.ckpt.step]"));
+  {
+    // A run handed step 20 by latest() resumed from it: on more ranks its steps are
+    // smaller (Note [Trainer steps]), and its save supersedes the larger ones.
+    ckpt::CheckpointManager resumed(d.path);
+    REQUIRE(resumed.latest().step == 20);
+    resumed.save(14, a.params, &a.opt, {});
+    CHECK(resumed.latest().step == 14);
+  }  // waits for the background deletion
+  CHECK_FALSE(fs::exists(d.path / "step-00000020"));
   // Loading from a wrong path says so (not "the save did not finish").
   CHECK_THROWS_WITH(mgr.load(d.path / "nope", a.params), Catch::Contains("[ptrain.ckpt.path]") &&
                                                             Catch::Contains("does not exist"));
