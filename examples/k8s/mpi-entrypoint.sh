@@ -13,7 +13,8 @@
 #   worker    SIGTERM goes to every rank of this container (a process whose
 #             environment has OMPI_COMM_WORLD_RANK, which orted sets); ptrain's
 #             preemption handler makes all ranks agree at the next step, save a
-#             checkpoint and exit. Once they are gone, sshd gets SIGTERM.
+#             checkpoint and exit. Once they are gone, and orted has reported
+#             their exit to mpirun and ended, sshd gets SIGTERM.
 #   launcher  SIGTERM becomes SIGUSR1 to mpirun, which forwards it to every rank
 #             (Open MPI forwards SIGUSR1/SIGUSR2; on SIGTERM it would kill the
 #             ranks a few seconds later); ptrain handles SIGUSR1 like SIGTERM.
@@ -34,11 +35,19 @@ case "$role" in worker | launcher) ;; *) usage ;; esac
 # Process ids of the MPI ranks in this container (this PID namespace).
 ranks() {
   for env in /proc/[0-9]*/environ; do
-    if tr '\0' '\n' < "$env" 2>/dev/null | grep -q '^OMPI_COMM_WORLD_RANK='; then
+    if { tr '\0' '\n' < "$env" | grep -q '^OMPI_COMM_WORLD_RANK='; } 2>/dev/null; then
       pid=${env#/proc/}
       echo "${pid%/environ}"
     fi
   done
+}
+
+# Whether Open MPI's daemon still runs here.
+orted_running() {
+  for comm in /proc/[0-9]*/comm; do
+    [ "$(cat "$comm" 2>/dev/null)" = orted ] && return 0
+  done
+  return 1
 }
 
 on_term() {
@@ -52,6 +61,7 @@ on_term() {
   # shellcheck disable=SC2086
   [ -z "$pids" ] || kill -TERM $pids 2>/dev/null
   while [ -n "$(ranks)" ]; do sleep 0.2; done
+  while orted_running; do sleep 0.2; done
   kill -TERM "$child" 2>/dev/null
 }
 
