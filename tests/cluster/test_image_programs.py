@@ -7,7 +7,8 @@ test runs examples/k8s/build-programs.sh cpu exactly as the Dockerfile's
 build-cpu stage does (same script, same CMake options; ccache when present),
 into a temporary prefix, and checks what the runtime stage would get:
 
-  1. every program of the image is there and starts (--help);
+  1. every program of the image is there, was compiled without
+     -march=native, and starts (--help);
   2. the runtime package list that the script wrote is exactly the packages
      of the libraries the programs name, as this test finds them itself
      (objdump's NEEDED entries and `ldconfig -p`, then dpkg), and holds no
@@ -80,6 +81,10 @@ def closure(packages):
 
 class TestImagePrograms(unittest.TestCase):
     def test_1_programs_start(self):
+        # Built for a generic x86-64: no -march=native in any compile command.
+        native = [str(f) for f in BUILD.rglob("flags.make") if "-march=native" in f.read_text()]
+        self.assertFalse(native, f"-march=native in {native}")
+        self.assertTrue(list(BUILD.rglob("flags.make")), "no flags.make: not a Makefile build tree?")
         script = SCRIPT.read_text()
         programs = re.search(r'(?m)^programs="([^"$]*)"', script).group(1).split()
         self.assertEqual(sorted(p.name for p in (PREFIX / "bin").iterdir()), sorted(programs))
