@@ -51,13 +51,16 @@ orted_running() {
 }
 
 on_term() {
+  [ -n "$child" ] || exit 143         # SIGTERM before COMMAND started: nothing to save
   if [ "$role" = launcher ]; then
     echo "ptrain-mpi-entrypoint: SIGTERM: SIGUSR1 to mpirun (pid $child): the ranks checkpoint and exit" >&2
     kill -USR1 "$child" 2>/dev/null
     return
   fi
+  # One pid per line; the word splitting below is what is wanted.
   pids=$(ranks)
-  echo "ptrain-mpi-entrypoint: SIGTERM: to rank process(es) $(echo $pids); waiting for their checkpoint" >&2
+  # shellcheck disable=SC2086
+  echo "ptrain-mpi-entrypoint: SIGTERM: to rank process(es)" $pids "; waiting for their checkpoint" >&2
   # shellcheck disable=SC2086
   [ -z "$pids" ] || kill -TERM $pids 2>/dev/null
   while [ -n "$(ranks)" ]; do sleep 0.2; done
@@ -65,10 +68,11 @@ on_term() {
   kill -TERM "$child" 2>/dev/null
 }
 
+child=""
+trap on_term TERM
+trap '[ -z "$child" ] || kill -INT "$child" 2>/dev/null' INT
 "$@" &
 child=$!
-trap on_term TERM
-trap 'kill -INT "$child" 2>/dev/null' INT
 # wait returns early when a trapped signal arrives; wait again until COMMAND has ended.
 wait "$child"
 status=$?
