@@ -29,4 +29,4 @@ printf '%s\n' 'Port 2222' 'PidFile /home/ptrain/sshd.pid' 'HostKey /home/ptrain/
 chown ptrain:ptrain /home/ptrain/.sshd_config
 # ssh (run by mpirun) reaches the workers' sshd on 2222 and does not ask about host keys.
 printf '%s\n' 'Host *' '    Port 2222' '    StrictHostKeyChecking no' '    UserKnownHostsFile /dev/null' \
-  >> /etc/ssh/ssh_config
+  > /etc/ssh/ssh_config.d/ptrain.conf

@@ -168,14 +168,13 @@ def split_command(command):
 class Pod:
     """One pod template of a manifest, as the controller would create it."""
 
-    def __init__(self, file, where, spec, program_command=None, restart_policy=None, job=None):
+    def __init__(self, file, where, spec, program_command=None, restart_policy=None):
         self.file, self.where, self.spec = file, where, spec
         self.container = spec["containers"][0]
         launchers, argv = split_command(program_command or self.container["command"])
         self.launchers, self.argv = launchers, argv
         self.program = Path(argv[0]).name if argv else None
         self.restart_policy = restart_policy or spec.get("restartPolicy")
-        self.job = job
 
     @property
     def gpu(self):
@@ -188,7 +187,7 @@ def pods_of(file, doc, docs):
     if kind == "Pod":
         return [Pod(file, f"{file} Pod", spec)]
     if kind == "Job":
-        return [Pod(file, f"{file} Job", spec["template"]["spec"], job=doc)]
+        return [Pod(file, f"{file} Job", spec["template"]["spec"])]
     if kind == "PyTorchJob":
         return [Pod(file, f"{file} {role}", rs["template"]["spec"], restart_policy=rs["restartPolicy"])
                 for role, rs in spec["pytorchReplicaSpecs"].items()]
