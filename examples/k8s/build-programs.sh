@@ -58,10 +58,11 @@ for p in $programs; do
     path=$(ldd "$prefix/bin/$p" | awk -v lib="$lib" '$1 == lib && $3 ~ /^\// { print $3 }')
     [ -n "$path" ] || { echo "$0: $p needs $lib, which the loader does not find" >&2; exit 1; }
     real=$(readlink -f "$path")
-    # Merged /usr: dpkg may know the file under /lib or /usr/lib.
-    pkg=$(dpkg -S "$real" 2>/dev/null || dpkg -S "${real#/usr}" 2>/dev/null || dpkg -S "/usr$real" 2>/dev/null) || {
+    # Merged /usr: dpkg may know the file under /lib or /usr/lib. Its answer is
+    # "package[:arch][, other]: path"; the first package is the one.
+    owner=$(dpkg -S "$real" 2>/dev/null || dpkg -S "${real#/usr}" 2>/dev/null || dpkg -S "/usr$real" 2>/dev/null) || {
       echo "$0: no package holds $real ($lib, needed by $p)" >&2; exit 1; }
-    packages="$packages ${pkg%%:*}"
+    packages="$packages ${owner%%[:,]*}"
   done
 done
 printf '%s\n' $packages | sort -u > "$prefix/share/ptrain/runtime-packages"
