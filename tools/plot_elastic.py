@@ -25,8 +25,9 @@ def main():
         text = f.read()
     rounds = [int(n) for n in re.findall(r"ptrun: round \d+ on (\d+) node", text)]
     x = list(range(1, len(recs) + 1))
-    # A new round starts where the step count does not grow.
-    starts = [i for i in range(1, len(recs)) if recs[i]["step"] <= recs[i - 1]["step"]]
+    # A new round starts where the step count does not go on by one (it resumed from a
+    # checkpoint, at a step that follows the new world size).
+    starts = [i for i in range(1, len(recs)) if recs[i]["step"] != recs[i - 1]["step"] + 1]
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     a.plot(x, [r["loss"] for r in recs], lw=0.8)
     a.set_ylabel("training loss")
