@@ -22,14 +22,22 @@ Service's DNS does). No mpirun, no ptrun.
      the others must fail with a timeout error within PTRAIN_COMM_TIMEOUT_S;
   4. evict: SIGTERM pod 1 (what the kubelet sends); every pod must checkpoint
      at the same step and exit 0, and the resumed run must again equal the
-     reference bit for bit.
+     reference bit for bit;
+  5. elastic: three pods run the program under `ptrun --nnodes 1:3` (c10d
+     rendezvous at pod 0's name); pod 2 is killed mid-run, the job goes on with
+     two pods, pod 2 comes back and the job grows to three; every pod ends with
+     0, the rounds run on 3, 2 and 3 pods, and no round starts more than
+     --checkpoint-every steps behind where the previous one got (the metrics).
+     (tests/dist/runtime/test_launchers.py runs the same on loopback and also
+     compares the end with a run resumed from the last round's checkpoint.)
 
 Needs root (ip netns add, unshare --uts) and iproute2; exits 77 (skipped) when
 either is missing, or when the example has no --checkpoint-dir yet.
 
-  /usr/bin/python3 tests/cluster/test_multipod.py PATH/TO/fashion_mnist [REPO_ROOT]
+  /usr/bin/python3 tests/cluster/test_multipod.py PATH/TO/fashion_mnist [REPO_ROOT [PATH/TO/ptrun]]
 """
 
+import json
 import os
 import re
 import secrets
@@ -56,6 +64,7 @@ TRAIN_OVERRIDES = {"--epochs": "2", "--batch": "64", "--hidden": "64", "--checkp
 
 PROG = Path(sys.argv[1] if len(sys.argv) > 1 else "build/examples/fashion_mnist").resolve()
 ROOT = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).resolve().parents[2]
+PTRUN = Path(sys.argv[3]).resolve() if len(sys.argv) > 3 else None
 PREFIX = f"ptc{os.getpid() % 100000}"   # namespace names carry our pid (stale ones are removed by pid)
 
 
@@ -304,6 +313,50 @@ def resume_and_compare(pods_ns, spec, args, logdir, ref_dir, ckpt, tag):
     return pods
 
 
+def elastic(pods_ns, spec, work):
+    """Case 5: three pods under elastic ptrun; pod 2 is lost and comes back."""
+    ckpt, metrics, every = work / "ckpt-elastic", work / "elastic.jsonl", 20
+    args = [str(PTRUN), "--nnodes", "1:3", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{spec['job']}-0.{spec['subdomain']}:29400", "--rdzv-conf",
+            "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=5"]
+    args += [a for a in pod_command(spec, ckpt, metrics)
+             if not a.startswith(("--checkpoint-every=", "--log-every="))]
+    args += [f"--checkpoint-every={every}", "--log-every=1"]
+    log("elastic run:", " ".join(args))
+    pods = [Pod(k, ns, spec, args, work, "elastic") for k, ns in enumerate(pods_ns)]
+    try:
+        def newest():
+            s = committed_steps(ckpt)
+            return s[-1] if s else 0
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while newest() < 2 * every and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lost_at = newest()
+        pods[2].kill()                   # pod 2's node is gone: ptrun and its rank
+        while newest() < lost_at + 3 * every // 2 and time.monotonic() < deadline:
+            time.sleep(0.05)             # two pods go on
+        if newest() < lost_at + 3 * every // 2:
+            fail(f"elastic: no progress after pod 2 was lost (newest checkpoint {newest()})", pods)
+        pods[2] = Pod(2, pods_ns[2], spec, args, work, "elastic-back")
+        codes = [p.wait(time.monotonic() + RUN_LIMIT_S) for p in pods]
+        if codes != [0, 0, 0]:
+            fail(f"elastic: the pods exited with {codes} (None: still running)", pods)
+        sizes = [int(n) for n in re.findall(r"ptrun: round \d+ on (\d+) node", pods[0].text())]
+        if len(sizes) < 3 or sizes[0] != 3 or 2 not in sizes or sizes[-1] != 3:
+            fail(f"elastic: the rounds ran on {sizes} pods, expected 3, then 2, then 3", pods)
+        recs = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+        batch = int(TRAIN_OVERRIDES["--batch"])
+        done = [r["step"] * batch * r["world_size"] for r in recs]
+        lost = max([(prev - (cur - batch * r["world_size"])) / (batch * q["world_size"])
+                    for prev, cur, r, q in zip(done, done[1:], recs[1:], recs) if cur <= prev], default=0)
+        if lost > every:
+            fail(f"elastic: a round started {lost} steps behind, more than --checkpoint-every {every}", pods)
+        log(f"elastic: rounds on {sizes} pods, at most {lost:g} steps redone, final step {newest()}")
+    finally:
+        for p in pods:
+            p.kill()
+
+
 # ---------------------------------------------------------------- the test
 
 def main():
@@ -384,6 +437,11 @@ def main():
         args = pod_command(spec, evict_dir, work / "evict.jsonl")
         interrupt(pods_ns, spec, args, work, evict_dir, total, "evict", signal.SIGTERM, expect_exit=True)
         resume_and_compare(pods_ns, spec, args, work, ref_dir, evict_dir, "evict")
+
+        # 5. elastic membership under ptrun
+        if PTRUN is None:
+            raise AssertionError("no ptrun given (third argument): the elastic case cannot run")
+        elastic(pods_ns[:3], spec, work)
         ok = True
     finally:
         for p in pods:
