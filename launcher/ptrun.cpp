@@ -110,7 +110,7 @@ struct RoundEnd {
   }
 };
 
-// Starts this node's ranks as restart number `restart`, waits until all have
+// Starts this node's ranks for round `round`, waits until all have
 // ended, and stops the others as soon as one fails or a signal arrives.
 // Signals come through `sfd` (a signalfd) so that they are handled in order
 // with child exits, never inside an async handler.

@@ -64,6 +64,7 @@ Exit 0 on success, 1 on failure.
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -234,13 +235,18 @@ class Runner:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             raise Failure(f"{what}: no exit within {TIMEOUT_S} s (hang)\n{out}\n{err}")
-        return proc.returncode, out, err
+        # ptrun prefixes the lines of several ranks with the rank ("[default0]:"); the
+        # checks read the program's own lines.
+        return proc.returncode, RANK_PREFIX.sub("", out), RANK_PREFIX.sub("", err)
 
     def run(self, ranks, args, what, expect=0, mode=None):
         rc, out, err = self.finish(self.start(ranks, args, mode), what)
         if expect is not None and rc != expect:
             raise Failure(f"{what}: exit code {rc}, expected {expect}\nstdout:\n{out}\nstderr:\n{err}")
         return rc, out, err
+
+
+RANK_PREFIX = re.compile(r"^\[default\d+\]:", re.M)
 
 
 def rank_pid(ptrun_pid, rank):
