@@ -41,6 +41,7 @@ neither works, disk faults are replaced by other kinds, and the table says so.
 
 import argparse
 import collections
+import json
 import os
 import random
 import re
@@ -144,6 +145,13 @@ class Job:
         m = PROGRESS.findall(out[out.rfind("resumed from") + 1:])
         return int(m[-1]) if m else 0
 
+    def reached(self):
+        """The step the round before the current one reached."""
+        out = self.out()
+        end = out.rfind("resumed from")
+        m = PROGRESS.findall(out[out.rfind("resumed from", 0, max(end, 0)) + 1:end])
+        return int(m[-1]) if m else 0
+
     def wait(self, deadline):
         """Exit status, or None when the job is still running at `deadline` (then it is killed)."""
         try:
@@ -180,8 +188,8 @@ class Job:
 
 
 class Context:
-    def __init__(self, args, work):
-        self.ptrun, self.work = args.ptrun, work
+    def __init__(self, args, work, reshape_to):
+        self.ptrun, self.work, self.reshape_to = args.ptrun, work, reshape_to
         self.exe = {"gpt_char": args.gpt_char, "fashion_mnist": args.fashion_mnist}
         self.env = dict(os.environ, PTRAIN_COMM_TIMEOUT_S=str(COMM_TIMEOUT_S))
         self.corpus = os.path.join(work, "corpus.txt")
@@ -221,7 +229,8 @@ class Stats:
     def __init__(self):
         self.injected = {k: 0 for k in KINDS}
         self.recovered = {k: 0 for k in KINDS}
-        self.lost = {k: 0 for k in KINDS}  # largest number of committed steps a resume lost
+        self.lost = {k: 0 for k in KINDS}  # most committed steps a resume lost
+        self.redone = {k: 0 for k in KINDS}  # most steps a resume trained again
         self.missed = 0  # faults drawn whose run ended before their step came
         self.runs = self.hung = self.bitwise = self.same_world = self.tolerance = self.reshaped = 0
         self.failures = []
@@ -238,8 +247,18 @@ def wait_for(job, cond, deadline, what):
 
 
 def newest(ckpt):
-    steps = committed_steps(ckpt)
-    return steps[-1] if steps else None
+    """The newest committed checkpoint whose files have the sizes index.json records
+    (a truncated one is skipped, as ptrain's latest() does), or None."""
+    for step in reversed(committed_steps(ckpt)):
+        d = step_dir(ckpt, step)
+        try:
+            with open(os.path.join(d, "index.json")) as f:
+                files = json.load(f)["files"]
+            if all(os.path.getsize(os.path.join(d, name)) == v["bytes"] for name, v in files.items()):
+                return step
+        except (OSError, ValueError, KeyError):
+            continue  # rotated away while being read, or not complete
+    return None
 
 
 def reference(ctx, sc, ranks, tag, start_from=None):
@@ -256,27 +275,51 @@ def reference(ctx, sc, ranks, tag, start_from=None):
     return ckpt, time.time() - job.started
 
 
-def inject_in_job(job, kind, victim, base, deadline, what):
-    """kill, stop or disk in the running job; returns once ptrun has started the next round."""
+def inject_in_job(job, kind, victim, ckpt, base, deadline, what):
+    """kill, stop or disk in the running job. Returns, once ptrun has started the next
+    round, the newest checkpoint committed before that (read while the failed round ran)."""
     n = job.restarts()
+    pid = job.rank_pids()[victim]
+    committed = newest(ckpt)
     if kind == "kill":
-        os.kill(job.rank_pids()[victim], signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     elif kind == "stop":
-        pid = job.rank_pids()[victim]
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(COMM_TIMEOUT_S + GRACE_S + 1)
-        try:
-            os.kill(pid, signal.SIGCONT)  # if ptrun has not killed it yet
-        except ProcessLookupError:
-            pass
-    else:
-        filler = fill(base)
-        try:
-            wait_for(job, lambda: job.restarts() > n, deadline, what)
-        finally:
+    filler = fill(base) if kind == "disk" else None
+    cont = time.time() + COMM_TIMEOUT_S + GRACE_S + 1  # SIGCONT then, if ptrun has not killed it yet
+    try:
+        # A checkpoint read while no restart is announced yet is one the failed round committed.
+        while job.restarts() <= n:
+            if job.proc.poll() is not None:
+                raise Failure(f"{what}: the job ended instead of restarting\n{job.describe()}")
+            if time.time() > deadline:
+                raise Failure(f"{what}: no restart before the deadline (hang)\n{job.describe()}")
+            committed = newest(ckpt)
+            time.sleep(0.005)
+    finally:
+        if filler:
             os.remove(filler)
-    if not wait_for(job, lambda: job.restarts() > n, deadline, what):
-        raise Failure(f"{what}: the job ended instead of restarting\n{job.describe()}")
+        if kind == "stop":
+            while time.time() < cont and os.path.exists(f"/proc/{pid}"):
+                time.sleep(0.05)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    return committed
+
+
+def account(st, kind, committed, resumed, reached, expect, what, job):
+    """Checks and records one resume: from `expect` (the newest committed checkpoint, or
+    for truncate the one before it), having reached step `reached` before the fault."""
+    lost, redone = committed - resumed, reached - resumed
+    st.lost[kind] = max(st.lost[kind], lost)
+    st.redone[kind] = max(st.redone[kind], redone)
+    if resumed != expect or redone > 2 * INTERVAL + 2:
+        raise Failure(f"{what}: resumed from step {resumed}, expected {expect} (newest committed: {committed}, "
+                      f"step reached: {reached})\n{job.describe()}")
+    st.recovered[kind] += 1
+    log(f"   -> resumed from step {resumed}")
 
 
 def run_scenario(ctx, sc, kinds, rng, st):
@@ -290,23 +333,17 @@ def run_scenario(ctx, sc, kinds, rng, st):
     targets = sorted(rng.sample(range(INTERVAL + 2, final_step - INTERVAL // 2), len(kinds)))
     pending = list(zip(kinds, targets))
     ranks, ref_final, segment = 2, ref, 0
-    after = None  # (fault, step it must resume from, committed steps it may lose) of the last segment
+    after = None  # the last segment's fault: (kind, newest committed, step to resume from, step reached)
     while True:
         job = Job(ctx, sc, ranks, ckpt, f"{sc.name}-chaos{segment}", restarts=2 * len(kinds) + 2)
         st.runs += 1
         budget = 60 + 4 * ref_time + (COMM_TIMEOUT_S + GRACE_S + 20) * len(pending)
         deadline = job.started + budget
         if after:
-            kind, expect, newest_then = after
+            kind, committed, expect, reached = after
             if not wait_for(job, job.resumes, deadline, f"{sc.name} resume after {kind}"):
                 raise Failure(f"{sc.name}: no resume after {kind}\n{job.describe()}")
-            resumed = job.resumes()[0]
-            st.lost[kind] = max(st.lost[kind], newest_then - resumed)
-            if resumed != expect:
-                raise Failure(f"{sc.name}: after {kind} the job resumed from step {resumed}, expected {expect} "
-                              f"(newest committed: {newest_then})\n{job.describe()}")
-            st.recovered[kind] += 1
-            log(f"   -> resumed from step {resumed}")
+            account(st, kind, committed, job.resumes()[0], reached, expect, f"{sc.name}: {kind}", job)
         ended_by = None
         while pending:
             kind, target = pending[0]
@@ -316,8 +353,8 @@ def run_scenario(ctx, sc, kinds, rng, st):
                 break
             pending.pop(0)
             st.injected[kind] += 1
-            before, seen = newest(ckpt), len(job.resumes())
-            log(f"   {kind} at step {job.progress()} (newest checkpoint {before})")
+            seen = len(job.resumes())
+            log(f"   {kind} at step {job.progress()} (newest checkpoint {newest(ckpt)})")
             if kind in ("term", "truncate", "reshape"):
                 ended_by = kind
                 if kind == "reshape":
@@ -326,17 +363,10 @@ def run_scenario(ctx, sc, kinds, rng, st):
                     os.kill(job.proc.pid, signal.SIGTERM)
                 break
             what = f"{sc.name}: {kind} at step {target}"
-            inject_in_job(job, kind, rng.randrange(ranks), base, deadline, what)
+            committed = inject_in_job(job, kind, rng.randrange(ranks), ckpt, base, deadline, what)
             if not wait_for(job, lambda: len(job.resumes()) > seen, deadline, what):
                 raise Failure(f"{what}: the restarted ranks did not resume\n{job.describe()}")
-            resumed = job.resumes()[-1]
-            newest_then = max(before, resumed)
-            st.lost[kind] = max(st.lost[kind], newest_then - resumed)
-            if resumed != newest_then:
-                raise Failure(f"{what}: the job resumed from step {resumed}, but step {newest_then} was "
-                              f"committed\n{job.describe()}")
-            st.recovered[kind] += 1
-            log(f"   -> restarted, resumed from step {resumed}")
+            account(st, kind, committed, job.resumes()[-1], job.reached(), committed, what, job)
         rc = job.wait(deadline)
         if rc is None:
             st.hung += 1
@@ -347,8 +377,7 @@ def run_scenario(ctx, sc, kinds, rng, st):
             if rc != 0:
                 raise Failure(f"{sc.name}: exit status {rc}, expected 0\n{job.describe()}")
             break
-        committed = newest(ckpt)
-        expect = committed
+        committed = expect = newest(ckpt)
         if ended_by in ("term", "truncate"):
             m = SIGNAL_SAVE.search(job.out())
             if rc != 128 + signal.SIGTERM or not m or int(m.group(1)) != committed:
@@ -358,8 +387,8 @@ def run_scenario(ctx, sc, kinds, rng, st):
             d = step_dir(ckpt, committed)
             victim = os.path.join(d, sorted(f for f in os.listdir(d) if f.startswith("model"))[0])
             os.truncate(victim, os.path.getsize(victim) // 2)
-            expect = committed_steps(ckpt)[-2]
-            if committed - expect > INTERVAL:
+            expect = newest(ckpt)
+            if expect is None or committed - expect > INTERVAL:
                 raise Failure(f"{sc.name}: checkpoints {committed_steps(ckpt)}: more than {INTERVAL} steps "
                               f"between the newest two")
         if ended_by == "reshape":
@@ -368,11 +397,11 @@ def run_scenario(ctx, sc, kinds, rng, st):
             d = diff_checkpoints(step_dir(ref, committed), step_dir(ckpt, committed))
             if d is not None:
                 raise Failure(f"{sc.name}: checkpoint {committed} differs from the reference's: {d}")
-            ranks = rng.choice([1, 3])
+            ranks = rng.choice(ctx.reshape_to)
             ref_final, _ = reference(ctx, sc, ranks, f"{sc.name}-ref{ranks}", step_dir(ref, committed))
             st.reshaped += 1
             log(f"   -> resuming on {ranks} rank(s)")
-        after = (ended_by, expect, committed)
+        after = (ended_by, committed, expect, job.progress())
         segment += 1
     final, ref_step = newest(ckpt), newest(ref_final)
     if final != ref_step:
@@ -415,13 +444,14 @@ def draw(rng, n, count, have_tmpfs):
 
 
 def table(st, have_tmpfs, seconds):
-    rows = [("fault", "injected", "recovered", "max steps lost")]
+    rows = [("fault", "injected", "recovered", "committed steps lost (max)", "steps trained again (max)")]
     for k in KINDS:
         note = "" if have_tmpfs or k != "disk" else " (no tmpfs: not drawn)"
-        rows.append((k + note, st.injected[k], st.recovered[k], st.lost[k]))
-    rows.append(("total", sum(st.injected.values()), sum(st.recovered.values()), max(st.lost.values())))
-    w = [max(len(str(r[i])) for r in rows) for i in range(4)]
-    lines = ["| " + " | ".join(str(r[i]).ljust(w[i]) for i in range(4)) + " |" for r in rows]
+        rows.append((k + note, st.injected[k], st.recovered[k], st.lost[k], st.redone[k]))
+    rows.append(("total", sum(st.injected.values()), sum(st.recovered.values()), max(st.lost.values()),
+                 max(st.redone.values())))
+    w = [max(len(str(r[i])) for r in rows) for i in range(5)]
+    lines = ["| " + " | ".join(str(r[i]).ljust(w[i]) for i in range(5)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (x + 2) for x in w) + "|")
     lines += ["", f"jobs started: {st.runs}; hung: {st.hung}; faults whose run ended first: {st.missed}",
               f"final models: {st.bitwise} bitwise equal to their reference; {st.same_world} scenario(s) "
@@ -439,11 +469,19 @@ def main():
     ap.add_argument("--faults", type=int, default=8, help="faults in all, spread over the scenarios")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--only", default="", help="run the scenarios whose name matches this regex")
+    ap.add_argument("--reshape-to", default="1,3",
+                    help="world sizes a reshape fault resumes on (comma-separated, from 1 to 4)")
     ap.add_argument("--work", help="work directory (default: a new temporary one, removed unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     if args.faults < 0:
         ap.error("--faults must be >= 0")
+    try:
+        reshape_to = [int(x) for x in args.reshape_to.split(",")]
+    except ValueError:
+        reshape_to = []
+    if not reshape_to or any(not 1 <= x <= 4 or x == 2 for x in reshape_to):
+        ap.error(f"--reshape-to {args.reshape_to!r}: give world sizes from 1 to 4 other than 2, e.g. 1,3")
     for exe in (args.ptrun, args.gpt_char, args.fashion_mnist):
         if not os.access(exe, os.X_OK):
             ap.error(f"{exe} is not an executable")
@@ -457,7 +495,7 @@ def main():
         os.execvp("unshare", ["unshare", "-rm", sys.executable] + sys.argv)
     work = args.work or tempfile.mkdtemp(prefix="ptrain-chaos-")
     os.makedirs(work, exist_ok=True)
-    ctx = Context(args, work)
+    ctx = Context(args, work, reshape_to)
     tmpfs = os.path.join(work, "tmpfs")
     ctx.tmpfs = tmpfs if tmpfs_mount(tmpfs) else None
     log(f"chaos: seed {args.seed}, {args.faults} fault(s), work {work}; checkpoints on "
