@@ -37,7 +37,7 @@ else
   done
   what="$cores busy loop(s)"
 fi
-echo "soak: $passes pass(es) of ctest -j$cores $* under $what; logs in $logs"
+echo "soak: $passes pass(es) of ctest -j$cores${*:+ $*} under $what; logs in $logs"
 
 declare -A failed
 for ((p = 1; p <= passes; p++)); do

@@ -3,7 +3,7 @@
 with random faults drawn from a seed, each final model checked against a reference run.
 
 usage: chaos.py --ptrun PTRUN --gpt-char GPT_CHAR --fashion-mnist FASHION_MNIST
-                [--faults N] [--seed S] [--only REGEX] [--work DIR] [--keep]
+                [--faults N] [--seed S] [--only REGEX] [--reshape-to 1,3] [--work DIR] [--keep]
 
 Scenarios (2 ranks each, one ptrun job with --checkpoint-every INTERVAL --resume):
 gpt_char ddp, fsdp and pipeline; fashion_mnist ddp and fsdp (a 3072-image subset of
@@ -22,21 +22,23 @@ each fault's kind comes from the seed, and so does the step at which it strikes
             exit; the driver runs the same command again (--resume)
   truncate  as term, then the newest checkpoint's model file is cut to half its size:
             the next start skips it and resumes from the one before
-  reshape   SIGKILL of ptrun and its ranks, then a restart with 1 or 3 ranks (at most once
-            per scenario, and last): it resumes at another world size
+  reshape   SIGKILL of ptrun and its ranks, then a restart on another number of ranks
+            (--reshape-to; at most once per scenario, and last): it resumes there
 
-Checks after every scenario: no job ran past its deadline (hung), every exit status
-was the expected one, no resume lost a committed step (truncate: at most the
-checkpoint interval), and the final checkpoint equals the reference run's bit for bit
+Checks after every fault and scenario: no job ran past its deadline (hung), every exit
+status was the expected one, every resume started from the newest committed checkpoint
+(truncate: the one before, at most the checkpoint interval older), the steps trained
+again stay within 2 intervals (a failed background write is reported by the next save),
+and the final checkpoint equals the reference run's bit for bit
 (model, optimizer, trainer.json) where the world size never changed; after a reshape,
 the reference is the uninterrupted run's checkpoint of the same step resumed on the
 same new number of ranks, and the final models agree within 1e-4 relative.
 Prints a table of faults by kind, hung runs, steps lost and bitwise-equal finals.
-Exit 0 when every check passes, 1 otherwise.
+Exit 0 when every check passes, 1 otherwise, 77 (skipped) without stdbuf.
 
 The disk fault needs a tmpfs: as root one is mounted on the work directory; otherwise
 the driver runs itself again in a new user and mount namespace (`unshare -rm`); where
-neither works, disk faults are replaced by other kinds, and the table says so.
+neither works, disk faults are not drawn, and the table says so.
 """
 
 import argparse
@@ -52,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "dist", "ckpt"))
@@ -69,6 +72,10 @@ GPT = ["--layers", "1", "--heads", "2", "--embd", "32", "--block", "32", "--batc
 PROGRESS = re.compile(r"^step (\d+)/", re.M)
 RESUMED = re.compile(r"resumed from \S*step-(\d+)")
 SIGNAL_SAVE = re.compile(r"signal 15: checkpoint of step (\d+) committed")
+
+
+class Hang(Failure):
+    """A job still running at its deadline (it is killed)."""
 
 
 def log(msg):
@@ -241,7 +248,7 @@ def wait_for(job, cond, deadline, what):
         if job.proc.poll() is not None:
             return False
         if time.time() > deadline:
-            raise Failure(f"{what}: nothing happened before the deadline (hang)\n{job.describe()}")
+            raise Hang(f"{what}: nothing happened before the deadline (hang)\n{job.describe()}")
         time.sleep(0.005)
     return True
 
@@ -270,6 +277,8 @@ def reference(ctx, sc, ranks, tag, start_from=None):
         shutil.copytree(start_from, os.path.join(ckpt, os.path.basename(start_from)))
     job = Job(ctx, sc, ranks, ckpt, tag, keep_all=True)
     rc = job.wait(time.time() + 600)
+    if rc is None:
+        raise Hang(f"{tag}: reference run still running after 600 s; killed\n{job.describe()}")
     if rc != 0:
         raise Failure(f"{tag}: reference run: exit status {rc}\n{job.describe()}")
     return ckpt, time.time() - job.started
@@ -293,7 +302,7 @@ def inject_in_job(job, kind, victim, ckpt, base, deadline, what):
             if job.proc.poll() is not None:
                 raise Failure(f"{what}: the job ended instead of restarting\n{job.describe()}")
             if time.time() > deadline:
-                raise Failure(f"{what}: no restart before the deadline (hang)\n{job.describe()}")
+                raise Hang(f"{what}: no restart before the deadline (hang)\n{job.describe()}")
             committed = newest(ckpt)
             time.sleep(0.005)
     finally:
@@ -326,7 +335,8 @@ def run_scenario(ctx, sc, kinds, rng, st):
     """One chaos run of scenario `sc` with faults of `kinds` (in this order); updates st."""
     log(f"== {sc.name}: faults {', '.join(kinds) or 'none'}")
     ref, ref_time = reference(ctx, sc, 2, f"{sc.name}-ref")
-    final_step = newest(ref)
+    ref_steps = committed_steps(ref)
+    final_step = ref_steps[-1]
     base = os.path.join(ctx.tmpfs or ctx.work, f"{sc.name}-chaos")
     ckpt = os.path.join(base, "ckpt")
     os.makedirs(ckpt)
@@ -347,8 +357,10 @@ def run_scenario(ctx, sc, kinds, rng, st):
         ended_by = None
         while pending:
             kind, target = pending[0]
-            # The fault comes at its step, once a checkpoint exists (else "lost" means nothing).
-            if not wait_for(job, lambda: job.progress() >= target and newest(ckpt) is not None, deadline,
+            # The fault comes at its step, once a checkpoint exists (else "lost" means nothing);
+            # a reshape once the newest is one the reference has too (not a signal's).
+            ready = (lambda: newest(ckpt) in ref_steps) if kind == "reshape" else (lambda: newest(ckpt) is not None)
+            if not wait_for(job, lambda: job.progress() >= target and ready(), deadline,
                             f"{sc.name}: {kind} at step {target}"):
                 break
             pending.pop(0)
@@ -369,8 +381,7 @@ def run_scenario(ctx, sc, kinds, rng, st):
             account(st, kind, committed, job.resumes()[-1], job.reached(), committed, what, job)
         rc = job.wait(deadline)
         if rc is None:
-            st.hung += 1
-            raise Failure(f"{sc.name}: job still running {budget:.0f} s after its start (hung); killed\n"
+            raise Hang(f"{sc.name}: job still running {budget:.0f} s after its start (hung); killed\n"
                           f"{job.describe()}")
         if ended_by is None:
             st.missed += len(pending)
@@ -515,8 +526,12 @@ def main():
             try:
                 run_scenario(ctx, sc, kinds, rng, st)
             except Failure as e:
+                st.hung += isinstance(e, Hang)
                 st.failures.append(f"{sc.name}: {e}")
                 log(f"FAIL {e}")
+            except Exception:  # a bug of this driver, or a file ptrain should have written
+                st.failures.append(f"{sc.name}: {traceback.format_exc()}")
+                log(f"FAIL {sc.name}:\n{traceback.format_exc()}")
             finally:
                 for job in ctx.jobs:
                     if job.proc.poll() is None:
