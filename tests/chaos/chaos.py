@@ -34,7 +34,7 @@ and the final checkpoint equals the reference run's bit for bit
 the reference is the uninterrupted run's checkpoint of the same step resumed on the
 same new number of ranks, and the final models agree within 1e-4 relative.
 Prints a table of faults by kind, hung runs, steps lost and bitwise-equal finals.
-Exit 0 when every check passes, 1 otherwise, 77 (skipped) without stdbuf.
+Exit 0 when every check passes, 1 otherwise, 77 (skipped) without stdbuf or Fashion-MNIST.
 
 The disk fault needs a tmpfs: as root one is mounted on the work directory; otherwise
 the driver runs itself again in a new user and mount namespace (`unshare -rm`); where
@@ -43,6 +43,7 @@ neither works, disk faults are not drawn, and the table says so.
 
 import argparse
 import collections
+import gzip
 import json
 import os
 import random
@@ -99,7 +100,6 @@ def scenarios(faults_each):
 
 def write_fashion_subset(src, dst, train=3072, test=512):
     """The first images of Debian's Fashion-MNIST as IDX files (what --data reads)."""
-    import gzip
     os.makedirs(dst, exist_ok=True)
     for name, n in (("train", train), ("t10k", test)):
         for kind, head in (("images-idx3", 16), ("labels-idx1", 8)):
@@ -493,9 +493,16 @@ def main():
         reshape_to = []
     if not reshape_to or any(not 1 <= x <= 4 or x == 2 for x in reshape_to):
         ap.error(f"--reshape-to {args.reshape_to!r}: give world sizes from 1 to 4 other than 2, e.g. 1,3")
+    count = sum(1 for s in scenarios(0) if re.search(args.only, s.name))
+    if not count:
+        ap.error(f"--only {args.only!r} matches no scenario")
     for exe in (args.ptrun, args.gpt_char, args.fashion_mnist):
         if not os.access(exe, os.X_OK):
             ap.error(f"{exe} is not an executable")
+    if not os.path.exists(os.path.join(args.fashion_data, "train-images-idx3-ubyte.gz")) and \
+            not os.path.exists(os.path.join(args.fashion_data, "train-images-idx3-ubyte")):
+        print(f"chaos: no Fashion-MNIST in {args.fashion_data} (Debian: dataset-fashion-mnist; or --fashion-data)")
+        return 77
     if shutil.which("stdbuf") is None:
         print("chaos: stdbuf (coreutils) not found; it line-buffers the progress the faults are timed by")
         return 77
@@ -514,9 +521,6 @@ def main():
     write_corpus(ctx.corpus)
     write_fashion_subset(args.fashion_data, ctx.fashion)
     rng = random.Random(args.seed)
-    count = sum(1 for s in scenarios(0) if re.search(args.only, s.name))
-    if not count:
-        ap.error(f"--only {args.only!r} matches no scenario")
     scs = [s for s in scenarios(-(-args.faults // count)) if re.search(args.only, s.name)]
     plan = draw(rng, args.faults, len(scs), ctx.tmpfs is not None)
     st = Stats()
@@ -541,6 +545,8 @@ def main():
             subprocess.run(["umount", "-l", ctx.tmpfs], stderr=subprocess.DEVNULL)
     print()
     print(table(st, ctx.tmpfs is not None, time.time() - t0))
+    if st.failures:
+        print(f"logs of every job: {work}")
     if not st.failures and not args.keep and not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if st.failures else 0
