@@ -39,7 +39,7 @@ else
 fi
 echo "soak: $passes pass(es) of ctest -j$cores${*:+ $*} under $what; logs in $logs"
 
-declare -A failed
+declare -A failed=()
 for ((p = 1; p <= passes; p++)); do
   t0=$SECONDS
   rm -f "$build/Testing/Temporary/LastTestsFailed.log"
@@ -59,7 +59,7 @@ if ((${#failed[@]} == 0)); then
   echo "soak: no test failed in $passes pass(es)"
   exit 0
 fi
-printf '%-40s %8s  %s\n' test failures "logs (build/soak/pass-N.log)"
+printf '%-40s %8s  %s\n' test failures "passes ($logs/pass-N.log)"
 for name in $(printf '%s\n' "${!failed[@]}" | sort); do
   read -ra in <<<"${failed[$name]}"
   printf '%-40s %4d/%-3d  %s\n' "$name" "${#in[@]}" "$passes" "${in[*]}"
