@@ -442,7 +442,14 @@ class CheckpointManager {
   }
 
   // Throws on every rank when any rank has a non-empty error (one all-reduce).
+  // The failing rank writes its reason to stderr first: the other ranks' error
+  // sends the reader to its log, and they exit at once, so a launcher (ptrun,
+  // torchrun) sends this rank SIGTERM while its exception unwinds; by then the
+  // PreemptionHandler's destructor has restored the default action, and the
+  // signal would end the process before the program could print the reason.
   void agree(const std::string& err, const char* id) {
+    if (!err.empty() && comm_ && comm_->size() > 1)
+      std::fprintf(stderr, "ptrain: rank %d: %s%s\n", rank(), id, err.c_str());
     std::int32_t failed = err.empty() ? 0 : rank() + 1;
     if (comm_ && comm_->size() > 1) comm_->all_reduce(&failed, 1, DType::I32, dist::ReduceOp::Max);
     if (failed == 0) return;
