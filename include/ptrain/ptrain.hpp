@@ -32,6 +32,7 @@
 #include "ptrain/nn/layer_norm.hpp"
 #include "ptrain/nn/linear.hpp"
 #include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/models/cnn.hpp"
 #include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/models/gpt2_weights.hpp"
 #include "ptrain/nn/models/mlp.hpp"

@@ -10,6 +10,7 @@
 // an engine hands it (Module::set_replica_sum; Note [Synchronised batch
 // statistics] in ops/batch_norm.hpp).
 
+#include <sstream>
 #include <string>
 
 #include "ptrain/nn/module.hpp"
@@ -61,9 +62,10 @@ class BatchNorm : public Module<T> {
     return dx;
   }
   std::string describe() const override {
-    return name_ + "(" + std::to_string(c_) + ", eps=" + std::to_string(o_.eps) +
-           ", momentum=" + std::to_string(o_.momentum) + (o_.affine ? "" : ", affine=False") +
-           (track_ ? "" : ", track_running_stats=False") + ")";
+    std::ostringstream s;
+    s << name_ << "(" << c_ << ", eps=" << o_.eps << ", momentum=" << o_.momentum << (o_.affine ? "" : ", affine=False")
+      << (track_ ? "" : ", track_running_stats=False") << ")";
+    return s.str();
   }
   Parameter<T>* weight() { return weight_; }
   Parameter<T>* bias() { return bias_; }

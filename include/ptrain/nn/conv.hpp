@@ -1,5 +1,5 @@
 #pragma once
-// Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d (to 1x1) and Flatten on NCHW
+// Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d (to 1x1), Flatten and Unflatten on NCHW
 // tensors, with PyTorch's parameter layout, initialisation and output sizes.
 
 #include <cmath>
@@ -222,6 +222,44 @@ class Flatten : public Module<T> {
     return dx;
   }
   std::string describe() const override { return "Flatten()"; }
+};
+
+/// [N, prod(shape)] -> [N, shape...] (torch.nn.Unflatten(1, shape)); a view. Puts
+/// flat images ([N, 784]) into the [N, C, H, W] layout that Conv2d takes.
+template <class T>
+class Unflatten : public Module<T> {
+ public:
+  explicit Unflatten(std::vector<std::int64_t> shape) : shape_(std::move(shape)) {
+    PTRAIN_CHECK(!shape_.empty(), ShapeError, "[ptrain.unflatten.shape] give the shape of one sample");
+    for (std::int64_t d : shape_) {
+      PTRAIN_CHECK(d > 0, ShapeError, "[ptrain.unflatten.shape] dimensions must be positive");
+      numel_ *= d;
+    }
+  }
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    PTRAIN_CHECK(x.dim() == 2 && x.size(1) == numel_, ShapeError, "[ptrain.unflatten.shape] input ", x.shape(),
+                 " is not [N, ", numel_, "]");
+    cache.values = detail::shape_values(x.shape());
+    std::vector<std::int64_t> s{x.size(0)};
+    s.insert(s.end(), shape_.begin(), shape_.end());
+    return x.reshape(Shape(s));
+  }
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    PTRAIN_CHECK(!cache.values.empty(), Error, "[ptrain.backward] Unflatten::backward without a forward");
+    // Undefined from a first layer that computes no input gradient (Conv2d::set_need_input_grad).
+    auto dx = dy.defined() ? dy.reshape(detail::shape_of(cache.values)) : Tensor<T>();
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override {
+    std::string s = "Unflatten(1, (";
+    for (std::size_t i = 0; i < shape_.size(); ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
+    return s + "))";
+  }
+
+ private:
+  std::vector<std::int64_t> shape_;
+  std::int64_t numel_ = 1;
 };
 
 }  // namespace ptrain::nn

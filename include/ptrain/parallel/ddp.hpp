@@ -153,6 +153,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
     if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
     build_buckets();
     install_hooks();
+    detail::attach_replica_sum(module_, &comm_);
   }
 
   struct Bucket {
