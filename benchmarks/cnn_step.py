@@ -15,7 +15,7 @@ import torch
 
 def make_model(c1, c2):
     def block(cin, cout):
-        return [torch.nn.Conv2d(cin, cout, 3, padding=1), torch.nn.BatchNorm2d(cout), torch.nn.ReLU(),
+        return [torch.nn.Conv2d(cin, cout, 3, padding=1, bias=False), torch.nn.BatchNorm2d(cout), torch.nn.ReLU(),
                 torch.nn.MaxPool2d(2)]
     return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 28, 28)), *block(1, c1), *block(c1, c2),
                                torch.nn.Flatten(), torch.nn.Linear(c2 * 7 * 7, 10))

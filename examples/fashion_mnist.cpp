@@ -19,7 +19,7 @@
 //   ptrun --nproc-per-node 2 fashion_mnist --parallel ddp --checkpoint-dir ckpt --checkpoint-every 200 --resume
 //
 // --model cnn: two blocks of 3x3 convolution, batch norm, ReLU and 2x2 max-pool
-// (--channels, default 32,64) and a linear head (nn::CNN); on two or more ranks
+// (--channels, default 16,32) and a linear head (nn::CNN); on two or more ranks
 // its norms are SyncBatchNorm, so statistics span the global batch.
 // --train-limit / --test-limit use the first N images of a split (quick runs) and
 // --min-accuracy A exits with status 3 when the final test accuracy is below A.
@@ -45,7 +45,7 @@ struct Options {
   double weight_decay = 1e-4;
   std::string model = "mlp";
   std::vector<std::int64_t> hidden = {512, 256};
-  std::vector<std::int64_t> channels = {32, 64};
+  std::vector<std::int64_t> channels = {16, 32};
   std::int64_t train_limit = 0;
   std::int64_t test_limit = 0;
   double min_accuracy = 0.0;
@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
   app.add_option("--lr", opt.lr, "AdamW learning rate (cosine decay to 0 after 1% warmup)");
   app.add_option("--weight-decay", opt.weight_decay, "AdamW decoupled weight decay");
   app.add_option("--hidden", opt.hidden, "hidden layer widths of the MLP, e.g. 512,256")->delimiter(',');
-  app.add_option("--channels", opt.channels, "output channels of the CNN's conv blocks, e.g. 32,64")->delimiter(',');
+  app.add_option("--channels", opt.channels, "output channels of the CNN's conv blocks, e.g. 16,32")->delimiter(',');
   app.add_option("--train-limit", opt.train_limit, "train on the first N images only (0: all)");
   app.add_option("--test-limit", opt.test_limit, "test on the first N images only (0: all)");
   app.add_option("--min-accuracy", opt.min_accuracy, "exit with status 3 if the final test accuracy is below this");

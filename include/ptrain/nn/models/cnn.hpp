@@ -14,8 +14,8 @@ namespace ptrain::nn {
 
 /// CNN(1, 28, 28, {32, 64}, 10) on flat images [N, 784]:
 ///   Unflatten(1, (1, 28, 28)),
-///   Conv2d(1, 32, 3, padding=1), BatchNorm2d(32), ReLU, MaxPool2d(2),    -> [N, 32, 14, 14]
-///   Conv2d(32, 64, 3, padding=1), BatchNorm2d(64), ReLU, MaxPool2d(2),   -> [N, 64, 7, 7]
+///   Conv2d(1, 32, 3, padding=1, bias=False), BatchNorm2d(32), ReLU, MaxPool2d(2),   -> [N, 32, 14, 14]
+///   Conv2d(32, 64, 3, padding=1, bias=False), BatchNorm2d(64), ReLU, MaxPool2d(2),  -> [N, 64, 7, 7]
 ///   Flatten, Linear(64 * 7 * 7, 10).
 /// With sync_bn the norms are SyncBatchNorm (statistics over every
 /// data-parallel replica's batch). Names follow torch.nn.Sequential ("1.weight",
@@ -33,7 +33,10 @@ class CNN : public Sequential<T> {
     for (std::int64_t out : channels) {
       PTRAIN_CHECK(h >= 2 && w >= 2, ShapeError, "[ptrain.cnn.config] ", channels.size(), " blocks halve a ",
                    height, "x", width, " image below 1x1; use fewer blocks");
-      auto conv = this->add(std::make_shared<Conv2d<T>>(c, out, 3, Conv2dOptions{.padding = {1, 1}}, gen));
+      // No conv bias: the norm right after subtracts the channel mean, so a bias would
+      // get a zero gradient (only rounding noise, which Adam would amplify).
+      auto conv = this->add(
+          std::make_shared<Conv2d<T>>(c, out, 3, Conv2dOptions{.padding = {1, 1}, .bias = false}, gen));
       if (first) conv->set_need_input_grad(false);  // its input is data
       first = false;
       if (sync_bn) this->add(std::make_shared<SyncBatchNorm<T>>(out));
