@@ -22,6 +22,7 @@ namespace ptrain::ops {
 
 /// Sums a tensor of doubles elementwise over the data-parallel replicas, in place
 /// (an all-reduce; every replica calls it in the same order). Empty: no replicas.
+/// The same type as nn::ReplicaSum, which engines hand to modules.
 using ReplicaSum = std::function<void(Tensor<double>&)>;
 
 namespace detail {

@@ -1,8 +1,8 @@
 // SyncBatchNorm across real processes against one process holding the global
 // batch (Note [Synchronised batch statistics]): forward output, input and
 // parameter gradients, running statistics; then a CNN with SyncBatchNorm
-// trained under DDP and FSDP against BatchNorm in one process, and its
-// buffers through a checkpoint. Every rank runs every case in the same order;
+// trained under DDP, FSDP and a pipeline against BatchNorm in one process, and
+// its buffers through a checkpoint of each mode. Every rank runs every case in the same order;
 // checks use CHECK so that no rank skips a collective.
 
 #include <catch2/catch.hpp>
@@ -52,7 +52,7 @@ TEST_CASE("SyncBatchNorm on every rank's part equals BatchNorm on the global bat
     m->weight()->value.copy_(w);
     m->bias()->value.copy_(b);
   }
-  parallel::detail::attach_replica_sum<double>(sync, &comm);
+  sync.set_replica_sum([&comm](Tensor<double>& t) { comm.all_reduce(t, dist::ReduceOp::Sum); });
   CHECK(sync.synchronised() == (n > 1));
 
   for (int step = 0; step < 2; ++step) {  // twice: the running statistics move again
@@ -118,7 +118,7 @@ std::map<std::string, std::vector<float>> parameters_and_buffers(nn::Module<floa
 }
 }  // namespace
 
-TEST_CASE("A CNN with SyncBatchNorm under DDP and FSDP trains as BatchNorm on one process, buffers included",
+TEST_CASE("A CNN with SyncBatchNorm under DDP, FSDP and a pipeline trains as BatchNorm on one process",
           "[dist][sync_batch_norm]") {
   const int n = world().size();
   auto ref_model = make_cnn(false);
@@ -129,6 +129,8 @@ TEST_CASE("A CNN with SyncBatchNorm under DDP and FSDP trains as BatchNorm on on
   const std::vector<std::pair<std::string, parallel::Plan<float>>> plans = {
       {"ddp", parallel::DDPOptions{.first_bucket_bytes = 64}},
       {"fsdp full_shard", parallel::FSDPOptions{.strategy = parallel::ShardingStrategy::FullShard}},
+      // One micro-batch: a stage's statistics then span its replicas' whole batch.
+      {"pipeline", parallel::PipelinePlan<float>{.stages = n % 2 == 0 ? 2 : n, .options = {.micro_batches = 1}}},
   };
   for (const auto& [name, plan] : plans) {
     INFO(name);

@@ -12,11 +12,11 @@
 
 namespace ptrain::nn {
 
-/// CNN(1, 28, 28, {32, 64}, 10) on flat images [N, 784]:
+/// CNN(1, 28, 28, {16, 32}, 10) on flat images [N, 784]:
 ///   Unflatten(1, (1, 28, 28)),
-///   Conv2d(1, 32, 3, padding=1, bias=False), BatchNorm2d(32), ReLU, MaxPool2d(2),   -> [N, 32, 14, 14]
-///   Conv2d(32, 64, 3, padding=1, bias=False), BatchNorm2d(64), ReLU, MaxPool2d(2),  -> [N, 64, 7, 7]
-///   Flatten, Linear(64 * 7 * 7, 10).
+///   Conv2d(1, 16, 3, padding=1, bias=False), BatchNorm2d(16), ReLU, MaxPool2d(2),   -> [N, 16, 14, 14]
+///   Conv2d(16, 32, 3, padding=1, bias=False), BatchNorm2d(32), ReLU, MaxPool2d(2),  -> [N, 32, 7, 7]
+///   Flatten, Linear(32 * 7 * 7, 10).
 /// With sync_bn the norms are SyncBatchNorm (statistics over every
 /// data-parallel replica's batch). Names follow torch.nn.Sequential ("1.weight",
 /// "2.running_mean", ...); every layer is a unit (FSDP wraps, pipelines cut).
