@@ -3,6 +3,7 @@
 // tensors, with PyTorch's parameter layout, initialisation and output sizes.
 
 #include <cmath>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -14,7 +15,9 @@ namespace ptrain::nn {
 
 namespace detail {
 inline std::string pair_str(const std::array<std::int64_t, 2>& p) {
-  return "(" + std::to_string(p[0]) + ", " + std::to_string(p[1]) + ")";
+  std::ostringstream s;  // not "(" + to_string(...): g++ 12 warns there (a false -Wrestrict)
+  s << "(" << p[0] << ", " << p[1] << ")";
+  return s.str();
 }
 // A shape kept in Cache::values, for layers whose backward needs only the input's shape.
 inline std::vector<std::uint64_t> shape_values(const Shape& s) {
