@@ -75,7 +75,7 @@ class BatchNorm : public Module<T> {
   Tensor<T>* num_batches_tracked() { return num_batches_; }
 
  protected:
-  BatchNorm(std::string name, std::int64_t features, BatchNormOptions o)
+  BatchNorm(std::string name, std::int64_t features, const BatchNormOptions& o)
       : name_(std::move(name)), c_(features), o_(o), track_(o.track_running_stats) {
     PTRAIN_CHECK(features > 0 && o.eps >= 0 && o.momentum >= 0 && o.momentum <= 1, ShapeError, "[ptrain.",
                  name_, ".args] features ", features, " must be positive, eps ", o.eps,
@@ -118,7 +118,8 @@ class BatchNorm : public Module<T> {
 template <class T>
 class BatchNorm1d : public BatchNorm<T> {
  public:
-  explicit BatchNorm1d(std::int64_t features, BatchNormOptions o = {}) : BatchNorm<T>("BatchNorm1d", features, o) {}
+  explicit BatchNorm1d(std::int64_t features, const BatchNormOptions& o = {})
+      : BatchNorm<T>("BatchNorm1d", features, o) {}
 
  protected:
   void check_input(const Tensor<T>& x) const override {
@@ -131,7 +132,8 @@ class BatchNorm1d : public BatchNorm<T> {
 template <class T>
 class BatchNorm2d : public BatchNorm<T> {
  public:
-  explicit BatchNorm2d(std::int64_t features, BatchNormOptions o = {}) : BatchNorm<T>("BatchNorm2d", features, o) {}
+  explicit BatchNorm2d(std::int64_t features, const BatchNormOptions& o = {})
+      : BatchNorm<T>("BatchNorm2d", features, o) {}
 
  protected:
   void check_input(const Tensor<T>& x) const override {
@@ -147,7 +149,7 @@ class BatchNorm2d : public BatchNorm<T> {
 template <class T>
 class SyncBatchNorm : public BatchNorm<T> {
  public:
-  explicit SyncBatchNorm(std::int64_t features, BatchNormOptions o = {})
+  explicit SyncBatchNorm(std::int64_t features, const BatchNormOptions& o = {})
       : BatchNorm<T>("SyncBatchNorm", features, o) {}
   /// True once an engine has attached it to a group of more than one replica.
   bool synchronised() const { return static_cast<bool>(this->sum_); }

@@ -33,6 +33,8 @@ inline Shape shape_of(const std::vector<std::uint64_t>& v) {
 }  // namespace detail
 
 /// Options of Conv2d beyond the channel counts and kernel size (torch.nn.Conv2d's keywords).
+/// Layers take options by const reference: g++ 12 with -march=native (AVX2) builds
+/// a by-value `{}` argument of this aggregate with wrong members (padding 1).
 struct Conv2dOptions {
   std::array<std::int64_t, 2> stride{1, 1};
   std::array<std::int64_t, 2> padding{0, 0};
@@ -46,13 +48,16 @@ template <class T>
 class Conv2d : public Module<T> {
  public:
   /// Weights and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = Cin/groups kh kw, as torch.nn.Conv2d.
-  Conv2d(std::int64_t in, std::int64_t out, std::array<std::int64_t, 2> kernel, Conv2dOptions o = {},
+  Conv2d(std::int64_t in, std::int64_t out, std::array<std::int64_t, 2> kernel, const Conv2dOptions& o = {},
          Generator& gen = default_generator())
       : in_(in), out_(out), groups_(o.groups) {
     PTRAIN_CHECK(in > 0 && out > 0 && o.groups > 0 && in % o.groups == 0 && out % o.groups == 0, ShapeError,
                  "[ptrain.conv2d.channels] channels ", in, " -> ", out, " must be positive and divisible by groups ",
                  o.groups);
-    args_ = {kernel, o.stride, o.padding, o.dilation};
+    args_.kernel = kernel;
+    args_.stride = o.stride;
+    args_.padding = o.padding;
+    args_.dilation = o.dilation;
     for (int i = 0; i < 2; ++i)
       PTRAIN_CHECK(kernel[i] > 0 && o.stride[i] > 0 && o.padding[i] >= 0 && o.dilation[i] > 0, ShapeError,
                    "[ptrain.conv2d.args] kernel ", detail::pair_str(kernel), ", stride ", detail::pair_str(o.stride),
@@ -69,7 +74,7 @@ class Conv2d : public Module<T> {
     }
   }
   /// A square kernel.
-  Conv2d(std::int64_t in, std::int64_t out, std::int64_t kernel, Conv2dOptions o = {},
+  Conv2d(std::int64_t in, std::int64_t out, std::int64_t kernel, const Conv2dOptions& o = {},
          Generator& gen = default_generator())
       : Conv2d(in, out, {kernel, kernel}, o, gen) {}
 
@@ -132,8 +137,8 @@ inline std::string pool_str(const char* name, const ops::Conv2dArgs& a) {
 template <class T>
 class MaxPool2d : public Module<T> {
  public:
-  MaxPool2d(std::array<std::int64_t, 2> kernel, Pool2dOptions o = {}) : args_(detail::pool_args(kernel, o)) {}
-  explicit MaxPool2d(std::int64_t kernel, Pool2dOptions o = {}) : MaxPool2d({kernel, kernel}, o) {}
+  MaxPool2d(std::array<std::int64_t, 2> kernel, const Pool2dOptions& o = {}) : args_(detail::pool_args(kernel, o)) {}
+  explicit MaxPool2d(std::int64_t kernel, const Pool2dOptions& o = {}) : MaxPool2d({kernel, kernel}, o) {}
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     Tensor<std::int32_t> idx;
     auto y = ops::max_pool2d(x, args_, idx);
@@ -158,8 +163,8 @@ class MaxPool2d : public Module<T> {
 template <class T>
 class AvgPool2d : public Module<T> {
  public:
-  AvgPool2d(std::array<std::int64_t, 2> kernel, Pool2dOptions o = {}) : args_(detail::pool_args(kernel, o)) {}
-  explicit AvgPool2d(std::int64_t kernel, Pool2dOptions o = {}) : AvgPool2d({kernel, kernel}, o) {}
+  AvgPool2d(std::array<std::int64_t, 2> kernel, const Pool2dOptions& o = {}) : args_(detail::pool_args(kernel, o)) {}
+  explicit AvgPool2d(std::int64_t kernel, const Pool2dOptions& o = {}) : AvgPool2d({kernel, kernel}, o) {}
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     auto y = ops::avg_pool2d(x, args_);
     cache.values = detail::shape_values(x.shape());
