@@ -1,7 +1,8 @@
-// Trains an MLP on Fashion-MNIST and reports test accuracy, on one process,
-// data parallel or fully sharded over the launched ranks.
+// Trains an MLP or a CNN on Fashion-MNIST and reports test accuracy, on one
+// process, data parallel or fully sharded over the launched ranks.
 //
 //   build/examples/fashion_mnist                       # one process: 784-512-256-10, AdamW, 10 epochs
+//   build/launcher/ptrun --nproc-per-node 2 build/examples/fashion_mnist --model cnn --parallel ddp
 //   build/launcher/ptrun --nproc-per-node 2 build/examples/fashion_mnist --parallel ddp
 //   mpirun -np 2 build/examples/fashion_mnist --parallel fsdp --metrics run.jsonl
 //
@@ -16,6 +17,12 @@
 // continues from the newest complete checkpoint in DIR, written in any mode and
 // on any number of ranks (docs/checkpointing.md):
 //   ptrun --nproc-per-node 2 fashion_mnist --parallel ddp --checkpoint-dir ckpt --checkpoint-every 200 --resume
+//
+// --model cnn: two blocks of 3x3 convolution, batch norm, ReLU and 2x2 max-pool
+// (--channels, default 16,32) and a linear head (nn::CNN); on two or more ranks
+// its norms are SyncBatchNorm, so statistics span the global batch.
+// --train-limit / --test-limit use the first N images of a split (quick runs) and
+// --min-accuracy A exits with status 3 when the final test accuracy is below A.
 //
 // Data: the files of Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist);
 // --data DIR reads the same four IDX files from elsewhere.
@@ -36,7 +43,12 @@ struct Options {
   std::int64_t batch = 64;
   double lr = 1e-3;
   double weight_decay = 1e-4;
+  std::string model = "mlp";
   std::vector<std::int64_t> hidden = {512, 256};
+  std::vector<std::int64_t> channels = {16, 32};
+  std::int64_t train_limit = 0;
+  std::int64_t test_limit = 0;
+  double min_accuracy = 0.0;
   std::uint64_t seed = 0;
   std::string data = default_fashion_mnist_dir();
   std::string metrics;
@@ -70,16 +82,29 @@ double accuracy(parallel::Engine<float>& engine, const MnistSplit& split) {
   return static_cast<double>(correct) / static_cast<double>(n);
 }
 
+// The first `limit` images of a split (all of them when limit is 0 or too large).
+MnistSplit first_images(MnistSplit s, std::int64_t limit) {
+  if (limit <= 0 || limit >= s.images.size(0)) return s;
+  s.images = s.images.narrow(0, limit);
+  s.labels = s.labels.narrow(0, limit);
+  return s;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Options opt;
-  CLI::App app{"Train an MLP on Fashion-MNIST with ptrain"};
+  CLI::App app{"Train an MLP or a CNN on Fashion-MNIST with ptrain"};
+  app.add_option("--model", opt.model, "mlp or cnn")->check(CLI::IsMember({"mlp", "cnn"}));
   app.add_option("--epochs", opt.epochs, "passes over the training set")->check(positive);
   app.add_option("--batch", opt.batch, "batch size of each rank")->check(positive);
   app.add_option("--lr", opt.lr, "AdamW learning rate (cosine decay to 0 after 1% warmup)");
   app.add_option("--weight-decay", opt.weight_decay, "AdamW decoupled weight decay");
-  app.add_option("--hidden", opt.hidden, "hidden layer widths, e.g. 512,256")->delimiter(',');
+  app.add_option("--hidden", opt.hidden, "hidden layer widths of the MLP, e.g. 512,256")->delimiter(',');
+  app.add_option("--channels", opt.channels, "output channels of the CNN's conv blocks, e.g. 16,32")->delimiter(',');
+  app.add_option("--train-limit", opt.train_limit, "train on the first N images only (0: all)");
+  app.add_option("--test-limit", opt.test_limit, "test on the first N images only (0: all)");
+  app.add_option("--min-accuracy", opt.min_accuracy, "exit with status 3 if the final test accuracy is below this");
   app.add_option("--seed", opt.seed, "seed for initialisation and shuffling");
   app.add_option("--data", opt.data, "directory with the Fashion-MNIST IDX files");
   app.add_option("--metrics", opt.metrics, "write JSON-lines metrics to this file");
@@ -97,15 +122,23 @@ int main(int argc, char** argv) {
   try {
     Stopwatch wall;
     auto world = dist::init_process_group();  // a world of one without a launcher
-    const MnistSplit train_split = load_mnist(opt.data, true);
-    const MnistSplit test_split = load_mnist(opt.data, false);
+    const MnistSplit train_split = first_images(load_mnist(opt.data, true), opt.train_limit);
+    const MnistSplit test_split = first_images(load_mnist(opt.data, false), opt.test_limit);
     PTRAIN_CHECK(train_split.images.size(0) > 0 && test_split.images.size(0) > 0, Error, "[fashion_mnist.data] ",
                  opt.data, " holds ", train_split.images.size(0), " training and ", test_split.images.size(0),
                  " test images; both splits need at least one");
 
     manual_seed(opt.seed);
-    auto model = std::make_shared<nn::MLP<float>>(train_split.images.size(1), opt.hidden, 10);
-    model->set_need_input_grad(false);
+    std::shared_ptr<nn::Sequential<float>> model;
+    if (opt.model == "mlp") {
+      auto mlp = std::make_shared<nn::MLP<float>>(train_split.images.size(1), opt.hidden, 10);
+      mlp->set_need_input_grad(false);
+      model = mlp;
+    } else {
+      PTRAIN_CHECK(train_split.images.size(1) == 28 * 28, Error, "[fashion_mnist.data] the CNN takes 28x28 images, "
+                   "got rows of ", train_split.images.size(1));
+      model = std::make_shared<nn::CNN<float>>(1, 28, 28, opt.channels, 10, /*sync_bn=*/world->size() > 1);
+    }
     const std::int64_t num_parameters = model->num_parameters();  // FSDP releases the model's own tensors
     const std::string description = model->describe();
     parallel::Plan<float> plan = parallel::LocalOptions{};
@@ -121,7 +154,8 @@ int main(int argc, char** argv) {
                                    .checkpoint_dir = opt.checkpoint_dir, .checkpoint_every = opt.checkpoint_every,
                                    .keep_checkpoints = opt.keep_checkpoints, .resume = opt.resume,
                                    .preempt_exit_code = opt.preempt_exit_code,
-                                   .config = {{"program", "fashion_mnist"}, {"hidden", opt.hidden},
+                                   .config = {{"program", "fashion_mnist"}, {"model", opt.model},
+                                              {"hidden", opt.hidden}, {"channels", opt.channels},
                                               {"seed", opt.seed}}});
     const std::int64_t total = trainer.total_steps();
     trainer.schedule = optim::WarmupCosine{.base_lr = opt.lr, .warmup = std::max<std::int64_t>(1, total / 100),
@@ -135,9 +169,13 @@ int main(int argc, char** argv) {
                   static_cast<long long>(num_parameters), world->size(), world->backend().c_str(), opt.parallel.c_str(),
                   static_cast<long long>(total));
     const train::TrainResult result = trainer.run();
-    if (lead && !result.preempted)
-      std::printf("final test_accuracy %.4f, wall time %.1f s\n", result.last_eval.value("test_accuracy", 0.0),
-                  wall.seconds());
+    const double acc = result.last_eval.value("test_accuracy", 0.0);
+    if (lead && !result.preempted) std::printf("final test_accuracy %.4f, wall time %.1f s\n", acc, wall.seconds());
+    if (!result.preempted && acc < opt.min_accuracy) {
+      if (lead) std::fprintf(stderr, "fashion_mnist: test accuracy %.4f is below --min-accuracy %.4f\n", acc,
+                             opt.min_accuracy);
+      return 3;
+    }
     return result.exit_code;
   } catch (const Error& e) {
     std::fprintf(stderr, "fashion_mnist: %s\n", e.what());

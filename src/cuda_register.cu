@@ -56,7 +56,7 @@ void fill_floating(CudaKernels<T>& k) {
 }
 
 // float and double: the forms bf16 has not (token ids, the plain optimizer
-// updates) and the casts to and from bf16.
+// updates, convolution, pooling and batch norm) and the casts to and from bf16.
 template <class T>
 void fill_full_precision(CudaKernels<T>& k) {
   fill_floating(k);
@@ -65,6 +65,19 @@ void fill_full_precision(CudaKernels<T>& k) {
   k.cast_from_bf16 = &kc::cast<bf16, T>;
   k.sgd_update = &kc::sgd_update<T>;
   k.adamw_update = &kc::adamw_update<T>;
+  k.im2col = &kc::im2col<T>;
+  k.col2im = &kc::col2im<T>;
+  k.max_pool2d_forward = &kc::max_pool2d_forward<T>;
+  k.max_pool2d_backward = &kc::max_pool2d_backward<T>;
+  k.avg_pool2d_forward = &kc::avg_pool2d_forward<T>;
+  k.avg_pool2d_backward = &kc::avg_pool2d_backward<T>;
+  k.batch_norm_stats = &kc::batch_norm_stats<T>;
+  k.batch_norm_finalize = &kc::batch_norm_finalize<T>;
+  k.batch_norm_eval_stats = &kc::batch_norm_eval_stats<T>;
+  k.batch_norm_apply = &kc::batch_norm_apply<T>;
+  k.batch_norm_backward_reduce = &kc::batch_norm_backward_reduce<T>;
+  k.batch_norm_backward_apply = &kc::batch_norm_backward_apply<T>;
+  k.batch_norm_param_grads = &kc::batch_norm_param_grads<T>;
 }
 
 CudaKernelTable make_table() {

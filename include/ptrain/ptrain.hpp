@@ -14,6 +14,8 @@
 
 #include "ptrain/ops/activation.hpp"
 #include "ptrain/ops/attention.hpp"
+#include "ptrain/ops/batch_norm.hpp"
+#include "ptrain/ops/conv.hpp"
 #include "ptrain/ops/embedding.hpp"
 #include "ptrain/ops/init.hpp"
 #include "ptrain/ops/linear.hpp"
@@ -23,11 +25,14 @@
 
 #include "ptrain/nn/activation.hpp"
 #include "ptrain/nn/attention.hpp"
+#include "ptrain/nn/batch_norm.hpp"
+#include "ptrain/nn/conv.hpp"
 #include "ptrain/nn/embedding.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/layer_norm.hpp"
 #include "ptrain/nn/linear.hpp"
 #include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/models/cnn.hpp"
 #include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/models/gpt2_weights.hpp"
 #include "ptrain/nn/models/mlp.hpp"

@@ -39,6 +39,8 @@
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/ops/attention.hpp"
+#include "ptrain/ops/batch_norm.hpp"
+#include "ptrain/ops/conv.hpp"
 #include "ptrain/ops/linear.hpp"
 #include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/optim/adamw.hpp"
@@ -1210,4 +1212,81 @@ TEST_CASE("cuda: AdamW on bf16 parameters steps like the CPU", "[gpu]") {
   std::size_t mismatches = 0;
   for (std::size_t i = 0; i < p.size(); ++i) mismatches += p[i].bits != bf16(master_gpu[i]).bits;
   CHECK(mismatches == 0);
+}
+
+// Convolution, pooling and batch norm through ops/ on cuda:0 (the table's
+// im2col / col2im / pooling / batch-norm kernels and cuBLAS) against the same
+// ops on the CPU in double.
+namespace {
+template <class T>
+struct Pair {
+  Tensor<T> gpu;
+  Tensor<double> ref;
+};
+template <class T>
+Pair<T> random_pair(const Shape& s, double lo, double hi) {
+  const auto v = uniform<T>(s.numel(), lo, hi);
+  return {Tensor<T>::from(v, s).to(kGpu), Tensor<double>::from(to_double(v), s)};
+}
+template <class T>
+Pair<T> zeros_pair(const Shape& s) {
+  return {Tensor<T>::zeros(s, kGpu), Tensor<double>::zeros(s)};
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda: conv2d forward and backward agree with the CPU", "[gpu]", float, double) {
+  using T = TestType;
+  ops::Conv2dArgs a{.kernel = {3, 2}, .stride = {2, 1}, .padding = {1, 1}, .dilation = {1, 2}};
+  auto x = random_pair<T>({3, 4, 9, 7}, -1, 1), w = random_pair<T>({6, 2, 3, 2}, -1, 1);
+  auto b = random_pair<T>({6}, -1, 1);
+  auto y = ops::conv2d(x.gpu, w.gpu, b.gpu, a, 2);
+  auto y_ref = ops::conv2d(x.ref, w.ref, b.ref, a, 2);
+  CHECK_CLOSE(host(y), y_ref.to_vector());
+  auto dy = random_pair<T>(y_ref.shape(), -1, 1);
+  auto dw = zeros_pair<T>(w.ref.shape()), db = zeros_pair<T>(b.ref.shape());
+  auto dx = ops::conv2d_backward(x.gpu, w.gpu, dy.gpu, dw.gpu, &db.gpu, a, 2);
+  auto dx_ref = ops::conv2d_backward(x.ref, w.ref, dy.ref, dw.ref, &db.ref, a, 2);
+  CHECK_CLOSE(host(dx), dx_ref.to_vector());
+  CHECK_CLOSE(host(dw.gpu), dw.ref.to_vector());
+  CHECK_CLOSE(host(db.gpu), db.ref.to_vector());
+}
+
+TEMPLATE_TEST_CASE("cuda: max and average pooling agree with the CPU", "[gpu]", float, double) {
+  using T = TestType;
+  ops::Conv2dArgs a{.kernel = {3, 3}, .stride = {2, 2}, .padding = {1, 1}};
+  auto x = random_pair<T>({2, 3, 9, 8}, -1, 1);
+  Tensor<std::int32_t> idx, idx_ref;
+  auto y = ops::max_pool2d(x.gpu, a, idx);
+  auto y_ref = ops::max_pool2d(x.ref, a, idx_ref);
+  CHECK_CLOSE(host(y), y_ref.to_vector());
+  CHECK(host(idx) == idx_ref.to_vector());
+  auto dy = random_pair<T>(y_ref.shape(), -1, 1);
+  CHECK_CLOSE(host(ops::max_pool2d_backward(x.gpu, idx, dy.gpu, a)),
+              ops::max_pool2d_backward(x.ref, idx_ref, dy.ref, a).to_vector());
+  CHECK_CLOSE(host(ops::avg_pool2d(x.gpu, a)), ops::avg_pool2d(x.ref, a).to_vector());
+  CHECK_CLOSE(host(ops::avg_pool2d_backward(x.ref.shape(), dy.gpu, a)),
+              ops::avg_pool2d_backward(x.ref.shape(), dy.ref, a).to_vector());
+}
+
+TEMPLATE_TEST_CASE("cuda: batch_norm forward, backward and running statistics agree with the CPU", "[gpu]", float,
+                   double) {
+  using T = TestType;
+  auto x = random_pair<T>({5, 3, 4, 6}, 1, 3), w = random_pair<T>({3}, 0.5, 1.5), b = random_pair<T>({3}, -1, 1);
+  auto rm = random_pair<T>({3}, -1, 1), rv = random_pair<T>({3}, 0.5, 2);
+  for (const bool training : {true, false}) {
+    INFO("training " << training);
+    ops::BatchNormSaved<T> s;
+    ops::BatchNormSaved<double> s_ref;
+    auto y = ops::batch_norm(x.gpu, w.gpu, b.gpu, &rm.gpu, &rv.gpu, training, 0.1, 1e-5, s);
+    auto y_ref = ops::batch_norm(x.ref, w.ref, b.ref, &rm.ref, &rv.ref, training, 0.1, 1e-5, s_ref);
+    CHECK_CLOSE(host(y), y_ref.to_vector());
+    CHECK_CLOSE(host(rm.gpu), rm.ref.to_vector());
+    CHECK_CLOSE(host(rv.gpu), rv.ref.to_vector());
+    auto dy = random_pair<T>(x.ref.shape(), -1, 1);
+    auto dw = zeros_pair<T>({3}), db = zeros_pair<T>({3});
+    CHECK_CLOSE(host(ops::batch_norm_backward(x.gpu, w.gpu, dy.gpu, s, &dw.gpu, &db.gpu)),
+                ops::batch_norm_backward(x.ref, w.ref, dy.ref, s_ref, &dw.ref, &db.ref).to_vector());
+    CHECK_CLOSE(host(dw.gpu), dw.ref.to_vector());
+    CHECK_CLOSE(host(db.gpu), db.ref.to_vector());
+  }
 }

@@ -28,6 +28,9 @@ template <class T>
 ShardedState fsdp_state(parallel::FSDP<T>& fsdp, std::type_identity_t<optim::Optimizer<T>>* opt) {
   ShardedState s;
   if (opt) s.record(*opt);
+  // Buffers are whole on every rank; rank 0 writes them.
+  if (fsdp.communicator().rank() == 0)
+    for (const auto& b : fsdp.parameters().buffers()) s.model.push_back(whole(b.name, *b.buffer));
   if (!fsdp.writes_checkpoint()) return s;
   for (const auto& p : fsdp.shard_pieces()) {
     s.model.push_back(piece(p.name, p.shape, p.param_offset, fsdp.parameters().values().view(p.local_offset, {p.numel})));
@@ -49,9 +52,10 @@ TrainerState load_fsdp(const fs::path& path, parallel::FSDP<T>& fsdp,
   Checkpoint c(path);
   std::set<std::string> names;
   for (const auto& [name, shape] : fsdp.parameter_shapes()) names.insert(name);
+  for (const auto& b : fsdp.parameters().buffers()) names.insert(b.name);
   for (const auto& n : c.tensor_names("model"))
     PTRAIN_CHECK(names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
-                 "' is not a parameter of the model; the checkpoint is from a different model");
+                 "' is not a parameter or buffer of the model; the checkpoint is from a different model");
   // Everything is checked before the first copy, so a mismatch leaves the model
   // untouched. Optimizer state is acc_t<T> (F32 beside bf16 parameters).
   for (const auto& [name, shape] : fsdp.parameter_shapes()) {
@@ -59,6 +63,8 @@ TrainerState load_fsdp(const fs::path& path, parallel::FSDP<T>& fsdp,
     if (opt)
       for (const auto& entry : opt->flat_state()) c.check(name + "." + entry.first, shape, dtype_of<acc_t<T>>());
   }
+  for (const auto& b : fsdp.parameters().buffers()) c.check_matches(b.name, *b.buffer);
+  for (const auto& b : fsdp.parameters().buffers()) c.read_into(b.name, *b.buffer);
   for (const auto& p : fsdp.shard_pieces()) {
     auto values = fsdp.parameters().values().view(p.local_offset, {p.numel});
     c.read_range(p.name, p.param_offset, values);

@@ -202,10 +202,14 @@ class CheckpointManager {
       targets.emplace_back(e.name, e.param->value);
       known[e.name] = 1;
     }
+    for (const auto& b : params.buffers()) {
+      targets.emplace_back(b.name, *b.buffer);
+      known[b.name] = 1;
+    }
     if (!lo.partial)
       for (const auto& n : c.tensor_names("model"))
         PTRAIN_CHECK(known.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
-                     "' is not a parameter of the model; the checkpoint is from a different model");
+                     "' is not a parameter or buffer of the model; the checkpoint is from a different model");
     if (opt) state = opt->state_tensors();
     for (const auto& [name, t] : targets) c.check_matches(name, t);
     for (const auto& [name, t] : state) c.check_matches(name, t);
@@ -262,6 +266,7 @@ class CheckpointManager {
     if (rank() != 0) return job;
     std::vector<std::pair<std::string, Tensor<T>>> model;
     for (const auto& e : params.entries()) model.emplace_back(e.name, e.param->value);
+    for (const auto& b : params.buffers()) model.emplace_back(b.name, *b.buffer);
     add_file(job, "model.safetensors", model, copy || !params.values().device().is_cpu(), reuse);
     if (opt) add_file(job, "optimizer.safetensors", opt->state_tensors(), copy || !params.values().device().is_cpu(),
                       reuse ? reuse + 1 : nullptr);

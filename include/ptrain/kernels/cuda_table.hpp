@@ -24,6 +24,7 @@
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
+#include "ptrain/kernels/window.hpp"
 
 namespace ptrain::kernels {
 
@@ -78,6 +79,22 @@ struct CudaKernels {
   void (*flash_attention_forward)(I64, I64, I64, I64, const T*, A, double, U64, U64, T*, A*) = nullptr;
   void (*flash_attention_backward)(I64, I64, I64, I64, const T*, const T*, const A*, double, U64, U64, const T*, A,
                                    T*) = nullptr;
+  // conv.cuh (float and double)
+  void (*im2col)(I64, const Window2d&, const T*, T*) = nullptr;
+  void (*col2im)(I64, const Window2d&, const T*, T*) = nullptr;
+  void (*max_pool2d_forward)(I64, const Window2d&, const T*, T*, I32*) = nullptr;
+  void (*max_pool2d_backward)(I64, const Window2d&, const T*, const I32*, T*) = nullptr;
+  void (*avg_pool2d_forward)(I64, const Window2d&, const T*, T*) = nullptr;
+  void (*avg_pool2d_backward)(I64, const Window2d&, const T*, T*) = nullptr;
+  // batch_norm.cuh (float and double)
+  void (*batch_norm_stats)(I64, I64, I64, const T*, double*) = nullptr;
+  void (*batch_norm_finalize)(I64, double, const double*, double, double, A*, A*, T*, T*) = nullptr;
+  void (*batch_norm_eval_stats)(I64, const T*, const T*, double, A*, A*) = nullptr;
+  void (*batch_norm_apply)(I64, I64, I64, const T*, const A*, const A*, const T*, const T*, T*) = nullptr;
+  void (*batch_norm_backward_reduce)(I64, I64, I64, const T*, const T*, const A*, const A*, double*) = nullptr;
+  void (*batch_norm_backward_apply)(I64, I64, I64, const T*, const T*, const A*, const A*, const T*, const double*,
+                                    double, T*) = nullptr;
+  void (*batch_norm_param_grads)(I64, const double*, T*, T*) = nullptr;
   // optimizer.cuh
   void (*sgd_update)(I64, T*, const T*, T*, T, T, T, bool, T, bool) = nullptr;
   void (*adamw_update)(I64, T*, const T*, T*, T*, T, T, T, T, T, I64) = nullptr;

@@ -53,6 +53,7 @@ class FlatParameters {
       entries_.push_back({p.name, total, p.param->value.shape(), p.param});
       total += (p.param->value.numel() + align - 1) / align * align;
     }
+    buffers_ = module.named_buffers();
     values_ = Tensor<T>::zeros({total}, device);
     grads_ = Tensor<T>::zeros({total}, device);
     for (auto& e : entries_) {
@@ -77,11 +78,16 @@ class FlatParameters {
   Tensor<T>& grads() { return grads_; }
   const std::vector<FlatEntry<T>>& entries() const { return entries_; }
   std::int64_t numel() const { return values_.numel(); }
+  /// The module's buffers (BatchNorm's running statistics): not packed, not
+  /// optimised, but saved and loaded by checkpoints beside the parameters.
+  const std::vector<NamedBuffer<T>>& buffers() const { return buffers_; }
+  void set_buffers(std::vector<NamedBuffer<T>> buffers) { buffers_ = std::move(buffers); }
   void zero_grad() { grads_.zero_(); }
 
  private:
   Tensor<T> values_, grads_;
   std::vector<FlatEntry<T>> entries_;
+  std::vector<NamedBuffer<T>> buffers_;
 };
 
 }  // namespace ptrain::nn

@@ -10,6 +10,11 @@
 // is final, the module calls param.mark_grad_ready(), which runs the
 // parameter's on_grad_ready callback. DDP uses it to start bucket all-reduces
 // while backward goes on.
+//
+// Buffers are tensors a module keeps beside its parameters that training
+// changes without gradients (BatchNorm's running statistics): named like
+// parameters, moved by to(), saved and loaded by checkpoints, never handed to
+// an optimizer nor all-reduced as gradients.
 
 #include <deque>
 #include <functional>
@@ -73,6 +78,17 @@ struct NamedParameter {
   Parameter<T>* param;
 };
 
+template <class T>
+struct NamedBuffer {
+  std::string name;  ///< dotted path, e.g. "features.1.running_mean"
+  Tensor<T>* buffer;
+};
+
+/// Sums a tensor of doubles elementwise over the data-parallel replicas, in place
+/// (an all-reduce that every replica calls in the same order); what an engine
+/// hands to modules that need batch-wide statistics (set_replica_sum()).
+using ReplicaSum = std::function<void(Tensor<double>&)>;
+
 /// Base of every layer and model.
 template <class T>
 class Module {
@@ -102,6 +118,12 @@ class Module {
     collect(prefix, out);
     return out;
   }
+  /// All buffers of this module and its children, depth-first in registration order.
+  std::vector<NamedBuffer<T>> named_buffers(const std::string& prefix = "") {
+    std::vector<NamedBuffer<T>> out;
+    collect_buffers(prefix, out);
+    return out;
+  }
   std::int64_t num_parameters() {
     std::int64_t n = 0;
     for (auto& p : named_parameters()) n += p.param->value.numel();
@@ -116,12 +138,21 @@ class Module {
     for (auto& c : children_) c.second->train(on);
   }
   bool training() const { return training_; }
-  /// Moves parameters and gradients to a device, recursively.
+  /// Moves parameters, gradients and buffers to a device, recursively.
   void to(Device device) {
     for (auto& p : named_parameters()) {
       p.param->value = p.param->value.to(device);
       p.param->grad = p.param->grad.to(device);
     }
+    for (auto& b : named_buffers()) *b.buffer = b.buffer->to(device);
+  }
+  /// Hands every module of the tree that reduces statistics over the
+  /// data-parallel replicas (SyncBatchNorm) the engine's all-reduce; an empty
+  /// function detaches them (one replica). Engines call this (Note
+  /// [Synchronised batch statistics] in ops/batch_norm.hpp).
+  void set_replica_sum(const ReplicaSum& sum) {
+    use_replica_sum(sum);
+    for (auto& c : children_) c.second->set_replica_sum(sum);
   }
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
 
@@ -152,6 +183,11 @@ class Module {
     params_.emplace_back(name, std::move(p));
     return *params_.back().second;
   }
+  /// Registers a buffer (Module's header comment); the reference stays valid.
+  Tensor<T>& register_buffer(const std::string& name, Tensor<T> value) {
+    buffers_.emplace_back(name, std::make_unique<Tensor<T>>(std::move(value)));
+    return *buffers_.back().second;
+  }
   /// Registers a child; an empty name adds no level to its parameters' names (a wrapper).
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
@@ -160,11 +196,17 @@ class Module {
   }
   /// This module's own random streams, not its children's (see random_streams()).
   virtual void own_random_streams(std::vector<Generator*>& out) { (void)out; }
+  /// This module's own use of set_replica_sum(); most modules ignore it.
+  virtual void use_replica_sum(const ReplicaSum& sum) { (void)sum; }
 
  private:
   void collect(const std::string& prefix, std::vector<NamedParameter<T>>& out) {
     for (auto& [name, p] : params_) out.push_back({prefix + name, p.get()});
     for (auto& [name, child] : children_) child->collect(name.empty() ? prefix : prefix + name + ".", out);
+  }
+  void collect_buffers(const std::string& prefix, std::vector<NamedBuffer<T>>& out) {
+    for (auto& [name, b] : buffers_) out.push_back({prefix + name, b.get()});
+    for (auto& [name, child] : children_) child->collect_buffers(name.empty() ? prefix : prefix + name + ".", out);
   }
   void collect_streams(std::vector<Generator*>& out) {
     own_random_streams(out);
@@ -172,6 +214,7 @@ class Module {
   }
 
   std::vector<std::pair<std::string, std::unique_ptr<Parameter<T>>>> params_;
+  std::vector<std::pair<std::string, std::unique_ptr<Tensor<T>>>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
 };

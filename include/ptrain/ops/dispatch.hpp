@@ -8,7 +8,9 @@
 
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cpu/attention.hpp"
+#include "ptrain/kernels/cpu/batch_norm.hpp"
 #include "ptrain/kernels/cpu/bf16.hpp"
+#include "ptrain/kernels/cpu/conv.hpp"
 #include "ptrain/kernels/cpu/elementwise.hpp"
 #include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/kernels/cpu/gemm.hpp"

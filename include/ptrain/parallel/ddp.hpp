@@ -57,6 +57,11 @@ struct DDPOptions {
   std::int64_t first_bucket_bytes = 1 << 20;
   /// Copy rank 0's parameters to every rank at construction (as PyTorch DDP).
   bool broadcast_parameters = true;
+  /// Copy rank 0's buffers (BatchNorm's running statistics) to every rank at the
+  /// start of each forward, as PyTorch DDP's broadcast_buffers: every replica then
+  /// evaluates, and checkpoints, the same statistics. One broadcast of all
+  /// buffers per forward; a model without buffers pays nothing.
+  bool broadcast_buffers = true;
   /// How gradients travel over the wire (as FSDPOptions::reduce_dtype): F32, the
   /// gradients' own type; or BF16, rounded to bf16 on their device, all-reduced in
   /// bf16 and widened back (half the bytes, ~3 significant digits; a no-op for bf16 models).
@@ -99,8 +104,12 @@ class DDP : public nn::Module<T>, public Engine<T> {
     params_.zero_grad();
   }
 
-  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override { return module_.forward(x, cache); }
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    sync_buffers();
+    return module_.forward(x, cache);
+  }
   Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
+    sync_buffers();
     return module_.forward_tokens(ids, cache);
   }
 
@@ -153,6 +162,8 @@ class DDP : public nn::Module<T>, public Engine<T> {
     if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
     build_buckets();
     install_hooks();
+    detail::attach_replica_sum(module_, &comm_);
+    buffers_ = module_.named_buffers();
   }
 
   struct Bucket {
@@ -167,6 +178,26 @@ class DDP : public nn::Module<T>, public Engine<T> {
   double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
              bool training) override {
     return this->run_module(*this, in, targets, grad_scale, training);
+  }
+
+  // DDPOptions::broadcast_buffers: rank 0's buffers, packed into one tensor, to every rank.
+  void sync_buffers() {
+    if (!opt_.broadcast_buffers || comm_.size() < 2 || buffers_.empty()) return;
+    std::int64_t total = 0;
+    for (auto& b : buffers_) total += b.buffer->numel();
+    if (buffer_pack_.numel() != total || buffer_pack_.device() != buffers_.front().buffer->device())
+      buffer_pack_ = Tensor<T>::empty({total}, buffers_.front().buffer->device());
+    std::int64_t at = 0;
+    for (auto& b : buffers_) {
+      buffer_pack_.view(at, b.buffer->shape()).copy_(*b.buffer);
+      at += b.buffer->numel();
+    }
+    comm_.broadcast(buffer_pack_, 0);
+    at = 0;
+    for (auto& b : buffers_) {
+      b.buffer->copy_(buffer_pack_.view(at, b.buffer->shape()));
+      at += b.buffer->numel();
+    }
   }
 
   void verify_same_parameters() {
@@ -261,6 +292,8 @@ class DDP : public nn::Module<T>, public Engine<T> {
   nn::FlatParameters<T>& params_;
   dist::Communicator& comm_;
   DDPOptions opt_;
+  std::vector<nn::NamedBuffer<T>> buffers_;  // the module's, for broadcast_buffers
+  Tensor<T> buffer_pack_;
   std::vector<Bucket> buckets_;
   std::vector<int> entry_bucket_;
   std::vector<char> announced_;

@@ -53,6 +53,22 @@ namespace ptrain::parallel {
 namespace detail {
 using ::ptrain::detail::cat;
 
+/// Hands the SyncBatchNorm layers of `m` the all-reduce over `dp`, the
+/// engine's data-parallel group (Note [Synchronised batch statistics] in
+/// ops/batch_norm.hpp); without a group of two or more they use their local
+/// batch. The group must outlive the module's use of it.
+template <class T>
+void attach_replica_sum(nn::Module<T>& m, dist::Communicator* dp) {
+  if (!dp || dp->size() < 2) {
+    m.set_replica_sum({});
+    return;
+  }
+  m.set_replica_sum([dp](Tensor<double>& t) {
+    dp->check_serves(t.device(), "SyncBatchNorm");
+    dp->all_reduce(t.data(), t.data(), static_cast<std::size_t>(t.numel()), DType::F64, dist::ReduceOp::Sum);
+  });
+}
+
 /// Steady-clock seconds, for the event timelines of DDP, FSDP and the pipeline.
 inline double steady_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

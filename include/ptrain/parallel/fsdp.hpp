@@ -292,7 +292,19 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     if (shard_comm_ && shard_comm_->size() > 1) shard_comm_->all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
     return sq;
   }
-  void make_view() { view_ = std::make_unique<nn::FlatParameters<T>>(local_values_, local_grads_, local_entries_); }
+  void make_view() {
+    view_ = std::make_unique<nn::FlatParameters<T>>(local_values_, local_grads_, local_entries_);
+    view_->set_buffers(unit_buffers());
+    for (auto& u : units_) detail::attach_replica_sum(*u, this->data_parallel_group());
+  }
+  // Every unit's buffers under the units' parameter prefixes; they are not sharded
+  // (each rank keeps them whole; SyncBatchNorm keeps them equal on every rank).
+  std::vector<nn::NamedBuffer<T>> unit_buffers() {
+    std::vector<nn::NamedBuffer<T>> out;
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      for (auto& b : units_[u]->named_buffers(unit_prefix(u))) out.push_back(b);
+    return out;
+  }
 
   template <class X>
   Tensor<T> run_forward(const X& x, nn::Cache<T>& cache) {

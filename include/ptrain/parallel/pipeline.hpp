@@ -330,6 +330,7 @@ class Pipeline : public Engine<T> {
     comm_.check_serves(device_, "Pipeline");
     if (opt_.data_parallel) opt_.data_parallel->check_serves(device_, "Pipeline (data-parallel group)");
     if (opt_.loss) this->set_loss(opt_.loss);
+    detail::attach_replica_sum(module_, opt_.data_parallel);
   }
 
   /// This rank's stage on a dp x pp mesh: the pipeline of its replica, with

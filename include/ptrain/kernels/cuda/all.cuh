@@ -15,6 +15,8 @@
 //   layer_norm.cuh   layer_norm_forward/backward
 //   embedding.cuh    token_ids, embedding_forward/backward (deterministic scatter-add)
 //   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
+//   conv.cuh         im2col, col2im, max/avg pooling (float, double)
+//   batch_norm.cuh   batch-norm statistics, finalisation, apply, backward (float, double)
 //   optimizer.cuh    sgd_update, adamw_update
 
 #include "ptrain/kernels/cuda/check.hpp"
@@ -30,4 +32,6 @@
 #include "ptrain/kernels/cuda/embedding.cuh"
 #include "ptrain/kernels/cuda/attention.cuh"
 #include "ptrain/kernels/cuda/flash_attention.cuh"
+#include "ptrain/kernels/cuda/conv.cuh"
+#include "ptrain/kernels/cuda/batch_norm.cuh"
 #include "ptrain/kernels/cuda/optimizer.cuh"
