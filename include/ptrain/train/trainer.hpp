@@ -65,6 +65,7 @@ struct TrainerOptions {
   std::int64_t checkpoint_every = 0;  ///< background checkpoint every N steps (0: only at the end and on a signal)
   int keep_checkpoints = 3;           ///< committed checkpoints kept; 0 keeps all
   bool resume = true;                 ///< continue from the newest good checkpoint in checkpoint_dir
+  bool start_over = false;  ///< when every checkpoint there is corrupt: set them aside and start at step 0 (else refuse)
   int preempt_exit_code = 0;          ///< returned after the checkpoint a signal asked for
   nlohmann::json config = nlohmann::json::object();  ///< the run's settings; a resume with others is refused
 };
@@ -146,8 +147,8 @@ class Trainer {
 
     MetricsWriter metrics(lead ? o_.metrics : "", resumed);
     Progress progress(total, lead ? o_.log_every : 0, std::cout, result.step);
-    double window_loss = 0;
-    Stopwatch window;
+    Stopwatch clock;
+    ReportWindow window{clock.seconds()};  // a resumed run's first window holds only the steps run here
     auto run_eval = [&](int epoch) {
       if (!evaluate) return;
       engine_.train(false);
@@ -178,14 +179,12 @@ class Trainer {
         ++result.step;
         progress.update(result.step, epoch + 1, loss, opt_.lr(), b.rows() * data_world);
         if (on_step) on_step({result.step, epoch + 1, loss, opt_.lr()});
-        window_loss += loss;
+        window.add(b.rows() * data_world, loss);
         if (o_.log_every > 0 && (result.step % o_.log_every == 0 || result.step == total)) {
-          const std::int64_t n = (result.step - 1) % o_.log_every + 1;
-          const double mean = engine_.average(window_loss / static_cast<double>(n));  // every rank, same steps
+          const double mean = engine_.average(window.mean_loss());  // every rank, same steps
           metrics.write({{"step", result.step}, {"epoch", epoch + 1}, {"loss", mean}, {"lr", opt_.lr()},
-                         {"samples_per_s", static_cast<double>(n * o_.batch * data_world) / window.seconds()}});
-          window_loss = 0;
-          window.reset();
+                         {"samples_per_s", window.samples_per_s(clock.seconds())}});
+          window.reset(clock.seconds());
         }
         if (saver && o_.checkpoint_every > 0 && result.step % o_.checkpoint_every == 0) {
           ckpt::save(*saver, *mgr, result.step, engine_, &opt_, state());  // returns after a copy to host memory
@@ -258,11 +257,13 @@ class Trainer {
   // Loads the newest good checkpoint (if any); sets the sampler, the epoch and the step.
   bool try_resume(ckpt::CheckpointManager& mgr, DistributedSampler& sampler, bool lead, int& epoch,
                   std::int64_t& step) {
-    const auto last = mgr.latest();
+    const auto last = mgr.latest_to_resume(o_.start_over);
     for (const auto& s : last.skipped)
       if (lead) std::fprintf(stderr, "ptrain: skipping checkpoint %s: %s\n", s.path.c_str(), s.reason.c_str());
     if (!last.found()) {
-      if (lead) std::printf("no checkpoint in %s; starting from step 0\n", o_.checkpoint_dir.c_str());
+      if (lead)
+        std::printf("%s in %s; starting from step 0\n",
+                    last.skipped.empty() ? "no checkpoint" : "corrupt checkpoints set aside", o_.checkpoint_dir.c_str());
       return false;
     }
     // The settings first, from trainer.json alone: a mismatch leaves the model untouched.
