@@ -119,6 +119,7 @@ struct Options {
   int keep_checkpoints = 3;
   int preempt_exit_code = 0;
   bool resume = false;
+  bool start_over = false;
   std::string export_path;
   std::string export_hf;  // Hugging Face GPT-2 folder
   std::string init_from;  // pretrained weights: Hugging Face GPT-2 or ptrain names
@@ -460,7 +461,9 @@ bool resume(ckpt::CheckpointManager& mgr, const ckpt::LatestCheckpoint& last, pa
   for (const auto& k : last.skipped)
     if (lead) std::fprintf(stderr, "gpt_char: skipping %s: %s\n", k.path.c_str(), k.reason.c_str());
   if (!last.found()) {
-    if (lead) std::printf("no checkpoint in %s; starting from step 0\n", dir.c_str());
+    if (lead)
+      std::printf("%s in %s; starting from step 0\n",
+                  last.skipped.empty() ? "no checkpoint" : "corrupt checkpoints set aside", dir.c_str());
     return false;
   }
   const std::string path = last.path.string();
@@ -500,7 +503,7 @@ class RunCheckpoints {
     if (o.checkpoint_dir.empty()) return;
     mgr_ = std::make_unique<ckpt::CheckpointManager>(o.checkpoint_dir, &world,
                                                      ckpt::CheckpointOptions{.keep_last = o.keep_checkpoints});
-    if (o.resume) last_ = mgr_->latest();
+    if (o.resume) last_ = mgr_->latest_to_resume(o.start_over);
   }
   /// Whether --resume found a checkpoint (which then replaces --init-from's weights).
   bool found() const { return last_.found(); }

@@ -73,6 +73,7 @@ class StoreServer {
     std::string in, out;
     bool hello = false;       // the hello (magic, version, token) was accepted
     bool closing = false;     // close once `out` is flushed (a rejected hello)
+    std::string peer;         // "address:port", for messages
     std::vector<std::string> waiting;  // keys of an unanswered WAIT; empty when none
   };
 
@@ -184,7 +185,9 @@ class StoreServer {
 
   void accept_all() {
     for (;;) {
-      int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      sockaddr_storage addr{};
+      socklen_t len = sizeof addr;
+      int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&addr), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) return;
       if (conns_.size() >= kMaxStoreConnections) {
         ::close(fd);
@@ -193,6 +196,7 @@ class StoreServer {
       set_nodelay(fd);
       Conn c;
       c.fd = Fd(fd);
+      c.peer = peer_name(addr);
       conns_.emplace(next_id_++, std::move(c));
     }
   }
@@ -240,6 +244,7 @@ class StoreServer {
         c.hello = status == 0;
         c.closing = status != 0;
         done += r.consumed();
+        if (status == 1) refuse(c.peer, token.empty());
         continue;
       }
       auto cmd = static_cast<StoreCmd>(r.u8());
@@ -256,6 +261,48 @@ class StoreServer {
   }
 
   static void reply_ok(Conn& c) { c.out.push_back(static_cast<char>(StoreStatus::Ok)); }
+  static void reply_error(Conn& c, std::string_view message) {
+    c.out.push_back(static_cast<char>(StoreStatus::Error));
+    put_str(c.out, message);
+  }
+
+  static std::string peer_name(const sockaddr_storage& a) {
+    char host[INET6_ADDRSTRLEN] = "?";
+    int port = 0;
+    if (a.ss_family == AF_INET6) {
+      const auto& v6 = reinterpret_cast<const sockaddr_in6&>(a);
+      ::inet_ntop(AF_INET6, &v6.sin6_addr, host, sizeof host);
+      port = ntohs(v6.sin6_port);
+    } else if (a.ss_family == AF_INET) {
+      const auto& v4 = reinterpret_cast<const sockaddr_in&>(a);
+      ::inet_ntop(AF_INET, &v4.sin_addr, host, sizeof host);
+      port = ntohs(v4.sin_port);
+    }
+    std::string h = host;
+    if (h.rfind("::ffff:", 0) == 0) h.erase(0, 7);  // an IPv4 client of the dual-stack socket
+    return cat(h, ":", port);
+  }
+
+  // Note [Refused clients]
+  // A client that speaks the protocol but presents a wrong or missing token is
+  // a rank of this job started with another PTRAIN_STORE_TOKEN (or without
+  // one): it never joins, so every rank waiting for its keys would sit out the
+  // whole timeout (300 s by default) and then blame a missing rank. The server
+  // knows better: once it refuses such a client, every open WAIT and every
+  // later WAIT that cannot be answered at once fails with an error that says
+  // so. Garbage on the port (a wrong magic, a port scanner) only loses its
+  // connection, as before.
+  void refuse(const std::string& peer, bool missing_token) {
+    refused_ = cat("the store refused a client from ", peer, " that presented ",
+                   missing_token ? "no token" : "a wrong token",
+                   " (a wrong or missing PTRAIN_STORE_TOKEN), so the rank it belongs to cannot join and this wait "
+                   "cannot complete; set PTRAIN_STORE_TOKEN to the same value on every rank (or on none)");
+    for (auto& [id, w] : conns_) {
+      if (w.waiting.empty()) continue;
+      drop_waits(id, w);
+      reply_error(w, refused_);
+    }
+  }
 
   // Parses and, once complete, executes one command. Side effects only happen
   // when r.ok() after parsing, so a partial message is re-parsed later from the start.
@@ -291,6 +338,8 @@ class StoreServer {
           if (!data_.count(k)) missing.push_back(std::move(k));
         if (missing.empty()) {
           reply_ok(c);
+        } else if (!refused_.empty()) {  // Note [Refused clients]
+          reply_error(c, refused_);
         } else {
           for (auto& k : missing) waiters_[k].insert(id);
           c.waiting = std::move(missing);
@@ -405,6 +454,7 @@ class StoreServer {
   }
 
   std::string token_;
+  std::string refused_;  // why waits fail, once a client was refused (Note [Refused clients])
   Fd listen_, wake_read_, wake_write_;
   int port_ = 0;
   std::atomic<bool> stop_{false};
