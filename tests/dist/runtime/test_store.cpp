@@ -319,6 +319,13 @@ TEST_CASE("store: a client refused for its token fails the waits in flight and l
   CHECK_THROWS_WITH(client.wait({"never"}, 300ms), Catch::Contains("[ptrain.store.timeout]"));
 }
 
+TEST_CASE("store: add() that would overflow int64 is an error, the value unchanged", "[store]") {
+  TCPStore server("127.0.0.1", 0, true, 2s, std::string());
+  CHECK(server.add("n", 9223372036854775807LL) == 9223372036854775807LL);
+  CHECK_THROWS_WITH(server.add("n", 1), Catch::Contains("[ptrain.store.error]") && Catch::Contains("overflow"));
+  CHECK(server.add("n", -7) == 9223372036854775800LL);
+}
+
 TEST_CASE("store: processes of one job, one with a wrong token: the others fail at once", "[store][process]") {
   // Three ranks meet through the store (a 30 s timeout); rank 2 has another token.
   ptrain_test::TempDir dir;
