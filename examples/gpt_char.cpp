@@ -461,9 +461,7 @@ bool resume(ckpt::CheckpointManager& mgr, const ckpt::LatestCheckpoint& last, pa
   for (const auto& k : last.skipped)
     if (lead) std::fprintf(stderr, "gpt_char: skipping %s: %s\n", k.path.c_str(), k.reason.c_str());
   if (!last.found()) {
-    if (lead)
-      std::printf("%s in %s; starting from step 0\n",
-                  last.skipped.empty() ? "no checkpoint" : "corrupt checkpoints set aside", dir.c_str());
+    if (lead) std::printf("no checkpoint in %s; starting from step 0\n", dir.c_str());
     return false;
   }
   const std::string path = last.path.string();

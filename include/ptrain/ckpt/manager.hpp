@@ -181,23 +181,29 @@ class CheckpointManager {
   }
 
   /// latest() for a run that is about to resume. When the directory holds
-  /// checkpoints but none verifies, training from step 0 would end at its first
-  /// save ([ptrain.ckpt.newer]) after wasted work, so this refuses at once
-  /// ([ptrain.ckpt.corrupt], naming every checkpoint and why it failed), unless
+  /// committed checkpoints but none verifies, training from step 0 would end at
+  /// its first save ([ptrain.ckpt.newer]) after wasted work, so this refuses at
+  /// once ([ptrain.ckpt.corrupt], naming each and why it failed), unless
   /// `start_over`: then rank 0 renames them to corrupt-step-N (kept for a look,
-  /// invisible to latest() and rotation) and the run starts from step 0. Every
-  /// rank calls it (it is local: they all see the same directory).
+  /// invisible to latest() and rotation) and the run starts from step 0.
+  /// Directories without a marker (a first save that never committed) are no
+  /// checkpoints: the next save removes them. Every rank calls it (it is local:
+  /// they all see the same directory).
   LatestCheckpoint latest_to_resume(bool start_over) {
     LatestCheckpoint last = latest();
-    if (last.found() || last.skipped.empty()) return last;
+    if (last.found()) return last;
+    std::vector<SkippedCheckpoint> corrupt;
+    for (const auto& s : last.skipped)
+      if (fs::exists(s.path / detail::kMarker)) corrupt.push_back(s);
+    if (corrupt.empty()) return last;
     std::string list;
-    for (const auto& s : last.skipped) list += "\n  " + s.path.string() + ": " + s.reason;
+    for (const auto& s : corrupt) list += "\n  " + s.path.string() + ": " + s.reason;
     PTRAIN_CHECK(start_over, CheckpointError, "[ptrain.ckpt.corrupt] every checkpoint in ", dir_.string(),
                  " fails verification, so there is nothing to resume from:", list,
                  "\nRepair or restore one of them, or start over on purpose (--start-over, "
                  "TrainerOptions::start_over), which sets them aside as corrupt-step-N");
     if (rank() == 0) {
-      for (const auto& s : last.skipped) {
+      for (const auto& s : corrupt) {
         const fs::path to = dir_ / ("corrupt-" + s.path.filename().string());
         std::error_code ec;
         fs::remove_all(to, ec);

@@ -261,9 +261,7 @@ class Trainer {
     for (const auto& s : last.skipped)
       if (lead) std::fprintf(stderr, "ptrain: skipping checkpoint %s: %s\n", s.path.c_str(), s.reason.c_str());
     if (!last.found()) {
-      if (lead)
-        std::printf("%s in %s; starting from step 0\n",
-                    last.skipped.empty() ? "no checkpoint" : "corrupt checkpoints set aside", o_.checkpoint_dir.c_str());
+      if (lead) std::printf("no checkpoint in %s; starting from step 0\n", o_.checkpoint_dir.c_str());
       return false;
     }
     // The settings first, from trainer.json alone: a mismatch leaves the model untouched.

@@ -134,6 +134,18 @@ TEST_CASE("Trainer: every checkpoint corrupt refuses at start-up, start_over set
   CHECK(steps_run == 0);  // refused before any training
   for (const auto& p : corrupt) CHECK(fs::exists(p));
 
+  // A directory without a marker (a first save that never committed) is no checkpoint: no refusal.
+  const fs::path fresh = fresh_dir("ptrain_trainer_uncommitted_");
+  fs::create_directories(fresh / "step-00000003");
+  train::TrainerOptions f = o;
+  f.checkpoint_dir = fresh.string();
+  {
+    Run first_save_died(data, f);
+    CHECK(first_save_died.trainer->run().step == 10);
+  }
+  CHECK_FALSE(fs::exists(fresh / "step-00000003"));
+  fs::remove_all(fresh);
+
   o.start_over = true;
   Run over(data, o);
   CHECK(over.trainer->run().step == 10);
