@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Cost of the default collective check (Note [Collective fingerprints]): ddp_step
-# (MPI and Gloo, 2 ranks) and comm_bench at 1 and 4 MiB, with the check off
-# (PTRAIN_DISTRIBUTED_DEBUG=OFF) and on, alternating runs; prints the median over
+# (MPI and Gloo, 2 ranks) with the check off (PTRAIN_DISTRIBUTED_DEBUG=OFF) and on,
+# alternating runs, and comm_bench at 1, 4 and 16 MiB, which times each collective
+# with and without the check in the same run (--unchecked); prints the median over
 # runs of each benchmark's own median, and the ratio on/off.
 #   benchmarks/check_cost.sh [build-dir]       RUNS=5 by default
 set -euo pipefail
@@ -16,9 +17,11 @@ for i in $(seq "${RUNS:-5}"); do
     tag() { grep '^{' | sed "s/^{/{\"check\":\"$mode\",/" >> "$out"; }
     $t mpirun -np 2 --bind-to none -x PTRAIN_DISTRIBUTED_DEBUG "$build/benchmarks/ddp_step" | tag
     $t "$build/launcher/ptrun" --nproc-per-node 2 --master-port 0 "$build/benchmarks/ddp_step" | tag
-    $t mpirun -np 2 --bind-to none -x PTRAIN_DISTRIBUTED_DEBUG "$build/benchmarks/comm_bench" --min-bytes 1048576 \
-      --max-bytes 4194304 --iters 20 --backends mpi,gloo | tag
   done
+  # comm_bench times each collective with and without the check in one run (--unchecked).
+  unset PTRAIN_DISTRIBUTED_DEBUG
+  $t mpirun -np 2 --bind-to none "$build/benchmarks/comm_bench" --min-bytes 1048576 --max-bytes 16777216 \
+    --iters 20 --backends mpi,gloo --unchecked | grep '^{' | sed 's/^{/{"check":"ON",/' >> "$out"
 done
 python3 - "$out" <<'PY'
 import collections, json, statistics, sys
@@ -26,6 +29,8 @@ g = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r.get("impl") == "raw_mpi" or r.get("impl") == "pytorch": continue
+    if r.get("impl", "").endswith("_unchecked"):
+        r["impl"], r["check"] = r["impl"][:-len("_unchecked")], "OFF"
     key = (r["bench"], r.get("impl", ""), r.get("backend", ""), r.get("op", ""), r.get("bytes", ""))
     g[(key, r["check"])].append(r.get("time_us", r.get("step_ms_median")))
 print("| benchmark | off | on | on / off |")

@@ -26,7 +26,9 @@
 // not stored: a checkpoint taken after p samples per rank of epoch e on W ranks
 // continues on M ranks at step e * steps_per_epoch(M) + ceil(p W / M / batch),
 // so the schedule, the progress total and the end of training follow the new
-// world size (Note [Sampler reshape] in ckpt/checkpoint.hpp).
+// world size (Note [Sampler reshape] in ckpt/checkpoint.hpp). On more ranks the
+// steps are smaller than the checkpoint's: the manager knows the run resumed
+// (CheckpointManager::resumed_from), so the new saves replace the old numbering.
 
 #include <csignal>
 #include <cstdio>
@@ -182,9 +184,10 @@ class Trainer {
         window.add(b.rows() * data_world, loss);
         if (o_.log_every > 0 && (result.step % o_.log_every == 0 || result.step == total)) {
           const double mean = engine_.average(window.mean_loss());  // every rank, same steps
+          const double now = clock.seconds();
           metrics.write({{"step", result.step}, {"epoch", epoch + 1}, {"loss", mean}, {"lr", opt_.lr()},
-                         {"samples_per_s", window.samples_per_s(clock.seconds())}});
-          window.reset(clock.seconds());
+                         {"samples_per_s", window.samples_per_s(now)}});
+          window.reset(now);
         }
         if (saver && o_.checkpoint_every > 0 && result.step % o_.checkpoint_every == 0) {
           ckpt::save(*saver, *mgr, result.step, engine_, &opt_, state());  // returns after a copy to host memory
