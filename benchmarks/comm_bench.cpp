@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -90,6 +91,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed iterations per size");
   app.add_option("--backends", backends, "ptrain backends besides raw MPI: mpi,gloo");
   app.add_option("--ops", ops, "operations to sweep");
+  bool unchecked = false;
+  app.add_flag("--unchecked", unchecked, "also time communicators without the collective check (Note [Collective "
+               "fingerprints]), as ptrain_*_unchecked right after the checked ones");
   CLI11_PARSE(app, argc, argv);
 
   // ptrain's runtime initialises MPI (MPI_THREAD_MULTIPLE) so raw and ptrain
@@ -97,7 +101,7 @@ int main(int argc, char** argv) {
   auto mpi = std::make_unique<MpiCommunicator>();
   const int rank = mpi->rank(), n = mpi->size();
 
-  std::unique_ptr<Communicator> gloo;
+  std::unique_ptr<Communicator> gloo, mpi_off, gloo_off;
 #ifdef PTRAIN_GLOO
   if (backends.find("gloo") != std::string::npos) {
     // Under mpirun there is no MASTER_ADDR: rank 0 picks a port and serves the store.
@@ -106,8 +110,24 @@ int main(int argc, char** argv) {
     std::shared_ptr<Store> store =
         std::make_shared<TCPStore>("127.0.0.1", port, rank == 0, std::chrono::milliseconds(60'000));
     gloo = std::make_unique<GlooCommunicator>(store, rank, n, default_comm_timeout(), "127.0.0.1");
+    if (unchecked) {
+      ::setenv("PTRAIN_DISTRIBUTED_DEBUG", "OFF", 1);  // read when a communicator is made
+      gloo_off = std::make_unique<GlooCommunicator>(store, rank, n, default_comm_timeout(), "127.0.0.1",
+                                                    "ptrain/gloo/unchecked");
+    }
   }
 #endif
+  if (unchecked) {
+    ::setenv("PTRAIN_DISTRIBUTED_DEBUG", "OFF", 1);
+    mpi_off = std::make_unique<MpiCommunicator>();
+    ::unsetenv("PTRAIN_DISTRIBUTED_DEBUG");
+  }
+  // The checked communicator and, with --unchecked, the same call without the check.
+  auto both = [&](auto&& measure, const char* name, Communicator* checked, Communicator* off, auto&& call) {
+    if (!checked) return;
+    measure(name, [&] { call(*checked); });
+    if (off) measure(std::string(name) + "_unchecked", [&] { call(*off); });
+  };
 
   std::vector<Row> rows;
   for (std::size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
@@ -153,19 +173,21 @@ int main(int argc, char** argv) {
       int ic = static_cast<int>(c), ip = static_cast<int>(part);
       if (op == "all_reduce") {
         measure("raw_mpi", [&] { MPI_Allreduce(in.data(), out.data(), ic, MPI_FLOAT, MPI_SUM, mpi->native()); });
-        measure("ptrain_mpi", [&] { mpi->all_reduce(in.data(), out.data(), c, DType::F32, ReduceOp::Sum); });
-        if (gloo) measure("ptrain_gloo", [&] { gloo->all_reduce(in.data(), out.data(), c, DType::F32, ReduceOp::Sum); });
+        auto call = [&](Communicator& k) { k.all_reduce(in.data(), out.data(), c, DType::F32, ReduceOp::Sum); };
+        both(measure, "ptrain_mpi", mpi.get(), mpi_off.get(), call);
+        both(measure, "ptrain_gloo", gloo.get(), gloo_off.get(), call);
       } else if (op == "reduce_scatter") {
         measure("raw_mpi", [&] {
           MPI_Reduce_scatter_block(in.data(), out.data(), ip, MPI_FLOAT, MPI_SUM, mpi->native());
         });
-        measure("ptrain_mpi", [&] { mpi->reduce_scatter(in.data(), out.data(), part, DType::F32, ReduceOp::Sum); });
-        if (gloo)
-          measure("ptrain_gloo", [&] { gloo->reduce_scatter(in.data(), out.data(), part, DType::F32, ReduceOp::Sum); });
+        auto call = [&](Communicator& k) { k.reduce_scatter(in.data(), out.data(), part, DType::F32, ReduceOp::Sum); };
+        both(measure, "ptrain_mpi", mpi.get(), mpi_off.get(), call);
+        both(measure, "ptrain_gloo", gloo.get(), gloo_off.get(), call);
       } else {
         measure("raw_mpi", [&] { MPI_Allgather(in.data(), ip, MPI_FLOAT, out.data(), ip, MPI_FLOAT, mpi->native()); });
-        measure("ptrain_mpi", [&] { mpi->all_gather(in.data(), out.data(), part, DType::F32); });
-        if (gloo) measure("ptrain_gloo", [&] { gloo->all_gather(in.data(), out.data(), part, DType::F32); });
+        auto call = [&](Communicator& k) { k.all_gather(in.data(), out.data(), part, DType::F32); };
+        both(measure, "ptrain_mpi", mpi.get(), mpi_off.get(), call);
+        both(measure, "ptrain_gloo", gloo.get(), gloo_off.get(), call);
       }
     }
   }
@@ -178,7 +200,9 @@ int main(int argc, char** argv) {
       std::printf("# %-14s %-12s %12zu %12zu %10.1f %10.3f %10.3f %7zu\n", r.op.c_str(), r.impl.c_str(), r.bytes,
                   r.count, r.time_us, r.algbw, r.busbw, r.wrong);
   }
+  gloo_off.reset();
   gloo.reset();
+  mpi_off.reset();
   mpi.reset();
   return 0;
 }

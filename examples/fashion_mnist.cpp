@@ -59,6 +59,7 @@ struct Options {
   int keep_checkpoints = 3;
   int preempt_exit_code = 0;
   bool resume = false;
+  bool start_over = false;
 };
 
 // Accuracy on a whole split in evaluation mode. Each data-parallel rank scores a
@@ -153,6 +154,7 @@ int main(int argc, char** argv) {
                                    .log_every = opt.log_every, .metrics = opt.metrics,
                                    .checkpoint_dir = opt.checkpoint_dir, .checkpoint_every = opt.checkpoint_every,
                                    .keep_checkpoints = opt.keep_checkpoints, .resume = opt.resume,
+                                   .start_over = opt.start_over,
                                    .preempt_exit_code = opt.preempt_exit_code,
                                    .config = {{"program", "fashion_mnist"}, {"model", opt.model},
                                               {"hidden", opt.hidden}, {"channels", opt.channels},

@@ -119,6 +119,7 @@ struct Options {
   int keep_checkpoints = 3;
   int preempt_exit_code = 0;
   bool resume = false;
+  bool start_over = false;
   std::string export_path;
   std::string export_hf;  // Hugging Face GPT-2 folder
   std::string init_from;  // pretrained weights: Hugging Face GPT-2 or ptrain names
@@ -500,7 +501,7 @@ class RunCheckpoints {
     if (o.checkpoint_dir.empty()) return;
     mgr_ = std::make_unique<ckpt::CheckpointManager>(o.checkpoint_dir, &world,
                                                      ckpt::CheckpointOptions{.keep_last = o.keep_checkpoints});
-    if (o.resume) last_ = mgr_->latest();
+    if (o.resume) last_ = mgr_->latest_to_resume(o.start_over);
   }
   /// Whether --resume found a checkpoint (which then replaces --init-from's weights).
   bool found() const { return last_.found(); }

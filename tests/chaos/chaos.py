@@ -66,11 +66,12 @@ KINDS = ["kill", "stop", "disk", "term", "truncate", "reshape"]
 COMM_TIMEOUT_S = 6  # PTRAIN_COMM_TIMEOUT_S of every job: the stop fault waits this long, plus slack
 GRACE_S = 2  # ptrun --grace-period
 INTERVAL = 20  # --checkpoint-every
+PREEMPT_EXIT = 75  # --preempt-exit-code: what the ranks, and so ptrun, exit with after SIGTERM
 TOL = 1e-4  # relative, after a world-size change
 TMPFS_MB = 48
 GPT = ["--layers", "1", "--heads", "2", "--embd", "32", "--block", "32", "--batch", "4", "--dropout", "0.1",
        "--warmup", "3", "--eval-every", "1000000", "--sample-tokens", "0", "--threads", "1"]
-PROGRESS = re.compile(r"^step (\d+)/", re.M)
+PROGRESS = re.compile(r"^(?:\[default\d+\]:)?step (\d+)/", re.M)  # ptrun prefixes the ranks' lines
 RESUMED = re.compile(r"resumed from \S*step-(\d+)")
 SIGNAL_SAVE = re.compile(r"signal 15: checkpoint of step (\d+) committed")
 
@@ -205,7 +206,7 @@ class Context:
 
     def program_args(self, sc, ckpt):
         common = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(INTERVAL), "--resume", "--log-every", "1",
-                  "--parallel", sc.mode]
+                  "--parallel", sc.mode, "--preempt-exit-code", str(PREEMPT_EXIT)]
         if sc.program == "gpt_char":
             return [self.exe["gpt_char"], "--data", self.corpus, "--steps", str(sc.length)] + GPT + common
         return [self.exe["fashion_mnist"], "--data", self.fashion, "--hidden", "32", "--batch", "16", "--epochs",
@@ -391,8 +392,8 @@ def run_scenario(ctx, sc, kinds, rng, st):
         committed = expect = newest(ckpt)
         if ended_by in ("term", "truncate"):
             m = SIGNAL_SAVE.search(job.out())
-            if rc != 128 + signal.SIGTERM or not m or int(m.group(1)) != committed:
-                raise Failure(f"{sc.name}: SIGTERM to ptrun: exit {rc}, expected {128 + signal.SIGTERM} and a "
+            if rc != PREEMPT_EXIT or not m or int(m.group(1)) != committed:
+                raise Failure(f"{sc.name}: SIGTERM to ptrun: exit {rc}, expected {PREEMPT_EXIT} and a "
                               f"committed checkpoint of the step reached (newest: {committed})\n{job.describe()}")
         if ended_by == "truncate":
             d = step_dir(ckpt, committed)

@@ -78,14 +78,12 @@ void save(AsyncCheckpointer& saver, CheckpointManager& mgr, std::int64_t step, p
       [&](const ShardedState& mine, TrainerState s) { saver.save_sharded(step, mine, std::move(s)); });
 }
 
-/// Loads a checkpoint written by save() in any mode and world size into `engine`
-/// (and opt's state, step count and learning rate); collective. Restores
-/// default_generator() and returns the trainer state. A mismatch (another model,
-/// a missing tensor, a corrupt file) throws before anything is changed.
+namespace detail {
+// ckpt::load without the manager's bookkeeping: the engine's mode picks the reader.
 template <class T>
-TrainerState load(CheckpointManager& mgr, const fs::path& path, parallel::Engine<T>& engine,
-                  std::type_identity_t<optim::Optimizer<T>>* opt = nullptr) {
-  detail::check_same_world(mgr, engine.communicator());
+TrainerState load_engine(CheckpointManager& mgr, const fs::path& path, parallel::Engine<T>& engine,
+                         optim::Optimizer<T>* opt) {
+  check_same_world(mgr, engine.communicator());
   switch (engine.mode()) {
     case parallel::Mode::Local:
     case parallel::Mode::DDP:
@@ -98,7 +96,7 @@ TrainerState load(CheckpointManager& mgr, const fs::path& path, parallel::Engine
         return load_stage(mgr, path, pipe, opt);
       // Another mode or cut: this stage's tensors by name.
       TrainerState state;
-      detail::all_or_none(mgr.communicator(), "loading its pipeline stage", [&] {
+      all_or_none(mgr.communicator(), "loading its pipeline stage", [&] {
         state = pipe.has_parameters() ? mgr.load(path, pipe.parameters(), opt, LoadOptions{.partial = true})
                                       : Checkpoint(path).trainer_state();
       });
@@ -106,6 +104,20 @@ TrainerState load(CheckpointManager& mgr, const fs::path& path, parallel::Engine
     }
   }
   return {};
+}
+}  // namespace detail
+
+/// Loads a checkpoint written by save() in any mode and world size into `engine`
+/// (and opt's state, step count and learning rate); collective. Restores
+/// default_generator() and returns the trainer state. A mismatch (another model,
+/// a missing tensor, a corrupt file) throws before anything is changed.
+/// Marks the manager as resumed from `path` (CheckpointManager::resumed_from).
+template <class T>
+TrainerState load(CheckpointManager& mgr, const fs::path& path, parallel::Engine<T>& engine,
+                  std::type_identity_t<optim::Optimizer<T>>* opt = nullptr) {
+  TrainerState state = detail::load_engine(mgr, path, engine, opt);
+  mgr.resumed_from(path);
+  return state;
 }
 
 }  // namespace ptrain::ckpt

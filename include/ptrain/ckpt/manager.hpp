@@ -30,7 +30,8 @@
 //    and its parent. Only then is the checkpoint visible to latest().
 // 4. rotate (rank 0): deletes checkpoints without a marker, committed ones
 //    beyond the newest keep_last, and any with a larger step (an abandoned
-//    timeline: the run resumed from an older checkpoint).
+//    timeline: the run resumed from an older checkpoint, or on more ranks,
+//    which renumbers the steps).
 // A synchronous save() adds an all-reduce after step 2 and a broadcast after
 // step 3, so every rank returns (or throws) together once the marker is on disk.
 
@@ -171,13 +172,56 @@ class CheckpointManager {
         Checkpoint c(path, verify_data);
         out.path = path;
         out.step = step;
-        found_latest_ = true;
         return out;
       } catch (const std::exception& e) {  // CheckpointError, or a file system error
         out.skipped.push_back({path, e.what()});
       }
     }
     return out;
+  }
+
+  /// latest() for a run that is about to resume. When the directory holds
+  /// committed checkpoints but none verifies, training from step 0 would end at
+  /// its first save ([ptrain.ckpt.newer]) after wasted work, so this refuses at
+  /// once ([ptrain.ckpt.corrupt], naming each and why it failed), unless
+  /// `start_over`: then rank 0 renames them to corrupt-step-N (kept for a look,
+  /// invisible to latest() and rotation) and the run starts from step 0.
+  /// Directories without a marker (a first save that never committed) are no
+  /// checkpoints: the next save removes them. Every rank calls it (it is local:
+  /// they all see the same directory).
+  LatestCheckpoint latest_to_resume(bool start_over) {
+    LatestCheckpoint last = latest();
+    if (last.found()) return last;
+    std::vector<SkippedCheckpoint> corrupt;
+    for (const auto& s : last.skipped)
+      if (fs::exists(s.path / detail::kMarker)) corrupt.push_back(s);
+    if (corrupt.empty()) return last;
+    std::string list;
+    for (const auto& s : corrupt) list += "\n  " + s.path.string() + ": " + s.reason;
+    PTRAIN_CHECK(start_over, CheckpointError, "[ptrain.ckpt.corrupt] every checkpoint in ", dir_.string(),
+                 " fails verification, so there is nothing to resume from:", list,
+                 "\nRepair or restore one of them, or start over on purpose (--start-over, "
+                 "TrainerOptions::start_over), which sets them aside as corrupt-step-N");
+    if (rank() == 0) {
+      for (const auto& s : corrupt) {
+        const fs::path to = dir_ / ("corrupt-" + s.path.filename().string());
+        std::error_code ec;
+        fs::remove_all(to, ec);
+        fs::rename(s.path, to, ec);
+        PTRAIN_CHECK(!ec, CheckpointError, "[ptrain.ckpt.io] cannot move ", s.path.string(), " to ", to.string(),
+                     ": ", ec.message(), "; check that the checkpoint directory is writable");
+      }
+      detail::fsync_dir(dir_);
+    }
+    return last;
+  }
+
+  /// Records that this run continues from `path` (ckpt::load calls it): its saves
+  /// may then take smaller step numbers than the directory's checkpoints (a resume
+  /// on more ranks renumbers the steps, Note [Trainer steps]) and replace them.
+  void resumed_from(const fs::path& path) {
+    std::error_code ec;
+    if (fs::equivalent(path.parent_path(), dir_, ec)) resumed_ = true;
   }
 
   /// Opens a committed checkpoint (verifies it first).
@@ -428,12 +472,11 @@ class CheckpointManager {
 
   // Committed checkpoints of larger steps are deleted once this step commits
   // (rotate), which is right after resuming from an older one, or from one of
-  // fewer ranks (whose steps were larger: Note [Trainer steps]). A run that was
-  // not handed a checkpoint by latest() and finds no committed one at or before
-  // `step` did not resume from this directory: deleting them would throw away
-  // another run's work. Rank 0.
+  // fewer ranks (whose steps were smaller). Without a resume from this directory
+  // and without any committed checkpoint at or before `step`, this run did not
+  // continue them: deleting them would throw away another run's work. Rank 0.
   void check_resumed(std::int64_t step) const {
-    if (found_latest_) return;
+    if (resumed_) return;
     std::int64_t newest = -1;
     for (const auto& [s, path] : list_steps()) {
       if (!fs::exists(path / detail::kMarker)) continue;
@@ -604,8 +647,8 @@ class CheckpointManager {
   fs::path dir_;
   dist::Communicator* comm_;
   CheckpointOptions opt_;
+  bool resumed_ = false;  // resumed_from() a checkpoint of this directory
   std::thread cleaner_;  // deletes rotated-out checkpoints
-  mutable bool found_latest_ = false;  // latest() handed out a checkpoint: this run resumes from here
 };
 
 }  // namespace ptrain::ckpt

@@ -220,6 +220,10 @@ class BpeTokenizer {
                    ", not an integer in [0, 2^31)");
       size = std::max(size, id.get<std::int64_t>() + 1);
     }
+    // Ids index tables of `size` entries: a few stray large ids must not allocate gigabytes.
+    const auto count = static_cast<std::int64_t>(vocab.size());
+    PTRAIN_CHECK(size <= 4 * count + 1024, DataError, "[ptrain.data.bpe.vocab] '", vocab_path, "': the largest id is ",
+                 size - 1, " for ", count, " tokens; a vocabulary numbers its tokens 0, 1, 2, ... (GPT-2: 0..50256)");
     std::array<int, 324> byte_of;  // stand-in code point -> byte
     byte_of.fill(-1);
     for (unsigned b = 0; b < 256; ++b) byte_of[detail::byte_to_unicode(b)] = static_cast<int>(b);

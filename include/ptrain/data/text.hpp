@@ -327,7 +327,8 @@ class CharTokenizer {
     return {{"type", "char"}, {"bytes", bytes}};
   }
   static CharTokenizer from_json(const nlohmann::json& j) {
-    PTRAIN_CHECK(j.is_object() && j.value("type", "") == "char" && j.contains("bytes") && j["bytes"].is_array(),
+    PTRAIN_CHECK(j.is_object() && j.contains("type") && j["type"] == "char" && j.contains("bytes") &&
+                     j["bytes"].is_array(),
                  DataError, "[ptrain.data.tokenizer.format] not a character tokenizer: expected "
                  "{\"type\": \"char\", \"bytes\": [...]}");
     std::vector<unsigned char> chars;

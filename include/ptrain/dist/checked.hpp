@@ -14,7 +14,11 @@
 // which ranks called what. The wrapped communicator stays usable. The exchange
 // waits for the operations queued before it, so *_async calls stop overlapping:
 // a debugging aid, not for production runs. Point-to-point calls pass through
-// unchecked (they pair per peer, not in one order across the group).
+// unchecked (they pair per peer, not in one order across the group). Without
+// DETAIL, MPI and Gloo communicators still run the cheaper check of Note
+// [Collective fingerprints] (dist/call_check.hpp), which aborts the
+// communicator on a mismatch; this wrapper also covers NCCL and leaves the
+// communicator usable.
 
 #include <algorithm>
 #include <array>
@@ -24,18 +28,13 @@
 #include <string>
 #include <vector>
 
+#include "ptrain/dist/call_check.hpp"
 #include "ptrain/dist/communicator.hpp"
 
 namespace ptrain::dist {
 
-/// True when $PTRAIN_DISTRIBUTED_DEBUG asks for collective checks ("DETAIL"); false when unset, empty or "OFF".
-inline bool collective_checks_from_env() {
-  const char* v = std::getenv("PTRAIN_DISTRIBUTED_DEBUG");
-  if (v == nullptr || *v == '\0' || std::string(v) == "OFF") return false;
-  PTRAIN_CHECK(std::string(v) == "DETAIL", LaunchError, "[ptrain.comm.debug_env] PTRAIN_DISTRIBUTED_DEBUG='", v,
-               "' is not OFF or DETAIL; set DETAIL to check every collective across ranks, or unset it");
-  return true;
-}
+/// True when $PTRAIN_DISTRIBUTED_DEBUG is DETAIL (collective_checks_mode()).
+inline bool collective_checks_from_env() { return collective_checks_mode() == CollectiveChecks::Detail; }
 
 /// Wraps a communicator so that every collective is first checked across ranks (Note [Collective checks]).
 class CheckedCommunicator final : public Communicator {
@@ -59,20 +58,20 @@ class CheckedCommunicator final : public Communicator {
 
   std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
                                          ReduceOp op) override {
-    check(kAllReduce, count, dt, static_cast<std::int64_t>(op));
+    check(detail::call_row(detail::kAllReduce, count, dt, static_cast<std::int64_t>(op)));
     return inner_->all_reduce_async(send, recv, count, dt, op);
   }
   std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
                                              ReduceOp op) override {
-    check(kReduceScatter, recv_count, dt, static_cast<std::int64_t>(op));
+    check(detail::call_row(detail::kReduceScatter, recv_count, dt, static_cast<std::int64_t>(op)));
     return inner_->reduce_scatter_async(send, recv, recv_count, dt, op);
   }
   std::shared_ptr<Work> all_gather_async(const void* send, void* recv, std::size_t send_count, DType dt) override {
-    check(kAllGather, send_count, dt);
+    check(detail::call_row(detail::kAllGather, send_count, dt));
     return inner_->all_gather_async(send, recv, send_count, dt);
   }
   std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
-    check(kBroadcast, count, dt, 0, root);
+    check(detail::call_row(detail::kBroadcast, count, dt, 0, root));
     return inner_->broadcast_async(buf, count, dt, root);
   }
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
@@ -85,77 +84,31 @@ class CheckedCommunicator final : public Communicator {
   void group_end() override { inner_->group_end(); }
   bool serves(Device d) const override { return inner_->serves(d); }
   std::shared_ptr<Work> barrier_async() override {
-    check(kBarrier);
+    check(detail::call_row(detail::kBarrier));
     return inner_->barrier_async();
   }
   std::unique_ptr<Communicator> split(int color, int key) override {
-    check(kSplit);
+    check(detail::call_row(detail::kSplit));
     auto child = inner_->split(color, key);
     if (!child) return nullptr;
     return std::make_unique<CheckedCommunicator>(std::move(child));
   }
 
  private:
-  enum Kind : std::int64_t { kAllReduce = 1, kReduceScatter, kAllGather, kBroadcast, kBarrier, kSplit };
-  static constexpr std::size_t kFields = 5;  // kind, count, dtype, reduce op, root
-  using Row = std::array<std::int64_t, kFields>;
-
-  static std::string describe(const Row& r) {
-    const auto dt = static_cast<DType>(r[2]);
-    const auto n = static_cast<std::size_t>(r[1]);
-    const char* op = reduce_op_name(static_cast<ReduceOp>(r[3]));
-    switch (r[0]) {
-      case kAllReduce: return detail::op_desc("all_reduce", n, dt, op);
-      case kReduceScatter: return detail::op_desc("reduce_scatter", n, dt, op);
-      case kAllGather: return detail::op_desc("all_gather", n, dt);
-      case kBroadcast: return detail::op_desc("broadcast", n, dt, detail::cat("root ", r[4]).c_str());
-      case kBarrier: return "barrier()";
-      case kSplit: return "split()";
-    }
-    return "?";
-  }
-
   // Exchanges this call's row with every rank; throws [ptrain.comm.mismatch] on all of them when the rows differ.
-  void check(Kind kind, std::size_t count = 0, DType dt = DType::I64, std::int64_t op = 0, std::int64_t root = 0) {
+  void check(const detail::CallRow& mine) {
     const std::int64_t seq = ++seq_;
-    const Row mine{kind, static_cast<std::int64_t>(count), static_cast<std::int64_t>(dt), op, root};
-    std::vector<std::int64_t> all(kFields * static_cast<std::size_t>(size()));
+    std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size()));
     try {
-      inner_->all_gather_async(mine.data(), all.data(), kFields, DType::I64)->wait(timeout());
+      inner_->all_gather_async(mine.data(), all.data(), mine.size(), DType::I64)->wait(timeout());
     } catch (const CommError& e) {
-      PTRAIN_THROW(CommError, e.what(), " (while checking collective #", seq, ", ", describe(mine),
+      PTRAIN_THROW(CommError, e.what(), " (while checking collective #", seq, ", ", detail::describe_call(mine),
                    ", across ranks)");
     }
-    auto row_of = [&](int r) {
-      Row out;
-      std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(kFields) * r, kFields, out.begin());
-      return out;
-    };
-    bool same = true;
-    for (int r = 0; r < size(); ++r) same = same && row_of(r) == mine;
-    if (same) return;
-    // Ranks grouped by the call they made, in order of their first rank.
-    std::vector<Row> calls;
-    std::vector<std::string> ranks;
-    for (int r = 0; r < size(); ++r) {
-      const Row row = row_of(r);
-      const auto it = std::find(calls.begin(), calls.end(), row);
-      const std::size_t i = static_cast<std::size_t>(it - calls.begin());
-      if (it == calls.end()) {
-        calls.push_back(row);
-        ranks.emplace_back();
-      }
-      ranks[i] += ranks[i].empty() ? detail::cat(r) : detail::cat(",", r);
-    }
-    std::string table;
-    for (std::size_t i = 0; i < calls.size(); ++i)
-      table += detail::cat(i ? "; " : "", ranks[i].find(',') == std::string::npos ? "rank " : "ranks ", ranks[i],
-                           ": ", describe(calls[i]));
-    PTRAIN_THROW(CommError, "[ptrain.comm.mismatch] collective #", seq, " differs across the ", size(),
-                 " ranks (seen on rank ", rank(), "): ", table,
-                 ". Every rank must call the same collectives in the same order with the same count, dtype, op "
-                 "and root (Note [Collective order contract]); the call was not run and the communicator is "
-                 "still usable");
+    for (int r = 0; r < size(); ++r)
+      if (!std::equal(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(mine.size()) * r))
+        PTRAIN_THROW(CommError, detail::mismatch_message(seq, rank(), size(), all,
+                                                         "the call was not run and the communicator is still usable"));
   }
 
   std::unique_ptr<Communicator> inner_;

@@ -55,6 +55,7 @@
 #include "ptrain/core/device.hpp"
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
+#include "ptrain/dist/call_check.hpp"
 #if __has_include("ptrain/core/tensor.hpp")
 #include "ptrain/core/tensor.hpp"
 #define PTRAIN_COMM_HAVE_TENSOR 1
@@ -94,11 +95,6 @@ inline std::chrono::milliseconds default_comm_timeout() {
 namespace detail {
 using ::ptrain::detail::cat;
 class OpQueue;
-
-// "all_reduce(F32 x 1000, sum)": how operations are named in errors.
-inline std::string op_desc(const char* op, std::size_t count, DType dt, const char* extra = nullptr) {
-  return detail::cat(op, "(", dtype_name(dt), " x ", count, extra ? ", " : "", extra ? extra : "", ")");
-}
 }  // namespace detail
 
 /// Handle of an operation started by a *_async call.

@@ -212,6 +212,34 @@ struct GlooState {
   std::shared_ptr<gloo::Context> ctx;
   std::uint32_t tag = 0;  // Gloo tags must match across ranks; all ranks run the same sequence
   OpQueue p2p_done;       // waits for posted send/recv transfers, in posting order
+  CallCheck check;        // Note [Collective fingerprints]; used on the worker only
+
+  // On the worker, before each collective: the exchange of Note [Collective fingerprints].
+  void verify(const std::string& what, std::chrono::milliseconds timeout, const CallRow& row) {
+    check.check(
+        row, rank, size,
+        [&](std::int64_t* v) {
+          static const gloo::AllreduceOptions::Func max_fn = gloo_reduce_fn(DType::I64, ReduceOp::Max);
+          guarded(what, timeout, [&] {
+            gloo::AllreduceOptions o(ctx);
+            o.setOutput<std::int64_t>(v, 2);
+            o.setReduceFunction(max_fn);
+            o.setTag(tag++);
+            o.setTimeout(timeout);
+            gloo::allreduce(o);
+          });
+        },
+        [&](const std::int64_t* mine, std::int64_t* all) {
+          std::copy(mine, mine + row.size(), all + row.size() * static_cast<std::size_t>(rank));
+          guarded(what, timeout, [&] {
+            gloo::AllgatherOptions o(ctx);
+            o.setOutput(reinterpret_cast<char*>(all), row.size() * sizeof(std::int64_t) * static_cast<std::size_t>(size));
+            o.setTag(tag++);
+            o.setTimeout(timeout);
+            gloo::allgather(o);
+          });
+        });
+  }
 
   std::string failed() {
     std::lock_guard lock(failure_m_);
@@ -344,7 +372,9 @@ class GlooCommunicator : public Communicator {
                                          ReduceOp op) override {
     auto w = make_work(detail::op_desc("all_reduce", count, dt, reduce_op_name(op)));
     auto fn = detail::gloo_reduce_fn(dt, op);
+    const auto row = detail::call_row(detail::kAllReduce, count, dt, static_cast<std::int64_t>(op));
     queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
+      s->verify(what, t, row);
       std::size_t bytes = count * dtype_size(dt);
       if (send != recv && bytes) std::memcpy(recv, send, bytes);
       // The copy above makes every all-reduce in place, which Gloo handles best.
@@ -366,7 +396,9 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
                                              ReduceOp op) override {
     auto w = make_work(detail::op_desc("reduce_scatter", recv_count, dt, reduce_op_name(op)));
+    const auto row = detail::call_row(detail::kReduceScatter, recv_count, dt, static_cast<std::int64_t>(op));
     queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
+      s->verify(what, t, row);
       ring_reduce_scatter(*s, what, t, send, recv, recv_count, dt, op);
       if (op == ReduceOp::Avg) detail::divide_by(recv, recv_count, dt, s->size);
     });
@@ -377,7 +409,9 @@ class GlooCommunicator : public Communicator {
                                          DType dt) override {
     detail::visit_dtype(dt, [](auto) { return 0; });
     auto w = make_work(detail::op_desc("all_gather", send_count, dt));
+    const auto row = detail::call_row(detail::kAllGather, send_count, dt);
     queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
+      s->verify(what, t, row);
       std::size_t bytes = send_count * dtype_size(dt);
       char* mine = static_cast<char*>(recv) + static_cast<std::size_t>(s->rank) * bytes;
       if (send != mine && bytes) std::memcpy(mine, send, bytes);
@@ -398,7 +432,9 @@ class GlooCommunicator : public Communicator {
     check_root(root, "broadcast");
     detail::visit_dtype(dt, [](auto) { return 0; });
     auto w = make_work(detail::op_desc("broadcast", count, dt, detail::cat("root ", root).c_str()));
+    const auto row = detail::call_row(detail::kBroadcast, count, dt, 0, root);
     queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
+      s->verify(what, t, row);
       std::size_t bytes = count * dtype_size(dt);
       if (s->size == 1 || bytes == 0) return;
       s->guarded(what, t, [&] {
@@ -423,6 +459,7 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Work> barrier_async() override {
     auto w = make_work("barrier()");
     queue_.submit(w, [s = s_, t = timeout(), what = w->what()] {
+      s->verify(what, t, detail::call_row(detail::kBarrier));
       if (s->size == 1) return;
       s->guarded(what, t, [&] {
         gloo::BarrierOptions o(s->ctx);

@@ -214,7 +214,9 @@ class MpiCommunicator : public Communicator {
                                          ReduceOp op) override {
     auto type = detail::mpi_type(dt);
     auto w = make_work(detail::op_desc("all_reduce", count, dt, reduce_op_name(op)));
+    const auto row = detail::call_row(detail::kAllReduce, count, dt, static_cast<std::int64_t>(op));
     queue_.submit(w, [=, this] {
+      verify(row);
       std::size_t es = dtype_size(dt);
       // Chunks keep each MPI count within int range.
       constexpr std::size_t kChunk = std::size_t{1} << 30;
@@ -235,7 +237,9 @@ class MpiCommunicator : public Communicator {
     auto type = detail::mpi_type(dt);
     int n = detail::mpi_count(recv_count, "reduce_scatter");
     auto w = make_work(detail::op_desc("reduce_scatter", recv_count, dt, reduce_op_name(op)));
+    const auto row = detail::call_row(detail::kReduceScatter, recv_count, dt, static_cast<std::int64_t>(op));
     queue_.submit(w, [=, this] {
+      verify(row);
       const void* s = send == recv ? MPI_IN_PLACE : send;
       {
         auto g = detail::MpiRuntime::get().guard();
@@ -253,7 +257,9 @@ class MpiCommunicator : public Communicator {
     detail::mpi_count(send_count * static_cast<std::size_t>(size_), "all_gather");
     auto w = make_work(detail::op_desc("all_gather", send_count, dt));
     const void* s = send == static_cast<const char*>(recv) + rank_ * send_count * dtype_size(dt) ? MPI_IN_PLACE : send;
+    const auto row = detail::call_row(detail::kAllGather, send_count, dt);
     queue_.submit(w, [=, this] {
+      verify(row);
       auto g = detail::MpiRuntime::get().guard();
       PTRAIN_CHECK_MPI(MPI_Allgather(s, n, type, recv, n, type, comm_));
     });
@@ -265,7 +271,9 @@ class MpiCommunicator : public Communicator {
     auto type = detail::mpi_type(dt);
     int n = detail::mpi_count(count, "broadcast");
     auto w = make_work(detail::op_desc("broadcast", count, dt, detail::cat("root ", root).c_str()));
+    const auto row = detail::call_row(detail::kBroadcast, count, dt, 0, root);
     queue_.submit(w, [=, this] {
+      verify(row);
       auto g = detail::MpiRuntime::get().guard();
       PTRAIN_CHECK_MPI(MPI_Bcast(buf, n, type, root, comm_));
     });
@@ -282,6 +290,7 @@ class MpiCommunicator : public Communicator {
   std::shared_ptr<Work> barrier_async() override {
     auto w = make_work("barrier()");
     queue_.submit(w, [this] {
+      verify(detail::call_row(detail::kBarrier));
       auto g = detail::MpiRuntime::get().guard();
       PTRAIN_CHECK_MPI(MPI_Barrier(comm_));
     });
@@ -293,6 +302,7 @@ class MpiCommunicator : public Communicator {
     // Runs on the worker so that it stays in order with queued collectives.
     auto w = make_work(detail::cat("split(color ", color, ", key ", key, ")"));
     queue_.submit(w, [&, this] {
+      verify(detail::call_row(detail::kSplit));
       auto g = detail::MpiRuntime::get().guard();
       PTRAIN_CHECK_MPI(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &out));
     });
@@ -317,6 +327,22 @@ class MpiCommunicator : public Communicator {
     return std::make_shared<detail::QueuedWork>(std::move(what), rank_, -1, timeout());
   }
 
+  // Note [Collective fingerprints]: on the worker, before each collective.
+  void verify(const detail::CallRow& row) {
+    const MPI_Datatype i64 = detail::mpi_type(DType::I64);
+    check_.check(
+        row, rank_, size_,
+        [&](std::int64_t* v) {
+          auto g = detail::MpiRuntime::get().guard();
+          PTRAIN_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, v, 2, i64, MPI_MAX, comm_));
+        },
+        [&](const std::int64_t* mine, std::int64_t* all) {
+          const int n = static_cast<int>(row.size());
+          auto g = detail::MpiRuntime::get().guard();
+          PTRAIN_CHECK_MPI(MPI_Allgather(mine, n, i64, all, n, i64, comm_));
+        });
+  }
+
   std::shared_ptr<Work> p2p(bool is_send, void* buf, std::size_t count, DType dt, int peer, int tag) {
     const char* op = is_send ? "send" : "recv";
     check_peer(peer, op);
@@ -336,6 +362,7 @@ class MpiCommunicator : public Communicator {
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
+  detail::CallCheck check_;  // used on the worker only
   detail::OpQueue queue_;
 };
 

@@ -23,6 +23,12 @@ inline constexpr std::size_t kMaxKeysPerRequest = 4096;
 /// Most client connections the server keeps open at once.
 inline constexpr std::size_t kMaxStoreConnections = 4096;
 
+/// A wait the store failed at once: it refused a client of this job for its
+/// token (Note [Refused clients] in dist/store_server.hpp), so the keys may never come.
+class StoreRefusedError : public CommError {
+  using CommError::CommError;
+};
+
 /// Key-value store for rendezvous. All blocking calls honour timeout(); failures throw CommError.
 class Store {
  public:
@@ -76,6 +82,8 @@ inline void Store::barrier(const std::string& name, int world_size) {
   }
   try {
     wait({g + "/done"}, timeout_);
+  } catch (const StoreRefusedError&) {
+    throw;  // says why no rank can arrive; not a timeout
   } catch (const CommError&) {
     std::int64_t arrived = std::min<std::int64_t>(add(base + "/count", 0) - gen * world_size, world_size);
     std::string missing;

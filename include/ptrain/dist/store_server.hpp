@@ -36,13 +36,276 @@ namespace ptrain::dist {
 
 namespace detail {
 
+/// The store's map and protocol without sockets: the server's connections as
+/// byte buffers in and out (Note [Store protocol]). StoreServer runs it on real
+/// sockets; the protocol fuzzer (tests/fuzz/fuzz_store_protocol.cpp) feeds it directly.
+class StoreProtocol {
+ public:
+  explicit StoreProtocol(std::string token) : token_(std::move(token)) {}
+
+  /// A new client connection; `peer` ("address:port") is named in messages. Returns its id.
+  std::uint64_t open(std::string peer, Fd fd = Fd()) {
+    Conn c;
+    c.fd = std::move(fd);
+    c.peer = std::move(peer);
+    conns_.emplace(next_id_, std::move(c));
+    return next_id_++;
+  }
+  /// Bytes from client `id`: handles every complete message in order. False when
+  /// the client broke the protocol; then close(id).
+  bool receive(std::uint64_t id, std::string_view bytes) {
+    Conn& c = conns_.at(id);
+    c.in.append(bytes);
+    return process(id, c);
+  }
+  /// Takes the replies queued for client `id`.
+  std::string take_output(std::uint64_t id) { return std::exchange(conns_.at(id).out, std::string()); }
+  /// Whether client `id` must be closed once its replies are sent (a refused hello).
+  bool closing(std::uint64_t id) const { return conns_.at(id).closing; }
+  void close(std::uint64_t id) { close_conn(id); }
+  std::size_t connections() const { return conns_.size(); }
+
+ protected:
+  struct Conn {
+    Fd fd;
+    std::string in, out;
+    bool hello = false;       // the hello (magic, version, token) was accepted
+    bool closing = false;     // close once `out` is flushed (a rejected hello)
+    std::string peer;         // "address:port", for messages
+    std::vector<std::string> waiting;  // keys of an unanswered WAIT; empty when none
+  };
+
+  // Handles every complete message in c.in; false on a protocol violation.
+  bool process(std::uint64_t id, Conn& c) {
+    std::size_t done = 0;
+    while (!c.closing) {
+      Reader r(std::string_view(c.in).substr(done));
+      if (!c.hello) {
+        char magic[4];
+        for (char& m : magic) m = static_cast<char>(r.u8());
+        std::uint8_t version = r.u8();
+        std::string_view token = r.str(kMaxKeyBytes);
+        if (r.need_more()) {
+          // Reject a wrong magic as soon as its bytes are in, not after a length arrives.
+          std::size_t have = std::min<std::size_t>(c.in.size() - done, 4);
+          if (std::memcmp(c.in.data() + done, kStoreMagic, have) != 0) return false;
+          break;
+        }
+        if (r.bad() || std::memcmp(magic, kStoreMagic, 4) != 0) return false;
+        std::uint8_t status = version != kStoreVersion ? 2 : same_token(token, token_) ? 0 : 1;
+        c.out.push_back(static_cast<char>(status));
+        c.hello = status == 0;
+        c.closing = status != 0;
+        done += r.consumed();
+        if (status == 1) refuse(c.peer, token.empty());
+        continue;
+      }
+      auto cmd = static_cast<StoreCmd>(r.u8());
+      if (r.need_more()) break;
+      // While a WAIT is open, the client may only cancel it.
+      if (!c.waiting.empty() && cmd != StoreCmd::CancelWait) return false;
+      if (!handle(id, c, cmd, r)) return false;
+      if (r.need_more()) break;
+      if (r.bad()) return false;
+      done += r.consumed();
+    }
+    c.in.erase(0, done);
+    return true;
+  }
+
+  static void reply_ok(Conn& c) { c.out.push_back(static_cast<char>(StoreStatus::Ok)); }
+  static void reply_error(Conn& c, std::string_view message) {
+    c.out.push_back(static_cast<char>(StoreStatus::Error));
+    put_str(c.out, message);
+  }
+
+  // Note [Refused clients]
+  // A client that speaks the protocol but presents a wrong or missing token is
+  // a rank of this job started with another PTRAIN_STORE_TOKEN (or without
+  // one): it never joins, so every rank waiting for its keys would sit out the
+  // whole timeout (300 s by default) and then blame a missing rank. The server
+  // knows better: once it refuses such a client, every open WAIT and every
+  // later WAIT that cannot be answered at once fails with an error that says
+  // so. Garbage on the port (a wrong magic, a port scanner) only loses its
+  // connection, as before.
+  void refuse(const std::string& peer, bool missing_token) {
+    refused_ = cat("the store refused a client from ", peer, " that presented ",
+                   missing_token ? "no token" : "a wrong token",
+                   " (a wrong or missing PTRAIN_STORE_TOKEN), so the rank it belongs to cannot join and this wait "
+                   "cannot complete; set PTRAIN_STORE_TOKEN to the same value on every rank (or on none)");
+    for (auto& [id, w] : conns_) {
+      if (w.waiting.empty()) continue;
+      drop_waits(id, w);
+      reply_error(w, refused_);
+    }
+  }
+
+  // Parses and, once complete, executes one command. Side effects only happen
+  // when r.ok() after parsing, so a partial message is re-parsed later from the start.
+  bool handle(std::uint64_t id, Conn& c, StoreCmd cmd, Reader& r) {
+    switch (cmd) {
+      case StoreCmd::Set: {
+        auto key = r.str(kMaxKeyBytes);
+        auto value = r.str(kMaxValueBytes);
+        if (!r.ok()) return true;
+        data_[std::string(key)] = std::string(value);
+        reply_ok(c);
+        notify(std::string(key));
+        return true;
+      }
+      case StoreCmd::Get: {
+        auto key = r.str(kMaxKeyBytes);
+        if (!r.ok()) return true;
+        auto it = data_.find(std::string(key));
+        reply_ok(c);
+        c.out.push_back(it != data_.end() ? 1 : 0);
+        if (it != data_.end()) put_str(c.out, it->second);
+        return true;
+      }
+      case StoreCmd::Wait: {
+        std::uint32_t n = r.u32();
+        if (!r.ok()) return true;
+        if (n == 0 || n > kMaxKeysPerRequest) return false;
+        std::vector<std::string> keys;
+        for (std::uint32_t i = 0; i < n && r.ok(); ++i) keys.emplace_back(r.str(kMaxKeyBytes));
+        if (!r.ok()) return true;
+        std::vector<std::string> missing;
+        for (auto& k : keys)
+          if (!data_.count(k)) missing.push_back(std::move(k));
+        if (missing.empty()) {
+          reply_ok(c);
+        } else if (!refused_.empty()) {  // Note [Refused clients]
+          reply_error(c, refused_);
+        } else {
+          for (auto& k : missing) waiters_[k].insert(id);
+          c.waiting = std::move(missing);
+        }
+        return true;
+      }
+      case StoreCmd::CancelWait: {
+        // If the WAIT was answered before the cancel arrived, the client reads
+        // that Ok first and then this Canceled (Note [Waits]).
+        drop_waits(id, c);
+        c.out.push_back(static_cast<char>(StoreStatus::Canceled));
+        return true;
+      }
+      case StoreCmd::Add: {
+        auto key = r.str(kMaxKeyBytes);
+        std::int64_t delta = r.i64();
+        if (!r.ok()) return true;
+        std::string k(key);
+        std::int64_t v = 0;
+        if (auto it = data_.find(k); it != data_.end()) {
+          auto parsed = parse_int(it->second);
+          if (!parsed) {
+            reply_error(c, cat("add() on key '", k, "' whose value is not a decimal integer"));
+            return true;
+          }
+          v = *parsed;
+        }
+        if (__builtin_add_overflow(v, delta, &v)) {
+          reply_error(c, cat("add(", delta, ") on key '", k, "' would overflow a 64-bit integer"));
+          return true;
+        }
+        data_[k] = std::to_string(v);
+        reply_ok(c);
+        put_i64(c.out, v);
+        notify(k);
+        return true;
+      }
+      case StoreCmd::CompareSet: {
+        auto key = r.str(kMaxKeyBytes);
+        auto expected = r.str(kMaxValueBytes);
+        auto desired = r.str(kMaxValueBytes);
+        if (!r.ok()) return true;
+        std::string k(key);
+        auto it = data_.find(k);
+        reply_ok(c);
+        if (it == data_.end()) {
+          if (expected.empty()) {
+            data_[k] = std::string(desired);
+            put_str(c.out, desired);
+            notify(k);
+          } else {
+            put_str(c.out, expected);
+          }
+        } else {
+          if (it->second == expected) it->second = std::string(desired);
+          put_str(c.out, it->second);
+        }
+        return true;
+      }
+      case StoreCmd::Check: {
+        std::uint32_t n = r.u32();
+        if (!r.ok()) return true;
+        if (n > kMaxKeysPerRequest) return false;
+        bool all = true;
+        for (std::uint32_t i = 0; i < n && r.ok(); ++i) all = data_.count(std::string(r.str(kMaxKeyBytes))) && all;
+        if (!r.ok()) return true;
+        reply_ok(c);
+        c.out.push_back(all ? 1 : 0);
+        return true;
+      }
+      case StoreCmd::Delete: {
+        auto key = r.str(kMaxKeyBytes);
+        if (!r.ok()) return true;
+        bool erased = data_.erase(std::string(key)) > 0;
+        reply_ok(c);
+        c.out.push_back(erased ? 1 : 0);
+        return true;
+      }
+    }
+    return false;  // unknown command byte
+  }
+
+  // Answers every WAIT whose last missing key is `key`.
+  void notify(const std::string& key) {
+    auto it = waiters_.find(key);
+    if (it == waiters_.end()) return;
+    std::unordered_set<std::uint64_t> ids = std::move(it->second);
+    waiters_.erase(it);
+    for (std::uint64_t id : ids) {
+      auto cit = conns_.find(id);
+      if (cit == conns_.end()) continue;
+      Conn& c = cit->second;
+      std::erase_if(c.waiting, [&](const std::string& k) { return data_.count(k) > 0; });
+      if (c.waiting.empty()) reply_ok(c);
+      // Keys deleted again before this point stay registered in waiters_.
+    }
+  }
+
+  void drop_waits(std::uint64_t id, Conn& c) {
+    for (auto& k : c.waiting) {
+      auto it = waiters_.find(k);
+      if (it == waiters_.end()) continue;
+      it->second.erase(id);
+      if (it->second.empty()) waiters_.erase(it);
+    }
+    c.waiting.clear();
+  }
+
+  void close_conn(std::uint64_t id) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    drop_waits(id, it->second);
+    conns_.erase(it);
+  }
+
+  std::string token_;
+  std::string refused_;  // why waits fail, once a client was refused (Note [Refused clients])
+  std::unordered_map<std::uint64_t, Conn> conns_;
+  std::unordered_map<std::string, std::string> data_;
+  std::unordered_map<std::string, std::unordered_set<std::uint64_t>> waiters_;
+  std::uint64_t next_id_ = 0;
+};
+
 /// The store server: one thread polling the listening socket, every client and a wake-up pipe.
 /// Single-threaded on purpose: the map needs no lock and requests from all clients are totally ordered.
-class StoreServer {
+class StoreServer : private StoreProtocol {
  public:
   /// loopback_only: listen on 127.0.0.1 only (the store's host is a loopback address,
   /// so no other machine should reach it).
-  StoreServer(int port, std::string token, bool loopback_only = false) : token_(std::move(token)) {
+  StoreServer(int port, std::string token, bool loopback_only = false) : StoreProtocol(std::move(token)) {
     listen_ = open_listener(port, loopback_only);
     sockaddr_storage addr{};
     socklen_t len = sizeof addr;
@@ -69,15 +332,8 @@ class StoreServer {
   int port() const { return port_; }
   void set_shutdown_grace(std::chrono::milliseconds g) { grace_ms_.store(g.count()); }
 
- private:
-  struct Conn {
-    Fd fd;
-    std::string in, out;
-    bool hello = false;       // the hello (magic, version, token) was accepted
-    bool closing = false;     // close once `out` is flushed (a rejected hello)
-    std::vector<std::string> waiting;  // keys of an unanswered WAIT; empty when none
-  };
 
+ private:
   static Fd open_listener(int port, bool loopback_only) {
     // Dual-stack "::" takes IPv4 and IPv6 clients; hosts without IPv6 get 0.0.0.0.
     for (int family : {AF_INET6, AF_INET}) {
@@ -187,16 +443,16 @@ class StoreServer {
 
   void accept_all() {
     for (;;) {
-      int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      sockaddr_storage addr{};
+      socklen_t len = sizeof addr;
+      int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&addr), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) return;
       if (conns_.size() >= kMaxStoreConnections) {
         ::close(fd);
         continue;
       }
       set_nodelay(fd);
-      Conn c;
-      c.fd = Fd(fd);
-      conns_.emplace(next_id_++, std::move(c));
+      open(peer_name(addr), Fd(fd));
     }
   }
 
@@ -221,201 +477,27 @@ class StoreServer {
     return !(c.closing && c.out.empty());
   }
 
-  // Handles every complete message in c.in; false on a protocol violation.
-  bool process(std::uint64_t id, Conn& c) {
-    std::size_t done = 0;
-    while (!c.closing) {
-      Reader r(std::string_view(c.in).substr(done));
-      if (!c.hello) {
-        char magic[4];
-        for (char& m : magic) m = static_cast<char>(r.u8());
-        std::uint8_t version = r.u8();
-        std::string_view token = r.str(kMaxKeyBytes);
-        if (r.need_more()) {
-          // Reject a wrong magic as soon as its bytes are in, not after a length arrives.
-          std::size_t have = std::min<std::size_t>(c.in.size() - done, 4);
-          if (std::memcmp(c.in.data() + done, kStoreMagic, have) != 0) return false;
-          break;
-        }
-        if (r.bad() || std::memcmp(magic, kStoreMagic, 4) != 0) return false;
-        std::uint8_t status = version != kStoreVersion ? 2 : same_token(token, token_) ? 0 : 1;
-        c.out.push_back(static_cast<char>(status));
-        c.hello = status == 0;
-        c.closing = status != 0;
-        done += r.consumed();
-        continue;
-      }
-      auto cmd = static_cast<StoreCmd>(r.u8());
-      if (r.need_more()) break;
-      // While a WAIT is open, the client may only cancel it.
-      if (!c.waiting.empty() && cmd != StoreCmd::CancelWait) return false;
-      if (!handle(id, c, cmd, r)) return false;
-      if (r.need_more()) break;
-      if (r.bad()) return false;
-      done += r.consumed();
+  static std::string peer_name(const sockaddr_storage& a) {
+    char host[INET6_ADDRSTRLEN] = "?";
+    int port = 0;
+    if (a.ss_family == AF_INET6) {
+      const auto& v6 = reinterpret_cast<const sockaddr_in6&>(a);
+      ::inet_ntop(AF_INET6, &v6.sin6_addr, host, sizeof host);
+      port = ntohs(v6.sin6_port);
+    } else if (a.ss_family == AF_INET) {
+      const auto& v4 = reinterpret_cast<const sockaddr_in&>(a);
+      ::inet_ntop(AF_INET, &v4.sin_addr, host, sizeof host);
+      port = ntohs(v4.sin_port);
     }
-    c.in.erase(0, done);
-    return true;
+    std::string h = host;
+    if (h.rfind("::ffff:", 0) == 0) h.erase(0, 7);  // an IPv4 client of the dual-stack socket
+    return cat(h, ":", port);
   }
 
-  static void reply_ok(Conn& c) { c.out.push_back(static_cast<char>(StoreStatus::Ok)); }
-
-  // Parses and, once complete, executes one command. Side effects only happen
-  // when r.ok() after parsing, so a partial message is re-parsed later from the start.
-  bool handle(std::uint64_t id, Conn& c, StoreCmd cmd, Reader& r) {
-    switch (cmd) {
-      case StoreCmd::Set: {
-        auto key = r.str(kMaxKeyBytes);
-        auto value = r.str(kMaxValueBytes);
-        if (!r.ok()) return true;
-        data_[std::string(key)] = std::string(value);
-        reply_ok(c);
-        notify(std::string(key));
-        return true;
-      }
-      case StoreCmd::Get: {
-        auto key = r.str(kMaxKeyBytes);
-        if (!r.ok()) return true;
-        auto it = data_.find(std::string(key));
-        reply_ok(c);
-        c.out.push_back(it != data_.end() ? 1 : 0);
-        if (it != data_.end()) put_str(c.out, it->second);
-        return true;
-      }
-      case StoreCmd::Wait: {
-        std::uint32_t n = r.u32();
-        if (!r.ok()) return true;
-        if (n == 0 || n > kMaxKeysPerRequest) return false;
-        std::vector<std::string> keys;
-        for (std::uint32_t i = 0; i < n && r.ok(); ++i) keys.emplace_back(r.str(kMaxKeyBytes));
-        if (!r.ok()) return true;
-        std::vector<std::string> missing;
-        for (auto& k : keys)
-          if (!data_.count(k)) missing.push_back(std::move(k));
-        if (missing.empty()) {
-          reply_ok(c);
-        } else {
-          for (auto& k : missing) waiters_[k].insert(id);
-          c.waiting = std::move(missing);
-        }
-        return true;
-      }
-      case StoreCmd::CancelWait: {
-        // If the WAIT was answered before the cancel arrived, the client reads
-        // that Ok first and then this Canceled (Note [Waits]).
-        drop_waits(id, c);
-        c.out.push_back(static_cast<char>(StoreStatus::Canceled));
-        return true;
-      }
-      case StoreCmd::Add: {
-        auto key = r.str(kMaxKeyBytes);
-        std::int64_t delta = r.i64();
-        if (!r.ok()) return true;
-        std::string k(key);
-        std::int64_t v = 0;
-        if (auto it = data_.find(k); it != data_.end()) {
-          auto parsed = parse_int(it->second);
-          if (!parsed) {
-            c.out.push_back(static_cast<char>(StoreStatus::Error));
-            put_str(c.out, cat("add() on key '", k, "' whose value is not a decimal integer"));
-            return true;
-          }
-          v = *parsed;
-        }
-        v += delta;
-        data_[k] = std::to_string(v);
-        reply_ok(c);
-        put_i64(c.out, v);
-        notify(k);
-        return true;
-      }
-      case StoreCmd::CompareSet: {
-        auto key = r.str(kMaxKeyBytes);
-        auto expected = r.str(kMaxValueBytes);
-        auto desired = r.str(kMaxValueBytes);
-        if (!r.ok()) return true;
-        std::string k(key);
-        auto it = data_.find(k);
-        reply_ok(c);
-        if (it == data_.end()) {
-          if (expected.empty()) {
-            data_[k] = std::string(desired);
-            put_str(c.out, desired);
-            notify(k);
-          } else {
-            put_str(c.out, expected);
-          }
-        } else {
-          if (it->second == expected) it->second = std::string(desired);
-          put_str(c.out, it->second);
-        }
-        return true;
-      }
-      case StoreCmd::Check: {
-        std::uint32_t n = r.u32();
-        if (!r.ok()) return true;
-        if (n > kMaxKeysPerRequest) return false;
-        bool all = true;
-        for (std::uint32_t i = 0; i < n && r.ok(); ++i) all = data_.count(std::string(r.str(kMaxKeyBytes))) && all;
-        if (!r.ok()) return true;
-        reply_ok(c);
-        c.out.push_back(all ? 1 : 0);
-        return true;
-      }
-      case StoreCmd::Delete: {
-        auto key = r.str(kMaxKeyBytes);
-        if (!r.ok()) return true;
-        bool erased = data_.erase(std::string(key)) > 0;
-        reply_ok(c);
-        c.out.push_back(erased ? 1 : 0);
-        return true;
-      }
-    }
-    return false;  // unknown command byte
-  }
-
-  // Answers every WAIT whose last missing key is `key`.
-  void notify(const std::string& key) {
-    auto it = waiters_.find(key);
-    if (it == waiters_.end()) return;
-    std::unordered_set<std::uint64_t> ids = std::move(it->second);
-    waiters_.erase(it);
-    for (std::uint64_t id : ids) {
-      auto cit = conns_.find(id);
-      if (cit == conns_.end()) continue;
-      Conn& c = cit->second;
-      std::erase_if(c.waiting, [&](const std::string& k) { return data_.count(k) > 0; });
-      if (c.waiting.empty()) reply_ok(c);
-      // Keys deleted again before this point stay registered in waiters_.
-    }
-  }
-
-  void drop_waits(std::uint64_t id, Conn& c) {
-    for (auto& k : c.waiting) {
-      auto it = waiters_.find(k);
-      if (it == waiters_.end()) continue;
-      it->second.erase(id);
-      if (it->second.empty()) waiters_.erase(it);
-    }
-    c.waiting.clear();
-  }
-
-  void close_conn(std::uint64_t id) {
-    auto it = conns_.find(id);
-    if (it == conns_.end()) return;
-    drop_waits(id, it->second);
-    conns_.erase(it);
-  }
-
-  std::string token_;
   Fd listen_, wake_read_, wake_write_;
   int port_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<long long> grace_ms_{2000};
-  std::unordered_map<std::uint64_t, Conn> conns_;
-  std::unordered_map<std::string, std::string> data_;
-  std::unordered_map<std::string, std::unordered_set<std::uint64_t>> waiters_;
-  std::uint64_t next_id_ = 0;
   std::thread thread_;  // last member: starts after, and is joined before, everything it uses is destroyed
 };
 

@@ -360,19 +360,23 @@ class TCPStore : public Store {
       send_all(msg, op, keys[0], until);
       std::uint8_t status = 0;
       if (recv_all(&status, 1, op, keys[0], until, /*allow_timeout=*/true)) {
+        if (status == static_cast<std::uint8_t>(detail::StoreStatus::Error)) refused(keys, read_str(op, keys[0], until), op);
         if (status != static_cast<std::uint8_t>(detail::StoreStatus::Ok))
           io_failure(op, keys[0], "unexpected reply to WAIT");
         return;
       }
       // Timed out: cancel, then drain until the cancel acknowledgement
-      // (an Ok that raced with the cancel comes first; Note [Waits]).
+      // (an Ok or an error that raced with the cancel comes first; Note [Waits]).
       auto grace = deadline(std::chrono::seconds(10));
       send_all(request(detail::StoreCmd::CancelWait), op, keys[0], grace);
+      std::string error;
       for (;;) {
         auto s = static_cast<detail::StoreStatus>(read_u8(op, keys[0], grace));
         if (s == detail::StoreStatus::Canceled) break;
-        if (s != detail::StoreStatus::Ok) io_failure(op, keys[0], "unexpected reply to CANCEL_WAIT");
+        if (s == detail::StoreStatus::Error) error = read_str(op, keys[0], grace);
+        else if (s != detail::StoreStatus::Ok) io_failure(op, keys[0], "unexpected reply to CANCEL_WAIT");
       }
+      if (!error.empty()) refused(keys, error, op);
     }
     // Name the keys still missing, which is what the user has to chase.
     std::vector<std::string> missing;
@@ -383,6 +387,12 @@ class TCPStore : public Store {
                  " timed out after ", timeout.count(), " ms waiting for key(s) ", detail::quote_keys(keys),
                  "; still missing: ", detail::quote_keys(missing),
                  ". The rank that sets them has not reached that point: check its log, or raise the timeout");
+  }
+
+  // A WAIT the server failed (Note [Refused clients] in dist/store_server.hpp).
+  [[noreturn]] void refused(const std::vector<std::string>& keys, const std::string& why, const char* op) const {
+    PTRAIN_THROW(dist::StoreRefusedError, "[ptrain.store.refused] ", op, "() on the rendezvous store at ", where(), " for key(s) ",
+                 detail::quote_keys(keys), " failed at once: ", why);
   }
 
   std::string host_;

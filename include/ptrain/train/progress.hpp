@@ -30,6 +30,29 @@ struct Stopwatch {
   void reset() { start = std::chrono::steady_clock::now(); }
 };
 
+/// What happened since the last report: the steps run in this process (a
+/// resumed run's first window starts at the resume, not at the previous report
+/// step), their samples and summed loss, and when the window opened.
+struct ReportWindow {
+  double start = 0;  ///< seconds, on the caller's clock
+  std::int64_t steps = 0;
+  std::int64_t samples = 0;
+  double loss = 0;
+
+  void add(std::int64_t step_samples, double step_loss) {
+    ++steps;
+    samples += step_samples;
+    loss += step_loss;
+  }
+  double mean_loss() const { return steps > 0 ? loss / static_cast<double>(steps) : 0.0; }
+  /// Samples per second from `start` to `now`; 0 for an empty or zero-length window.
+  double samples_per_s(double now) const {
+    return now > start ? static_cast<double>(samples) / (now - start) : 0.0;
+  }
+  /// Opens the next window at `now`.
+  void reset(double now) { *this = ReportWindow{now}; }
+};
+
 /// "m:ss" below an hour, "h:mm:ss" above; "?" for a negative or non-finite time.
 inline std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
@@ -59,28 +82,22 @@ class Progress {
 
   /// update() with the time given explicitly (seconds since construction); for tests and own clocks.
   bool update_at(double now, std::int64_t step, std::int64_t epoch, double loss, double lr, std::int64_t samples) {
-    window_samples_ += samples;
-    window_loss_ += loss;
-    ++window_steps_;
+    window_.add(samples, loss);
     if (every_ == 0 || (step % every_ != 0 && step != total_)) return false;
 
-    const double window_time = now - window_start_;
-    const double samples_per_s = window_time > 0 ? static_cast<double>(window_samples_) / window_time : 0.0;
+    const double samples_per_s = window_.samples_per_s(now);
     const std::int64_t done = step - start_step_;
     const double eta = done > 0 ? now / static_cast<double>(done) * static_cast<double>(total_ - step) : -1.0;
 
     char buf[256];
     std::snprintf(buf, sizeof buf, "step %lld/%lld | epoch %lld | loss %.4f | lr %.2e | %.0f samples/s",
                   static_cast<long long>(step), static_cast<long long>(total_), static_cast<long long>(epoch),
-                  window_loss_ / static_cast<double>(window_steps_), lr, samples_per_s);
+                  window_.mean_loss(), lr, samples_per_s);
     last_line_ = std::string(buf) + " | elapsed " + format_duration(now) + " | eta " + format_duration(eta);
     last_samples_per_s_ = samples_per_s;
     *out_ << last_line_ << '\n' << std::flush;
 
-    window_start_ = now;
-    window_samples_ = 0;
-    window_loss_ = 0;
-    window_steps_ = 0;
+    window_.reset(now);
     return true;
   }
 
@@ -97,10 +114,7 @@ class Progress {
   std::ostream* out_;
   std::int64_t start_step_;
   Stopwatch clock_;
-  double window_start_ = 0;
-  std::int64_t window_samples_ = 0;
-  double window_loss_ = 0;
-  std::int64_t window_steps_ = 0;
+  ReportWindow window_;
   std::string last_line_;
   double last_samples_per_s_ = 0;
 };

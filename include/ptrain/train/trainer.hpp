@@ -26,7 +26,9 @@
 // not stored: a checkpoint taken after p samples per rank of epoch e on W ranks
 // continues on M ranks at step e * steps_per_epoch(M) + ceil(p W / M / batch),
 // so the schedule, the progress total and the end of training follow the new
-// world size (Note [Sampler reshape] in ckpt/checkpoint.hpp).
+// world size (Note [Sampler reshape] in ckpt/checkpoint.hpp). On more ranks the
+// steps are smaller than the checkpoint's: the manager knows the run resumed
+// (CheckpointManager::resumed_from), so the new saves replace the old numbering.
 
 #include <csignal>
 #include <cstdio>
@@ -65,6 +67,7 @@ struct TrainerOptions {
   std::int64_t checkpoint_every = 0;  ///< background checkpoint every N steps (0: only at the end and on a signal)
   int keep_checkpoints = 3;           ///< committed checkpoints kept; 0 keeps all
   bool resume = true;                 ///< continue from the newest good checkpoint in checkpoint_dir
+  bool start_over = false;  ///< when every checkpoint there is corrupt: set them aside and start at step 0 (else refuse)
   int preempt_exit_code = 0;          ///< returned after the checkpoint a signal asked for
   nlohmann::json config = nlohmann::json::object();  ///< the run's settings; a resume with others is refused
 };
@@ -146,8 +149,8 @@ class Trainer {
 
     MetricsWriter metrics(lead ? o_.metrics : "", resumed);
     Progress progress(total, lead ? o_.log_every : 0, std::cout, result.step);
-    double window_loss = 0;
-    Stopwatch window;
+    Stopwatch clock;
+    ReportWindow window{clock.seconds()};  // a resumed run's first window holds only the steps run here
     auto run_eval = [&](int epoch) {
       if (!evaluate) return;
       engine_.train(false);
@@ -178,15 +181,13 @@ class Trainer {
         ++result.step;
         progress.update(result.step, epoch + 1, loss, opt_.lr(), b.rows() * data_world);
         if (on_step) on_step({result.step, epoch + 1, loss, opt_.lr()});
-        window_loss += loss;
+        window.add(b.rows() * data_world, loss);
         if (o_.log_every > 0 && (result.step % o_.log_every == 0 || result.step == total)) {
-          const std::int64_t n = (result.step - 1) % o_.log_every + 1;
-          const double mean = engine_.average(window_loss / static_cast<double>(n));  // every rank, same steps
+          const double mean = engine_.average(window.mean_loss());  // every rank, same steps
+          const double now = clock.seconds();
           metrics.write({{"step", result.step}, {"epoch", epoch + 1}, {"loss", mean}, {"lr", opt_.lr()},
-                         {"samples_per_s", static_cast<double>(n * o_.batch * data_world) / window.seconds()},
-                         {"world_size", data_world}});
-          window_loss = 0;
-          window.reset();
+                         {"samples_per_s", window.samples_per_s(now)}, {"world_size", data_world}});
+          window.reset(now);
         }
         if (saver && o_.checkpoint_every > 0 && result.step % o_.checkpoint_every == 0) {
           ckpt::save(*saver, *mgr, result.step, engine_, &opt_, state());  // returns after a copy to host memory
@@ -259,7 +260,7 @@ class Trainer {
   // Loads the newest good checkpoint (if any); sets the sampler, the epoch and the step.
   bool try_resume(ckpt::CheckpointManager& mgr, DistributedSampler& sampler, bool lead, int& epoch,
                   std::int64_t& step) {
-    const auto last = mgr.latest();
+    const auto last = mgr.latest_to_resume(o_.start_over);
     for (const auto& s : last.skipped)
       if (lead) std::fprintf(stderr, "ptrain: skipping checkpoint %s: %s\n", s.path.c_str(), s.reason.c_str());
     if (!last.found()) {

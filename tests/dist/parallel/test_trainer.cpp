@@ -7,6 +7,7 @@
 #include <csignal>
 #include <filesystem>
 #include <ptrain/dist/process_group.hpp>
+#include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/parallel/make_engine.hpp>
@@ -37,12 +38,13 @@ struct Run {
 };
 
 // A Trainer over `plan` with batch `batch` per data-parallel rank (2 epochs, accumulation 2, clipping).
+// `comm` defaults to the world; a dist::SelfCommunicator makes a world of one.
 Run make_run(const parallel::Plan<float>& plan, Dataset<float>& data, std::int64_t batch,
-             std::string dir = {}, std::int64_t every = 0) {
+             std::string dir = {}, std::int64_t every = 0, dist::Communicator* comm = nullptr) {
   Generator g(5);
   auto model = std::make_shared<nn::MLP<float>>(kIn, std::vector<std::int64_t>{8}, kOut, nn::Activation::ReLU, g);
   Run r;
-  r.engine = parallel::make_engine<float>(model, world(), plan);
+  r.engine = parallel::make_engine<float>(model, comm ? *comm : world(), plan);
   r.opt = std::make_unique<optim::AdamW<float>>(r.engine->parameters(), optim::AdamWOptions{.lr = 0.02, .eps = 1e-6});
   r.trainer = std::make_unique<train::Trainer<float>>(
       *r.engine, *r.opt, data,
@@ -56,7 +58,7 @@ Run make_run(const parallel::Plan<float>& plan, Dataset<float>& data, std::int64
 // The whole model's parameters in one process, read back from a checkpoint of `run`.
 std::vector<float> parameters_of(Run& run, const std::filesystem::path& dir) {
   if (run.engine->communicator().rank() == 0) std::filesystem::remove_all(dir);
-  world().barrier();
+  run.engine->communicator().barrier();
   {
     ckpt::CheckpointManager mgr(dir, &run.engine->communicator());
     ckpt::save(mgr, 0, *run.engine, run.opt.get());
@@ -139,6 +141,93 @@ TEST_CASE("Trainer resumes bit for bit after an exception and after a signal", "
   const auto res = r.trainer->run();
   CHECK(res.step == 10);
   CHECK(parameters_of(r, dir / "resumed") == want);
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// make_run's schedule, written out: warmup 2, cosine to 0 at `total`.
+double schedule_lr(std::int64_t step, std::int64_t total) {
+  if (step < 2) return 0.02 * static_cast<double>(step + 1) / 2;
+  return 0.01 * (1 + std::cos(3.141592653589793 * static_cast<double>(step - 2) / static_cast<double>(total - 2)));
+}
+
+// Issue 35, case 1: a checkpoint of one process resumed on W ranks (steps
+// renumbered down: its later saves must replace the checkpoint it came from),
+// and one of W ranks resumed by one process. The step, the schedule's position
+// and the end of training follow the new world size (Note [Trainer steps]); the
+// W-rank continuation equals one process with batch B W resumed from the same checkpoint.
+TEST_CASE("Trainer resumed on another world size keeps the schedule", "[trainer][resume][reshape]") {
+  auto& comm = world();
+  const int n = comm.size();
+  auto data = make_data(kBatch * n * 5);  // 2 epochs: 10 n steps on one process, 10 on n ranks
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_trainer_reshape_");
+  const auto ckpt = dir / "one_to_n", copy = dir / "one_to_n_copy";
+  dist::SelfCommunicator self;
+  if (comm.rank() == 0) {  // one process: checkpoint of step 8 n (epoch 2, 3 n of 5 n steps), killed after it
+    std::filesystem::remove_all(dir);
+    auto r = make_run(parallel::LocalOptions{}, data, kBatch, ckpt.string(), 8 * n, &self);
+    r.trainer->on_step = [&](const train::StepInfo& s) {
+      if (s.step == 8 * n + 1) throw std::runtime_error("killed");
+    };
+    CHECK_THROWS_WITH(r.trainer->run(), "killed");
+    std::filesystem::copy(ckpt, copy, std::filesystem::copy_options::recursive);
+  }
+  comm.barrier();
+
+  std::vector<train::StepInfo> seen;
+  auto on_n = make_run(parallel::DDPOptions{}, data, kBatch, ckpt.string(), 1);  // a save after every step
+  on_n.trainer->on_step = [&](const train::StepInfo& s) { seen.push_back(s); };
+  const auto res = on_n.trainer->run();
+  CHECK(res.step == 10);
+  REQUIRE(seen.size() == 2);  // steps 9 and 10 of 10 (8 n samples per rank of the old run = 8 steps here)
+  CHECK(seen[0].step == 9);
+  CHECK(seen[0].epoch == 2);
+  CHECK(seen[0].lr == Approx(schedule_lr(8, 10)).epsilon(1e-12));
+  CHECK(seen[1].lr == Approx(schedule_lr(9, 10)).epsilon(1e-12));
+  comm.barrier();
+  if (comm.rank() == 0) {
+    ckpt::CheckpointManager mgr(ckpt);
+    CHECK(mgr.latest().step == 10);  // the old step-8n checkpoint is gone, not the newest
+    CHECK_FALSE(std::filesystem::exists(mgr.step_path(8 * n)));
+  }
+  const auto got = parameters_of(on_n, dir / "n");
+  std::vector<float> want;
+  if (comm.rank() == 0) {
+    auto big = make_run(parallel::LocalOptions{}, data, kBatch * n, copy.string(), 0, &self);
+    CHECK(big.trainer->run().step == 10);
+    want = parameters_of(big, dir / "big");
+  }
+  comm.barrier();
+  if (comm.rank() == 0) {
+    REQUIRE(want.size() == got.size());
+    double diff = 0, scale = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      diff = std::max(diff, std::abs(static_cast<double>(got[i]) - want[i]));
+      scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+    }
+    CHECK(diff / scale < 1e-5);
+  }
+
+  // n ranks: checkpoint of step 3 (3 B samples per rank), killed after it; one process resumes at step 3 n.
+  const auto back = dir / "n_to_one";
+  {
+    auto r = make_run(parallel::DDPOptions{}, data, kBatch, back.string(), 3);
+    r.trainer->on_step = [](const train::StepInfo& s) {
+      if (s.step == 4) throw std::runtime_error("killed");
+    };
+    CHECK_THROWS_WITH(r.trainer->run(), "killed");
+  }
+  comm.barrier();
+  if (comm.rank() == 0) {
+    std::vector<train::StepInfo> one_seen;
+    auto one = make_run(parallel::LocalOptions{}, data, kBatch, back.string(), 0, &self);
+    one.trainer->on_step = [&](const train::StepInfo& s) { one_seen.push_back(s); };
+    CHECK(one.trainer->run().step == 10 * n);
+    REQUIRE(one_seen.size() == static_cast<std::size_t>(7 * n));
+    CHECK(one_seen.front().step == 3 * n + 1);
+    CHECK(one_seen.front().lr == Approx(schedule_lr(3 * n, 10 * n)).epsilon(1e-12));
+    CHECK(one_seen.back().lr == Approx(schedule_lr(10 * n - 1, 10 * n)).epsilon(1e-12));
+  }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }

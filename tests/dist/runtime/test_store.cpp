@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <set>
 #include <string>
 #include <thread>
@@ -282,6 +283,72 @@ TEST_CASE("store: a token keeps unauthenticated clients out", "[store]") {
   }
   TCPStore good("127.0.0.1", port, false, 2s, std::string("s3cret"));
   CHECK(good.get("k") == "v");
+}
+
+TEST_CASE("store: a client refused for its token fails the waits in flight and later ones", "[store]") {
+  TCPStore server("127.0.0.1", 0, true, 30s, std::string("s3cret"));
+  TCPStore early("127.0.0.1", server.port(), false, 30s, std::string("s3cret"));
+  std::string err;
+  std::thread waiter([&] {
+    try {
+      early.wait({"never"}, 30s);
+    } catch (const ptrain::CommError& e) {
+      err = e.what();
+    }
+  });
+  std::this_thread::sleep_for(100ms);
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(TCPStore("127.0.0.1", server.port(), false, 2s, std::string()),
+                    Catch::Contains("[ptrain.store.auth]"));
+  waiter.join();
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);  // not the 30 s wait
+  CHECK_THAT(err, Catch::Contains("[ptrain.store.refused]") && Catch::Contains("'never'") &&
+                      Catch::Contains("no token") && Catch::Contains("wrong or missing PTRAIN_STORE_TOKEN"));
+  // A later wait fails at once too; keys that exist are still served, and the connection stays usable.
+  server.set("here", "1");
+  CHECK_THROWS_WITH(early.wait({"here", "also-never"}, 30s), Catch::Contains("[ptrain.store.refused]"));
+  CHECK(early.get("here") == "1");
+  early.wait({"here"}, 30s);
+  // Garbage on the port (a wrong magic) is not a refused client.
+  TCPStore other_server("127.0.0.1", 0, true, 30s, std::string("s3cret"));
+  {
+    RawSocket s(other_server.port());
+    s.send("GET / HTTP/1.0\r\n\r\n");
+    CHECK(s.closed_by_server());
+  }
+  TCPStore client("127.0.0.1", other_server.port(), false, 30s, std::string("s3cret"));
+  CHECK_THROWS_WITH(client.wait({"never"}, 300ms), Catch::Contains("[ptrain.store.timeout]"));
+}
+
+TEST_CASE("store: add() that would overflow int64 is an error, the value unchanged", "[store]") {
+  TCPStore server("127.0.0.1", 0, true, 2s, std::string());
+  CHECK(server.add("n", 9223372036854775807LL) == 9223372036854775807LL);
+  CHECK_THROWS_WITH(server.add("n", 1), Catch::Contains("[ptrain.store.error]") && Catch::Contains("overflow"));
+  CHECK(server.add("n", -7) == 9223372036854775800LL);
+}
+
+TEST_CASE("store: processes of one job, one with a wrong token: the others fail at once", "[store][process]") {
+  // Three ranks meet through the store (a 30 s timeout); rank 2 has another token.
+  ptrain_test::TempDir dir;
+  const int port = ptrain_test::free_port();
+  std::vector<ptrain_test::Process> procs;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < 3; ++r)
+    procs.emplace_back(std::vector<std::string>{PTRAIN_TEST_WORKER, "rendezvous", dir.path()},
+                       std::map<std::string, std::string>{{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"},
+                                                          {"MASTER_ADDR", "127.0.0.1"},
+                                                          {"MASTER_PORT", std::to_string(port)},
+                                                          {"PTRAIN_STORE_TOKEN", r == 2 ? "other" : "job-token"}});
+  for (int r = 0; r < 3; ++r) {
+    auto st = procs[r].wait(20s);
+    REQUIRE(st.has_value());
+    INFO("rank " << r);
+    CHECK(ptrain_test::exit_code(*st) == 3);
+    const std::string err = ptrain_test::read_text(dir.file("error_" + std::to_string(procs[r].pid())));
+    if (r == 2) CHECK_THAT(err, Catch::Contains("[ptrain.store.auth]"));
+    else CHECK_THAT(err, Catch::Contains("[ptrain.store.refused]") && Catch::Contains("a wrong token"));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 15s);  // the ranks' store timeout is 30 s
 }
 
 TEST_CASE("store: clients retry until the server starts, and fail in time when it never does", "[store]") {

@@ -110,6 +110,9 @@ TEST_CASE("BPE refuses bad files and bad input with what to do", "[data][bpe]") 
   write_file(d / "dup.json", "{\"a\": 1, \"b\": 1}");
   CHECK_THROWS_WITH(BpeTokenizer::from_files((d / "dup.json").string(), merges),
                     Catch::Contains("id 1 belongs to two tokens"));
+  write_file(d / "huge.json", "{\"a\": 0, \"b\": 2000000000}");  // would size tables of 2e9 entries
+  CHECK_THROWS_WITH(BpeTokenizer::from_files((d / "huge.json").string(), merges),
+                    Catch::Contains("largest id is 2000000000 for 2 tokens"));
   write_file(d / "bytes.json", "{\"a\": 0, \"b\": 1}");  // no token for most bytes
   CHECK_THROWS_WITH(BpeTokenizer::from_files((d / "bytes.json").string(), merges),
                     Catch::Contains("has no token for byte 0"));

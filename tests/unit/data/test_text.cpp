@@ -40,6 +40,8 @@ TEST_CASE("CharTokenizer encodes, decodes, saves and loads", "[data][text]") {
   REQUIRE_THROWS_AS(CharTokenizer::load(path), DataError);
   write_bytes(path, "not json");
   REQUIRE_THROWS_AS(CharTokenizer::load(path), DataError);
+  write_bytes(path, "{\"type\": [10, 32], \"bytes\": [97]}");  // found by fuzz_tokenizer: a type that is no string
+  REQUIRE_THROWS_AS(CharTokenizer::load(path), DataError);
   std::filesystem::remove(path);
 }
 

@@ -1,0 +1,157 @@
+#pragma once
+// What a rank says about the collective it is about to run (detail::CallRow),
+// how a disagreement is reported ([ptrain.comm.mismatch]), and the default
+// check that MPI and Gloo communicators run before every collective
+// (detail::CallCheck, Note [Collective fingerprints]). CheckedCommunicator
+// (dist/checked.hpp) is the full check of PTRAIN_DISTRIBUTED_DEBUG=DETAIL.
+//
+// Note [Collective fingerprints]
+// Ranks that break the collective order contract (Note [Collective order
+// contract]: another operation, count, dtype, op or root, or the calls in
+// another order) would hand MPI or Gloo buffers of different sizes: Open MPI
+// then reads past a buffer and dies of SIGSEGV, Gloo aborts the process from its
+// I/O thread. So, by default, each MPI or Gloo collective is preceded on the
+// communicator's worker thread (Note [Async execution]) by a 16-byte
+// all-reduce (max) of a 64-bit hash h of the call and of its complement ~h: one
+// max yields both the largest and the smallest h. When they are equal, every
+// rank called the same thing and the collective runs. Otherwise every rank
+// learns it from the same exchange, all-gathers the calls themselves (five
+// integers per rank; this exchange has the same size everywhere, so it cannot
+// mismatch), and fails the operation with [ptrain.comm.mismatch] naming what
+// each rank called; the mismatched collective never starts and the communicator
+// is aborted (Note [Failure]). The exchange runs on the worker, so *_async calls
+// still overlap with the caller's work; its cost is one small-message latency per
+// collective (docs/communicators.md has the measurements). A rank that never
+// reaches a collective (it left its loop, it waits in a point-to-point call)
+// still surfaces as the timeout of Note [Failure]. NCCL is not covered (its
+// collectives are enqueued on a GPU stream; use DETAIL), nor are send and recv.
+// PTRAIN_DISTRIBUTED_DEBUG=OFF turns the check off.
+
+#include <array>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "ptrain/core/dtype.hpp"
+#include "ptrain/core/error.hpp"
+
+namespace ptrain::dist {
+
+/// What $PTRAIN_DISTRIBUTED_DEBUG asks for: Off ("OFF"), Fingerprint (unset or
+/// empty: Note [Collective fingerprints]) or Detail ("DETAIL": CheckedCommunicator as well).
+enum class CollectiveChecks { Off, Fingerprint, Detail };
+
+inline CollectiveChecks collective_checks_mode() {
+  const char* v = std::getenv("PTRAIN_DISTRIBUTED_DEBUG");
+  if (v == nullptr || *v == '\0') return CollectiveChecks::Fingerprint;
+  const std::string s(v);
+  if (s == "OFF") return CollectiveChecks::Off;
+  PTRAIN_CHECK(s == "DETAIL", LaunchError, "[ptrain.comm.debug_env] PTRAIN_DISTRIBUTED_DEBUG='", v,
+               "' is not OFF or DETAIL; set DETAIL to check every collective across ranks, OFF to skip even the "
+               "default fingerprint check, or unset it");
+  return CollectiveChecks::Detail;
+}
+
+namespace detail {
+
+using ::ptrain::detail::cat;
+
+enum CallKind : std::int64_t { kAllReduce = 1, kReduceScatter, kAllGather, kBroadcast, kBarrier, kSplit };
+/// kind, count, dtype, reduce op, root: the same on every rank for a correct program.
+using CallRow = std::array<std::int64_t, 5>;
+
+inline CallRow call_row(CallKind kind, std::size_t count = 0, DType dt = DType::I64, std::int64_t op = 0,
+                        std::int64_t root = 0) {
+  return {kind, static_cast<std::int64_t>(count), static_cast<std::int64_t>(dt), op, root};
+}
+
+// "all_reduce(F32 x 1000, sum)": how operations are named in errors.
+inline std::string op_desc(const char* op, std::size_t count, DType dt, const char* extra = nullptr) {
+  return cat(op, "(", dtype_name(dt), " x ", count, extra ? ", " : "", extra ? extra : "", ")");
+}
+
+inline std::string describe_call(const CallRow& r) {
+  static const char* const kOps[] = {"sum", "avg", "min", "max"};  // ReduceOp's order
+  const auto dt = static_cast<DType>(r[2]);
+  const auto n = static_cast<std::size_t>(r[1]);
+  const char* op = r[3] >= 0 && r[3] < 4 ? kOps[r[3]] : "?";
+  switch (r[0]) {
+    case kAllReduce: return op_desc("all_reduce", n, dt, op);
+    case kReduceScatter: return op_desc("reduce_scatter", n, dt, op);
+    case kAllGather: return op_desc("all_gather", n, dt);
+    case kBroadcast: return op_desc("broadcast", n, dt, cat("root ", r[4]).c_str());
+    case kBarrier: return "barrier()";
+    case kSplit: return "split()";
+  }
+  return "?";
+}
+
+/// The [ptrain.comm.mismatch] message for collective #seq, from every rank's row
+/// (size() rows of 5 in `all`): ranks grouped by the call they made. `after` says
+/// what became of the call and the communicator.
+inline std::string mismatch_message(std::int64_t seq, int rank, int size, const std::vector<std::int64_t>& all,
+                                    const char* after) {
+  auto row_of = [&](int r) {
+    CallRow out;
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = all[out.size() * static_cast<std::size_t>(r) + i];
+    return out;
+  };
+  std::vector<CallRow> calls;
+  std::vector<std::string> ranks;
+  for (int r = 0; r < size; ++r) {
+    const CallRow row = row_of(r);
+    std::size_t i = 0;
+    while (i < calls.size() && calls[i] != row) ++i;
+    if (i == calls.size()) {
+      calls.push_back(row);
+      ranks.emplace_back();
+    }
+    ranks[i] += ranks[i].empty() ? cat(r) : cat(",", r);
+  }
+  std::string table;
+  for (std::size_t i = 0; i < calls.size(); ++i)
+    table += cat(i ? "; " : "", ranks[i].find(',') == std::string::npos ? "rank " : "ranks ", ranks[i], ": ",
+                 describe_call(calls[i]));
+  return cat("[ptrain.comm.mismatch] collective #", seq, " differs across the ", size, " ranks (seen on rank ", rank,
+             "): ", table,
+             ". Every rank must call the same collectives in the same order with the same count, dtype, op and "
+             "root (Note [Collective order contract]); ",
+             after);
+}
+
+/// The default check of Note [Collective fingerprints], one per communicator;
+/// check() runs on its worker thread, before each collective.
+class CallCheck {
+ public:
+  explicit CallCheck(bool on = collective_checks_mode() != CollectiveChecks::Off) : on_(on) {}
+  bool on() const { return on_; }
+
+  /// max2(v): all-reduce (max) two I64 in place across the group; gather(mine, all): all-gather 5 I64 per rank.
+  template <class Max2, class Gather>
+  void check(const CallRow& mine, int rank, int size, Max2&& max2, Gather&& gather) {
+    const std::int64_t seq = ++seq_;
+    if (!on_ || size == 1) return;
+    std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the row's bytes
+    for (std::int64_t f : mine)
+      for (int b = 0; b < 8; ++b) h = (h ^ ((static_cast<std::uint64_t>(f) >> (8 * b)) & 0xff)) * 0x100000001b3ull;
+    const auto hs = static_cast<std::int64_t>(h);
+    std::int64_t v[2] = {hs, ~hs};
+    max2(v);
+    if (v[0] == hs && v[1] == ~hs) return;
+    std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size));
+    gather(mine.data(), all.data());
+    PTRAIN_THROW(CommError, mismatch_message(seq, rank, size, all,
+                                             "the call was not run, and the communicator is aborted (Note "
+                                             "[Failure]). Find the branch that differs between ranks (a batch "
+                                             "size, an epoch length, a condition on the rank)"));
+  }
+
+ private:
+  bool on_;
+  std::int64_t seq_ = 0;  // collectives seen, on the worker thread
+};
+
+}  // namespace detail
+
+}  // namespace ptrain::dist

@@ -1,0 +1,156 @@
+// train::Trainer in one process (a world of one): the metrics window after a
+// resume, and the start-up decision when every checkpoint is corrupt (issue 35,
+// cases 3 and 5). Resume across world sizes is tested with real ranks in
+// tests/dist/parallel/test_trainer.cpp.
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <unistd.h>
+
+#include <ptrain/dist/self_communicator.hpp>
+#include <ptrain/nn/models/mlp.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/make_engine.hpp>
+#include <ptrain/train/trainer.hpp>
+
+using namespace ptrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::int64_t kBatch = 4;
+
+TensorDataset<float> make_data(std::int64_t n) {
+  Generator g(3);
+  auto x = Tensor<float>::empty({n, 5});
+  auto y = Tensor<std::int32_t>::empty({n});
+  for (std::int64_t i = 0; i < n * 5; ++i) x.data()[i] = static_cast<float>(g.uniform() * 2 - 1);
+  for (std::int64_t i = 0; i < n; ++i) y.data()[i] = static_cast<std::int32_t>(g.below(3));
+  return TensorDataset<float>(x, y);
+}
+
+struct Run {
+  dist::SelfCommunicator self;
+  std::unique_ptr<parallel::Engine<float>> engine;
+  std::unique_ptr<optim::AdamW<float>> opt;
+  std::unique_ptr<train::Trainer<float>> trainer;
+
+  Run(Dataset<float>& data, train::TrainerOptions o) {
+    Generator g(8);
+    auto model = std::make_shared<nn::MLP<float>>(5, std::vector<std::int64_t>{6}, 3, nn::Activation::ReLU, g);
+    engine = parallel::make_engine<float>(model, self, parallel::LocalOptions{});
+    opt = std::make_unique<optim::AdamW<float>>(engine->parameters(), optim::AdamWOptions{.lr = 0.01});
+    o.batch = kBatch;
+    trainer = std::make_unique<train::Trainer<float>>(*engine, *opt, data, std::move(o));
+  }
+};
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / (name + std::to_string(::getpid()));
+  fs::remove_all(d);
+  return d;
+}
+
+std::vector<nlohmann::json> read_lines(const fs::path& p) {
+  std::vector<nlohmann::json> v;
+  std::ifstream in(p);
+  for (std::string line; std::getline(in, line);) v.push_back(nlohmann::json::parse(line));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("Trainer: the first metrics window after a resume holds only the steps run since", "[train][trainer]") {
+  const fs::path dir = fresh_dir("ptrain_trainer_window_");
+  auto data = make_data(kBatch * 10);  // 10 steps
+  const std::string metrics = (dir / "m.jsonl").string();
+  fs::create_directories(dir);
+  train::TrainerOptions o{.log_every = 4, .metrics = metrics, .checkpoint_dir = (dir / "ckpt").string(),
+                          .checkpoint_every = 6};
+  {
+    Run first(data, o);
+    first.trainer->on_step = [](const train::StepInfo& s) {
+      if (s.step == 7) throw std::runtime_error("killed");
+    };
+    CHECK_THROWS_WITH(first.trainer->run(), "killed");
+  }
+  // Resumed at step 6: the first record (step 8) covers steps 7 and 8 only.
+  Run again(data, o);
+  constexpr double kStepSeconds = 0.05;
+  std::vector<double> losses;
+  again.trainer->on_step = [&](const train::StepInfo& s) {
+    losses.push_back(s.loss);
+    std::this_thread::sleep_for(std::chrono::duration<double>(kStepSeconds));
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(again.trainer->run().step == 10);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  REQUIRE(losses.size() == 4);
+
+  const auto lines = read_lines(metrics);
+  REQUIRE(lines.size() >= 2);
+  const auto& rec = lines[lines.size() - 2];  // step 8; the last one is step 10
+  REQUIRE(rec.at("step") == 8);
+  CHECK(rec.at("loss").get<double>() == Approx((losses[0] + losses[1]) / 2).epsilon(1e-12));
+  // 2 steps of 4 samples in at least 2 sleeps; at most the whole run's time.
+  const double sps = rec.at("samples_per_s").get<double>();
+  CHECK(sps <= 2 * kBatch / (2 * kStepSeconds));
+  CHECK(sps >= 2 * kBatch / wall);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Trainer: every checkpoint corrupt refuses at start-up, start_over sets them aside", "[train][trainer]") {
+  const fs::path dir = fresh_dir("ptrain_trainer_corrupt_");
+  auto data = make_data(kBatch * 10);
+  train::TrainerOptions o{.log_every = 0, .checkpoint_dir = dir.string(), .checkpoint_every = 4};
+  {
+    Run first(data, o);
+    CHECK(first.trainer->run().step == 10);  // checkpoints of steps 4, 8 and 10
+  }
+  ckpt::CheckpointManager mgr(dir);
+  std::vector<fs::path> corrupt;
+  for (std::int64_t s : {4, 8, 10}) {
+    const fs::path p = mgr.step_path(s);
+    REQUIRE(fs::exists(p / "model.safetensors"));
+    fs::resize_file(p / "model.safetensors", 20);
+    corrupt.push_back(p);
+  }
+
+  int steps_run = 0;
+  {
+    Run refused(data, o);
+    refused.trainer->on_step = [&](const train::StepInfo&) { ++steps_run; };
+    try {
+      refused.trainer->run();
+      FAIL("run() did not refuse");
+    } catch (const CheckpointError& e) {
+      const std::string what = e.what();
+      CHECK_THAT(what, Catch::Contains("[ptrain.ckpt.corrupt]"));
+      for (const auto& p : corrupt) CHECK_THAT(what, Catch::Contains(p.string()));
+    }
+  }
+  CHECK(steps_run == 0);  // refused before any training
+  for (const auto& p : corrupt) CHECK(fs::exists(p));
+
+  // A directory without a marker (a first save that never committed) is no checkpoint: no refusal.
+  const fs::path fresh = fresh_dir("ptrain_trainer_uncommitted_");
+  fs::create_directories(fresh / "step-00000003");
+  train::TrainerOptions f = o;
+  f.checkpoint_dir = fresh.string();
+  {
+    Run first_save_died(data, f);
+    CHECK(first_save_died.trainer->run().step == 10);
+  }
+  CHECK_FALSE(fs::exists(fresh / "step-00000003"));
+  fs::remove_all(fresh);
+
+  o.start_over = true;
+  Run over(data, o);
+  CHECK(over.trainer->run().step == 10);
+  CHECK(mgr.latest().step == 10);
+  CHECK(mgr.latest().skipped.empty());
+  for (const auto& p : corrupt) CHECK(fs::exists(p.parent_path() / ("corrupt-" + p.filename().string())));
+  fs::remove_all(dir);
+}
