@@ -337,7 +337,7 @@ TEST_CASE("saving a committed step again keeps the old checkpoint until the new 
   CHECK(dirs == std::vector<std::string>{"step-00000005"});
 }
 
-TEST_CASE("a run that did not resume may not delete newer checkpoints; one that did may; steps are not negative", "[ckpt]") {
+TEST_CASE("a run that did not resume may not delete newer checkpoints; one that resumed may; steps are not negative", "[ckpt]") {
   TmpDir d;
   Run a(1);
   ckpt::CheckpointManager mgr(d.path);
@@ -351,10 +351,12 @@ TEST_CASE("a run that did not resume may not delete newer checkpoints; one that 
   CHECK_FALSE(fs::exists(d.path / "step-00000002"));
   CHECK_THROWS_WITH(mgr.save(-5, a.params, &a.opt, {}), Catch::Contains("[ptrain.ckpt.step]"));
   {
-    // A run handed step 20 by latest() resumed from it: on more ranks its steps are
-    // smaller (Note [Trainer steps]), and its save supersedes the larger ones.
+    // A run that resumed from step 20 (ckpt::load tells the manager): on more ranks its
+    // steps are smaller (Note [Trainer steps]), and its save supersedes the larger ones.
     ckpt::CheckpointManager resumed(d.path);
-    REQUIRE(resumed.latest().step == 20);
+    const auto last = resumed.latest();
+    REQUIRE(last.step == 20);
+    resumed.resumed_from(last.path);
     resumed.save(14, a.params, &a.opt, {});
     CHECK(resumed.latest().step == 14);
   }  // waits for the background deletion
