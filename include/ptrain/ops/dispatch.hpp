@@ -7,12 +7,14 @@
 // [ptrain.cuda.unavailable] when it reaches a CUDA tensor.
 
 #include "ptrain/core/tensor.hpp"
+#include "ptrain/kernels/cpu/activation.hpp"
 #include "ptrain/kernels/cpu/attention.hpp"
 #include "ptrain/kernels/cpu/bf16.hpp"
 #include "ptrain/kernels/cpu/elementwise.hpp"
 #include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/kernels/cpu/gemm.hpp"
 #include "ptrain/kernels/cpu/layer_norm.hpp"
+#include "ptrain/kernels/cpu/loss.hpp"
 #include "ptrain/kernels/cpu/optimizer.hpp"
 #include "ptrain/kernels/cpu/reduce.hpp"
 #include "ptrain/kernels/cpu/softmax.hpp"
