@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <type_traits>
+#include <utility>
 
 #include "ptrain/ops/activation.hpp"
 #include "ptrain/ops/dispatch.hpp"
