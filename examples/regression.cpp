@@ -48,7 +48,8 @@ int main(int argc, char** argv) try {
     return nlohmann::json{{"test_mse", e.eval_loss(test.x, test.targets)}};
   };
   const double mse = trainer.run().last_eval["test_mse"].get<double>();
-  if (world->rank() == 0) std::printf("final test MSE %.6f after %d epochs on %d rank(s)\n", mse, epochs, world->size());
+  if (world->rank() == 0)
+    std::printf("final test MSE %.6f after %d epochs on %d rank(s)\n", mse, epochs, world->size());
   return argc > 2 && !(mse <= std::stod(argv[2])) ? 1 : 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "regression: %s\n", e.what());

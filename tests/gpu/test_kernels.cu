@@ -833,7 +833,8 @@ TEST_CASE("cuda: loss and activation modules on cuda tensors equal the CPU's", "
   std::vector<std::int32_t> t(static_cast<std::size_t>(rows));
   for (auto& v : t) v = static_cast<std::int32_t>(rng().below(static_cast<std::uint64_t>(cols)));
   const auto ct = Tensor<std::int32_t>::from(t, {rows});
-  CHECK(nll.forward(lsm.forward(gx, gc), ct.to(kGpu), gc) == Approx(nll.forward(lsm.forward(cx, cc), ct, cc)).epsilon(1e-12));
+  const double want = nll.forward(lsm.forward(cx, cc), ct, cc);
+  CHECK(nll.forward(lsm.forward(gx, gc), ct.to(kGpu), gc) == Approx(want).epsilon(1e-12));
   t[0] = cols;  // outside [0, cols): reported, not read
   CHECK_THROWS_WITH(nll.forward(gx, Tensor<std::int32_t>::from(t, {rows}).to(kGpu), gc),
                     Catch::Contains("[ptrain.loss.nll] a target lies outside"));

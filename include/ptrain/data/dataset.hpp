@@ -45,7 +45,8 @@ template <class T>
 class TensorDataset : public Dataset<T> {
  public:
   TensorDataset(Tensor<T> inputs, nn::Targets<T> targets) : inputs_(std::move(inputs)), targets_(std::move(targets)) {
-    PTRAIN_CHECK(inputs_.dim() >= 1 && targets_.defined() && targets_.dim() >= 1 && inputs_.size(0) == targets_.size(0),
+    PTRAIN_CHECK(inputs_.dim() >= 1 && targets_.defined() && targets_.dim() >= 1 &&
+                     inputs_.size(0) == targets_.size(0),
                  ShapeError, "[ptrain.data.dataset] inputs ", inputs_.shape(), " and targets ",
                  targets_.defined() ? targets_.shape() : Shape{}, " need the same number of rows");
   }

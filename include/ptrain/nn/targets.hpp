@@ -46,7 +46,8 @@ class Targets {
   /// The values; [ptrain.loss.targets] naming `who` when these targets are class ids.
   const Tensor<T>& values(const char* who = "this loss") const {
     PTRAIN_CHECK(!ids_.defined(), Error, "[ptrain.loss.targets] ", who, " takes floating-point target values (",
-                 dtype_name(dtype_of<T>()), ") of the output's shape, but the targets are int32 class ids of shape ", ids_.shape(),
+                 dtype_name(dtype_of<T>()), ") of the output's shape, but the targets are int32 class ids of shape ",
+                 ids_.shape(),
                  "; use CrossEntropyLoss or NLLLoss for class ids, or convert the targets to the model's type");
     return values_;
   }

@@ -21,8 +21,9 @@
 // - forward_backward(input, targets, grad_scale) runs forward, the loss
 //   (LossFn; default: mean cross-entropy over rows) and backward on this rank's
 //   batch and adds grad_scale * d(loss) to the gradients. Targets are int32
-//   class ids or values of T (nn/targets.hpp), whichever the loss takes. Synchronisation of
-//   the gradients may start during backward and go on after it returns.
+//   class ids or values of T (nn/targets.hpp), whichever the loss takes.
+//   Synchronisation of the gradients may start during backward and go on
+//   after it returns.
 // - Nothing reads gradients before their synchronisation has finished:
 //   clip_grad_norm_(), step() and parameter checkpoints finish it first, and
 //   a forward_backward() that follows another without step() waits for the

@@ -70,8 +70,9 @@ void require_close(const Tensor<double>& got, const std::vector<double>& want, d
 // Values against `ref` for every reduction, and gradients against finite differences:
 // of the reduced loss (times dloss) and of sum(w * elements) for reduction none.
 template <class Loss>
-void check_pointwise(const std::function<Loss(Reduction)>& make, const std::function<double(double, double, std::int64_t)>& ref,
-                     Tensor<double> x, const Tensor<double>& y) {
+void check_pointwise(const std::function<Loss(Reduction)>& make,
+                     const std::function<double(double, double, std::int64_t)>& ref, Tensor<double> x,
+                     const Tensor<double>& y) {
   std::vector<double> want;
   for (std::int64_t i = 0; i < x.numel(); ++i) want.push_back(ref(x.data()[i], y.data()[i], i));
   for (Reduction r : {Reduction::Mean, Reduction::Sum}) {
@@ -116,11 +117,12 @@ TEST_CASE("SmoothL1Loss and HuberLoss follow torch's definitions on both sides o
   const auto x = random_tensor({5, 4}, 3, -2, 2), y = random_tensor({5, 4}, 4, -2, 2);
   for (double beta : {1.3, 0.4}) {
     INFO("beta/delta " << beta);
-    check_pointwise<nn::SmoothL1Loss<double>>([=](Reduction r) { return nn::SmoothL1Loss<double>(r, beta); },
-                                              [=](double a, double b, std::int64_t) { return ref_smooth_l1(a, b, beta); },
-                                              x, y);
+    check_pointwise<nn::SmoothL1Loss<double>>(
+        [=](Reduction r) { return nn::SmoothL1Loss<double>(r, beta); },
+        [=](double a, double b, std::int64_t) { return ref_smooth_l1(a, b, beta); }, x, y);
     check_pointwise<nn::HuberLoss<double>>([=](Reduction r) { return nn::HuberLoss<double>(r, beta); },
-                                           [=](double a, double b, std::int64_t) { return ref_huber(a, b, beta); }, x, y);
+                                           [=](double a, double b, std::int64_t) { return ref_huber(a, b, beta); },
+                                           x, y);
   }
   nn::SmoothL1Loss<double> l1_like(Reduction::Sum, 0.0);  // torch: beta 0 is L1Loss
   nn::Cache<double> c;
