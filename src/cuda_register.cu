@@ -44,6 +44,14 @@ void fill_floating(CudaKernels<T>& k) {
   k.softmax_rows_backward = &kc::softmax_rows_backward<T>;
   k.cross_entropy_forward = &kc::cross_entropy_forward<T>;
   k.cross_entropy_backward = &kc::cross_entropy_backward<T>;
+  k.activation_forward = &kc::activation_forward<T>;
+  k.activation_backward = &kc::activation_backward<T>;
+  k.log_softmax_rows = &kc::log_softmax_rows<T>;
+  k.log_softmax_rows_backward = &kc::log_softmax_rows_backward<T>;
+  k.pointwise_loss_forward = &kc::pointwise_loss_forward<T>;
+  k.pointwise_loss_backward = &kc::pointwise_loss_backward<T>;
+  k.nll_forward = &kc::nll_forward<T>;
+  k.nll_backward = &kc::nll_backward<T>;
   k.layer_norm_forward = &kc::layer_norm_forward<T>;
   k.layer_norm_backward = &kc::layer_norm_backward<T>;
   k.embedding_forward = &kc::embedding_forward<T>;

@@ -39,6 +39,7 @@
 #include "ptrain/nn/module.hpp"
 #include "ptrain/nn/recompute.hpp"
 #include "ptrain/nn/sequential.hpp"
+#include "ptrain/nn/targets.hpp"
 #include "ptrain/nn/transformer_block.hpp"
 
 #include "ptrain/optim/adamw.hpp"

@@ -26,17 +26,20 @@
 
 #include "ptrain/core/random.hpp"
 #include "ptrain/core/tensor.hpp"
+#include "ptrain/kernels/cpu/activation.hpp"
 #include "ptrain/kernels/cpu/attention.hpp"
 #include "ptrain/kernels/cpu/elementwise.hpp"
 #include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/kernels/cpu/gemm.hpp"
 #include "ptrain/kernels/cpu/layer_norm.hpp"
+#include "ptrain/kernels/cpu/loss.hpp"
 #include "ptrain/kernels/cpu/optimizer.hpp"
 #include "ptrain/kernels/cpu/reduce.hpp"
 #include "ptrain/kernels/cpu/softmax.hpp"
 #include "ptrain/kernels/cuda/all.cuh"
 #include "gpu/gpu_util.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/nn/activation.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/ops/attention.hpp"
 #include "ptrain/ops/batch_norm.hpp"
@@ -704,6 +707,139 @@ TEMPLATE_TEST_CASE("cuda: cross_entropy forward and backward", "[gpu]", float, d
   auto lse = poisoned<Acc<T>>(4);
   CHECK_THROWS_AS(kc::cross_entropy_forward<T>(4, 5, logits.data(), bad.data(), lse.data(), valid), ShapeError);
   CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEMPLATE_TEST_CASE("cuda: cross_entropy with label smoothing", "[gpu]", float, double, bf16) {
+  using T = TestType;
+  const std::int64_t rows = 53, cols = 700;
+  const auto logits = uniform<T>(rows * cols, -3, 3);
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(rows));
+  for (auto& t : targets) t = static_cast<std::int32_t>(rng().below(static_cast<std::uint64_t>(cols)));
+  targets[2] = -100;
+  auto dlogits = on_gpu(logits);
+  auto dtargets = on_gpu(targets);
+  auto lse = poisoned<Acc<T>>(rows);
+  std::int64_t valid = -1, rvalid = -1;
+  const double loss =
+      kc::cross_entropy_forward<T>(rows, cols, dlogits.data(), dtargets.data(), lse.data(), valid, -100, Acc<T>(0.2));
+  const auto rl = to_double(logits);
+  std::vector<double> rlse(static_cast<std::size_t>(rows));
+  const double rloss =
+      kp::cross_entropy_forward<double>(rows, cols, rl.data(), targets.data(), rlse.data(), rvalid, -100, 0.2);
+  INFO("seed " << test_seed());
+  CHECK(valid == rvalid);
+  CHECK(std::abs(loss - rloss) <= 1e-5 * std::abs(rloss));
+  auto grad = poisoned<T>(rows * cols);
+  kc::cross_entropy_backward<T>(rows, cols, dlogits.data(), lse.data(), dtargets.data(), valid, Acc<T>(0.7),
+                                grad.data(), -100, Acc<T>(0.2));
+  std::vector<double> rgrad(rl.size());
+  const auto rglse = to_double(host(lse));
+  kp::cross_entropy_backward<double>(rows, cols, rl.data(), rglse.data(), targets.data(), rvalid, 0.7, rgrad.data(),
+                                     -100, 0.2);
+  CHECK_CLOSE(host(grad), rgrad);
+}
+
+TEMPLATE_TEST_CASE("cuda: tanh, sigmoid, silu, leaky relu and log_softmax, forward and backward", "[gpu]", float,
+                   double, bf16) {
+  using T = TestType;
+  using kernels::ActivationKind;
+  const std::int64_t n = 100003;
+  const auto x = uniform<T>(n, -6, 6), g = uniform<T>(n, -1, 1);
+  const auto rx = to_double(x), rg = to_double(g);
+  auto dx = on_gpu(x), dg = on_gpu(g);
+  std::vector<double> ref(static_cast<std::size_t>(n));
+  for (auto k : {ActivationKind::Tanh, ActivationKind::Sigmoid, ActivationKind::SiLU, ActivationKind::LeakyReLU}) {
+    INFO("activation " << static_cast<int>(k));
+    auto out = poisoned<T>(n);
+    kc::activation_forward<T>(n, k, Acc<T>(0.1), dx.data(), out.data());
+    kp::activation_forward<double>(n, k, 0.1, rx.data(), ref.data());
+    CHECK_CLOSE(host(out), ref);
+    out = poisoned<T>(n);
+    kc::activation_backward<T>(n, k, Acc<T>(0.1), dx.data(), dg.data(), out.data());
+    kp::activation_backward<double>(n, k, 0.1, rx.data(), rg.data(), ref.data());
+    CHECK_CLOSE(host(out), ref);
+  }
+  for (auto [rows, cols] : Dims{{65, 7}, {9, 3001}}) {
+    const auto xs = uniform<T>(rows * cols, -8, 8), gs = uniform<T>(rows * cols, -1, 1);
+    const auto rxs = to_double(xs), rgs = to_double(gs);
+    auto dxs = on_gpu(xs), dgs = on_gpu(gs);
+    std::vector<double> r(rxs.size());
+    auto y = poisoned<T>(rows * cols);
+    kc::log_softmax_rows<T>(rows, cols, dxs.data(), y.data());
+    kp::log_softmax_rows<double>(rows, cols, rxs.data(), r.data());
+    CHECK_CLOSE(host(y), r);
+    const auto yv = host(y);
+    const auto ry = to_double(yv);
+    auto out = poisoned<T>(rows * cols);
+    kc::log_softmax_rows_backward<T>(rows, cols, y.data(), dgs.data(), out.data());
+    kp::log_softmax_rows_backward<double>(rows, cols, ry.data(), rgs.data(), r.data());
+    CHECK_CLOSE(host(out), r);
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda: pointwise losses and nll, forward and backward", "[gpu]", float, double, bf16) {
+  using T = TestType;
+  using kernels::LossKind;
+  const std::int64_t rows = 1001, classes = 7, n = rows * classes;
+  const auto x = uniform<T>(n, -3, 3), t = uniform<T>(n, 0, 1), w = uniform<T>(classes, 0.5, 2),
+             pw = uniform<T>(classes, 0.5, 3), dy = uniform<T>(n, -1, 1);
+  const auto rx = to_double(x), rt = to_double(t), rw = to_double(w), rpw = to_double(pw), rdy = to_double(dy);
+  auto dx = on_gpu(x), dt = on_gpu(t), dw = on_gpu(w), dpw = on_gpu(pw), ddy = on_gpu(dy);
+  std::vector<double> ref(static_cast<std::size_t>(n));
+  for (auto k : {LossKind::MSE, LossKind::L1, LossKind::SmoothL1, LossKind::Huber, LossKind::BCEWithLogits}) {
+    INFO("loss " << static_cast<int>(k));
+    auto out = poisoned<Acc<T>>(n);
+    kc::pointwise_loss_forward<T>(n, k, Acc<T>(0.7), dx.data(), dt.data(), dw.data(), classes, dpw.data(), classes,
+                                  out.data());
+    kp::pointwise_loss_forward<double>(n, k, 0.7, rx.data(), rt.data(), rw.data(), classes, rpw.data(), classes,
+                                       ref.data());
+    CHECK(rel_err(host(out), ref) <= tol<float>());  // per-element losses are float for bf16
+    auto grad = poisoned<T>(n);
+    kc::pointwise_loss_backward<T>(n, k, Acc<T>(0.7), dx.data(), dt.data(), dw.data(), classes, dpw.data(), classes,
+                                   ddy.data(), Acc<T>(0.3), grad.data());
+    kp::pointwise_loss_backward<double>(n, k, 0.7, rx.data(), rt.data(), rw.data(), classes, rpw.data(), classes,
+                                        rdy.data(), 0.3, ref.data());
+    CHECK_CLOSE(host(grad), ref);
+  }
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(rows));
+  for (auto& v : targets) v = static_cast<std::int32_t>(rng().below(static_cast<std::uint64_t>(classes)));
+  targets[3] = -100;
+  auto dtargets = on_gpu(targets);
+  auto loss = poisoned<Acc<T>>(rows), counted = poisoned<Acc<T>>(rows);
+  kc::nll_forward<T>(rows, classes, dx.data(), dtargets.data(), -100, loss.data(), counted.data());
+  std::vector<double> rloss(static_cast<std::size_t>(rows)), rcounted(static_cast<std::size_t>(rows));
+  kp::nll_forward<double>(rows, classes, rx.data(), targets.data(), -100, rloss.data(), rcounted.data());
+  CHECK(rel_err(host(loss), rloss) <= tol<float>());
+  CHECK(rel_err(host(counted), rcounted) == 0);
+  auto grad = poisoned<T>(n);
+  const auto row_dy = std::vector<T>(dy.begin(), dy.begin() + rows);
+  auto drow_dy = on_gpu(row_dy);
+  kc::nll_backward<T>(rows, classes, dtargets.data(), -100, drow_dy.data(), Acc<T>(0.5), grad.data());
+  const auto rrow_dy = to_double(row_dy);
+  kp::nll_backward<double>(rows, classes, targets.data(), -100, rrow_dy.data(), 0.5, ref.data());
+  CHECK_CLOSE(host(grad), ref);
+}
+
+TEST_CASE("cuda: loss and activation modules on cuda tensors equal the CPU's", "[gpu]") {
+  const std::int64_t rows = 64, cols = 5;
+  const auto x = uniform<double>(rows * cols, -2, 2), y = uniform<double>(rows * cols, 0, 1);
+  const auto cx = Tensor<double>::from(x, {rows, cols}), cy = Tensor<double>::from(y, {rows, cols});
+  const auto gx = cx.to(kGpu), gy = cy.to(kGpu);
+  nn::BCEWithLogitsLoss<double> cpu_loss(nn::Reduction::Mean, {}, Tensor<double>::full({cols}, 2.0));
+  nn::BCEWithLogitsLoss<double> gpu_loss(nn::Reduction::Mean, {}, Tensor<double>::full({cols}, 2.0).to(kGpu));
+  nn::Cache<double> cc, gc;
+  CHECK(gpu_loss.forward(gx, gy, gc) == Approx(cpu_loss.forward(cx, cy, cc)).epsilon(1e-12));
+  CHECK(rel_err(host(gpu_loss.backward(gc)), host(cpu_loss.backward(cc))) <= 1e-12);
+  nn::NLLLoss<double> nll;
+  nn::LogSoftmax<double> lsm;
+  std::vector<std::int32_t> t(static_cast<std::size_t>(rows));
+  for (auto& v : t) v = static_cast<std::int32_t>(rng().below(static_cast<std::uint64_t>(cols)));
+  const auto ct = Tensor<std::int32_t>::from(t, {rows});
+  const double want = nll.forward(lsm.forward(cx, cc), ct, cc);
+  CHECK(nll.forward(lsm.forward(gx, gc), ct.to(kGpu), gc) == Approx(want).epsilon(1e-12));
+  t[0] = cols;  // outside [0, cols): reported, not read
+  CHECK_THROWS_WITH(nll.forward(gx, Tensor<std::int32_t>::from(t, {rows}).to(kGpu), gc),
+                    Catch::Contains("[ptrain.loss.nll] a target lies outside"));
 }
 
 // ------------------------------------------------------------- LayerNorm ----

@@ -2,14 +2,16 @@
 // Dataset: samples 0 .. size() - 1 that a training loop reads in batches of
 // indices (from a DistributedSampler); TensorDataset holds them in memory.
 //
-//   TensorDataset<float> train(images, labels);   // images [N, 784], labels [N]
+//   TensorDataset<float> train(images, labels);   // images [N, 784], labels [N] (int32 class ids)
 //   Batch<float> b = train.get({3, 14, 15});       // b.x [3, 784], b.targets [3]
+//   TensorDataset<float> fit(x, y);               // x [N, 1], y [N, 1] (float values: regression)
 
 #include <cstdint>
 #include <vector>
 
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/data/batches.hpp"
+#include "ptrain/nn/targets.hpp"
 
 namespace ptrain {
 
@@ -18,7 +20,7 @@ template <class T>
 struct Batch {
   Tensor<T> x;                    ///< [B, ...] features, or undefined when the input is ids
   Tensor<std::int32_t> ids;       ///< [B, ...] token ids, or undefined
-  Tensor<std::int32_t> targets;   ///< [B, ...] class or next-token ids
+  nn::Targets<T> targets;         ///< [B, ...] class or next-token ids, or values of T (nn/targets.hpp)
 
   std::int64_t rows() const { return targets.size(0); }
   /// Rows [start, start + n): a micro-batch (a view, no copy).
@@ -37,33 +39,36 @@ class Dataset {
   virtual Batch<T> get(const std::vector<std::int64_t>& indices) = 0;
 };
 
-/// A data set held in memory: row i of `inputs` (features) and of `targets`.
+/// A data set held in memory: row i of `inputs` (features) and of `targets`
+/// (int32 class ids or values of T).
 template <class T>
 class TensorDataset : public Dataset<T> {
  public:
-  TensorDataset(Tensor<T> inputs, Tensor<std::int32_t> targets)
-      : inputs_(std::move(inputs)), targets_(std::move(targets)) {
-    PTRAIN_CHECK(inputs_.dim() >= 1 && targets_.dim() >= 1 && inputs_.size(0) == targets_.size(0), ShapeError,
-                 "[ptrain.data.dataset] inputs ", inputs_.shape(), " and targets ", targets_.shape(),
-                 " need the same number of rows");
+  TensorDataset(Tensor<T> inputs, nn::Targets<T> targets) : inputs_(std::move(inputs)), targets_(std::move(targets)) {
+    PTRAIN_CHECK(inputs_.dim() >= 1 && targets_.defined() && targets_.dim() >= 1 &&
+                     inputs_.size(0) == targets_.size(0),
+                 ShapeError, "[ptrain.data.dataset] inputs ", inputs_.shape(), " and targets ",
+                 targets_.defined() ? targets_.shape() : Shape{}, " need the same number of rows");
   }
   std::int64_t size() const override { return inputs_.size(0); }
   Batch<T> get(const std::vector<std::int64_t>& idx) override {
-    const auto n = static_cast<std::int64_t>(idx.size());
-    Batch<T> b{Tensor<T>::empty(with_rows(inputs_.shape(), n)), {},
-               Tensor<std::int32_t>::empty(with_rows(targets_.shape(), n))};
-    gather_rows(inputs_, idx.data(), n, b.x);
-    gather_rows(targets_, idx.data(), n, b.targets);
+    Batch<T> b{gathered(inputs_, idx), {}, {}};
+    if (targets_.is_ids()) b.targets = gathered(targets_.ids(), idx);
+    else b.targets = gathered(targets_.values(), idx);
     return b;
   }
 
  private:
-  static Shape with_rows(Shape s, std::int64_t rows) {
-    s[0] = rows;
-    return s;
+  template <class E>
+  static Tensor<E> gathered(const Tensor<E>& src, const std::vector<std::int64_t>& idx) {
+    Shape s = src.shape();
+    s[0] = static_cast<std::int64_t>(idx.size());
+    auto out = Tensor<E>::empty(s);
+    gather_rows(src, idx.data(), s[0], out);
+    return out;
   }
   Tensor<T> inputs_;
-  Tensor<std::int32_t> targets_;
+  nn::Targets<T> targets_;
 };
 
 }  // namespace ptrain

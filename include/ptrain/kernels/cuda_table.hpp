@@ -24,6 +24,7 @@
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
+#include "ptrain/kernels/pointwise_math.hpp"
 #include "ptrain/kernels/window.hpp"
 
 namespace ptrain::kernels {
@@ -62,8 +63,19 @@ struct CudaKernels {
   // softmax.cuh
   void (*softmax_rows)(I64, I64, const T*, T*) = nullptr;
   void (*softmax_rows_backward)(I64, I64, const T*, const T*, T*) = nullptr;
-  double (*cross_entropy_forward)(I64, I64, const T*, const I32*, A*, I64&, I32) = nullptr;
-  void (*cross_entropy_backward)(I64, I64, const T*, const A*, const I32*, I64, A, T*, I32) = nullptr;
+  double (*cross_entropy_forward)(I64, I64, const T*, const I32*, A*, I64&, I32, A) = nullptr;
+  void (*cross_entropy_backward)(I64, I64, const T*, const A*, const I32*, I64, A, T*, I32, A) = nullptr;
+  // activation.cuh
+  void (*activation_forward)(I64, ActivationKind, A, const T*, T*) = nullptr;
+  void (*activation_backward)(I64, ActivationKind, A, const T*, const T*, T*) = nullptr;
+  void (*log_softmax_rows)(I64, I64, const T*, T*) = nullptr;
+  void (*log_softmax_rows_backward)(I64, I64, const T*, const T*, T*) = nullptr;
+  // loss.cuh
+  void (*pointwise_loss_forward)(I64, LossKind, A, const T*, const T*, const T*, I64, const T*, I64, A*) = nullptr;
+  void (*pointwise_loss_backward)(I64, LossKind, A, const T*, const T*, const T*, I64, const T*, I64, const T*, A,
+                                  T*) = nullptr;
+  void (*nll_forward)(I64, I64, const T*, const I32*, I32, A*, A*) = nullptr;
+  void (*nll_backward)(I64, I64, const I32*, I32, const T*, A, T*) = nullptr;
   // layer_norm.cuh
   void (*layer_norm_forward)(I64, I64, const T*, const T*, const T*, A, T*, A*, A*) = nullptr;
   void (*layer_norm_backward)(I64, I64, const T*, const A*, const A*, const T*, const T*, T*, T*, T*) = nullptr;

@@ -41,6 +41,70 @@ Tensor<T> gelu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
   return dx;
 }
 
+namespace detail {
+template <class T>
+Tensor<T> activation(const Tensor<T>& x, kernels::ActivationKind k, double param) {
+  auto y = Tensor<T>::empty(x.shape(), x.device());
+  PTRAIN_DISPATCH(x.device(), T, activation_forward, x.numel(), k, static_cast<acc_t<T>>(param), x.data(), y.data());
+  return y;
+}
+template <class T>
+Tensor<T> activation_backward(const Tensor<T>& saved, const Tensor<T>& dy, kernels::ActivationKind k, double param,
+                              const char* what) {
+  check_shape(dy, saved.shape(), what);
+  check_devices(what, saved.device(), dy);
+  auto dx = Tensor<T>::empty(saved.shape(), saved.device());
+  PTRAIN_DISPATCH(saved.device(), T, activation_backward, saved.numel(), k, static_cast<acc_t<T>>(param),
+                  saved.data(), dy.data(), dx.data());
+  return dx;
+}
+}  // namespace detail
+
+/// tanh(x).
+template <class T>
+Tensor<T> tanh(const Tensor<T>& x) {
+  return detail::activation(x, kernels::ActivationKind::Tanh, 0.0);
+}
+/// Gradient of tanh given its output y: dy * (1 - y^2).
+template <class T>
+Tensor<T> tanh_backward(const Tensor<T>& y, const Tensor<T>& dy) {
+  return detail::activation_backward(y, dy, kernels::ActivationKind::Tanh, 0.0, "tanh output gradient");
+}
+
+/// 1 / (1 + exp(-x)).
+template <class T>
+Tensor<T> sigmoid(const Tensor<T>& x) {
+  return detail::activation(x, kernels::ActivationKind::Sigmoid, 0.0);
+}
+/// Gradient of sigmoid given its output y: dy * y (1 - y).
+template <class T>
+Tensor<T> sigmoid_backward(const Tensor<T>& y, const Tensor<T>& dy) {
+  return detail::activation_backward(y, dy, kernels::ActivationKind::Sigmoid, 0.0, "sigmoid output gradient");
+}
+
+/// x * sigmoid(x) (SiLU, swish).
+template <class T>
+Tensor<T> silu(const Tensor<T>& x) {
+  return detail::activation(x, kernels::ActivationKind::SiLU, 0.0);
+}
+/// Gradient of silu given its input x.
+template <class T>
+Tensor<T> silu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
+  return detail::activation_backward(x, dy, kernels::ActivationKind::SiLU, 0.0, "silu output gradient");
+}
+
+/// x for x > 0, negative_slope * x otherwise.
+template <class T>
+Tensor<T> leaky_relu(const Tensor<T>& x, double negative_slope = 0.01) {
+  return detail::activation(x, kernels::ActivationKind::LeakyReLU, negative_slope);
+}
+/// Gradient of leaky_relu given its input x (negative_slope at x = 0, as PyTorch).
+template <class T>
+Tensor<T> leaky_relu_backward(const Tensor<T>& x, const Tensor<T>& dy, double negative_slope = 0.01) {
+  return detail::activation_backward(x, dy, kernels::ActivationKind::LeakyReLU, negative_slope,
+                                     "leaky_relu output gradient");
+}
+
 /// Inverted dropout with the mask drawn from stream positions [offset, offset + numel) of seed.
 /// Applying it to dy with the same (seed, offset) is its backward.
 template <class T>

@@ -7,6 +7,7 @@
 // [ptrain.cuda.unavailable] when it reaches a CUDA tensor.
 
 #include "ptrain/core/tensor.hpp"
+#include "ptrain/kernels/cpu/activation.hpp"
 #include "ptrain/kernels/cpu/attention.hpp"
 #include "ptrain/kernels/cpu/batch_norm.hpp"
 #include "ptrain/kernels/cpu/bf16.hpp"
@@ -15,6 +16,7 @@
 #include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/kernels/cpu/gemm.hpp"
 #include "ptrain/kernels/cpu/layer_norm.hpp"
+#include "ptrain/kernels/cpu/loss.hpp"
 #include "ptrain/kernels/cpu/optimizer.hpp"
 #include "ptrain/kernels/cpu/reduce.hpp"
 #include "ptrain/kernels/cpu/softmax.hpp"

@@ -175,7 +175,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
     Tensor<bf16> wire;                // BF16 compression buffer, on the gradients' device
   };
 
-  double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+  double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
              bool training) override {
     return this->run_module(*this, in, targets, grad_scale, training);
   }

@@ -20,8 +20,10 @@
 //   (Pipeline). Optimizers are built on them the same way in every mode.
 // - forward_backward(input, targets, grad_scale) runs forward, the loss
 //   (LossFn; default: mean cross-entropy over rows) and backward on this rank's
-//   batch and adds grad_scale * d(loss) to the gradients. Synchronisation of
-//   the gradients may start during backward and go on after it returns.
+//   batch and adds grad_scale * d(loss) to the gradients. Targets are int32
+//   class ids or values of T (nn/targets.hpp), whichever the loss takes.
+//   Synchronisation of the gradients may start during backward and go on
+//   after it returns.
 // - Nothing reads gradients before their synchronisation has finished:
 //   clip_grad_norm_(), step() and parameter checkpoints finish it first, and
 //   a forward_backward() that follows another without step() waits for the
@@ -75,17 +77,31 @@ inline double steady_seconds() {
 }
 }  // namespace detail
 
+using nn::Targets;
+
 /// A loss on a model's output: returns the loss of one batch and, unless dout is
 /// null (evaluation), sets *dout to the gradient of scale * loss with respect to
-/// the output.
+/// the output. A lambda whose targets parameter is `const Tensor<std::int32_t>&`
+/// converts too (Note [Targets conversion] in nn/targets.hpp).
 template <class T>
-using LossFn = std::function<double(const Tensor<T>& output, const Tensor<std::int32_t>& targets,
-                                    Tensor<T>* dout, acc_t<T> scale)>;
+using LossFn = std::function<double(const Tensor<T>& output, const Targets<T>& targets, Tensor<T>* dout,
+                                    acc_t<T> scale)>;
+
+/// A LossFn from a loss of nn/loss.hpp (copied into the function), reduced as it
+/// was built (mean or sum): `engine->set_loss(parallel::loss_fn<float>(nn::MSELoss<float>()))`.
+template <class T, class Loss>
+LossFn<T> loss_fn(Loss loss) {
+  return [loss](const Tensor<T>& output, const Targets<T>& targets, Tensor<T>* dout, acc_t<T> scale) mutable {
+    nn::Cache<T> cache;
+    const double l = loss.forward(output, targets, cache);
+    if (dout) *dout = loss.backward(cache, scale);
+    return l;
+  };
+}
 
 /// The default LossFn: mean cross-entropy over the rows of the output (nn::CrossEntropyLoss).
 template <class T>
-double cross_entropy(const Tensor<T>& output, const Tensor<std::int32_t>& targets, Tensor<T>* dout,
-                     acc_t<T> scale) {
+double cross_entropy(const Tensor<T>& output, const Targets<T>& targets, Tensor<T>* dout, acc_t<T> scale) {
   nn::CrossEntropyLoss<T> ce;
   nn::Cache<T> cache;
   const double loss = ce.forward(output, targets, cache);
@@ -127,19 +143,19 @@ class Engine {
   virtual void finish_gradient_sync() = 0;
 
   /// Forward, loss and backward of this rank's batch (Note [Engine contract]); returns the loss.
-  double forward_backward(const Tensor<T>& x, const Tensor<std::int32_t>& targets, double grad_scale = 1.0) {
+  double forward_backward(const Tensor<T>& x, const Targets<T>& targets, double grad_scale = 1.0) {
     return run(BatchInput<T>{&x, nullptr}, targets, grad_scale, true);
   }
   /// forward_backward() from int32 token ids.
-  double forward_backward(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets,
+  double forward_backward(const Tensor<std::int32_t>& ids, const Targets<T>& targets,
                           double grad_scale = 1.0) {
     return run(BatchInput<T>{nullptr, &ids}, targets, grad_scale, true);
   }
   /// The loss of a batch without backward (evaluation; call train(false) first to turn dropout off).
-  double eval_loss(const Tensor<T>& x, const Tensor<std::int32_t>& targets) {
+  double eval_loss(const Tensor<T>& x, const Targets<T>& targets) {
     return run(BatchInput<T>{&x, nullptr}, targets, 1.0, false);
   }
-  double eval_loss(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
+  double eval_loss(const Tensor<std::int32_t>& ids, const Targets<T>& targets) {
     return run(BatchInput<T>{nullptr, &ids}, targets, 1.0, false);
   }
 
@@ -189,7 +205,7 @@ class Engine {
 
  protected:
   /// One batch: training (forward, loss, backward) or evaluation (forward, loss).
-  virtual double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+  virtual double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
                      bool training) = 0;
   /// Sum of a per-rank partial sum of squares over the ranks that hold distinct
   /// parts of the model (FSDP shards, pipeline stages); identity for replicas.
@@ -197,13 +213,13 @@ class Engine {
   /// False inside no_sync().
   bool syncing() const { return sync_; }
 
-  double loss(const Tensor<T>& out, const Tensor<std::int32_t>& targets, Tensor<T>* dout, double scale) const {
+  double loss(const Tensor<T>& out, const Targets<T>& targets, Tensor<T>* dout, double scale) const {
     const auto s = static_cast<acc_t<T>>(scale);
     return loss_ ? loss_(out, targets, dout, s) : cross_entropy<T>(out, targets, dout, s);
   }
 
   /// run() for engines that hold a whole module: forward, loss, backward.
-  double run_module(nn::Module<T>& m, const BatchInput<T>& in, const Tensor<std::int32_t>& targets,
+  double run_module(nn::Module<T>& m, const BatchInput<T>& in, const Targets<T>& targets,
                     double grad_scale, bool training) {
     cache_.clear();
     Tensor<T> out = in.ids ? m.forward_tokens(*in.ids, cache_) : m.forward(*in.x, cache_);

@@ -282,7 +282,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   void clear_events() { events_.clear(); }
 
  private:
-  double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+  double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
              bool training) override {
     return this->run_module(*this, in, targets, grad_scale, training);
   }

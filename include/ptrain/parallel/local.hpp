@@ -31,7 +31,7 @@ class Local : public Engine<T> {
   void finish_gradient_sync() override {}
 
  private:
-  double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+  double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
              bool training) override {
     return this->run_module(model_, in, targets, grad_scale, training);
   }

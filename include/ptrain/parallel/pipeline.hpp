@@ -370,11 +370,11 @@ class Pipeline : public Engine<T> {
   // call train(false) first to turn dropout off.
 
   /// zero_grad() (unless options.zero_grad is off) and forward_backward().
-  double train_step(const Tensor<T>& input, const Tensor<std::int32_t>& targets) {
+  double train_step(const Tensor<T>& input, const Targets<T>& targets) {
     return run_step(input, targets, true, opt_.zero_grad);
   }
   /// train_step() from int32 token ids.
-  double train_step(const Tensor<std::int32_t>& ids, const Tensor<std::int32_t>& targets) {
+  double train_step(const Tensor<std::int32_t>& ids, const Targets<T>& targets) {
     return run_step(ids, targets, true, opt_.zero_grad);
   }
 
@@ -423,7 +423,7 @@ class Pipeline : public Engine<T> {
     return o;
   }
 
-  double run(const BatchInput<T>& in, const Tensor<std::int32_t>& targets, double grad_scale,
+  double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
              bool training) override {
     grad_scale_ = grad_scale;
     return in.ids ? run_step(*in.ids, targets, training, false) : run_step(*in.x, targets, training, false);
@@ -435,7 +435,7 @@ class Pipeline : public Engine<T> {
   }
 
   template <class In>
-  double run_step(const Tensor<In>& input, const Tensor<std::int32_t>& targets, bool training, bool zero) {
+  double run_step(const Tensor<In>& input, const Targets<T>& targets, bool training, bool zero) {
     const int m = opt_.micro_batches, p = num_stages();
     if (is_first()) check_batch(input, "input");
     if (is_last()) check_batch(targets, "targets");
@@ -572,7 +572,7 @@ class Pipeline : public Engine<T> {
 
   // Runs micro-batch mb's forward; returns the activation for the next stage (undefined on the last).
   template <class In>
-  Tensor<T> forward_one(int mb, const Tensor<In>& input, const Tensor<std::int32_t>& targets) {
+  Tensor<T> forward_one(int mb, const Tensor<In>& input, const Targets<T>& targets) {
     const int m = opt_.micro_batches;
     Tensor<In> first;  // the first stage's micro-batch
     Tensor<T> x;       // a later stage's activation from the previous stage
@@ -613,7 +613,7 @@ class Pipeline : public Engine<T> {
   }
 
   // The loss of one micro-batch and, with dout, the gradient of grad_scale * loss / m.
-  double compute_loss(const Tensor<T>& y, const Tensor<std::int32_t>& t, Tensor<T>* dout) {
+  double compute_loss(const Tensor<T>& y, const Targets<T>& t, Tensor<T>* dout) {
     return this->loss(y, t, dout, grad_scale_ / opt_.micro_batches);
   }
 

@@ -248,7 +248,7 @@ class Trainer {
     };
     move(b.x);
     move(b.ids);
-    move(b.targets);
+    b.targets = b.targets.to(d);
     return b;
   }
 

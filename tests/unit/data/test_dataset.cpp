@@ -14,11 +14,11 @@ TEST_CASE("TensorDataset gathers the rows it is asked for", "[data][dataset]") {
   CHECK(b.rows() == 3);
   CHECK(b.x.shape() == Shape{3, 2});
   CHECK(b.x.to_vector() == std::vector<float>{30, 31, 0, 1, 20, 21});
-  CHECK(b.targets.to_vector() == std::vector<std::int32_t>{8, 5, 7});
+  CHECK(b.targets.ids().to_vector() == std::vector<std::int32_t>{8, 5, 7});
   CHECK_FALSE(b.ids.defined());
   const Batch<float> tail = b.narrow(1, 2);
   CHECK(tail.x.to_vector() == std::vector<float>{0, 1, 20, 21});
-  CHECK(tail.targets.to_vector() == std::vector<std::int32_t>{5, 7});
+  CHECK(tail.targets.ids().to_vector() == std::vector<std::int32_t>{5, 7});
   CHECK_THROWS_WITH(data.get({4}), Catch::Contains("[ptrain.data.gather]"));
 }
 

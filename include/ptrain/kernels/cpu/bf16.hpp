@@ -179,16 +179,16 @@ inline void softmax_rows_backward(std::int64_t rows, std::int64_t cols, const bf
 
 inline double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const bf16* logits,
                                     const std::int32_t* targets, float* lse, std::int64_t& valid,
-                                    std::int32_t ignore_index = -100) {
+                                    std::int32_t ignore_index = -100, float smoothing = 0.0f) {
   auto lf = detail::widen(logits, rows * cols);
-  return cross_entropy_forward<float>(rows, cols, lf.data(), targets, lse, valid, ignore_index);
+  return cross_entropy_forward<float>(rows, cols, lf.data(), targets, lse, valid, ignore_index, smoothing);
 }
 
 inline void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const bf16* logits, const float* lse,
                                    const std::int32_t* targets, std::int64_t valid, float dloss, bf16* dlogits,
-                                   std::int32_t ignore_index = -100) {
+                                   std::int32_t ignore_index = -100, float smoothing = 0.0f) {
   detail::via_float(rows * cols, logits, dlogits, [&](const float* a, float* b) {
-    cross_entropy_backward<float>(rows, cols, a, lse, targets, valid, dloss, b, ignore_index);
+    cross_entropy_backward<float>(rows, cols, a, lse, targets, valid, dloss, b, ignore_index, smoothing);
   });
 }
 

@@ -39,10 +39,12 @@ void softmax_rows_backward(std::int64_t rows, std::int64_t cols, const T* y, con
 /// Mean cross-entropy of logits [rows, cols] against integer targets [rows].
 /// Rows whose target equals ignore_index do not count. Writes each row's
 /// log-sum-exp to lse (the backward pass needs it) and returns the mean loss
-/// and, through valid, the number of counted rows.
+/// and, through valid, the number of counted rows. With label smoothing eps a
+/// row's loss is (1 - eps) (lse - x[t]) + eps * mean over c of (lse - x[c])
+/// (torch.nn.CrossEntropyLoss(label_smoothing=eps)).
 template <class T>
 double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const T* logits, const std::int32_t* targets,
-                             T* lse, std::int64_t& valid, std::int32_t ignore_index = -100) {
+                             T* lse, std::int64_t& valid, std::int32_t ignore_index = -100, T smoothing = T(0)) {
   double total = 0;
   valid = 0;
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -53,18 +55,26 @@ double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const T* logi
     for (std::int64_t c = 0; c < cols; ++c) s += std::exp(xr[c] - mx);
     lse[r] = mx + std::log(s);
     if (targets[r] == ignore_index) continue;
-    total += static_cast<double>(lse[r] - xr[targets[r]]);
+    T row = lse[r] - xr[targets[r]];
+    if (smoothing != T(0)) {
+      T sum = 0;
+      for (std::int64_t c = 0; c < cols; ++c) sum += xr[c];
+      row = (T(1) - smoothing) * row + smoothing * (lse[r] - sum / static_cast<T>(cols));
+    }
+    total += static_cast<double>(row);
     ++valid;
   }
   return valid ? total / static_cast<double>(valid) : 0.0;
 }
 
-/// dlogits = dloss * (softmax(logits) - onehot(target)) / valid; ignored rows get 0.
+/// dlogits = dloss * (softmax(logits) - (1 - eps) onehot(target) - eps / cols) / valid
+/// (eps: label smoothing); ignored rows get 0.
 template <class T>
 void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const T* logits, const T* lse,
                             const std::int32_t* targets, std::int64_t valid, T dloss, T* dlogits,
-                            std::int32_t ignore_index = -100) {
+                            std::int32_t ignore_index = -100, T smoothing = T(0)) {
   const T scale = valid ? dloss / static_cast<T>(valid) : T(0);
+  const T uniform = scale * smoothing / static_cast<T>(cols);
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* xr = logits + r * cols;
     T* dr = dlogits + r * cols;
@@ -72,8 +82,8 @@ void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const T* logit
       std::fill(dr, dr + cols, T(0));
       continue;
     }
-    for (std::int64_t c = 0; c < cols; ++c) dr[c] = scale * std::exp(xr[c] - lse[r]);
-    dr[targets[r]] -= scale;
+    for (std::int64_t c = 0; c < cols; ++c) dr[c] = scale * std::exp(xr[c] - lse[r]) - uniform;
+    dr[targets[r]] -= scale * (T(1) - smoothing);
   }
 }
 

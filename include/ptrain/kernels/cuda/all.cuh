@@ -12,6 +12,8 @@
 //   elementwise.cuh  bias_add/grad, relu, gelu, dropout, axpy, scale
 //   reduce.cuh       sum, sum_squares, argmax_rows, block reductions
 //   softmax.cuh      softmax_rows(+backward), cross_entropy_forward/backward
+//   activation.cuh   activation_forward/backward (tanh, sigmoid, silu, leaky relu), log_softmax_rows(+backward)
+//   loss.cuh         pointwise_loss_forward/backward (mse, l1, smooth l1, huber, bce), nll_forward/backward
 //   layer_norm.cuh   layer_norm_forward/backward
 //   embedding.cuh    token_ids, embedding_forward/backward (deterministic scatter-add)
 //   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
@@ -28,6 +30,8 @@
 #include "ptrain/kernels/cuda/elementwise.cuh"
 #include "ptrain/kernels/cuda/reduce.cuh"
 #include "ptrain/kernels/cuda/softmax.cuh"
+#include "ptrain/kernels/cuda/activation.cuh"
+#include "ptrain/kernels/cuda/loss.cuh"
 #include "ptrain/kernels/cuda/layer_norm.cuh"
 #include "ptrain/kernels/cuda/embedding.cuh"
 #include "ptrain/kernels/cuda/attention.cuh"

@@ -61,11 +61,12 @@ __global__ void softmax_rows_backward_kernel(std::int64_t rows, std::int64_t col
 }
 
 // Writes lse[r] and row_loss[r] = lse[r] - logits[r, target] (0 for ignored
-// rows, NaN for targets outside [0, cols), which the host then reports).
+// rows, NaN for targets outside [0, cols), which the host then reports); with
+// label smoothing eps, (1 - eps) times that plus eps (lse[r] - mean of the row).
 template <class T>
 __global__ void cross_entropy_forward_kernel(std::int64_t rows, std::int64_t cols, const T* logits,
                                              const std::int32_t* targets, acc_t<T>* lse, double* row_loss,
-                                             std::int32_t ignore_index) {
+                                             std::int32_t ignore_index, acc_t<T> smoothing) {
   using A = acc_t<T>;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = logits + r * cols;
@@ -83,13 +84,21 @@ __global__ void cross_entropy_forward_kernel(std::int64_t rows, std::int64_t col
     }
     const A mx = block_max(m);
     s = block_sum(m == A(-INFINITY) ? A(0) : s * dev_exp(m - mx));
+    A row_sum = A(0);
+    if (smoothing != A(0)) {  // the same for the whole block, so every thread reaches block_sum
+      for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) row_sum += ld(xr[c]);
+      row_sum = block_sum(row_sum);
+    }
     if (threadIdx.x == 0) {
       const A l = mx + dev_log(s);
       lse[r] = l;
       const std::int32_t t = targets[r];
       if (t == ignore_index) row_loss[r] = 0.0;
       else if (t < 0 || t >= cols) row_loss[r] = NAN;
-      else row_loss[r] = static_cast<double>(l - ld(xr[t]));
+      else if (smoothing == A(0)) row_loss[r] = static_cast<double>(l - ld(xr[t]));
+      else
+        row_loss[r] = static_cast<double>((A(1) - smoothing) * (l - ld(xr[t])) +
+                                          smoothing * (l - row_sum / static_cast<A>(cols)));
     }
   }
 }
@@ -123,7 +132,7 @@ __global__ void cross_entropy_total_kernel(std::int64_t rows, std::int64_t cols,
 template <class T>
 __global__ void cross_entropy_backward_kernel(std::int64_t rows, std::int64_t cols, const T* logits,
                                               const acc_t<T>* lse, const std::int32_t* targets, acc_t<T> scale,
-                                              T* dlogits, std::int32_t ignore_index) {
+                                              T* dlogits, std::int32_t ignore_index, acc_t<T> smoothing) {
   using A = acc_t<T>;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {  // a block per row: no index division
     const T* xr = logits + r * cols;
@@ -131,9 +140,10 @@ __global__ void cross_entropy_backward_kernel(std::int64_t rows, std::int64_t co
     const std::int32_t t = targets[r];
     const bool ignored = t == ignore_index;
     const A l = lse[r];
+    const A uniform = scale * smoothing / static_cast<A>(cols);
     for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      A d = ignored ? A(0) : scale * dev_exp(ld(xr[c]) - l);
-      if (!ignored && c == t) d -= scale;
+      A d = ignored ? A(0) : scale * dev_exp(ld(xr[c]) - l) - uniform;
+      if (!ignored && c == t) d -= scale * (A(1) - smoothing);
       dr[c] = st<T>(d);
     }
   }
@@ -161,14 +171,16 @@ void softmax_rows_backward(std::int64_t rows, std::int64_t cols, const T* y, con
   PTRAIN_CHECK_CUDA_LAUNCH();
 }
 
-/// Mean cross-entropy of logits [rows, cols] against integer targets [rows] (device arrays).
+/// Mean cross-entropy of logits [rows, cols] against integer targets [rows] (device arrays),
+/// with label smoothing as kernels::cpu::cross_entropy_forward defines it.
 /// Rows whose target equals ignore_index do not count. Writes each row's
 /// log-sum-exp to lse (device) and returns the mean loss and, through valid,
 /// the number of counted rows; waits for the current stream. Throws ShapeError
 /// when a target lies outside [0, cols).
 template <class T>
 double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const T* logits, const std::int32_t* targets,
-                             acc_t<T>* lse, std::int64_t& valid, std::int32_t ignore_index = -100) {
+                             acc_t<T>* lse, std::int64_t& valid, std::int32_t ignore_index = -100,
+                             acc_t<T> smoothing = 0) {
   detail::check_element_type<T>();
   valid = 0;
   if (rows <= 0) return 0.0;
@@ -180,7 +192,7 @@ double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const T* logi
   double* row_loss = scratch.data();
   double* totals = row_loss + rows;
   detail::cross_entropy_forward_kernel<T><<<detail::grid_for_rows(rows), detail::block_for_cols(cols), 0, stream>>>(
-      rows, cols, logits, targets, lse, row_loss, ignore_index);
+      rows, cols, logits, targets, lse, row_loss, ignore_index, smoothing);
   PTRAIN_CHECK_CUDA_LAUNCH();
   detail::cross_entropy_total_kernel<std::int32_t><<<1, 1024, 0, stream>>>(rows, cols, row_loss, targets, ignore_index, totals);
   PTRAIN_CHECK_CUDA_LAUNCH();
@@ -194,18 +206,19 @@ double cross_entropy_forward(std::int64_t rows, std::int64_t cols, const T* logi
   return valid ? host[0] / static_cast<double>(valid) : 0.0;
 }
 
-/// dlogits = dloss * (softmax(logits) - onehot(target)) / valid; ignored rows get 0.
+/// dlogits = dloss * (softmax(logits) - (1 - eps) onehot(target) - eps / cols) / valid
+/// (eps: label smoothing); ignored rows get 0.
 template <class T>
 void cross_entropy_backward(std::int64_t rows, std::int64_t cols, const T* logits, const acc_t<T>* lse,
                             const std::int32_t* targets, std::int64_t valid, acc_t<T> dloss, T* dlogits,
-                            std::int32_t ignore_index = -100) {
+                            std::int32_t ignore_index = -100, acc_t<T> smoothing = 0) {
   using A = acc_t<T>;
   detail::check_element_type<T>();
   if (rows <= 0 || cols <= 0) return;
   const A scale = valid ? dloss / static_cast<A>(valid) : A(0);  // as the CPU computes it
   detail::cross_entropy_backward_kernel<T><<<detail::grid_for_rows(rows), detail::block_for_cols(cols), 0,
                                             current_stream()>>>(
-      rows, cols, logits, lse, targets, scale, dlogits, ignore_index);
+      rows, cols, logits, lse, targets, scale, dlogits, ignore_index, smoothing);
   PTRAIN_CHECK_CUDA_LAUNCH();
 }
 

@@ -9,7 +9,7 @@
 
 namespace ptrain::nn {
 
-enum class Activation { ReLU, GELU };
+enum class Activation { ReLU, GELU, Tanh, SiLU };
 
 /// MLP(784, {256, 128}, 10): Linear(784,256) ReLU Linear(256,128) ReLU Linear(128,10).
 /// Parameter names follow torch.nn.Sequential: "0.weight", "0.bias", "2.weight", ...
@@ -21,8 +21,12 @@ class MLP : public Sequential<T> {
     std::int64_t width = in;
     for (std::int64_t h : hidden) {
       this->add(std::make_shared<Linear<T>>(width, h, true, gen));
-      if (act == Activation::ReLU) this->add(std::make_shared<ReLU<T>>());
-      else this->add(std::make_shared<GELU<T>>());
+      switch (act) {
+        case Activation::ReLU: this->add(std::make_shared<ReLU<T>>()); break;
+        case Activation::GELU: this->add(std::make_shared<GELU<T>>()); break;
+        case Activation::Tanh: this->add(std::make_shared<Tanh<T>>()); break;
+        case Activation::SiLU: this->add(std::make_shared<SiLU<T>>()); break;
+      }
       width = h;
     }
     this->add(std::make_shared<Linear<T>>(width, out, true, gen));
