@@ -67,7 +67,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -75,6 +74,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from ports import free_port_pair  # noqa: E402
 from safetensors_io import read as read_safetensors, write as write_safetensors  # noqa: E402
 
 TIMEOUT_S = 120
@@ -387,7 +387,7 @@ def case_restart_nodes(r, tag="ddp"):
     together, resume, and end bitwise where the uninterrupted run ended."""
     ref = os.path.join(r.work, f"{tag}-long-ref")
     ckpt = os.path.join(r.work, f"{tag}-restart-nodes")
-    port = str(free_port())
+    port = str(free_port_pair())
     base = r.argv(1, ["--steps", str(LONG_STEPS), "--checkpoint-dir", ckpt, "--checkpoint-every", str(LONG_EVERY),
                       "--resume"]) + ["--parallel", tag]
     procs = [subprocess.Popen([r.ptrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
@@ -404,30 +404,6 @@ def case_restart_nodes(r, tag="ddp"):
     resumed = int(out.split(f"resumed from {ckpt}/", 1)[1].split(": step ", 1)[1].split()[0])
     expect_same(step_dir(ref, LONG_STEPS), step_dir(ckpt, LONG_STEPS),
                 f"{tag}.restart-nodes (node 1's rank killed, both nodes restarted, resumed at step {resumed})")
-
-
-def free_port():
-    """A port p with p and p + 1 free (ptrun's agent store moves the programs' store to
-    MASTER_PORT + 1), below the kernel's ephemeral range, so that the outgoing
-    connections of tests running beside this one cannot take either between this
-    check and ptrun's bind."""
-    lo = 32768
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.Random(os.getpid())
-    for _ in range(200):
-        port = rng.randrange(max(1024, lo - 12000), lo - 1)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise Failure("no free pair of ports below the ephemeral range")
 
 
 def case_config(r, ranks, tag, ref, mode=None):

@@ -24,11 +24,9 @@ pass --redirects 1 --tee 1."""
 import glob
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +34,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from ports import free_port_pair  # noqa: E402
 from safetensors_io import read as read_safetensors  # noqa: E402
 
 PTRUN, FASHION, GPT = sys.argv[1:4]
@@ -48,27 +47,6 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 class Failure(Exception):
     pass
-
-
-def free_port():
-    """A port p with p and p + 1 free, below the ephemeral range (see test_gpt_char_resume.py)."""
-    lo = 32768
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
-    for _ in range(200):
-        port = rng.randrange(max(1024, lo - 12000), lo - 1)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise Failure("no free port pair")
 
 
 def text(path):
@@ -134,25 +112,25 @@ GPT_ARGS = ["--parallel", "ddp", "--steps", "12", "--batch", "4", "--block", "32
 
 def case_torchrun(work):
     ref = os.path.join(work, "ptrun-fm")
-    run([PTRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), FASHION, "--checkpoint-dir", ref]
+    run([PTRUN, "--nproc-per-node", "2", "--master-port", str(free_port_pair()), FASHION, "--checkpoint-dir", ref]
         + FASHION_ARGS, os.path.join(work, "ptrun-fm.log"), "ptrun fashion_mnist")
     got = os.path.join(work, "torchrun-fm")
-    run(torchrun(["--nproc_per_node", "2", "--master_port", str(free_port()), "--log_dir", os.path.join(work, "tl"),
+    run(torchrun(["--nproc_per_node", "2", "--master_port", str(free_port_pair()), "--log_dir", os.path.join(work, "tl"),
                   FASHION, "--checkpoint-dir", got] + FASHION_ARGS), os.path.join(work, "torchrun-fm.log"),
         "torchrun fashion_mnist")
     same_final(ref, got, "torchrun.ddp (fashion_mnist, 2 ranks)")
 
     gref, ggot = os.path.join(work, "ptrun-gpt"), os.path.join(work, "torchrun-gpt")
-    run([PTRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), GPT, "--checkpoint-dir", gref]
+    run([PTRUN, "--nproc-per-node", "2", "--master-port", str(free_port_pair()), GPT, "--checkpoint-dir", gref]
         + GPT_ARGS, os.path.join(work, "ptrun-gpt.log"), "ptrun gpt_char")
-    run(torchrun(["--nproc_per_node", "2", "--master_port", str(free_port()), "--log_dir", os.path.join(work, "tl"),
+    run(torchrun(["--nproc_per_node", "2", "--master_port", str(free_port_pair()), "--log_dir", os.path.join(work, "tl"),
                   GPT, "--checkpoint-dir", ggot] + GPT_ARGS), os.path.join(work, "torchrun-gpt.log"),
         "torchrun gpt_char")
     same_final(gref, ggot, "torchrun.gpt (gpt_char, 2 ranks)")
 
     # Two nodes on loopback: c10d rendezvous, node ranks by arrival.
     nodes_dir = os.path.join(work, "torchrun-nodes")
-    port = free_port()
+    port = free_port_pair()
     procs = [start(torchrun(["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
                              "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "fm-nodes",
                              "--log_dir", os.path.join(work, "tl"), FASHION, "--checkpoint-dir", nodes_dir]
@@ -164,7 +142,7 @@ def case_torchrun(work):
     # --max_restarts: rank 1 is killed once a checkpoint exists; both resume from it.
     restart_dir = os.path.join(work, "torchrun-restart")
     log = os.path.join(work, "torchrun-restart.log")
-    p = start(torchrun(["--nproc_per_node", "2", "--master_port", str(free_port()), "--max_restarts", "1",
+    p = start(torchrun(["--nproc_per_node", "2", "--master_port", str(free_port_pair()), "--max_restarts", "1",
                         "--log_dir", os.path.join(work, "tl"), FASHION, "--checkpoint-dir", restart_dir,
                         "--checkpoint-every", "10", "--resume"] + FASHION_ARGS), log)
     victim = wait_for_rank(p.pid, 1, lambda: steps(restart_dir) if os.path.isdir(restart_dir) else [])
@@ -210,7 +188,7 @@ def wait_for_rank(launcher_pid, rank, ready):
 
 def case_elastic(work):
     ckpt = os.path.join(work, "elastic")
-    port = free_port()
+    port = free_port_pair()
     every = 5
     args = [FASHION, "--parallel", "ddp", "--epochs", "1", "--batch", "64", "--log-every", "1", "--checkpoint-dir",
             ckpt, "--checkpoint-every", str(every), "--keep-checkpoints", "0", "--resume",
@@ -272,7 +250,7 @@ def case_elastic(work):
     shutil.copytree(source, os.path.join(ref, os.path.basename(last[0])))
     ref_args = [a if a != ckpt else ref for a in args]
     ref_args[ref_args.index("--metrics") + 1] = os.path.join(work, "ref-metrics.jsonl")
-    run([PTRUN, "--nproc-per-node", "3", "--master-port", str(free_port())] + ref_args,
+    run([PTRUN, "--nproc-per-node", "3", "--master-port", str(free_port_pair())] + ref_args,
         os.path.join(work, "elastic-ref.log"), "3 ranks resumed by ptrun")
     same_final(ckpt, ref, "elastic (final vs. a 3-rank run resumed from the last round's checkpoint)")
     timeline = os.environ.get("PTRAIN_ELASTIC_TIMELINE")
