@@ -18,6 +18,7 @@
 // uniform(seed, offset + ((b*H + h)*S + i)*S + j) >= p, so the backward pass
 // regenerates the mask; the dropped probabilities are kept for dV.
 
+#include "ptrain/config.hpp"  // before Eigen: Note [GCC 12 AVX-512 warnings]
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstdint>

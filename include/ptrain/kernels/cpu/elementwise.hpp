@@ -4,6 +4,7 @@
 // Plain loops over contiguous arrays; at -O2/-O3 the compiler vectorises them.
 // GELU goes through Eigen arrays because Eigen has a vectorised tanh.
 
+#include "ptrain/config.hpp"  // before Eigen: Note [GCC 12 AVX-512 warnings]
 #include <Eigen/Core>
 #include <cmath>
 #include <cstdint>

@@ -10,6 +10,7 @@
 // ptrain's layout without copies and Eigen picks its packed, cache-blocked
 // kernel for each transpose combination.
 
+#include "ptrain/config.hpp"  // before Eigen: Note [GCC 12 AVX-512 warnings]
 #include <Eigen/Core>
 #include <cstddef>
 #include <cstdint>

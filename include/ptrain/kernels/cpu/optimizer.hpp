@@ -2,6 +2,7 @@
 // Optimizer updates as one pass over flat arrays (parameters, gradients and
 // state are contiguous, so a whole model is one call).
 
+#include "ptrain/config.hpp"  // before Eigen: Note [GCC 12 AVX-512 warnings]
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
