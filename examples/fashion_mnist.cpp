@@ -171,7 +171,8 @@ int main(int argc, char** argv) {
                   static_cast<long long>(num_parameters), world->size(), world->backend().c_str(), opt.parallel.c_str(),
                   static_cast<long long>(total));
     const train::TrainResult result = trainer.run();
-    const double acc = result.last_eval.value("test_accuracy", 0.0);
+    // No evaluation yet (a preemption before the first one): last_eval is null.
+    const double acc = result.last_eval.is_object() ? result.last_eval.value("test_accuracy", 0.0) : 0.0;
     if (lead && !result.preempted) std::printf("final test_accuracy %.4f, wall time %.1f s\n", acc, wall.seconds());
     if (!result.preempted && acc < opt.min_accuracy) {
       if (lead) std::fprintf(stderr, "fashion_mnist: test accuracy %.4f is below --min-accuracy %.4f\n", acc,

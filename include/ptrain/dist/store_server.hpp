@@ -66,6 +66,7 @@ class StoreProtocol {
   std::size_t connections() const { return conns_.size(); }
 
  protected:
+  using Clock = std::chrono::steady_clock;
   struct Conn {
     Fd fd;
     std::string in, out;
@@ -73,6 +74,7 @@ class StoreProtocol {
     bool closing = false;     // close once `out` is flushed (a rejected hello)
     std::string peer;         // "address:port", for messages
     std::vector<std::string> waiting;  // keys of an unanswered WAIT; empty when none
+    std::optional<Clock::time_point> refused_deadline;  // Note [Refused clients]
   };
 
   // Handles every complete message in c.in; false on a protocol violation.
@@ -120,25 +122,51 @@ class StoreProtocol {
   }
 
   // Note [Refused clients]
-  // A client that speaks the protocol but presents a wrong or missing token is
-  // a rank of this job started with another PTRAIN_STORE_TOKEN (or without
+  // A client that speaks the protocol but presents a wrong or missing token may
+  // be a rank of this job started with another PTRAIN_STORE_TOKEN (or without
   // one): it never joins, so every rank waiting for its keys would sit out the
-  // whole timeout (300 s by default) and then blame a missing rank. The server
-  // knows better: once it refuses such a client, every open WAIT and every
-  // later WAIT that cannot be answered at once fails with an error that says
-  // so. Garbage on the port (a wrong magic, a port scanner) only loses its
-  // connection, as before.
+  // whole timeout (300 s by default) and then blame a missing rank. It may also
+  // be a stranger (another tenant's pod) while every rank of the job is there.
+  // So a refusal gives every WAIT open at that moment, or begun within
+  // kRefusedGrace after it, kRefusedGrace to complete; one that does not fails
+  // with an error naming the refused client. A job whose ranks are all there
+  // completes its waits in time and trains on; waits begun later are not
+  // affected. Garbage on the port (a wrong magic, a port scanner) only loses its
+  // connection.
+  static constexpr std::chrono::seconds kRefusedGrace{10};
+
   void refuse(const std::string& peer, bool missing_token) {
     refused_ = cat("the store refused a client from ", peer, " that presented ",
                    missing_token ? "no token" : "a wrong token",
-                   " (a wrong or missing PTRAIN_STORE_TOKEN), so the rank it belongs to cannot join and this wait "
-                   "cannot complete; set PTRAIN_STORE_TOKEN to the same value on every rank (or on none)");
-    for (auto& [id, w] : conns_) {
-      if (w.waiting.empty()) continue;
-      drop_waits(id, w);
-      reply_error(w, refused_);
-    }
+                   " (a wrong or missing PTRAIN_STORE_TOKEN) and this wait did not complete within ",
+                   kRefusedGrace.count(), " s after it, so that client is a rank of this job that cannot join; "
+                   "set PTRAIN_STORE_TOKEN to the same value on every rank (or on none)");
+    refused_until_ = Clock::now() + kRefusedGrace;
+    for (auto& [id, w] : conns_)
+      if (!w.waiting.empty()) w.refused_deadline = *refused_until_;
   }
+
+ public:
+  /// Fails the WAITs whose refusal deadline has passed (Note [Refused clients]); the
+  /// time until the next deadline, if any.
+  std::optional<std::chrono::milliseconds> expire_refused_waits() {
+    std::optional<std::chrono::milliseconds> next;
+    const auto now = Clock::now();
+    for (auto& [id, w] : conns_) {
+      if (w.waiting.empty()) w.refused_deadline.reset();  // answered meanwhile
+      if (w.waiting.empty() || !w.refused_deadline) continue;
+      if (now >= *w.refused_deadline) {
+        drop_waits(id, w);
+        reply_error(w, refused_);
+        continue;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*w.refused_deadline - now);
+      next = next ? std::min(*next, left) : left;
+    }
+    return next;
+  }
+
+ protected:
 
   // Parses and, once complete, executes one command. Side effects only happen
   // when r.ok() after parsing, so a partial message is re-parsed later from the start.
@@ -174,11 +202,11 @@ class StoreProtocol {
           if (!data_.count(k)) missing.push_back(std::move(k));
         if (missing.empty()) {
           reply_ok(c);
-        } else if (!refused_.empty()) {  // Note [Refused clients]
-          reply_error(c, refused_);
         } else {
           for (auto& k : missing) waiters_[k].insert(id);
           c.waiting = std::move(missing);
+          c.refused_deadline.reset();  // Note [Refused clients]
+          if (refused_until_ && Clock::now() < *refused_until_) c.refused_deadline = Clock::now() + kRefusedGrace;
         }
         return true;
       }
@@ -293,6 +321,7 @@ class StoreProtocol {
 
   std::string token_;
   std::string refused_;  // why waits fail, once a client was refused (Note [Refused clients])
+  std::optional<Clock::time_point> refused_until_;  // waits begun before this get a deadline
   std::unordered_map<std::uint64_t, Conn> conns_;
   std::unordered_map<std::string, std::string> data_;
   std::unordered_map<std::string, std::unordered_set<std::uint64_t>> waiters_;
@@ -387,6 +416,7 @@ class StoreServer : private StoreProtocol {
       if (stop_.load() && !linger_until)
         linger_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms_.load());
       int wait_ms = -1;
+      if (const auto next = expire_refused_waits()) wait_ms = static_cast<int>(next->count()) + 1;
       if (linger_until) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*linger_until -
                                                                           std::chrono::steady_clock::now());
