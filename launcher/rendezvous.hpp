@@ -26,18 +26,7 @@ struct Launch {
   int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT of the round being started
   std::string master_addr, run_id, role = "default";
   double grace = 5.0;
-  bool agent_store = false;  // What a round of ranks learns from the other nodes: run_round reports its own
-// failure or signal, and polls for theirs.
-class Peers {
- public:
-  virtual ~Peers() = default;
-  /// Tells every node that round k failed or stopped here (the first report of each kind stays).
-  virtual void report(int k, const char* what, const std::string& detail) noexcept = 0;
-  /// What another node reported for round k, or nothing.
-  virtual std::optional<std::string> reported(int k) noexcept = 0;
-};
-
-// Note [Restarts across nodes]
+  bool agent_store = false;  // Note [Restarts across nodes], Note [Elastic membership]
   // What happens to the ranks' output (output.hpp): files under log_dir/attempt_<k>/,
   // lines on the console prefixed with line_prefix (a template; empty: as written).
   std::map<int, unsigned> redirects, tee;
@@ -46,7 +35,7 @@ class Peers {
 };
 
 // The first signal (not SIGCHLD) waiting in `sfd`, or 0.
-int pending_signal(int sfd) {
+inline int pending_signal(int sfd) {
   int sig = 0;
   signalfd_siginfo si;
   while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si))
