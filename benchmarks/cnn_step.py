@@ -6,11 +6,10 @@ ratio. Run with Debian's python3-torch (/usr/bin/python3).
 """
 import argparse
 import json
-import statistics
 import subprocess
-import time
 
 import torch
+from torch_step import median_step_ms
 
 
 def make_model(c1, c2):
@@ -46,27 +45,7 @@ def main():
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = make_model(a.c1, a.c2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    x = torch.rand(a.batch, 784)
-    y = torch.randint(0, 10, (a.batch,))
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    for _ in range(a.warmup):
-        step()
-    times = []
-    for _ in range(a.steps):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
+    ms, loss = median_step_ms(make_model(a.c1, a.c2), a.batch, a.warmup, a.steps)
     flops = cnn_flops(a.batch, a.c1, a.c2)
     theirs = {"bench": "cnn_step", "impl": "pytorch", "torch": torch.__version__,
               "mkldnn": torch.backends.mkldnn.is_available(), "batch": a.batch, "channels": [a.c1, a.c2],

@@ -5,10 +5,9 @@ Prints one JSON line with the same fields. Run with Debian's python3-torch
 """
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from torch_step import median_step_ms
 
 
 def make_model(a):
@@ -39,29 +38,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-
-    model = make_model(a)
-    opt = torch.optim.AdamW(model.parameters())
-    loss_fn = torch.nn.CrossEntropyLoss()
-    x = torch.rand(a.batch, 784)
-    y = torch.randint(0, 10, (a.batch,))
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    for _ in range(a.warmup):
-        step()
-    times = []
-    for _ in range(a.steps):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append((time.perf_counter() - t0) * 1e3)
-
-    ms = statistics.median(times)
+    ms, loss = median_step_ms(make_model(a), a.batch, a.warmup, a.steps)
     flops = mlp_flops(a)
     print(json.dumps({"bench": "train_step", "impl": "pytorch", "torch": torch.__version__,
                       "hidden": a.hidden, "layers": a.layers, "batch": a.batch, "ranks": 1, "steps": a.steps,
