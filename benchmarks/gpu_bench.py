@@ -7,13 +7,16 @@ What a PyTorch user would run: torch.matmul (FP32, TF32, bf16), F.gelu(tanh),
 layer_norm, torch.optim.AdamW(fused=True), softmax, cross_entropy, and the GPT
 of benchmarks/gpt_step.py (no dropout, tied head, mean cross-entropy) with its
 manual attention and with F.scaled_dot_product_attention (is_causal=True) in
-FP32 + TF32, plus a bf16 line against ptrain's GPT<bf16>.
+FP32 + TF32, plus bf16 lines against ptrain's GPT<bf16>: eager, and PyTorch's best
+recipe, torch.compile (mode "default") on the same autocast model.
 
 The bf16 line is torch.autocast(bfloat16) with fp32 parameters, fp32 gradients
 and fused AdamW on them: PyTorch's usual mixed precision and the closest to
 ptrain's bf16 parameters with fp32 master weights (model.to(bfloat16) would
-drop the fp32 master copy). Its SDPA is held to the flash kernel, the
-counterpart of ptrain's fused attention. A section that fails prints a
+drop the fp32 master copy). Its eager SDPA is held to the flash kernel, the
+counterpart of ptrain's fused attention; the compiled line lets SDPA choose, reads
+the loss only after the timed steps and compiles forward and loss together
+(backward through AOTAutograd; fused AdamW stays eager, as PyTorch advises). A section that fails prints a
 "gpu_error" line and the others still run; the exit code is then 1.
 """
 import argparse
@@ -23,6 +26,7 @@ import json
 import math
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -210,7 +214,7 @@ def sdpa_flash():
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
-def bench_gpt(a, gpu, attention, precision):
+def bench_gpt(a, gpu, attention, precision, compiled=False):
     torch.manual_seed(0)
     set_tf32(not a.no_tf32)  # TF32 matmuls for the fp32 parts in every variant, as ptrain's step (--no-tf32)
     model = GPT(a.vocab, a.block, a.layers, a.heads, a.embd, attention == "sdpa").to(DEV)
@@ -224,20 +228,28 @@ def bench_gpt(a, gpu, attention, precision):
     y = torch.randint(0, a.vocab, (a.batch * a.block,), device=DEV)
     bf16 = precision == "bf16-autocast"
     # The flash backward follows from the forward's choice, so the forward alone needs the restriction.
-    attn_ctx = sdpa_flash if bf16 and attention == "sdpa" else contextlib.nullcontext
-    label = "sdpa_flash" if bf16 and attention == "sdpa" else attention
+    pinned = bf16 and attention == "sdpa" and not compiled
+    attn_ctx = sdpa_flash if pinned else contextlib.nullcontext
+    label = "sdpa_flash" if pinned else attention
+
+    def forward_loss(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), attn_ctx():
+            return F.cross_entropy(model(x).view(-1, a.vocab), y)
+
+    loss_of = torch.compile(forward_loss) if compiled else forward_loss
 
     def step():
         opt.zero_grad(set_to_none=False)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), attn_ctx():
-            loss = F.cross_entropy(model(x).view(-1, a.vocab), y)
+        loss = loss_of(x, y)
         loss.backward()
         opt.step()
-        return loss.item()  # ptrain's loss returns to the host too
+        return loss if compiled else loss.item()  # the eager lines read the loss every step, as ptrain did
 
+    compile_s = time.perf_counter()
     for _ in range(a.warmup):
         step()
     torch.cuda.synchronize()
+    compile_s = time.perf_counter() - compile_s  # the warm-up steps, compilation included
     torch.cuda.reset_peak_memory_stats()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -248,6 +260,7 @@ def bench_gpt(a, gpu, attention, precision):
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     set_tf32(False)
+    loss = float(loss)
 
     C, L, S = a.embd, a.layers, a.block
     fpt = 6.0 * (L * 12 * C * C + C * a.vocab) + 6.0 * L * 2 * S * C  # GPTConfig::flops_per_token
@@ -262,12 +275,15 @@ def bench_gpt(a, gpu, attention, precision):
           "mixed_precision": ("autocast bf16: fp32 parameters, gradients and AdamW state; matmuls and attention "
                               "in bf16, LayerNorm and loss in fp32") if bf16 else "none",
           "adamw": "torch.optim.AdamW(fused=True), two param groups", "dropout": 0.0,
+          "compile": "torch.compile(mode='default') of forward + loss" if compiled else "eager",
+          "warmup_s": compile_s,
           "parameters": sum(q.numel() for q in model.parameters()), "step_ms_median": ms, "step_ms_min": min(times),
           "tokens_per_s": 1000.0 * tokens / ms, "mflop_per_token": fpt / 1e6, "tflops": tflops,
           "peak_tflops": peak,
           "peak_note": "defaults: 494.7 = H100/H200 SXM dense TF32, 989.4 = dense BF16; flags for other parts",
           "mfu": tflops / peak, "peak_mem_GiB": peak_gib, "final_loss": loss})
-    log(f"\nGPT step ({L} layers, width {C}, {a.batch} x {S} tokens, {label}, {precision}): {ms:.1f} ms median, "
+    log(f"\nGPT step ({L} layers, width {C}, {a.batch} x {S} tokens, {label}, {precision}"
+        f"{', compiled' if compiled else ''}): {ms:.1f} ms median, "
         f"{1000.0 * tokens / ms:.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {tflops / peak:.3f} of {peak}, "
         f"peak memory {peak_gib:.1f} GiB, loss {loss:.4f}")
     del model, opt
@@ -289,7 +305,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--attention", choices=["manual", "sdpa", "both"], default="both",
                    help="GPT attention: gpt_step.py's manual one, F.scaled_dot_product_attention, or both")
-    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast GPT line")
+    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast GPT lines")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile bf16 GPT line")
     p.add_argument("--no-tf32", action="store_true", help="FP32 instead of TF32 matmuls in the GPT step, as gpu_bench")
     p.add_argument("--peak-tflops", type=float, default=494.7, help="MFU peak for fp32/TF32 (H100/H200 SXM dense TF32)")
     p.add_argument("--peak-tflops-bf16", type=float, default=989.4, help="MFU peak for bf16 (H100/H200 SXM dense)")
@@ -329,6 +346,8 @@ def main():
         if not a.no_bf16:
             attention = "sdpa" if a.attention != "manual" else "manual"
             section(f"gpt_bf16_{attention}", bench_gpt, a, gpu, attention, "bf16-autocast")
+            if not a.no_compile:
+                section(f"gpt_bf16_{attention}_compiled", bench_gpt, a, gpu, attention, "bf16-autocast", True)
     if failed:
         raise SystemExit(1)
 

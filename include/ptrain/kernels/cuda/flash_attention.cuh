@@ -489,9 +489,28 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64
   }
 }
 
+// Note [Shared memory limits at the launch]: a kernel's dynamic shared memory
+// limit is raised by the function that launches it, never by another one. nvcc
+// 13 gives each translation unit its own host stub for a template kernel
+// (-static-global-template-stub), and the linker keeps one copy of each inline
+// function: a limit raised in `ready` could land on cuda_register.cu's
+// forward_kernel<128> while the launch, kept from the program's own .cu file,
+// starts that file's copy, which still has the 48 KiB default (D = 128 needs
+// 51 KiB: cudaErrorInvalidValue at the launch). Taking the kernel's address in
+// the launching function's own body keeps the two in one translation unit.
+template <class Kernel>
+void raise_smem_limit(Kernel kernel, std::size_t bytes, int device, std::array<std::atomic<bool>, kMaxDevices>& done) {
+  auto& d = done[static_cast<std::size_t>(device)];
+  if (bytes <= 48 * 1024 || d.load()) return;
+  PTRAIN_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  d.store(true);
+}
+
 template <int D>
 void forward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, float scale, double p,
              std::uint64_t seed, std::uint64_t offset, bf16* y, float* lse) {
+  static std::array<std::atomic<bool>, kMaxDevices> raised{};
+  raise_smem_limit(forward_kernel<D>, forward_smem<D>(), current_device(), raised);
   const dim3 grid(static_cast<unsigned>(B * H), static_cast<unsigned>((S + kTile - 1) / kTile));
   forward_kernel<D><<<grid, kThreads, forward_smem<D>(), current_stream()>>>(S, H, qkv, scale, p, seed, offset, y,
                                                                             lse);
@@ -503,6 +522,9 @@ void backward(std::int64_t B, std::int64_t S, std::int64_t H, const bf16* qkv, c
               double p, std::uint64_t seed, std::uint64_t offset, const bf16* dy, float scale, bf16* dqkv) {
   const int device = current_device();
   const cudaStream_t stream = current_stream(device);
+  static std::array<std::atomic<bool>, kMaxDevices> raised_dkdv{}, raised_dq{};
+  raise_smem_limit(dkdv_kernel<D>, backward_smem<D>(), device, raised_dkdv);
+  raise_smem_limit(dq_kernel<D>, backward_smem<D>(), device, raised_dq);
   const std::int64_t rows = B * H * S;
   // load_tile reads dy in 16-byte chunks, and unlike qkv nothing has checked
   // its alignment (a view may start anywhere): such a dy is read through a copy.
@@ -535,8 +557,8 @@ inline std::atomic<bool>& enabled_flag() {
 // older target, JIT-compiled for a newer GPU, would reach the __trap in the mma
 // helpers), and a per-block shared memory limit that holds the largest request
 // (69 KiB at D = 128; every GPU of compute capability 8.0 or newer has 99 KiB or
-// more). Where it can, it raises each kernel's dynamic shared memory limit, a
-// per-device setting, to what its launch asks for.
+// more). The launches raise each kernel's dynamic shared memory limit, a
+// per-device setting (Note [Shared memory limits at the launch]).
 template <int D>
 bool ready(int device) {
   static std::array<std::atomic<int>, kMaxDevices> state{};  // 0 not yet known, 1 ready, 2 not supported
@@ -553,15 +575,6 @@ bool ready(int device) {
   if (!ok) (void)cudaGetLastError();  // no usable image here: an answer (not supported), not an error
   const std::size_t need = std::max(forward_smem<D>(), backward_smem<D>());
   ok = ok && major >= 8 && !(attr.ptxVersion > 0 && attr.ptxVersion < 80) && static_cast<std::size_t>(optin) >= need;
-  if (ok) {
-    const auto allow = [](auto kernel, std::size_t bytes) {
-      PTRAIN_CHECK_CUDA(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-    };
-    allow(forward_kernel<D>, forward_smem<D>());
-    allow(dkdv_kernel<D>, backward_smem<D>());
-    allow(dq_kernel<D>, backward_smem<D>());
-  }
   s.store(ok ? 1 : 2);
   return ok;
 }
