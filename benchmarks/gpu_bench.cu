@@ -25,6 +25,9 @@
 //              --no-flash; --no-bf16 skips it); --no-epilogues runs both
 //              without cuBLASLt's fused epilogues; FLOPs
 //              per token from GPTConfig::flops_per_token.
+//   attention  the fused causal attention alone, forward and forward +
+//              backward, head widths 64 and 128, sequence 1024 to 8192;
+//              TFLOP/s on the causal half of the products.
 //
 // A section that throws (out of memory, say) prints a "gpu_error" line and the
 // others still run; the exit code is then 1.
@@ -409,13 +412,59 @@ void bench_gpt(const Options& o) {
                loss);
 }
 
+// ------------------------------------------------------------ attention ----
+
+// The fused causal attention alone (Note [Flash attention]), bf16, no dropout:
+// forward, and forward + backward, for head widths 64 and 128 at sequence
+// 1024, 4096 and 8192, with 16384 tokens (B = 16384 / S) and width 2048
+// (H = 2048 / D) so that B * H blocks fill the GPU. FLOPs count only the causal
+// half: forward 4 B H S^2 D / 2 (QK^T and PV), backward 2.5 times that (five
+// products), as FlashAttention's benchmarks count them.
+void bench_attention(const Options& o) {
+  for (const std::int64_t D : {64, 128}) {
+    for (const std::int64_t S : {1024, 4096, 8192}) {
+      const std::int64_t B = 16384 / S, H = 2048 / D, C = H * D;
+      const auto qkv = to_bf16(uniform({B, S, 3 * C}, -1.0f, 1.0f, 21));
+      const auto dy = to_bf16(uniform({B, S, C}, -1.0f, 1.0f, 22));
+      auto y = Tensor<bf16>::empty({B, S, C}, kGpu), dqkv = Tensor<bf16>::empty({B, S, 3 * C}, kGpu);
+      auto lse = Tensor<float>::empty({B * H * S}, kGpu);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+      auto forward = [&] {
+        kc::flash_attention_forward<bf16>(B, S, H, D, qkv.data(), scale, 0.0, 0, 0, y.data(), lse.data());
+      };
+      const double fwd_flops = 2.0 * static_cast<double>(B * H) * static_cast<double>(S * S) * static_cast<double>(D);
+      const struct {
+        const char* pass;
+        double flops;
+        std::function<void()> run;
+      } passes[] = {{"fwd", fwd_flops, forward},
+                    {"fwd_bwd", 3.5 * fwd_flops, [&] {
+                       forward();
+                       kc::flash_attention_backward<bf16>(B, S, H, D, qkv.data(), y.data(), lse.data(), 0.0, 0, 0,
+                                                          dy.data(), scale, dqkv.data());
+                     }}};
+      for (const auto& ps : passes) {
+        const Timing t = time_gpu(o, ps.run);
+        const double tflops = ps.flops / (t.median_ms * 1e-3) / 1e12;
+        emit({{"bench", "gpu_attention"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"backend", "ptrain_flash"},
+              {"pass", ps.pass}, {"batch", B}, {"seq", S}, {"heads", H}, {"head_dim", D}, {"causal", true},
+              {"median_ms", t.median_ms}, {"min_ms", t.min_ms}, {"tflops", tflops}});
+        std::fprintf(stderr, "attention %-8s B %2lld S %5lld H %2lld D %3lld %9.3f ms %7.1f TFLOP/s\n", ps.pass,
+                     static_cast<long long>(B), static_cast<long long>(S), static_cast<long long>(H),
+                     static_cast<long long>(D), t.median_ms, tflops);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ptrain GPU benchmarks: GEMM, memory-bound kernels, GPT step (cuda:0)"};
   Options o;
-  std::vector<std::string> only{"gemm", "bandwidth", "gpt"};
-  app.add_option("--only", only, "sections to run")->check(CLI::IsMember({"gemm", "bandwidth", "gpt"}));
+  std::vector<std::string> only{"gemm", "bandwidth", "gpt", "attention"};
+  app.add_option("--only", only, "sections to run")
+      ->check(CLI::IsMember({"gemm", "bandwidth", "gpt", "attention"}));
   app.add_option("--layers", o.cfg.n_layer, "transformer blocks");
   app.add_option("--heads", o.cfg.n_head, "attention heads");
   app.add_option("--embd", o.cfg.n_embd, "embedding width (GEMM and kernel shapes follow it)");
@@ -474,5 +523,6 @@ int main(int argc, char** argv) {
     if (o.fp) section(o.tf32 ? "gpt_tf32" : "gpt_fp32", bench_gpt<float>);
     if (o.bf16) section("gpt_bf16", bench_gpt<bf16>);
   }
+  if (wanted("attention")) section("attention", bench_attention);
   return failed ? 1 : 0;
 }

@@ -290,9 +290,46 @@ def bench_gpt(a, gpu, attention, precision, compiled=False):
     torch.cuda.empty_cache()
 
 
+def bench_attention(a, gpu):
+    """gpu_bench.cu's attention section: causal SDPA in bf16 on the layout a GPT hands it
+    (q, k, v strided views of one [B, S, 3, H, D] tensor), pinned to each of the flash
+    and cuDNN backends in turn; forward, and forward + backward of the three inputs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for D in (64, 128):
+        for S in (1024, 4096, 8192):
+            B, H = 16384 // S, 2048 // D
+            qkv = (torch.rand(B, S, 3, H, D, device=DEV) * 2 - 1).to(torch.bfloat16).requires_grad_()
+            dy = (torch.rand(B, H, S, D, device=DEV) * 2 - 1).to(torch.bfloat16)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+            fwd_flops = 2.0 * B * H * S * S * D
+            for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                try:
+                    with sdpa_kernel(backend):
+                        def forward():
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+                        def forward_backward():
+                            return torch.autograd.grad(forward(), qkv, dy)
+
+                        for pass_, flops, f in (("fwd", fwd_flops, forward),
+                                                ("fwd_bwd", 3.5 * fwd_flops, forward_backward)):
+                            ms, mn, reps = time_gpu(a, f)
+                            emit({"bench": "gpu_attention", "impl": "pytorch", "gpu": gpu, "backend": name,
+                                  "pass": pass_, "batch": B, "seq": S, "heads": H, "head_dim": D, "causal": True,
+                                  "median_ms": ms, "min_ms": mn, "tflops": flops / (ms * 1e-3) / 1e12})
+                            log(f"attention {name:10} {pass_:8} B {B:2} S {S:5} H {H:2} D {D:3} {ms:9.3f} ms "
+                                f"{flops / (ms * 1e-3) / 1e12:7.1f} TFLOP/s")
+                except Exception as e:  # noqa: BLE001 -- a backend that cannot serve a case (cuDNN missing)
+                    emit({"bench": "gpu_error", "impl": "pytorch", "gpu": gpu, "section": f"attention_{name}",
+                          "error": f"S {S} D {D}: {type(e).__name__}: {e}"})
+            del qkv, dy, q, k, v
+            torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=["gemm", "bandwidth", "gpt"], default=["gemm", "bandwidth", "gpt"])
+    p.add_argument("--only", nargs="+", choices=["gemm", "bandwidth", "gpt", "attention"],
+                   default=["gemm", "bandwidth", "gpt", "attention"])
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--embd", type=int, default=768)
@@ -348,6 +385,8 @@ def main():
             section(f"gpt_bf16_{attention}", bench_gpt, a, gpu, attention, "bf16-autocast")
             if not a.no_compile:
                 section(f"gpt_bf16_{attention}_compiled", bench_gpt, a, gpu, attention, "bf16-autocast", True)
+    if "attention" in a.only:
+        section("attention", bench_attention, a, gpu)
     if failed:
         raise SystemExit(1)
 

@@ -1130,6 +1130,12 @@ TEST_CASE("cuda: flash attention matches the CPU in double", "[gpu]") {
     // score), where only an absolute bound means something: scale at least 1.
     CHECK(rel_err(host(lse), rlse, 1.0) <= 1e-5);
     CHECK(rel_err(host(dqkv), rdqkv) <= 1e-2);
+    // Deterministic: each block owns the dK/dV or dQ rows it writes (no atomics),
+    // so a second backward on the same inputs gives the same bits.
+    auto dqkv_again = poisoned<bf16>(B * S * 3 * C);
+    kc::flash_attention_backward<bf16>(B, S, H, D, dqkv_in.data(), y.data(), lse.data(), p, seed, offset, ddy.data(),
+                                       static_cast<float>(scale), dqkv_again.data());
+    CHECK(to_double(host(dqkv_again)) == to_double(host(dqkv)));
 
     // ops:: picks the fused path for bf16, and the materialised one when it is off;
     // a fused forward's backward stays fused after the switch.

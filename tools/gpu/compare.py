@@ -93,6 +93,22 @@ def main():
                   f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.3f} {r.get('peak_mem_GiB', 0):6.1f} "
                   f"{ratio(refs.get(family(r), {}).get('step_ms_median'), r['step_ms_median'])}")
 
+    att = [r for r in rows if r.get("bench") == "gpu_attention"]
+    if att:
+        print("\nCausal attention, bf16 (TFLOP/s on the causal half; ratio = ptrain time / the faster PyTorch backend)")
+        print(f"{'pass':8} {'S':>5} {'D':>4} {'B':>3} {'H':>3} {'ptrain':>8} {'flash':>8} {'cudnn':>8} {'ratio':>6}")
+        cases = {}
+        for r in att:
+            cases.setdefault((r["pass"], r["head_dim"], r["seq"]), {})[r["backend"]] = r
+        for (pass_, d, seq), c in sorted(cases.items(), key=lambda kv: (kv[0][0] != "fwd", kv[0][1], kv[0][2])):
+            mine = c.get("ptrain_flash", {})
+            theirs = [c[b]["median_ms"] for b in ("sdpa_flash", "sdpa_cudnn") if b in c]
+            any_row = next(iter(c.values()))
+            print(f"{pass_:8} {seq:5} {d:4} {any_row['batch']:3} {any_row['heads']:3} "
+                  f"{mine.get('tflops', 0):8.1f} {c.get('sdpa_flash', {}).get('tflops', 0):8.1f} "
+                  f"{c.get('sdpa_cudnn', {}).get('tflops', 0):8.1f} "
+                  f"{ratio(mine.get('median_ms'), min(theirs) if theirs else None)}")
+
     # Sections that failed (gpu_bench{,.py} print one such line each and carry on).
     errors = [r for r in rows if r.get("bench") == "gpu_error"]
     if errors:
