@@ -342,6 +342,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--attention", choices=["manual", "sdpa", "both"], default="both",
                    help="GPT attention: gpt_step.py's manual one, F.scaled_dot_product_attention, or both")
+    p.add_argument("--no-float", action="store_true", help="skip the TF32/FP32 GPT lines (as gpu_bench --no-float)")
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast GPT lines")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile bf16 GPT line")
     p.add_argument("--no-tf32", action="store_true", help="FP32 instead of TF32 matmuls in the GPT step, as gpu_bench")
@@ -378,7 +379,7 @@ def main():
         section("bandwidth", bench_bandwidth, a, gpu)
     if "gpt" in a.only:
         fp = "fp32" if a.no_tf32 else "tf32"
-        for attention in (["manual", "sdpa"] if a.attention == "both" else [a.attention]):
+        for attention in (["manual", "sdpa"] if a.attention == "both" else [a.attention]) if not a.no_float else []:
             section(f"gpt_{fp}_{attention}", bench_gpt, a, gpu, attention, fp)
         if not a.no_bf16:
             attention = "sdpa" if a.attention != "manual" else "manual"

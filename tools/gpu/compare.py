@@ -74,22 +74,22 @@ def main():
 
     steps = [r for r in rows if r.get("bench") == "gpu_gpt_step"]
     if steps:
-        def family(r):  # bf16 lines compare with ptrain's bf16 step, the others with its fp32/tf32 step
-            return "bf16" if r["precision"].startswith("bf16") else "fp32"
+        def family(r):  # bf16 lines compare with ptrain's bf16 step at the same batch, the others with fp32/tf32
+            return ("bf16" if r["precision"].startswith("bf16") else "fp32", r.get("batch"))
 
         refs = {}
         for r in steps:
             if r["impl"] == "ptrain":
                 refs.setdefault(family(r), r)
         print("\nGPT training step (ratio = ptrain step of the same precision family / this step)")
-        print(f"{'impl':8} {'attention':12} {'precision':22} {'step_ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} "
+        print(f"{'impl':8} {'attention':12} {'precision':22} {'batch':>5} {'step_ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} "
               f"{'MFU':>6} {'GiB':>6} {'ratio':>6}")
         for r in steps:
             if r.get("gemm_epilogues") is False:
                 r["precision"] += ",apart"  # --no-epilogues: bias and GELU as kernels of their own
             if r.get("compile", "eager") != "eager":
                 r["precision"] += ",compile"  # torch.compile: PyTorch's best recipe
-            print(f"{r['impl']:8} {r['attention']:12} {r['precision']:22} {r['step_ms_median']:8.1f} "
+            print(f"{r['impl']:8} {r['attention']:12} {r['precision']:22} {r.get('batch', 0):5} {r['step_ms_median']:8.1f} "
                   f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.3f} {r.get('peak_mem_GiB', 0):6.1f} "
                   f"{ratio(refs.get(family(r), {}).get('step_ms_median'), r['step_ms_median'])}")
 

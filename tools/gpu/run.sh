@@ -4,7 +4,7 @@
 # -dev packages: the header-only dependencies come from .deps/, which
 # tools/gpu/stage-deps.sh fills on a machine that has them.
 #
-#   bash tools/gpu/run.sh [build] [test] [bench] [sanitize] [profile]   (no argument: the first three)
+#   bash tools/gpu/run.sh [build] [test] [bench] [batch] [sanitize] [profile]   (no argument: the first three)
 #
 # Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
 #   env.txt          nvidia-smi, nvcc, cmake, torch versions
@@ -15,6 +15,8 @@
 #                    (ptrain's GPT steps twice: with cuBLASLt's fused epilogues and without)
 #   gpu_bench.log    everything the benchmarks printed (tables on stderr)
 #   gpu_compare.txt  ptrain / PyTorch ratios from gpu_bench.jsonl
+#                    (batch only: the bf16 GPT steps again at PTRAIN_GPU_BATCHES, default 64,
+#                    both sides, appended to gpu_bench.jsonl and compared with the rest)
 #   summary.txt      each step's exit code
 #   sanitize.log     (sanitize only) the GPU tests under compute-sanitizer: memcheck on
 #                    all but the NCCL cases, racecheck and synccheck on the flash attention case
@@ -25,7 +27,7 @@
 # PTRAIN_GPU_BUDGET_S (default 540), PTRAIN_PYTHON (default python3),
 # PTRAIN_GPU_BENCH_ARGS (flags passed to both benchmarks, so only those both take:
 # --only, --batch, --layers, --heads, --embd, --block, --vocab, --steps, --warmup,
-# --samples, --sample-ms, --no-tf32, --no-bf16, --peak-tflops, --peak-tflops-bf16).
+# --samples, --sample-ms, --no-float, --no-tf32, --no-bf16, --peak-tflops, --peak-tflops-bf16).
 # A failed step does not stop the later ones. Each step has a time cap, and all
 # together stay inside PTRAIN_GPU_BUDGET_S (default 540 s) so that a 10-minute
 # command limit still returns every log.
@@ -262,7 +264,6 @@ read -r -a bench_args <<<"${PTRAIN_GPU_BENCH_ARGS:-}"
 if want bench; then
   : >"$OUT/gpu_bench.jsonl"
   : >"$OUT/gpu_bench.log"
-  : >"$OUT/gpu_compare.txt"  # step appends; a second bench run on a warm machine starts it anew
   if [[ -x $bench_bin ]]; then
     step bench_ptrain 150 150 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" "${bench_args[@]}"
   else
@@ -280,6 +281,18 @@ if want bench; then
     step bench_apart 90 15 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" --only gpt --no-epilogues \
       "${bench_args[@]}"
   fi
+fi
+# The bf16 step at larger batches: an H100 or H200 holds far more than 8 x 1024 tokens.
+if want batch; then
+  for b in ${PTRAIN_GPU_BATCHES:-64}; do
+    [[ -x $bench_bin ]] && step "batch_${b}_ptrain" 60 60 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" \
+      --only gpt --no-float --batch "$b"
+    step "batch_${b}_pytorch" 120 15 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$python" benchmarks/gpu_bench.py \
+      --only gpt --no-float --batch "$b"
+  done
+fi
+if want bench || want batch; then
+  : >"$OUT/gpu_compare.txt"
   step compare 15 0 "$OUT/gpu_compare.txt" python3 tools/gpu/compare.py "$OUT/gpu_bench.jsonl"
 fi
 
