@@ -27,11 +27,9 @@
 //             gradients are the same bits on every run.
 // The forward and dQ grids start with the last query tiles, which have the
 // most key tiles to visit (dK/dV's first key tiles have the most queries).
-// Tiles are copied by cp.async into two buffers, the next tile's copies in flight
-// while the warps compute on the current one (Note [Double-buffered tiles]).
 // Limits: bf16 only, head width D of 32, 64 or 128, a GPU of compute
-// capability 8.0 or newer (bf16 mma.sync, cp.async) whose per-block shared memory
-// holds the kernels' six tiles (103 KiB at D = 128), qkv on a 16-byte boundary
+// capability 8.0 or newer (bf16 mma.sync) whose per-block shared memory holds
+// the kernels' four tiles (69 KiB at D = 128), qkv on a 16-byte boundary
 // (flash_attention_supported); other cases take the materialised path, and so
 // does everything after set_flash_attention(false).
 
@@ -156,42 +154,16 @@ __device__ __forceinline__ void product_pb(float (&out)[D / 8][4], const float (
   }
 }
 
-// 16 bytes from global to shared memory without a trip through registers
-// (cp.async, sm_80); with `valid` false nothing is read and zeros are written.
-__device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  __trap();
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-#endif
-}
-
-// Closes the group of copies issued since the last commit.
-__device__ __forceinline__ void cp_async_commit() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-// Waits until at most `pending` of this thread's committed groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void cp_async_wait() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
-#endif
-}
-
-// Starts copying rows [row0, row0 + 64) of one head's D columns (row stride
-// `stride` elements) into a [64][D + 8] shared tile; rows at or past S become
-// zeros. The copy lands after cp_async_commit, cp_async_wait and a barrier.
+// Rows [row0, row0 + 64) of one head's D columns (row stride `stride` elements)
+// into a [64][D + 8] shared tile; rows at or past S read as zeros.
 template <int D>
 __device__ void load_tile(bf16* dst, const bf16* src, std::int64_t row0, std::int64_t S, std::int64_t stride) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   for (int c = threadIdx.x; c < kTile * kChunks; c += kThreads) {
     const int r = c / kChunks, k = (c % kChunks) * 8;
-    const bool valid = row0 + r < S;
-    cp_async16(dst + r * Dims<D>::kLd + k, src + (valid ? (row0 + r) * stride + k : 0), valid);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row0 + r < S) v = *reinterpret_cast<const uint4*>(src + (row0 + r) * stride + k);
+    *reinterpret_cast<uint4*>(dst + r * Dims<D>::kLd + k) = v;
   }
 }
 
@@ -219,20 +191,9 @@ __device__ __forceinline__ void drop(float (&a)[8][4], double p, std::uint64_t s
     }
 }
 
-// Note [Double-buffered tiles]: the kernels walk a sequence of 64-row tiles
-// (keys for the forward and dQ, queries for dK/dV). Each has two buffers for
-// them: while the warps compute on tile i, the copies of tile i + 1 (cp.async)
-// are already in flight into the other buffer. Iteration i issues and commits
-// tile i + 1's copies (an empty group after the last tile, so the count stays
-// uniform), waits until only that newest group is pending (tile i has landed),
-// and meets the other warps at a barrier; a second barrier at its end keeps
-// iteration i + 1 from overwriting the buffer of tile i while a warp still
-// reads it.
-
-// The forward kernel: the Q tile and two buffers each of K and V.
 template <int D>
 constexpr std::size_t forward_smem() {
-  return 5 * kTile * Dims<D>::kLd * sizeof(bf16);
+  return 3 * kTile * Dims<D>::kLd * sizeof(bf16);
 }
 
 // grid (B*H, query tiles): the heads go on x, whose limit is 2^31 - 1, as y and
@@ -246,8 +207,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(std::int64_t S, std::
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int L = Dims<D>::kLd;
   bf16* Qs = reinterpret_cast<bf16*>(smem);
-  bf16* Kb = Qs + kTile * L;   // two K buffers (Note [Double-buffered tiles])
-  bf16* Vb = Kb + 2 * kTile * L;  // two V buffers
+  bf16* Ks = Qs + kTile * L;
+  bf16* Vs = Ks + kTile * L;
 
   const std::int64_t bh = blockIdx.x, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
   const std::int64_t q0 = static_cast<std::int64_t>(gridDim.y - 1 - blockIdx.y) * kTile;
@@ -257,29 +218,19 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(std::int64_t S, std::
   const float keep_scale = keep_scale_of(p), sl2 = scale * kLog2e;
 
   load_tile<D>(Qs, base + h * D, q0, S, ld);
-  load_tile<D>(Kb, base + C + h * D, 0, S, ld);
-  load_tile<D>(Vb, base + 2 * C + h * D, 0, S, ld);
-  cp_async_commit();
+  __syncthreads();
   unsigned qa[D / 16][4];
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) load_a<D>(qa[k], Qs + warp * 16 * L, 16 * k);
   float o[D / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   const std::int64_t last = (q0 + kTile < S ? q0 + kTile : S) - 1;
   for (std::int64_t k0 = 0; k0 <= last; k0 += kTile) {
-    const int buf = static_cast<int>(k0 / kTile) % 2;
-    if (k0 + kTile <= last) {
-      load_tile<D>(Kb + (1 - buf) * kTile * L, base + C + h * D, k0 + kTile, S, ld);
-      load_tile<D>(Vb + (1 - buf) * kTile * L, base + 2 * C + h * D, k0 + kTile, S, ld);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();  // this tile (and, first, Q) has landed for every warp
-    const bf16* Ks = Kb + buf * kTile * L;
-    const bf16* Vs = Vb + buf * kTile * L;
-    if (k0 == 0) {
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) load_a<D>(qa[k], Qs + warp * 16 * L, 16 * k);
-    }
+    __syncthreads();  // every warp is done with the previous K and V
+    load_tile<D>(Ks, base + C + h * D, k0, S, ld);
+    load_tile<D>(Vs, base + 2 * C + h * D, k0, S, ld);
+    __syncthreads();
     float s[8][4] = {};
     product_abt<D>(s, qa, Ks);
     // Key column c of the tile counts for row r when c <= last_col[r] (causal; rows past S: none).
@@ -325,7 +276,6 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(std::int64_t S, std::
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e / 2];
     product_pb<D>(o, s, Vs);
-    __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -359,11 +309,10 @@ __global__ void rowdot_kernel(std::int64_t rows, std::int64_t S, std::int64_t H,
   }
 }
 
-// The backward kernels: two fixed bf16 tiles, two buffers each of the two
-// tiles they walk, and (dK/dV) two buffers of lse and D of 64 rows.
+// The backward kernels: four bf16 tiles, and lse and D of 64 rows.
 template <int D>
 constexpr std::size_t backward_smem() {
-  return 6 * kTile * Dims<D>::kLd * sizeof(bf16) + 4 * kTile * sizeof(float);
+  return 4 * kTile * Dims<D>::kLd * sizeof(bf16) + 2 * kTile * sizeof(float);
 }
 
 // lse (in log2 units) and D (dy . y) of query rows [q0, q0 + 64) into shared memory; 0 past S.
@@ -387,10 +336,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int
   constexpr int L = Dims<D>::kLd;
   bf16* Ks = reinterpret_cast<bf16*>(smem);
   bf16* Vs = Ks + kTile * L;
-  bf16* Qb = Vs + kTile * L;         // two Q buffers (Note [Double-buffered tiles])
-  bf16* dYb = Qb + 2 * kTile * L;    // two dy buffers
-  float* lse_b = reinterpret_cast<float*>(dYb + 2 * kTile * L);  // two buffers of lse, then two of D
-  float* D_b = lse_b + 2 * kTile;
+  bf16* Qs = Vs + kTile * L;
+  bf16* dYs = Qs + kTile * L;
+  float* lse_s = reinterpret_cast<float*>(dYs + kTile * L);
+  float* D_s = lse_s + kTile;
 
   const std::int64_t bh = blockIdx.x, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
   const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.y) * kTile;
@@ -401,34 +350,21 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int
 
   load_tile<D>(Ks, base + C + h * D, k0, S, ld);
   load_tile<D>(Vs, base + 2 * C + h * D, k0, S, ld);
-  load_tile<D>(Qb, base + h * D, k0, S, ld);
-  load_tile<D>(dYb, dy + b * S * C + h * D, k0, S, C);
-  cp_async_commit();
-  load_row_stats(lse_b, D_b, lse, Dv, bh, k0, S);
+  __syncthreads();
   unsigned ka[D / 16][4], va[D / 16][4];
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    load_a<D>(ka[k], Ks + warp * 16 * L, 16 * k);
+    load_a<D>(va[k], Vs + warp * 16 * L, 16 * k);
+  }
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
 
   for (std::int64_t q0 = k0; q0 < S; q0 += kTile) {
-    const int buf = static_cast<int>((q0 - k0) / kTile) % 2;
-    if (q0 + kTile < S) {
-      load_tile<D>(Qb + (1 - buf) * kTile * L, base + h * D, q0 + kTile, S, ld);
-      load_tile<D>(dYb + (1 - buf) * kTile * L, dy + b * S * C + h * D, q0 + kTile, S, C);
-    }
-    cp_async_commit();
-    if (q0 + kTile < S) load_row_stats(lse_b + (1 - buf) * kTile, D_b + (1 - buf) * kTile, lse, Dv, bh, q0 + kTile, S);
-    cp_async_wait<1>();
-    __syncthreads();  // this query tile (and, first, K and V) has landed for every warp
-    const bf16* Qs = Qb + buf * kTile * L;
-    const bf16* dYs = dYb + buf * kTile * L;
-    const float* lse_s = lse_b + buf * kTile;
-    const float* D_s = D_b + buf * kTile;
-    if (q0 == k0) {
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) {
-        load_a<D>(ka[k], Ks + warp * 16 * L, 16 * k);
-        load_a<D>(va[k], Vs + warp * 16 * L, 16 * k);
-      }
-    }
+    __syncthreads();  // every warp is done with the previous query tile
+    load_tile<D>(Qs, base + h * D, q0, S, ld);
+    load_tile<D>(dYs, dy + b * S * C + h * D, q0, S, C);
+    load_row_stats(lse_s, D_s, lse, Dv, bh, q0, S);
+    __syncthreads();
     // Query column c of the tile counts for key r when first_col[r] <= c < end_col (causal, both < S).
     const int end_col = static_cast<int>(min(S - q0, std::int64_t{kTile}));
     int first_col[2];
@@ -461,7 +397,6 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(std::int64_t S, std::int
 #pragma unroll
       for (int e = 0; e < 4; ++e) pr[n][e] *= s[n][e] - D_s[8 * n + 2 * t + e % 2];  // dS^T (0 where P is)
     product_pb<D>(dk, pr, Qs);  // dK += dS^T q (scaled at the end)
-    __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -489,8 +424,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64
   constexpr int L = Dims<D>::kLd;
   bf16* Qs = reinterpret_cast<bf16*>(smem);
   bf16* dYs = Qs + kTile * L;
-  bf16* Kb = dYs + kTile * L;      // two K buffers (Note [Double-buffered tiles])
-  bf16* Vb = Kb + 2 * kTile * L;   // two V buffers
+  bf16* Ks = dYs + kTile * L;
+  bf16* Vs = Ks + kTile * L;
 
   const std::int64_t bh = blockIdx.x, b = bh / H, h = bh % H, C = H * D, ld = 3 * C;
   const std::int64_t q0 = static_cast<std::int64_t>(gridDim.y - 1 - blockIdx.y) * kTile;
@@ -507,31 +442,21 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64
 
   load_tile<D>(Qs, base + h * D, q0, S, ld);
   load_tile<D>(dYs, dy + b * S * C + h * D, q0, S, C);
-  load_tile<D>(Kb, base + C + h * D, 0, S, ld);
-  load_tile<D>(Vb, base + 2 * C + h * D, 0, S, ld);
-  cp_async_commit();
+  __syncthreads();
   unsigned qa[D / 16][4], ya[D / 16][4];
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    load_a<D>(qa[k], Qs + warp * 16 * L, 16 * k);
+    load_a<D>(ya[k], dYs + warp * 16 * L, 16 * k);
+  }
   float dq[D / 8][4] = {};
 
   const std::int64_t last = (q0 + kTile < S ? q0 + kTile : S) - 1;
   for (std::int64_t k0 = 0; k0 <= last; k0 += kTile) {
-    const int buf = static_cast<int>(k0 / kTile) % 2;
-    if (k0 + kTile <= last) {
-      load_tile<D>(Kb + (1 - buf) * kTile * L, base + C + h * D, k0 + kTile, S, ld);
-      load_tile<D>(Vb + (1 - buf) * kTile * L, base + 2 * C + h * D, k0 + kTile, S, ld);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();  // this tile (and, first, Q and dy) has landed for every warp
-    const bf16* Ks = Kb + buf * kTile * L;
-    const bf16* Vs = Vb + buf * kTile * L;
-    if (k0 == 0) {
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) {
-        load_a<D>(qa[k], Qs + warp * 16 * L, 16 * k);
-        load_a<D>(ya[k], dYs + warp * 16 * L, 16 * k);
-      }
-    }
+    __syncthreads();
+    load_tile<D>(Ks, base + C + h * D, k0, S, ld);
+    load_tile<D>(Vs, base + 2 * C + h * D, k0, S, ld);
+    __syncthreads();
     float s[8][4] = {}, dp[8][4] = {};
     product_abt<D>(s, qa, Ks);   // q . k
     product_abt<D>(dp, ya, Vs);  // dy . v = dPd
@@ -551,7 +476,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(std::int64_t S, std::int64
                       ? exp2f(s[n][e] * sl2 - lse2[e / 2]) * (dp[n][e] - D_i[e / 2])
                       : 0.0f;
     product_pb<D>(dq, s, Ks);  // dQ += dS k (scaled at the end)
-    __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -632,8 +556,8 @@ inline std::atomic<bool>& enabled_flag() {
 // compute capability 8.0 or newer, code compiled for sm_80 or newer (PTX for an
 // older target, JIT-compiled for a newer GPU, would reach the __trap in the mma
 // helpers), and a per-block shared memory limit that holds the largest request
-// (103 KiB at D = 128: A100, H100 and H200 have it; GPUs with 99 KiB, such as
-// compute capability 8.6 and 8.9, take the materialised path at D = 128). The launches raise each kernel's dynamic shared memory limit, a
+// (69 KiB at D = 128; every GPU of compute capability 8.0 or newer has 99 KiB or
+// more). The launches raise each kernel's dynamic shared memory limit, a
 // per-device setting (Note [Shared memory limits at the launch]).
 template <int D>
 bool ready(int device) {
