@@ -206,12 +206,6 @@ TEST_CASE("nccl: a rank that never joins ends init with an error, not a hang", "
   CHECK(v == 2.0);
 }
 
-#else
-
-TEST_CASE("nccl: not built", "[gpu][nccl]") {
-  WARN("ptrain was configured without NCCL (nccl.h and libnccl not found): the NCCL tests were not built");
-}
-
 // DDP, FSDP (full shard) and a one-stage pipeline over NCCL on cuda:0, world
 // size 1: three AdamW steps of an MLP, against the same model stepped without a
 // wrapper on the same device (world-size-1 averages are exact, so only the
@@ -330,6 +324,12 @@ TEST_CASE("cuda: DDP's bf16 gradient compression rounds on the device", "[gpu][n
   for (auto& v : want) v = static_cast<float>(bf16(v));
   INFO("seed " << test_seed());
   CHECK(p.grads().to_vector() == want);
+}
+
+#else
+
+TEST_CASE("nccl: not built", "[gpu][nccl]") {
+  WARN("ptrain was configured without NCCL (nccl.h and libnccl not found): the NCCL tests were not built");
 }
 
 #endif
