@@ -50,12 +50,18 @@
 #include <vector>
 
 #include "ptrain/dist/communicator.hpp"
+#include "ptrain/obs/trace.hpp"
 
 namespace ptrain::dist {
 
 namespace detail {
 inline thread_local const char* collective_label = nullptr;
-}
+inline std::atomic<std::int64_t> collective_wait_ns{0};
+}  // namespace detail
+
+/// Seconds this process's callers spent blocked in waits on recorded operations
+/// (Work::wait of a RecordingCommunicator's Work); 0 while no recorder is on.
+inline double collective_wait_seconds() { return 1e-9 * static_cast<double>(detail::collective_wait_ns.load()); }
 
 /// Names the collectives issued on this thread inside its scope in the flight
 /// recorder ("ddp.bucket", "fsdp.gather"); the string must outlive the scope.
@@ -114,6 +120,7 @@ struct FlightEntry {
   int root = -1;             // broadcast
   int peer = -1;             // send / recv
   std::string label;
+  const char* trace_name = nullptr;  // the span name in traces ("comm.all_reduce")
   std::string state = "started";
   std::string error;
   double start_us = 0, end_us = 0;  // microseconds since the Unix epoch; end 0 until observed
@@ -312,14 +319,29 @@ class FlightRegistry {
 // records how it ended (completed, or failed with a dump).
 class RecordedWork final : public Work {
  public:
+  // `trace` names the operation's span when it was issued inside the trace window (else nullptr).
   RecordedWork(std::shared_ptr<Work> inner, std::shared_ptr<FlightRecorder> rec, std::int64_t id, int rank,
-               std::chrono::milliseconds timeout)
-      : Work(inner->what(), rank, inner->peer(), timeout), inner_(std::move(inner)), rec_(std::move(rec)), id_(id) {
+               std::chrono::milliseconds timeout, const char* trace, double trace_start_us, std::string label)
+      : Work(inner->what(), rank, inner->peer(), timeout),
+        inner_(std::move(inner)),
+        rec_(std::move(rec)),
+        id_(id),
+        trace_(trace),
+        trace_start_us_(trace_start_us),
+        label_(std::move(label)) {
     mark_enqueued();
   }
 
  protected:
   void finish(std::chrono::milliseconds timeout) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    struct AddWait {  // counted on success and on error alike
+      std::chrono::steady_clock::time_point t0;
+      ~AddWait() {
+        collective_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - t0).count();
+      }
+    } add{t0};
     observe([&] { inner_->wait(timeout); });
   }
   bool try_finish() override {
@@ -335,15 +357,25 @@ class RecordedWork final : public Work {
       f();
     } catch (const CommError& e) {
       rec_->finish(id_, e.what());
+      trace_end();
       FlightRegistry::get().dump(cat("error on rank ", rec_->rank(), " of group ", rec_->group(), ": ", e.what()));
       throw;
     }
     rec_->finish(id_);
+    trace_end();
+  }
+
+  // The operation's span, from its issue to the end its caller observed.
+  void trace_end() {
+    if (trace_ != nullptr) obs::Tracer::get().complete(trace_, "comm", trace_start_us_, obs::trace_now_us(), -1, label_);
   }
 
   std::shared_ptr<Work> inner_;
   std::shared_ptr<FlightRecorder> rec_;
   std::int64_t id_;
+  const char* trace_;
+  double trace_start_us_;
+  std::string label_;
 };
 
 }  // namespace detail
@@ -377,38 +409,38 @@ class RecordingCommunicator final : public Communicator {
 
   std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
                                          ReduceOp op) override {
-    return record(entry("all_reduce", count, dt, reduce_op_name(op)),
+    return record(entry("all_reduce", "comm.all_reduce", count, dt, reduce_op_name(op)),
                   [&] { return inner_->all_reduce_async(send, recv, count, dt, op); });
   }
   std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DType dt,
                                              ReduceOp op) override {
-    return record(entry("reduce_scatter", recv_count, dt, reduce_op_name(op)),
+    return record(entry("reduce_scatter", "comm.reduce_scatter", recv_count, dt, reduce_op_name(op)),
                   [&] { return inner_->reduce_scatter_async(send, recv, recv_count, dt, op); });
   }
   std::shared_ptr<Work> all_gather_async(const void* send, void* recv, std::size_t send_count, DType dt) override {
-    return record(entry("all_gather", send_count, dt),
+    return record(entry("all_gather", "comm.all_gather", send_count, dt),
                   [&] { return inner_->all_gather_async(send, recv, send_count, dt); });
   }
   std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
-    FlightEntry e = entry("broadcast", count, dt);
+    FlightEntry e = entry("broadcast", "comm.broadcast", count, dt);
     e.root = root;
     return record(std::move(e), [&] { return inner_->broadcast_async(buf, count, dt, root); });
   }
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
-    FlightEntry e = entry("send", count, dt);
+    FlightEntry e = entry("send", "comm.send", count, dt);
     e.peer = peer;
     return record(std::move(e), [&] { return inner_->send_async(buf, count, dt, peer, tag); });
   }
   std::shared_ptr<Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag) override {
-    FlightEntry e = entry("recv", count, dt);
+    FlightEntry e = entry("recv", "comm.recv", count, dt);
     e.peer = peer;
     return record(std::move(e), [&] { return inner_->recv_async(buf, count, dt, peer, tag); });
   }
   std::shared_ptr<Work> barrier_async() override {
-    return record(entry("barrier", 0, DType::F32), [&] { return inner_->barrier_async(); });
+    return record(entry("barrier", "comm.barrier", 0, DType::F32), [&] { return inner_->barrier_async(); });
   }
   std::unique_ptr<Communicator> split(int color, int key) override {
-    const std::int64_t id = rec_->start(entry("split", 0, DType::I32));
+    const std::int64_t id = rec_->start(entry("split", "comm.split", 0, DType::I32));
     std::unique_ptr<Communicator> child;
     try {
       child = inner_->split(color, key);
@@ -424,9 +456,11 @@ class RecordingCommunicator final : public Communicator {
   }
 
  private:
-  FlightEntry entry(const char* op, std::size_t count, DType dt, const char* reduce = "") const {
+  // `trace` is the op's span name in traces (a literal: Note [Tracing cost]).
+  FlightEntry entry(const char* op, const char* trace, std::size_t count, DType dt, const char* reduce = "") const {
     FlightEntry e;
     e.op = op;
+    e.trace_name = trace;
     e.count = count;
     e.dtype = dt;
     e.reduce_op = reduce;
@@ -442,6 +476,9 @@ class RecordingCommunicator final : public Communicator {
 
   template <class Call>
   std::shared_ptr<Work> record(FlightEntry e, Call&& call) {
+    const char* trace = obs::tracing() ? e.trace_name : nullptr;
+    const double trace_start = trace ? obs::trace_now_us() : 0;
+    std::string label = trace ? e.label : std::string();
     const std::int64_t id = rec_->start(std::move(e));
     std::shared_ptr<Work> w;
     try {
@@ -450,7 +487,8 @@ class RecordingCommunicator final : public Communicator {
       fail(id, err);
       throw;
     }
-    return std::make_shared<detail::RecordedWork>(std::move(w), rec_, id, rank(), timeout());
+    return std::make_shared<detail::RecordedWork>(std::move(w), rec_, id, rank(), timeout(), trace, trace_start,
+                                                  std::move(label));
   }
 
   std::unique_ptr<Communicator> inner_;

@@ -45,9 +45,9 @@ struct ProcessGroupOptions {
   /// Check every collective across ranks before running it (Note [Collective checks]);
   /// default: $PTRAIN_DISTRIBUTED_DEBUG is DETAIL.
   bool check_collectives = collective_checks_from_env();
-  /// Record the last operations and dump them on errors and SIGUSR2 (Note [Flight recorder]);
-  /// default: $PTRAIN_FLIGHT_RECORDER_DIR is set.
-  bool flight_recorder = !flight_recorder_dir().empty();
+  /// Record the last operations, dump them on errors and SIGUSR2 (Note [Flight recorder]) and
+  /// trace them; default: $PTRAIN_FLIGHT_RECORDER_DIR or $PTRAIN_TRACE_DIR is set.
+  bool flight_recorder = !flight_recorder_dir().empty() || !obs::trace_options_from_env().dir.empty();
 };
 
 /// Backends this build of ptrain has, e.g. "mpi gloo".
