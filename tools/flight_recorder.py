@@ -153,7 +153,9 @@ def main():
     else:
         print("flight recorder: dumps from %s (world of %d)" % (ranks_text(sorted(dumps)), world_size))
         for world_rank, doc in sorted(dumps.items()):
-            print("  rank %d: %s" % (world_rank, doc.get("reason", "")))
+            first = doc.get("first_reason", "")
+            print("  rank %d: %s%s" % (world_rank, doc.get("reason", ""),
+                                       "" if not first or first == doc.get("reason") else " (first dump: %s)" % first))
             for g in doc["groups"]:
                 for op in g["ops"][-args.show:]:
                     num = "#%d" % op["seq"] if op["seq"] else "p2p#%d peer %d" % (op["p2p_seq"], op["peer"])

@@ -26,9 +26,11 @@
 // handler's work on its own thread, and a signal handler may not take locks or
 // allocate, so the handler only writes one byte to a pipe; a watcher thread,
 // blocked in read() on the other end, wakes and writes the dump under the
-// recorders' locks, which no caller holds while it waits. A later dump replaces
-// an earlier one (written to a temporary name, then renamed), so the file always
-// holds the newest complete picture.
+// recorders' locks, which no caller holds while it waits (the handler replaces
+// any earlier handler of that signal). A later dump replaces an earlier one
+// (written to a temporary name, then renamed), so the file always holds the
+// newest complete picture; it also quotes the reason of the process's first
+// dump, since the errors after a failure mostly repeat it ([ptrain.comm.aborted]).
 
 #include <fcntl.h>
 #include <signal.h>
@@ -225,6 +227,8 @@ class FlightRegistry {
     if (dir.empty()) return {};
     nlohmann::json groups = nlohmann::json::array();
     int world_rank = 0;
+    if (first_reason_.empty()) first_reason_ = reason;
+    ++dumps_;
     {
       std::lock_guard lock(m_);
       world_rank = world_rank_;
@@ -240,6 +244,8 @@ class FlightRegistry {
                           {"rank", world_rank},
                           {"pid", static_cast<long>(::getpid())},
                           {"reason", reason},
+                          {"first_reason", first_reason_},  // later errors often only echo the first
+                          {"dump", dumps_},
                           {"dumped_us", FlightRecorder::now_us()},
                           {"groups", std::move(groups)}};
     const std::string path = cat(dir, "/rank", world_rank, ".json");
@@ -313,6 +319,8 @@ class FlightRegistry {
   std::vector<std::weak_ptr<FlightRecorder>> recorders_;
   int world_rank_ = -1;
   bool watcher_started_ = false;
+  std::string first_reason_;  // under dump_m_
+  int dumps_ = 0;
 };
 
 // The Work a RecordingCommunicator returns: waits on the backend's Work and
