@@ -5,6 +5,7 @@
 # alternately, with tracing off; then this tree with the flight recorder on, and
 # with every step traced. Prints the median over runs of each run's median step.
 #   benchmarks/trace_cost.sh [build-dir]     RUNS=7, BASE=fe4a2ea
+# benchmarks/trace_bench gives the per-call costs (docs/observability.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
