@@ -26,13 +26,18 @@ int main(int argc, char** argv) {
                           {.bucket_cap_bytes = static_cast<std::int64_t>(bucket_mb * (1 << 20)),
                            .first_bucket_bytes = static_cast<std::int64_t>(first_bucket_mb * (1 << 20))});
   comm->barrier();
+  // With PTRAIN_TRACE_DIR set, the steps of PTRAIN_TRACE_STEPS are traced (benchmarks/trace_cost.sh).
+  obs::Tracer::get().configure_from_env(comm->rank());
+  std::int64_t step = 0;
   // Each step ends with the gradient sync (step() finishes it), so ranks stay in
   // lock step; the slowest rank's median is the step time.
   auto times = bench::time_runs(o.warmup, o.steps, [&] {
+    obs::Tracer::get().step(++step);
     ddp.zero_grad();
     s.loss = ddp.forward_backward(s.x, s.y);
     ddp.step(s.opt);
   });
+  obs::Tracer::get().flush();
   double ms = bench::median(times);
   comm->all_reduce(&ms, 1, DType::F64, dist::ReduceOp::Max);
   if (comm->rank() == 0) {

@@ -33,6 +33,7 @@
 #include <ptrain/train/trainer.hpp>
 
 #include "checkpoint_flags.hpp"
+#include "observe_flags.hpp"
 
 using namespace ptrain;
 
@@ -114,11 +115,14 @@ int main(int argc, char** argv) {
                  "none (one process), ddp (data parallel) or fsdp (fully sharded) over the launched ranks")
       ->check(CLI::IsMember({"none", "ddp", "fsdp"}));
   add_checkpoint_flags(app, opt);
+  ObserveFlags observe;
+  add_observe_flags(app, observe);
   CLI11_PARSE(app, argc, argv);
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");
     return 2;
   }
+  apply_observe_flags(observe);
 
   try {
     Stopwatch wall;
@@ -152,6 +156,7 @@ int main(int argc, char** argv) {
     train::Trainer<float> trainer(*engine, optimizer, data,
                                   {.epochs = opt.epochs, .batch = opt.batch, .seed = opt.seed,
                                    .log_every = opt.log_every, .metrics = opt.metrics,
+                                   .tensorboard = observe.tensorboard_dir,
                                    .checkpoint_dir = opt.checkpoint_dir, .checkpoint_every = opt.checkpoint_every,
                                    .keep_checkpoints = opt.keep_checkpoints, .resume = opt.resume,
                                    .start_over = opt.start_over,

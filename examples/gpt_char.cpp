@@ -67,6 +67,7 @@
 #include <ptrain/ptrain.hpp>
 
 #include "checkpoint_flags.hpp"
+#include "observe_flags.hpp"
 
 using namespace ptrain;
 
@@ -107,6 +108,7 @@ struct Options {
   std::int64_t eval_batches = 16;
   std::uint64_t seed = 1337;
   std::string metrics;
+  ObserveFlags observe;
   std::int64_t log_every = 50;
   std::int64_t sample_tokens = 300;
   double temperature = 0.8;
@@ -620,6 +622,7 @@ int run(Options opt) {
                  "--device cuda needs gpt_char_cuda, this program linked with ptrain::cuda (a CUDA toolkit at "
                  "configure time, PTRAIN_WITH_CUDA=AUTO or ON)");
     const Device device = opt.device == "cuda" ? Device::cuda(dist::detect_launch_env().local_rank) : Device::cpu();
+    apply_observe_flags(opt.observe);
     std::unique_ptr<dist::Communicator> world = std::make_unique<dist::SelfCommunicator>(device);
     if (opt.parallel != "none") world = dist::init_process_group({.device = device});
     const int rank = world->rank();
@@ -664,7 +667,9 @@ int run(Options opt) {
     // Resume before training, so that metrics append to the resumed run's file.
     const bool resumed = checkpoints.start(engine, optimizer, state, schedule);
 
-    MetricsWriter metrics(lead ? opt.metrics : "", resumed);
+    MetricsWriter metrics(lead ? opt.metrics : "", resumed, lead ? opt.observe.tensorboard_dir : "");
+    obs::Tracer& tracer = obs::Tracer::get();
+    tracer.configure_from_env(rank);
     const char* unit = corpus.chars ? "char" : "token";
     Progress progress(opt.steps, lead ? opt.log_every : 0, std::cout, state.step);
     const double tokens_per_step = static_cast<double>(opt.batch * opt.grad_accum * opt.block * replicas);
@@ -706,10 +711,15 @@ int run(Options opt) {
     // One batch's forward and backward; the loss gradient is scaled by 1 / --grad-accum,
     // so that the accumulated gradient is that of the mean loss over the step's batches.
     auto accumulate = [&] {
-      train_windows.next(opt.batch, x, y);
+      {
+        obs::Span span("data", "train");
+        train_windows.next(opt.batch, x, y);
+      }
+      obs::Span span("forward_backward", "train");
       return engine.forward_backward(x.to(device), y.to(device), 1.0 / opt.grad_accum);
     };
     while (state.step < opt.steps) {
+      tracer.step(state.step + 1);
       optimizer.set_lr(schedule(state.step));
       engine.zero_grad();
       double loss = 0;
@@ -719,7 +729,10 @@ int run(Options opt) {
       }
       loss = engine.average((loss + accumulate()) / opt.grad_accum);  // the last backward reduces the sum
       const double norm = opt.grad_clip > 0 ? engine.clip_grad_norm_(opt.grad_clip) : 0.0;
-      engine.step(optimizer);
+      {
+        obs::Span span("optimizer_step", "train");
+        engine.step(optimizer);
+      }
       ++state.step;
       progress.update(state.step, 1, loss, optimizer.lr(), static_cast<std::int64_t>(tokens_per_step));
       if (lead)
@@ -728,6 +741,7 @@ int run(Options opt) {
       if (opt.eval_every > 0 && state.step % opt.eval_every == 0 && state.step < opt.steps) validate();
       if (checkpoints.after_step()) return opt.preempt_exit_code;
     }
+    tracer.flush();
     checkpoints.finish();
     validate();
     // Sampling and --export need the whole parameters in rank 0's model (Note [gpt_char engines]).
@@ -814,6 +828,7 @@ int main(int argc, char** argv) {
       ->excludes(train_tokens)->excludes(tokenizer);
   app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
   add_checkpoint_flags(app, opt);
+  add_observe_flags(app, opt.observe);
   app.add_option("--init-from", opt.init_from, "start from pretrained weights: a Hugging Face GPT-2 "
                  "model.safetensors (or its folder) or a ptrain file (--export, a checkpoint's model.safetensors)");
   app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "

@@ -12,6 +12,9 @@
 #include "ptrain/core/shape.hpp"
 #include "ptrain/core/tensor.hpp"
 
+#include "ptrain/obs/tensorboard.hpp"
+#include "ptrain/obs/trace.hpp"
+
 #include "ptrain/ops/activation.hpp"
 #include "ptrain/ops/attention.hpp"
 #include "ptrain/ops/batch_norm.hpp"
@@ -50,6 +53,7 @@
 
 #include "ptrain/dist/checked.hpp"
 #include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/flight_recorder.hpp"
 #include "ptrain/dist/launch_env.hpp"
 #include "ptrain/dist/process_group.hpp"
 #include "ptrain/dist/self_communicator.hpp"
@@ -78,3 +82,4 @@
 
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"
+#include "ptrain/train/stragglers.hpp"

@@ -125,7 +125,9 @@ class Work {
     // Second stage (p2p): the transfer was started in order and finishes here.
     std::lock_guard finish_lock(finish_m_);
     if (finished_.load()) return;
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    // Rounded up: a wrapper's Work (RecordingCommunicator) passes this on, and its
+    // timeout message must quote the timeout the caller asked for.
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     finish(std::max(left, std::chrono::milliseconds(0)));
     finished_ = true;
   }

@@ -16,6 +16,7 @@
 #include "ptrain/core/device.hpp"
 #include "ptrain/dist/checked.hpp"
 #include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/flight_recorder.hpp"
 #include "ptrain/dist/launch_env.hpp"
 #include "ptrain/dist/self_communicator.hpp"
 #include "ptrain/dist/store.hpp"
@@ -44,6 +45,9 @@ struct ProcessGroupOptions {
   /// Check every collective across ranks before running it (Note [Collective checks]);
   /// default: $PTRAIN_DISTRIBUTED_DEBUG is DETAIL.
   bool check_collectives = collective_checks_from_env();
+  /// Record the last operations, dump them on errors and SIGUSR2 (Note [Flight recorder]) and
+  /// trace them; default: $PTRAIN_FLIGHT_RECORDER_DIR or $PTRAIN_TRACE_DIR is set.
+  bool flight_recorder = !flight_recorder_dir().empty() || !obs::trace_options_from_env().dir.empty();
 };
 
 /// Backends this build of ptrain has, e.g. "mpi gloo".
@@ -167,7 +171,8 @@ inline std::unique_ptr<Communicator> init_backend(const ProcessGroupOptions& opt
 /// The world communicator of this launch; collective over every rank.
 inline std::unique_ptr<Communicator> init_process_group(ProcessGroupOptions opts = {}) {
   auto c = detail::init_backend(opts);
-  if (opts.check_collectives) return std::make_unique<CheckedCommunicator>(std::move(c));
+  if (opts.check_collectives) c = std::make_unique<CheckedCommunicator>(std::move(c));
+  if (opts.flight_recorder) c = std::make_unique<RecordingCommunicator>(std::move(c));
   return c;
 }
 

@@ -130,6 +130,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
     launch_ready();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       try {
+        obs::Span span("ddp.bucket_wait", "ddp", static_cast<std::int64_t>(b));
         buckets_[b].work->wait(comm_.timeout());
       } catch (const CommError& e) {
         in_backward_ = false;
@@ -261,6 +262,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready == buckets_[next_launch_].expected) {
       Bucket& b = buckets_[next_launch_];
+      dist::CollectiveLabel label("ddp.bucket");
       Tensor<T> grad = bucket_grads(b);
       const auto count = static_cast<std::size_t>(grad.numel());
       events_.push_back({static_cast<int>(next_launch_), detail::steady_seconds()});

@@ -44,6 +44,8 @@
 #include <string>
 
 #include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/flight_recorder.hpp"
+#include "ptrain/obs/trace.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/module.hpp"

@@ -201,6 +201,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       }
       if (opt_.prefetch) prefetch_after(i, -1);
       record("backward_begin", static_cast<int>(i));
+      obs::Span span("fsdp.backward_unit", "fsdp", static_cast<std::int64_t>(i));
       d = units_[i]->backward(d, cache.child(i));
       record("backward_end", static_cast<int>(i));
       if (grp && grp->first_unit == static_cast<int>(i)) {
@@ -314,6 +315,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       if (g >= 0) wait_gathered(g);
       if (opt_.prefetch) prefetch_after(i, +1);
       record("forward_begin", static_cast<int>(i));
+      obs::Span span("fsdp.forward_unit", "fsdp", static_cast<std::int64_t>(i));
       if (i > 0) h = units_[i]->forward(h, cache.child(i));
       else if constexpr (std::is_same_v<X, Tensor<std::int32_t>>) h = units_[i]->forward_tokens(x, cache.child(i));
       else h = units_[i]->forward(x, cache.child(i));
@@ -576,6 +578,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     if (grp.full.defined()) return;  // gathered or in flight
     grp.full = Tensor<T>::empty({grp.padded}, local_values_.device());
     record("gather", g);
+    dist::CollectiveLabel label("fsdp.gather");
     grp.gather_work = shard_comm_->all_gather_async(local_values_.data() + grp.local_offset, grp.full.data(),
                                                     static_cast<std::size_t>(grp.shard), dtype_of<T>());
   }
@@ -619,6 +622,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     if (!this->syncing() && keep_full_grads_) return;  // accumulate locally (no_sync)
     while (!pending_.empty()) complete_reduction();
     record("reduce", g);
+    dist::CollectiveLabel label("fsdp.reduce_scatter");
     Pending p{g, grad, {}, {}, {}, {}};
     const auto shard = static_cast<std::size_t>(grp.shard);
     if (shard_size_ > 1) {

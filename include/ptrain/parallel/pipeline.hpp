@@ -462,6 +462,7 @@ class Pipeline : public Engine<T> {
         if (out.defined() || recv_next) {
           doing_ = "posting the transfers to the neighbouring stages";
           detail::P2PGroup group(comm_);
+          dist::CollectiveLabel label("pipeline.activation");
           if (out.defined()) {
             const int peer = a.kind == PipelineAction::Forward ? stage_ + 1 : stage_ - 1;
             sends_.push_back(
@@ -517,6 +518,9 @@ class Pipeline : public Engine<T> {
 
   void record(char kind, int mb, double t0) {
     events_.push_back({stage_, mb, kind, t0, detail::steady_seconds()});
+    if (obs::tracing())  // the same clock: trace_now_us() is steady_seconds() in microseconds
+      obs::Tracer::get().complete(kind == 'F' ? "pipeline.forward" : "pipeline.backward", "pipeline", t0 * 1e6,
+                                  events_.back().end * 1e6, mb);
   }
 
   // Note [Shapes]: sends this stage's output shape once, before the first activation.
@@ -551,6 +555,7 @@ class Pipeline : public Engine<T> {
     const bool fwd = a.kind == PipelineAction::Forward;
     incoming_ = Tensor<T>::empty(fwd ? in_shape_ : out_shape_, device_);
     incoming_action_ = a;
+    dist::CollectiveLabel label("pipeline.activation");
     incoming_work_ = comm_.recv_async(incoming_.data(), static_cast<std::size_t>(incoming_.numel()), dtype_of<T>(),
                                       peer);
   }

@@ -8,6 +8,10 @@
 //   MetricsWriter metrics(rank == 0 ? cli.metrics_path : "");  // "" disables
 //   metrics.write({{"step", step}, {"epoch", epoch}, {"loss", loss}, {"lr", lr}});
 //   // -> {"epoch":1,"loss":0.4312,"lr":0.001,"step":100,"time":12.84}
+//
+// Given a TensorBoard directory as well, every numeric field of a record that
+// has a "step" (except step, epoch and time) also becomes a scalar of that name
+// at that step in an event file there (obs/tensorboard.hpp).
 
 #include <chrono>
 #include <fstream>
@@ -16,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ptrain/core/error.hpp"
+#include "ptrain/obs/tensorboard.hpp"
 
 namespace ptrain {
 
@@ -26,8 +31,9 @@ class MetricsWriter {
   /// Disabled writer.
   MetricsWriter() = default;
   /// Opens `path` (truncating it, or appending when `append`, e.g. for a resumed run); "" disables.
-  explicit MetricsWriter(const std::string& path, bool append = false)
-      : path_(path), start_(std::chrono::steady_clock::now()) {
+  /// A non-empty `tensorboard` directory also gets the records' scalars.
+  explicit MetricsWriter(const std::string& path, bool append = false, const std::string& tensorboard = {})
+      : path_(path), tb_(tensorboard), start_(std::chrono::steady_clock::now()) {
     if (path_.empty()) return;
     out_.open(path_, append ? std::ios::out | std::ios::app : std::ios::out | std::ios::trunc);
     PTRAIN_CHECK(out_.is_open(), Error, "[ptrain.metrics.open] cannot open metrics file '", path_,
@@ -46,9 +52,16 @@ class MetricsWriter {
   /// Writes `record` (a JSON object) plus "time" as one line and flushes it. No-op when disabled.
   /// A "time" the caller set is kept. Non-finite numbers are written as null (JSON has no NaN).
   void write(nlohmann::json record) {
-    if (!enabled()) return;
+    if (!enabled() && !tb_.enabled()) return;
     PTRAIN_CHECK(record.is_object(), Error, "[ptrain.metrics.record] a metrics record must be a JSON object, got ",
                  record.type_name(), "; pass {{\"key\", value}, ...}");
+    if (tb_.enabled() && record.contains("step") && record["step"].is_number_integer()) {
+      const auto step = record["step"].get<std::int64_t>();
+      for (const auto& [key, value] : record.items())
+        if (value.is_number() && key != "step" && key != "epoch" && key != "time")
+          tb_.scalar(key, step, value.get<double>());
+    }
+    if (!enabled()) return;
     if (!record.contains("time")) record["time"] = elapsed();
     out_ << record.dump() << '\n';
     out_.flush();
@@ -59,6 +72,7 @@ class MetricsWriter {
  private:
   std::string path_;
   std::ofstream out_;
+  obs::TensorBoardWriter tb_;
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 

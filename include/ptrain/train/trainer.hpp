@@ -45,11 +45,14 @@
 #include "ptrain/data/batches.hpp"
 #include "ptrain/data/dataset.hpp"
 #include "ptrain/data/sampler.hpp"
+#include "ptrain/dist/flight_recorder.hpp"
+#include "ptrain/obs/trace.hpp"
 #include "ptrain/optim/optimizer.hpp"
 #include "ptrain/optim/schedule.hpp"
 #include "ptrain/parallel/engine.hpp"
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"
+#include "ptrain/train/stragglers.hpp"
 
 namespace ptrain::train {
 
@@ -63,6 +66,7 @@ struct TrainerOptions {
   std::int64_t log_every = 100;   ///< progress line and metrics record every N steps (0: none)
   std::int64_t eval_every = 0;    ///< evaluate every N steps (0: only after each epoch)
   std::string metrics = {};       ///< JSON-lines file written by rank 0 ("": none)
+  std::string tensorboard = {};   ///< directory for rank 0's TensorBoard event file ("": none)
   std::string checkpoint_dir = {};    ///< "": no checkpoints, no resume, signals end the process as usual
   std::int64_t checkpoint_every = 0;  ///< background checkpoint every N steps (0: only at the end and on a signal)
   int keep_checkpoints = 3;           ///< committed checkpoints kept; 0 keeps all
@@ -147,7 +151,10 @@ class Trainer {
       return ts;
     };
 
-    MetricsWriter metrics(lead ? o_.metrics : "", resumed);
+    MetricsWriter metrics(lead ? o_.metrics : "", resumed, lead ? o_.tensorboard : "");
+    obs::Tracer& tracer = obs::Tracer::get();
+    tracer.configure_from_env(engine_.communicator().rank());
+    StepTimes times;  // Note [Straggler report]
     Progress progress(total, lead ? o_.log_every : 0, std::cout, result.step);
     Stopwatch clock;
     ReportWindow window{clock.seconds()};  // a resumed run's first window holds only the steps run here
@@ -173,23 +180,34 @@ class Trainer {
     for (int epoch = start_epoch; epoch < o_.epochs; ++epoch) {
       if (!(resumed && epoch == start_epoch)) sampler.set_epoch(static_cast<std::uint64_t>(epoch));
       while (!sampler.epoch_done()) {
+        tracer.step(result.step + 1);
+        const double t0 = clock.seconds(), wait0 = dist::collective_wait_seconds();
         const auto idx = sampler.next(o_.batch);
         if (o_.drop_last && static_cast<std::int64_t>(idx.size()) < o_.batch) break;
+        std::optional<obs::Span> data_span(std::in_place, "data", "train");
         const Batch<T> b = to_device(data_.get(idx));
+        data_span.reset();
+        const double t_data = clock.seconds() - t0;
         if (schedule) opt_.set_lr(schedule(result.step));
         const double loss = step(b);
         ++result.step;
+        times.add(clock.seconds() - t0, t_data, dist::collective_wait_seconds() - wait0);
         progress.update(result.step, epoch + 1, loss, opt_.lr(), b.rows() * data_world);
         if (on_step) on_step({result.step, epoch + 1, loss, opt_.lr()});
         window.add(b.rows() * data_world, loss);
         if (o_.log_every > 0 && (result.step % o_.log_every == 0 || result.step == total)) {
           const double mean = engine_.average(window.mean_loss());  // every rank, same steps
           const double now = clock.seconds();
-          metrics.write({{"step", result.step}, {"epoch", epoch + 1}, {"loss", mean}, {"lr", opt_.lr()},
-                         {"samples_per_s", window.samples_per_s(now)}, {"world_size", data_world}});
+          nlohmann::json rec = {{"step", result.step}, {"epoch", epoch + 1}, {"loss", mean}, {"lr", opt_.lr()},
+                                {"samples_per_s", window.samples_per_s(now)}, {"world_size", data_world}};
+          rec.update(straggler_report(engine_.communicator(), times));  // every rank, same steps
+          rec.update(memory_fields());
+          metrics.write(rec);
           window.reset(now);
+          times = {};
         }
         if (saver && o_.checkpoint_every > 0 && result.step % o_.checkpoint_every == 0) {
+          obs::Span span("checkpoint.save", "ckpt");
           ckpt::save(*saver, *mgr, result.step, engine_, &opt_, state());  // returns after a copy to host memory
           last_saved = result.step;
         }
@@ -214,6 +232,7 @@ class Trainer {
       saver->wait();
       if (last_saved != result.step) ckpt::save(*mgr, result.step, engine_, &opt_, state());
     }
+    tracer.flush();
     return result;
   }
 
@@ -227,6 +246,7 @@ class Trainer {
       const std::int64_t begin = rows * j / k, end = rows * (j + 1) / k;
       const Batch<T> mb = b.narrow(begin, end - begin);
       const double w = static_cast<double>(end - begin) / static_cast<double>(rows);
+      obs::Span span("forward_backward", "train", j);
       if (j + 1 < k) {
         auto guard = engine_.no_sync();
         loss += w * forward_backward(mb, w);
@@ -234,12 +254,29 @@ class Trainer {
         loss += w * forward_backward(mb, w);
       }
     }
-    if (o_.grad_clip > 0) engine_.clip_grad_norm_(o_.grad_clip);
+    if (o_.grad_clip > 0) {
+      obs::Span span("clip_grad_norm", "train");
+      engine_.clip_grad_norm_(o_.grad_clip);
+    }
+    obs::Span span("optimizer_step", "train");
     engine_.step(opt_);
     return loss;
   }
 
  private:
+  // Allocator bytes (live and peak) of the host and of the parameters' GPU, in MiB.
+  nlohmann::json memory_fields() const {
+    const Device d = engine_.parameters().values().device();
+    const MemoryStats cpu = memory_stats(Device::cpu());
+    nlohmann::json m = {{"mem_cpu_live_mib", cpu.live_bytes / 1048576.0}, {"mem_cpu_peak_mib", cpu.peak_bytes / 1048576.0}};
+    if (d.is_cuda()) {
+      const MemoryStats gpu = memory_stats(d);
+      m["mem_gpu_live_mib"] = gpu.live_bytes / 1048576.0;
+      m["mem_gpu_peak_mib"] = gpu.peak_bytes / 1048576.0;
+    }
+    return m;
+  }
+
   // The batch on the device of the engine's parameters (a copy when the data lives elsewhere).
   Batch<T> to_device(Batch<T> b) const {
     const Device d = engine_.parameters().values().device();
