@@ -118,8 +118,9 @@ int main(int argc, char** argv) {
   ObserveFlags observe;
   add_observe_flags(app, observe);
   CLI11_PARSE(app, argc, argv);
+  if (!apply_run_dir("fashion_mnist", app, observe, opt.metrics, opt.checkpoint_dir)) return 2;
   if (opt.resume && opt.checkpoint_dir.empty()) {
-    std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");
+    std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir (or --run-dir)\n");
     return 2;
   }
   apply_observe_flags(observe);

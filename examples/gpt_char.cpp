@@ -836,8 +836,9 @@ int main(int argc, char** argv) {
   app.add_option("--export-hf", opt.export_hf, "at the end, rank 0 writes the model as a Hugging Face GPT-2 folder "
                  "(model.safetensors, config.json, --tokenizer's files) for transformers' from_pretrained");
   CLI11_PARSE(app, argc, argv);
+  if (!apply_run_dir("gpt_char", app, opt.observe, opt.metrics, opt.checkpoint_dir)) return 2;
   if (opt.resume && opt.checkpoint_dir.empty()) {
-    std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir\n");
+    std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir (or --run-dir)\n");
     return 2;
   }
   if (train_tokens->count() > 0 && tokenizer->count() == 0) {
