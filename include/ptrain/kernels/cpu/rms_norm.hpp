@@ -1,0 +1,54 @@
+#pragma once
+// RMSNorm over the last dimension: y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps)
+// (Llama's LlamaRMSNorm). Reads T, computes in acc_t<T> (float for bf16) and rounds
+// once when it stores.
+
+#include <cmath>
+#include <cstdint>
+
+#include "ptrain/core/dtype.hpp"
+
+namespace ptrain::kernels::cpu {
+
+/// x, y: [rows, d]; w: [d]; rstd: [rows], saved for backward.
+template <class T>
+void rms_norm_forward(std::int64_t rows, std::int64_t d, const T* x, const T* w, acc_t<T> eps, T* y,
+                      acc_t<T>* rstd) {
+  using A = acc_t<T>;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * d;
+    T* yr = y + r * d;
+    A ss = 0;
+    for (std::int64_t i = 0; i < d; ++i) ss += static_cast<A>(xr[i]) * static_cast<A>(xr[i]);
+    const A s = A(1) / std::sqrt(ss / static_cast<A>(d) + eps);
+    for (std::int64_t i = 0; i < d; ++i) yr[i] = T(static_cast<A>(xr[i]) * s * static_cast<A>(w[i]));
+    rstd[r] = s;
+  }
+}
+
+/// With g = dy * w and xhat = x * rstd: dx = rstd * (g - xhat * mean(g * xhat));
+/// dw += sum over rows of dy * xhat.
+template <class T>
+void rms_norm_backward(std::int64_t rows, std::int64_t d, const T* x, const acc_t<T>* rstd, const T* w, const T* dy,
+                       T* dx, T* dw) {
+  using A = acc_t<T>;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * d;
+    const T* dyr = dy + r * d;
+    T* dxr = dx + r * d;
+    const A s = rstd[r];
+    A gx_mean = 0;
+    for (std::int64_t i = 0; i < d; ++i) {
+      const A xhat = static_cast<A>(xr[i]) * s, g = static_cast<A>(dyr[i]);
+      gx_mean += g * static_cast<A>(w[i]) * xhat;
+      dw[i] = T(static_cast<A>(dw[i]) + g * xhat);
+    }
+    gx_mean /= static_cast<A>(d);
+    for (std::int64_t i = 0; i < d; ++i) {
+      const A xhat = static_cast<A>(xr[i]) * s;
+      dxr[i] = T(s * (static_cast<A>(dyr[i]) * static_cast<A>(w[i]) - xhat * gx_mean));
+    }
+  }
+}
+
+}  // namespace ptrain::kernels::cpu
