@@ -25,14 +25,13 @@ namespace ptrain::nn {
 template <class T>
 class GroupedQueryAttention : public Module<T> {
  public:
-  GroupedQueryAttention(std::int64_t n_embd, std::int64_t n_head, std::int64_t n_kv_head,
-                        ops::RotaryConfig rope = {}, bool qkv_bias = false, bool out_bias = false,
-                        Generator& gen = default_generator())
+  GroupedQueryAttention(std::int64_t n_embd, std::int64_t n_head, std::int64_t n_kv_head, ops::RotaryConfig rope = {},
+                        bool qkv_bias = false, bool out_bias = false, Generator& gen = default_generator())
       : n_embd_(n_embd), n_head_(n_head), n_kv_head_(n_kv_head), rope_(rope) {
-    PTRAIN_CHECK(n_head > 0 && n_embd > 0 && n_embd % n_head == 0, ShapeError, "[ptrain.gqa_attention] n_embd ",
-                 n_embd, " is not divisible by n_head ", n_head);
-    PTRAIN_CHECK(n_kv_head > 0 && n_head % n_kv_head == 0, ShapeError, "[ptrain.gqa_attention] n_kv_head ",
-                 n_kv_head, " must divide n_head ", n_head, " (1 for multi-query attention)");
+    PTRAIN_CHECK(n_head > 0 && n_embd > 0 && n_embd % n_head == 0, ShapeError, "[ptrain.gqa_attention] n_embd ", n_embd,
+                 " is not divisible by n_head ", n_head);
+    PTRAIN_CHECK(n_kv_head > 0 && n_head % n_kv_head == 0, ShapeError, "[ptrain.gqa_attention] n_kv_head ", n_kv_head,
+                 " must divide n_head ", n_head, " (1 for multi-query attention)");
     head_dim_ = n_embd / n_head;
     ops::rotary_inv_freq(head_dim_, rope_);  // checks the head width and the rotary config now, not at forward
     q_ = this->register_module("q_proj", std::make_shared<Linear<T>>(n_embd, n_head * head_dim_, qkv_bias, gen));

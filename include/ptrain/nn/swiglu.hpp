@@ -20,8 +20,8 @@ class SwiGLU : public Module<T> {
  public:
   SwiGLU(std::int64_t n_embd, std::int64_t hidden, bool bias = false, Generator& gen = default_generator())
       : n_embd_(n_embd), hidden_(hidden) {
-    PTRAIN_CHECK(n_embd > 0 && hidden > 0, ShapeError, "[ptrain.swiglu] widths must be positive, got n_embd ",
-                 n_embd, " and hidden ", hidden);
+    PTRAIN_CHECK(n_embd > 0 && hidden > 0, ShapeError, "[ptrain.swiglu] widths must be positive, got n_embd ", n_embd,
+                 " and hidden ", hidden);
     gate_ = this->register_module("gate_proj", std::make_shared<Linear<T>>(n_embd, hidden, bias, gen));
     up_ = this->register_module("up_proj", std::make_shared<Linear<T>>(n_embd, hidden, bias, gen));
     down_ = this->register_module("down_proj", std::make_shared<Linear<T>>(hidden, n_embd, bias, gen));

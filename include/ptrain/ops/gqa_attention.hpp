@@ -27,9 +27,9 @@ void check_gqa_inputs(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "grouped-query attention has float and double CPU kernels only");
   PTRAIN_CHECK(q.dim() == 4, ShapeError, "[ptrain.gqa_attention] q must be [B, S, H, D], got ", q.shape());
-  PTRAIN_CHECK(k.dim() == 4 && k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
-               ShapeError, "[ptrain.gqa_attention] k must be [B, S, Hkv, D] = [", q.size(0), ", ", q.size(1),
-               ", Hkv, ", q.size(3), "] for q ", q.shape(), ", got ", k.shape());
+  PTRAIN_CHECK(k.dim() == 4 && k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3), ShapeError,
+               "[ptrain.gqa_attention] k must be [B, S, Hkv, D] = [", q.size(0), ", ", q.size(1), ", Hkv, ", q.size(3),
+               "] for q ", q.shape(), ", got ", k.shape());
   check_shape(v, k.shape(), "gqa_attention v (the shape of k)");
   PTRAIN_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, ShapeError, "[ptrain.gqa_attention] ", k.size(2),
                " key/value heads do not divide ", q.size(2), " query heads");

@@ -41,7 +41,7 @@ struct Llama3RopeScaling {
 };
 
 struct RotaryConfig {
-  double theta = 10000.0;                          ///< rope_theta, the base of the frequencies
+  double theta = 10000.0;                                          ///< rope_theta, the base of the frequencies
   std::optional<Llama3RopeScaling> llama3_scaling = std::nullopt;  ///< none: plain RoPE
 };
 
@@ -57,10 +57,11 @@ inline std::vector<double> rotary_inv_freq(std::int64_t head_dim, const RotaryCo
   const Llama3RopeScaling& sc = *config.llama3_scaling;
   PTRAIN_CHECK(sc.factor >= 1 && sc.low_freq_factor > 0 && sc.high_freq_factor > sc.low_freq_factor &&
                    sc.original_max_position_embeddings > 0,
-               Error, "[ptrain.rotary.llama3] scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
-               "original_max_position_embeddings > 0; got factor ", sc.factor, ", low_freq_factor ",
-               sc.low_freq_factor, ", high_freq_factor ", sc.high_freq_factor, ", original_max_position_embeddings ",
-               sc.original_max_position_embeddings);
+               Error,
+               "[ptrain.rotary.llama3] scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+               "original_max_position_embeddings > 0; got factor ",
+               sc.factor, ", low_freq_factor ", sc.low_freq_factor, ", high_freq_factor ", sc.high_freq_factor,
+               ", original_max_position_embeddings ", sc.original_max_position_embeddings);
   const double pi = std::acos(-1.0), L = static_cast<double>(sc.original_max_position_embeddings);
   const double low_wavelen = L / sc.low_freq_factor, high_wavelen = L / sc.high_freq_factor;
   for (double& f : inv) {

@@ -5,18 +5,17 @@
 // _compute_llama3_parameters, LlamaAttention with repeat_kv); gradients are
 // checked by finite differences in double.
 #include <catch2/catch.hpp>
-
 #include <cmath>
-#include <vector>
 #include <ptrain/nn/gqa_attention.hpp>
 #include <ptrain/nn/rms_norm.hpp>
 #include <ptrain/nn/swiglu.hpp>
+#include <vector>
 
 #include "unit/gradcheck.hpp"
 
 using namespace ptrain;
-using ptrain::testing::check_module_gradients;
 using Catch::Matchers::Contains;
+using ptrain::testing::check_module_gradients;
 
 namespace {
 
@@ -106,8 +105,10 @@ std::vector<double> naive_gqa(nn::GroupedQueryAttention<double>& attn, const Ten
   const auto inv = reference_inv_freq(D, theta, sc);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t s = 0; s < S; ++s) {
-      for (std::int64_t h = 0; h < H; ++h) reference_rope(&q[static_cast<std::size_t>(((b * S + s) * H + h) * D)], D, pos_of(positions, b, s), inv);
-      for (std::int64_t h = 0; h < Hkv; ++h) reference_rope(&k[static_cast<std::size_t>(((b * S + s) * Hkv + h) * D)], D, pos_of(positions, b, s), inv);
+      for (std::int64_t h = 0; h < H; ++h)
+        reference_rope(&q[static_cast<std::size_t>(((b * S + s) * H + h) * D)], D, pos_of(positions, b, s), inv);
+      for (std::int64_t h = 0; h < Hkv; ++h)
+        reference_rope(&k[static_cast<std::size_t>(((b * S + s) * Hkv + h) * D)], D, pos_of(positions, b, s), inv);
     }
   std::vector<double> y(static_cast<std::size_t>(rows * H * D), 0.0);
   for (std::int64_t b = 0; b < B; ++b)
@@ -166,7 +167,8 @@ TEST_CASE("RMSNorm matches x / sqrt(mean(x^2) + eps) * w and its gradients", "[n
     double ms = 0;
     for (std::int64_t i = 0; i < 6; ++i) ms += x.data()[r * 6 + i] * x.data()[r * 6 + i] / 6.0;
     for (std::int64_t i = 0; i < 6; ++i)
-      ref[static_cast<std::size_t>(r * 6 + i)] = x.data()[r * 6 + i] / std::sqrt(ms + 1e-5) * norm.weight().value.data()[i];
+      ref[static_cast<std::size_t>(r * 6 + i)] =
+          x.data()[r * 6 + i] / std::sqrt(ms + 1e-5) * norm.weight().value.data()[i];
   }
   REQUIRE(max_abs_diff(y, ref) < 1e-14);
   check_module_gradients(norm, x);
@@ -252,12 +254,14 @@ TEST_CASE("rotary_ rotates by rotate_half; positions; its backward is the transp
   ops::RotaryConfig rope{.theta = 100.0, .llama3_scaling = ops::Llama3RopeScaling{2.0, 1.0, 4.0, 16}};
   const auto inv = reference_inv_freq(D, rope.theta, &*rope.llama3_scaling);
   auto pos = Tensor<std::int32_t>::from({3, 0, 7, 7, 1, 2, 9, 4, 0, 11}, {B, S});
-  for (const Tensor<std::int32_t>& p : {Tensor<std::int32_t>(), pos, Tensor<std::int32_t>::from({4, 5, 6, 7, 8}, {S})}) {
+  for (const Tensor<std::int32_t>& p :
+       {Tensor<std::int32_t>(), pos, Tensor<std::int32_t>::from({4, 5, 6, 7, 8}, {S})}) {
     auto x = random_tensor({B, S, H, D}, 21);
     auto ref = x.to_vector();
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t s = 0; s < S; ++s)
-        for (std::int64_t h = 0; h < H; ++h) reference_rope(&ref[static_cast<std::size_t>(((b * S + s) * H + h) * D)], D, pos_of(p, b, s), inv);
+        for (std::int64_t h = 0; h < H; ++h)
+          reference_rope(&ref[static_cast<std::size_t>(((b * S + s) * H + h) * D)], D, pos_of(p, b, s), inv);
     auto y = x.clone();
     ops::rotary_(y, rope, p);
     REQUIRE(max_abs_diff(y, ref) < 1e-14);
@@ -320,6 +324,10 @@ TEST_CASE("grouped-query attention gradients (finite differences)", "[nn][llama]
     randomize(attn, 51);
     check_module_gradients(attn, random_tensor({2, 5, 8}, 52));
   }
+  // 70 positions: the backward's row and column tiles of 64, key/value heads summed across tiles.
+  nn::GroupedQueryAttention<double> long_attn(8, 4, 2, rope);
+  randomize(long_attn, 55);
+  check_module_gradients(long_attn, random_tensor({1, 70, 8}, 56));
   auto attn = std::make_shared<nn::GroupedQueryAttention<double>>(8, 4, 2, rope);
   randomize(*attn, 53);
   PositionedAttention positioned(attn, Tensor<std::int32_t>::from({4, 9, 1, 2, 3, 0, 5, 6, 7, 12}, {2, 5}));
@@ -343,4 +351,32 @@ TEST_CASE("grouped-query attention: shape errors and CPU-only kernels", "[nn][ll
                       Contains("v"));
   REQUIRE_THROWS_WITH(ops::detail::require_cpu("rms_norm", Device::cuda(0)),
                       Contains("[ptrain.cuda.unsupported]") && Contains("rms_norm"));
+}
+
+TEST_CASE("RMSNorm, swiglu and rotary in bf16 match double on the same inputs", "[nn][llama][bf16]") {
+  // Inputs exactly representable in bf16; a bf16 result is rounded once (2^-8 relative at most).
+  auto xd = random_tensor({3, 4, 2, 8}, 61, -2.0, 2.0), ud = random_tensor({3, 4, 2, 8}, 62, -2.0, 2.0);
+  auto wd = random_tensor({8}, 63, 0.5, 1.5);
+  auto xb = Tensor<bf16>::empty(xd.shape()), ub = Tensor<bf16>::empty(ud.shape()), wb = Tensor<bf16>::empty({8});
+  ops::cast_into(xd, xb);
+  ops::cast_into(ud, ub);
+  ops::cast_into(wd, wb);
+  ops::cast_into(xb, xd);
+  ops::cast_into(ub, ud);
+  ops::cast_into(wb, wd);
+  auto near = [](const Tensor<bf16>& b, const Tensor<double>& d) {
+    auto bd = Tensor<double>::empty(b.shape());
+    ops::cast_into(b, bd);
+    for (std::int64_t i = 0; i < d.numel(); ++i)
+      REQUIRE(std::abs(bd.data()[i] - d.data()[i]) <= std::ldexp(std::abs(d.data()[i]), -8) + 1e-6);
+  };
+  Tensor<float> rstd_b;
+  Tensor<double> rstd_d;
+  near(ops::rms_norm(xb, wb, 1e-6f, rstd_b), ops::rms_norm(xd, wd, 1e-6, rstd_d));
+  for (std::int64_t r = 0; r < rstd_d.numel(); ++r) REQUIRE(rstd_b.data()[r] == Approx(rstd_d.data()[r]).epsilon(1e-5));
+  near(ops::swiglu(xb, ub), ops::swiglu(xd, ud));
+  const ops::RotaryConfig rope{.theta = 10000.0};
+  ops::rotary_(xb, rope);
+  ops::rotary_(xd, rope);
+  near(xb, xd);
 }

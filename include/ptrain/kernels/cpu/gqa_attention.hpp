@@ -17,8 +17,8 @@ namespace ptrain::kernels::cpu {
 
 /// Forward: probs [B, H, S, S] receives softmax(scale q k^T) with zeros above the diagonal.
 template <class T>
-void gqa_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D,
-                           const T* q, const T* k, const T* v, T scale, T* probs, T* y) {
+void gqa_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D, const T* q,
+                           const T* k, const T* v, T scale, T* probs, T* y) {
   const std::int64_t ldq = H * D, ldkv = Hkv * D, group = H / Hkv;
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < H; ++h) {

@@ -12,8 +12,7 @@ namespace ptrain::kernels::cpu {
 
 /// x, y: [rows, d]; w: [d]; rstd: [rows], saved for backward.
 template <class T>
-void rms_norm_forward(std::int64_t rows, std::int64_t d, const T* x, const T* w, acc_t<T> eps, T* y,
-                      acc_t<T>* rstd) {
+void rms_norm_forward(std::int64_t rows, std::int64_t d, const T* x, const T* w, acc_t<T> eps, T* y, acc_t<T>* rstd) {
   using A = acc_t<T>;
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * d;
