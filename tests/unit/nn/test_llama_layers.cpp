@@ -349,8 +349,21 @@ TEST_CASE("grouped-query attention: shape errors and CPU-only kernels", "[nn][ll
   REQUIRE_THROWS_WITH(ops::gqa_attention(random_tensor({1, 3, 4, 2}, 1), random_tensor({1, 3, 2, 2}, 2),
                                          random_tensor({1, 3, 1, 2}, 3), probs),
                       Contains("v"));
-  REQUIRE_THROWS_WITH(ops::detail::require_cpu("rms_norm", Device::cuda(0)),
-                      Contains("[ptrain.cuda.unsupported]") && Contains("rms_norm"));
+}
+
+TEST_CASE("the Llama-family ops refuse CUDA tensors by name", "[nn][llama]") {
+  // Host memory labelled cuda:0: every op must refuse it before reading or allocating anything.
+  auto host = std::make_shared<std::vector<double>>(2 * 3 * 2 * 4, 0.5);
+  auto on_cuda = [&](const Shape& s) { return Tensor<double>::wrap(host->data(), s, Device::cuda(0), host); };
+  const auto x = on_cuda({2, 3, 2, 4});
+  auto unsupported = [](const std::string& op) { return Contains("[ptrain.cuda.unsupported] " + op + " has CPU"); };
+  Tensor<double> rstd, probs;
+  REQUIRE_THROWS_AS(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), CudaError);
+  REQUIRE_THROWS_WITH(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), unsupported("rms_norm"));
+  REQUIRE_THROWS_WITH(ops::swiglu(x, x), unsupported("swiglu"));
+  auto rotated = x;
+  REQUIRE_THROWS_WITH(ops::rotary_(rotated, {}), unsupported("rotary_"));
+  REQUIRE_THROWS_WITH(ops::gqa_attention(x, x, x, probs), unsupported("gqa_attention"));
 }
 
 TEST_CASE("RMSNorm, swiglu and rotary in bf16 match double on the same inputs", "[nn][llama][bf16]") {
