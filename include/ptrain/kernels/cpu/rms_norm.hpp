@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "ptrain/core/dtype.hpp"
 
@@ -26,11 +27,12 @@ void rms_norm_forward(std::int64_t rows, std::int64_t d, const T* x, const T* w,
 }
 
 /// With g = dy * w and xhat = x * rstd: dx = rstd * (g - xhat * mean(g * xhat));
-/// dw += sum over rows of dy * xhat.
+/// dw += sum over rows of dy * xhat (summed in acc_t<T>, added to dw once).
 template <class T>
 void rms_norm_backward(std::int64_t rows, std::int64_t d, const T* x, const acc_t<T>* rstd, const T* w, const T* dy,
                        T* dx, T* dw) {
   using A = acc_t<T>;
+  std::vector<A> dw_sum(static_cast<std::size_t>(d), A(0));
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * d;
     const T* dyr = dy + r * d;
@@ -38,9 +40,9 @@ void rms_norm_backward(std::int64_t rows, std::int64_t d, const T* x, const acc_
     const A s = rstd[r];
     A gx_mean = 0;
     for (std::int64_t i = 0; i < d; ++i) {
-      const A xhat = static_cast<A>(xr[i]) * s, g = static_cast<A>(dyr[i]);
-      gx_mean += g * static_cast<A>(w[i]) * xhat;
-      dw[i] = T(static_cast<A>(dw[i]) + g * xhat);
+      const A xhat = static_cast<A>(xr[i]) * s, dyi = static_cast<A>(dyr[i]);
+      gx_mean += dyi * static_cast<A>(w[i]) * xhat;
+      dw_sum[static_cast<std::size_t>(i)] += dyi * xhat;
     }
     gx_mean /= static_cast<A>(d);
     for (std::int64_t i = 0; i < d; ++i) {
@@ -48,6 +50,7 @@ void rms_norm_backward(std::int64_t rows, std::int64_t d, const T* x, const acc_
       dxr[i] = T(s * (static_cast<A>(dyr[i]) * static_cast<A>(w[i]) - xhat * gx_mean));
     }
   }
+  for (std::int64_t i = 0; i < d; ++i) dw[i] = T(static_cast<A>(dw[i]) + dw_sum[static_cast<std::size_t>(i)]);
 }
 
 }  // namespace ptrain::kernels::cpu
