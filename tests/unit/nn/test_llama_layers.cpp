@@ -126,7 +126,7 @@ std::vector<double> naive_gqa(nn::GroupedQueryAttention<double>& attn, const Ten
           mx = std::max(mx, score[static_cast<std::size_t>(j)]);
         }
         double z = 0;
-        for (auto& sc_ : score) z += (sc_ = std::exp(sc_ - mx));
+        for (auto& e : score) z += (e = std::exp(e - mx));
         for (std::int64_t j = 0; j <= i; ++j)
           for (std::int64_t d = 0; d < D; ++d)
             y[static_cast<std::size_t>(((b * S + i) * H + h) * D + d)] +=
