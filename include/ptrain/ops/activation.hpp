@@ -3,6 +3,7 @@
 
 #include <type_traits>
 
+#include "ptrain/kernels/cpu/swiglu.hpp"
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {
@@ -91,6 +92,29 @@ Tensor<T> silu(const Tensor<T>& x) {
 template <class T>
 Tensor<T> silu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
   return detail::activation_backward(x, dy, kernels::ActivationKind::SiLU, 0.0, "silu output gradient");
+}
+
+/// silu(gate) * up, elementwise (the gated product of a SwiGLU MLP). CPU only.
+template <class T>
+Tensor<T> swiglu(const Tensor<T>& gate, const Tensor<T>& up) {
+  check_shape(up, gate.shape(), "swiglu up projection");
+  detail::check_devices("swiglu", gate.device(), up);
+  detail::require_cpu("swiglu", gate.device());
+  auto h = Tensor<T>::empty(gate.shape(), gate.device());
+  kernels::cpu::swiglu_forward(gate.numel(), gate.data(), up.data(), h.data());
+  return h;
+}
+/// Gradients of swiglu given its inputs: dgate and dup.
+template <class T>
+void swiglu_backward(const Tensor<T>& gate, const Tensor<T>& up, const Tensor<T>& dh, Tensor<T>& dgate,
+                     Tensor<T>& dup) {
+  check_shape(up, gate.shape(), "swiglu up projection");
+  check_shape(dh, gate.shape(), "swiglu output gradient");
+  detail::check_devices("swiglu_backward", gate.device(), up, dh);
+  detail::require_cpu("swiglu_backward", gate.device());
+  dgate = Tensor<T>::empty(gate.shape(), gate.device());
+  dup = Tensor<T>::empty(gate.shape(), gate.device());
+  kernels::cpu::swiglu_backward(gate.numel(), gate.data(), up.data(), dh.data(), dgate.data(), dup.data());
 }
 
 /// x for x > 0, negative_slope * x otherwise.

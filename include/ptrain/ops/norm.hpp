@@ -1,6 +1,7 @@
 #pragma once
-// LayerNorm over the last dimension.
+// LayerNorm and RMSNorm over the last dimension.
 
+#include "ptrain/kernels/cpu/rms_norm.hpp"
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {
@@ -37,6 +38,37 @@ Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, 
   auto dx = Tensor<T>::empty(x.shape(), x.device());
   PTRAIN_DISPATCH(x.device(), T, layer_norm_backward, rows, d, x.data(), mean.data(), rstd.data(), gamma.data(),
                   dy.data(), dx.data(), dgamma.data(), dbeta.data());
+  return dx;
+}
+
+/// y = x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama's RMSNorm), weight [d];
+/// fills rstd ([rows], float for bf16 x) for the backward pass. CPU only.
+template <class T>
+Tensor<T> rms_norm(const Tensor<T>& x, const Tensor<T>& weight, acc_t<T> eps, Tensor<acc_t<T>>& rstd) {
+  const std::int64_t rows = rows_of(x, "rms_norm input"), d = x.size(-1);
+  check_shape(weight, {d}, "rms_norm weight");
+  detail::check_devices("rms_norm", x.device(), weight);
+  detail::require_cpu("rms_norm", x.device());
+  auto y = Tensor<T>::empty(x.shape(), x.device());
+  rstd = Tensor<acc_t<T>>::empty({rows}, x.device());
+  kernels::cpu::rms_norm_forward(rows, d, x.data(), weight.data(), eps, y.data(), rstd.data());
+  return y;
+}
+
+/// Returns dx; accumulates dweight.
+template <class T>
+Tensor<T> rms_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& rstd, const Tensor<T>& weight,
+                            const Tensor<T>& dy, Tensor<T>& dweight) {
+  const std::int64_t rows = rows_of(x, "rms_norm input"), d = x.size(-1);
+  check_shape(dy, x.shape(), "rms_norm output gradient");
+  check_shape(rstd, {rows}, "rms_norm rstd");
+  check_shape(weight, {d}, "rms_norm weight");
+  check_shape(dweight, {d}, "rms_norm weight gradient");
+  detail::check_devices("rms_norm_backward", x.device(), rstd, weight, dy, dweight);
+  detail::require_cpu("rms_norm_backward", x.device());
+  auto dx = Tensor<T>::empty(x.shape(), x.device());
+  kernels::cpu::rms_norm_backward(rows, d, x.data(), rstd.data(), weight.data(), dy.data(), dx.data(),
+                                  dweight.data());
   return dx;
 }
 

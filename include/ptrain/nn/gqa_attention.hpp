@@ -1,0 +1,99 @@
+#pragma once
+// Causal grouped-query self-attention with rotary positions (Llama's LlamaAttention):
+//
+//   x [B, S, C] -> q_proj (C -> H*D), k_proj and v_proj (C -> Hkv*D), D = C / H
+//               -> rotary on q and k (ops/rotary.hpp)
+//               -> per query head h: softmax(q k^T / sqrt(D), causal) v with the
+//                  key/value head h / (H / Hkv) (ops/gqa_attention.hpp)
+//               -> o_proj (H*D -> C)
+//
+// n_kv_head divides n_head: n_kv_head == n_head is multi-head attention, 1 is
+// multi-query. Parameter names follow Hugging Face: "q_proj.weight" [H*D, C],
+// "k_proj.weight" and "v_proj.weight" [Hkv*D, C], "o_proj.weight" [C, H*D]; no
+// biases by default (Llama, Mistral), qkv_bias for Qwen2's q/k/v biases, out_bias
+// for an o_proj bias. Positions are 0..S-1, or the int32 position ids given to the
+// three-argument forward ([S] or [B, S]). No dropout. CPU only.
+
+#include <string>
+
+#include "ptrain/nn/linear.hpp"
+#include "ptrain/ops/gqa_attention.hpp"
+#include "ptrain/ops/rotary.hpp"
+
+namespace ptrain::nn {
+
+template <class T>
+class GroupedQueryAttention : public Module<T> {
+ public:
+  GroupedQueryAttention(std::int64_t n_embd, std::int64_t n_head, std::int64_t n_kv_head, ops::RotaryConfig rope = {},
+                        bool qkv_bias = false, bool out_bias = false, Generator& gen = default_generator())
+      : n_embd_(n_embd), n_head_(n_head), n_kv_head_(n_kv_head), rope_(rope) {
+    PTRAIN_CHECK(n_head > 0 && n_embd > 0 && n_embd % n_head == 0, ShapeError, "[ptrain.gqa_attention] n_embd ", n_embd,
+                 " is not divisible by n_head ", n_head);
+    PTRAIN_CHECK(n_kv_head > 0 && n_head % n_kv_head == 0, ShapeError, "[ptrain.gqa_attention] n_kv_head ", n_kv_head,
+                 " must divide n_head ", n_head, " (1 for multi-query attention)");
+    head_dim_ = n_embd / n_head;
+    ops::rotary_inv_freq(head_dim_, rope_);  // checks the head width and the rotary config now, not at forward
+    q_ = this->register_module("q_proj", std::make_shared<Linear<T>>(n_embd, n_head * head_dim_, qkv_bias, gen));
+    k_ = this->register_module("k_proj", std::make_shared<Linear<T>>(n_embd, n_kv_head * head_dim_, qkv_bias, gen));
+    v_ = this->register_module("v_proj", std::make_shared<Linear<T>>(n_embd, n_kv_head * head_dim_, qkv_bias, gen));
+    o_ = this->register_module("o_proj", std::make_shared<Linear<T>>(n_head * head_dim_, n_embd, out_bias, gen));
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return forward(x, {}, cache); }
+
+  /// position_ids: int32 [S] or [B, S] on the CPU; undefined means 0..S-1.
+  Tensor<T> forward(const Tensor<T>& x, const Tensor<std::int32_t>& position_ids, Cache<T>& cache) {
+    PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.gqa_attention] input must be [B, S, ",
+                 n_embd_, "], got ", x.shape());
+    const std::int64_t B = x.size(0), S = x.size(1);
+    // The projections' outputs are fresh tensors (Linear keeps only its input), so rotating in place is safe.
+    auto q = q_->forward(x, cache.child(0)).reshape({B, S, n_head_, head_dim_});
+    auto k = k_->forward(x, cache.child(1)).reshape({B, S, n_kv_head_, head_dim_});
+    auto v = v_->forward(x, cache.child(2)).reshape({B, S, n_kv_head_, head_dim_});
+    ops::rotary_(q, rope_, position_ids);
+    ops::rotary_(k, rope_, position_ids);
+    Tensor<T> probs;
+    auto y = ops::gqa_attention(q, k, v, probs);
+    cache.tensors = {q, k, v, probs};
+    cache.indices = {position_ids};
+    return o_->forward(y.reshape({B, S, n_head_ * head_dim_}), cache.child(3));
+  }
+
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 4 && cache.indices.size() == 1, Error,
+                 "[ptrain.backward] GroupedQueryAttention::backward without a forward");
+    const Tensor<T>&q = cache.tensors[0], &k = cache.tensors[1], &v = cache.tensors[2];
+    const std::int64_t B = q.size(0), S = q.size(1);
+    auto dy_heads = o_->backward(dy, cache.child(3)).reshape(q.shape());
+    Tensor<T> dq, dk, dv;
+    ops::gqa_attention_backward(q, k, v, cache.tensors[3], dy_heads, dq, dk, dv);
+    ops::rotary_backward_(dq, rope_, cache.indices[0]);
+    ops::rotary_backward_(dk, rope_, cache.indices[0]);
+    auto dx = q_->backward(dq.reshape({B, S, n_head_ * head_dim_}), cache.child(0));
+    ops::axpy_(acc_t<T>(1), k_->backward(dk.reshape({B, S, n_kv_head_ * head_dim_}), cache.child(1)), dx);
+    ops::axpy_(acc_t<T>(1), v_->backward(dv.reshape({B, S, n_kv_head_ * head_dim_}), cache.child(2)), dx);
+    cache.clear();
+    return dx;
+  }
+
+  std::string describe() const override {
+    return "GroupedQueryAttention(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) +
+           ", kv_heads=" + std::to_string(n_kv_head_) + ")";
+  }
+  Linear<T>& q_proj() { return *q_; }
+  Linear<T>& k_proj() { return *k_; }
+  Linear<T>& v_proj() { return *v_; }
+  Linear<T>& o_proj() { return *o_; }
+  std::int64_t n_head() const { return n_head_; }
+  std::int64_t n_kv_head() const { return n_kv_head_; }
+  std::int64_t head_dim() const { return head_dim_; }
+  const ops::RotaryConfig& rotary() const { return rope_; }
+
+ private:
+  std::int64_t n_embd_, n_head_, n_kv_head_, head_dim_ = 0;
+  ops::RotaryConfig rope_;
+  std::shared_ptr<Linear<T>> q_, k_, v_, o_;
+};
+
+}  // namespace ptrain::nn
