@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -107,16 +108,18 @@ class TensorBoardWriter {
  public:
   /// Disabled writer.
   TensorBoardWriter() = default;
-  /// Creates <dir>/events.out.tfevents.<seconds>.<host>.ptrain (the directory must exist); "" disables.
+  /// Creates <dir>/events.out.tfevents.<seconds>.<host>.ptrain (and dir, as SummaryWriter does); "" disables.
   explicit TensorBoardWriter(const std::string& dir) {
     if (dir.empty()) return;
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);  // a failure shows as the open's error below
     char host[256] = "localhost";
     ::gethostname(host, sizeof(host) - 1);
     const auto secs = static_cast<long long>(wall_time());
     path_ = dir + "/events.out.tfevents." + std::to_string(secs) + "." + host + ".ptrain";
     out_.open(path_, std::ios::binary | std::ios::trunc);
     PTRAIN_CHECK(out_.is_open(), Error, "[ptrain.tensorboard.open] cannot create the TensorBoard event file '", path_,
-                 "'; create the directory or pass another --tensorboard-dir");
+                 "'; check that the directory is writable or pass another --tensorboard-dir");
     write_record(detail::event_bytes(wall_time(), 0, "brain.Event:2", {}));
   }
   TensorBoardWriter(TensorBoardWriter&&) = default;

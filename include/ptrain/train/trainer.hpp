@@ -32,6 +32,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -151,7 +152,7 @@ class Trainer {
       return ts;
     };
 
-    MetricsWriter metrics(lead ? o_.metrics : "", resumed, lead ? o_.tensorboard : "");
+    MetricsWriter metrics = open_metrics(lead, resumed);
     obs::Tracer& tracer = obs::Tracer::get();
     tracer.configure_from_env(engine_.communicator().rank());
     StepTimes times;  // Note [Straggler report]
@@ -264,6 +265,25 @@ class Trainer {
   }
 
  private:
+  // The leader's metrics writer. Every rank learns whether it opened: a leader
+  // that fails alone must not leave the others waiting in the first collective.
+  MetricsWriter open_metrics(bool lead, bool resumed) {
+    MetricsWriter w;
+    std::exception_ptr err;
+    try {
+      if (lead) w = MetricsWriter(o_.metrics, resumed, o_.tensorboard);
+    } catch (const Error&) {
+      err = std::current_exception();
+    }
+    dist::Communicator& comm = engine_.communicator();
+    std::int32_t failed = err ? 1 : 0;
+    if (comm.size() > 1) comm.all_reduce(&failed, 1, DType::I32, dist::ReduceOp::Max);
+    if (err) std::rethrow_exception(err);
+    PTRAIN_CHECK(failed == 0, Error, "[ptrain.metrics.open] rank 0 could not open its metrics or TensorBoard files "
+                 "(its log has the reason)");
+    return w;
+  }
+
   // Allocator bytes (live and peak) of the host and of the parameters' GPU, in MiB.
   nlohmann::json memory_fields() const {
     const Device d = engine_.parameters().values().device();
