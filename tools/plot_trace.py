@@ -66,18 +66,25 @@ def main():
     rows = sorted({(e["pid"], e["tid"]) for e in spans})
     index = {r: i for i, r in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.4))
+    # Longer spans first, so that the spans nested in them are drawn on top, and thinner.
+    spans.sort(key=lambda e: -e["dur"])
+
+    def depth(e):
+        return sum(1 for o in spans if o is not e and (o["pid"], o["tid"]) == (e["pid"], e["tid"])
+                   and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"] and o["dur"] > e["dur"])
+
     seen = {}
     for e in spans:
         label, colour = kind(e["name"])
         start, end = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
         y = index[(e["pid"], e["tid"])]
-        # Nested spans (a collective inside forward_backward) drawn thinner, on top.
-        height = 0.8 if label in ("forward + backward", "other") else 0.5
+        d = depth(e)
+        height = max(0.2, 0.8 - 0.25 * d)
         bar = ax.barh(y, (end - start) / 1000.0, left=(start - lo) / 1000.0, height=height, color=colour,
                       edgecolor="black", linewidth=0.3, label=None if label in seen else label)
         seen[label] = bar
-        if (end - start) > 0.06 * (hi - lo):
-            ax.text((start + end - 2 * lo) / 2000.0, y, e["name"], ha="center", va="center", fontsize=6)
+        if (end - start) > 0.08 * (hi - lo) and d == 0:
+            ax.text((start + end - 2 * lo) / 2000.0, y - 0.3, e["name"], ha="center", va="bottom", fontsize=7)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(["rank %d, thread %d" % r for r in rows])
     ax.invert_yaxis()
