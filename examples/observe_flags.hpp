@@ -23,7 +23,8 @@ struct ObserveFlags {
 /// Adds --run-dir, --trace-dir, --trace-steps, --flight-recorder-dir, --flight-recorder-size and --tensorboard-dir.
 inline void add_observe_flags(CLI::App& app, ObserveFlags& f) {
   app.add_option("--run-dir", f.run_dir, "one folder for the run: config.toml (every flag), metrics.jsonl, "
-                 "tensorboard/ and checkpoints/, unless --metrics, --tensorboard-dir or --checkpoint-dir say otherwise");
+                 "tensorboard/ and checkpoints/, unless --metrics, --tensorboard-dir or --checkpoint-dir say "
+                 "otherwise");
   app.add_option("--trace-dir", f.trace_dir, "write each rank's Chrome/Perfetto trace here (trace_rank<R>.json; "
                  "PTRAIN_TRACE_DIR)");
   app.add_option("--trace-steps", f.trace_steps, "steps to trace, FIRST:LAST or one step (default 1:3; "
