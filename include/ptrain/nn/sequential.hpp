@@ -1,8 +1,9 @@
 #pragma once
-// Sequential: children run in order; backward runs them in reverse, so the
-// last layer's gradients are ready (and announced) first.
+// UnitChain: named units run in order, backward in reverse; Sequential is a chain
+// whose units are numbered.
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ptrain/nn/module.hpp"
@@ -34,44 +35,63 @@ Tensor<T> backward_units(const Units<T>& units, Tensor<T> g, Cache<T>& cache) {
 }
 }  // namespace detail
 
+/// An ordered chain of named units, each a Module with its own child cache: the
+/// base of Sequential, GPT, Llama and a pipeline stage. Forward runs the units in
+/// order, backward in reverse, so the last unit's gradients are ready (and
+/// announced) first. units() and unit_names() are what FSDP wraps and pipelines cut
+/// between; a unit's name is the prefix of its parameters' names.
 template <class T>
-class Sequential : public Module<T> {
+class UnitChain : public Module<T> {
+ public:
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return detail::forward_units(units_, x, cache); }
+  /// forward() whose first unit looks token ids up (an embedding): int32 ids [B, S].
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) override {
+    return detail::forward_units_tokens(units_, ids, cache);
+  }
+  /// The units' backward in reverse; the first unit's dx (undefined after token ids).
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    return detail::backward_units(units_, dy, cache);
+  }
+  std::string describe() const override { return describe_units("UnitChain"); }
+
+  /// The units in order.
+  const std::vector<std::shared_ptr<Module<T>>>& units() const { return units_; }
+  /// Parameter-name prefix of each unit.
+  const std::vector<std::string>& unit_names() const { return unit_names_; }
+  std::size_t size() const { return units_.size(); }
+  Module<T>& unit(std::size_t i) { return *units_.at(i); }
+
+ protected:
+  /// Appends a unit; its parameters are named "<name>.<parameter>".
+  void add_unit(const std::string& name, std::shared_ptr<Module<T>> unit) {
+    units_.push_back(unit);
+    unit_names_.push_back(name);
+    this->register_module(name, std::move(unit));
+  }
+  std::string describe_units(const std::string& kind) const {
+    std::string s = kind + "(";
+    for (std::size_t i = 0; i < units_.size(); ++i) s += (i ? ", " : "") + units_[i]->describe();
+    return s + ")";
+  }
+
+ private:
+  std::vector<std::shared_ptr<Module<T>>> units_;
+  std::vector<std::string> unit_names_;
+};
+
+template <class T>
+class Sequential : public UnitChain<T> {
  public:
   Sequential() = default;
 
   /// Appends a module; its parameters are named "<index>.<name>".
   template <class M>
   std::shared_ptr<M> add(std::shared_ptr<M> m) {
-    layers_.push_back(m);
-    return this->register_module(std::to_string(layers_.size() - 1), std::move(m));
+    this->add_unit(std::to_string(this->size()), m);
+    return m;
   }
-
-  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return detail::forward_units(layers_, x, cache); }
-  /// forward() whose first layer takes token ids (an Embedding, say).
-  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) override {
-    return detail::forward_units_tokens(layers_, ids, cache);
-  }
-  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    return detail::backward_units(layers_, dy, cache);
-  }
-  std::string describe() const override {
-    std::string s = "Sequential(";
-    for (std::size_t i = 0; i < layers_.size(); ++i) s += (i ? ", " : "") + layers_[i]->describe();
-    return s + ")";
-  }
-  std::size_t size() const { return layers_.size(); }
-  /// The layers in order (what FSDP wraps and pipelines cut between, as GPT::units()).
-  const std::vector<std::shared_ptr<Module<T>>>& units() const { return layers_; }
-  /// Name prefix of each unit's parameters ("0", "1", ...), as GPT::unit_names().
-  std::vector<std::string> unit_names() const {
-    std::vector<std::string> names;
-    for (std::size_t i = 0; i < layers_.size(); ++i) names.push_back(std::to_string(i));
-    return names;
-  }
-  Module<T>& operator[](std::size_t i) { return *layers_.at(i); }
-
- private:
-  std::vector<std::shared_ptr<Module<T>>> layers_;
+  std::string describe() const override { return this->describe_units("Sequential"); }
+  Module<T>& operator[](std::size_t i) { return this->unit(i); }
 };
 
 }  // namespace ptrain::nn

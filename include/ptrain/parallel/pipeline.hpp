@@ -235,31 +235,10 @@ using ::ptrain::detail::cat;
 // The units of one stage, named by their global unit name so parameter names
 // match the full model's (checkpoints, error messages).
 template <class T>
-class StageModule : public nn::Module<T> {
+class StageModule : public nn::UnitChain<T> {
  public:
-  void add(const std::string& name, std::shared_ptr<nn::Module<T>> unit) {
-    units_.push_back(unit);
-    this->register_module(name, std::move(unit));
-  }
-  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
-    return nn::detail::forward_units(units_, x, cache);
-  }
-  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
-    return nn::detail::forward_units_tokens(units_, ids, cache);
-  }
-  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
-    return nn::detail::backward_units(units_, dy, cache);
-  }
-  std::string describe() const override {
-    std::string s = "Stage(";
-    for (std::size_t i = 0; i < units_.size(); ++i) s += (i ? ", " : "") + units_[i]->describe();
-    return s + ")";
-  }
-  std::size_t size() const { return units_.size(); }
-  nn::Module<T>& unit(std::size_t i) { return *units_.at(i); }
-
- private:
-  std::vector<std::shared_ptr<nn::Module<T>>> units_;
+  void add(const std::string& name, std::shared_ptr<nn::Module<T>> unit) { this->add_unit(name, std::move(unit)); }
+  std::string describe() const override { return this->describe_units("Stage"); }
 };
 
 constexpr int kMaxShapeDims = 8;  // Note [Shapes]

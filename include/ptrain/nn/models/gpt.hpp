@@ -183,7 +183,7 @@ inline std::uint64_t gpt_unit_draws(const GPTConfig& c, std::size_t u) {
 
 /// GPT-2: ids [B, S] (integral T values) -> logits [B, S, vocab].
 template <class T>
-class GPT : public Module<T> {
+class GPT : public UnitChain<T> {
  public:
   /// GPT-2 initialisation from `gen`, in named_parameters() order: every Linear and
   /// embedding weight ~ N(0, 0.02), residual projections (attn.c_proj, mlp.c_proj)
@@ -193,27 +193,17 @@ class GPT : public Module<T> {
     // Modules draw their own default init from a scratch stream; GPT-2's init below replaces it.
     Generator scratch(0);
     embed_ = detail::make_gpt_embedding<T>(cfg, scratch);
-    add_unit("embed", embed_);
+    this->add_unit("embed", embed_);
     for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
       blocks_.push_back(detail::make_gpt_block<T>(cfg, l, scratch));
-      add_unit("h." + std::to_string(l), detail::gpt_block_unit(cfg, blocks_.back()));
+      this->add_unit("h." + std::to_string(l), detail::gpt_block_unit(cfg, blocks_.back()));
     }
     head_ = std::make_shared<LMHead<T>>(cfg.n_embd, cfg.vocab_size,
                                         cfg.tie_weights ? &embed_->wte().weight() : nullptr, scratch);
-    add_unit("head", head_);
-    for (auto& u : units_) detail::init_gpt_unit(*u, cfg, gen);
+    this->add_unit("head", head_);
+    for (auto& u : this->units()) detail::init_gpt_unit(*u, cfg, gen);
   }
 
-  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return detail::forward_units(units_, x, cache); }
-  /// forward() with int32 token ids [B, S]: the form for every T, and the only one for
-  /// bf16 (which cannot hold ids above 256).
-  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, Cache<T>& cache) override {
-    return detail::forward_units_tokens(units_, ids, cache);
-  }
-  /// Runs the units in reverse; returns an undefined tensor (ids have no gradient).
-  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    return detail::backward_units(units_, dy, cache);
-  }
   std::string describe() const override {
     return "GPT(vocab=" + std::to_string(cfg_.vocab_size) + ", block=" + std::to_string(cfg_.block_size) +
            ", layers=" + std::to_string(cfg_.n_layer) + ", heads=" + std::to_string(cfg_.n_head) +
@@ -221,10 +211,6 @@ class GPT : public Module<T> {
   }
 
   const GPTConfig& config() const { return cfg_; }
-  /// The units in order: embedding, blocks, head (what FSDP wraps and pipelines cut between).
-  const std::vector<std::shared_ptr<Module<T>>>& units() const { return units_; }
-  /// Parameter-name prefix of each unit ("embed", "h.0", ..., "head").
-  const std::vector<std::string>& unit_names() const { return unit_names_; }
   TokenPositionEmbedding<T>& embedding() { return *embed_; }
   TransformerBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
   LMHead<T>& head() { return *head_; }
@@ -243,18 +229,10 @@ class GPT : public Module<T> {
   }
 
  private:
-  void add_unit(const std::string& name, std::shared_ptr<Module<T>> unit) {
-    units_.push_back(unit);
-    unit_names_.push_back(name);
-    this->register_module(name, std::move(unit));
-  }
-
   GPTConfig cfg_;
   std::shared_ptr<TokenPositionEmbedding<T>> embed_;
   std::vector<std::shared_ptr<TransformerBlock<T>>> blocks_;
   std::shared_ptr<LMHead<T>> head_;
-  std::vector<std::shared_ptr<Module<T>>> units_;
-  std::vector<std::string> unit_names_;
 };
 
 /// Unit u of `GPT<T>(cfg, gen)` built alone, with the values the whole model gives it
