@@ -11,11 +11,14 @@
 // multi-query. Parameter names follow Hugging Face: "q_proj.weight" [H*D, C],
 // "k_proj.weight" and "v_proj.weight" [Hkv*D, C], "o_proj.weight" [C, H*D]; no
 // biases by default (Llama, Mistral), qkv_bias for Qwen2's q/k/v biases, out_bias
-// for an o_proj bias. Positions are 0..S-1, or the int32 position ids given to the
-// three-argument forward ([S] or [B, S]). No dropout. CPU only.
+// for an o_proj bias. Positions come from the cache's batch context (explicit
+// position ids, or restarting at each document with set_document_token(); Note
+// [Batch context]), else 0..S-1; the three-argument forward takes int32 position ids
+// ([S] or [B, S]) directly. No dropout. CPU only.
 
 #include <string>
 
+#include "ptrain/nn/batch_context.hpp"
 #include "ptrain/nn/linear.hpp"
 #include "ptrain/ops/gqa_attention.hpp"
 #include "ptrain/ops/rotary.hpp"
@@ -40,24 +43,29 @@ class GroupedQueryAttention : public Module<T> {
     o_ = this->register_module("o_proj", std::make_shared<Linear<T>>(n_head * head_dim_, n_embd, out_bias, gen));
   }
 
-  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override { return forward(x, {}, cache); }
+  /// Positions and document masking from the cache's batch context (Note [Batch
+  /// context]): explicit position ids if it has them; with a document token, each
+  /// query sees its own document only and positions restart there; else 0..S-1.
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    const BatchContext* ctx = cache.context();
+    Tensor<std::int32_t> positions = ctx ? ctx->position_ids : Tensor<std::int32_t>();
+    Tensor<std::int32_t> starts;
+    if (document_token_ >= 0) {
+      PTRAIN_CHECK(ctx && ctx->ids.defined(), Error, "[ptrain.gqa_attention.documents] document masking (token ",
+                   document_token_, ") needs the batch's token ids: feed the model with forward_tokens(ids, cache), or "
+                   "set a BatchContext with the ids on the cache");
+      PTRAIN_CHECK(ctx->ids.dim() == 2 && ctx->ids.size(0) == x.size(0) && ctx->ids.size(1) == x.size(1), ShapeError,
+                   "[ptrain.gqa_attention.documents] the context's token ids ", ctx->ids.shape(),
+                   " do not match the input ", x.shape(), "; they must be [B, S]");
+      starts = document_starts(ctx->ids, document_token_);
+      if (!positions.defined()) positions = document_positions(starts);
+    }
+    return attend(x, positions, starts, cache);
+  }
 
-  /// position_ids: int32 [S] or [B, S] on the CPU; undefined means 0..S-1.
+  /// position_ids: int32 [S] or [B, S] on the CPU; undefined means 0..S-1. No document masking.
   Tensor<T> forward(const Tensor<T>& x, const Tensor<std::int32_t>& position_ids, Cache<T>& cache) {
-    PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.gqa_attention] input must be [B, S, ",
-                 n_embd_, "], got ", x.shape());
-    const std::int64_t B = x.size(0), S = x.size(1);
-    // The projections' outputs are fresh tensors (Linear keeps only its input), so rotating in place is safe.
-    auto q = q_->forward(x, cache.child(0)).reshape({B, S, n_head_, head_dim_});
-    auto k = k_->forward(x, cache.child(1)).reshape({B, S, n_kv_head_, head_dim_});
-    auto v = v_->forward(x, cache.child(2)).reshape({B, S, n_kv_head_, head_dim_});
-    ops::rotary_(q, rope_, position_ids);
-    ops::rotary_(k, rope_, position_ids);
-    Tensor<T> probs;
-    auto y = ops::gqa_attention(q, k, v, probs);
-    cache.tensors = {q, k, v, probs};
-    cache.indices = {position_ids};
-    return o_->forward(y.reshape({B, S, n_head_ * head_dim_}), cache.child(3));
+    return attend(x, position_ids, {}, cache);
   }
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
@@ -90,8 +98,40 @@ class GroupedQueryAttention : public Module<T> {
   std::int64_t head_dim() const { return head_dim_; }
   const ops::RotaryConfig& rotary() const { return rope_; }
 
+  /// Tokens of the document_token start a new document: attention stays inside a
+  /// document and positions restart (Note [Batch context]); -1 (default): no masking.
+  void set_document_token(std::int32_t token) { document_token_ = token; }
+  std::int32_t document_token() const { return document_token_; }
+  /// Mistral's sliding window: within it, sliding-window attention is causal
+  /// attention, so sequences up to `window` tokens are exact and longer ones are
+  /// refused (ptrain has no banded kernel); 0 (default): no limit.
+  void set_sliding_window(std::int64_t window) { window_ = window; }
+
  private:
+  Tensor<T> attend(const Tensor<T>& x, const Tensor<std::int32_t>& position_ids, const Tensor<std::int32_t>& starts,
+                   Cache<T>& cache) {
+    PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.gqa_attention] input must be [B, S, ",
+                 n_embd_, "], got ", x.shape());
+    const std::int64_t B = x.size(0), S = x.size(1);
+    PTRAIN_CHECK(window_ == 0 || S <= window_, ShapeError, "[ptrain.gqa_attention.window] a sequence of ", S,
+                 " tokens is longer than the sliding window of ", window_, " tokens; ptrain has no sliding-window "
+                 "attention: train and sample with sequences of at most ", window_, " tokens");
+    // The projections' outputs are fresh tensors (Linear keeps only its input), so rotating in place is safe.
+    auto q = q_->forward(x, cache.child(0)).reshape({B, S, n_head_, head_dim_});
+    auto k = k_->forward(x, cache.child(1)).reshape({B, S, n_kv_head_, head_dim_});
+    auto v = v_->forward(x, cache.child(2)).reshape({B, S, n_kv_head_, head_dim_});
+    ops::rotary_(q, rope_, position_ids);
+    ops::rotary_(k, rope_, position_ids);
+    Tensor<T> probs;
+    auto y = ops::gqa_attention(q, k, v, probs, starts);
+    cache.tensors = {q, k, v, probs};
+    cache.indices = {position_ids};
+    return o_->forward(y.reshape({B, S, n_head_ * head_dim_}), cache.child(3));
+  }
+
   std::int64_t n_embd_, n_head_, n_kv_head_, head_dim_ = 0;
+  std::int32_t document_token_ = -1;
+  std::int64_t window_ = 0;
   ops::RotaryConfig rope_;
   std::shared_ptr<Linear<T>> q_, k_, v_, o_;
 };

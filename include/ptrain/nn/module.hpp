@@ -25,6 +25,7 @@
 
 #include "ptrain/core/random.hpp"
 #include "ptrain/core/tensor.hpp"
+#include "ptrain/nn/batch_context.hpp"
 
 namespace ptrain::nn {
 
@@ -42,7 +43,8 @@ struct Parameter {
 };
 
 /// What one forward call saved for its backward call. Modules with children
-/// give each child its own sub-cache (child(i)).
+/// give each child its own sub-cache (child(i)). The batch's context (token ids,
+/// position ids) rides along and reaches every sub-cache (Note [Batch context]).
 template <class T>
 class Cache {
  public:
@@ -55,6 +57,7 @@ class Cache {
   /// Sub-cache i, created on first use (references stay valid).
   Cache& child(std::size_t i) {
     while (children_.size() <= i) children_.emplace_back();
+    children_[i].context_ = context_;
     return children_[i];
   }
   void clear() {
@@ -63,13 +66,19 @@ class Cache {
     indices.clear();
     values.clear();
     children_.clear();
+    context_.reset();
   }
+  /// The batch's context, or null; set by whoever feeds the batch (Note [Batch context]).
+  const BatchContext* context() const { return context_.get(); }
+  const std::shared_ptr<const BatchContext>& shared_context() const { return context_; }
+  void set_context(std::shared_ptr<const BatchContext> context) { context_ = std::move(context); }
   bool empty() const {
     return tensors.empty() && stats.empty() && indices.empty() && values.empty() && children_.empty();
   }
 
  private:
   std::deque<Cache> children_;
+  std::shared_ptr<const BatchContext> context_;
 };
 
 template <class T>

@@ -34,9 +34,12 @@ class Recompute : public Module<T> {
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     std::vector<std::uint64_t> before = offsets();
+    const auto context = cache.shared_context();  // the batch's, kept for the replay (Note [Batch context])
     Cache<T> scratch;
+    scratch.set_context(context);
     Tensor<T> y = inner_->forward(x, scratch);
     cache.clear();
+    cache.set_context(context);
     cache.tensors = {x};
     cache.values = std::move(before);
     return y;
@@ -47,6 +50,7 @@ class Recompute : public Module<T> {
     PTRAIN_CHECK(cache.tensors.size() == 1 && cache.values.size() == streams.size(), Error,
                  "[ptrain.backward] Recompute::backward without a forward of ", describe(), " in this cache");
     Cache<T> replay;
+    replay.set_context(cache.shared_context());
     {
       const Replay at(std::move(streams), cache.values);
       inner_->forward(cache.tensors[0], replay);

@@ -20,10 +20,19 @@ Tensor<T> forward_units(const Units<T>& units, Tensor<T> h, Cache<T>& cache, std
   for (std::size_t i = first; i < units.size(); ++i) h = units[i]->forward(h, cache.child(i));
   return h;
 }
+/// Puts token ids into the cache's context for the layers below (Note [Batch
+/// context]), keeping explicit position ids the caller set there.
+template <class T>
+void set_batch_ids(Cache<T>& cache, const Tensor<std::int32_t>& ids) {
+  BatchContext ctx = cache.context() ? *cache.context() : BatchContext{};
+  ctx.ids = ids.device().is_cpu() ? ids : ids.to(Device::cpu());
+  cache.set_context(std::make_shared<const BatchContext>(std::move(ctx)));
+}
 /// The first unit looks the ids up (Module::forward_tokens); the rest run forward.
 template <class T>
 Tensor<T> forward_units_tokens(const Units<T>& units, const Tensor<std::int32_t>& ids, Cache<T>& cache) {
   PTRAIN_CHECK(!units.empty(), ShapeError, "[ptrain.module.tokens] a chain without units takes no token ids");
+  set_batch_ids(cache, ids);
   return forward_units(units, units[0]->forward_tokens(ids, cache.child(0)), cache, 1);
 }
 /// The units' backward in reverse order; clears the cache.

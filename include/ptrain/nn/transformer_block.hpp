@@ -1,5 +1,6 @@
 #pragma once
-// Pre-LayerNorm transformer block (GPT-2):
+// Pre-norm residual blocks: PreNormBlock (any norm, attention and MLP) and GPT-2's
+// TransformerBlock:
 //
 //   h = x + attn(ln_1(x))
 //   y = h + mlp(ln_2(h)),   mlp = c_fc (C -> 4C) -> GELU -> c_proj (4C -> C) -> dropout
@@ -8,7 +9,9 @@
 // "ln_2.*", "mlp.c_fc.*", "mlp.c_proj.*". A block is a self-contained unit:
 // FSDP wraps one block per unit, pipeline stages cut between blocks.
 
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "ptrain/nn/activation.hpp"
 #include "ptrain/nn/attention.hpp"
@@ -70,38 +73,64 @@ class FeedForward : public Module<T> {
   std::shared_ptr<Dropout<T>> drop_;
 };
 
-/// x [B, S, C] -> [B, S, C].
+/// A pre-norm residual block with its four parts given as modules:
+///
+///   h = x + attn(norm_1(x))
+///   y = h + mlp(norm_2(h))
+///
+/// GPT-2's TransformerBlock (LayerNorm, attention, GELU MLP) and Llama's block
+/// (RMSNorm, grouped-query attention, SwiGLU) are this wiring with other parts; the
+/// parts' names are their parameter prefixes. x [B, S, C] -> [B, S, C].
 template <class T>
-class TransformerBlock : public Module<T> {
+class PreNormBlock : public Module<T> {
  public:
-  /// dropout_seed keys this block's dropout streams (seed .. seed + 2).
-  TransformerBlock(std::int64_t n_embd, std::int64_t n_head, double dropout = 0.0, std::uint64_t dropout_seed = 0,
-                   Generator& gen = default_generator())
-      : n_embd_(n_embd), n_head_(n_head) {
-    ln_1_ = this->register_module("ln_1", std::make_shared<LayerNorm<T>>(n_embd));
-    attn_ = this->register_module(
-        "attn", std::make_shared<CausalSelfAttention<T>>(n_embd, n_head, dropout, dropout_seed, gen));
-    ln_2_ = this->register_module("ln_2", std::make_shared<LayerNorm<T>>(n_embd));
-    mlp_ = this->register_module("mlp", std::make_shared<FeedForward<T>>(n_embd, dropout, dropout_seed + 2, gen));
+  struct Part {
+    std::string name;
+    std::shared_ptr<Module<T>> module;
+  };
+  PreNormBlock(Part norm_1, Part attn, Part norm_2, Part mlp) {
+    for (Part* p : {&norm_1, &attn, &norm_2, &mlp}) parts_.push_back(this->register_module(p->name, p->module));
   }
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
-    auto h = attn_->forward(ln_1_->forward(x, cache.child(0)), cache.child(1));
-    ops::axpy_(1, x, h);  // h = x + attn(ln_1(x)); h is a fresh tensor
-    auto y = mlp_->forward(ln_2_->forward(h, cache.child(2)), cache.child(3));
+    auto h = parts_[1]->forward(parts_[0]->forward(x, cache.child(0)), cache.child(1));
+    ops::axpy_(1, x, h);  // h = x + attn(norm_1(x)); h is a fresh tensor
+    auto y = parts_[3]->forward(parts_[2]->forward(h, cache.child(2)), cache.child(3));
     ops::axpy_(1, h, y);
     return y;
   }
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
     // Each residual passes dy through unchanged and adds its branch's gradient.
-    auto dh = ln_2_->backward(mlp_->backward(dy, cache.child(3)), cache.child(2));
+    auto dh = parts_[2]->backward(parts_[3]->backward(dy, cache.child(3)), cache.child(2));
     ops::axpy_(1, dy, dh);
-    auto dx = ln_1_->backward(attn_->backward(dh, cache.child(1)), cache.child(0));
+    auto dx = parts_[0]->backward(parts_[1]->backward(dh, cache.child(1)), cache.child(0));
     ops::axpy_(1, dh, dx);
     cache.clear();
     return dx;
   }
+
+  std::string describe() const override {
+    std::string s = "PreNormBlock(";
+    for (std::size_t i = 0; i < parts_.size(); ++i) s += (i ? ", " : "") + parts_[i]->describe();
+    return s + ")";
+  }
+
+ private:
+  std::vector<std::shared_ptr<Module<T>>> parts_;
+};
+
+/// GPT-2's block: x [B, S, C] -> [B, S, C].
+template <class T>
+class TransformerBlock : public PreNormBlock<T> {
+ public:
+  /// dropout_seed keys this block's dropout streams (seed .. seed + 2).
+  TransformerBlock(std::int64_t n_embd, std::int64_t n_head, double dropout = 0.0, std::uint64_t dropout_seed = 0,
+                   Generator& gen = default_generator())
+      : TransformerBlock(n_embd, n_head, std::make_shared<LayerNorm<T>>(n_embd),
+                         std::make_shared<CausalSelfAttention<T>>(n_embd, n_head, dropout, dropout_seed, gen),
+                         std::make_shared<LayerNorm<T>>(n_embd),
+                         std::make_shared<FeedForward<T>>(n_embd, dropout, dropout_seed + 2, gen)) {}
 
   std::string describe() const override {
     return "TransformerBlock(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) + ")";
@@ -112,6 +141,13 @@ class TransformerBlock : public Module<T> {
   FeedForward<T>& mlp() { return *mlp_; }
 
  private:
+  // The parts are made before the base is (argument order), so this constructor names them.
+  TransformerBlock(std::int64_t n_embd, std::int64_t n_head, std::shared_ptr<LayerNorm<T>> ln_1,
+                   std::shared_ptr<CausalSelfAttention<T>> attn, std::shared_ptr<LayerNorm<T>> ln_2,
+                   std::shared_ptr<FeedForward<T>> mlp)
+      : PreNormBlock<T>({"ln_1", ln_1}, {"attn", attn}, {"ln_2", ln_2}, {"mlp", mlp}),
+        n_embd_(n_embd), n_head_(n_head), ln_1_(ln_1), ln_2_(ln_2), attn_(attn), mlp_(mlp) {}
+
   std::int64_t n_embd_, n_head_;
   std::shared_ptr<LayerNorm<T>> ln_1_, ln_2_;
   std::shared_ptr<CausalSelfAttention<T>> attn_;

@@ -40,14 +40,26 @@ void check_gqa_inputs(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v
 
 /// y [B, S, H, D] = softmax(q k^T / sqrt(D) + causal mask) v per query head, each
 /// reading its group's key/value head; probs [B, H, S, S] is filled for backward.
+/// document_starts, int32 [B, S] (nn::document_starts), also masks keys of earlier
+/// documents: query i sees keys starts[b, i] .. i.
 template <class T>
-Tensor<T> gqa_attention(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, Tensor<T>& probs) {
+Tensor<T> gqa_attention(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, Tensor<T>& probs,
+                        const Tensor<std::int32_t>& document_starts = {}) {
   detail::check_gqa_inputs(q, k, v, "gqa_attention");
   const std::int64_t B = q.size(0), S = q.size(1), H = q.size(2), Hkv = k.size(2), D = q.size(3);
+  if (document_starts.defined()) {
+    check_shape(document_starts, {B, S}, "gqa_attention document starts");
+    detail::require_cpu("gqa_attention", document_starts.device());
+    for (std::int64_t i = 0; i < B * S; ++i) {
+      const std::int32_t st = document_starts.data()[i];
+      PTRAIN_CHECK(st >= 0 && st <= i % S, ShapeError, "[ptrain.gqa_attention] document start ", st, " of token ",
+                   i % S, " in row ", i / S, " is not in 0..", i % S, "; build the starts with nn::document_starts");
+    }
+  }
   probs = Tensor<T>::empty({B, H, S, S});
   auto y = Tensor<T>::empty(q.shape());
   kernels::cpu::gqa_attention_forward(B, S, H, Hkv, D, q.data(), k.data(), v.data(), T(1.0 / std::sqrt(double(D))),
-                                      probs.data(), y.data());
+                                      probs.data(), y.data(), document_starts.defined() ? document_starts.data() : nullptr);
   return y;
 }
 

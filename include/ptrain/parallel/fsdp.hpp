@@ -78,6 +78,7 @@
 
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
+#include "ptrain/nn/sequential.hpp"
 #include "ptrain/ops/activation.hpp"
 #include "ptrain/optim/optimizer.hpp"
 #include "ptrain/parallel/engine.hpp"
@@ -309,6 +310,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
 
   template <class X>
   Tensor<T> run_forward(const X& x, nn::Cache<T>& cache) {
+    if constexpr (std::is_same_v<X, Tensor<std::int32_t>>) nn::detail::set_batch_ids(cache, x);
     Tensor<T> h;
     for (std::size_t i = 0; i < units_.size(); ++i) {
       const int g = unit_group_[i];

@@ -575,6 +575,14 @@ class Pipeline : public Engine<T> {
     PTRAIN_CHECK(fresh, Error, "[ptrain.pipeline.schedule] micro-batch ", mb, " ran forward twice");
     peak_live_ = std::max(peak_live_, static_cast<int>(caches_.size()));
     MicroBatch& state = it->second;
+    // Every stage that was given the token ids puts its micro-batch's into the
+    // context, for layers that read them (Note [Batch context] in nn/batch_context.hpp).
+    if constexpr (std::is_same_v<In, std::int32_t>) {
+      if (input.defined() && input.size(0) % m == 0) {
+        const std::int64_t rows = input.size(0) / m;
+        nn::detail::set_batch_ids(state.cache, input.narrow(mb * rows, rows));
+      }
+    }
     Tensor<T> y;
     if (!is_first()) y = module_.forward(x, state.cache);
     else if constexpr (std::is_same_v<In, std::int32_t>) y = module_.forward_tokens(first, state.cache);

@@ -16,9 +16,11 @@
 namespace ptrain::kernels::cpu {
 
 /// Forward: probs [B, H, S, S] receives softmax(scale q k^T) with zeros above the diagonal.
+/// starts [B, S] (or null: all 0) masks documents: query i of row b sees keys
+/// starts[b*S + i] .. i (0 <= starts <= i; Note [Batch context] in nn/batch_context.hpp).
 template <class T>
 void gqa_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D, const T* q,
-                           const T* k, const T* v, T scale, T* probs, T* y) {
+                           const T* k, const T* v, T scale, T* probs, T* y, const std::int32_t* starts = nullptr) {
   const std::int64_t ldq = H * D, ldkv = Hkv * D, group = H / Hkv;
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < H; ++h) {
@@ -32,7 +34,9 @@ void gqa_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::
         gemm<T>(false, true, r1 - r0, r1, D, scale, qh + r0 * ldq, ldq, kh, ldkv, T(0), P + r0 * S, S);
         for (std::int64_t i = r0; i < r1; ++i) {
           T* row = P + i * S;
-          detail::softmax_prefix(row, i + 1);
+          const std::int64_t st = starts ? starts[b * S + i] : 0;
+          std::fill(row, row + st, T(0));
+          detail::softmax_prefix(row + st, i + 1 - st);
           std::fill(row + i + 1, row + S, T(0));
         }
         gemm<T>(false, false, r1 - r0, D, r1, T(1), P + r0 * S, S, vh, ldkv, T(0), yh + r0 * ldq, ldq);
@@ -43,6 +47,7 @@ void gqa_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::
 
 /// Backward: given dy [B, S, H*D] and the forward's probs, writes dq [B, S, H*D] and
 /// dk, dv [B, S, Hkv*D] (every element; a key/value head sums over its query heads).
+/// Masked keys have probability 0, so their scores get gradient 0 with or without documents.
 template <class T>
 void gqa_attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D,
                             const T* q, const T* k, const T* v, const T* probs, const T* dy, T scale, T* dq, T* dk,

@@ -31,6 +31,7 @@
 #include <functional>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ptrain/nn/embedding.hpp"
@@ -72,20 +73,27 @@ struct GPTConfig {
   }
 };
 
-/// Final unit: logits [B, S, V] = ln_f(x) W^T, W = lm_head weight or the tied wte.
-template <class T>
+/// Final unit: logits [B, S, V] = norm(x) W^T, W = lm_head weight or the tied token
+/// embedding. GPT-2's head normalises with LayerNorm ("ln_f"), Llama's with RMSNorm ("norm").
+template <class T, class Norm = LayerNorm<T>>
 class LMHead : public Module<T> {
  public:
-  /// `tied` is the token embedding's Parameter, or null for an own "lm_head.weight" [V, C].
+  /// GPT-2's head: LayerNorm "ln_f". `tied` is the token embedding's Parameter, or
+  /// null for an own "lm_head.weight" [V, C].
   LMHead(std::int64_t n_embd, std::int64_t vocab, Parameter<T>* tied = nullptr, Generator& gen = default_generator())
+    requires std::is_same_v<Norm, LayerNorm<T>>
+      : LMHead(std::make_shared<Norm>(n_embd), "ln_f", n_embd, vocab, tied, gen) {}
+  /// Any norm, registered under norm_name.
+  LMHead(std::shared_ptr<Norm> norm, const std::string& norm_name, std::int64_t n_embd, std::int64_t vocab,
+         Parameter<T>* tied = nullptr, Generator& gen = default_generator())
       : n_embd_(n_embd), vocab_(vocab), tied_(tied) {
-    ln_f_ = this->register_module("ln_f", std::make_shared<LayerNorm<T>>(n_embd));
+    norm_ = this->register_module(norm_name, std::move(norm));
     if (!tied_) lm_head_ = this->register_module("lm_head", std::make_shared<Linear<T>>(n_embd, vocab, false, gen));
     if (tied_) check_shape(tied_->value, {vocab, n_embd}, "tied LM head weight");
   }
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
-    auto h = ln_f_->forward(x, cache.child(0));
+    auto h = norm_->forward(x, cache.child(0));
     cache.tensors = {h};
     return ops::linear(h, weight().value, Tensor<T>());
   }
@@ -94,7 +102,7 @@ class LMHead : public Module<T> {
     Parameter<T>& w = weight();
     auto dh = ops::linear_backward(cache.tensors[0], w.value, dy, w.grad, static_cast<Tensor<T>*>(nullptr));
     if (!tied_) w.mark_grad_ready();  // a tied weight is announced by the embedding (Note [Weight tying])
-    auto dx = ln_f_->backward(dh, cache.child(0));
+    auto dx = norm_->backward(dh, cache.child(0));
     cache.clear();
     return dx;
   }
@@ -111,12 +119,13 @@ class LMHead : public Module<T> {
   /// The output projection [V, C]: the tied embedding or the own lm_head weight.
   Parameter<T>& weight() { return tied_ ? *tied_ : lm_head_->weight(); }
   bool tied() const { return tied_ != nullptr; }
-  LayerNorm<T>& ln_f() { return *ln_f_; }
+  Norm& norm() { return *norm_; }
+  Norm& ln_f() { return *norm_; }
 
  private:
   std::int64_t n_embd_, vocab_;
   Parameter<T>* tied_;
-  std::shared_ptr<LayerNorm<T>> ln_f_;
+  std::shared_ptr<Norm> norm_;
   std::shared_ptr<Linear<T>> lm_head_;
 };
 

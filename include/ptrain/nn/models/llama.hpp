@@ -1,0 +1,329 @@
+#pragma once
+// Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) as an ordered list of
+// units, like nn::GPT:
+//
+//   unit 0        "embed_tokens"  Embedding               ids [B, S] -> [B, S, C]
+//   unit 1..L     "layers.i"      LlamaBlock              [B, S, C] -> [B, S, C]
+//                                 (in a Recompute wrapper with cfg.recompute)
+//   unit L+1      "head"          LMHead (norm + lm_head)  [B, S, C] -> logits [B, S, V]
+//
+//   LlamaBlock:  h = x + self_attn(input_layernorm(x))        RMSNorm, grouped-query attention
+//               y = h + mlp(post_attention_layernorm(h))      with rotary positions, SwiGLU
+//
+// Parameter names are Hugging Face's without the "model." prefix ("embed_tokens.weight",
+// "layers.0.self_attn.q_proj.weight", ...), but for the head's "head.norm.weight" and
+// "head.lm_head.weight" (HF: "model.norm.weight", "lm_head.weight");
+// nn/models/llama_weights.hpp maps the two ways. Every unit is a Module<T>, so DDP,
+// FSDP (a unit per block), the pipeline and activation checkpointing take the model
+// as they take GPT. Packed documents (cfg.document_token) and positions reach the
+// attention through the cache's batch context (Note [Batch context]). CPU only, float
+// or double (the grouped-query attention kernels).
+//
+//   nn::LlamaConfig cfg = nn::LlamaConfig::from_hf_config_file("SmolLM-135M/config.json");
+//   auto model = std::make_shared<nn::Llama<float>>(cfg);
+//   nn::Cache<float> cache;
+//   auto logits = model->forward_tokens(ids, cache);    // ids int32 [B, S]
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ptrain/nn/embedding.hpp"
+#include "ptrain/nn/gqa_attention.hpp"
+#include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/recompute.hpp"
+#include "ptrain/nn/rms_norm.hpp"
+#include "ptrain/nn/sequential.hpp"
+#include "ptrain/nn/swiglu.hpp"
+#include "ptrain/nn/transformer_block.hpp"
+
+namespace ptrain::nn {
+
+/// Llama-family hyperparameters; from_hf_config() reads a Hugging Face config.json.
+struct LlamaConfig {
+  std::int64_t vocab_size = 32000;
+  std::int64_t n_layer = 2;
+  std::int64_t n_head = 4;
+  std::int64_t n_kv_head = 4;            ///< key/value heads; divides n_head (1: multi-query)
+  std::int64_t n_embd = 256;             ///< hidden_size
+  std::int64_t intermediate_size = 688;  ///< SwiGLU hidden width
+  std::int64_t max_seq_len = 2048;       ///< max_position_embeddings: the longest context generate() feeds
+  double rms_norm_eps = 1e-5;
+  ops::RotaryConfig rope = {};           ///< rope_theta and Llama 3's rope_scaling
+  bool tie_weights = false;              ///< tie_word_embeddings (Note [Weight tying] in gpt.hpp)
+  bool attention_bias = false;           ///< q/k/v (and Llama's o_proj) biases: Qwen2 has q/k/v biases
+  bool o_proj_bias = false;              ///< Llama's attention_bias also gives o_proj a bias
+  bool mlp_bias = false;
+  std::int64_t sliding_window = 0;       ///< Mistral's: sequences up to it only (0: none; see from_hf_config)
+  std::int32_t document_token = -1;      ///< a token that starts each packed document (-1: none; Note [Batch context])
+  double init_std = 0.02;                ///< initializer_range
+  bool recompute = false;                ///< activation checkpointing per block (nn/recompute.hpp)
+
+  std::int64_t head_dim() const { return n_embd / n_head; }
+
+  /// Parameters of the model built from this config (a tied weight counted once).
+  std::int64_t num_parameters() const {
+    const std::int64_t C = n_embd, D = head_dim(), F = intermediate_size;
+    const std::int64_t attn = C * n_head * D + 2 * C * n_kv_head * D + n_head * D * C +
+                              (attention_bias ? n_head * D + 2 * n_kv_head * D : 0) + (o_proj_bias ? C : 0);
+    const std::int64_t mlp = 3 * C * F + (mlp_bias ? 2 * F + C : 0);
+    return vocab_size * C + n_layer * (attn + mlp + 2 * C) + C + (tie_weights ? 0 : vocab_size * C);
+  }
+  /// Training FLOPs per token (forward + backward) of the matrix products, counting the
+  /// causal attention products at full S x S (the usual convention, as GPTConfig's).
+  double flops_per_token(std::int64_t seq) const {
+    const double C = static_cast<double>(n_embd), D = static_cast<double>(head_dim()), L = static_cast<double>(n_layer);
+    const double H = static_cast<double>(n_head), Hkv = static_cast<double>(n_kv_head);
+    const double per_layer = C * H * D * 2 + 2 * C * Hkv * D + 3 * C * static_cast<double>(intermediate_size);
+    const double matmul = L * per_layer + C * static_cast<double>(vocab_size);
+    return 6.0 * matmul + 6.0 * L * 2.0 * static_cast<double>(seq) * H * D;
+  }
+
+  /// A Hugging Face config.json of LlamaForCausalLM, MistralForCausalLM or
+  /// Qwen2ForCausalLM; what the layers cannot do is refused by name.
+  static LlamaConfig from_hf_config(const nlohmann::json& j);
+  static LlamaConfig from_hf_config_file(const std::filesystem::path& path);
+  /// config.json for LlamaForCausalLM (Qwen2ForCausalLM when q/k/v have biases and
+  /// o_proj has none), which transformers' from_pretrained reads.
+  nlohmann::json to_hf_config() const;
+};
+
+namespace detail {
+
+inline void check_llama_config(const LlamaConfig& c) {
+  PTRAIN_CHECK(c.vocab_size > 0 && c.n_layer >= 0 && c.n_embd > 0 && c.intermediate_size > 0 && c.max_seq_len > 0,
+               Error, "[ptrain.llama.config] vocab_size, n_embd, intermediate_size and max_seq_len must be positive "
+               "and n_layer >= 0");
+  PTRAIN_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, Error, "[ptrain.llama.config] n_embd ", c.n_embd,
+               " must be divisible by n_head ", c.n_head);
+  PTRAIN_CHECK(c.n_kv_head > 0 && c.n_head % c.n_kv_head == 0, Error, "[ptrain.llama.config] n_kv_head ",
+               c.n_kv_head, " must divide n_head ", c.n_head);
+  PTRAIN_CHECK(c.head_dim() % 2 == 0, Error, "[ptrain.llama.config] the head width ", c.head_dim(),
+               " must be even for rotary positions");
+  PTRAIN_CHECK(c.sliding_window >= 0, Error, "[ptrain.llama.config] sliding_window ", c.sliding_window,
+               " must be >= 0 (0: none)");
+  PTRAIN_CHECK(c.document_token < c.vocab_size, Error, "[ptrain.llama.config] document_token ", c.document_token,
+               " is outside the vocabulary of ", c.vocab_size);
+}
+
+template <class T>
+std::shared_ptr<PreNormBlock<T>> make_llama_block(const LlamaConfig& c, Generator& scratch) {
+  auto attn = std::make_shared<GroupedQueryAttention<T>>(c.n_embd, c.n_head, c.n_kv_head, c.rope, c.attention_bias,
+                                                         c.o_proj_bias, scratch);
+  attn->set_document_token(c.document_token);
+  attn->set_sliding_window(c.sliding_window);
+  return std::make_shared<PreNormBlock<T>>(
+      typename PreNormBlock<T>::Part{"input_layernorm", std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps)},
+      typename PreNormBlock<T>::Part{"self_attn", attn},
+      typename PreNormBlock<T>::Part{"post_attention_layernorm", std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps)},
+      typename PreNormBlock<T>::Part{"mlp",
+                                     std::make_shared<SwiGLU<T>>(c.n_embd, c.intermediate_size, c.mlp_bias, scratch)});
+}
+
+// Hugging Face's LlamaPreTrainedModel._init_weights: every Linear and Embedding weight
+// ~ N(0, initializer_range), biases 0, RMSNorm weights 1; drawn in named_parameters() order.
+template <class T>
+void init_llama_unit(Module<T>& unit, const LlamaConfig& cfg, Generator& gen) {
+  for (auto& p : unit.named_parameters()) {
+    if (p.name.find("norm.") != std::string::npos) continue;
+    if (ends_with(p.name, ".bias")) ops::fill_(p.param->value, T(0));
+    else ops::normal_(p.param->value, 0.0, cfg.init_std, gen);
+  }
+}
+
+}  // namespace detail
+
+/// Llama: ids [B, S] -> logits [B, S, vocab].
+template <class T>
+class Llama : public UnitChain<T> {
+ public:
+  using Head = LMHead<T, RMSNorm<T>>;
+
+  /// Hugging Face's initialisation from `gen` (detail::init_llama_unit), in
+  /// named_parameters() order.
+  explicit Llama(const LlamaConfig& cfg, Generator& gen = default_generator()) : cfg_(cfg) {
+    detail::check_llama_config(cfg);
+    Generator scratch(0);  // the modules' own default init, replaced below
+    embed_ = std::make_shared<Embedding<T>>(cfg.vocab_size, cfg.n_embd, scratch);
+    this->add_unit("embed_tokens", embed_);
+    for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
+      blocks_.push_back(detail::make_llama_block<T>(cfg, scratch));
+      std::shared_ptr<Module<T>> unit = blocks_.back();
+      if (cfg.recompute) unit = std::make_shared<Recompute<T>>(unit);
+      this->add_unit("layers." + std::to_string(l), unit);
+    }
+    head_ = std::make_shared<Head>(std::make_shared<RMSNorm<T>>(cfg.n_embd, cfg.rms_norm_eps), "norm", cfg.n_embd,
+                                   cfg.vocab_size, cfg.tie_weights ? &embed_->weight() : nullptr, scratch);
+    this->add_unit("head", head_);
+    for (auto& u : this->units()) detail::init_llama_unit(*u, cfg, gen);
+  }
+
+  std::string describe() const override {
+    return "Llama(vocab=" + std::to_string(cfg_.vocab_size) + ", layers=" + std::to_string(cfg_.n_layer) +
+           ", heads=" + std::to_string(cfg_.n_head) + ", kv_heads=" + std::to_string(cfg_.n_kv_head) +
+           ", embd=" + std::to_string(cfg_.n_embd) + ", mlp=" + std::to_string(cfg_.intermediate_size) +
+           (cfg_.tie_weights ? ", tied)" : ")");
+  }
+  const LlamaConfig& config() const { return cfg_; }
+  Embedding<T>& embedding() { return *embed_; }
+  /// Block i: its parts are "input_layernorm", "self_attn", "post_attention_layernorm", "mlp".
+  PreNormBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
+  Head& head() { return *head_; }
+  bool tied() const { return head_->tied(); }
+
+ private:
+  LlamaConfig cfg_;
+  std::shared_ptr<Embedding<T>> embed_;
+  std::vector<std::shared_ptr<PreNormBlock<T>>> blocks_;
+  std::shared_ptr<Head> head_;
+};
+
+/// Weight-decay filter for a Llama (pass to optim::AdamW): decay for the matrices of
+/// the projections, none for biases, RMSNorm weights and the token embedding.
+inline std::function<bool(const std::string&)> llama_decay_filter() {
+  return [](const std::string& name) {
+    return !(detail::ends_with(name, ".bias") || name.find("norm.") != std::string::npos ||
+             name.find("embed_tokens.") != std::string::npos);
+  };
+}
+
+// ---- Hugging Face config.json ----
+
+namespace detail {
+template <class V>
+V hf_get(const nlohmann::json& j, const char* key, V fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  try {
+    return j[key].get<V>();
+  } catch (const nlohmann::json::exception& e) {
+    PTRAIN_THROW(Error, "[ptrain.llama.hf_config] \"", key, "\" has an unexpected type: ", e.what());
+  }
+}
+template <class V>
+V hf_require(const nlohmann::json& j, const char* key) {
+  PTRAIN_CHECK(j.contains(key) && !j[key].is_null(), Error, "[ptrain.llama.hf_config] config.json has no \"", key,
+               "\"; is it a Llama-family model's config?");
+  return hf_get<V>(j, key, V{});
+}
+}  // namespace detail
+
+inline LlamaConfig LlamaConfig::from_hf_config(const nlohmann::json& j) {
+  PTRAIN_CHECK(j.is_object(), Error, "[ptrain.llama.hf_config] config.json must hold a JSON object");
+  const std::string type = detail::hf_get<std::string>(j, "model_type", "");
+  PTRAIN_CHECK(type == "llama" || type == "mistral" || type == "qwen2", Error,
+               "[ptrain.llama.hf_config] model_type \"", type, "\" is not supported; nn::Llama reads llama, "
+               "mistral and qwen2 configs");
+  const std::string act = detail::hf_get<std::string>(j, "hidden_act", "silu");
+  PTRAIN_CHECK(act == "silu", Error, "[ptrain.llama.hf_config] hidden_act \"", act,
+               "\" is not supported; the SwiGLU MLP uses silu");
+  LlamaConfig c;
+  c.vocab_size = detail::hf_require<std::int64_t>(j, "vocab_size");
+  c.n_embd = detail::hf_require<std::int64_t>(j, "hidden_size");
+  c.intermediate_size = detail::hf_require<std::int64_t>(j, "intermediate_size");
+  c.n_layer = detail::hf_require<std::int64_t>(j, "num_hidden_layers");
+  c.n_head = detail::hf_require<std::int64_t>(j, "num_attention_heads");
+  c.n_kv_head = detail::hf_get<std::int64_t>(j, "num_key_value_heads", c.n_head);
+  c.max_seq_len = detail::hf_get<std::int64_t>(j, "max_position_embeddings", 2048);
+  c.rms_norm_eps = detail::hf_get<double>(j, "rms_norm_eps", 1e-6);
+  c.rope.theta = detail::hf_get<double>(j, "rope_theta", 10000.0);
+  c.tie_weights = detail::hf_get<bool>(j, "tie_word_embeddings", false);
+  c.init_std = detail::hf_get<double>(j, "initializer_range", 0.02);
+  if (type == "qwen2") {
+    c.attention_bias = true;  // Qwen2's q/k/v projections always have biases, o_proj none
+    PTRAIN_CHECK(!detail::hf_get<bool>(j, "use_sliding_window", false), Error,
+                 "[ptrain.llama.hf_config] use_sliding_window is not supported (sliding-window attention); "
+                 "set it to false to train with full causal attention");
+  } else {
+    c.attention_bias = c.o_proj_bias = detail::hf_get<bool>(j, "attention_bias", false);
+    c.mlp_bias = detail::hf_get<bool>(j, "mlp_bias", false);
+  }
+  // Within its window, sliding-window attention is causal attention: the model takes
+  // sequences up to the window and refuses longer ones ([ptrain.gqa_attention.window]).
+  if (type == "mistral") c.sliding_window = detail::hf_get<std::int64_t>(j, "sliding_window", 0);
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    const auto hd = detail::hf_get<std::int64_t>(j, "head_dim", 0);
+    PTRAIN_CHECK(c.n_head > 0 && hd * c.n_head == c.n_embd, Error, "[ptrain.llama.hf_config] head_dim ", hd,
+                 " times num_attention_heads ", c.n_head, " differs from hidden_size ", c.n_embd,
+                 "; such models are not supported");
+  }
+  for (const char* key : {"attention_dropout", "hidden_dropout"})
+    PTRAIN_CHECK(detail::hf_get<double>(j, key, 0.0) == 0.0, Error, "[ptrain.llama.hf_config] ", key,
+                 " must be 0: Llama-family layers have no dropout");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const auto& s = j["rope_scaling"];
+    const std::string kind = detail::hf_get<std::string>(s, "rope_type", detail::hf_get<std::string>(s, "type", ""));
+    PTRAIN_CHECK(kind == "llama3" || kind == "default", Error, "[ptrain.llama.hf_config] rope_scaling type \"", kind,
+                 "\" is not supported; ptrain has Llama 3's (\"llama3\") and plain rotary positions");
+    if (kind == "llama3") {
+      ops::Llama3RopeScaling sc;
+      sc.factor = detail::hf_require<double>(s, "factor");
+      sc.low_freq_factor = detail::hf_get<double>(s, "low_freq_factor", sc.low_freq_factor);
+      sc.high_freq_factor = detail::hf_get<double>(s, "high_freq_factor", sc.high_freq_factor);
+      sc.original_max_position_embeddings =
+          detail::hf_get<std::int64_t>(s, "original_max_position_embeddings", sc.original_max_position_embeddings);
+      c.rope.llama3_scaling = sc;
+    }
+  }
+  detail::check_llama_config(c);
+  return c;
+}
+
+inline LlamaConfig LlamaConfig::from_hf_config_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  PTRAIN_CHECK(in.good(), Error, "[ptrain.llama.hf_config] cannot open ", path.string(),
+               "; give the path of a Hugging Face config.json");
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const nlohmann::json::exception& e) {
+    PTRAIN_THROW(Error, "[ptrain.llama.hf_config] ", path.string(), " is not valid JSON: ", e.what());
+  }
+  return from_hf_config(j);
+}
+
+inline nlohmann::json LlamaConfig::to_hf_config() const {
+  const bool qwen2 = attention_bias && !o_proj_bias, mistral = sliding_window > 0;
+  nlohmann::json j = {
+      {"architectures", {qwen2 ? "Qwen2ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", qwen2 ? "qwen2" : mistral ? "mistral" : "llama"},
+      {"vocab_size", vocab_size},
+      {"hidden_size", n_embd},
+      {"intermediate_size", intermediate_size},
+      {"num_hidden_layers", n_layer},
+      {"num_attention_heads", n_head},
+      {"num_key_value_heads", n_kv_head},
+      {"max_position_embeddings", max_seq_len},
+      {"rms_norm_eps", rms_norm_eps},
+      {"rope_theta", rope.theta},
+      {"tie_word_embeddings", tie_weights},
+      {"hidden_act", "silu"},
+      {"initializer_range", init_std},
+      {"torch_dtype", "float32"},
+  };
+  if (qwen2) {
+    j["use_sliding_window"] = false;
+  } else if (mistral) {
+    j["sliding_window"] = sliding_window;
+  } else {
+    j["attention_bias"] = attention_bias;
+    j["mlp_bias"] = mlp_bias;
+  }
+  if (rope.llama3_scaling) {
+    const auto& s = *rope.llama3_scaling;
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", s.factor},
+                         {"low_freq_factor", s.low_freq_factor},
+                         {"high_freq_factor", s.high_freq_factor},
+                         {"original_max_position_embeddings", s.original_max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  return j;
+}
+
+}  // namespace ptrain::nn
