@@ -16,7 +16,11 @@
 // [Batch context]), else 0..S-1; the three-argument forward takes int32 position ids
 // ([S] or [B, S]) directly. No dropout. CPU only.
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "ptrain/nn/batch_context.hpp"
 #include "ptrain/nn/linear.hpp"
@@ -24,6 +28,15 @@
 #include "ptrain/ops/rotary.hpp"
 
 namespace ptrain::nn {
+
+/// The keys and values of the tokens seen so far, for generation
+/// (GroupedQueryAttention::decode): [1, capacity, Hkv, D] each, the first `length`
+/// positions filled; rotated keys, so a step only computes the new tokens'.
+template <class T>
+struct KVCache {
+  Tensor<T> k, v;
+  std::int64_t length = 0;
+};
 
 template <class T>
 class GroupedQueryAttention : public Module<T> {
@@ -97,6 +110,61 @@ class GroupedQueryAttention : public Module<T> {
   std::int64_t n_kv_head() const { return n_kv_head_; }
   std::int64_t head_dim() const { return head_dim_; }
   const ops::RotaryConfig& rotary() const { return rope_; }
+
+  /// Generation with a KV cache: x [1, s, C] are the next s tokens, at positions
+  /// kv.length .. kv.length + s - 1; their rotated keys and values are appended to kv
+  /// (capacity: the first call's `capacity` positions) and the output [1, s, C] is
+  /// what forward() gives those tokens after the kv.length before them. One
+  /// sequence, no document masking, no backward.
+  Tensor<T> decode(const Tensor<T>& x, KVCache<T>& kv, std::int64_t capacity) {
+    PTRAIN_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(2) == n_embd_, ShapeError,
+                 "[ptrain.gqa_attention.decode] input must be [1, s, ", n_embd_, "], got ", x.shape());
+    const std::int64_t s = x.size(1), past = kv.length, H = n_head_, Hkv = n_kv_head_, D = head_dim_;
+    if (!kv.k.defined()) {
+      kv.k = Tensor<T>::zeros({1, capacity, Hkv, D});
+      kv.v = Tensor<T>::zeros({1, capacity, Hkv, D});
+    }
+    PTRAIN_CHECK(past + s <= kv.k.size(1), ShapeError, "[ptrain.gqa_attention.decode] ", past + s,
+                 " positions exceed the KV cache's ", kv.k.size(1), "; start a new cache");
+    PTRAIN_CHECK(window_ == 0 || past + s <= window_, ShapeError, "[ptrain.gqa_attention.window] ", past + s,
+                 " positions exceed the sliding window of ", window_, " tokens");
+    Cache<T> scratch;  // the projections' saved inputs, not needed without backward
+    auto q = q_->forward(x, scratch.child(0)).reshape({1, s, H, D});
+    auto k = k_->forward(x, scratch.child(1)).reshape({1, s, Hkv, D});
+    auto v = v_->forward(x, scratch.child(2)).reshape({1, s, Hkv, D});
+    auto positions = Tensor<std::int32_t>::empty({s});
+    for (std::int64_t i = 0; i < s; ++i) positions.data()[i] = static_cast<std::int32_t>(past + i);
+    ops::rotary_(q, rope_, positions);
+    ops::rotary_(k, rope_, positions);
+    std::copy(k.data(), k.data() + k.numel(), kv.k.data() + past * Hkv * D);
+    std::copy(v.data(), v.data() + v.numel(), kv.v.data() + past * Hkv * D);
+    kv.length = past + s;
+    // Token i (position past + i) attends to positions 0 .. past + i, in the arithmetic type.
+    auto y = Tensor<T>::empty({1, s, H * D});
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    std::vector<double> w(static_cast<std::size_t>(past + s)), acc(static_cast<std::size_t>(D));
+    for (std::int64_t i = 0; i < s; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const T* qi = q.data() + (i * H + h) * D;
+        const std::int64_t g = h / (H / Hkv), n = past + i + 1;
+        double mx = -std::numeric_limits<double>::infinity(), total = 0;
+        for (std::int64_t j = 0; j < n; ++j) {
+          const T* kj = kv.k.data() + (j * Hkv + g) * D;
+          double dot = 0;
+          for (std::int64_t d = 0; d < D; ++d) dot += static_cast<double>(qi[d]) * static_cast<double>(kj[d]);
+          mx = std::max(mx, w[static_cast<std::size_t>(j)] = dot * scale);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (std::int64_t j = 0; j < n; ++j) {
+          const double e = std::exp(w[static_cast<std::size_t>(j)] - mx);
+          total += e;
+          const T* vj = kv.v.data() + (j * Hkv + g) * D;
+          for (std::int64_t d = 0; d < D; ++d) acc[static_cast<std::size_t>(d)] += e * static_cast<double>(vj[d]);
+        }
+        for (std::int64_t d = 0; d < D; ++d) y.data()[(i * H + h) * D + d] = static_cast<T>(acc[static_cast<std::size_t>(d)] / total);
+      }
+    return o_->forward(y, scratch.child(3));
+  }
 
   /// Tokens of the document_token start a new document: attention stays inside a
   /// document and positions restart (Note [Batch context]); -1 (default): no masking.

@@ -293,3 +293,42 @@ TEST_CASE("LlamaConfig reads Hugging Face configs and refuses what it cannot tra
   bad_kv["num_key_value_heads"] = 2;
   REQUIRE_THROWS_WITH(nn::LlamaConfig::from_hf_config(bad_kv), Contains("n_kv_head 2 must divide n_head 9"));
 }
+
+TEST_CASE("Llama's KV-cached generation equals running the whole context each step", "[nn][llama][generate]") {
+  nn::LlamaConfig c = small_config();
+  c.max_seq_len = 10;  // short: the cache restarts during the run
+  Generator g(21);
+  nn::Llama<double> model(c, g);
+  Generator r(22);
+  for (auto& p : model.named_parameters()) ops::uniform_(p.param->value, -0.6, 0.6, r);
+  const std::vector<std::int32_t> prompt = {3, 1, 4, 1, 5};
+  for (double temperature : {0.0, 1.0}) {
+    INFO("temperature " << temperature);
+    Generator ga(7), gb(7);
+    const auto cached = nn::generate(model, prompt, 17, temperature, 0, ga);
+    // The reference: the whole context (as the cache holds it) through forward_tokens each step.
+    std::vector<std::int32_t> seq = prompt;
+    std::size_t start = 0;  // the cache's first token
+    for (int n = 0; n < 17; ++n) {
+      if (seq.size() - start > static_cast<std::size_t>(c.max_seq_len)) start = seq.size() - c.max_seq_len / 2;
+      const std::vector<std::int32_t> ctx(seq.begin() + static_cast<std::ptrdiff_t>(start), seq.end());
+      nn::Cache<double> cache;
+      const auto logits = model.forward_tokens(ids_of(ctx, 1), cache);
+      const double* row = logits.data() + (static_cast<std::int64_t>(ctx.size()) - 1) * c.vocab_size;
+      seq.push_back(nn::sample_logits(row, c.vocab_size, temperature, 0, gb.uniform()));
+    }
+    CHECK(cached == seq);
+  }
+  // The decode step's hidden states equal forward's, not only the sampled ids.
+  nn::Cache<double> cache;
+  const auto full = model.forward_tokens(ids_of(prompt, 1), cache);
+  std::vector<nn::KVCache<double>> kv(2);
+  nn::Cache<double> scratch;
+  for (std::size_t t = 0; t < prompt.size(); ++t) {
+    auto h = model.embedding().forward_tokens(ids_of({prompt[t]}, 1), scratch.child(t));
+    for (std::size_t l = 0; l < 2; ++l) h = model.block(l).decode(h, kv[l], 10);
+    const auto logits = model.head().forward(h, scratch.child(100 + t));
+    for (std::int64_t v = 0; v < c.vocab_size; ++v)
+      REQUIRE(std::abs(logits.data()[v] - full.data()[static_cast<std::int64_t>(t) * c.vocab_size + v]) < 1e-12);
+  }
+}

@@ -93,6 +93,48 @@ struct LlamaConfig {
   nlohmann::json to_hf_config() const;
 };
 
+/// Llama's decoder layer: h = x + self_attn(input_layernorm(x)),
+/// y = h + mlp(post_attention_layernorm(h)).
+template <class T>
+class LlamaBlock : public PreNormBlock<T> {
+ public:
+  LlamaBlock(const LlamaConfig& c, Generator& gen = default_generator())
+      : LlamaBlock(std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps),
+                   std::make_shared<GroupedQueryAttention<T>>(c.n_embd, c.n_head, c.n_kv_head, c.rope,
+                                                              c.attention_bias, c.o_proj_bias, gen),
+                   std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps),
+                   std::make_shared<SwiGLU<T>>(c.n_embd, c.intermediate_size, c.mlp_bias, gen)) {
+    attn_->set_document_token(c.document_token);
+    attn_->set_sliding_window(c.sliding_window);
+  }
+
+  /// Generation: x [1, s, C], the next s tokens after kv.length (GroupedQueryAttention::decode).
+  Tensor<T> decode(const Tensor<T>& x, KVCache<T>& kv, std::int64_t capacity) {
+    Cache<T> scratch;  // no backward
+    auto h = attn_->decode(input_norm_->forward(x, scratch.child(0)), kv, capacity);
+    ops::axpy_(1, x, h);
+    auto y = mlp_->forward(post_norm_->forward(h, scratch.child(1)), scratch.child(2));
+    ops::axpy_(1, h, y);
+    return y;
+  }
+
+  std::string describe() const override { return "LlamaBlock(" + attn_->describe() + ", " + mlp_->describe() + ")"; }
+  RMSNorm<T>& input_layernorm() { return *input_norm_; }
+  GroupedQueryAttention<T>& self_attn() { return *attn_; }
+  RMSNorm<T>& post_attention_layernorm() { return *post_norm_; }
+  SwiGLU<T>& mlp() { return *mlp_; }
+
+ private:
+  LlamaBlock(std::shared_ptr<RMSNorm<T>> n1, std::shared_ptr<GroupedQueryAttention<T>> attn,
+             std::shared_ptr<RMSNorm<T>> n2, std::shared_ptr<SwiGLU<T>> mlp)
+      : PreNormBlock<T>({"input_layernorm", n1}, {"self_attn", attn}, {"post_attention_layernorm", n2}, {"mlp", mlp}),
+        input_norm_(n1), post_norm_(n2), attn_(attn), mlp_(mlp) {}
+
+  std::shared_ptr<RMSNorm<T>> input_norm_, post_norm_;
+  std::shared_ptr<GroupedQueryAttention<T>> attn_;
+  std::shared_ptr<SwiGLU<T>> mlp_;
+};
+
 namespace detail {
 
 inline void check_llama_config(const LlamaConfig& c) {
@@ -109,20 +151,6 @@ inline void check_llama_config(const LlamaConfig& c) {
                " must be >= 0 (0: none)");
   PTRAIN_CHECK(c.document_token < c.vocab_size, Error, "[ptrain.llama.config] document_token ", c.document_token,
                " is outside the vocabulary of ", c.vocab_size);
-}
-
-template <class T>
-std::shared_ptr<PreNormBlock<T>> make_llama_block(const LlamaConfig& c, Generator& scratch) {
-  auto attn = std::make_shared<GroupedQueryAttention<T>>(c.n_embd, c.n_head, c.n_kv_head, c.rope, c.attention_bias,
-                                                         c.o_proj_bias, scratch);
-  attn->set_document_token(c.document_token);
-  attn->set_sliding_window(c.sliding_window);
-  return std::make_shared<PreNormBlock<T>>(
-      typename PreNormBlock<T>::Part{"input_layernorm", std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps)},
-      typename PreNormBlock<T>::Part{"self_attn", attn},
-      typename PreNormBlock<T>::Part{"post_attention_layernorm", std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps)},
-      typename PreNormBlock<T>::Part{"mlp",
-                                     std::make_shared<SwiGLU<T>>(c.n_embd, c.intermediate_size, c.mlp_bias, scratch)});
 }
 
 // Hugging Face's LlamaPreTrainedModel._init_weights: every Linear and Embedding weight
@@ -152,7 +180,7 @@ class Llama : public UnitChain<T> {
     embed_ = std::make_shared<Embedding<T>>(cfg.vocab_size, cfg.n_embd, scratch);
     this->add_unit("embed_tokens", embed_);
     for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
-      blocks_.push_back(detail::make_llama_block<T>(cfg, scratch));
+      blocks_.push_back(std::make_shared<LlamaBlock<T>>(cfg, scratch));
       std::shared_ptr<Module<T>> unit = blocks_.back();
       if (cfg.recompute) unit = std::make_shared<Recompute<T>>(unit);
       this->add_unit("layers." + std::to_string(l), unit);
@@ -171,15 +199,14 @@ class Llama : public UnitChain<T> {
   }
   const LlamaConfig& config() const { return cfg_; }
   Embedding<T>& embedding() { return *embed_; }
-  /// Block i: its parts are "input_layernorm", "self_attn", "post_attention_layernorm", "mlp".
-  PreNormBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
+  LlamaBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
   Head& head() { return *head_; }
   bool tied() const { return head_->tied(); }
 
  private:
   LlamaConfig cfg_;
   std::shared_ptr<Embedding<T>> embed_;
-  std::vector<std::shared_ptr<PreNormBlock<T>>> blocks_;
+  std::vector<std::shared_ptr<LlamaBlock<T>>> blocks_;
   std::shared_ptr<Head> head_;
 };
 
@@ -190,6 +217,50 @@ inline std::function<bool(const std::string&)> llama_decay_filter() {
     return !(detail::ends_with(name, ".bias") || name.find("norm.") != std::string::npos ||
              name.find("embed_tokens.") != std::string::npos);
   };
+}
+
+
+/// Continues `prompt` by max_new_tokens tokens with a KV cache: the prompt runs
+/// once, then each step runs the new token alone against the cached keys and
+/// values (GroupedQueryAttention::decode). The context is at most
+/// cfg.max_seq_len tokens; when it is full, the cache restarts from the last
+/// max_seq_len / 2 tokens. Sampling as GPT's generate (sample_logits: temperature,
+/// top_k, vocab_limit, one uniform per token from gen); evaluation mode, restored after.
+template <class T>
+std::vector<std::int32_t> generate(Llama<T>& model, std::vector<std::int32_t> prompt, std::int64_t max_new_tokens,
+                                   double temperature, std::int64_t top_k, Generator& gen,
+                                   std::int64_t vocab_limit = 0) {
+  PTRAIN_CHECK(!prompt.empty(), Error, "[ptrain.sample] the prompt needs at least one token");
+  const LlamaConfig& c = model.config();
+  const std::int64_t V = c.vocab_size, context = c.sliding_window > 0 ? std::min(c.max_seq_len, c.sliding_window)
+                                                                        : c.max_seq_len;
+  const bool was_training = model.training();
+  model.train(false);
+  std::vector<KVCache<T>> kv;
+  std::size_t fed = 0;  // prompt[0 .. fed) is in the cache
+  std::vector<double> last(static_cast<std::size_t>(V));
+  for (std::int64_t n = 0; n < max_new_tokens; ++n) {
+    if (kv.empty() || static_cast<std::int64_t>(prompt.size() - fed) + kv[0].length > context) {
+      // (Re)start: the last tokens that fit, keeping room to grow.
+      const std::int64_t keep = std::min<std::int64_t>(static_cast<std::int64_t>(prompt.size()),
+                                                       kv.empty() ? context : std::max<std::int64_t>(1, context / 2));
+      kv.assign(model.config().n_layer, KVCache<T>{});
+      fed = prompt.size() - static_cast<std::size_t>(keep);
+    }
+    const std::vector<std::int32_t> fresh(prompt.begin() + static_cast<std::ptrdiff_t>(fed), prompt.end());
+    const auto s = static_cast<std::int64_t>(fresh.size());
+    Cache<T> scratch;
+    auto h = model.embedding().forward_tokens(Tensor<std::int32_t>::from(fresh, {1, s}), scratch.child(0));
+    for (std::int64_t l = 0; l < c.n_layer; ++l)
+      h = model.block(static_cast<std::size_t>(l)).decode(h, kv[static_cast<std::size_t>(l)], context);
+    fed = prompt.size();
+    const auto logits = model.head().forward(h.view((s - 1) * c.n_embd, {1, 1, c.n_embd}), scratch.child(1));
+    for (std::int64_t v = 0; v < V; ++v) last[static_cast<std::size_t>(v)] = static_cast<double>(logits.data()[v]);
+    prompt.push_back(sample_logits(last.data(), vocab_limit > 0 ? std::min(vocab_limit, V) : V, temperature, top_k,
+                                   gen.uniform()));
+  }
+  model.train(was_training);
+  return prompt;
 }
 
 // ---- Hugging Face config.json ----
