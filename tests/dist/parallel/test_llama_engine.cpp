@@ -26,17 +26,9 @@ constexpr std::int32_t kDocument = 0;  // the token that starts each packed docu
 const optim::AdamWOptions kAdam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
 
 nn::LlamaConfig config(bool recompute) {
-  nn::LlamaConfig c;
-  c.vocab_size = 17;
-  c.n_layer = 2;
-  c.n_head = 4;
-  c.n_kv_head = 2;
-  c.n_embd = 16;
-  c.intermediate_size = 24;
-  c.document_token = kDocument;
-  c.rope.llama3_scaling = ops::Llama3RopeScaling{.original_max_position_embeddings = 8};
-  c.recompute = recompute;
-  return c;
+  return {.vocab_size = 17, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16, .intermediate_size = 24,
+          .rope = {.llama3_scaling = ops::Llama3RopeScaling{.original_max_position_embeddings = 8}},
+          .document_token = kDocument, .recompute = recompute};
 }
 
 std::shared_ptr<nn::Llama<float>> make_llama(bool recompute = false) {

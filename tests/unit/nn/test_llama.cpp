@@ -16,15 +16,8 @@ using Catch::Matchers::Contains;
 namespace {
 
 nn::LlamaConfig small_config() {
-  nn::LlamaConfig c;
-  c.vocab_size = 13;
-  c.n_layer = 2;
-  c.n_head = 4;
-  c.n_kv_head = 2;
-  c.n_embd = 16;
-  c.intermediate_size = 24;
-  c.rope.llama3_scaling = ops::Llama3RopeScaling{.original_max_position_embeddings = 8};
-  return c;
+  return {.vocab_size = 13, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16, .intermediate_size = 24,
+          .rope = {.llama3_scaling = ops::Llama3RopeScaling{.original_max_position_embeddings = 8}}};
 }
 
 Tensor<std::int32_t> ids_of(const std::vector<std::int32_t>& v, std::int64_t rows) {
