@@ -31,7 +31,7 @@
 namespace ptrain::nn {
 
 struct BatchContext {
-  Tensor<std::int32_t> ids;           ///< [B, S] the batch's token ids (CPU)
+  Tensor<std::int32_t> ids;           ///< [B, S] the batch's token ids, as the model was fed them
   Tensor<std::int32_t> position_ids;  ///< optional [S] or [B, S]; undefined: from the documents or 0..S-1
 };
 

@@ -21,11 +21,12 @@ Tensor<T> forward_units(const Units<T>& units, Tensor<T> h, Cache<T>& cache, std
   return h;
 }
 /// Puts token ids into the cache's context for the layers below (Note [Batch
-/// context]), keeping explicit position ids the caller set there.
+/// context]), keeping explicit position ids the caller set there. The ids are
+/// shared, not copied: a layer that reads them on the host needs them there.
 template <class T>
 void set_batch_ids(Cache<T>& cache, const Tensor<std::int32_t>& ids) {
   BatchContext ctx = cache.context() ? *cache.context() : BatchContext{};
-  ctx.ids = ids.device().is_cpu() ? ids : ids.to(Device::cpu());
+  ctx.ids = ids;
   cache.set_context(std::make_shared<const BatchContext>(std::move(ctx)));
 }
 /// The first unit looks the ids up (Module::forward_tokens); the rest run forward.
