@@ -2,8 +2,8 @@
 # by the build tree and by the installed ptrainConfig.cmake, so a consumer of
 # the installed package gets the same backends the package was built with.
 #
-# Inputs: PTRAIN_WITH_{BLAS,CUDA,MPI,GLOO,NCCL} = ON, OFF or AUTO.
-# Outputs: PTRAIN_HAVE_{BLAS,CUDA,MPI,GLOO,NCCL} = TRUE/FALSE.
+# Inputs: PTRAIN_WITH_{BLAS,CUDA,MPI,GLOO,NCCL,SENTENCEPIECE} = ON, OFF or AUTO.
+# Outputs: PTRAIN_HAVE_{BLAS,CUDA,MPI,GLOO,NCCL,SENTENCEPIECE} = TRUE/FALSE.
 
 include(CMakeFindDependencyMacro)
 
@@ -74,6 +74,20 @@ if(PTRAIN_HAVE_CUDA AND (PTRAIN_WITH_NCCL STREQUAL "AUTO" OR PTRAIN_WITH_NCCL))
 endif()
 _ptrain_optional(NCCL "${_ptrain_nccl_found}")
 
+# SentencePiece (Debian's libsentencepiece-dev) reads and runs the tokenizer.model of
+# Llama 2, Mistral and other SentencePiece models (data/sentencepiece.hpp): its
+# normalizer, unigram and BPE encoders are a protobuf-driven format that only the
+# library itself implements exactly.
+set(_ptrain_sentencepiece_found FALSE)
+if(PTRAIN_WITH_SENTENCEPIECE STREQUAL "AUTO" OR PTRAIN_WITH_SENTENCEPIECE)
+  find_package(PkgConfig QUIET)
+  if(PkgConfig_FOUND)
+    pkg_check_modules(PTRAIN_SENTENCEPIECE QUIET IMPORTED_TARGET GLOBAL sentencepiece)
+    set(_ptrain_sentencepiece_found ${PTRAIN_SENTENCEPIECE_FOUND})
+  endif()
+endif()
+_ptrain_optional(SENTENCEPIECE "${_ptrain_sentencepiece_found}")
+
 function(ptrain_link_dependencies target)
   target_link_libraries(${target} INTERFACE Eigen3::Eigen nlohmann_json::nlohmann_json
                                             ZLIB::ZLIB Threads::Threads)
@@ -92,6 +106,10 @@ function(ptrain_link_dependencies target)
     target_link_libraries(${target} INTERFACE gloo)
     target_compile_definitions(${target} INTERFACE PTRAIN_GLOO=1)
   endif()
+  if(PTRAIN_HAVE_SENTENCEPIECE)
+    target_link_libraries(${target} INTERFACE PkgConfig::PTRAIN_SENTENCEPIECE)
+    target_compile_definitions(${target} INTERFACE PTRAIN_SENTENCEPIECE=1)
+  endif()
   # CUDA and NCCL link lines belong to ptrain::cuda (ptrain_link_cuda_dependencies),
   # so that a CPU program of a CUDA-enabled build needs neither libcudart nor libnccl.
 endfunction()
@@ -109,4 +127,4 @@ function(ptrain_link_cuda_dependencies target)
 endfunction()
 
 message(STATUS "ptrain backends: BLAS=${PTRAIN_HAVE_BLAS} MPI=${PTRAIN_HAVE_MPI} Gloo=${PTRAIN_HAVE_GLOO} "
-               "CUDA=${PTRAIN_HAVE_CUDA} NCCL=${PTRAIN_HAVE_NCCL}")
+               "CUDA=${PTRAIN_HAVE_CUDA} NCCL=${PTRAIN_HAVE_NCCL} SentencePiece=${PTRAIN_HAVE_SENTENCEPIECE}")

@@ -25,6 +25,8 @@ packages=(
   dataset-fashion-mnist  # the main example's data
   fortunes               # plain English text for the character-level GPT example
   python3 python3-numpy python3-regex  # independent readers and references in tests
+  libsentencepiece-dev   # SentencePiece tokenizers (Llama 2, Mistral): only the library runs their models exactly
+  python3-sentencepiece  # trains the tests' small SentencePiece models and gives the reference ids
   clang libclang-rt-14-dev  # libFuzzer target for the safetensors parser
   python3-yaml iproute2  # manifest checks and the multi-pod test (network namespaces)
 )
