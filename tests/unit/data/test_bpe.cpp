@@ -2,44 +2,22 @@
 // trainer and encoder on Python's `regex` module, in Hugging Face's and OpenAI's
 // file layouts.
 #include <catch2/catch.hpp>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <set>
 #include <nlohmann/json.hpp>
 #include <ptrain/data/bpe.hpp>
-#include <unistd.h>
+#include "reference_files.hpp"
 
 using namespace ptrain;
+using test::read_file;
+using test::read_json;
+using test::write_file;
 namespace fs = std::filesystem;
 
 namespace {
 
-// The reference's files, written once per test run.
-const fs::path& reference_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("ptrain_bpe_" + std::to_string(::getpid()));
-    fs::remove_all(d);
-    const fs::path script = fs::path(__FILE__).parent_path() / "bpe_reference.py";
-    REQUIRE(std::system(("/usr/bin/python3 '" + script.string() + "' '" + d.string() + "'").c_str()) == 0);
-    return d;
-  }();
-  return dir;
-}
-
-nlohmann::json read_json(const fs::path& p) {
-  nlohmann::json j;
-  std::ifstream(p) >> j;
-  return j;
-}
-
-void write_file(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary) << bytes; }
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
+const fs::path& reference_dir() { return test::reference_dir("bpe_reference.py"); }
 
 }  // namespace
 

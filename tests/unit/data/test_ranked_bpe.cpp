@@ -3,44 +3,22 @@
 // written in Python, on a vocabulary it trains and writes as tiktoken ranks and as
 // tokenizer.json (merges as strings and as pairs).
 #include <catch2/catch.hpp>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <set>
 #include <nlohmann/json.hpp>
 #include <ptrain/data/ranked_bpe.hpp>
-#include <unistd.h>
+#include "reference_files.hpp"
 
 using namespace ptrain;
+using test::read_file;
+using test::read_json;
+using test::write_file;
 namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path& reference_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("ptrain_llama3_" + std::to_string(::getpid()));
-    fs::remove_all(d);
-    fs::create_directories(d);
-    const fs::path script = fs::path(__FILE__).parent_path() / "llama3_reference.py";
-    REQUIRE(std::system(("/usr/bin/python3 '" + script.string() + "' '" + d.string() + "'").c_str()) == 0);
-    return d;
-  }();
-  return dir;
-}
-
-nlohmann::json read_json(const fs::path& p) {
-  nlohmann::json j;
-  std::ifstream(p) >> j;
-  return j;
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-
-void write_file(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary) << bytes; }
+const fs::path& reference_dir() { return test::reference_dir("llama3_reference.py"); }
 
 }  // namespace
 
