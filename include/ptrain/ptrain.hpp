@@ -83,7 +83,9 @@
 #include "ptrain/data/idx.hpp"
 #include "ptrain/data/sampler.hpp"
 #include "ptrain/data/bpe.hpp"
+#include "ptrain/data/ranked_bpe.hpp"
 #include "ptrain/data/text.hpp"
+#include "ptrain/data/tokenizer.hpp"  // and data/sentencepiece.hpp where the build has SentencePiece
 
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"
