@@ -1,18 +1,22 @@
-// Tokenizes text with GPT-2's BPE into llm.c's token shards, which gpt_char
-// (--train-tokens, --val-tokens) and llm.c-style trainers read.
+// Tokenizes text into llm.c's token shards, which gpt_char (--train-tokens,
+// --val-tokens) and llm.c-style trainers read, with any tokenizer Tokenizer::load
+// reads: GPT-2's files, a tokenizer.json (Llama 3), tiktoken ranks, a SentencePiece model.
 //
 //   tokenize_text --tokenizer gpt2 --out data/books books/*.txt          # each file is one document
 //   tokenize_text --tokenizer gpt2 --out data/owt owt_*.jsonl             # one JSON document per line ("text")
+//   tokenize_text --tokenizer Meta-Llama-3-8B --out data/l3 owt_*.jsonl   # <|begin_of_text|> before each
 //   gpt_char --train-tokens 'data/books_train_*.bin' --val-tokens data/books_val_000000.bin --tokenizer gpt2
 //
-// Every document starts with <|endoftext|>, as in nanoGPT's and llm.c's data
-// scripts. The tokens go into shards of --shard-tokens, in input order: the
+// Every document starts with the separator token (--separator; by default
+// <|endoftext|> where the vocabulary has it, as in nanoGPT's and llm.c's data
+// scripts, else Llama 3's <|begin_of_text|>, else a SentencePiece model's BOS).
+// The tokens go into shards of --shard-tokens, in input order: the
 // first shard is the validation split (PREFIX_val_000000.bin), the others train
 // (PREFIX_train_000001.bin, ...), as llm.c names them. Each shard is llm.c's
 // layout (1024-byte header, uint16 ids; uint32 for vocabularies above 65536) and
 // appears whole or not at all. A text file is read from a memory mapping, so it may
-// be larger than memory; text files (in parts) and .jsonl documents are tokenized on
-// --threads threads.
+// be larger than memory; text files (in parts; a SentencePiece model takes each file
+// whole) and .jsonl documents are tokenized on --threads threads.
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -21,7 +25,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <ptrain/data/bpe.hpp>
+#include <ptrain/data/tokenizer.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -145,17 +149,20 @@ int main(int argc, char** argv) {
   std::string tokenizer_dir, out;
   std::vector<std::string> inputs;
   std::int64_t shard_tokens = 100'000'000, part_bytes = 16 << 20;
-  std::string field = "text";
+  std::string field = "text", separator;
   bool no_eot = false, overwrite = false;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  CLI::App app{"Tokenize text files with GPT-2's BPE into llm.c token shards (first shard: validation)"};
-  app.add_option("--tokenizer", tokenizer_dir, "folder of a GPT-2 tokenizer (vocab.json + merges.txt, or "
-                 "encoder.json + vocab.bpe)")->required();
+  CLI::App app{"Tokenize text files into llm.c token shards (first shard: validation)"};
+  app.add_option("--tokenizer", tokenizer_dir, "a tokenizer's folder or file: GPT-2 (vocab.json + merges.txt, or "
+                 "encoder.json + vocab.bpe), tokenizer.json (Llama 3), tiktoken ranks or a SentencePiece model")
+      ->required();
   app.add_option("--out", out, "prefix of the shards: PREFIX_val_000000.bin, PREFIX_train_000001.bin, ...")
       ->required();
   app.add_option("--shard-tokens", shard_tokens, "tokens per shard (llm.c: 100000000)")->check(positive);
   app.add_option("--field", field, "the text's field in .jsonl inputs");
-  app.add_flag("--no-eot", no_eot, "no <|endoftext|> before each document");
+  auto* sep_opt = app.add_option("--separator", separator, "the token put before each document (default: "
+                                 "<|endoftext|>, else <|begin_of_text|>, else the SentencePiece BOS)");
+  app.add_flag("--no-eot", no_eot, "no separator before each document")->excludes(sep_opt);
   app.add_flag("--overwrite", overwrite, "remove the shards of an earlier run with this --out first");
   app.add_option("--threads", threads, "tokenizer threads")->check(CLI::Range(1, 1024));
   app.add_option("--part-bytes", part_bytes, "a text file is tokenized in parts of about this size, one per thread")
@@ -166,7 +173,7 @@ int main(int argc, char** argv) {
 
   try {
     const auto t0 = std::chrono::steady_clock::now();
-    const BpeTokenizer tok = BpeTokenizer::load(tokenizer_dir);
+    const Tokenizer tok = Tokenizer::load(tokenizer_dir);
     const auto folder = std::filesystem::path(out).parent_path();
     PTRAIN_CHECK(folder.empty() || std::filesystem::is_directory(folder), DataError, "[tokenize_text.out] folder ",
                  folder.string(), " of --out does not exist; create it first");
@@ -176,23 +183,29 @@ int main(int argc, char** argv) {
                  "earlier run are there (e.g. ", earlier.empty() ? "" : earlier.front().string(), "); pass ",
                  "--overwrite to remove them first, or choose another --out");
     for (const auto& f : earlier) std::filesystem::remove(f);
-    const std::optional<std::int32_t> eot = no_eot ? std::nullopt : tok.token_id("<|endoftext|>");
-    PTRAIN_CHECK(no_eot || eot, DataError, "[tokenize_text.eot] the tokenizer has no <|endoftext|> token; pass "
-                 "--no-eot to write the documents without a separator");
+    const std::optional<std::int32_t> eot =
+        no_eot ? std::nullopt : separator.empty() ? tok.document_separator() : tok.token_id(separator);
+    PTRAIN_CHECK(no_eot || eot, DataError, "[tokenize_text.eot] the ", tok.kind_name(), " tokenizer has no ",
+                 separator.empty() ? std::string("separator token (<|endoftext|>, <|begin_of_text|> or a BOS)")
+                                   : "token '" + separator + "'",
+                 "; name one with --separator, or pass --no-eot to write the documents without a separator");
 
     ShardWriter shards(out, shard_tokens, tok.vocab_size() > 65536);
     std::int64_t docs = 0, bytes = 0;
     for (const std::string& path : inputs) {
       if (std::filesystem::path(path).extension() != ".jsonl") {
         // One document from a mapping: a round of --part-bytes parts per thread, cut where
-        // pieces end (detail::piece_boundary_after), so the parts' ids are the whole's.
+        // pieces end (detail::piece_boundary_after), so the parts' ids are the whole's; a
+        // tokenizer that cannot be cut there (SentencePiece) gets the whole text as one part.
         const detail::MappedFile<DataError> file(path, "[tokenize_text.input]", "check the path");
         const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
         if (eot) shards.add({*eot});
         for (std::size_t at = 0; at < text.size();) {
           std::vector<std::pair<std::size_t, std::size_t>> parts;
           for (int t = 0; t < threads && at < text.size(); ++t) {
-            parts.emplace_back(at, detail::piece_boundary_after(text, at + static_cast<std::size_t>(part_bytes)));
+            parts.emplace_back(at, tok.splits_at_piece_boundaries()
+                                       ? detail::piece_boundary_after(text, at + static_cast<std::size_t>(part_bytes))
+                                       : text.size());
             at = parts.back().second;
           }
           const auto ids = encode_parallel(

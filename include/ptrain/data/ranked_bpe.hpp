@@ -188,114 +188,12 @@ class RankedBpeTokenizer {
       PTRAIN_THROW(DataError, "[ptrain.tokenizer.json] '", path, "' is not JSON (", e.what(),
                    "); pass a Hugging Face tokenizer.json");
     }
-    auto bad = [&](const std::string& what) {
-      PTRAIN_THROW(DataError, "[ptrain.tokenizer.json] '", path, "': ", what,
+    try {
+      return from_json(j, path);
+    } catch (const nlohmann::json::exception& e) {  // a field of an unexpected JSON type
+      PTRAIN_THROW(DataError, "[ptrain.tokenizer.json] '", path, "': ", e.what(),
                    "; the file is not a Hugging Face tokenizer.json, or it is damaged");
-    };
-    auto unsupported = [&](const std::string& what) {
-      PTRAIN_THROW(DataError, "[ptrain.tokenizer.unsupported] '", path, "': ", what, " is not supported; ptrain ",
-                   "reads byte-level BPE tokenizers (Llama 3's Split + ByteLevel pre-tokenizer, or GPT-2's ByteLevel) ",
-                   "without a normalizer; for a SentencePiece model (Llama 2, Mistral) pass its tokenizer.model");
-    };
-    auto brief = [](const nlohmann::json& v) {  // a value as short JSON, for messages
-      std::string s = v.dump();
-      return s.size() > 200 ? s.substr(0, 200) + "..." : s;
-    };
-    if (!j.is_object() || !j.contains("model") || !j["model"].is_object()) bad("no \"model\" object");
-    const auto& model = j["model"];
-    const std::string type = model.value("type", std::string("BPE"));  // old files leave out BPE's type
-    if (type != "BPE") unsupported("model type \"" + type + "\"");
-    if (j.contains("normalizer") && !j["normalizer"].is_null()) unsupported("normalizer " + brief(j["normalizer"]));
-    for (const char* key : {"dropout", "continuing_subword_prefix", "end_of_word_suffix"})
-      if (model.contains(key) && !model[key].is_null() && model[key] != "")
-        unsupported(std::string("model.") + key + " " + brief(model[key]));
-    if (model.value("byte_fallback", false)) unsupported("model.byte_fallback");
-
-    RankedBpeTokenizer t;
-    t.whole_piece_first_ = model.value("ignore_merges", false);
-    const nlohmann::json pre = j.value("pre_tokenizer", nlohmann::json());
-    auto byte_level = [](const nlohmann::json& p, bool use_regex) {
-      return p.is_object() && p.value("type", "") == "ByteLevel" && !p.value("add_prefix_space", false) &&
-             p.value("use_regex", true) == use_regex;
-    };
-    if (byte_level(pre, true)) {
-      t.pattern_ = Pattern::Gpt2;
-    } else {
-      const bool llama3 = pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers") &&
-                          pre["pretokenizers"].is_array() && pre["pretokenizers"].size() == 2 &&
-                          pre["pretokenizers"][0].value("type", "") == "Split" &&
-                          pre["pretokenizers"][0].value("pattern", nlohmann::json()) ==
-                              nlohmann::json{{"Regex", detail::kLlama3Pattern}} &&
-                          pre["pretokenizers"][0].value("behavior", "") == "Isolated" &&
-                          !pre["pretokenizers"][0].value("invert", false) && byte_level(pre["pretokenizers"][1], false);
-      if (!llama3) unsupported("pre_tokenizer " + brief(pre));
     }
-
-    if (!model.contains("vocab") || !model["vocab"].is_object() || model["vocab"].empty())
-      bad("model.vocab is not an object of token -> id");
-    std::array<int, 324> byte_of;  // stand-in code point -> byte
-    byte_of.fill(-1);
-    for (unsigned b = 0; b < 256; ++b) byte_of[detail::byte_to_unicode(b)] = static_cast<int>(b);
-    std::unordered_map<std::string, std::int32_t> spelled;  // the vocabulary's spelling -> id
-    std::vector<std::pair<std::int64_t, std::string>> entries;
-    for (const auto& [token, id] : model["vocab"].items()) {
-      if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() >= INT32_MAX)
-        bad("token '" + token + "' has id " + id.dump() + ", not an integer in [0, 2^31)");
-      std::string bytes;  // a character without a byte stands for its own UTF-8
-      for (std::size_t k = 0; k < token.size();) {
-        const auto [cp, len] = detail::utf8_at(token, k);
-        if (cp < byte_of.size() && byte_of[cp] >= 0) bytes += static_cast<char>(byte_of[cp]);
-        else bytes.append(token, k, len);
-        k += len;
-      }
-      spelled.emplace(token, static_cast<std::int32_t>(id.get<std::int64_t>()));
-      entries.emplace_back(id.get<std::int64_t>(), std::move(bytes));
-    }
-    std::vector<std::pair<std::int64_t, std::string>> specials;
-    if (j.contains("added_tokens")) {
-      if (!j["added_tokens"].is_array()) bad("added_tokens is not an array");
-      for (const auto& a : j["added_tokens"]) {
-        if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
-            !a["content"].is_string() || a["id"].get<std::int64_t>() < 0 || a["id"].get<std::int64_t>() >= INT32_MAX)
-          bad("added token " + brief(a) + " has no integer \"id\" in [0, 2^31) and string \"content\"");
-        specials.emplace_back(a["id"].get<std::int64_t>(), a["content"].get<std::string>());
-      }
-    }
-    t.build(entries, specials, path);
-    for (unsigned b = 0; b < 256; ++b) {
-      std::string stand_in;
-      detail::append_utf8(stand_in, detail::byte_to_unicode(b));
-      const auto it = spelled.find(stand_in);
-      if (it == spelled.end())
-        bad("the vocabulary has no token for byte " + std::to_string(b) + " ('" + stand_in +
-            "'), which a byte-level BPE has for each of the 256");
-      t.byte_id_[b] = it->second;
-    }
-
-    if (!model.contains("merges") || !model["merges"].is_array()) bad("model.merges is not an array");
-    std::int32_t rank = 0;
-    for (const auto& m : model["merges"]) {
-      // "a b" (older files) or ["a", "b"] (tokenizers >= 0.20, which allows spaces in tokens).
-      std::string a, b;
-      if (m.is_string()) {
-        const std::string s = m.get<std::string>();
-        const std::size_t space = s.find(' ');
-        if (space == std::string::npos || space == 0 || space + 1 == s.size() ||
-            s.find(' ', space + 1) != std::string::npos)
-          bad("merge " + std::to_string(rank) + " (" + brief(m) + ") is not two tokens separated by one space");
-        a = s.substr(0, space), b = s.substr(space + 1);
-      } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-        a = m[0].get<std::string>(), b = m[1].get<std::string>();
-      } else {
-        bad("merge " + std::to_string(rank) + " (" + brief(m) + ") is neither \"a b\" nor [\"a\", \"b\"]");
-      }
-      const auto ia = spelled.find(a), ib = spelled.find(b), iab = spelled.find(a + b);
-      if (ia == spelled.end() || ib == spelled.end() || iab == spelled.end())
-        bad("merge " + std::to_string(rank) + " joins '" + a + "' and '" + b + "', but the vocabulary lacks '" +
-            (ia == spelled.end() ? a : ib == spelled.end() ? b : a + b) + "'");
-      t.merges_.try_emplace(pair_key(ia->second, ib->second), Merge{rank++, iab->second});  // the first rule wins
-    }
-    return t;
   }
 
   /// From tiktoken ranks: lines "base64(token bytes) rank" (Meta's tokenizer.model for
@@ -437,6 +335,118 @@ class RankedBpeTokenizer {
   }
 
  private:
+  // from_tokenizer_json's reading of the parsed file.
+  static RankedBpeTokenizer from_json(const nlohmann::json& j, const std::string& path) {
+    auto bad = [&](const std::string& what) {
+      PTRAIN_THROW(DataError, "[ptrain.tokenizer.json] '", path, "': ", what,
+                   "; the file is not a Hugging Face tokenizer.json, or it is damaged");
+    };
+    auto unsupported = [&](const std::string& what) {
+      PTRAIN_THROW(DataError, "[ptrain.tokenizer.unsupported] '", path, "': ", what, " is not supported; ptrain ",
+                   "reads byte-level BPE tokenizers (Llama 3's Split + ByteLevel pre-tokenizer, or GPT-2's ByteLevel) ",
+                   "without a normalizer; for a SentencePiece model (Llama 2, Mistral) pass its tokenizer.model");
+    };
+    auto brief = [](const nlohmann::json& v) {  // a value as short JSON, for messages
+      std::string s = v.dump();
+      return s.size() > 200 ? s.substr(0, 200) + "..." : s;
+    };
+    if (!j.is_object() || !j.contains("model") || !j["model"].is_object()) bad("no \"model\" object");
+    const auto& model = j["model"];
+    const std::string type = model.value("type", std::string("BPE"));  // old files leave out BPE's type
+    if (type != "BPE") unsupported("model type \"" + type + "\"");
+    if (j.contains("normalizer") && !j["normalizer"].is_null()) unsupported("normalizer " + brief(j["normalizer"]));
+    for (const char* key : {"dropout", "continuing_subword_prefix", "end_of_word_suffix"})
+      if (model.contains(key) && !model[key].is_null() && model[key] != "")
+        unsupported(std::string("model.") + key + " " + brief(model[key]));
+    if (model.value("byte_fallback", false)) unsupported("model.byte_fallback");
+
+    RankedBpeTokenizer t;
+    t.whole_piece_first_ = model.value("ignore_merges", false);
+    const nlohmann::json pre = j.value("pre_tokenizer", nlohmann::json());
+    auto byte_level = [](const nlohmann::json& p, bool use_regex) {
+      return p.is_object() && p.value("type", "") == "ByteLevel" && !p.value("add_prefix_space", false) &&
+             p.value("use_regex", true) == use_regex;
+    };
+    if (byte_level(pre, true)) {
+      t.pattern_ = Pattern::Gpt2;
+    } else {
+      const bool llama3 = pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers") &&
+                          pre["pretokenizers"].is_array() && pre["pretokenizers"].size() == 2 &&
+                          pre["pretokenizers"][0].value("type", "") == "Split" &&
+                          pre["pretokenizers"][0].value("pattern", nlohmann::json()) ==
+                              nlohmann::json{{"Regex", detail::kLlama3Pattern}} &&
+                          pre["pretokenizers"][0].value("behavior", "") == "Isolated" &&
+                          !pre["pretokenizers"][0].value("invert", false) && byte_level(pre["pretokenizers"][1], false);
+      if (!llama3) unsupported("pre_tokenizer " + brief(pre));
+    }
+
+    if (!model.contains("vocab") || !model["vocab"].is_object() || model["vocab"].empty())
+      bad("model.vocab is not an object of token -> id");
+    std::array<int, 324> byte_of;  // stand-in code point -> byte
+    byte_of.fill(-1);
+    for (unsigned b = 0; b < 256; ++b) byte_of[detail::byte_to_unicode(b)] = static_cast<int>(b);
+    std::unordered_map<std::string, std::int32_t> spelled;  // the vocabulary's spelling -> id
+    std::vector<std::pair<std::int64_t, std::string>> entries;
+    for (const auto& [token, id] : model["vocab"].items()) {
+      if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() >= INT32_MAX)
+        bad("token '" + token + "' has id " + id.dump() + ", not an integer in [0, 2^31)");
+      std::string bytes;  // a character without a byte stands for its own UTF-8
+      for (std::size_t k = 0; k < token.size();) {
+        const auto [cp, len] = detail::utf8_at(token, k);
+        if (cp < byte_of.size() && byte_of[cp] >= 0) bytes += static_cast<char>(byte_of[cp]);
+        else bytes.append(token, k, len);
+        k += len;
+      }
+      spelled.emplace(token, static_cast<std::int32_t>(id.get<std::int64_t>()));
+      entries.emplace_back(id.get<std::int64_t>(), std::move(bytes));
+    }
+    std::vector<std::pair<std::int64_t, std::string>> specials;
+    if (j.contains("added_tokens")) {
+      if (!j["added_tokens"].is_array()) bad("added_tokens is not an array");
+      for (const auto& a : j["added_tokens"]) {
+        if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
+            !a["content"].is_string() || a["id"].get<std::int64_t>() < 0 || a["id"].get<std::int64_t>() >= INT32_MAX)
+          bad("added token " + brief(a) + " has no integer \"id\" in [0, 2^31) and string \"content\"");
+        specials.emplace_back(a["id"].get<std::int64_t>(), a["content"].get<std::string>());
+      }
+    }
+    t.build(entries, specials, path);
+    for (unsigned b = 0; b < 256; ++b) {
+      std::string stand_in;
+      detail::append_utf8(stand_in, detail::byte_to_unicode(b));
+      const auto it = spelled.find(stand_in);
+      if (it == spelled.end())
+        bad("the vocabulary has no token for byte " + std::to_string(b) + " ('" + stand_in +
+            "'), which a byte-level BPE has for each of the 256");
+      t.byte_id_[b] = it->second;
+    }
+
+    if (!model.contains("merges") || !model["merges"].is_array()) bad("model.merges is not an array");
+    std::int32_t rank = 0;
+    for (const auto& m : model["merges"]) {
+      // "a b" (older files) or ["a", "b"] (tokenizers >= 0.20, which allows spaces in tokens).
+      std::string a, b;
+      if (m.is_string()) {
+        const std::string s = m.get<std::string>();
+        const std::size_t space = s.find(' ');
+        if (space == std::string::npos || space == 0 || space + 1 == s.size() ||
+            s.find(' ', space + 1) != std::string::npos)
+          bad("merge " + std::to_string(rank) + " (" + brief(m) + ") is not two tokens separated by one space");
+        a = s.substr(0, space), b = s.substr(space + 1);
+      } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+        a = m[0].get<std::string>(), b = m[1].get<std::string>();
+      } else {
+        bad("merge " + std::to_string(rank) + " (" + brief(m) + ") is neither \"a b\" nor [\"a\", \"b\"]");
+      }
+      const auto ia = spelled.find(a), ib = spelled.find(b), iab = spelled.find(a + b);
+      if (ia == spelled.end() || ib == spelled.end() || iab == spelled.end())
+        bad("merge " + std::to_string(rank) + " joins '" + a + "' and '" + b + "', but the vocabulary lacks '" +
+            (ia == spelled.end() ? a : ib == spelled.end() ? b : a + b) + "'");
+      t.merges_.try_emplace(pair_key(ia->second, ib->second), Merge{rank++, iab->second});  // the first rule wins
+    }
+    return t;
+  }
+
   struct Merge {
     std::int32_t rank, id;
   };

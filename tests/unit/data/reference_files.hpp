@@ -23,7 +23,8 @@ inline const std::filesystem::path& reference_dir(const std::string& script) {
                        ("ptrain_" + script.substr(0, script.find('.')) + "_" + std::to_string(::getpid()));
     fs::remove_all(d);
     fs::create_directories(d);
-    const fs::path path = fs::path(__FILE__).parent_path() / script;
+    // PTRAIN_TESTS_DIR (absolute) rather than __FILE__, which the build may spell relative to its folder.
+    const fs::path path = fs::path(PTRAIN_TESTS_DIR) / "unit" / "data" / script;
     REQUIRE(std::system(("/usr/bin/python3 '" + path.string() + "' '" + d.string() + "'").c_str()) == 0);
     it = dirs.emplace(script, d).first;
   }

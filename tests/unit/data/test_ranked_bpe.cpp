@@ -173,6 +173,12 @@ TEST_CASE("Ranked BPE refuses bad and unsupported files by name", "[data][tokeni
     j["added_tokens"][0]["id"] = j["model"]["vocab"]["a"];
     CHECK_THAT(json_error(j), Contains("[ptrain.tokenizer.vocab]") && Contains("belongs to another token"));
     j = good;
+    j["model"]["ignore_merges"] = "yes";  // a field of another JSON type
+    CHECK_THAT(json_error(j), Contains("[ptrain.tokenizer.json]") && Contains("type must be boolean"));
+    j = good;
+    j["pre_tokenizer"]["pretokenizers"][0] = 7;
+    CHECK_THAT(json_error(j), Contains("[ptrain.tokenizer.json]"));
+    j = good;
     j["added_tokens"][0].erase("content");
     CHECK_THAT(json_error(j), Contains("[ptrain.tokenizer.json]") && Contains("added token"));
   }
