@@ -31,11 +31,12 @@ case "$variant" in
   *) echo "$0: variant must be cpu or cuda, not '$variant'" >&2; exit 2 ;;
 esac
 
-# $cuda is split on purpose: two options.
+# $cuda is split on purpose: two options. SentencePiece is off so that the image's
+# runtime packages do not depend on what the build host happens to have installed.
 # shellcheck disable=SC2086
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DPTRAIN_NATIVE=OFF \
   -DPTRAIN_BUILD_TESTS=OFF -DPTRAIN_BUILD_EXAMPLES=ON -DPTRAIN_BUILD_LAUNCHER=ON \
-  -DPTRAIN_WITH_BLAS=ON -DPTRAIN_WITH_MPI=ON -DPTRAIN_WITH_GLOO=ON $cuda \
+  -DPTRAIN_WITH_BLAS=ON -DPTRAIN_WITH_MPI=ON -DPTRAIN_WITH_GLOO=ON -DPTRAIN_WITH_SENTENCEPIECE=OFF $cuda \
   "-DPTRAIN_CUDA_ARCHS=${CUDA_ARCHS:-80;90}" "$@"
 # shellcheck disable=SC2086
 cmake --build "$build" --parallel "${JOBS:-$(nproc)}" --target $programs
