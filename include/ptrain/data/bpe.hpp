@@ -96,6 +96,26 @@ inline std::pair<std::uint32_t, std::size_t> utf8_at(std::string_view text, std:
   return {cp, len};
 }
 
+/// The classes of the characters of text[0, n), for the pre-tokenizers' scans.
+struct ClassScan {
+  std::string_view text;
+  std::size_t n;
+  /// The class and byte length of the character at byte i.
+  std::pair<CharClass, std::size_t> at(std::size_t i) const {
+    const auto [cp, len] = utf8_at(text, i);
+    return {char_class(cp), len};
+  }
+  /// The end of the run of class c from byte i.
+  std::size_t run_end(std::size_t i, CharClass c) const {
+    while (i < n) {
+      const auto [k, len] = at(i);
+      if (k != c) break;
+      i += len;
+    }
+    return i;
+  }
+};
+
 /// Calls piece(begin, end) with the byte range of each piece of GPT-2's pattern, in
 /// order (Note [GPT-2 byte-level BPE]); reads the text once, keeping nothing. Only
 /// text[from, to) is split, as if it were the whole text.
@@ -103,18 +123,7 @@ template <class F>
 void for_each_gpt2_piece(std::string_view text, F&& piece, std::size_t from = 0,
                          std::size_t to = std::string_view::npos) {
   const std::size_t n = std::min(to, text.size());
-  auto class_at = [&](std::size_t i) {
-    const auto [cp, len] = utf8_at(text, i);
-    return std::pair{char_class(cp), len};
-  };
-  auto run_end = [&](std::size_t i, CharClass c) {  // end of the run of class c from i
-    while (i < n) {
-      const auto [k, len] = class_at(i);
-      if (k != c) break;
-      i += len;
-    }
-    return i;
-  };
+  const ClassScan scan{text, n};
   for (std::size_t i = from; i < n;) {
     std::size_t end = i;
     if (text[i] == '\'' && i + 1 < n) {  // 's 't 'm 'd, then 're 've 'll (ASCII: bytes are characters)
@@ -125,15 +134,15 @@ void for_each_gpt2_piece(std::string_view text, F&& piece, std::size_t from = 0,
     if (end == i) {
       // " ?\p{L}+", " ?\p{N}+", " ?[^\s\p{L}\p{N}]+": an optional space, then a run of one class.
       const std::size_t j = text[i] == ' ' && i + 1 < n ? i + 1 : i;
-      const CharClass c = class_at(j).first;
+      const CharClass c = scan.at(j).first;
       if (c != CharClass::Space) {
-        end = run_end(j, c);
+        end = scan.run_end(j, c);
       } else {
         // "\s+(?!\S)": whitespace up to the end, or up to the last one before a non-space
         // (which may then lead the next piece); else "\s+": one whitespace character.
         std::size_t last = i;  // start of the run's last character
         for (end = i; end < n;) {
-          const auto [k, len] = class_at(end);
+          const auto [k, len] = scan.at(end);
           if (k != CharClass::Space) break;
           last = end;
           end += len;

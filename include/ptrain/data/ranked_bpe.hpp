@@ -65,18 +65,7 @@ template <class F>
 void for_each_llama3_piece(std::string_view text, F&& piece, std::size_t from = 0,
                            std::size_t to = std::string_view::npos) {
   const std::size_t n = std::min(to, text.size());
-  auto class_at = [&](std::size_t i) {
-    const auto [cp, len] = utf8_at(text, i);
-    return std::pair{char_class(cp), len};
-  };
-  auto run_end = [&](std::size_t i, CharClass c) {  // end of the run of class c from i
-    while (i < n) {
-      const auto [k, len] = class_at(i);
-      if (k != c) break;
-      i += len;
-    }
-    return i;
-  };
+  const ClassScan scan{text, n};
   auto crlf = [&](std::size_t i) { return text[i] == '\r' || text[i] == '\n'; };
   auto lower = [&](std::size_t i) {  // ASCII lower case of byte i, '\0' past the end
     const char c = i < n ? text[i] : '\0';
@@ -91,24 +80,24 @@ void for_each_llama3_piece(std::string_view text, F&& piece, std::size_t from = 
       else if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) end = i + 3;
     }
     if (end == i) {
-      const auto [c0, len0] = class_at(i);
+      const auto [c0, len0] = scan.at(i);
       if (c0 == CharClass::Letter) {  // [^\r\n\p{L}\p{N}]?\p{L}+ with nothing before the letters
-        end = run_end(i, CharClass::Letter);
+        end = scan.run_end(i, CharClass::Letter);
       } else if (c0 != CharClass::Number && !crlf(i) && i + len0 < n &&
-                 class_at(i + len0).first == CharClass::Letter) {  // ... with one character before
-        end = run_end(i + len0, CharClass::Letter);
+                 scan.at(i + len0).first == CharClass::Letter) {  // ... with one character before
+        end = scan.run_end(i + len0, CharClass::Letter);
       } else if (c0 == CharClass::Number) {  // \p{N}{1,3}
         end = i;
         for (int k = 0; k < 3 && end < n; ++k) {
-          const auto [c, len] = class_at(end);
+          const auto [c, len] = scan.at(end);
           if (c != CharClass::Number) break;
           end += len;
         }
       } else {
         // " ?[^\s\p{L}\p{N}]+[\r\n]*": an optional space, a run of other characters, line ends.
-        const std::size_t j = text[i] == ' ' && i + 1 < n && class_at(i + 1).first == CharClass::Other ? i + 1 : i;
-        if (class_at(j).first == CharClass::Other) {
-          end = run_end(j, CharClass::Other);
+        const std::size_t j = text[i] == ' ' && i + 1 < n && scan.at(i + 1).first == CharClass::Other ? i + 1 : i;
+        if (scan.at(j).first == CharClass::Other) {
+          end = scan.run_end(j, CharClass::Other);
           while (end < n && crlf(end)) ++end;
         } else {
           // White space: "\s*[\r\n]+" takes the run up to its last line end; else
@@ -116,7 +105,7 @@ void for_each_llama3_piece(std::string_view text, F&& piece, std::size_t from = 
           // (which may lead the next piece); else "\s+" the one character.
           std::size_t last = i, after_line_end = i;
           for (end = i; end < n;) {
-            const auto [k, len] = class_at(end);
+            const auto [k, len] = scan.at(end);
             if (k != CharClass::Space) break;
             last = end;
             end += len;
