@@ -186,8 +186,9 @@ class RankedBpeTokenizer {
   }
 
   /// From tiktoken ranks: lines "base64(token bytes) rank" (Meta's tokenizer.model for
-  /// Llama 3, OpenAI's *.tiktoken). The rank is the id; `specials` follow the last rank
-  /// (default: Llama 3's 256, see detail::llama3_special_tokens).
+  /// Llama 3; OpenAI's cl100k_base.tiktoken has the same pattern, but its special tokens
+  /// are not numbered on from the last rank). The rank is the id; `specials` follow the
+  /// last rank (default: Llama 3's 256, see detail::llama3_special_tokens).
   static RankedBpeTokenizer from_tiktoken(const std::string& path,
                                           std::optional<std::vector<std::string>> specials = std::nullopt) {
     const std::string file = detail::read_file_bytes(path, "tiktoken ranks file");
