@@ -31,8 +31,9 @@
 // The last 10% of the characters are the validation split. Or pre-tokenized
 // files, nanoGPT's train.bin/val.bin or llm.c's shards, mapped rather than read:
 //   gpt_char --train-tokens 'data/fineweb_train_*.bin' --val-tokens 'data/fineweb_val_*.bin' --vocab-size 50304
-// --tokenizer DIR (GPT-2's vocab.json + merges.txt) tokenizes --data with GPT-2's BPE
-// instead of characters, and encodes --prompt and decodes the sample of token files;
+// --tokenizer PATH (GPT-2's vocab.json + merges.txt, a tokenizer.json, tiktoken ranks or
+// a SentencePiece model: Tokenizer::load) tokenizes --data instead of characters, and
+// encodes --prompt and decodes the sample of token files;
 // with --init-from, nanoGPT's fine-tuning of GPT-2 on a text:
 //   gpt_char --data input.txt --tokenizer gpt2 --init-from gpt2/model.safetensors --block 256 --layers 12 --heads 12 --embd 768
 // Metrics (--metrics) are JSON lines; evaluation lines carry val_loss and
@@ -58,7 +59,7 @@
 #include <ptrain/ckpt/engine_checkpoint.hpp>
 #include <ptrain/nn/models/gpt2_weights.hpp>
 #include <ptrain/ckpt/preemption.hpp>
-#include <ptrain/data/bpe.hpp>
+#include <ptrain/data/tokenizer.hpp>
 #include <ptrain/data/text.hpp>
 #include <ptrain/dist/launch_env.hpp>
 #include <ptrain/dist/process_group.hpp>
@@ -152,33 +153,33 @@ std::string fortunes_corpus() {
 }
 
 // What the run trains and validates on: a text (the fortunes, or --data) as
-// characters or as GPT-2 BPE tokens (--tokenizer), the last 10% for validation; or
+// characters or as tokens of --tokenizer (GPT-2, Llama 3 or SentencePiece), the last 10% for validation; or
 // token files (--train-tokens, --val-tokens), mapped and read where the windows fall.
 struct Corpus {
   std::optional<CharTokenizer> chars;  // a text without --tokenizer
-  std::optional<BpeTokenizer> bpe;     // --tokenizer
+  std::optional<Tokenizer> tok;        // --tokenizer
   TokenCorpus train, val;
   std::int64_t vocab_size;
   double entropy;  // unigram entropy (nats per token): of the whole text, or of the validation files
   std::string describe;
 
-  bool can_encode() const { return chars || bpe; }  // token files without --tokenizer cannot
+  bool can_encode() const { return chars || tok; }  // token files without --tokenizer cannot
   std::vector<std::int32_t> encode(std::string_view text) const {
-    return chars ? chars->encode(text) : bpe->encode(text);
+    return chars ? chars->encode(text) : tok->encode(text);
   }
-  std::string decode(const std::vector<std::int32_t>& ids) const { return chars ? chars->decode(ids) : bpe->decode(ids); }
+  std::string decode(const std::vector<std::int32_t>& ids) const { return chars ? chars->decode(ids) : tok->decode(ids); }
 };
 
 Corpus load_corpus(const Options& o) {
-  std::optional<BpeTokenizer> bpe;
+  std::optional<Tokenizer> tok;
   std::int64_t vocab = o.vocab_size;
   if (!o.tokenizer.empty()) {
-    bpe = BpeTokenizer::load(o.tokenizer);
-    const std::int64_t padded = (bpe->vocab_size() + 63) / 64 * 64;
-    PTRAIN_CHECK(vocab == 0 || vocab >= bpe->vocab_size(), DataError, "[gpt_char.vocab] --vocab-size ", vocab,
-                 " is smaller than the tokenizer's ", bpe->vocab_size(), " ids; pass at least that (e.g. ", padded,
+    tok = Tokenizer::load(o.tokenizer);
+    const std::int64_t padded = (tok->vocab_size() + 63) / 64 * 64;
+    PTRAIN_CHECK(vocab == 0 || vocab >= tok->vocab_size(), DataError, "[gpt_char.vocab] --vocab-size ", vocab,
+                 " is smaller than the tokenizer's ", tok->vocab_size(), " ids; pass at least that (e.g. ", padded,
                  ") or leave it out");
-    if (vocab == 0) vocab = bpe->vocab_size();
+    if (vocab == 0) vocab = tok->vocab_size();
   }
   if (!o.train_tokens.empty()) {
     const TokenFormat f = o.token_format == "i32" ? TokenFormat::I32 : TokenFormat::U16;
@@ -186,15 +187,16 @@ Corpus load_corpus(const Options& o) {
     TokenCorpus val = TokenCorpus::open(glob_paths(o.val_tokens), f);
     const double entropy = unigram_entropy(val, vocab);  // also checks every validation id
     const std::string what = "token files: train " + train.describe() + ", validation " + val.describe();
-    return {std::nullopt, std::move(bpe), std::move(train), std::move(val), vocab, entropy, what};
+    return {std::nullopt, std::move(tok), std::move(train), std::move(val), vocab, entropy, what};
   }
   const std::string text = o.data.empty() ? fortunes_corpus() : read_text_file(o.data);
   std::string what = "corpus " + (o.data.empty() ? std::string(kFortunesDir) : o.data) + ": ";
   std::optional<CharTokenizer> chars;
   Tensor<std::int32_t> ids;
-  if (bpe) {
-    ids = bpe->encode_tensor(text);
-    what += std::to_string(text.size()) + " bytes, " + std::to_string(ids.numel()) + " GPT-2 BPE tokens";
+  if (tok) {
+    const std::vector<std::int32_t> v = tok->encode(text);
+    ids = Tensor<std::int32_t>::from(v, {static_cast<std::int64_t>(v.size())});
+    what += std::to_string(text.size()) + " bytes, " + std::to_string(ids.numel()) + " " + tok->kind_name() + " tokens";
   } else {
     chars = CharTokenizer::fit(text);
     ids = chars->encode_tensor(text);
@@ -203,7 +205,7 @@ Corpus load_corpus(const Options& o) {
   }
   const std::int64_t n = ids.numel(), n_val = n / 10;
   const double entropy = unigram_entropy(ids, vocab);
-  return {std::move(chars), std::move(bpe), ids.narrow(0, n - n_val), ids.narrow(n - n_val, n_val), vocab, entropy,
+  return {std::move(chars), std::move(tok), ids.narrow(0, n - n_val), ids.narrow(n - n_val, n_val), vocab, entropy,
           what};
 }
 
@@ -583,9 +585,9 @@ void export_model(const Options& o, nn::GPT<T>& model, const Corpus& corpus, std
   }
   if (!o.export_hf.empty()) {
     // The tokenizer's vocabulary (not the padded one) and its files: a folder transformers loads whole.
-    const std::string what = ckpt::save_gpt2_weights(o.export_hf, model, corpus.bpe ? corpus.bpe->vocab_size() : 0);
-    for (const char* f : {"vocab.json", "merges.txt"})
-      if (corpus.bpe && std::filesystem::is_regular_file(std::filesystem::path(o.tokenizer) / f))
+    const std::string what = ckpt::save_gpt2_weights(o.export_hf, model, corpus.tok ? corpus.tok->vocab_size() : 0);
+    for (const char* f : {"vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"})
+      if (corpus.tok && std::filesystem::is_regular_file(std::filesystem::path(o.tokenizer) / f))
         std::filesystem::copy_file(std::filesystem::path(o.tokenizer) / f, std::filesystem::path(o.export_hf) / f,
                                    std::filesystem::copy_options::overwrite_existing);
     std::printf("exported step %lld as Hugging Face GPT-2 to %s: %s\n", static_cast<long long>(step),
@@ -602,7 +604,7 @@ void print_sample(const Options& o, nn::GPT<T>& model, const Corpus& corpus) {
       text ? corpus.encode(o.prompt) : std::vector<std::int32_t>{static_cast<std::int32_t>(corpus.val.at(0, 0))};
   Generator sample_gen(o.seed);
   const auto out = nn::generate(model, prompt, o.sample_tokens, o.temperature, o.top_k, sample_gen,
-                                corpus.bpe ? corpus.bpe->vocab_size() : 0);
+                                corpus.tok ? corpus.tok->vocab_size() : 0);
   std::string sample;
   if (text) sample = corpus.decode(out);
   else
@@ -773,8 +775,9 @@ int main(int argc, char** argv) {
   auto* val_tokens = app.add_option("--val-tokens", opt.val_tokens, "token files to validate on (with --train-tokens)");
   auto* vocab = app.add_option("--vocab-size", opt.vocab_size, "vocabulary of the token files, or padded above "
                                "--tokenizer's (e.g. 50304 for GPT-2's 50257 ids)")->check(positive);
-  auto* tokenizer = app.add_option("--tokenizer", opt.tokenizer, "folder of a GPT-2 tokenizer (vocab.json + "
-                                   "merges.txt): --data as BPE tokens, --prompt and the sample of token files as text");
+  auto* tokenizer = app.add_option("--tokenizer", opt.tokenizer, "a tokenizer's folder or file (GPT-2's "
+                                   "vocab.json + merges.txt, tokenizer.json, tiktoken ranks or a SentencePiece model): "
+                                   "--data as its tokens, --prompt and the sample of token files as text");
   app.add_option("--token-format", opt.token_format, "u16 or i32: ids of raw token files (llm.c shards say theirs)")
       ->check(CLI::IsMember({"u16", "i32"}));
   train_tokens->needs(val_tokens)->excludes(data);
