@@ -31,8 +31,8 @@
 namespace ptrain::nn {
 
 struct BatchContext {
-  Tensor<std::int32_t> ids;           ///< [B, S] the batch's token ids, as the model was fed them
-  Tensor<std::int32_t> position_ids;  ///< optional [S] or [B, S]; undefined: from the documents or 0..S-1
+  Tensor<std::int32_t> ids{};         ///< [B, S] the batch's token ids, as the model was fed them
+  Tensor<std::int32_t> position_ids{};  ///< optional [S] or [B, S]; undefined: from the documents or 0..S-1
 };
 
 /// starts[b, i]: where token i's document begins in row b (Note [Batch context]); ids [B, S].

@@ -88,9 +88,7 @@ class PreNormBlock : public Module<T> {
     std::string name;
     std::shared_ptr<Module<T>> module;
   };
-  PreNormBlock(Part norm_1, Part attn, Part norm_2, Part mlp) {
-    for (Part* p : {&norm_1, &attn, &norm_2, &mlp}) parts_.push_back(this->register_module(p->name, p->module));
-  }
+  PreNormBlock(Part norm_1, Part attn, Part norm_2, Part mlp) { set_parts(norm_1, attn, norm_2, mlp); }
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     auto h = parts_[1]->forward(parts_[0]->forward(x, cache.child(0)), cache.child(1));
@@ -116,6 +114,15 @@ class PreNormBlock : public Module<T> {
     return s + ")";
   }
 
+ protected:
+  /// For blocks that make their parts in their own constructor: call set_parts() there.
+  PreNormBlock() = default;
+  /// Registers the parts in this order (their names are the parameter prefixes).
+  void set_parts(const Part& norm_1, const Part& attn, const Part& norm_2, const Part& mlp) {
+    PTRAIN_CHECK(parts_.empty(), Error, "[ptrain.block] the parts of a PreNormBlock are set once");
+    for (const Part* p : {&norm_1, &attn, &norm_2, &mlp}) parts_.push_back(this->register_module(p->name, p->module));
+  }
+
  private:
   std::vector<std::shared_ptr<Module<T>>> parts_;
 };
@@ -127,10 +134,13 @@ class TransformerBlock : public PreNormBlock<T> {
   /// dropout_seed keys this block's dropout streams (seed .. seed + 2).
   TransformerBlock(std::int64_t n_embd, std::int64_t n_head, double dropout = 0.0, std::uint64_t dropout_seed = 0,
                    Generator& gen = default_generator())
-      : TransformerBlock(n_embd, n_head, std::make_shared<LayerNorm<T>>(n_embd),
-                         std::make_shared<CausalSelfAttention<T>>(n_embd, n_head, dropout, dropout_seed, gen),
-                         std::make_shared<LayerNorm<T>>(n_embd),
-                         std::make_shared<FeedForward<T>>(n_embd, dropout, dropout_seed + 2, gen)) {}
+      : n_embd_(n_embd), n_head_(n_head) {
+    ln_1_ = std::make_shared<LayerNorm<T>>(n_embd);
+    attn_ = std::make_shared<CausalSelfAttention<T>>(n_embd, n_head, dropout, dropout_seed, gen);
+    ln_2_ = std::make_shared<LayerNorm<T>>(n_embd);
+    mlp_ = std::make_shared<FeedForward<T>>(n_embd, dropout, dropout_seed + 2, gen);
+    this->set_parts({"ln_1", ln_1_}, {"attn", attn_}, {"ln_2", ln_2_}, {"mlp", mlp_});
+  }
 
   std::string describe() const override {
     return "TransformerBlock(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) + ")";
@@ -141,13 +151,6 @@ class TransformerBlock : public PreNormBlock<T> {
   FeedForward<T>& mlp() { return *mlp_; }
 
  private:
-  // The parts are made before the base is (argument order), so this constructor names them.
-  TransformerBlock(std::int64_t n_embd, std::int64_t n_head, std::shared_ptr<LayerNorm<T>> ln_1,
-                   std::shared_ptr<CausalSelfAttention<T>> attn, std::shared_ptr<LayerNorm<T>> ln_2,
-                   std::shared_ptr<FeedForward<T>> mlp)
-      : PreNormBlock<T>({"ln_1", ln_1}, {"attn", attn}, {"ln_2", ln_2}, {"mlp", mlp}),
-        n_embd_(n_embd), n_head_(n_head), ln_1_(ln_1), ln_2_(ln_2), attn_(attn), mlp_(mlp) {}
-
   std::int64_t n_embd_, n_head_;
   std::shared_ptr<LayerNorm<T>> ln_1_, ln_2_;
   std::shared_ptr<CausalSelfAttention<T>> attn_;

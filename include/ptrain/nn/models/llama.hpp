@@ -98,14 +98,16 @@ struct LlamaConfig {
 template <class T>
 class LlamaBlock : public PreNormBlock<T> {
  public:
-  LlamaBlock(const LlamaConfig& c, Generator& gen = default_generator())
-      : LlamaBlock(std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps),
-                   std::make_shared<GroupedQueryAttention<T>>(c.n_embd, c.n_head, c.n_kv_head, c.rope,
-                                                              c.attention_bias, c.o_proj_bias, gen),
-                   std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps),
-                   std::make_shared<SwiGLU<T>>(c.n_embd, c.intermediate_size, c.mlp_bias, gen)) {
+  LlamaBlock(const LlamaConfig& c, Generator& gen = default_generator()) {
+    input_norm_ = std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps);
+    attn_ = std::make_shared<GroupedQueryAttention<T>>(c.n_embd, c.n_head, c.n_kv_head, c.rope, c.attention_bias,
+                                                       c.o_proj_bias, gen);
     attn_->set_document_token(c.document_token);
     attn_->set_sliding_window(c.sliding_window);
+    post_norm_ = std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps);
+    mlp_ = std::make_shared<SwiGLU<T>>(c.n_embd, c.intermediate_size, c.mlp_bias, gen);
+    this->set_parts({"input_layernorm", input_norm_}, {"self_attn", attn_},
+                    {"post_attention_layernorm", post_norm_}, {"mlp", mlp_});
   }
 
   /// Generation: x [1, s, C], the next s tokens after kv.length (GroupedQueryAttention::decode).
@@ -125,11 +127,6 @@ class LlamaBlock : public PreNormBlock<T> {
   SwiGLU<T>& mlp() { return *mlp_; }
 
  private:
-  LlamaBlock(std::shared_ptr<RMSNorm<T>> n1, std::shared_ptr<GroupedQueryAttention<T>> attn,
-             std::shared_ptr<RMSNorm<T>> n2, std::shared_ptr<SwiGLU<T>> mlp)
-      : PreNormBlock<T>({"input_layernorm", n1}, {"self_attn", attn}, {"post_attention_layernorm", n2}, {"mlp", mlp}),
-        input_norm_(n1), post_norm_(n2), attn_(attn), mlp_(mlp) {}
-
   std::shared_ptr<RMSNorm<T>> input_norm_, post_norm_;
   std::shared_ptr<GroupedQueryAttention<T>> attn_;
   std::shared_ptr<SwiGLU<T>> mlp_;
