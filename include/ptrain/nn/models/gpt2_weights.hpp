@@ -42,25 +42,12 @@
 #include <string>
 #include <vector>
 
-#include "ptrain/core/safetensors.hpp"
 #include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/models/hf_weights.hpp"
 
 namespace ptrain::ckpt {
 
 namespace detail {
-
-// Element i of a safetensors tensor as double (F32, F64 or BF16).
-inline double stored_value(const SafetensorsReader& r, const TensorEntry& e, std::int64_t i) {
-  const std::uint8_t* p = r.data(e) + static_cast<std::size_t>(i) * dtype_size(e.dtype);
-  switch (e.dtype) {
-    case DType::F32: { float v; std::memcpy(&v, p, 4); return v; }
-    case DType::F64: { double v; std::memcpy(&v, p, 8); return v; }
-    case DType::BF16: { std::uint16_t b; std::memcpy(&b, p, 2); return bf16::to_float(b); }
-    default: break;
-  }
-  PTRAIN_THROW(CheckpointError, "[ptrain.ckpt.dtype] ", r.path(), ": tensor '", e.name, "' is ", dtype_name(e.dtype),
-               "; GPT weights are read from F32, F64 or BF16");
-}
 
 // The file's name for ptrain parameter `name` (Note [GPT-2 names]) and whether it is stored transposed.
 inline std::pair<std::string, bool> hf_gpt2_name(const std::string& name) {
@@ -77,14 +64,13 @@ inline std::pair<std::string, bool> hf_gpt2_name(const std::string& name) {
 }  // namespace detail
 
 /// Loads every parameter of `model` from `path` (Note [GPT-2 names]), a safetensors
-/// file or a folder holding model.safetensors (a Hugging Face model folder, or
-/// save_gpt2_weights'); the model may live on any device. Returns what was loaded, e.g. "Hugging Face GPT-2 weights,
+/// file or a Hugging Face model folder (model.safetensors or shards with their index,
+/// Note [Hugging Face folders]; save_gpt2_weights writes one); the model may live on any device. Returns what was loaded, e.g. "Hugging Face GPT-2 weights,
 /// 148 tensors (vocabulary 50257 padded to 50304)". Throws CheckpointError, and
 /// changes nothing, when the file does not fit the model.
 template <class T>
 std::string load_gpt2_weights(std::string path, nn::GPT<T>& model) {
-  if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "model.safetensors").string();
-  const SafetensorsReader r(path);
+  const detail::HfTensors r(path, "ptrain.ckpt");
   const bool ours = r.contains("embed.wte.weight");
   std::string prefix;
   if (!ours && r.contains("transformer.wte.weight")) prefix = "transformer.";
@@ -92,8 +78,8 @@ std::string load_gpt2_weights(std::string path, nn::GPT<T>& model) {
                " holds neither GPT-2 weights (wte.weight) nor a ptrain GPT (embed.wte.weight)");
   const nn::GPTConfig& cfg = model.config();
   std::set<std::string> unused;  // file tensors no parameter takes
-  for (const TensorEntry& e : r.tensors())
-    if (ours || !(e.name.ends_with(".attn.bias") || e.name.ends_with(".attn.masked_bias"))) unused.insert(e.name);
+  for (const std::string& n : r.names())
+    if (ours || !(n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias"))) unused.insert(n);
 
   // Convert everything first, so that a mismatch leaves the model as it was.
   std::vector<std::pair<nn::Parameter<T>*, Tensor<T>>> values;
@@ -123,12 +109,12 @@ std::string load_gpt2_weights(std::string path, nn::GPT<T>& model) {
     if (position_rows && have[0] > want[0])
       note += ", positions cropped from " + std::to_string(have[0]) + " to " + std::to_string(want[0]);
     auto v = Tensor<T>::zeros(want);
+    const std::vector<T> stored = r.values<T>(e.name);
     const std::int64_t rows = want.size() == 2 ? std::min(want[0], have[0]) : 1;
     const std::int64_t cols = want.size() == 2 ? want[1] : param->value.numel();
     for (std::int64_t i = 0; i < rows; ++i)
       for (std::int64_t j = 0; j < cols; ++j)
-        v.data()[i * cols + j] = static_cast<T>(static_cast<acc_t<T>>(
-            detail::stored_value(r, e, transposed ? j * e.shape[1] + i : i * cols + j)));
+        v.data()[i * cols + j] = stored[static_cast<std::size_t>(transposed ? j * e.shape[1] + i : i * cols + j)];
     values.emplace_back(param, std::move(v));
   }
   if (!ours) unused.erase("lm_head.weight");  // tied in the file: the same values as wte
@@ -149,38 +135,18 @@ std::string load_gpt2_weights(std::string path, nn::GPT<T>& model) {
 /// Returns what was written, e.g. "148 tensors, vocabulary 50257 (of 50304)".
 template <class T>
 std::string save_gpt2_weights(const std::string& folder, nn::GPT<T>& model, std::int64_t vocab_size = 0) {
-  namespace fs = std::filesystem;
   const nn::GPTConfig& cfg = model.config();
   if (vocab_size == 0) vocab_size = cfg.vocab_size;
   PTRAIN_CHECK(vocab_size > 0 && vocab_size <= cfg.vocab_size, CheckpointError, "[ptrain.ckpt.gpt2] cannot write a ",
                "vocabulary of ", vocab_size, " from a model of ", cfg.vocab_size, " ids; pass at most the model's");
-  std::error_code ec;
-  fs::create_directories(folder, ec);
-  PTRAIN_CHECK(fs::is_directory(folder), CheckpointError, "[ptrain.ckpt.write] cannot create folder '", folder,
-               "': ", ec.message());
-  std::vector<std::string> names;
-  std::vector<Tensor<float>> values;  // host F32, in the file's layout
+  std::vector<std::pair<std::string, Tensor<float>>> tensors;  // host F32, in the file's layout
   for (auto& [name, param] : model.named_parameters()) {
     auto [file_name, transposed] = detail::hf_gpt2_name(name);
     if (file_name != "lm_head.weight") file_name = "transformer." + file_name;
-    const Tensor<T> v = param->value.to(Device::cpu());
     const bool vocab_rows = name == "embed.wte.weight" || name == "head.lm_head.weight";
-    Shape shape = v.shape();
-    if (vocab_rows) shape[0] = vocab_size;
-    if (transposed) std::swap(shape[0], shape[1]);
-    auto out = Tensor<float>::empty(shape);
-    const std::int64_t rows = v.dim() == 2 ? v.shape()[0] : 1, cols = v.numel() / rows;
-    for (std::int64_t i = 0; i < (vocab_rows ? vocab_size : rows); ++i)
-      for (std::int64_t j = 0; j < cols; ++j)
-        out.data()[transposed ? j * rows + i : i * cols + j] =
-            static_cast<float>(static_cast<acc_t<T>>(v.data()[i * cols + j]));
-    names.push_back(file_name);
-    values.push_back(std::move(out));
+    const std::int64_t rows = param->value.dim() == 2 ? param->value.shape()[0] : 1;
+    tensors.emplace_back(file_name, detail::hf_f32(param->value, vocab_rows ? vocab_size : rows, transposed));
   }
-  std::vector<TensorRef> refs;
-  for (std::size_t i = 0; i < names.size(); ++i) refs.push_back(tensor_ref(names[i], values[i]));
-  write_safetensors((fs::path(folder) / "model.safetensors").string(), refs, {{"format", "pt"}});
-
   const nlohmann::ordered_json config = {
       {"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", vocab_size},
       {"n_positions", cfg.block_size}, {"n_ctx", cfg.block_size}, {"n_embd", cfg.n_embd}, {"n_layer", cfg.n_layer},
@@ -188,11 +154,8 @@ std::string save_gpt2_weights(const std::string& folder, nn::GPT<T>& model, std:
       {"layer_norm_epsilon", 1e-5}, {"resid_pdrop", cfg.dropout}, {"embd_pdrop", cfg.dropout},
       {"attn_pdrop", cfg.dropout}, {"initializer_range", 0.02}, {"tie_word_embeddings", cfg.tie_weights},
       {"torch_dtype", "float32"}};
-  const std::string config_path = (fs::path(folder) / "config.json").string();
-  std::ofstream(config_path, std::ios::trunc) << config.dump(2) << "\n";
-  PTRAIN_CHECK(fs::file_size(config_path, ec) > 0, CheckpointError, "[ptrain.ckpt.write] cannot write '",
-               config_path, "'");
-  return std::to_string(refs.size()) + " tensors, vocabulary " + std::to_string(vocab_size) +
+  detail::write_hf_folder(folder, tensors, config.dump(2), 0);
+  return std::to_string(tensors.size()) + " tensors, vocabulary " + std::to_string(vocab_size) +
          (vocab_size < cfg.vocab_size ? " (of " + std::to_string(cfg.vocab_size) + ")" : "");
 }
 
