@@ -41,6 +41,7 @@
 #include "ptrain/nn/models/cnn.hpp"
 #include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/models/gpt2_weights.hpp"
+#include "ptrain/nn/models/llama_weights.hpp"
 #include "ptrain/nn/models/mlp.hpp"
 #include "ptrain/nn/module.hpp"
 #include "ptrain/nn/recompute.hpp"
