@@ -13,25 +13,15 @@
 #include <ptrain/nn/models/gpt.hpp>
 #include <unistd.h>
 
+#include "unit/raw_files.hpp"
+
 using namespace ptrain;
+using testing::read_raw;
+using testing::torch_available;
+using testing::write_raw;
 namespace fs = std::filesystem;
 
 namespace {
-
-template <class V>
-void write_raw(const fs::path& path, const V* data, std::size_t n) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(n * sizeof(V)));
-  REQUIRE(out.good());
-}
-
-std::vector<double> read_raw(const fs::path& path, std::size_t n) {
-  std::vector<double> v(n);
-  std::ifstream in(path, std::ios::binary);
-  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n * sizeof(double)));
-  REQUIRE(static_cast<std::size_t>(in.gcount()) == n * sizeof(double));
-  return v;
-}
 
 void require_close(const std::vector<double>& ours, const std::vector<double>& theirs, const std::string& what) {
   REQUIRE(ours.size() == theirs.size());
@@ -40,8 +30,6 @@ void require_close(const std::vector<double>& ours, const std::vector<double>& t
     REQUIRE(std::abs(ours[i] - theirs[i]) <= 1e-5 * std::abs(theirs[i]) + 1e-12);
   }
 }
-
-bool torch_available() { return std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0; }
 
 }  // namespace
 

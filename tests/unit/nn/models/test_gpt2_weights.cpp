@@ -10,19 +10,13 @@
 #include <ptrain/nn/models/gpt2_weights.hpp>
 #include <unistd.h>
 
+#include "unit/raw_files.hpp"
+
 using namespace ptrain;
+using testing::read_raw;
 namespace fs = std::filesystem;
 
 namespace {
-
-template <class V>
-std::vector<V> read_raw(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
-  std::vector<V> v(bytes.size() / sizeof(V));
-  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(V));
-  return v;
-}
 
 std::vector<std::vector<double>> parameter_values(nn::GPT<double>& m) {
   std::vector<std::vector<double>> out;

@@ -16,18 +16,13 @@
 #include <ptrain/nn/models/llama_weights.hpp>
 #include <unistd.h>
 
+#include "unit/raw_files.hpp"
+
 using namespace ptrain;
+using testing::read_raw;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::vector<double> read_f64(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
-  std::vector<double> v(bytes.size() / sizeof(double));
-  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(double));
-  return v;
-}
 
 template <class T>
 std::vector<std::vector<double>> parameter_values(nn::Llama<T>& m) {
@@ -71,7 +66,7 @@ TEST_CASE("Hugging Face Llama folders load to exactly the values written", "[lla
         INFO(p.name);
         const std::string file = p.name == "head.lm_head.weight" && !fs::exists(folder / "expected" / (p.name + ".bin"))
                                      ? "embed_tokens.weight" : p.name;
-        const auto want = read_f64(folder / "expected" / (file + ".bin"));
+        const auto want = read_raw<double>(folder / "expected" / (file + ".bin"));
         std::vector<double> got;
         for (std::int64_t i = 0; i < p.param->value.numel(); ++i) got.push_back(double(p.param->value.data()[i]));
         REQUIRE(got == want);  // F32, BF16 and F16 values are exact in float and double
@@ -92,7 +87,7 @@ TEST_CASE("Hugging Face Llama folders load to exactly the values written", "[lla
   const std::string what = ckpt::load_llama_weights((dir / "f16" / "model.safetensors").string(), m);
   CHECK(what.find("lm_head from embed_tokens") != std::string::npos);
   CHECK(what.find("vocabulary 29 padded to 32") != std::string::npos);
-  const auto embed = read_f64(dir / "f16" / "expected" / "embed_tokens.weight.bin");
+  const auto embed = read_raw<double>(dir / "f16" / "expected" / "embed_tokens.weight.bin");
   const auto lm = m.head().named_parameters().back().param->value.to_vector();
   REQUIRE(lm.size() == embed.size() + 3 * 16);
   CHECK(std::vector<double>(lm.begin(), lm.begin() + embed.size()) == embed);
@@ -263,7 +258,7 @@ TEST_CASE("transformers' AutoModelForCausalLM gives ptrain's logits on a folder 
     std::string cls;
     std::ifstream(out / "class.txt") >> cls;
     CHECK(cls == arch);
-    const auto want = read_f64(out / "logits.bin");
+    const auto want = read_raw<double>(out / "logits.bin");
     nn::Cache<float> cache;
     const auto got = model.forward_tokens(ids, cache).to_vector();
     REQUIRE(got.size() == want.size());
