@@ -121,16 +121,25 @@ class HfTensors {
                  "'; the weights belong to a different model (build the model with the folder's config.json)");
     return readers_[it->second]->entry(name);
   }
-  /// Tensor `name` as T, row-major in its own shape.
+  /// The entry of `name` after checking that its dtype is one values() converts.
+  const TensorEntry& float_entry(const std::string& name) const {
+    const TensorEntry& e = entry(name);
+    PTRAIN_CHECK(e.dtype == DType::F32 || e.dtype == DType::F64 || e.dtype == DType::BF16 || e.dtype == DType::F16,
+                 CheckpointError, "[", id_, ".dtype] ", path_, ": tensor '", name, "' is ", dtype_name(e.dtype),
+                 "; model weights are read from F32, F64, BF16 or F16");
+    return e;
+  }
+  /// Tensor `name` converted to T into out[0, numel), row-major in its own shape.
+  template <class T>
+  void read_into(const std::string& name, T* out) const {
+    const TensorEntry& e = float_entry(name);
+    convert_stored(readers_[where_.at(name)]->data(e), e.dtype, e.shape.numel(), out);
+  }
+  /// Tensor `name` as T.
   template <class T>
   std::vector<T> values(const std::string& name) const {
-    const TensorEntry& e = entry(name);
-    std::vector<T> out(static_cast<std::size_t>(e.shape.numel()));
-    try {
-      convert_stored(readers_[where_.at(name)]->data(e), e.dtype, e.shape.numel(), out.data());
-    } catch (const CheckpointError& err) {
-      PTRAIN_THROW(CheckpointError, "[", id_, ".dtype] ", path_, ": tensor '", name, "': ", err.what());
-    }
+    std::vector<T> out(static_cast<std::size_t>(entry(name).shape.numel()));
+    read_into(name, out.data());
     return out;
   }
 

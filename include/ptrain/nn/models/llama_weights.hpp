@@ -80,8 +80,9 @@ std::string load_llama_weights(const std::string& path, nn::Llama<T>& model) {
   for (const std::string& n : r.names())
     if (!n.ends_with("rotary_emb.inv_freq")) unused.insert(n);
 
-  // Convert everything first, so that a mismatch leaves the model as it was.
-  std::vector<std::pair<nn::Parameter<T>*, Tensor<T>>> values;
+  // Check everything first, so that a mismatch leaves the model as it was; then
+  // convert one tensor at a time (no second copy of the model in memory).
+  std::vector<std::pair<nn::Parameter<T>*, std::string>> plan;
   std::string note;
   const std::string embed = ours ? "embed_tokens.weight" : "model.embed_tokens.weight";
   for (auto& [name, param] : model.named_parameters()) {
@@ -90,7 +91,7 @@ std::string load_llama_weights(const std::string& path, nn::Llama<T>& model) {
       file_name = embed;
       note += ", lm_head from embed_tokens";
     }
-    const TensorEntry& e = r.entry(file_name);
+    const TensorEntry& e = r.float_entry(file_name);
     unused.erase(file_name);
     const Shape& want = param->value.shape();
     const bool vocab_rows = name == "embed_tokens.weight" || name == "head.lm_head.weight";
@@ -101,18 +102,19 @@ std::string load_llama_weights(const std::string& path, nn::Llama<T>& model) {
                  "; build the model from the folder's config.json (LlamaConfig::from_hf_config_file)");
     if (vocab_rows && e.shape[0] < want[0] && note.find("padded") == std::string::npos)
       note += ", vocabulary " + std::to_string(e.shape[0]) + " padded to " + std::to_string(want[0]);
-    auto v = Tensor<T>::zeros(want);  // rows past the file's vocabulary stay zero
-    const std::vector<T> stored = r.values<T>(file_name);
-    std::copy(stored.begin(), stored.end(), v.data());
-    values.emplace_back(param, std::move(v));
+    plan.emplace_back(param, file_name);
   }
   if (cfg.tie_weights && !ours) unused.erase("lm_head.weight");  // a tied model's copy of embed_tokens
   PTRAIN_CHECK(unused.empty(), CheckpointError, "[ptrain.llama_weights.unused] ", path, " holds ", unused.size(),
                " tensor(s) the model has no parameter for, e.g. '", unused.empty() ? "" : *unused.begin(),
                "'; build the model from the folder's config.json (layers, biases, tie_word_embeddings)");
-  for (auto& [param, v] : values) param->value.copy_(v);
+  for (auto& [param, file_name] : plan) {
+    auto v = Tensor<T>::zeros(param->value.shape());  // rows past the file's vocabulary stay zero
+    r.read_into(file_name, v.data());
+    param->value.copy_(v);
+  }
   return std::string(ours ? "ptrain Llama weights, " : "Hugging Face Llama weights, ") +
-         (r.files() > 1 ? std::to_string(r.files()) + " files, " : "") + std::to_string(values.size()) + " tensors" +
+         (r.files() > 1 ? std::to_string(r.files()) + " files, " : "") + std::to_string(plan.size()) + " tensors" +
          (note.empty() ? "" : " (" + note.substr(2) + ")");
 }
 

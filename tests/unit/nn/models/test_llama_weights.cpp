@@ -211,6 +211,21 @@ TEST_CASE("save_llama_weights writes a Hugging Face folder that loads back bitwi
   for (auto& p : gpt.named_parameters()) refs.push_back(ckpt::tensor_ref(p.name, p.param->value));
   ckpt::write_safetensors((dir / "gpt.safetensors").string(), refs);
   refuse(cfg, dir / "gpt.safetensors", "[ptrain.llama_weights.format]");
+
+  // The model's own names (a ptrain checkpoint's model.safetensors) load too; an integer tensor is refused.
+  refs.clear();
+  auto ints = Tensor<std::int32_t>::zeros({16});
+  for (auto& p : model.named_parameters())
+    refs.push_back(p.name == "head.norm.weight" ? ckpt::tensor_ref(p.name, ints) : ckpt::tensor_ref(p.name, p.param->value));
+  ckpt::write_safetensors((dir / "ours_int.safetensors").string(), refs);
+  refuse(cfg, dir / "ours_int.safetensors", "[ptrain.llama_weights.dtype]");
+  refs.clear();
+  for (auto& p : model.named_parameters()) refs.push_back(ckpt::tensor_ref(p.name, p.param->value));
+  ckpt::write_safetensors((dir / "ours.safetensors").string(), refs);
+  nn::Llama<float> own(cfg, g2);
+  CHECK(ckpt::load_llama_weights((dir / "ours.safetensors").string(), own) ==
+        "ptrain Llama weights, " + std::to_string(n) + " tensors");
+  CHECK(parameter_values(own) == parameter_values(model));
   fs::remove_all(dir);
 }
 
