@@ -64,6 +64,8 @@
 #include <ptrain/dist/launch_env.hpp>
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/nn/models/gpt.hpp>
+#include <ptrain/nn/models/llama.hpp>
+#include <ptrain/nn/models/llama_weights.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 #include <ptrain/ptrain.hpp>
 
@@ -77,6 +79,7 @@ namespace {
 constexpr const char* kFortunesDir = "/usr/share/games/fortunes";
 
 struct Options {
+  std::string model = "gpt";  // gpt or llama
   std::string data;  // empty: the fortunes corpus
   std::vector<std::string> train_tokens, val_tokens;  // token files instead of text (paths or glob patterns)
   std::string token_format = "u16";
@@ -99,6 +102,10 @@ struct Options {
   std::int64_t n_layer = 4;
   std::int64_t n_head = 4;
   std::int64_t n_embd = 128;
+  std::int64_t n_kv_head = 0;        // --model llama: key/value heads (0: --heads)
+  std::int64_t intermediate = 0;     // --model llama: SwiGLU width (0: 8/3 --embd, rounded up to 32)
+  double rope_theta = 10000.0;       // --model llama
+  std::int32_t document_token = -1;  // --model llama: a token that starts each packed document
   double dropout = 0.0;
   double lr = 2e-3;
   double min_lr = 2e-4;
@@ -209,12 +216,6 @@ Corpus load_corpus(const Options& o) {
           what};
 }
 
-// The flags that fix the parameters' meaning, keyed by flag name ("vocab" comes
-// from --data). --heads changes no tensor shape, so only this check catches it.
-nlohmann::json model_flags(const nn::GPTConfig& c, const Options& o) {
-  return {{"vocab", c.vocab_size}, {"block", c.block_size}, {"layers", c.n_layer}, {"heads", c.n_head},
-          {"embd", c.n_embd}, {"precision", o.precision}, {"untied", !c.tie_weights}};
-}
 
 // --parallel with its options: "none", "ddp", "fsdp full_shard", "fsdp hybrid 2",
 // "pipeline 2 stages x 2 replicas, m 4, 1f1b".
@@ -249,6 +250,7 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
     // Checkpoints from before --precision and --untied existed are fp32 and tied.
     const nlohmann::json old = key == "precision" ? nlohmann::json("fp32")
                                : key == "untied"  ? nlohmann::json(false)
+                               : key == "model"   ? nlohmann::json("gpt")
                                                   : nlohmann::json();
     const nlohmann::json have = user.at("model").value(key, old);
     if (have == want) continue;
@@ -299,15 +301,100 @@ void check_end_of_run(const Options& o, const Corpus& corpus, bool lead) {
                    " of ", flag, " does not exist; create it or choose another path");
 }
 
-// The cost of each GPT unit for partition_balanced: forward matmul FLOPs per token
-// (the embedding's lookup counts one per channel).
-std::vector<double> unit_costs(const nn::GPTConfig& c) {
-  const auto C = static_cast<double>(c.n_embd), S = static_cast<double>(c.block_size);
-  std::vector<double> cost{C};
-  for (std::int64_t l = 0; l < c.n_layer; ++l) cost.push_back(24 * C * C + 4 * S * C);
-  cost.push_back(2 * C * static_cast<double>(c.vocab_size));
-  return cost;
-}
+// Note [gpt_char models]
+// What differs between --model gpt and --model llama is in one struct per model
+// (GptKind, LlamaKind): the config from the flags, the flags a checkpoint must
+// match, the pipeline's unit costs, the decay filter, the dropout streams a
+// checkpoint saves, pretrained weights in and Hugging Face folders out, and the
+// sample. Everything else (engines, loop, checkpoints) is written once over them.
+
+// The flags that fix the parameters' meaning, keyed by flag name ("vocab" comes
+// from --data). --heads changes no tensor shape, so only this check catches it.
+// Checkpoints from before --model existed are GPTs (check_checkpoint_config).
+template <class T>
+struct GptKind {
+  using Model = nn::GPT<T>;
+  using Config = nn::GPTConfig;
+  static Config config(const Options& o, std::int64_t vocab, int rank) {
+    return {.vocab_size = vocab, .block_size = o.block, .n_layer = o.n_layer, .n_head = o.n_head,
+            .n_embd = o.n_embd, .dropout = o.dropout, .tie_weights = !o.untied && o.parallel != "pipeline",
+            .dropout_seed = o.seed + static_cast<std::uint64_t>(rank), .recompute = o.recompute};
+  }
+  static nlohmann::json flags(const Config& c, const Options& o) {
+    return {{"model", "gpt"}, {"vocab", c.vocab_size}, {"block", c.block_size}, {"layers", c.n_layer},
+            {"heads", c.n_head}, {"embd", c.n_embd}, {"precision", o.precision}, {"untied", !c.tie_weights}};
+  }
+  // Forward matmul FLOPs per token of each unit (the embedding's lookup counts one per channel).
+  static std::vector<double> unit_costs(const Config& c) {
+    const auto C = static_cast<double>(c.n_embd), S = static_cast<double>(c.block_size);
+    std::vector<double> cost{C};
+    for (std::int64_t l = 0; l < c.n_layer; ++l) cost.push_back(24 * C * C + 4 * S * C);
+    cost.push_back(2 * C * static_cast<double>(c.vocab_size));
+    return cost;
+  }
+  static std::function<bool(const std::string&)> decay_filter() { return nn::gpt_decay_filter(); }
+  static std::vector<std::pair<std::string, Generator*>> dropout_streams(Model& m) { return m.generators(); }
+  static std::string load(const std::string& path, Model& m) { return ckpt::load_gpt2_weights(path, m); }
+  static std::string save_hf(const std::string& folder, Model& m, std::int64_t vocab) {
+    return "Hugging Face GPT-2: " + ckpt::save_gpt2_weights(folder, m, vocab);
+  }
+};
+
+template <class T>
+struct LlamaKind {
+  using Model = nn::Llama<T>;
+  using Config = nn::LlamaConfig;
+  // A Hugging Face folder given to --init-from brings its own shape (config.json);
+  // the shape flags describe a new model otherwise.
+  static Config config(const Options& o, std::int64_t vocab, int rank) {
+    (void)rank;  // no dropout streams
+    Config c;
+    const auto hf_config = std::filesystem::path(o.init_from) / "config.json";
+    if (!o.init_from.empty() && std::filesystem::is_regular_file(hf_config)) {
+      c = Config::from_hf_config_file(hf_config);
+      PTRAIN_CHECK(vocab <= c.vocab_size, DataError, "[gpt_char.vocab] the data's vocabulary of ", vocab,
+                   " ids does not fit the model's ", c.vocab_size, " in ", hf_config.string(),
+                   "; tokenize with the model's own tokenizer");
+      if (o.parallel == "pipeline") c.tie_weights = false;  // its head starts from embed_tokens
+      c.document_token = o.document_token;
+      c.recompute = o.recompute;
+      return c;
+    }
+    c.vocab_size = vocab;
+    c.n_layer = o.n_layer;
+    c.n_head = o.n_head;
+    c.n_kv_head = o.n_kv_head > 0 ? o.n_kv_head : o.n_head;
+    c.n_embd = o.n_embd;
+    // Llama's rule for the SwiGLU width: two thirds of a 4C GELU MLP's, rounded up.
+    c.intermediate_size = o.intermediate > 0 ? o.intermediate : (8 * o.n_embd / 3 + 31) / 32 * 32;
+    c.max_seq_len = o.block;
+    c.rope.theta = o.rope_theta;
+    c.tie_weights = !o.untied && o.parallel != "pipeline";
+    c.document_token = o.document_token;
+    c.recompute = o.recompute;
+    return c;
+  }
+  static nlohmann::json flags(const Config& c, const Options& o) {
+    return {{"model", "llama"}, {"vocab", c.vocab_size}, {"layers", c.n_layer}, {"heads", c.n_head},
+            {"kv-heads", c.n_kv_head}, {"embd", c.n_embd}, {"intermediate", c.intermediate_size},
+            {"rope-theta", c.rope.theta}, {"precision", o.precision}, {"untied", !c.tie_weights}};
+  }
+  static std::vector<double> unit_costs(const Config& c) {
+    const auto C = static_cast<double>(c.n_embd), S = static_cast<double>(c.max_seq_len);
+    const auto kv = static_cast<double>(c.n_kv_head * c.head_dim()), F = static_cast<double>(c.intermediate_size);
+    std::vector<double> cost{C};
+    for (std::int64_t l = 0; l < c.n_layer; ++l) cost.push_back(2 * (2 * C * C + 2 * C * kv + 3 * C * F) + 4 * S * C);
+    cost.push_back(2 * C * static_cast<double>(c.vocab_size));
+    return cost;
+  }
+  static std::function<bool(const std::string&)> decay_filter() { return nn::llama_decay_filter(); }
+  static std::vector<std::pair<std::string, Generator*>> dropout_streams(Model&) { return {}; }
+  static std::string load(const std::string& path, Model& m) { return ckpt::load_llama_weights(path, m); }
+  static std::string save_hf(const std::string& folder, Model& m, std::int64_t vocab) {
+    const std::string architecture = m.config().to_hf_config()["architectures"][0];
+    return "Hugging Face " + architecture + ": " + ckpt::save_llama_weights(folder, m, vocab);
+  }
+};
 
 // The engine of --parallel, and what differs per mode besides it.
 template <class T>
@@ -337,11 +424,11 @@ struct GptEngine {
 //   order, into rank 0's copy of the model, on the training device.
 // A model too large for one host builds each rank's units alone instead
 // (FSDP(num_units, nn::gpt_unit, ...), Pipeline(mesh, num_units, nn::gpt_unit, ...)).
-template <class T>
-GptEngine<T> build_engine(Options& o, const std::shared_ptr<nn::GPT<T>>& model, dist::Communicator& world,
-                          Device device) {
+template <class T, class M>
+GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std::vector<double>& unit_costs,
+                          dist::Communicator& world, Device device) {
   GptEngine<T> e;
-  nn::GPT<T>& m = *model;
+  M& m = *model;
   const bool lead = world.rank() == 0;
   if (o.parallel == "pipeline") {
     const int pp = o.stages > 0 ? o.stages : world.size();
@@ -351,7 +438,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<nn::GPT<T>>& model, 
       return m.units()[u];
     };
     auto pipe = std::make_unique<parallel::Pipeline<T>>(
-        *e.mesh, m.units().size(), unit, parallel::partition_balanced(unit_costs(m.config()), pp),
+        *e.mesh, m.units().size(), unit, parallel::partition_balanced(unit_costs, pp),
         parallel::PipelineOptions<T>{
             .schedule = o.schedule == "gpipe" ? parallel::Schedule::GPipe : parallel::Schedule::OneFOneB,
             .micro_batches = o.micro_batches, .unit_names = m.unit_names()});
@@ -407,11 +494,10 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<nn::GPT<T>>& model, 
 }
 
 // Everything a checkpoint must capture to resume this loop exactly (Note [gpt_char resume state]).
-template <class T>
 struct TrainState {
   std::int64_t step = 0;
   RandomWindows& windows;  // position() = batches taken by each rank
-  nn::GPT<T>& model;       // generators() = the dropout streams (the parameters are the engine's)
+  std::vector<std::pair<std::string, Generator*>> streams;  // the model's dropout streams, named
   int replicas;            // a rank, or the stages of one pipeline
   std::int64_t batch;      // --batch: windows per batch
   nlohmann::json user;             // program, model and training flags (check_checkpoint_config)
@@ -439,11 +525,10 @@ struct TrainState {
 //   them. The LR is schedule(step) of the flags' schedule; trainer.json keeps it for reference.
 
 // The trainer state of a checkpoint (collective: the dropout offsets' maximum over the world).
-template <class T>
-ckpt::TrainerState checkpoint_state(TrainState<T>& s, dist::Communicator& world, const optim::WarmupCosine& schedule) {
+ckpt::TrainerState checkpoint_state(TrainState& s, dist::Communicator& world, const optim::WarmupCosine& schedule) {
   ckpt::TrainerState ts;
   ts.sampler = ckpt::SamplerState{0, s.windows.position() * s.replicas * s.batch, s.replicas};
-  const auto streams = s.model.generators();
+  const auto& streams = s.streams;
   std::vector<std::int64_t> offsets;
   for (const auto& [name, gen] : streams) offsets.push_back(static_cast<std::int64_t>(gen->offset()));
   world.all_reduce(offsets.data(), offsets.size(), DType::I64, dist::ReduceOp::Max);
@@ -460,7 +545,7 @@ ckpt::TrainerState checkpoint_state(TrainState<T>& s, dist::Communicator& world,
 // a checkpoint was loaded.
 template <class T>
 bool resume(ckpt::CheckpointManager& mgr, const ckpt::LatestCheckpoint& last, parallel::Engine<T>& engine,
-            optim::AdamW<T>& opt, TrainState<T>& s, const std::string& dir) {
+            optim::AdamW<T>& opt, TrainState& s, const std::string& dir) {
   const bool lead = engine.communicator().rank() == 0;
   for (const auto& k : last.skipped)
     if (lead) std::fprintf(stderr, "gpt_char: skipping %s: %s\n", k.path.c_str(), k.reason.c_str());
@@ -476,7 +561,7 @@ bool resume(ckpt::CheckpointManager& mgr, const ckpt::LatestCheckpoint& last, pa
                " has no data position; it was not written by this program");
   const std::int64_t per_position = s.replicas * s.batch;  // global windows per position
   s.windows.set_position((st.sampler->consumed + per_position - 1) / per_position);
-  for (auto& [name, gen] : s.model.generators()) {
+  for (auto& [name, gen] : s.streams) {
     const auto it = st.rng.find("dropout/" + name);
     PTRAIN_CHECK(it != st.rng.end(), CheckpointError, "[ptrain.example.config] ", path,
                  " has no offset for dropout stream '", name, "'; it was not written by this program");
@@ -512,7 +597,7 @@ class RunCheckpoints {
 
   /// Resumes (--resume) into the engine, the optimizer and the state, which later saves
   /// write; returns whether a checkpoint was loaded.
-  bool start(parallel::Engine<T>& engine, optim::AdamW<T>& opt, TrainState<T>& state,
+  bool start(parallel::Engine<T>& engine, optim::AdamW<T>& opt, TrainState& state,
              const optim::WarmupCosine& schedule) {
     engine_ = &engine, opt_ = &opt, state_ = &state, schedule_ = schedule;
     if (!mgr_) return false;
@@ -563,7 +648,7 @@ class RunCheckpoints {
   ckpt::LatestCheckpoint last_;
   parallel::Engine<T>* engine_ = nullptr;
   optim::AdamW<T>* opt_ = nullptr;
-  TrainState<T>* state_ = nullptr;
+  TrainState* state_ = nullptr;
   optim::WarmupCosine schedule_;
   std::int64_t last_saved_ = -1;
   std::unique_ptr<ckpt::AsyncCheckpointer> saver_;  // after mgr_: destroyed (and drained) first
@@ -571,8 +656,8 @@ class RunCheckpoints {
 };
 
 // --export and --export-hf, on rank 0, of the whole model.
-template <class T>
-void export_model(const Options& o, nn::GPT<T>& model, const Corpus& corpus, std::int64_t step) {
+template <class K, class T>
+void export_model(const Options& o, typename K::Model& model, const Corpus& corpus, std::int64_t step) {
   if (!o.export_path.empty()) {
     std::vector<ckpt::TensorRef> refs;
     std::vector<Tensor<T>> host;  // the file is written from host memory
@@ -585,20 +670,20 @@ void export_model(const Options& o, nn::GPT<T>& model, const Corpus& corpus, std
   }
   if (!o.export_hf.empty()) {
     // The tokenizer's vocabulary (not the padded one) and its files: a folder transformers loads whole.
-    const std::string what = ckpt::save_gpt2_weights(o.export_hf, model, corpus.tok ? corpus.tok->vocab_size() : 0);
+    const std::string what = K::save_hf(o.export_hf, model, corpus.tok ? corpus.tok->vocab_size() : 0);
     for (const char* f : {"vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"})
       if (corpus.tok && std::filesystem::is_regular_file(std::filesystem::path(o.tokenizer) / f))
         std::filesystem::copy_file(std::filesystem::path(o.tokenizer) / f, std::filesystem::path(o.export_hf) / f,
                                    std::filesystem::copy_options::overwrite_existing);
-    std::printf("exported step %lld as Hugging Face GPT-2 to %s: %s\n", static_cast<long long>(step),
+    std::printf("exported step %lld to %s as %s\n", static_cast<long long>(step),
                 o.export_hf.c_str(), what.c_str());
   }
 }
 
 // The sample at the end, on rank 0. Token files without --tokenizer: it continues the
 // first validation token and is printed as ids. A padded vocabulary's extra ids are never sampled.
-template <class T>
-void print_sample(const Options& o, nn::GPT<T>& model, const Corpus& corpus) {
+template <class M>
+void print_sample(const Options& o, M& model, const Corpus& corpus) {
   const bool text = corpus.can_encode();
   const std::vector<std::int32_t> prompt =
       text ? corpus.encode(o.prompt) : std::vector<std::int32_t>{static_cast<std::int32_t>(corpus.val.at(0, 0))};
@@ -614,8 +699,9 @@ void print_sample(const Options& o, nn::GPT<T>& model, const Corpus& corpus) {
 
 }  // namespace
 
-// The training run in element type T (float, or bf16 with --precision bf16).
-template <class T>
+// The training run in element type T (float, or bf16 with --precision bf16) of
+// the model K describes (Note [gpt_char models]).
+template <class T, class K>
 int run(Options opt) {
   try {
     Stopwatch wall;
@@ -639,19 +725,16 @@ int run(Options opt) {
     check_end_of_run(opt, corpus, lead);
 
     manual_seed(opt.seed);
-    nn::GPTConfig cfg{.vocab_size = corpus.vocab_size, .block_size = opt.block, .n_layer = opt.n_layer,
-                      .n_head = opt.n_head, .n_embd = opt.n_embd, .dropout = opt.dropout,
-                      .tie_weights = !opt.untied && opt.parallel != "pipeline",
-                      .dropout_seed = opt.seed + static_cast<std::uint64_t>(rank), .recompute = opt.recompute};
-    auto model = std::make_shared<nn::GPT<T>>(cfg);
+    const typename K::Config cfg = K::config(opt, corpus.vocab_size, rank);
+    auto model = std::make_shared<typename K::Model>(cfg);
     // Checkpoints (optional), found first: a checkpoint to resume replaces --init-from's weights.
     RunCheckpoints<T> checkpoints(opt, *world);
     if (!opt.init_from.empty() && !checkpoints.found()) {
-      const std::string loaded = ckpt::load_gpt2_weights(opt.init_from, *model);
+      const std::string loaded = K::load(opt.init_from, *model);
       if (lead) std::printf("initialised from %s: %s\n", opt.init_from.c_str(), loaded.c_str());
     }
     const std::int64_t num_parameters = model->num_parameters();  // FSDP releases the model's tensors
-    GptEngine<T> built = build_engine(opt, model, *world, device);  // Note [gpt_char engines]
+    GptEngine<T> built = build_engine<T>(opt, model, K::unit_costs(cfg), *world, device);  // Note [gpt_char engines]
     parallel::Engine<T>& engine = *built.engine;
     dist::Communicator* dp = engine.data_parallel_group();  // replicas: a rank, or the stages of one pipeline
     const int replicas = dp ? dp->size() : 1;
@@ -660,11 +743,11 @@ int run(Options opt) {
     // The same options and decay filter in every mode: FSDP's local entries carry
     // the parameter names (1-D pieces of them), and the filter decides by name.
     optim::AdamW<T> optimizer(engine.parameters(), {.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay},
-                              nn::gpt_decay_filter());
+                              K::decay_filter());
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = opt.warmup, .total = opt.steps,
                                        .min_lr = opt.min_lr};
-    TrainState<T> state{0, train_windows, *model, replicas, opt.batch,
-                        {{"program", "gpt_char"}, {"model", model_flags(cfg, opt)},
+    TrainState state{0, train_windows, K::dropout_streams(*model), replicas, opt.batch,
+                        {{"program", "gpt_char"}, {"model", K::flags(cfg, opt)},
                          {"train", train_flags(opt, world->size())}}};
     // Resume before training, so that metrics append to the resumed run's file.
     const bool resumed = checkpoints.start(engine, optimizer, state, schedule);
@@ -750,7 +833,7 @@ int run(Options opt) {
     if (built.gather && (opt.sample_tokens > 0 || !opt.export_path.empty() || !opt.export_hf.empty()))
       built.gather();
     if (lead) {
-      export_model(opt, *model, corpus, state.step);
+      export_model<K, T>(opt, *model, corpus, state.step);
       if (opt.sample_tokens > 0) print_sample(opt, *model, corpus);
       const double secs = wall.seconds();
       std::printf("final val_loss %.4f nats/%s = %.3f x unigram entropy %.4f; wall time %.1f s\n", val_loss, unit,
@@ -767,7 +850,17 @@ int run(Options opt) {
 
 int main(int argc, char** argv) {
   Options opt;
-  CLI::App app{"Train a GPT with ptrain on the characters of a text or on token files"};
+  CLI::App app{"Train a GPT or a Llama with ptrain on the characters of a text or on token files"};
+  app.add_option("--model", opt.model, "gpt (GPT-2 blocks) or llama (RMSNorm, grouped-query attention with rotary "
+                 "positions, SwiGLU; CPU, fp32)")->check(CLI::IsMember({"gpt", "llama"}));
+  app.add_option("--kv-heads", opt.n_kv_head, "--model llama: key/value heads, dividing --heads (default: --heads)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--intermediate", opt.intermediate, "--model llama: SwiGLU width (default: 8/3 of --embd, rounded "
+                 "up to a multiple of 32)")->check(CLI::NonNegativeNumber);
+  app.add_option("--rope-theta", opt.rope_theta, "--model llama: base of the rotary frequencies")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--document-token", opt.document_token, "--model llama: token id that starts each packed document "
+                 "(e.g. <|endoftext|>): attention stays inside documents and positions restart (-1: off)");
   auto* data = app.add_option("--data", opt.data, "plain-text file (default: the fortunes corpus in "
                               "/usr/share/games/fortunes)");
   auto* train_tokens = app.add_option("--train-tokens", opt.train_tokens, "token files to train on instead of text: "
@@ -854,5 +947,22 @@ int main(int argc, char** argv) {
     }
   }
 
-  return opt.precision == "bf16" ? run<bf16>(opt) : run<float>(opt);
+  if (opt.model == "llama") {
+    const char* refused = opt.precision != "fp32" ? "--model llama trains in fp32 (its attention has float and "
+                                                    "double kernels); leave out --precision"
+                          : opt.device != "cpu"   ? "--model llama runs on the CPU (its layers have no CUDA kernels "
+                                                    "yet); leave out --device"
+                          : opt.dropout != 0      ? "--model llama has no dropout (as Llama); leave out --dropout"
+                                                  : nullptr;
+    if (refused) {
+      std::fprintf(stderr, "gpt_char: %s\n", refused);
+      return 2;
+    }
+    return run<float, LlamaKind<float>>(opt);
+  }
+  if (opt.document_token >= 0 || opt.n_kv_head > 0 || opt.intermediate > 0) {
+    std::fprintf(stderr, "gpt_char: --document-token, --kv-heads and --intermediate are for --model llama\n");
+    return 2;
+  }
+  return opt.precision == "bf16" ? run<bf16, GptKind<bf16>>(opt) : run<float, GptKind<float>>(opt);
 }
