@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""gpt_char --model llama end to end: training in a sharded mode, the way out to a
+Hugging Face folder and back in, and the flags it refuses.
+
+usage: test_gpt_char_llama.py GPT_CHAR [MPIRUN]
+
+  learns     2 ranks under FSDP (MPIRUN; one process without it) on the fortunes corpus:
+             the final validation loss is below the unigram entropy, which no model that
+             ignores the context can reach
+  export     --export-hf writes config.json (LlamaForCausalLM, the flags' shape) and
+             model.safetensors (the tensors under Hugging Face's names); --init-from that
+             folder with --steps 0, on one process, validates as the run ended (the shape
+             comes from config.json: the shape flags are left out)
+  resume     a checkpoint of a Llama run resumes under DDP; one of a GPT run is refused
+  refused    --precision bf16, --dropout and --kv-heads without --model llama fail before
+             training, naming the flag"""
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+
+TIMEOUT_S = 240
+SHAPE = ["--layers", "2", "--embd", "48", "--heads", "4", "--kv-heads", "2", "--block", "48"]
+TRAIN = ["--model", "llama", "--batch", "8", "--lr", "3e-3", "--warmup", "10", "--eval-every", "0",
+         "--eval-batches", "4", "--log-every", "0", "--sample-tokens", "20", "--seed", "5"]
+
+
+class Failure(Exception):
+    pass
+
+
+def run(argv, what, expect=0):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        raise Failure(f"{what}: no exit within {TIMEOUT_S} s (hang)")
+    if p.returncode != expect:
+        raise Failure(f"{what}: exit code {p.returncode}, expected {expect}\n{p.stdout}\n{p.stderr}")
+    return p.stdout + p.stderr
+
+
+def final(out, what):
+    m = re.search(r"final val_loss ([0-9.]+) nats/char = ([0-9.]+) x unigram entropy", out)
+    if not m:
+        raise Failure(f"{what}: no final line\n{out}")
+    return float(m.group(1)), float(m.group(2))
+
+
+def safetensors_names(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def main():
+    exe = sys.argv[1]
+    launch = [sys.argv[2], "--oversubscribe", "-np", "2"] if len(sys.argv) > 2 else []
+    work = tempfile.mkdtemp(prefix="ptrain_gpt_char_llama_")
+    hf = os.path.join(work, "hf")
+    ckpt = os.path.join(work, "ckpt")
+    parallel = ["--parallel", "fsdp"] if launch else []
+
+    # learns, and exports
+    out = run(launch + [exe] + TRAIN + SHAPE + parallel + ["--steps", "120", "--export-hf", hf,
+                                                           "--checkpoint-dir", ckpt],
+              "training under fsdp")
+    loss, ratio = final(out, "training")
+    if ratio >= 1.0:
+        raise Failure(f"training: final val_loss {loss} is {ratio} x the unigram entropy; it did not learn\n{out}")
+    if "--- sample ---" not in out:
+        raise Failure(f"training: no sample printed\n{out}")
+
+    # export
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    want = {"architectures": ["LlamaForCausalLM"], "hidden_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}
+    for key, value in want.items():
+        if config.get(key) != value:
+            raise Failure(f"export: config.json has {key} = {config.get(key)}, expected {value}")
+    names = safetensors_names(os.path.join(hf, "model.safetensors"))
+    for name in ["model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.weight", "model.norm.weight"]:
+        if name not in names:
+            raise Failure(f"export: model.safetensors has no {name}; it has {sorted(names)}")
+    if names["model.layers.1.self_attn.k_proj.weight"] != [2 * 12, 48]:
+        raise Failure(f"export: k_proj has shape {names['model.layers.1.self_attn.k_proj.weight']}, expected [24, 48]")
+    back = run([exe] + TRAIN + ["--steps", "0", "--block", "48", "--init-from", hf], "--init-from the exported folder")
+    back_loss, _ = final(back, "--init-from")
+    if abs(back_loss - loss) > 1e-4 * loss:
+        raise Failure(f"export: the folder validates at {back_loss}, the run ended at {loss}\n{back}")
+
+    # resume: the Llama checkpoint under ddp; a GPT's is refused
+    more = run(launch + [exe] + TRAIN + SHAPE + (["--parallel", "ddp"] if launch else []) +
+               ["--steps", "130", "--checkpoint-dir", ckpt, "--resume"], "resume under ddp")
+    if "resumed from" not in more or "step 120" not in more:
+        raise Failure(f"resume: did not resume from step 120\n{more}")
+    gpt_ckpt = os.path.join(work, "gpt_ckpt")
+    run([exe, "--steps", "2", "--layers", "1", "--embd", "32", "--block", "16", "--eval-batches", "1",
+         "--sample-tokens", "0", "--log-every", "0", "--checkpoint-dir", gpt_ckpt], "a GPT run")
+    refused = run([exe] + TRAIN + SHAPE + ["--steps", "3", "--checkpoint-dir", gpt_ckpt, "--resume"],
+                  "a Llama resuming a GPT checkpoint", expect=1)
+    if "[ptrain.example.config]" not in refused or "--model" not in refused:
+        raise Failure(f"resume: a GPT checkpoint was not refused by name\n{refused}")
+
+    # refused flags
+    for flags, words in [(["--precision", "bf16"], "--precision"), (["--dropout", "0.1"], "--dropout")]:
+        out = run([exe] + TRAIN + SHAPE + flags + ["--steps", "1"], f"--model llama {flags[0]}", expect=2)
+        if words not in out:
+            raise Failure(f"refused: {flags} failed without naming {words}\n{out}")
+    out = run([exe, "--kv-heads", "2", "--steps", "1"], "--kv-heads with a GPT", expect=2)
+    if "--model llama" not in out:
+        raise Failure(f"refused: --kv-heads with a GPT failed without naming --model llama\n{out}")
+    print(f"gpt_char --model llama: final val_loss {loss:.4f} ({ratio:.3f} x unigram entropy), "
+          f"the exported folder {back_loss:.4f}; resume and refusals as expected")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Failure as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
