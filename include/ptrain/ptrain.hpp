@@ -72,6 +72,11 @@
 #include "ptrain/parallel/make_engine.hpp"
 #include "ptrain/parallel/mesh.hpp"
 #include "ptrain/parallel/pipeline.hpp"
+#include "ptrain/parallel/tensor_parallel.hpp"
+#include "ptrain/parallel/tp_gpt.hpp"
+#include "ptrain/parallel/tp_group.hpp"
+#include "ptrain/parallel/tp_linear.hpp"
+#include "ptrain/parallel/tp_vocab.hpp"
 
 #include "ptrain/ckpt/async_writer.hpp"
 #include "ptrain/ckpt/checkpoint.hpp"
@@ -79,6 +84,7 @@
 #include "ptrain/ckpt/fsdp_checkpoint.hpp"
 #include "ptrain/ckpt/preemption.hpp"
 #include "ptrain/ckpt/stage_checkpoint.hpp"
+#include "ptrain/ckpt/tp_checkpoint.hpp"
 
 #include "ptrain/data/batches.hpp"
 #include "ptrain/data/idx.hpp"

@@ -12,6 +12,7 @@
 //   Local, DDP   rank 0 writes the whole model (model.safetensors, optimizer.safetensors)
 //   FSDP         every shard group writes its pieces (ckpt/fsdp_checkpoint.hpp)
 //   Pipeline     replica 0 of each stage writes its stage (ckpt/stage_checkpoint.hpp)
+//   TensorParallel  rank 0 writes the full tensors, gathered over tp (ckpt/tp_checkpoint.hpp)
 // Loading reads the tensors (or the ranges of them) that this rank holds, from
 // a checkpoint of any of these. A pipeline resumes its own layout bit for bit
 // (per-stage optimizer counts and generators); another layout or mode loads
@@ -21,6 +22,7 @@
 #include "ptrain/ckpt/checkpoint.hpp"
 #include "ptrain/ckpt/fsdp_checkpoint.hpp"
 #include "ptrain/ckpt/stage_checkpoint.hpp"
+#include "ptrain/ckpt/tp_checkpoint.hpp"
 #include "ptrain/parallel/engine.hpp"
 
 namespace ptrain::ckpt {
@@ -51,6 +53,11 @@ void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Opti
       StageSnapshot snap =
           stage_snapshot(mgr.communicator(), static_cast<parallel::Pipeline<T>&>(engine), opt, std::move(state));
       sharded(snap.tensors, std::move(snap.state));
+      return;
+    }
+    case parallel::Mode::TensorParallel: {
+      TensorParallelSnapshot snap = tp_state(static_cast<parallel::TensorParallel<T>&>(engine), opt);
+      sharded(snap.state, std::move(state));
       return;
     }
   }
@@ -102,6 +109,8 @@ TrainerState load_engine(CheckpointManager& mgr, const fs::path& path, parallel:
       });
       return state;
     }
+    case parallel::Mode::TensorParallel:
+      return load_tp(path, static_cast<parallel::TensorParallel<T>&>(engine), opt);
   }
   return {};
 }

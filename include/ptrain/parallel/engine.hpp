@@ -120,7 +120,7 @@ struct BatchInput {
 };
 
 /// Which mode an engine runs (checkpoints write and read each mode's layout).
-enum class Mode { Local, DDP, FSDP, Pipeline };
+enum class Mode { Local, DDP, FSDP, Pipeline, TensorParallel };
 
 template <class T>
 class Engine {

@@ -3,7 +3,8 @@
 // over the ranks of its world. The rest of the program talks to the Engine.
 //
 //   auto world = dist::init_process_group();
-//   parallel::Plan<float> plan = parallel::FSDPOptions{};       // or LocalOptions, DDPOptions, PipelinePlan
+//   parallel::Plan<float> plan = parallel::FSDPOptions{};       // or LocalOptions, DDPOptions, PipelinePlan,
+//                                                               // TensorParallelPlan (nn::GPT only)
 //   auto engine = parallel::make_engine<float>(model, *world, plan);
 //
 // `model` is a std::shared_ptr to a model whose forward runs its units() in
@@ -27,6 +28,7 @@
 #include "ptrain/parallel/local.hpp"
 #include "ptrain/parallel/mesh.hpp"
 #include "ptrain/parallel/pipeline.hpp"
+#include "ptrain/parallel/tensor_parallel.hpp"
 
 namespace ptrain::parallel {
 
@@ -45,7 +47,7 @@ struct PipelinePlan {
 };
 
 template <class T>
-using Plan = std::variant<LocalOptions, DDPOptions, FSDPOptions, PipelinePlan<T>>;
+using Plan = std::variant<LocalOptions, DDPOptions, FSDPOptions, PipelinePlan<T>, TensorParallelPlan>;
 
 /// A model that make_engine can cut into units.
 template <class M, class T>
@@ -79,6 +81,15 @@ std::unique_ptr<Engine<T>> make_engine(std::shared_ptr<M> model, dist::Communica
   if (std::holds_alternative<LocalOptions>(plan)) return std::make_unique<detail::Owned<Local<T>>>(held, *model);
   if (auto* o = std::get_if<DDPOptions>(&plan))
     return std::make_unique<detail::Owned<DDP<T>>>(held, *model, world, *o);
+  if (auto* tp = std::get_if<TensorParallelPlan>(&plan)) {
+    // The engine copies its shards out of the model, which it then no longer needs.
+    if constexpr (std::is_base_of_v<nn::GPT<T>, M>) {
+      return std::make_unique<TensorParallel<T>>(static_cast<nn::GPT<T>&>(*model), world, *tp);
+    } else {
+      PTRAIN_THROW(Error, "[ptrain.tp.model] tensor parallelism splits the layers of nn::GPT; ", model->describe(),
+                   " has no tensor-parallel form: use DDPOptions or FSDPOptions");
+    }
+  }
   const auto units = model->units();
   const auto names = model->unit_names();
   if (auto* o = std::get_if<FSDPOptions>(&plan)) {

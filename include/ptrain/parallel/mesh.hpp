@@ -1,13 +1,15 @@
 #pragma once
-// A 2-D mesh of dp x pp ranks for pipeline and data parallelism together: dp
-// replicas of the model, each a pipeline of pp stages. Two communicators come
-// out of world.split():
+// A mesh of dp x pp (x tp) ranks for data, pipeline and tensor parallelism
+// together: dp replicas of the model, each a pipeline of pp stages, each stage
+// split over tp ranks. Three communicators come out of world.split():
 //
-//   world rank r = replica * pp + stage       (a replica's stages are consecutive ranks,
-//                                              so with ranks packed per node the
-//                                              activation traffic stays inside a node)
-//   pipeline_group(): the pp ranks of my replica, ordered by stage
-//   data_group():     the dp ranks that hold my stage, ordered by replica
+//   world rank r = (replica * pp + stage) * tp + t
+//                  (tp innermost: a stage's tensor-parallel ranks are consecutive,
+//                   so with ranks packed per node its per-layer all-reduces stay
+//                   inside a node; then a replica's stages, then the replicas)
+//   tensor_group():   the tp ranks of my stage, ordered by t
+//   pipeline_group(): the pp ranks of my replica with my t, ordered by stage
+//   data_group():     the dp ranks that hold my stage and shard, ordered by replica
 //
 //   parallel::Mesh mesh(world, /*dp=*/2, /*pp=*/2);
 //   parallel::Pipeline<float> pipe(mesh.pipeline_group(), n_units, make_unit, part,
@@ -28,19 +30,29 @@
 
 namespace ptrain::parallel {
 
+/// The sizes of a mesh's dimensions.
+struct MeshShape {
+  int dp = 1, tp = 1, pp = 1;
+};
+
 class Mesh {
  public:
-  /// Collective over `world` (size must be dp * pp); `world` must outlive the mesh.
-  Mesh(dist::Communicator& world, int dp, int pp) : world_(world), dp_(dp), pp_(pp) {
-    PTRAIN_CHECK(dp >= 1 && pp >= 1 && dp * pp == world.size(), Error, "[ptrain.mesh.size] a ", dp, " x ", pp,
-                 " mesh needs ", dp * pp, " ranks but the world has ", world.size(),
-                 "; launch dp * pp processes or change the mesh");
-    replica_ = world.rank() / pp;
-    stage_ = world.rank() % pp;
-    // Both splits are collective over the world, in this order on every rank.
-    pipeline_ = world.split(replica_, stage_);
-    data_ = world.split(stage_, replica_);
-    PTRAIN_CHECK(pipeline_ && data_ && pipeline_->rank() == stage_ && data_->rank() == replica_, CommError,
+  /// dp x pp: collective over `world` (size must be dp * pp); `world` must outlive the mesh.
+  Mesh(dist::Communicator& world, int dp, int pp) : Mesh(world, MeshShape{.dp = dp, .tp = 1, .pp = pp}) {}
+  /// dp x tp x pp: collective over `world` (size must be dp * tp * pp); `world` must outlive the mesh.
+  Mesh(dist::Communicator& world, MeshShape shape) : world_(world), dp_(shape.dp), pp_(shape.pp), tp_(shape.tp) {
+    PTRAIN_CHECK(dp_ >= 1 && pp_ >= 1 && tp_ >= 1 && dp_ * pp_ * tp_ == world.size(), Error, "[ptrain.mesh.size] a ",
+                 dp_, " (dp) x ", tp_, " (tp) x ", pp_, " (pp) mesh needs ", dp_ * tp_ * pp_,
+                 " ranks but the world has ", world.size(), "; launch dp * tp * pp processes or change the mesh");
+    t_ = world.rank() % tp_;
+    stage_ = world.rank() / tp_ % pp_;
+    replica_ = world.rank() / (tp_ * pp_);
+    // The splits are collective over the world, in this order on every rank.
+    pipeline_ = world.split(replica_ * tp_ + t_, stage_);
+    data_ = world.split(stage_ * tp_ + t_, replica_);
+    tensor_ = world.split(replica_ * pp_ + stage_, t_);
+    PTRAIN_CHECK(pipeline_ && data_ && pipeline_->rank() == stage_ && data_->rank() == replica_ &&
+                 tensor_ && tensor_->rank() == t_, CommError,
                  "[ptrain.mesh.split] the communicator split gave unexpected groups on world rank ", world.rank());
   }
   Mesh(const Mesh&) = delete;
@@ -48,16 +60,21 @@ class Mesh {
 
   int dp_size() const { return dp_; }
   int pp_size() const { return pp_; }
+  int tp_size() const { return tp_; }
+  /// This rank's index in its tensor-parallel group.
+  int tp_rank() const { return t_; }
   /// Which replica (data-parallel index) this rank belongs to.
   int replica() const { return replica_; }
   /// Which pipeline stage this rank runs.
   int stage() const { return stage_; }
-  /// World rank of (replica, stage).
-  int world_rank(int replica, int stage) const { return replica * pp_ + stage; }
+  /// World rank of (replica, stage, tensor-parallel index).
+  int world_rank(int replica, int stage, int t = 0) const { return (replica * pp_ + stage) * tp_ + t; }
 
   dist::Communicator& world() { return world_; }
-  /// The stages of this replica; rank = stage.
+  /// The stages of this replica (with this rank's tensor-parallel index); rank = stage.
   dist::Communicator& pipeline_group() { return *pipeline_; }
+  /// The tensor-parallel ranks of this stage; rank = t (a group of one when tp = 1).
+  dist::Communicator& tensor_group() { return *tensor_; }
   /// The replicas of this stage; rank = replica.
   dist::Communicator& data_group() { return *data_; }
 
@@ -74,8 +91,8 @@ class Mesh {
 
  private:
   dist::Communicator& world_;
-  int dp_, pp_, replica_ = 0, stage_ = 0;
-  std::unique_ptr<dist::Communicator> pipeline_, data_;
+  int dp_, pp_, tp_, replica_ = 0, stage_ = 0, t_ = 0;
+  std::unique_ptr<dist::Communicator> pipeline_, data_, tensor_;
 };
 
 }  // namespace ptrain::parallel

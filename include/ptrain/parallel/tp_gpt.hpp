@@ -1,0 +1,260 @@
+#pragma once
+// GPT in tensor-parallel form: the same units and parameter names as nn::GPT
+// ("embed", "h.i", "head"), each rank holding its shards.
+//
+//   unit "embed"  VocabParallelEmbedding     wte by vocabulary rows, wpe replicated
+//   unit "h.i"    TensorParallelBlock        ln_1, ln_2 replicated;
+//                                            attn.c_attn by heads (q|k|v rows), attn.c_proj by rows;
+//                                            mlp.c_fc by columns, mlp.c_proj by rows
+//   unit "head"   VocabParallelLMHead        ln_f replicated, the (tied) weight by vocabulary rows
+//
+// The output is this rank's slice of the logits; train it with
+// VocabParallelCrossEntropy (the TensorParallel engine does). Built from the
+// full model's units, so it starts from exactly the values nn::GPT(cfg, gen) has:
+//
+//   parallel::TensorParallelGroup tp(mesh.tensor_group());
+//   parallel::TensorParallelGPT<float> model(cfg, tp, gen);              // unit by unit (nn::gpt_unit)
+//   parallel::TensorParallelGPT<float> same(full_gpt, tp);               // or slices of a built nn::GPT
+
+#include <functional>
+#include <string>
+
+#include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/recompute.hpp"
+#include "ptrain/ops/attention.hpp"
+#include "ptrain/parallel/tp_linear.hpp"
+#include "ptrain/parallel/tp_vocab.hpp"
+
+namespace ptrain::parallel {
+
+/// Causal self-attention split by heads: c_attn (C -> 3C, q|k|v) column-parallel
+/// in 3 blocks, so each rank gets q, k and v of n_head / tp heads; c_proj (C -> C)
+/// row-parallel. Names as nn::CausalSelfAttention.
+template <class T>
+class HeadParallelAttention : public nn::Module<T> {
+ public:
+  HeadParallelAttention(TensorParallelGroup& group, std::int64_t n_embd, std::int64_t n_head, double dropout = 0.0,
+                        std::uint64_t dropout_seed = 0)
+      : n_embd_(n_embd), n_head_(n_head), local_heads_(n_head / group.size()), p_(dropout),
+        // Each rank draws the attention masks of its own heads: a stream per tp rank.
+        attn_gen_(dropout_seed ^ (0xA5A5A5A5ull * static_cast<std::uint64_t>(group.rank()))) {
+    PTRAIN_CHECK(n_head > 0 && n_embd % n_head == 0 && n_head % group.size() == 0, ShapeError, "[ptrain.tp.heads] ",
+                 n_head, " heads (of width ", n_embd, ") do not split over ", group.size(),
+                 " tensor-parallel ranks; choose a tp degree that divides n_head");
+    Generator scratch(0);  // the model copies the real values in (TensorParallelGPT)
+    c_attn_ = this->register_module("c_attn",
+                                    std::make_shared<ColumnParallelLinear<T>>(group, n_embd, 3 * n_embd, true, 3, scratch));
+    c_proj_ = this->register_module("c_proj", std::make_shared<RowParallelLinear<T>>(group, n_embd, n_embd, true, scratch));
+    resid_drop_ = this->register_module("resid_drop", std::make_shared<nn::Dropout<T>>(dropout, dropout_seed + 1));
+  }
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.attention] input must be [B, S, ",
+                 n_embd_, "], got ", x.shape());
+    auto qkv = c_attn_->forward(x, cache.child(0));
+    const bool drop = this->training() && p_ > 0;
+    const std::uint64_t offset =
+        drop ? attn_gen_.reserve(static_cast<std::uint64_t>(x.size(0) * local_heads_ * x.size(1) * x.size(1))) : 0;
+    ops::AttentionSaved<T> saved;
+    auto y = ops::causal_attention(qkv, local_heads_, drop ? p_ : 0.0, attn_gen_.seed(), offset, saved);
+    cache.tensors = {qkv, saved.probs, saved.probs_drop, saved.out};
+    cache.stats = {saved.lse};
+    cache.values = {drop ? 1u : 0u, offset};
+    return resid_drop_->forward(c_proj_->forward(y, cache.child(1)), cache.child(2));
+  }
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 4 && cache.stats.size() == 1, Error,
+                 "[ptrain.backward] HeadParallelAttention::backward without a forward");
+    auto g = c_proj_->backward(resid_drop_->backward(dy, cache.child(2)), cache.child(1));
+    ops::AttentionSaved<T> saved{cache.tensors[1], cache.tensors[2], cache.values[0] ? p_ : 0.0, attn_gen_.seed(),
+                                 cache.values[1], cache.tensors[3], cache.stats[0]};
+    auto dqkv = ops::causal_attention_backward(cache.tensors[0], saved, local_heads_, g);
+    auto dx = c_attn_->backward(dqkv, cache.child(0));
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override {
+    return "HeadParallelAttention(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) +
+           ", local heads=" + std::to_string(local_heads_) + ")";
+  }
+  Generator& attn_dropout_generator() { return attn_gen_; }
+  nn::Dropout<T>& resid_dropout() { return *resid_drop_; }
+
+ protected:
+  void own_random_streams(std::vector<Generator*>& out) override { out.push_back(&attn_gen_); }
+
+ private:
+  std::int64_t n_embd_, n_head_, local_heads_;
+  double p_;
+  Generator attn_gen_;
+  std::shared_ptr<ColumnParallelLinear<T>> c_attn_;
+  std::shared_ptr<RowParallelLinear<T>> c_proj_;
+  std::shared_ptr<nn::Dropout<T>> resid_drop_;
+};
+
+/// GELU MLP with c_fc (C -> 4C) column-parallel and c_proj (4C -> C) row-parallel:
+/// the GELU runs on each rank's 4C / tp columns. Names as nn::FeedForward.
+template <class T>
+class ParallelFeedForward : public nn::Module<T> {
+ public:
+  ParallelFeedForward(TensorParallelGroup& group, std::int64_t n_embd, double dropout = 0.0,
+                      std::uint64_t dropout_seed = 0)
+      : n_embd_(n_embd) {
+    Generator scratch(0);
+    c_fc_ = this->register_module("c_fc", std::make_shared<ColumnParallelLinear<T>>(group, n_embd, 4 * n_embd, true, 1,
+                                                                                    scratch));
+    act_ = this->register_module("act", std::make_shared<nn::GELU<T>>());
+    c_proj_ = this->register_module("c_proj",
+                                    std::make_shared<RowParallelLinear<T>>(group, 4 * n_embd, n_embd, true, scratch));
+    drop_ = this->register_module("drop", std::make_shared<nn::Dropout<T>>(dropout, dropout_seed));
+  }
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    auto h = act_->forward(c_fc_->forward(x, cache.child(0)), cache.child(1));
+    return drop_->forward(c_proj_->forward(h, cache.child(2)), cache.child(3));
+  }
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    auto g = c_proj_->backward(drop_->backward(dy, cache.child(3)), cache.child(2));
+    auto dx = c_fc_->backward(act_->backward(g, cache.child(1)), cache.child(0));
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override { return "ParallelFeedForward(" + std::to_string(n_embd_) + ", GELU, 4x)"; }
+  nn::Dropout<T>& dropout() { return *drop_; }
+
+ private:
+  std::int64_t n_embd_;
+  std::shared_ptr<ColumnParallelLinear<T>> c_fc_;
+  std::shared_ptr<nn::GELU<T>> act_;
+  std::shared_ptr<RowParallelLinear<T>> c_proj_;
+  std::shared_ptr<nn::Dropout<T>> drop_;
+};
+
+/// nn::TransformerBlock with head-parallel attention and a parallel MLP; the
+/// LayerNorms and the residual stream are replicated.
+template <class T>
+class TensorParallelBlock : public nn::PreNormBlock<T> {
+ public:
+  TensorParallelBlock(TensorParallelGroup& group, std::int64_t n_embd, std::int64_t n_head, double dropout = 0.0,
+                      std::uint64_t dropout_seed = 0)
+      : n_embd_(n_embd), n_head_(n_head) {
+    attn_ = std::make_shared<HeadParallelAttention<T>>(group, n_embd, n_head, dropout, dropout_seed);
+    mlp_ = std::make_shared<ParallelFeedForward<T>>(group, n_embd, dropout, dropout_seed + 2);
+    this->set_parts({"ln_1", std::make_shared<nn::LayerNorm<T>>(n_embd)}, {"attn", attn_},
+                    {"ln_2", std::make_shared<nn::LayerNorm<T>>(n_embd)}, {"mlp", mlp_});
+  }
+  std::string describe() const override {
+    return "TensorParallelBlock(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) + ")";
+  }
+  HeadParallelAttention<T>& attn() { return *attn_; }
+  ParallelFeedForward<T>& mlp() { return *mlp_; }
+
+ private:
+  std::int64_t n_embd_, n_head_;
+  std::shared_ptr<HeadParallelAttention<T>> attn_;
+  std::shared_ptr<ParallelFeedForward<T>> mlp_;
+};
+
+/// nn::GPT with every unit in tensor-parallel form over `group` (which must outlive it).
+template <class T>
+class TensorParallelGPT : public nn::UnitChain<T> {
+ public:
+  /// Unit u of the full model, whose values this rank's shards copy.
+  using FullUnit = std::function<std::shared_ptr<nn::Module<T>>(std::size_t u)>;
+
+  /// The shards of nn::GPT<T>(cfg, gen), building one full unit at a time (nn::gpt_unit); `gen` is not advanced.
+  TensorParallelGPT(const nn::GPTConfig& cfg, TensorParallelGroup& group, const Generator& gen = default_generator())
+      : TensorParallelGPT(cfg, group, [&cfg, &gen](std::size_t u) -> std::shared_ptr<nn::Module<T>> {
+          // The head of a tied model has no weight of its own; its ln_f starts at 1 and 0 as built.
+          if (cfg.tie_weights && u == static_cast<std::size_t>(cfg.n_layer) + 1) return nullptr;
+          return nn::gpt_unit<T>(cfg, u, gen);
+        }) {}
+  /// The shards of an already built nn::GPT (same config, same values).
+  TensorParallelGPT(nn::GPT<T>& full, TensorParallelGroup& group)
+      : TensorParallelGPT(full.config(), group, [&full](std::size_t u) { return full.units()[u]; }) {}
+
+  TensorParallelGPT(const nn::GPTConfig& cfg, TensorParallelGroup& group, const FullUnit& full_unit)
+      : cfg_(cfg), group_(group) {
+    nn::detail::check_gpt_config(cfg);
+    PTRAIN_CHECK(cfg.n_head % group.size() == 0, Error, "[ptrain.tp.heads] n_head ", cfg.n_head,
+                 " does not split over ", group.size(), " tensor-parallel ranks; choose a tp degree that divides it");
+    embed_ = std::make_shared<VocabParallelEmbedding<T>>(group, cfg.vocab_size, cfg.block_size, cfg.n_embd,
+                                                         cfg.dropout, nn::detail::gpt_dropout_site(cfg, 0));
+    add(0, "embed", embed_, full_unit);
+    for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
+      auto block = std::make_shared<TensorParallelBlock<T>>(
+          group, cfg.n_embd, cfg.n_head, cfg.dropout, nn::detail::gpt_dropout_site(cfg, static_cast<std::uint64_t>(l) + 1));
+      blocks_.push_back(block);
+      std::shared_ptr<nn::Module<T>> unit = block;
+      if (cfg.recompute) unit = std::make_shared<nn::Recompute<T>>(block);
+      add(static_cast<std::size_t>(l) + 1, "h." + std::to_string(l), unit, full_unit);
+    }
+    head_ = std::make_shared<VocabParallelLMHead<T>>(group, cfg.n_embd, cfg.vocab_size,
+                                                     cfg.tie_weights ? &embed_->wte() : nullptr);
+    add(static_cast<std::size_t>(cfg.n_layer) + 1, "head", head_, full_unit);
+  }
+
+  std::string describe() const override {
+    return "TensorParallelGPT(vocab=" + std::to_string(cfg_.vocab_size) + ", layers=" + std::to_string(cfg_.n_layer) +
+           ", heads=" + std::to_string(cfg_.n_head) + ", embd=" + std::to_string(cfg_.n_embd) +
+           ", tp=" + std::to_string(group_.size()) + ")";
+  }
+  const nn::GPTConfig& config() const { return cfg_; }
+  TensorParallelGroup& group() { return group_; }
+  /// How each sharded parameter (by full name) is cut; parameters not listed are replicated.
+  const std::vector<std::pair<std::string, ShardSpec>>& shard_specs() const { return specs_; }
+  ShardSpec shard_spec(const std::string& name) const {
+    for (const auto& [n, s] : specs_)
+      if (n == name) return s;
+    return {};
+  }
+  VocabParallelEmbedding<T>& embedding() { return *embed_; }
+  TensorParallelBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
+  VocabParallelLMHead<T>& head() { return *head_; }
+
+  /// Every dropout stream, named as nn::GPT::generators() names them.
+  std::vector<std::pair<std::string, Generator*>> generators() {
+    std::vector<std::pair<std::string, Generator*>> out{{"embed.drop", &embed_->dropout().generator()}};
+    for (std::size_t l = 0; l < blocks_.size(); ++l) {
+      const std::string p = "h." + std::to_string(l) + ".";
+      out.push_back({p + "attn.attn_drop", &blocks_[l]->attn().attn_dropout_generator()});
+      out.push_back({p + "attn.resid_drop", &blocks_[l]->attn().resid_dropout().generator()});
+      out.push_back({p + "mlp.drop", &blocks_[l]->mlp().dropout().generator()});
+    }
+    return out;
+  }
+
+  /// The full logits [..., V] of this rank's slice (collective over the group):
+  /// for sampling, never for the loss.
+  Tensor<T> gather_logits(const Tensor<T>& local) {
+    return detail::gather_full(local, ShardSpec{local.dim() - 1, 1, cfg_.vocab_size}, group_);
+  }
+
+ private:
+  // Appends unit u and copies this rank's shards of the full unit's parameters into it.
+  void add(std::size_t u, const std::string& name, std::shared_ptr<nn::Module<T>> unit, const FullUnit& full_unit) {
+    std::vector<std::pair<std::string, ShardSpec>> specs;
+    detail::collect_shard_specs(*unit, "", specs);
+    if (auto full = full_unit(u)) {
+      auto src = full->named_parameters();
+      for (auto& p : unit->named_parameters()) {
+        ShardSpec spec;
+        for (const auto& [n, s] : specs)
+          if (n == p.name) spec = s;
+        auto it = std::find_if(src.begin(), src.end(), [&](const auto& q) { return q.name == p.name; });
+        PTRAIN_CHECK(it != src.end(), Error, "[ptrain.tp.model] the full unit ", name, " has no parameter ", p.name,
+                     "; build the tensor-parallel model from the same model config");
+        p.param->value.copy_(detail::shard_of(it->param->value, spec, group_.rank(), group_.size()));
+      }
+    }
+    for (auto& [n, s] : specs) specs_.emplace_back(name + "." + n, s);
+    this->add_unit(name, std::move(unit));
+  }
+
+  nn::GPTConfig cfg_;
+  TensorParallelGroup& group_;
+  std::shared_ptr<VocabParallelEmbedding<T>> embed_;
+  std::vector<std::shared_ptr<TensorParallelBlock<T>>> blocks_;
+  std::shared_ptr<VocabParallelLMHead<T>> head_;
+  std::vector<std::pair<std::string, ShardSpec>> specs_;
+};
+
+}  // namespace ptrain::parallel

@@ -1,0 +1,274 @@
+#pragma once
+// The vocabulary, split over the tensor-parallel group: the token embedding's
+// rows, the LM head's rows (tied or not) and the cross-entropy over logits of
+// which each rank holds a contiguous slice of the vocabulary. The full logits
+// [B, S, V] are never gathered (Note [Vocabulary-parallel cross-entropy]).
+//
+// Rank r holds vocabulary rows [r * Vl, (r + 1) * Vl), Vl = ceil(V / tp); the
+// rows past V are padding (Note [Tensor parallel shards] in tp_group.hpp).
+//
+// These units run on the CPU: their masked lookups and the loss are host loops
+// ([ptrain.tp.device] elsewhere); the linear layers of tp_linear.hpp run on any device.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "ptrain/nn/activation.hpp"
+#include "ptrain/nn/layer_norm.hpp"
+#include "ptrain/nn/targets.hpp"
+#include "ptrain/ops/embedding.hpp"
+#include "ptrain/ops/linear.hpp"
+#include "ptrain/parallel/tp_group.hpp"
+
+namespace ptrain::parallel {
+
+namespace detail {
+inline void require_cpu(Device d, const char* who) {
+  PTRAIN_CHECK(d.is_cpu(), Error, "[ptrain.tp.device] ", who, " runs on the CPU only, got a tensor on ", d,
+               "; train tensor-parallel models on the CPU (MPI or Gloo)");
+}
+/// The vocabulary rows of tp rank `rank`: [lo, lo + Vl), of which [lo, min(lo + Vl, V)) are real.
+struct VocabRange {
+  std::int64_t lo, local, vocab;
+  VocabRange(std::int64_t vocab, int rank, int tp)
+      : lo(rank * ((vocab + tp - 1) / tp)), local((vocab + tp - 1) / tp), vocab(vocab) {}
+  bool owns(std::int64_t id) const { return id >= lo && id < lo + local; }
+  std::int64_t real() const { return std::max<std::int64_t>(0, std::min(local, vocab - lo)); }
+};
+}  // namespace detail
+
+/// GPT's input unit with the token table split by vocabulary rows: ids [B, S] ->
+/// dropout(wte[ids] + wpe[0..S)) [B, S, C], replicated. Each rank looks up the
+/// ids it owns (zeros elsewhere) and tp rank 0 adds the positions; one all-reduce
+/// (g) sums them. Parameters "wte.weight" [V, C] (sharded by rows) and
+/// "wpe.weight" [block_size, C] (replicated), as nn::TokenPositionEmbedding.
+template <class T>
+class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
+ public:
+  VocabParallelEmbedding(TensorParallelGroup& group, std::int64_t vocab, std::int64_t block_size, std::int64_t dim,
+                         double dropout = 0.0, std::uint64_t dropout_seed = 0)
+      : group_(group), range_(vocab, group.rank(), group.size()), block_size_(block_size), dim_(dim) {
+    wte_ = &this->register_parameter("wte.weight", Tensor<T>::zeros({range_.local, dim}));
+    wpe_ = &this->register_parameter("wpe.weight", Tensor<T>::zeros({block_size, dim}));
+    drop_ = this->register_module("drop", std::make_shared<nn::Dropout<T>>(dropout, dropout_seed));
+  }
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    return lookup(ops::token_ids(x, range_.vocab), cache);
+  }
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& ids, nn::Cache<T>& cache) override {
+    return lookup(ops::token_ids(ids, range_.vocab), cache);
+  }
+  /// Adds this rank's rows of the wte gradient and the (replicated) wpe gradient; announces both.
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.indices.size() == 1, Error, "[ptrain.backward] VocabParallelEmbedding::backward without a forward");
+    const auto g = drop_->backward(dy, cache.child(0));
+    const auto& ids = cache.indices[0];
+    const std::int64_t S = ids.size(1), C = dim_;
+    for (std::int64_t t = 0; t < ids.numel(); ++t) {
+      const T* gr = g.data() + t * C;
+      const std::int64_t id = ids.data()[t];
+      T* pe = wpe_->grad.data() + (t % S) * C;
+      for (std::int64_t c = 0; c < C; ++c) pe[c] = static_cast<T>(static_cast<acc_t<T>>(pe[c]) + gr[c]);
+      if (!range_.owns(id)) continue;
+      T* te = wte_->grad.data() + (id - range_.lo) * C;
+      for (std::int64_t c = 0; c < C; ++c) te[c] = static_cast<T>(static_cast<acc_t<T>>(te[c]) + gr[c]);
+    }
+    wpe_->mark_grad_ready();
+    wte_->mark_grad_ready();
+    cache.clear();
+    return {};
+  }
+  std::string describe() const override {
+    return "VocabParallelEmbedding(" + std::to_string(range_.vocab) + ", " + std::to_string(dim_) + ", tp=" +
+           std::to_string(group_.size()) + ")";
+  }
+  std::vector<std::pair<std::string, ShardSpec>> shard_specs() const override {
+    return {{"wte.weight", ShardSpec{0, 1, range_.vocab}}};
+  }
+  nn::Parameter<T>& wte() { return *wte_; }
+  nn::Dropout<T>& dropout() { return *drop_; }
+
+ private:
+  Tensor<T> lookup(Tensor<std::int32_t> ids, nn::Cache<T>& cache) {
+    PTRAIN_CHECK(ids.dim() == 2, ShapeError, "[ptrain.embedding.input] expected token ids [batch, seq], got ",
+                 ids.shape());
+    PTRAIN_CHECK(ids.size(1) <= block_size_, ShapeError, "[ptrain.embedding.positions] sequence of ", ids.size(1),
+                 " tokens exceeds block_size ", block_size_, "; crop the context to the last block_size tokens");
+    detail::require_cpu(ids.device(), "VocabParallelEmbedding");
+    const std::int64_t S = ids.size(1), C = dim_;
+    auto out = Tensor<T>::zeros({ids.size(0), S, C});
+    for (std::int64_t t = 0; t < ids.numel(); ++t) {
+      T* o = out.data() + t * C;
+      const std::int64_t id = ids.data()[t];
+      if (range_.owns(id)) std::copy_n(wte_->value.data() + (id - range_.lo) * C, C, o);
+      if (group_.rank() == 0) {
+        const T* pe = wpe_->value.data() + (t % S) * C;
+        for (std::int64_t c = 0; c < C; ++c) o[c] = static_cast<T>(static_cast<acc_t<T>>(o[c]) + pe[c]);
+      }
+    }
+    group_.all_reduce(out);  // g: the owner's row plus rank 0's position, on every rank
+    cache.indices = {ids};
+    return drop_->forward(out, cache.child(0));
+  }
+
+  TensorParallelGroup& group_;
+  detail::VocabRange range_;
+  std::int64_t block_size_, dim_;
+  nn::Parameter<T>* wte_;
+  nn::Parameter<T>* wpe_;
+  std::shared_ptr<nn::Dropout<T>> drop_;
+};
+
+/// GPT's last unit with the output projection split by vocabulary rows: x [B, S, C]
+/// -> this rank's logits [B, S, Vl] = ln_f(x) W_r^T, W_r the tied wte shard or an own
+/// "lm_head.weight" shard. f in front of the projection: backward all-reduces the
+/// gradient of ln_f's output before ln_f's own backward, so ln_f stays replicated.
+template <class T>
+class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
+ public:
+  /// `tied`: the embedding's wte shard, or null for an own weight (zeros; the model initialises it).
+  VocabParallelLMHead(TensorParallelGroup& group, std::int64_t n_embd, std::int64_t vocab,
+                      nn::Parameter<T>* tied = nullptr)
+      : group_(group), n_embd_(n_embd), vocab_(vocab), tied_(tied) {
+    ln_f_ = this->register_module("ln_f", std::make_shared<nn::LayerNorm<T>>(n_embd));
+    const detail::VocabRange range(vocab, group.rank(), group.size());
+    if (!tied_) own_ = &this->register_parameter("lm_head.weight", Tensor<T>::zeros({range.local, n_embd}));
+    else check_shape(tied_->value, {range.local, n_embd}, "tied vocabulary-parallel LM head weight");
+  }
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    auto h = ln_f_->forward(x, cache.child(0));
+    cache.tensors = {h};
+    return ops::linear(h, weight().value, Tensor<T>());
+  }
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 1, Error, "[ptrain.backward] VocabParallelLMHead::backward without a forward");
+    nn::Parameter<T>& w = weight();
+    auto dh = ops::linear_backward(cache.tensors[0], w.value, dy, w.grad, static_cast<Tensor<T>*>(nullptr));
+    if (!tied_) w.mark_grad_ready();  // a tied weight is announced by the embedding (Note [Weight tying] in gpt.hpp)
+    group_.all_reduce(dh);            // f's backward
+    auto dx = ln_f_->backward(dh, cache.child(0));
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override {
+    return "VocabParallelLMHead(" + std::to_string(n_embd_) + " -> " + std::to_string(vocab_) +
+           (tied_ ? ", tied" : "") + ", tp=" + std::to_string(group_.size()) + ")";
+  }
+  std::vector<std::pair<std::string, ShardSpec>> shard_specs() const override {
+    if (tied_) return {};
+    return {{"lm_head.weight", ShardSpec{0, 1, vocab_}}};
+  }
+  std::vector<nn::Parameter<T>*> borrowed_parameters() override {
+    auto out = nn::Module<T>::borrowed_parameters();
+    if (tied_) out.push_back(tied_);
+    return out;
+  }
+  nn::Parameter<T>& weight() { return tied_ ? *tied_ : *own_; }
+  nn::LayerNorm<T>& ln_f() { return *ln_f_; }
+
+ private:
+  TensorParallelGroup& group_;
+  std::int64_t n_embd_, vocab_;
+  nn::Parameter<T>* tied_;
+  nn::Parameter<T>* own_ = nullptr;
+  std::shared_ptr<nn::LayerNorm<T>> ln_f_;
+};
+
+/// Mean cross-entropy over rows of vocabulary-parallel logits [..., Vl] against
+/// class ids in [0, V) (or ignore_index), equal to nn::CrossEntropyLoss on the
+/// full logits.
+///
+/// Note [Vocabulary-parallel cross-entropy]
+/// For row i with target t and logits x split over the ranks:
+///   M_i = max_j x_ij                   all-reduce (max) of each rank's max
+///   Z_i = sum_j exp(x_ij - M_i)        all-reduce (sum) of each rank's partial sum,
+///   x_it - M_i                         taken from the one rank that owns t (0 elsewhere)
+///                                      and summed in the same all-reduce as Z
+///   loss_i = log Z_i - (x_it - M_i)
+/// so the forward sends 3 values per row instead of V, and backward needs no
+/// communication: d loss_i / d x_ij = exp(x_ij - M_i) / Z_i - [j == t] on the
+/// rank's own columns. Padding columns take no part (their gradient is 0).
+template <class T>
+class VocabParallelCrossEntropy {
+ public:
+  VocabParallelCrossEntropy(TensorParallelGroup& group, std::int64_t vocab, std::int32_t ignore_index = -100)
+      : group_(group), range_(vocab, group.rank(), group.size()), ignore_index_(ignore_index) {}
+
+  double forward(const Tensor<T>& logits, const nn::Targets<T>& targets, nn::Cache<T>& cache) {
+    using A = acc_t<T>;
+    const Tensor<std::int32_t>& ids = targets.ids("VocabParallelCrossEntropy");
+    detail::require_cpu(logits.device(), "VocabParallelCrossEntropy");
+    const std::int64_t Vl = range_.local, real = range_.real();
+    PTRAIN_CHECK(logits.dim() >= 1 && logits.size(-1) == Vl && ids.numel() * Vl == logits.numel(), ShapeError,
+                 "[ptrain.tp.logits] vocabulary-parallel logits ", logits.shape(), " do not hold ", Vl,
+                 " vocabulary columns for each of the ", ids.numel(), " targets");
+    const std::int64_t N = ids.numel();
+    auto stats = Tensor<A>::empty({3 * N});  // M | Z | x_t - M
+    A* M = stats.data();
+    std::int64_t valid = 0;
+    for (std::int64_t i = 0; i < N; ++i) {
+      const std::int32_t t = ids.data()[i];
+      PTRAIN_CHECK(t == ignore_index_ || (t >= 0 && t < range_.vocab), ShapeError, "[ptrain.tp.target] target ", t,
+                   " at row ", i, " is not a class id in [0, ", range_.vocab, ") nor ignore_index ", ignore_index_);
+      valid += t != ignore_index_;
+      A m = std::numeric_limits<A>::lowest();
+      for (std::int64_t j = 0; j < real; ++j) m = std::max(m, static_cast<A>(logits.data()[i * Vl + j]));
+      M[i] = m;
+    }
+    auto max_part = stats.view(0, {N});
+    group_.all_reduce(max_part, dist::ReduceOp::Max);
+    A* Z = M + N;
+    A* xt = Z + N;
+    for (std::int64_t i = 0; i < N; ++i) {
+      A z = 0;
+      for (std::int64_t j = 0; j < real; ++j) z += std::exp(static_cast<A>(logits.data()[i * Vl + j]) - M[i]);
+      Z[i] = z;
+      const std::int32_t t = ids.data()[i];
+      xt[i] = t != ignore_index_ && range_.owns(t) ? static_cast<A>(logits.data()[i * Vl + (t - range_.lo)]) - M[i] : A(0);
+    }
+    auto sum_part = stats.view(N, {2 * N});
+    group_.all_reduce(sum_part);
+    double loss = 0;
+    for (std::int64_t i = 0; i < N; ++i)
+      if (ids.data()[i] != ignore_index_) loss += std::log(static_cast<double>(Z[i])) - static_cast<double>(xt[i]);
+    cache.tensors = {logits};
+    cache.stats = {stats};
+    cache.indices = {ids};
+    cache.values = {static_cast<std::uint64_t>(valid)};
+    return valid > 0 ? loss / static_cast<double>(valid) : 0.0;
+  }
+  /// Gradient of `dloss * loss` with respect to this rank's logits; no communication.
+  Tensor<T> backward(nn::Cache<T>& cache, acc_t<T> dloss = 1) {
+    using A = acc_t<T>;
+    PTRAIN_CHECK(cache.tensors.size() == 1 && cache.stats.size() == 1, Error,
+                 "[ptrain.backward] VocabParallelCrossEntropy::backward without a forward");
+    const Tensor<T>& logits = cache.tensors[0];
+    const auto& ids = cache.indices[0];
+    const std::int64_t N = ids.numel(), Vl = range_.local, real = range_.real();
+    const auto valid = static_cast<std::int64_t>(cache.values[0]);
+    const A* M = cache.stats[0].data();
+    const A* Z = M + N;
+    const A scale = valid > 0 ? dloss / static_cast<A>(valid) : A(0);
+    auto d = Tensor<T>::zeros(logits.shape());
+    for (std::int64_t i = 0; i < N; ++i) {
+      const std::int32_t t = ids.data()[i];
+      if (t == ignore_index_) continue;
+      for (std::int64_t j = 0; j < real; ++j) {
+        A p = std::exp(static_cast<A>(logits.data()[i * Vl + j]) - M[i]) / Z[i];
+        if (range_.lo + j == t) p -= 1;
+        d.data()[i * Vl + j] = static_cast<T>(p * scale);
+      }
+    }
+    cache.clear();
+    return d;
+  }
+
+ private:
+  TensorParallelGroup& group_;
+  detail::VocabRange range_;
+  std::int32_t ignore_index_;
+};
+
+}  // namespace ptrain::parallel

@@ -1,0 +1,255 @@
+// Tensor parallelism (parallel/tensor_parallel.hpp) against one process: a GPT
+// trained with tp = 2 and 4 and dp x tp = 2 x 2 holds, after a few AdamW steps
+// with clipping, the parameters of nn::GPT trained alone on the global batch; a
+// checkpoint saved at tp = 2 resumes at tp = 1 and 4; mismatched plans end every
+// rank with an error; the bytes handed to all-reduces match the Megatron count.
+// Each case runs on a sub-world of the ranks it needs (the others wait), so the
+// binary runs under any world size.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <filesystem>
+#include <ptrain/ckpt/engine_checkpoint.hpp>
+#include <ptrain/dist/self_communicator.hpp>
+#include <ptrain/nn/models/gpt.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/local.hpp>
+#include <ptrain/parallel/make_engine.hpp>
+
+#include "dist/world.hpp"
+
+using namespace ptrain;
+using ptrain::testing::world;
+
+namespace {
+
+// A vocabulary that neither 2 nor 4 divides (padding), 4 heads, untied or tied.
+nn::GPTConfig config(bool tied) {
+  return {.vocab_size = 11, .block_size = 8, .n_layer = 2, .n_head = 4, .n_embd = 16, .tie_weights = tied};
+}
+const optim::AdamWOptions kAdam{.lr = 0.02, .eps = 1e-8, .weight_decay = 0.1};
+constexpr double kClip = 0.5;
+constexpr std::int64_t kBatch = 4, kSeq = 6, kSteps = 3;
+
+struct Batch {
+  Tensor<std::int32_t> ids, targets;
+};
+Batch make_batch(std::uint64_t seed, std::int64_t vocab) {
+  Generator g(seed);
+  Batch b{Tensor<std::int32_t>::empty({kBatch, kSeq}), Tensor<std::int32_t>::empty({kBatch, kSeq})};
+  for (std::int64_t i = 0; i < kBatch * kSeq; ++i) {
+    b.ids.data()[i] = static_cast<std::int32_t>(g.below(static_cast<std::uint64_t>(vocab)));
+    b.targets.data()[i] = static_cast<std::int32_t>(g.below(static_cast<std::uint64_t>(vocab)));
+  }
+  return b;
+}
+
+// The ranks [0, n) of the world as one group (collective over the world); null on the others.
+std::unique_ptr<dist::Communicator> first_ranks(int n) {
+  auto& w = world();
+  auto g = w.split(w.rank() < n ? 0 : 1, w.rank());
+  if (w.rank() >= n) return nullptr;
+  return g;
+}
+
+// One step of engine `e` on its data-parallel slice of `global`; returns (mean loss over dp, norm).
+template <class T>
+std::pair<double, double> step(parallel::Engine<T>& e, optim::Optimizer<T>& opt, const Batch& global) {
+  dist::Communicator* dp = e.data_parallel_group();
+  const std::int64_t n = dp ? dp->size() : 1, r = dp ? dp->rank() : 0, rows = kBatch / n;
+  e.zero_grad();
+  const double loss = e.average(e.forward_backward(global.ids.narrow(r * rows, rows), global.targets.narrow(r * rows, rows)));
+  const double norm = e.clip_grad_norm_(kClip);
+  e.step(opt);
+  return {loss, norm};
+}
+
+// One process: nn::GPT on the global batch.
+template <class T>
+struct Reference {
+  std::shared_ptr<nn::GPT<T>> model;
+  parallel::Local<T> engine;
+  optim::AdamW<T> opt;
+  std::vector<std::pair<double, double>> history;
+  explicit Reference(const nn::GPTConfig& cfg)
+      : model(std::make_shared<nn::GPT<T>>(cfg, *std::make_unique<Generator>(7))), engine(*model),
+        opt(engine.parameters(), kAdam) {}
+  void train(std::int64_t steps, std::int64_t first = 0) {
+    for (std::int64_t s = first; s < first + steps; ++s)
+      history.push_back(step(engine, opt, make_batch(100 + static_cast<std::uint64_t>(s), model->config().vocab_size)));
+  }
+};
+
+// Largest |full(tp) - reference| over all parameters, relative to the largest reference value.
+template <class T>
+double max_rel_error(parallel::TensorParallel<T>& e, nn::GPT<T>& ref) {
+  auto ref_params = ref.named_parameters();
+  const auto& entries = e.parameters().entries();
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const auto full = parallel::detail::gather_full(entries[i].param->value, e.spec(i), e.group());
+    auto it = std::find_if(ref_params.begin(), ref_params.end(), [&](auto& p) { return p.name == entries[i].name; });
+    REQUIRE(it != ref_params.end());
+    REQUIRE(full.shape() == it->param->value.shape());
+    const auto a = full.to_vector(), b = it->param->value.to_vector();
+    for (std::size_t k = 0; k < a.size(); ++k) {
+      diff = std::max(diff, std::abs(static_cast<double>(a[k]) - static_cast<double>(b[k])));
+      scale = std::max(scale, std::abs(static_cast<double>(b[k])));
+    }
+  }
+  return diff / scale;
+}
+
+template <class T>
+void check_against_reference(dist::Communicator& comm, int tp, bool tied, double tol) {
+  const auto cfg = config(tied);
+  Reference<T> ref(cfg);
+  ref.train(kSteps);
+  parallel::TensorParallel<T> e(cfg, comm, parallel::TensorParallelPlan{.tp = tp}, Generator(7));
+  optim::AdamW<T> opt(e.parameters(), kAdam);
+  INFO("tp " << tp << " x dp " << comm.size() / tp << (tied ? ", tied" : ", untied") << ", " << comm.backend());
+  Generator g(7);
+  nn::GPT<T> init(cfg, g);
+  CHECK(max_rel_error(e, init) == 0.0);  // the same initial values, bit for bit
+  for (std::int64_t s = 0; s < kSteps; ++s) {
+    const auto [loss, norm] = step(e, opt, make_batch(100 + static_cast<std::uint64_t>(s), cfg.vocab_size));
+    CHECK(loss == Approx(ref.history[static_cast<std::size_t>(s)].first).epsilon(tol));
+    CHECK(norm == Approx(ref.history[static_cast<std::size_t>(s)].second).epsilon(tol));
+    CHECK(norm > kClip);  // every step clips, so the norm counts every parameter once
+  }
+  CHECK(max_rel_error(e, *ref.model) < tol);
+}
+
+}  // namespace
+
+TEST_CASE("Tensor parallel GPT trains like one process (tp 2 and 4, dp x tp 2 x 2)", "[tp]") {
+  const int n = world().size();
+  for (bool tied : {true, false}) {
+    if (auto two = first_ranks(2)) {
+      check_against_reference<double>(*two, 2, tied, 1e-9);
+      check_against_reference<float>(*two, 2, tied, 2e-4);
+    }
+    if (n >= 4)
+      if (auto four = first_ranks(4)) {
+        check_against_reference<double>(*four, 4, tied, 1e-9);  // tp 4
+        check_against_reference<double>(*four, 2, tied, 1e-9);  // dp 2 x tp 2
+      }
+  }
+  world().barrier();
+}
+
+TEST_CASE("make_engine builds a tensor-parallel engine from a GPT", "[tp]") {
+  auto two = first_ranks(2);
+  if (two) {
+    const auto cfg = config(true);
+    Generator g(7);
+    auto model = std::make_shared<nn::GPT<float>>(cfg, g);
+    Reference<float> ref(cfg);
+    ref.train(1);
+    auto e = parallel::make_engine<float>(model, *two, parallel::TensorParallelPlan{.tp = 2});
+    CHECK(e->mode() == parallel::Mode::TensorParallel);
+    optim::AdamW<float> opt(e->parameters(), kAdam);
+    const auto [loss, norm] = step(*e, opt, make_batch(100, cfg.vocab_size));
+    CHECK(loss == Approx(ref.history[0].first).epsilon(1e-5));
+    CHECK(max_rel_error(static_cast<parallel::TensorParallel<float>&>(*e), *ref.model) < 1e-4);
+    // A model without a tensor-parallel form is refused on every rank.
+    auto mlp = std::make_shared<nn::Sequential<float>>();
+    mlp->add(std::make_shared<nn::Linear<float>>(3, 2));
+    CHECK_THROWS_WITH(parallel::make_engine<float>(mlp, *two, parallel::TensorParallelPlan{.tp = 2}),
+                      Catch::Contains("[ptrain.tp.model]"));
+  }
+  world().barrier();
+}
+
+TEST_CASE("Tensor parallel all-reduces carry the Megatron byte count", "[tp]") {
+  auto two = first_ranks(2);
+  if (two) {
+    // Per layer: the f and g of attention and of the MLP, one B*S*C all-reduce each
+    // in forward (g) and backward (f); the embedding's g and the head's f once
+    // more; the loss: M (B*S values) and Z with the target logit (2*B*S).
+    const auto cfg = config(true);
+    parallel::TensorParallel<double> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2}, Generator(7));
+    const auto b = make_batch(5, cfg.vocab_size);
+    e.group().reset_counters();
+    e.forward_backward(b.ids, b.targets);
+    const std::int64_t tokens = kBatch * kSeq, activation = tokens * cfg.n_embd * 8;
+    CHECK(e.group().bytes() == (4 * cfg.n_layer + 2) * activation + 3 * tokens * 8);
+    CHECK(e.group().calls() == 4 * cfg.n_layer + 2 + 2);
+    e.group().reset_counters();
+    e.eval_loss(b.ids, b.targets);  // forward only: half the activation all-reduces
+    CHECK(e.group().bytes() == (2 * cfg.n_layer + 1) * activation + 3 * tokens * 8);
+  }
+  world().barrier();
+}
+
+TEST_CASE("A checkpoint saved at tp 2 resumes at tp 1, tp 4 and in one process", "[tp][ckpt]") {
+  const int n = world().size();
+  const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_tp_ckpt_");
+  const auto cfg = config(false);
+  Reference<double> ref(cfg);
+  ref.train(kSteps);
+  if (auto two = first_ranks(2)) {
+    parallel::TensorParallel<double> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2}, Generator(7));
+    optim::AdamW<double> opt(e.parameters(), kAdam);
+    for (std::int64_t s = 0; s < kSteps - 1; ++s) step(e, opt, make_batch(100 + static_cast<std::uint64_t>(s), cfg.vocab_size));
+    if (two->rank() == 0) std::filesystem::remove_all(dir);
+    two->barrier();
+    ckpt::CheckpointManager mgr(dir, two.get());
+    ckpt::save(mgr, kSteps - 1, e, &opt, {});
+  }
+  world().barrier();
+  // The last step after loading, in each layout, ends at the reference.
+  auto resume = [&](parallel::Engine<double>& e, auto& check) {
+    optim::AdamW<double> opt(e.parameters(), kAdam);
+    ckpt::CheckpointManager mgr(dir, &e.communicator());
+    const auto state = ckpt::load(mgr, mgr.latest().path, e, &opt);
+    CHECK(state.step == kSteps - 1);
+    CHECK(opt.steps() == kSteps - 1);
+    const auto [loss, norm] = step(e, opt, make_batch(100 + kSteps - 1, cfg.vocab_size));
+    CHECK(loss == Approx(ref.history.back().first).epsilon(1e-9));
+    check();
+  };
+  {
+    dist::SelfCommunicator self;
+    parallel::TensorParallel<double> one(cfg, self, parallel::TensorParallelPlan{.tp = 1}, Generator(1));
+    auto check = [&] { CHECK(max_rel_error(one, *ref.model) < 1e-9); };
+    INFO("tp 1");
+    resume(one, check);
+    // The plain model reads it too (full names and shapes).
+    auto plain = std::make_shared<nn::GPT<double>>(cfg, *std::make_unique<Generator>(1));
+    parallel::Local<double> local(*plain);
+    auto none = [] {};
+    resume(local, none);
+  }
+  if (n >= 4)
+    if (auto four = first_ranks(4)) {
+      parallel::TensorParallel<double> e(cfg, *four, parallel::TensorParallelPlan{.tp = 4}, Generator(1));
+      auto check = [&] { CHECK(max_rel_error(e, *ref.model) < 1e-9); };
+      INFO("tp 4");
+      resume(e, check);
+    }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("Bad tensor-parallel plans end every rank with the reason", "[tp][errors]") {
+  auto two = first_ranks(2);
+  if (two) {
+    const auto cfg = config(true);
+    // Different plans on the two ranks: both throw, neither hangs.
+    CHECK_THROWS_WITH(parallel::TensorParallel<float>(cfg, *two, parallel::TensorParallelPlan{.tp = two->rank() + 1}),
+                      Catch::Contains("[ptrain.tp.plan]"));
+    CHECK_THROWS_WITH(parallel::TensorParallel<float>(cfg, *two, parallel::TensorParallelPlan{.tp = 3}),
+                      Catch::Contains("[ptrain.tp.world]"));
+    auto three_heads = cfg;
+    three_heads.n_head = 3;
+    three_heads.n_embd = 6;
+    CHECK_THROWS_WITH(parallel::TensorParallel<float>(three_heads, *two, parallel::TensorParallelPlan{.tp = 2}),
+                      Catch::Contains("[ptrain.tp.heads]"));
+    // A target outside the vocabulary is refused on every rank (each checks all targets).
+    parallel::TensorParallel<float> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2});
+    auto b = make_batch(3, cfg.vocab_size);
+    b.targets.data()[5] = static_cast<std::int32_t>(cfg.vocab_size);
+    CHECK_THROWS_WITH(e.forward_backward(b.ids, b.targets), Catch::Contains("[ptrain.tp.target]"));
+  }
+  world().barrier();
+}
