@@ -5,6 +5,7 @@
 //   mpirun -np 2 build/examples/gpt_char --parallel ddp       # data parallel (also under ptrun)
 //   ptrun --nproc-per-node 2 gpt_char --parallel fsdp          # fully sharded (--fsdp-strategy ...)
 //   ptrun --nproc-per-node 4 gpt_char --parallel pipeline --stages 2 --micro-batches 4   # 2 replicas x 2 stages
+//   mpirun -np 4 build/examples/gpt_char --parallel tp --tp 2   # tensor parallel: 2 replicas x tp 2
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
@@ -91,6 +92,7 @@ struct Options {
   std::string fsdp_strategy = "full_shard";
   int hybrid_shard_size = 0;  // 0: the launcher's ranks per node
   int stages = 0;             // --parallel pipeline: stages per replica (0: every rank one stage)
+  int tp = 2;                 // --parallel tp: ranks per tensor-parallel group
   int micro_batches = 4;
   std::string schedule = "1f1b";
   bool untied = false;        // the LM head has its own weight (always under --parallel pipeline)
@@ -225,6 +227,7 @@ std::string parallel_layout(const Options& o, int world) {
     return "pipeline " + std::to_string(pp) + " stages x " + std::to_string(world / pp) + " replicas, m " +
            std::to_string(o.micro_batches) + ", " + o.schedule;
   }
+  if (o.parallel == "tp") return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp);
   if (o.parallel != "fsdp") return o.parallel;
   return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
 }
@@ -277,6 +280,9 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 
 // Flags that contradict each other or the world, refused before anything is read.
 void check_parallel_flags(const Options& o, int world) {
+  if (o.parallel == "tp")
+    PTRAIN_CHECK(o.device == "cpu" && o.precision == "fp32", Error, "[gpt_char.tp] --parallel tp runs on the CPU "
+                 "in fp32; drop --device and --precision or choose ddp or fsdp");
   if (o.parallel != "pipeline") return;
   const int pp = o.stages > 0 ? o.stages : world;
   PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
@@ -318,7 +324,9 @@ struct GptKind {
   static Config config(const Options& o, std::int64_t vocab, int rank) {
     return {.vocab_size = vocab, .block_size = o.block, .n_layer = o.n_layer, .n_head = o.n_head,
             .n_embd = o.n_embd, .dropout = o.dropout, .tie_weights = !o.untied && o.parallel != "pipeline",
-            .dropout_seed = o.seed + static_cast<std::uint64_t>(rank), .recompute = o.recompute};
+            // The tp ranks of a replica share their (replicated) dropout masks.
+            .dropout_seed = o.seed + static_cast<std::uint64_t>(o.parallel == "tp" ? rank / o.tp : rank),
+            .recompute = o.recompute};
   }
   static nlohmann::json flags(const Config& c, const Options& o) {
     return {{"model", "gpt"}, {"vocab", c.vocab_size}, {"block", c.block_size}, {"layers", c.n_layer},
@@ -463,6 +471,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   }
   parallel::Plan<T> plan = parallel::LocalOptions{};
   if (o.parallel == "ddp") plan = parallel::DDPOptions{};
+  if (o.parallel == "tp") plan = parallel::TensorParallelPlan{.tp = o.tp};
   if (o.parallel == "fsdp") {
     if (o.fsdp_strategy == "hybrid" && o.hybrid_shard_size == 0)
       o.hybrid_shard_size = dist::detect_launch_env().local_world_size;
@@ -476,6 +485,19 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
     m.to(device);
   }
   e.engine = parallel::make_engine<T>(model, world, plan);
+  if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(e.engine.get())) {
+    // The sample and --export: every rank gathers the full tensors, rank 0 keeps them.
+    e.describe = detail::cat("tensor parallel, tp ", tp->mesh().tp_size(), " x dp ", tp->mesh().dp_size());
+    e.gather = [&m, tp, lead] {
+      const auto& entries = tp->parameters().entries();
+      auto mine = m.named_parameters();
+      for (std::size_t i = 0; i < entries.size(); ++i) {
+        auto full = parallel::detail::gather_full(entries[i].param->value, tp->spec(i), tp->group());
+        for (auto& p : mine)
+          if (lead && p.name == entries[i].name) p.param->value.copy_(full);
+      }
+    };
+  }
   if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(e.engine.get())) {
     e.describe = detail::cat(fsdp->describe(), " over ", world.size(), " rank(s) (shard groups of ",
                              fsdp->shard_size(), ")");
@@ -875,8 +897,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"u16", "i32"}));
   train_tokens->needs(val_tokens)->excludes(data);
   val_tokens->needs(train_tokens);
-  app.add_option("--parallel", opt.parallel, "none, ddp, fsdp or pipeline (under mpirun or ptrun)")
-      ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline"}));
+  app.add_option("--parallel", opt.parallel, "none, ddp, fsdp, pipeline or tp (under mpirun or ptrun)")
+      ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline", "tp"}));
+  app.add_option("--tp", opt.tp, "with --parallel tp: ranks per tensor-parallel group (a divisor of n_head and of "
+                 "the world; world / tp replicas)")->check(positive);
   app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--precision", opt.precision, "fp32, or bf16: bf16 parameters and activations with fp32 master "

@@ -37,6 +37,11 @@ struct VocabRange {
   bool owns(std::int64_t id) const { return id >= lo && id < lo + local; }
   std::int64_t real() const { return std::max<std::int64_t>(0, std::min(local, vocab - lo)); }
 };
+/// dst[0..n) += src[0..n), in the arithmetic type (float for bf16).
+template <class T>
+void add_row(T* dst, const T* src, std::int64_t n) {
+  for (std::int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(static_cast<acc_t<T>>(dst[c]) + static_cast<acc_t<T>>(src[c]));
+}
 }  // namespace detail
 
 /// GPT's input unit with the token table split by vocabulary rows: ids [B, S] ->
@@ -69,11 +74,8 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
     for (std::int64_t t = 0; t < ids.numel(); ++t) {
       const T* gr = g.data() + t * C;
       const std::int64_t id = ids.data()[t];
-      T* pe = wpe_->grad.data() + (t % S) * C;
-      for (std::int64_t c = 0; c < C; ++c) pe[c] = static_cast<T>(static_cast<acc_t<T>>(pe[c]) + gr[c]);
-      if (!range_.owns(id)) continue;
-      T* te = wte_->grad.data() + (id - range_.lo) * C;
-      for (std::int64_t c = 0; c < C; ++c) te[c] = static_cast<T>(static_cast<acc_t<T>>(te[c]) + gr[c]);
+      detail::add_row(wpe_->grad.data() + (t % S) * C, gr, C);
+      if (range_.owns(id)) detail::add_row(wte_->grad.data() + (id - range_.lo) * C, gr, C);
     }
     wpe_->mark_grad_ready();
     wte_->mark_grad_ready();
@@ -103,10 +105,7 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
       T* o = out.data() + t * C;
       const std::int64_t id = ids.data()[t];
       if (range_.owns(id)) std::copy_n(wte_->value.data() + (id - range_.lo) * C, C, o);
-      if (group_.rank() == 0) {
-        const T* pe = wpe_->value.data() + (t % S) * C;
-        for (std::int64_t c = 0; c < C; ++c) o[c] = static_cast<T>(static_cast<acc_t<T>>(o[c]) + pe[c]);
-      }
+      if (group_.rank() == 0) detail::add_row(o, wpe_->value.data() + (t % S) * C, C);
     }
     group_.all_reduce(out);  // g: the owner's row plus rank 0's position, on every rank
     cache.indices = {ids};
