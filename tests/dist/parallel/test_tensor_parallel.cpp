@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <ptrain/ckpt/engine_checkpoint.hpp>
 #include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/nn/models/gpt.hpp>
@@ -43,12 +44,14 @@ Batch make_batch(std::uint64_t seed, std::int64_t vocab) {
   return b;
 }
 
-// The ranks [0, n) of the world as one group (collective over the world); null on the others.
-std::unique_ptr<dist::Communicator> first_ranks(int n) {
+// The ranks [0, n) of the world as one group, null on the others. Split once per n
+// (collective over the world on the first call; every rank calls it in the same
+// order) and kept for the process, as a job keeps its groups.
+dist::Communicator* first_ranks(int n) {
+  static std::map<int, std::unique_ptr<dist::Communicator>> groups;
   auto& w = world();
-  auto g = w.split(w.rank() < n ? 0 : 1, w.rank());
-  if (w.rank() >= n) return nullptr;
-  return g;
+  if (!groups.count(n)) groups[n] = w.split(w.rank() < n ? 0 : -1, w.rank());
+  return groups[n].get();
 }
 
 // One step of engine `e` on its data-parallel slice of `global`; returns (mean loss over dp, norm).
@@ -193,7 +196,7 @@ TEST_CASE("A checkpoint saved at tp 2 resumes at tp 1, tp 4 and in one process",
     for (std::int64_t s = 0; s < kSteps - 1; ++s) step(e, opt, make_batch(100 + static_cast<std::uint64_t>(s), cfg.vocab_size));
     if (two->rank() == 0) std::filesystem::remove_all(dir);
     two->barrier();
-    ckpt::CheckpointManager mgr(dir, two.get());
+    ckpt::CheckpointManager mgr(dir, two);
     ckpt::save(mgr, kSteps - 1, e, &opt, {});
   }
   world().barrier();
