@@ -17,6 +17,35 @@
 
 namespace ptrain::nn {
 
+namespace detail {
+/// The heads of causal attention on qkv [B, S, 3 * n_head * d] (q | k | v), with
+/// dropout p on the probabilities drawn from `gen` (p 0: none); saves what
+/// heads_backward needs in cache's own slots (tensors, stats, values). Shared by
+/// every attention module, whole or split by heads.
+template <class T>
+Tensor<T> heads_forward(const Tensor<T>& qkv, std::int64_t n_head, double p, Generator& gen, Cache<T>& cache) {
+  const bool drop = p > 0;
+  const std::uint64_t offset =
+      drop ? gen.reserve(static_cast<std::uint64_t>(qkv.size(0) * n_head * qkv.size(1) * qkv.size(1))) : 0;
+  ops::AttentionSaved<T> saved;
+  auto y = ops::causal_attention(qkv, n_head, p, gen.seed(), offset, saved);
+  cache.tensors = {qkv, saved.probs, saved.probs_drop, saved.out};
+  cache.stats = {saved.lse};
+  cache.values = {drop ? 1u : 0u, offset};
+  return y;
+}
+/// dqkv of the heads_forward() whose saved values `cache` holds (dropout p, as in forward when it was on).
+template <class T>
+Tensor<T> heads_backward(const Tensor<T>& dy, std::int64_t n_head, double p, Generator& gen, Cache<T>& cache,
+                         const char* who) {
+  PTRAIN_CHECK(cache.tensors.size() == 4 && cache.stats.size() == 1, Error, "[ptrain.backward] ", who,
+               "::backward without a forward");
+  ops::AttentionSaved<T> saved{cache.tensors[1], cache.tensors[2], cache.values[0] ? p : 0.0, gen.seed(),
+                               cache.values[1], cache.tensors[3], cache.stats[0]};
+  return ops::causal_attention_backward(cache.tensors[0], saved, n_head, dy);
+}
+}  // namespace detail
+
 template <class T>
 class CausalSelfAttention : public Module<T> {
  public:
@@ -37,27 +66,16 @@ class CausalSelfAttention : public Module<T> {
     PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.attention] input must be [B, S, ",
                  n_embd_, "], got ", x.shape());
     auto qkv = c_attn_->forward(x, cache.child(0));
-    const bool drop = this->training() && p_ > 0;
-    const std::uint64_t offset =
-        drop ? attn_gen_.reserve(static_cast<std::uint64_t>(x.size(0) * n_head_ * x.size(1) * x.size(1))) : 0;
-    ops::AttentionSaved<T> saved;
-    auto y = ops::causal_attention(qkv, n_head_, drop ? p_ : 0.0, attn_gen_.seed(), offset, saved);
-    cache.tensors = {qkv, saved.probs, saved.probs_drop, saved.out};
-    cache.stats = {saved.lse};
-    cache.values = {drop ? 1u : 0u, offset};
+    auto y = detail::heads_forward(qkv, n_head_, this->training() ? p_ : 0.0, attn_gen_, cache);
     auto out = c_proj_->forward(y, cache.child(1));
     return resid_drop_->forward(out, cache.child(2));
   }
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    PTRAIN_CHECK(cache.tensors.size() == 4 && cache.stats.size() == 1, Error,
-                 "[ptrain.backward] CausalSelfAttention::backward without a forward");
     auto g = resid_drop_->backward(dy, cache.child(2));
     g = c_proj_->backward(g, cache.child(1));
-    ops::AttentionSaved<T> saved{cache.tensors[1], cache.tensors[2], cache.values[0] ? p_ : 0.0, attn_gen_.seed(),
-                                 cache.values[1], cache.tensors[3], cache.stats[0]};
-    auto dqkv = ops::causal_attention_backward(cache.tensors[0], saved, n_head_, g);
-    auto dx = c_attn_->backward(dqkv, cache.child(0));
+    auto dx = c_attn_->backward(detail::heads_backward(g, n_head_, p_, attn_gen_, cache, "CausalSelfAttention"),
+                                cache.child(0));
     cache.clear();
     return dx;
   }

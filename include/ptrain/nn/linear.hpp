@@ -9,6 +9,17 @@
 
 namespace ptrain::nn {
 
+namespace detail {
+/// A tensor of `shape` ~ U(-1/sqrt(in), 1/sqrt(in)): torch.nn.Linear's init for fan-in `in`.
+template <class T>
+Tensor<T> fan_in_uniform(const Shape& shape, std::int64_t in, Generator& gen) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  auto t = Tensor<T>::empty(shape);
+  ops::uniform_(t, -bound, bound, gen);
+  return t;
+}
+}  // namespace detail
+
 /// x [..., in] -> y [..., out]; weight [out, in], bias [out] (PyTorch's layout and init).
 template <class T>
 class Linear : public Module<T> {
@@ -17,15 +28,8 @@ class Linear : public Module<T> {
   Linear(std::int64_t in, std::int64_t out, bool bias = true, Generator& gen = default_generator())
       : in_(in), out_(out) {
     PTRAIN_CHECK(in > 0 && out > 0, ShapeError, "[ptrain.linear] features must be positive, got ", in, " -> ", out);
-    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-    auto w = Tensor<T>::empty({out, in});
-    ops::uniform_(w, -bound, bound, gen);
-    weight_ = &this->register_parameter("weight", w);
-    if (bias) {
-      auto b = Tensor<T>::empty({out});
-      ops::uniform_(b, -bound, bound, gen);
-      bias_ = &this->register_parameter("bias", b);
-    }
+    weight_ = &this->register_parameter("weight", detail::fan_in_uniform<T>({out, in}, in, gen));
+    if (bias) bias_ = &this->register_parameter("bias", detail::fan_in_uniform<T>({out}, in, gen));
   }
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {

@@ -51,24 +51,13 @@ class HeadParallelAttention : public nn::Module<T> {
     PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.attention] input must be [B, S, ",
                  n_embd_, "], got ", x.shape());
     auto qkv = c_attn_->forward(x, cache.child(0));
-    const bool drop = this->training() && p_ > 0;
-    const std::uint64_t offset =
-        drop ? attn_gen_.reserve(static_cast<std::uint64_t>(x.size(0) * local_heads_ * x.size(1) * x.size(1))) : 0;
-    ops::AttentionSaved<T> saved;
-    auto y = ops::causal_attention(qkv, local_heads_, drop ? p_ : 0.0, attn_gen_.seed(), offset, saved);
-    cache.tensors = {qkv, saved.probs, saved.probs_drop, saved.out};
-    cache.stats = {saved.lse};
-    cache.values = {drop ? 1u : 0u, offset};
+    auto y = nn::detail::heads_forward(qkv, local_heads_, this->training() ? p_ : 0.0, attn_gen_, cache);
     return resid_drop_->forward(c_proj_->forward(y, cache.child(1)), cache.child(2));
   }
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
-    PTRAIN_CHECK(cache.tensors.size() == 4 && cache.stats.size() == 1, Error,
-                 "[ptrain.backward] HeadParallelAttention::backward without a forward");
     auto g = c_proj_->backward(resid_drop_->backward(dy, cache.child(2)), cache.child(1));
-    ops::AttentionSaved<T> saved{cache.tensors[1], cache.tensors[2], cache.values[0] ? p_ : 0.0, attn_gen_.seed(),
-                                 cache.values[1], cache.tensors[3], cache.stats[0]};
-    auto dqkv = ops::causal_attention_backward(cache.tensors[0], saved, local_heads_, g);
-    auto dx = c_attn_->backward(dqkv, cache.child(0));
+    auto dx = c_attn_->backward(nn::detail::heads_backward(g, local_heads_, p_, attn_gen_, cache, "HeadParallelAttention"),
+                                cache.child(0));
     cache.clear();
     return dx;
   }
@@ -211,16 +200,7 @@ class TensorParallelGPT : public nn::UnitChain<T> {
   VocabParallelLMHead<T>& head() { return *head_; }
 
   /// Every dropout stream, named as nn::GPT::generators() names them.
-  std::vector<std::pair<std::string, Generator*>> generators() {
-    std::vector<std::pair<std::string, Generator*>> out{{"embed.drop", &embed_->dropout().generator()}};
-    for (std::size_t l = 0; l < blocks_.size(); ++l) {
-      const std::string p = "h." + std::to_string(l) + ".";
-      out.push_back({p + "attn.attn_drop", &blocks_[l]->attn().attn_dropout_generator()});
-      out.push_back({p + "attn.resid_drop", &blocks_[l]->attn().resid_dropout().generator()});
-      out.push_back({p + "mlp.drop", &blocks_[l]->mlp().dropout().generator()});
-    }
-    return out;
-  }
+  std::vector<std::pair<std::string, Generator*>> generators() { return nn::detail::gpt_generators(*embed_, blocks_); }
 
   /// The full logits [..., V] of this rank's slice (collective over the group):
   /// for sampling, never for the loss.

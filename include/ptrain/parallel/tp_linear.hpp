@@ -35,15 +35,9 @@ class ColumnParallelLinear : public nn::Module<T>, public ShardedModule {
     PTRAIN_CHECK(blocks == 1 || (out / blocks) % group.size() == 0, ShapeError, "[ptrain.tp.divide] ", out / blocks,
                  " features per block do not split over ", group.size(), " tensor-parallel ranks; choose a tp "
                  "degree that divides them (heads, hidden width)");
-    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-    auto w = Tensor<T>::empty({spec_.local(group.size()), in});
-    ops::uniform_(w, -bound, bound, gen);
-    weight_ = &this->register_parameter("weight", w);
-    if (bias) {
-      auto b = Tensor<T>::empty({spec_.local(group.size())});
-      ops::uniform_(b, -bound, bound, gen);
-      bias_ = &this->register_parameter("bias", b);
-    }
+    const std::int64_t local = spec_.local(group.size());
+    weight_ = &this->register_parameter("weight", nn::detail::fan_in_uniform<T>({local, in}, in, gen));
+    if (bias) bias_ = &this->register_parameter("bias", nn::detail::fan_in_uniform<T>({local}, in, gen));
   }
 
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
@@ -96,15 +90,8 @@ class RowParallelLinear : public nn::Module<T>, public ShardedModule {
                  in, " -> ", out);
     PTRAIN_CHECK(in % group.size() == 0, ShapeError, "[ptrain.tp.divide] ", in, " input features do not split over ",
                  group.size(), " tensor-parallel ranks; choose a tp degree that divides them");
-    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-    auto w = Tensor<T>::empty({out, spec_.local(group.size())});
-    ops::uniform_(w, -bound, bound, gen);
-    weight_ = &this->register_parameter("weight", w);
-    if (bias) {
-      auto b = Tensor<T>::empty({out});
-      ops::uniform_(b, -bound, bound, gen);
-      bias_ = &this->register_parameter("bias", b);
-    }
+    weight_ = &this->register_parameter("weight", nn::detail::fan_in_uniform<T>({out, spec_.local(group.size())}, in, gen));
+    if (bias) bias_ = &this->register_parameter("bias", nn::detail::fan_in_uniform<T>({out}, in, gen));
   }
 
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {

@@ -188,6 +188,21 @@ inline std::uint64_t gpt_unit_draws(const GPTConfig& c, std::size_t u) {
   return c.tie_weights ? 0 : V * C;
 }
 
+// The dropout streams of a GPT's units by name: the embedding's, then each block's
+// (any block whose attn() and mlp() name their streams as TransformerBlock's do).
+template <class Embed, class Block>
+std::vector<std::pair<std::string, Generator*>> gpt_generators(Embed& embed,
+                                                               const std::vector<std::shared_ptr<Block>>& blocks) {
+  std::vector<std::pair<std::string, Generator*>> out{{"embed.drop", &embed.dropout().generator()}};
+  for (std::size_t l = 0; l < blocks.size(); ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    out.push_back({p + "attn.attn_drop", &blocks[l]->attn().attn_dropout_generator()});
+    out.push_back({p + "attn.resid_drop", &blocks[l]->attn().resid_dropout().generator()});
+    out.push_back({p + "mlp.drop", &blocks[l]->mlp().dropout().generator()});
+  }
+  return out;
+}
+
 }  // namespace detail
 
 /// GPT-2: ids [B, S] (integral T values) -> logits [B, S, vocab].
@@ -226,16 +241,7 @@ class GPT : public UnitChain<T> {
   bool tied() const { return head_->tied(); }
 
   /// Every dropout stream, named; a checkpoint saves each offset() and restores it with set_offset().
-  std::vector<std::pair<std::string, Generator*>> generators() {
-    std::vector<std::pair<std::string, Generator*>> out{{"embed.drop", &embed_->dropout().generator()}};
-    for (std::size_t l = 0; l < blocks_.size(); ++l) {
-      const std::string p = "h." + std::to_string(l) + ".";
-      out.push_back({p + "attn.attn_drop", &blocks_[l]->attn().attn_dropout_generator()});
-      out.push_back({p + "attn.resid_drop", &blocks_[l]->attn().resid_dropout().generator()});
-      out.push_back({p + "mlp.drop", &blocks_[l]->mlp().dropout().generator()});
-    }
-    return out;
-  }
+  std::vector<std::pair<std::string, Generator*>> generators() { return detail::gpt_generators(*embed_, blocks_); }
 
  private:
   GPTConfig cfg_;
