@@ -224,7 +224,7 @@ def case_export(exe, ref_dir, ref, work):
 def case_refused(exe, ref_dir, d):
     hf = os.path.join(ref_dir, "hf")
     tokens = ["--train-tokens", os.path.join(d, "train.bin"), "--val-tokens", os.path.join(d, "val.bin")]
-    for args, code, want in ((["--tokenizer", os.path.join(d, "none")], 1, "[ptrain.data.bpe.missing]"),
+    for args, code, want in ((["--tokenizer", os.path.join(d, "none")], 1, "[ptrain.tokenizer.missing]"),
                              (tokens + ["--tokenizer", hf, "--vocab-size", "100"], 1, "[gpt_char.vocab]"),
                              (tokens + ["--vocab-size", "1000", "--prompt", "hi"], 2, "requires --tokenizer")):
         rc, out, err = run([exe] + TINY + ["--steps", "2"] + args, f"refused {args}", None)
