@@ -93,6 +93,7 @@ struct Options {
   int hybrid_shard_size = 0;  // 0: the launcher's ranks per node
   int stages = 0;             // --parallel pipeline: stages per replica (0: every rank one stage)
   int tp = 2;                 // --parallel tp: ranks per tensor-parallel group
+  bool sequence_parallel = false;  // --parallel tp: the residual stream cut along the sequence
   int micro_batches = 4;
   std::string schedule = "1f1b";
   bool untied = false;        // the LM head has its own weight (always under --parallel pipeline)
@@ -283,6 +284,9 @@ void check_parallel_flags(const Options& o, int world) {
   if (o.parallel == "tp")
     PTRAIN_CHECK(o.device == "cpu" && o.precision == "fp32", Error, "[gpt_char.tp] --parallel tp runs on the CPU "
                  "in fp32; drop --device and --precision or choose ddp or fsdp");
+  PTRAIN_CHECK(!o.sequence_parallel || (o.parallel == "tp" && o.block % o.tp == 0), Error, "[gpt_char.sp] "
+               "--sequence-parallel cuts each sequence of --block ", o.block, " tokens into --tp ", o.tp,
+               " slices: use it with --parallel tp and a --block that is a multiple of --tp");
   if (o.parallel != "pipeline") return;
   const int pp = o.stages > 0 ? o.stages : world;
   PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
@@ -471,7 +475,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   }
   parallel::Plan<T> plan = parallel::LocalOptions{};
   if (o.parallel == "ddp") plan = parallel::DDPOptions{};
-  if (o.parallel == "tp") plan = parallel::TensorParallelPlan{.tp = o.tp};
+  if (o.parallel == "tp") plan = parallel::TensorParallelPlan{.tp = o.tp, .sequence_parallel = o.sequence_parallel};
   if (o.parallel == "fsdp") {
     if (o.fsdp_strategy == "hybrid" && o.hybrid_shard_size == 0)
       o.hybrid_shard_size = dist::detect_launch_env().local_world_size;
@@ -487,7 +491,8 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   e.engine = parallel::make_engine<T>(model, world, plan);
   if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(e.engine.get())) {
     // The sample and --export: every rank gathers the full tensors, rank 0 keeps them.
-    e.describe = detail::cat("tensor parallel, tp ", tp->mesh().tp_size(), " x dp ", tp->mesh().dp_size());
+    e.describe = detail::cat("tensor parallel, tp ", tp->mesh().tp_size(), " x dp ", tp->mesh().dp_size(),
+                             o.sequence_parallel ? ", sequence parallel" : "");
     e.gather = [&m, tp, lead] {
       const auto& entries = tp->parameters().entries();
       auto mine = m.named_parameters();
@@ -901,6 +906,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline", "tp"}));
   app.add_option("--tp", opt.tp, "with --parallel tp: ranks per tensor-parallel group (a divisor of n_head and of "
                  "the world; world / tp replicas)")->check(positive);
+  app.add_flag("--sequence-parallel", opt.sequence_parallel, "with --parallel tp: cut the activations between the "
+               "tensor-parallel layers along the sequence (--block a multiple of --tp)");
   app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--precision", opt.precision, "fp32, or bf16: bf16 parameters and activations with fp32 master "

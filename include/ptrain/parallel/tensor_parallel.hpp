@@ -23,6 +23,10 @@
 //   parameters (LayerNorms, wpe, row-parallel biases) need no tp communication:
 //   their gradients are equal on every tp rank by construction (Note [Tensor
 //   parallel f and g] in tp_group.hpp).
+// - Sequence parallelism (TensorParallelPlan::sequence_parallel, Note [Sequence
+//   parallelism] in tp_group.hpp): the norms' partial gradients are summed over
+//   the tp group in one all-reduce before the dp average, when the gradients are
+//   synced; a batch's sequence length must then be a multiple of tp.
 // - clip_grad_norm_: the squares of sharded gradients are summed over the tp
 //   group, those of replicated ones are counted once.
 // - The loss is VocabParallelCrossEntropy (set_loss() replaces it with a loss
@@ -43,6 +47,9 @@ namespace ptrain::parallel {
 /// Tensor parallelism over tp consecutive ranks, data parallelism over world / tp replicas.
 struct TensorParallelPlan {
   int tp = 1;
+  /// Cut the residual stream along the sequence between the tensor-parallel regions
+  /// (Note [Sequence parallelism] in tp_group.hpp): activations outside them shrink by tp.
+  bool sequence_parallel = false;
 };
 
 template <class T>
@@ -72,6 +79,7 @@ class TensorParallel : public Engine<T> {
   void finish_gradient_sync() override {
     if (!pending_) return;
     pending_ = false;
+    sum_partial_gradients();
     if (mesh_->dp_size() > 1) {
       dist::CollectiveLabel label("tp.dp_gradients");
       mesh_->data_group().all_reduce(params_->grads(), dist::ReduceOp::Avg);
@@ -90,10 +98,12 @@ class TensorParallel : public Engine<T> {
   void init(const nn::GPTConfig& cfg, TensorParallelPlan plan, Build&& build) {
     check_plan(cfg, plan);
     mesh_ = std::make_unique<Mesh>(world_, MeshShape{.dp = world_.size() / plan.tp, .tp = plan.tp, .pp = 1});
-    group_ = std::make_unique<TensorParallelGroup>(mesh_->tensor_group());
+    group_ = std::make_unique<TensorParallelGroup>(mesh_->tensor_group(), plan.sequence_parallel);
     model_ = build(*group_);
     params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
     for (const auto& e : params_->entries()) specs_.push_back(model_->shard_spec(e.name));
+    for (std::size_t i = 0; i < specs_.size(); ++i)
+      if (specs_[i].partial) partial_.push_back(i);
     mesh_->broadcast_parameters(*params_);  // replica 0's values, as DDP
     const std::int64_t vocab = cfg.vocab_size;
     TensorParallelGroup* g = group_.get();
@@ -110,7 +120,8 @@ class TensorParallel : public Engine<T> {
   // collectives first (check_same_model), so a mismatch ends every rank with
   // the reason instead of a hang in a split or an all-reduce of another size.
   void check_plan(const nn::GPTConfig& cfg, TensorParallelPlan plan) {
-    const std::string desc = ::ptrain::detail::cat("TensorParallelPlan{.tp = ", plan.tp, "} GPT(vocab ", cfg.vocab_size,
+    const std::string desc = ::ptrain::detail::cat("TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ",
+                                                   plan.sequence_parallel ? "true" : "false", "} GPT(vocab ", cfg.vocab_size,
                                                    ", block ", cfg.block_size, ", layers ", cfg.n_layer, ", heads ",
                                                    cfg.n_head, ", embd ", cfg.n_embd, ")");
     try {
@@ -131,6 +142,28 @@ class TensorParallel : public Engine<T> {
     return l;
   }
 
+  // Note [Sequence parallelism]: the norms' gradients, summed over the tp group in one all-reduce.
+  void sum_partial_gradients() {
+    if (partial_.empty()) return;
+    const auto& entries = params_->entries();
+    std::int64_t n = 0;
+    for (std::size_t i : partial_) n += entries[i].param->grad.numel();
+    auto buf = Tensor<T>::empty({n}, params_->grads().device());
+    std::int64_t at = 0;
+    for (std::size_t i : partial_) {
+      const Tensor<T>& g = entries[i].param->grad;
+      buf.view(at, {g.numel()}).copy_(g);
+      at += g.numel();
+    }
+    group_->all_reduce(buf);
+    at = 0;
+    for (std::size_t i : partial_) {
+      Tensor<T>& g = entries[i].param->grad;
+      g.copy_(buf.view(at, {g.numel()}));
+      at += g.numel();
+    }
+  }
+
   // Note [Tensor-parallel engine]: sharded squares summed over tp, replicated ones once.
   double sum_over_model(double) override {
     double sharded = 0, replicated = 0;
@@ -149,6 +182,7 @@ class TensorParallel : public Engine<T> {
   std::unique_ptr<TensorParallelGPT<T>> model_;
   std::unique_ptr<nn::FlatParameters<T>> params_;
   std::vector<ShardSpec> specs_;
+  std::vector<std::size_t> partial_;  // entries whose gradients are partial sums over tp
   bool pending_ = false;
 };
 

@@ -45,7 +45,8 @@ class HeadParallelAttention : public nn::Module<T> {
     c_attn_ = this->register_module("c_attn",
                                     std::make_shared<ColumnParallelLinear<T>>(group, n_embd, 3 * n_embd, true, 3, scratch));
     c_proj_ = this->register_module("c_proj", std::make_shared<RowParallelLinear<T>>(group, n_embd, n_embd, true, scratch));
-    resid_drop_ = this->register_module("resid_drop", std::make_shared<nn::Dropout<T>>(dropout, dropout_seed + 1));
+    resid_drop_ = this->register_module(
+        "resid_drop", std::make_shared<nn::Dropout<T>>(dropout, detail::residual_dropout_seed(dropout_seed + 1, group)));
   }
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.attention] input must be [B, S, ",
@@ -94,7 +95,8 @@ class ParallelFeedForward : public nn::Module<T> {
     act_ = this->register_module("act", std::make_shared<nn::GELU<T>>());
     c_proj_ = this->register_module("c_proj",
                                     std::make_shared<RowParallelLinear<T>>(group, 4 * n_embd, n_embd, true, scratch));
-    drop_ = this->register_module("drop", std::make_shared<nn::Dropout<T>>(dropout, dropout_seed));
+    drop_ = this->register_module(
+        "drop", std::make_shared<nn::Dropout<T>>(dropout, detail::residual_dropout_seed(dropout_seed, group)));
   }
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
     auto h = act_->forward(c_fc_->forward(x, cache.child(0)), cache.child(1));
@@ -118,17 +120,24 @@ class ParallelFeedForward : public nn::Module<T> {
 };
 
 /// nn::TransformerBlock with head-parallel attention and a parallel MLP; the
-/// LayerNorms and the residual stream are replicated.
+/// LayerNorms and the residual stream are replicated (cut along the sequence under
+/// sequence parallelism, with the LayerNorms' gradients partial).
 template <class T>
-class TensorParallelBlock : public nn::PreNormBlock<T> {
+class TensorParallelBlock : public nn::PreNormBlock<T>, public ShardedModule {
  public:
   TensorParallelBlock(TensorParallelGroup& group, std::int64_t n_embd, std::int64_t n_head, double dropout = 0.0,
                       std::uint64_t dropout_seed = 0)
-      : n_embd_(n_embd), n_head_(n_head) {
+      : group_(group), n_embd_(n_embd), n_head_(n_head) {
     attn_ = std::make_shared<HeadParallelAttention<T>>(group, n_embd, n_head, dropout, dropout_seed);
     mlp_ = std::make_shared<ParallelFeedForward<T>>(group, n_embd, dropout, dropout_seed + 2);
-    this->set_parts({"ln_1", std::make_shared<nn::LayerNorm<T>>(n_embd)}, {"attn", attn_},
-                    {"ln_2", std::make_shared<nn::LayerNorm<T>>(n_embd)}, {"mlp", mlp_});
+    ln_1_ = std::make_shared<nn::LayerNorm<T>>(n_embd);
+    ln_2_ = std::make_shared<nn::LayerNorm<T>>(n_embd);
+    this->set_parts({"ln_1", ln_1_}, {"attn", attn_}, {"ln_2", ln_2_}, {"mlp", mlp_});
+  }
+  std::vector<std::pair<std::string, ShardSpec>> shard_specs() const override {
+    auto specs = detail::sequence_norm_specs(group_, "ln_1", *ln_1_);
+    for (auto& s : detail::sequence_norm_specs(group_, "ln_2", *ln_2_)) specs.push_back(s);
+    return specs;
   }
   std::string describe() const override {
     return "TensorParallelBlock(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) + ")";
@@ -137,7 +146,9 @@ class TensorParallelBlock : public nn::PreNormBlock<T> {
   ParallelFeedForward<T>& mlp() { return *mlp_; }
 
  private:
+  TensorParallelGroup& group_;
   std::int64_t n_embd_, n_head_;
+  std::shared_ptr<nn::LayerNorm<T>> ln_1_, ln_2_;
   std::shared_ptr<HeadParallelAttention<T>> attn_;
   std::shared_ptr<ParallelFeedForward<T>> mlp_;
 };

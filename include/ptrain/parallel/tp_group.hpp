@@ -21,6 +21,26 @@
 // replicated parameters get equal gradients on every tp rank without any
 // communication of their own.
 //
+// Note [Sequence parallelism]
+// With sequence parallelism on (Megatron-LM's), the residual stream between the
+// tensor-parallel regions is cut along the sequence: each rank holds the tokens
+// [t * S / tp, (t + 1) * S / tp) of x [B, S, C], and the norms, the residual
+// adds and the dropouts run on that slice only. f and g change form:
+//   f: all-gather along the sequence in forward (the column-parallel layer needs
+//      every token), reduce-scatter of the input gradient in backward;
+//   g: reduce-scatter along the sequence in forward (each rank keeps the sum for
+//      its own tokens), all-gather of the output gradient in backward.
+// A ring all-reduce is a reduce-scatter followed by an all-gather, so a region
+// costs the same bytes on the wire as without it, but the activations outside
+// the regions (norm inputs and outputs, residuals, dropout masks) shrink by tp.
+// A column-parallel layer keeps its input slice, not the gathered input, and
+// gathers it again in backward (one more all-gather per layer in backward, the
+// price of keeping only S / tp tokens; Megatron does the same).
+// The norms' parameters stay replicated, but each rank's gradient now covers only
+// its tokens: the engine sums these "partial" gradients over the group before
+// anything reads them (ShardSpec::partial). Dropout outside the regions draws a
+// stream per tp rank, since each rank masks other tokens.
+//
 // Note [Tensor parallel shards]
 // A sharded parameter is cut along one dimension into tp equal contiguous parts,
 // rank r holding part r. A dimension made of several equal blocks (GPT's fused
@@ -45,32 +65,84 @@ namespace ptrain::parallel {
 /// The ranks that hold the shards of one layer, and what they sent (Note [Tensor parallel f and g]).
 class TensorParallelGroup {
  public:
-  /// `comm` must outlive the group.
-  explicit TensorParallelGroup(dist::Communicator& comm) : comm_(comm) {}
+  /// `comm` must outlive the group. `sequence_parallel`: Note [Sequence parallelism].
+  explicit TensorParallelGroup(dist::Communicator& comm, bool sequence_parallel = false)
+      : comm_(comm), sequence_parallel_(sequence_parallel) {}
   TensorParallelGroup(const TensorParallelGroup&) = delete;
   TensorParallelGroup& operator=(const TensorParallelGroup&) = delete;
 
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
   dist::Communicator& communicator() { return comm_; }
+  /// Whether the residual stream between the regions is cut along the sequence.
+  bool sequence_parallel() const { return sequence_parallel_ && size() > 1; }
 
   /// Sums t over the group in place (f's backward, g's forward); collective.
   template <class E>
   void all_reduce(Tensor<E>& t, dist::ReduceOp op = dist::ReduceOp::Sum) {
     if (size() < 2) return;
-    comm_.check_serves(t.device(), "tensor parallelism");
     dist::CollectiveLabel label("tp.all_reduce");
-    bytes_ += t.numel() * static_cast<std::int64_t>(sizeof(E));
-    ++calls_;
+    count(t);
     comm_.all_reduce(t, op);
   }
-  /// Bytes handed to all-reduces since the last reset (payload, not wire bytes).
+
+  /// The full sequence [B, S, ...] from every rank's slice [B, S / tp, ...]
+  /// (f's forward and g's backward under sequence parallelism); collective.
+  template <class E>
+  Tensor<E> all_gather_sequence(const Tensor<E>& slice) {
+    if (size() < 2) return slice;
+    PTRAIN_CHECK(slice.dim() >= 2, ShapeError, "[ptrain.tp.sequence] a sequence slice must be [batch, sequence, ...], "
+                 "got ", slice.shape());
+    const int tp = size();
+    Shape full = slice.shape();
+    full[1] *= tp;
+    auto all = Tensor<E>::empty({slice.numel() * tp}, slice.device());  // [tp][B][S / tp][...]
+    dist::CollectiveLabel label("tp.all_gather");
+    count(all);
+    comm_.all_gather(slice, all);
+    auto out = Tensor<E>::empty(full, slice.device());                    // [B][tp][S / tp][...]
+    const std::int64_t B = slice.size(0), chunk = slice.numel() / B;
+    for (int r = 0; r < tp; ++r)
+      for (std::int64_t b = 0; b < B; ++b) out.view((b * tp + r) * chunk, {chunk}).copy_(all.view((r * B + b) * chunk, {chunk}));
+    return out;
+  }
+  /// This rank's slice [B, S / tp, ...] of the sum over the group of `full`
+  /// [B, S, ...] (g's forward and f's backward under sequence parallelism); collective.
+  template <class E>
+  Tensor<E> reduce_scatter_sequence(const Tensor<E>& full) {
+    if (size() < 2) return full;
+    const int tp = size();
+    PTRAIN_CHECK(full.dim() >= 2 && full.size(1) % tp == 0, ShapeError, "[ptrain.tp.sequence] sequence parallelism "
+                 "cuts the sequence of ", full.shape(), " into ", tp, " equal slices; use a sequence length that is a "
+                 "multiple of tp = ", tp, " or turn sequence parallelism off");
+    Shape slice = full.shape();
+    slice[1] /= tp;
+    const std::int64_t B = full.size(0), chunk = full.numel() / (B * tp);
+    auto send = Tensor<E>::empty({full.numel()}, full.device());  // [tp][B][S / tp][...]
+    for (int r = 0; r < tp; ++r)
+      for (std::int64_t b = 0; b < B; ++b) send.view((r * B + b) * chunk, {chunk}).copy_(full.view((b * tp + r) * chunk, {chunk}));
+    auto out = Tensor<E>::empty(slice, full.device());
+    dist::CollectiveLabel label("tp.reduce_scatter");
+    count(send);
+    comm_.reduce_scatter(send, out, dist::ReduceOp::Sum);
+    return out;
+  }
+  /// Bytes of the full tensors handed to all-reduces, all-gathers (their output)
+  /// and reduce-scatters (their input) since the last reset (payload, not wire bytes).
   std::int64_t bytes() const { return bytes_; }
   std::int64_t calls() const { return calls_; }
   void reset_counters() { bytes_ = calls_ = 0; }
 
  private:
+  template <class E>
+  void count(const Tensor<E>& full) {
+    comm_.check_serves(full.device(), "tensor parallelism");
+    bytes_ += full.numel() * static_cast<std::int64_t>(sizeof(E));
+    ++calls_;
+  }
+
   dist::Communicator& comm_;
+  bool sequence_parallel_;
   std::int64_t bytes_ = 0, calls_ = 0;
 };
 
@@ -79,6 +151,8 @@ struct ShardSpec {
   int dim = -1;              ///< the cut dimension; -1: replicated on every tp rank
   std::int64_t blocks = 1;   ///< equal blocks of the dimension, each cut separately (3 for fused q|k|v)
   std::int64_t full = 0;     ///< the dimension's full (unpadded) size
+  /// Replicated, but each rank's gradient is a part of the sum over the group (Note [Sequence parallelism]).
+  bool partial = false;
 
   bool sharded() const { return dim >= 0; }
   /// Size of the cut dimension on each of tp ranks (padded up where tp does not divide a single block).
@@ -93,6 +167,24 @@ class ShardedModule {
 };
 
 namespace detail {
+
+/// The parameters of `norm` (named "prefix.<name>") as partial under sequence
+/// parallelism, none otherwise (Note [Sequence parallelism]).
+template <class T>
+std::vector<std::pair<std::string, ShardSpec>> sequence_norm_specs(const TensorParallelGroup& group,
+                                                                  const std::string& prefix, nn::Module<T>& norm) {
+  std::vector<std::pair<std::string, ShardSpec>> out;
+  if (group.sequence_parallel())
+    for (auto& p : norm.named_parameters()) out.emplace_back(prefix + "." + p.name, ShardSpec{.partial = true});
+  return out;
+}
+
+/// The seed of a dropout on the residual stream: one stream per tp rank under
+/// sequence parallelism, where each rank masks its own tokens; `seed` otherwise.
+inline std::uint64_t residual_dropout_seed(std::uint64_t seed, const TensorParallelGroup& group) {
+  return group.sequence_parallel() ? seed ^ (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(group.rank() + 1))
+                                   : seed;
+}
 
 /// Every sharded parameter of `m`'s tree by full dotted name (what named_parameters() calls it).
 template <class T>

@@ -10,6 +10,9 @@
 //
 // Parameter names and full shapes are nn::Linear's ("weight" [out, in], "bias"
 // [out]); each rank holds its shard (Note [Tensor parallel shards] in tp_group.hpp).
+// With the group's sequence parallelism on, the replicated side of each layer
+// (a column-parallel layer's input, a row-parallel layer's output) is this rank's
+// slice of the sequence instead (Note [Sequence parallelism]).
 
 #include <cmath>
 #include <string>
@@ -41,16 +44,20 @@ class ColumnParallelLinear : public nn::Module<T>, public ShardedModule {
   }
 
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
-    cache.tensors = {x};
-    return ops::linear(x, weight_->value, bias_ ? bias_->value : Tensor<T>());
+    cache.tensors = {x};  // under sequence parallelism the slice, gathered again in backward
+    return ops::linear(full_input(x), weight_->value, bias_ ? bias_->value : Tensor<T>());
   }
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(!cache.tensors.empty(), Error, "[ptrain.backward] ColumnParallelLinear::backward without a forward");
-    auto dx = ops::linear_backward(cache.tensors[0], weight_->value, dy, weight_->grad,
+    auto dx = ops::linear_backward(full_input(cache.tensors[0]), weight_->value, dy, weight_->grad,
                                    bias_ ? &bias_->grad : nullptr, need_input_grad_);
     weight_->mark_grad_ready();
     if (bias_) bias_->mark_grad_ready();
-    if (need_input_grad_) group_.all_reduce(dx);  // f's backward: each rank holds part of dx
+    // f's backward: each rank holds part of dx.
+    if (need_input_grad_) {
+      if (group_.sequence_parallel()) dx = group_.reduce_scatter_sequence(dx);
+      else group_.all_reduce(dx);
+    }
     cache.clear();
     return dx;
   }
@@ -68,6 +75,11 @@ class ColumnParallelLinear : public nn::Module<T>, public ShardedModule {
   nn::Parameter<T>* bias() { return bias_; }
 
  private:
+  // f's forward: the whole input (gathered from the sequence slices under sequence parallelism).
+  Tensor<T> full_input(const Tensor<T>& x) {
+    return group_.sequence_parallel() ? group_.all_gather_sequence(x) : x;
+  }
+
   TensorParallelGroup& group_;
   std::int64_t in_;
   ShardSpec spec_;
@@ -97,13 +109,18 @@ class RowParallelLinear : public nn::Module<T>, public ShardedModule {
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
     cache.tensors = {x};
     auto y = ops::linear(x, weight_->value, bias_ && group_.rank() == 0 ? bias_->value : Tensor<T>());
-    group_.all_reduce(y);  // g's forward
+    // g's forward
+    if (group_.sequence_parallel()) return group_.reduce_scatter_sequence(y);
+    group_.all_reduce(y);
     return y;
   }
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(!cache.tensors.empty(), Error, "[ptrain.backward] RowParallelLinear::backward without a forward");
-    // dy is replicated, so the bias gradient (a sum of dy) is the same on every tp rank.
-    auto dx = ops::linear_backward(cache.tensors[0], weight_->value, dy, weight_->grad, bias_ ? &bias_->grad : nullptr);
+    // dy is replicated (gathered under sequence parallelism: g's backward), so the
+    // bias gradient (a sum of dy) is the same on every tp rank.
+    const Tensor<T> full_dy = group_.sequence_parallel() ? group_.all_gather_sequence(dy) : dy;
+    auto dx = ops::linear_backward(cache.tensors[0], weight_->value, full_dy, weight_->grad,
+                                   bias_ ? &bias_->grad : nullptr);
     weight_->mark_grad_ready();
     if (bias_) bias_->mark_grad_ready();
     cache.clear();

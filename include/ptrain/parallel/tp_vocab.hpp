@@ -45,9 +45,10 @@ void add_row(T* dst, const T* src, std::int64_t n) {
 }  // namespace detail
 
 /// GPT's input unit with the token table split by vocabulary rows: ids [B, S] ->
-/// dropout(wte[ids] + wpe[0..S)) [B, S, C], replicated. Each rank looks up the
-/// ids it owns (zeros elsewhere) and tp rank 0 adds the positions; one all-reduce
-/// (g) sums them. Parameters "wte.weight" [V, C] (sharded by rows) and
+/// dropout(wte[ids] + wpe[0..S)) [B, S, C], replicated (under sequence parallelism,
+/// this rank's slice [B, S / tp, C]). Each rank looks up the ids it owns (zeros
+/// elsewhere) and tp rank 0 adds the positions; g (an all-reduce, or a
+/// reduce-scatter along the sequence) sums them. Parameters "wte.weight" [V, C] (sharded by rows) and
 /// "wpe.weight" [block_size, C] (replicated), as nn::TokenPositionEmbedding.
 template <class T>
 class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
@@ -57,7 +58,8 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
       : group_(group), range_(vocab, group.rank(), group.size()), block_size_(block_size), dim_(dim) {
     wte_ = &this->register_parameter("wte.weight", Tensor<T>::zeros({range_.local, dim}));
     wpe_ = &this->register_parameter("wpe.weight", Tensor<T>::zeros({block_size, dim}));
-    drop_ = this->register_module("drop", std::make_shared<nn::Dropout<T>>(dropout, dropout_seed));
+    drop_ = this->register_module(
+        "drop", std::make_shared<nn::Dropout<T>>(dropout, detail::residual_dropout_seed(dropout_seed, group)));
   }
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
     return lookup(ops::token_ids(x, range_.vocab), cache);
@@ -68,7 +70,8 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
   /// Adds this rank's rows of the wte gradient and the (replicated) wpe gradient; announces both.
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(cache.indices.size() == 1, Error, "[ptrain.backward] VocabParallelEmbedding::backward without a forward");
-    const auto g = drop_->backward(dy, cache.child(0));
+    auto g = drop_->backward(dy, cache.child(0));
+    if (group_.sequence_parallel()) g = group_.all_gather_sequence(g);  // g's backward
     const auto& ids = cache.indices[0];
     const std::int64_t S = ids.size(1), C = dim_;
     for (std::int64_t t = 0; t < ids.numel(); ++t) {
@@ -107,7 +110,9 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
       if (range_.owns(id)) std::copy_n(wte_->value.data() + (id - range_.lo) * C, C, o);
       if (group_.rank() == 0) detail::add_row(o, wpe_->value.data() + (t % S) * C, C);
     }
-    group_.all_reduce(out);  // g: the owner's row plus rank 0's position, on every rank
+    // g: the owner's row plus rank 0's position, on every rank (for its tokens).
+    if (group_.sequence_parallel()) out = group_.reduce_scatter_sequence(out);
+    else group_.all_reduce(out);
     cache.indices = {ids};
     return drop_->forward(out, cache.child(0));
   }
@@ -124,6 +129,9 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
 /// -> this rank's logits [B, S, Vl] = ln_f(x) W_r^T, W_r the tied wte shard or an own
 /// "lm_head.weight" shard. f in front of the projection: backward all-reduces the
 /// gradient of ln_f's output before ln_f's own backward, so ln_f stays replicated.
+/// Under sequence parallelism x is this rank's slice of the sequence: ln_f runs on
+/// it, f gathers its output and reduce-scatters the gradient, and ln_f's
+/// parameters are partial (Note [Sequence parallelism]).
 template <class T>
 class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
  public:
@@ -139,14 +147,17 @@ class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
     auto h = ln_f_->forward(x, cache.child(0));
     cache.tensors = {h};
-    return ops::linear(h, weight().value, Tensor<T>());
+    return ops::linear(full_sequence(h), weight().value, Tensor<T>());
   }
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(cache.tensors.size() == 1, Error, "[ptrain.backward] VocabParallelLMHead::backward without a forward");
     nn::Parameter<T>& w = weight();
-    auto dh = ops::linear_backward(cache.tensors[0], w.value, dy, w.grad, static_cast<Tensor<T>*>(nullptr));
+    auto dh = ops::linear_backward(full_sequence(cache.tensors[0]), w.value, dy, w.grad,
+                                   static_cast<Tensor<T>*>(nullptr));
     if (!tied_) w.mark_grad_ready();  // a tied weight is announced by the embedding (Note [Weight tying] in gpt.hpp)
-    group_.all_reduce(dh);            // f's backward
+    // f's backward
+    if (group_.sequence_parallel()) dh = group_.reduce_scatter_sequence(dh);
+    else group_.all_reduce(dh);
     auto dx = ln_f_->backward(dh, cache.child(0));
     cache.clear();
     return dx;
@@ -156,8 +167,9 @@ class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
            (tied_ ? ", tied" : "") + ", tp=" + std::to_string(group_.size()) + ")";
   }
   std::vector<std::pair<std::string, ShardSpec>> shard_specs() const override {
-    if (tied_) return {};
-    return {{"lm_head.weight", ShardSpec{0, 1, vocab_}}};
+    auto specs = detail::sequence_norm_specs(group_, "ln_f", *ln_f_);
+    if (!tied_) specs.push_back({"lm_head.weight", ShardSpec{0, 1, vocab_}});
+    return specs;
   }
   std::vector<nn::Parameter<T>*> borrowed_parameters() override {
     auto out = nn::Module<T>::borrowed_parameters();
@@ -168,6 +180,9 @@ class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
   nn::LayerNorm<T>& ln_f() { return *ln_f_; }
 
  private:
+  // f's forward: every token's ln_f output (gathered under sequence parallelism).
+  Tensor<T> full_sequence(const Tensor<T>& h) { return group_.sequence_parallel() ? group_.all_gather_sequence(h) : h; }
+
   TensorParallelGroup& group_;
   std::int64_t n_embd_, vocab_;
   nn::Parameter<T>* tied_;

@@ -1,8 +1,10 @@
 // Tensor parallelism (parallel/tensor_parallel.hpp) against one process: a GPT
-// trained with tp = 2 and 4 and dp x tp = 2 x 2 holds, after a few AdamW steps
-// with clipping, the parameters of nn::GPT trained alone on the global batch; a
-// checkpoint saved at tp = 2 resumes at tp = 1 and 4; mismatched plans end every
-// rank with an error; the bytes handed to all-reduces match the Megatron count.
+// trained with tp = 2 and 4 and dp x tp = 2 x 2, with sequence parallelism off
+// and on, holds, after a few AdamW steps with clipping, the parameters of nn::GPT
+// trained alone on the global batch; a checkpoint saved at tp = 2 resumes at
+// tp = 1 and 4; mismatched plans end every rank with an error; the bytes handed to
+// collectives match the Megatron count; a block's activations match the memory
+// formula of docs/tensor_parallel.md on the allocator's counters.
 // Each case runs on a sub-world of the ranks it needs (the others wait), so the
 // binary runs under any world size.
 #include <catch2/catch.hpp>
@@ -29,7 +31,7 @@ nn::GPTConfig config(bool tied) {
 }
 const optim::AdamWOptions kAdam{.lr = 0.02, .eps = 1e-8, .weight_decay = 0.1};
 constexpr double kClip = 0.5;
-constexpr std::int64_t kBatch = 4, kSeq = 6, kSteps = 3;
+constexpr std::int64_t kBatch = 4, kSeq = 8, kSteps = 3;
 
 struct Batch {
   Tensor<std::int32_t> ids, targets;
@@ -103,13 +105,15 @@ double max_rel_error(parallel::TensorParallel<T>& e, nn::GPT<T>& ref) {
 }
 
 template <class T>
-void check_against_reference(dist::Communicator& comm, int tp, bool tied, double tol) {
+void check_against_reference(dist::Communicator& comm, int tp, bool tied, double tol, bool sp = false) {
   const auto cfg = config(tied);
   Reference<T> ref(cfg);
   ref.train(kSteps);
-  parallel::TensorParallel<T> e(cfg, comm, parallel::TensorParallelPlan{.tp = tp}, Generator(7));
+  parallel::TensorParallel<T> e(cfg, comm, parallel::TensorParallelPlan{.tp = tp, .sequence_parallel = sp},
+                                Generator(7));
   optim::AdamW<T> opt(e.parameters(), kAdam);
-  INFO("tp " << tp << " x dp " << comm.size() / tp << (tied ? ", tied" : ", untied") << ", " << comm.backend());
+  INFO("tp " << tp << " x dp " << comm.size() / tp << (tied ? ", tied" : ", untied") << (sp ? ", sp" : "") << ", "
+             << comm.backend());
   Generator g(7);
   nn::GPT<T> init(cfg, g);
   CHECK(max_rel_error(e, init) == 0.0);  // the same initial values, bit for bit
@@ -126,17 +130,18 @@ void check_against_reference(dist::Communicator& comm, int tp, bool tied, double
 
 TEST_CASE("Tensor parallel GPT trains like one process (tp 2 and 4, dp x tp 2 x 2)", "[tp]") {
   const int n = world().size();
-  for (bool tied : {true, false}) {
-    if (auto two = first_ranks(2)) {
-      check_against_reference<double>(*two, 2, tied, 1e-9);
-      check_against_reference<float>(*two, 2, tied, 2e-4);
-    }
-    if (n >= 4)
-      if (auto four = first_ranks(4)) {
-        check_against_reference<double>(*four, 4, tied, 1e-9);  // tp 4
-        check_against_reference<double>(*four, 2, tied, 1e-9);  // dp 2 x tp 2
+  for (bool tied : {true, false})
+    for (bool sp : {false, true}) {
+      if (auto two = first_ranks(2)) {
+        check_against_reference<double>(*two, 2, tied, 1e-9, sp);
+        check_against_reference<float>(*two, 2, tied, 2e-4, sp);
       }
-  }
+      if (n >= 4)
+        if (auto four = first_ranks(4)) {
+          check_against_reference<double>(*four, 4, tied, 1e-9, sp);  // tp 4
+          check_against_reference<double>(*four, 2, tied, 1e-9, sp);  // dp 2 x tp 2
+        }
+    }
   world().barrier();
 }
 
@@ -180,6 +185,64 @@ TEST_CASE("Tensor parallel all-reduces carry the Megatron byte count", "[tp]") {
     e.group().reset_counters();
     e.eval_loss(b.ids, b.targets);  // forward only: half the activation all-reduces
     CHECK(e.group().bytes() == (2 * cfg.n_layer + 1) * activation + 3 * tokens * 8);
+  }
+  world().barrier();
+}
+
+TEST_CASE("Sequence parallelism gathers and scatters the same activations, once more in backward", "[tp]") {
+  auto two = first_ranks(2);
+  if (two) {
+    // Per layer in forward: an all-gather (f) and a reduce-scatter (g) of B*S*C per
+    // region; in backward: g's all-gather, the column layer's gather of its input
+    // again and f's reduce-scatter per region. The embedding's g and the head's f
+    // as well; the loss as without; and once per step the LayerNorms' partial
+    // gradients (2 * C per LayerNorm) in one all-reduce.
+    const auto cfg = config(true);
+    parallel::TensorParallel<double> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2, .sequence_parallel = true},
+                                       Generator(7));
+    const auto b = make_batch(5, cfg.vocab_size);
+    e.group().reset_counters();
+    e.forward_backward(b.ids, b.targets);
+    const std::int64_t tokens = kBatch * kSeq, activation = tokens * cfg.n_embd * 8;
+    CHECK(e.group().bytes() == (10 * cfg.n_layer + 5) * activation + 3 * tokens * 8);
+    CHECK(e.group().calls() == 10 * cfg.n_layer + 5 + 2);
+    e.group().reset_counters();
+    e.finish_gradient_sync();
+    CHECK(e.group().bytes() == (2 * cfg.n_layer + 1) * 2 * cfg.n_embd * 8);
+    CHECK(e.group().calls() == 1);
+    e.group().reset_counters();
+    e.eval_loss(b.ids, b.targets);
+    CHECK(e.group().bytes() == (4 * cfg.n_layer + 2) * activation + 3 * tokens * 8);
+    // A sequence that tp does not cut into equal slices is refused on every rank.
+    CHECK_THROWS_WITH(e.eval_loss(b.ids.view(0, {1, 7}).clone(), b.targets.view(0, {1, 7}).clone()),
+                      Catch::Contains("[ptrain.tp.sequence]"));
+  }
+  world().barrier();
+}
+
+TEST_CASE("A block keeps the activations of the memory formula, divided by tp under sequence parallelism", "[tp]") {
+  auto two = first_ranks(2);
+  if (two) {
+    // docs/tensor_parallel.md: a block keeps b*s*h*(4 + 12/t) + 4*b*s + a*b*s^2/t
+    // elements for backward (its output included, as the next block's input);
+    // with sequence parallelism every term is divided by t.
+    const auto cfg = config(false);
+    const std::int64_t b = kBatch, s = kSeq, h = cfg.n_embd, a = cfg.n_head, t = 2;
+    for (bool sp : {false, true}) {
+      INFO((sp ? "sp" : "no sp"));
+      parallel::TensorParallel<double> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2, .sequence_parallel = sp},
+                                         Generator(7));
+      Generator g(3);
+      auto x = Tensor<double>::empty({b, sp ? s / t : s, h});
+      ops::normal_(x, 0.0, 1.0, g);
+      nn::Cache<double> cache;
+      const std::int64_t before = memory_stats().live_bytes;
+      auto y = e.model().block(0).forward(x, cache);
+      const std::int64_t kept = memory_stats().live_bytes - before;
+      const std::int64_t elements = sp ? (16 * b * s * h + 4 * b * s + a * b * s * s) / t
+                                       : b * s * h * 4 + 12 * b * s * h / t + 4 * b * s + a * b * s * s / t;
+      CHECK(kept == elements * 8);
+    }
   }
   world().barrier();
 }
