@@ -5,8 +5,9 @@
 // any other (Checkpoint::export_model).
 //
 // Save gathers each sharded tensor (and its optimizer state) over the tp group
-// (collective) and world rank 0 writes the full tensors; load reads the full
-// tensors on every rank and keeps its own shard (no collective). Vocabulary
+// (collective) and tp rank 0 of replica 0 writes the full tensors of its stage
+// (world rank 0 alone without a pipeline); load reads the full tensors on every
+// rank and keeps its own shard (no collective). Vocabulary
 // padding is dropped on save and zero on load (Note [Tensor parallel shards]).
 
 #include <set>
@@ -23,13 +24,14 @@ struct TensorParallelSnapshot {
   std::vector<std::shared_ptr<void>> keep;  // the full host tensors the pieces refer to
 };
 
-/// World rank 0's full tensors of `engine` (and of opt's state, "<param>.<kind>")
-/// for save_sharded(); other ranks' parts are empty. Collective over the tp groups.
+/// The full tensors of this rank's stage (and of opt's state, "<param>.<kind>") on
+/// tp rank 0 of replica 0 for save_sharded(); other ranks' parts are empty.
+/// Collective over the tp groups.
 template <class T>
 TensorParallelSnapshot tp_state(parallel::TensorParallel<T>& engine, std::type_identity_t<optim::Optimizer<T>>* opt) {
   TensorParallelSnapshot snap;
   if (opt) snap.state.record(*opt);
-  const bool writer = engine.communicator().rank() == 0;
+  const bool writer = engine.mesh().replica() == 0 && engine.mesh().tp_rank() == 0;
   auto add = [&](std::vector<TensorPiece>& out, const std::string& name, auto full) {
     if (!writer) return;
     auto held = std::make_shared<decltype(full)>(std::move(full));
@@ -63,8 +65,9 @@ TrainerState load_tp(const fs::path& path, parallel::TensorParallel<T>& engine,
   std::set<std::string> names;
   for (const auto& e : entries) names.insert(e.name);
   for (const auto& b : params.buffers()) names.insert(b.name);
+  // With pp > 1 the checkpoint also holds the other stages' tensors.
   for (const auto& n : c.tensor_names("model"))
-    PTRAIN_CHECK(names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
+    PTRAIN_CHECK(engine.mesh().pp_size() > 1 || names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
                  "' is not a parameter or buffer of the model; the checkpoint is from a different model");
   for (std::size_t i = 0; i < entries.size(); ++i) {
     c.check(entries[i].name, engine.full_shape(i), dtype_of<T>());

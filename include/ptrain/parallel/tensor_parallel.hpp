@@ -1,7 +1,8 @@
 #pragma once
 // Tensor parallelism (Megatron-LM) as an Engine: every layer of a GPT is split
-// over tp ranks (parallel/tp_gpt.hpp), and world / tp replicas of that split
-// model train on their own part of the global batch.
+// over tp ranks (parallel/tp_gpt.hpp), optionally cut into pp pipeline stages,
+// and world / (tp * pp) replicas of that model train on their own part of the
+// global batch.
 //
 //   auto world = dist::init_process_group();
 //   auto engine = parallel::make_engine<float>(gpt, *world, parallel::TensorParallelPlan{.tp = 2});
@@ -12,81 +13,106 @@
 //   engine->step(opt);
 //
 // Note [Tensor-parallel engine]
-// - Mesh: dp x tp (parallel/mesh.hpp), tp innermost, so the tp ranks of a
-//   replica are consecutive world ranks (one node first).
+// - Mesh: dp x tp x pp (parallel/mesh.hpp), tp innermost, so the tp ranks of a
+//   stage are consecutive world ranks (one node first), then the stages of a
+//   replica, then the replicas.
 // - Every tp rank of a replica runs forward_backward on the same batch; the
 //   data-parallel rank (data_parallel_group()) says which slice of the global batch.
+// - pp > 1: a Pipeline (parallel/pipeline.hpp) over the mesh whose units are the
+//   tensor-parallel units of this rank's stage (detail::tensor_parallel_gpt_unit),
+//   with the vocabulary-parallel loss on the last stage; every rank of a stage
+//   receives the same activations from its own tp index of the previous stage.
+//   A tied GPT cannot be cut (its embedding and head share a weight).
 // - Gradients: sharded and replicated parameters alike are averaged over the
-//   data_group() (the replicas holding the same shard), in one all-reduce of the
-//   flat gradient buffer after backward (no overlap with backward: the tp
-//   all-reduces of backward and the dp all-reduce never run at once). Replicated
-//   parameters (LayerNorms, wpe, row-parallel biases) need no tp communication:
-//   their gradients are equal on every tp rank by construction (Note [Tensor
-//   parallel f and g] in tp_group.hpp).
+//   data_group() (the replicas holding the same shard): in one all-reduce of the
+//   flat gradient buffer after backward, or, with pp > 1, by the pipeline after
+//   each stage's last backward. Replicated parameters (LayerNorms, wpe,
+//   row-parallel biases) need no tp communication: their gradients are equal on
+//   every tp rank by construction (Note [Tensor parallel f and g] in tp_group.hpp).
 // - Sequence parallelism (TensorParallelPlan::sequence_parallel, Note [Sequence
 //   parallelism] in tp_group.hpp): the norms' partial gradients are summed over
-//   the tp group in one all-reduce before the dp average, when the gradients are
-//   synced; a batch's sequence length must then be a multiple of tp.
+//   the tp group in one all-reduce when the gradients are synced (a sum, so
+//   before or after the dp average alike); a batch's sequence length must then
+//   be a multiple of tp.
 // - clip_grad_norm_: the squares of sharded gradients are summed over the tp
-//   group, those of replicated ones are counted once.
-// - The loss is VocabParallelCrossEntropy (set_loss() replaces it with a loss
-//   that must itself take vocabulary-parallel logits).
+//   group, those of replicated ones are counted once, and the stages' sums added.
+// - The loss is VocabParallelCrossEntropy (with pp = 1, set_loss() replaces it
+//   with a loss that must itself take vocabulary-parallel logits).
 // - Checkpoints (ckpt/tp_checkpoint.hpp) hold full tensors under nn::GPT's names.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "ptrain/parallel/engine.hpp"
 #include "ptrain/parallel/mesh.hpp"
 #include "ptrain/parallel/model_check.hpp"
+#include "ptrain/parallel/pipeline.hpp"
 #include "ptrain/parallel/tp_gpt.hpp"
 
 namespace ptrain::parallel {
 
-/// Tensor parallelism over tp consecutive ranks, data parallelism over world / tp replicas.
+/// Tensor parallelism over tp consecutive ranks, optionally pipelined over pp
+/// stages; data parallelism over world / (tp * pp) replicas.
 struct TensorParallelPlan {
   int tp = 1;
   /// Cut the residual stream along the sequence between the tensor-parallel regions
   /// (Note [Sequence parallelism] in tp_group.hpp): activations outside them shrink by tp.
   bool sequence_parallel = false;
+  /// Pipeline stages per replica (Note [Tensor-parallel engine]); 1: no pipeline.
+  int pp = 1;
+  /// With pp > 1: micro-batches per batch and their schedule (parallel/pipeline.hpp).
+  int micro_batches = 1;
+  Schedule schedule = Schedule::OneFOneB;
+  /// With pp > 1: relative cost of each unit for balancing the stages; empty: equal.
+  std::vector<double> unit_costs = {};
 };
 
 template <class T>
 class TensorParallel : public Engine<T> {
  public:
+  using FullUnit = typename TensorParallelGPT<T>::FullUnit;
+
   /// The shards of nn::GPT<T>(cfg, gen), built unit by unit; collective over `world`
   /// (which must outlive the engine), every rank with the same plan and config.
   TensorParallel(const nn::GPTConfig& cfg, dist::Communicator& world, TensorParallelPlan plan,
                  const Generator& gen = default_generator())
       : world_(world) {
-    init(cfg, plan, [&](TensorParallelGroup& g) { return std::make_unique<TensorParallelGPT<T>>(cfg, g, gen); });
+    init(cfg, plan, TensorParallelGPT<T>::full_units(cfg, gen));
   }
   /// The shards of an nn::GPT that every rank built alike (same config and values).
   TensorParallel(nn::GPT<T>& full, dist::Communicator& world, TensorParallelPlan plan) : world_(world) {
-    init(full.config(), plan, [&](TensorParallelGroup& g) { return std::make_unique<TensorParallelGPT<T>>(full, g); });
+    init(full.config(), plan, [&full](std::size_t u) { return full.units()[u]; });
   }
 
   Mode mode() const override { return Mode::TensorParallel; }
   nn::FlatParameters<T>& parameters() override { return *params_; }
-  nn::Module<T>& local_module() override { return *model_; }
+  nn::Module<T>& local_module() override { return pipe_ ? pipe_->module() : *model_; }
   dist::Communicator& communicator() override { return world_; }
   dist::Communicator* data_parallel_group() override { return &mesh_->data_group(); }
   void zero_grad() override {
     finish_gradient_sync();
-    params_->zero_grad();
+    parameters().zero_grad();
   }
   void finish_gradient_sync() override {
     if (!pending_) return;
     pending_ = false;
     sum_partial_gradients();
-    if (mesh_->dp_size() > 1) {
+    if (!pipe_ && mesh_->dp_size() > 1) {  // a pipeline averages each stage itself
       dist::CollectiveLabel label("tp.dp_gradients");
       mesh_->data_group().all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
   }
 
-  TensorParallelGPT<T>& model() { return *model_; }
+  /// The whole tensor-parallel model (pp = 1).
+  TensorParallelGPT<T>& model() {
+    PTRAIN_CHECK(model_ != nullptr, Error, "[ptrain.tp.model] with pp = ", mesh_->pp_size(), " each rank holds one "
+                 "stage's units: use local_module() or pipeline()");
+    return *model_;
+  }
+  /// This rank's pipeline stage (pp > 1), or null.
+  Pipeline<T>* pipeline() { return pipe_.get(); }
   Mesh& mesh() { return *mesh_; }
   TensorParallelGroup& group() { return *group_; }
   /// How entry i of parameters() is cut (Note [Tensor parallel shards]) and its full shape.
@@ -94,61 +120,97 @@ class TensorParallel : public Engine<T> {
   Shape full_shape(std::size_t i) const { return detail::full_shape(params_->entries().at(i).shape, specs_.at(i)); }
 
  private:
-  template <class Build>
-  void init(const nn::GPTConfig& cfg, TensorParallelPlan plan, Build&& build) {
+  void init(const nn::GPTConfig& cfg, const TensorParallelPlan& plan, const FullUnit& full_unit) {
     check_plan(cfg, plan);
-    mesh_ = std::make_unique<Mesh>(world_, MeshShape{.dp = world_.size() / plan.tp, .tp = plan.tp, .pp = 1});
+    mesh_ = std::make_unique<Mesh>(
+        world_, MeshShape{.dp = world_.size() / (plan.tp * plan.pp), .tp = plan.tp, .pp = plan.pp});
     group_ = std::make_unique<TensorParallelGroup>(mesh_->tensor_group(), plan.sequence_parallel);
-    model_ = build(*group_);
-    params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
-    for (const auto& e : params_->entries()) specs_.push_back(model_->shard_spec(e.name));
-    for (std::size_t i = 0; i < specs_.size(); ++i)
-      if (specs_[i].partial) partial_.push_back(i);
-    mesh_->broadcast_parameters(*params_);  // replica 0's values, as DDP
     const std::int64_t vocab = cfg.vocab_size;
     TensorParallelGroup* g = group_.get();
-    this->set_loss([g, vocab](const Tensor<T>& out, const Targets<T>& targets, Tensor<T>* dout, acc_t<T> scale) {
+    LossFn<T> loss = [g, vocab](const Tensor<T>& out, const Targets<T>& targets, Tensor<T>* dout, acc_t<T> scale) {
       VocabParallelCrossEntropy<T> ce(*g, vocab);
       nn::Cache<T> cache;
       const double l = ce.forward(out, targets, cache);
       if (dout) *dout = ce.backward(cache, scale);
       return l;
-    });
+    };
+    if (plan.pp == 1) {
+      model_ = std::make_unique<TensorParallelGPT<T>>(cfg, *group_, full_unit);
+      own_params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
+      params_ = own_params_.get();
+      this->set_loss(loss);
+    } else {
+      const auto names = nn::gpt_unit_names(cfg);
+      const std::vector<double> costs = plan.unit_costs.empty() ? std::vector<double>(names.size(), 1.0)
+                                                                : plan.unit_costs;
+      pipe_ = std::make_unique<Pipeline<T>>(
+          *mesh_, names.size(),
+          [&](std::size_t u) { return detail::tensor_parallel_gpt_unit<T>(cfg, u, *group_, full_unit(u)); },
+          partition_balanced(costs, plan.pp),
+          PipelineOptions<T>{.schedule = plan.schedule, .micro_batches = plan.micro_batches, .unit_names = names,
+                             .loss = loss});
+      params_ = &pipe_->parameters();
+    }
+    std::vector<std::pair<std::string, ShardSpec>> specs;
+    detail::collect_shard_specs(local_module(), "", specs);
+    for (const auto& e : parameters().entries()) {
+      auto it = std::find_if(specs.begin(), specs.end(), [&](const auto& s) { return s.first == e.name; });
+      specs_.push_back(it == specs.end() ? ShardSpec{} : it->second);
+      if (specs_.back().partial) partial_.push_back(specs_.size() - 1);
+    }
+    mesh_->broadcast_parameters(parameters());  // replica 0's values, as DDP
   }
 
   // Every rank must pass the same plan and model: agreed with fixed-size
   // collectives first (check_same_model), so a mismatch ends every rank with
   // the reason instead of a hang in a split or an all-reduce of another size.
-  void check_plan(const nn::GPTConfig& cfg, TensorParallelPlan plan) {
-    const std::string desc = ::ptrain::detail::cat("TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ",
-                                                   plan.sequence_parallel ? "true" : "false", "} GPT(vocab ", cfg.vocab_size,
-                                                   ", block ", cfg.block_size, ", layers ", cfg.n_layer, ", heads ",
-                                                   cfg.n_head, ", embd ", cfg.n_embd, ")");
+  void check_plan(const nn::GPTConfig& cfg, const TensorParallelPlan& plan) {
+    const std::string desc = ::ptrain::detail::cat(
+        "TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ", plan.sequence_parallel ? "true" : "false",
+        ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, "} GPT(vocab ", cfg.vocab_size, ", block ",
+        cfg.block_size, ", layers ", cfg.n_layer, ", heads ", cfg.n_head, ", embd ", cfg.n_embd,
+        cfg.tie_weights ? ", tied)" : ")");
     try {
       check_same_model(world_, {desc});
     } catch (const Error& e) {
       PTRAIN_THROW(Error, "[ptrain.tp.plan] the ranks were given different tensor-parallel plans or models; pass "
                           "every rank the same TensorParallelPlan and config. ", e.what());
     }
-    PTRAIN_CHECK(plan.tp >= 1 && world_.size() % plan.tp == 0, Error, "[ptrain.tp.world] tp = ", plan.tp,
-                 " does not divide the world of ", world_.size(), " ranks; launch a multiple of tp processes");
+    PTRAIN_CHECK(plan.tp >= 1 && plan.pp >= 1 && world_.size() % (plan.tp * plan.pp) == 0, Error,
+                 "[ptrain.tp.world] tp = ", plan.tp, " x pp = ", plan.pp, " does not divide the world of ",
+                 world_.size(), " ranks; launch a multiple of tp * pp processes");
     PTRAIN_CHECK(cfg.n_head % plan.tp == 0, Error, "[ptrain.tp.heads] tp = ", plan.tp, " does not divide n_head ",
                  cfg.n_head, "; choose a tp degree that divides the number of heads");
+    PTRAIN_CHECK(plan.pp == 1 || !cfg.tie_weights, Error, "[ptrain.tp.tied] pp = ", plan.pp, " puts the embedding "
+                 "and the head of a tied GPT on different stages, which cannot share their weight; build the GPT "
+                 "with tie_weights = false");
+    PTRAIN_CHECK(plan.unit_costs.empty() || plan.unit_costs.size() == static_cast<std::size_t>(cfg.n_layer) + 2,
+                 Error, "[ptrain.tp.costs] ", plan.unit_costs.size(), " unit costs for ", cfg.n_layer + 2,
+                 " units (embedding, blocks, head)");
   }
 
   double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale, bool training) override {
-    const double l = this->run_module(*model_, in, targets, grad_scale, training);
-    if (training && this->syncing()) pending_ = true;  // reduced over dp by finish_gradient_sync()
+    double l;
+    if (pipe_) {
+      std::optional<decltype(pipe_->no_sync())> local;  // the pipeline skips its dp average as this engine does
+      if (!this->syncing()) local.emplace(pipe_->no_sync());
+      if (!training) l = in.ids ? pipe_->eval_loss(*in.ids, targets) : pipe_->eval_loss(*in.x, targets);
+      else l = in.ids ? pipe_->forward_backward(*in.ids, targets, grad_scale)
+                      : pipe_->forward_backward(*in.x, targets, grad_scale);
+    } else {
+      l = this->run_module(*model_, in, targets, grad_scale, training);
+    }
+    if (training && this->syncing()) pending_ = true;  // finished by finish_gradient_sync()
     return l;
   }
 
   // Note [Sequence parallelism]: the norms' gradients, summed over the tp group in one all-reduce.
   void sum_partial_gradients() {
     if (partial_.empty()) return;
-    const auto& entries = params_->entries();
+    const auto& entries = parameters().entries();
     std::int64_t n = 0;
     for (std::size_t i : partial_) n += entries[i].param->grad.numel();
-    auto buf = Tensor<T>::empty({n}, params_->grads().device());
+    auto buf = Tensor<T>::empty({n}, parameters().grads().device());
     std::int64_t at = 0;
     for (std::size_t i : partial_) {
       const Tensor<T>& g = entries[i].param->grad;
@@ -164,23 +226,26 @@ class TensorParallel : public Engine<T> {
     }
   }
 
-  // Note [Tensor-parallel engine]: sharded squares summed over tp, replicated ones once.
+  // Note [Tensor-parallel engine]: sharded squares summed over tp, replicated ones
+  // once, then the stages' sums added.
   double sum_over_model(double) override {
-    double sharded = 0, replicated = 0;
-    const auto& entries = params_->entries();
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      const double sq = ops::sum_squares(entries[i].param->grad);
-      (specs_[i].sharded() ? sharded : replicated) += sq;
-    }
-    if (group_->size() > 1) group_->communicator().all_reduce(&sharded, 1, DType::F64, dist::ReduceOp::Sum);
-    return sharded + replicated;
+    double sq[2] = {0, 0};  // sharded, replicated
+    const auto& entries = parameters().entries();
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      sq[specs_[i].sharded() ? 0 : 1] += ops::sum_squares(entries[i].param->grad);
+    if (group_->size() > 1) group_->communicator().all_reduce(&sq[0], 1, DType::F64, dist::ReduceOp::Sum);
+    double total = sq[0] + sq[1];
+    if (mesh_->pp_size() > 1) mesh_->pipeline_group().all_reduce(&total, 1, DType::F64, dist::ReduceOp::Sum);
+    return total;
   }
 
   dist::Communicator& world_;
   std::unique_ptr<Mesh> mesh_;
   std::unique_ptr<TensorParallelGroup> group_;
-  std::unique_ptr<TensorParallelGPT<T>> model_;
-  std::unique_ptr<nn::FlatParameters<T>> params_;
+  std::unique_ptr<TensorParallelGPT<T>> model_;       // pp = 1
+  std::unique_ptr<nn::FlatParameters<T>> own_params_;  // pp = 1
+  std::unique_ptr<Pipeline<T>> pipe_;                  // pp > 1
+  nn::FlatParameters<T>* params_ = nullptr;            // own_params_ or the pipeline's
   std::vector<ShardSpec> specs_;
   std::vector<std::size_t> partial_;  // entries whose gradients are partial sums over tp
   bool pending_ = false;

@@ -153,6 +153,48 @@ class TensorParallelBlock : public nn::PreNormBlock<T>, public ShardedModule {
   std::shared_ptr<ParallelFeedForward<T>> mlp_;
 };
 
+namespace detail {
+
+/// Unit u of nn::GPT (embedding, block u - 1, head) in tensor-parallel form over
+/// `group`, holding this rank's shards of `full` (the full unit; null: zeros as
+/// built, for a tied head whose weight is `tied_wte`, the embedding's shard).
+/// The block is wrapped in nn::Recompute when cfg.recompute is set. Pipeline
+/// stages build their units with it (TensorParallelPlan::pp).
+template <class T>
+std::shared_ptr<nn::Module<T>> tensor_parallel_gpt_unit(const nn::GPTConfig& cfg, std::size_t u,
+                                                        TensorParallelGroup& group,
+                                                        const std::shared_ptr<nn::Module<T>>& full,
+                                                        nn::Parameter<T>* tied_wte = nullptr) {
+  const auto layers = static_cast<std::size_t>(cfg.n_layer);
+  std::shared_ptr<nn::Module<T>> unit;
+  if (u == 0) {
+    unit = std::make_shared<VocabParallelEmbedding<T>>(group, cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.dropout,
+                                                       nn::detail::gpt_dropout_site(cfg, 0));
+  } else if (u <= layers) {
+    unit = std::make_shared<TensorParallelBlock<T>>(group, cfg.n_embd, cfg.n_head, cfg.dropout,
+                                                    nn::detail::gpt_dropout_site(cfg, u));
+    if (cfg.recompute) unit = std::make_shared<nn::Recompute<T>>(unit);
+  } else {
+    unit = std::make_shared<VocabParallelLMHead<T>>(group, cfg.n_embd, cfg.vocab_size, tied_wte);
+  }
+  if (!full) return unit;
+  std::vector<std::pair<std::string, ShardSpec>> specs;
+  collect_shard_specs(*unit, "", specs);
+  auto src = full->named_parameters();
+  for (auto& p : unit->named_parameters()) {
+    ShardSpec spec;
+    for (const auto& [n, sp] : specs)
+      if (n == p.name) spec = sp;
+    auto it = std::find_if(src.begin(), src.end(), [&](const auto& q) { return q.name == p.name; });
+    PTRAIN_CHECK(it != src.end(), Error, "[ptrain.tp.model] unit ", u, " of the full model has no parameter ", p.name,
+                 "; build the tensor-parallel model from the same model config");
+    p.param->value.copy_(shard_of(it->param->value, spec, group.rank(), group.size()));
+  }
+  return unit;
+}
+
+}  // namespace detail
+
 /// nn::GPT with every unit in tensor-parallel form over `group` (which must outlive it).
 template <class T>
 class TensorParallelGPT : public nn::UnitChain<T> {
@@ -162,11 +204,7 @@ class TensorParallelGPT : public nn::UnitChain<T> {
 
   /// The shards of nn::GPT<T>(cfg, gen), building one full unit at a time (nn::gpt_unit); `gen` is not advanced.
   TensorParallelGPT(const nn::GPTConfig& cfg, TensorParallelGroup& group, const Generator& gen = default_generator())
-      : TensorParallelGPT(cfg, group, [&cfg, &gen](std::size_t u) -> std::shared_ptr<nn::Module<T>> {
-          // The head of a tied model has no weight of its own; its ln_f starts at 1 and 0 as built.
-          if (cfg.tie_weights && u == static_cast<std::size_t>(cfg.n_layer) + 1) return nullptr;
-          return nn::gpt_unit<T>(cfg, u, gen);
-        }) {}
+      : TensorParallelGPT(cfg, group, full_units(cfg, gen)) {}
   /// The shards of an already built nn::GPT (same config, same values).
   TensorParallelGPT(nn::GPT<T>& full, TensorParallelGroup& group)
       : TensorParallelGPT(full.config(), group, [&full](std::size_t u) { return full.units()[u]; }) {}
@@ -176,20 +214,29 @@ class TensorParallelGPT : public nn::UnitChain<T> {
     nn::detail::check_gpt_config(cfg);
     PTRAIN_CHECK(cfg.n_head % group.size() == 0, Error, "[ptrain.tp.heads] n_head ", cfg.n_head,
                  " does not split over ", group.size(), " tensor-parallel ranks; choose a tp degree that divides it");
-    embed_ = std::make_shared<VocabParallelEmbedding<T>>(group, cfg.vocab_size, cfg.block_size, cfg.n_embd,
-                                                         cfg.dropout, nn::detail::gpt_dropout_site(cfg, 0));
-    add(0, "embed", embed_, full_unit);
-    for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
-      auto block = std::make_shared<TensorParallelBlock<T>>(
-          group, cfg.n_embd, cfg.n_head, cfg.dropout, nn::detail::gpt_dropout_site(cfg, static_cast<std::uint64_t>(l) + 1));
-      blocks_.push_back(block);
-      std::shared_ptr<nn::Module<T>> unit = block;
-      if (cfg.recompute) unit = std::make_shared<nn::Recompute<T>>(block);
-      add(static_cast<std::size_t>(l) + 1, "h." + std::to_string(l), unit, full_unit);
+    const auto names = nn::gpt_unit_names(cfg);
+    for (std::size_t u = 0; u < names.size(); ++u) {
+      auto unit = detail::tensor_parallel_gpt_unit<T>(cfg, u, group, full_unit(u),
+                                                      embed_ && cfg.tie_weights ? &embed_->wte() : nullptr);
+      if (u == 0) embed_ = std::static_pointer_cast<VocabParallelEmbedding<T>>(unit);
+      else if (u + 1 < names.size())
+        blocks_.push_back(std::static_pointer_cast<TensorParallelBlock<T>>(
+            cfg.recompute ? unit->children().front().second : unit));
+      else head_ = std::static_pointer_cast<VocabParallelLMHead<T>>(unit);
+      std::vector<std::pair<std::string, ShardSpec>> specs;
+      detail::collect_shard_specs(*unit, "", specs);
+      for (auto& [n, sp] : specs) specs_.emplace_back(names[u] + "." + n, sp);
+      this->add_unit(names[u], std::move(unit));
     }
-    head_ = std::make_shared<VocabParallelLMHead<T>>(group, cfg.n_embd, cfg.vocab_size,
-                                                     cfg.tie_weights ? &embed_->wte() : nullptr);
-    add(static_cast<std::size_t>(cfg.n_layer) + 1, "head", head_, full_unit);
+  }
+
+  /// Unit u of nn::GPT<T>(cfg, gen) (nn::gpt_unit); null for the head of a tied
+  /// model, which has no weight of its own (its ln_f starts at 1 and 0 as built).
+  static FullUnit full_units(const nn::GPTConfig& cfg, const Generator& gen) {
+    return [cfg, gen](std::size_t u) -> std::shared_ptr<nn::Module<T>> {
+      if (cfg.tie_weights && u == static_cast<std::size_t>(cfg.n_layer) + 1) return nullptr;
+      return nn::gpt_unit<T>(cfg, u, gen);
+    };
   }
 
   std::string describe() const override {
@@ -220,26 +267,6 @@ class TensorParallelGPT : public nn::UnitChain<T> {
   }
 
  private:
-  // Appends unit u and copies this rank's shards of the full unit's parameters into it.
-  void add(std::size_t u, const std::string& name, std::shared_ptr<nn::Module<T>> unit, const FullUnit& full_unit) {
-    std::vector<std::pair<std::string, ShardSpec>> specs;
-    detail::collect_shard_specs(*unit, "", specs);
-    if (auto full = full_unit(u)) {
-      auto src = full->named_parameters();
-      for (auto& p : unit->named_parameters()) {
-        ShardSpec spec;
-        for (const auto& [n, s] : specs)
-          if (n == p.name) spec = s;
-        auto it = std::find_if(src.begin(), src.end(), [&](const auto& q) { return q.name == p.name; });
-        PTRAIN_CHECK(it != src.end(), Error, "[ptrain.tp.model] the full unit ", name, " has no parameter ", p.name,
-                     "; build the tensor-parallel model from the same model config");
-        p.param->value.copy_(detail::shard_of(it->param->value, spec, group_.rank(), group_.size()));
-      }
-    }
-    for (auto& [n, s] : specs) specs_.emplace_back(name + "." + n, s);
-    this->add_unit(name, std::move(unit));
-  }
-
   nn::GPTConfig cfg_;
   TensorParallelGroup& group_;
   std::shared_ptr<VocabParallelEmbedding<T>> embed_;

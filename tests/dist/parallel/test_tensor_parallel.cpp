@@ -105,15 +105,15 @@ double max_rel_error(parallel::TensorParallel<T>& e, nn::GPT<T>& ref) {
 }
 
 template <class T>
-void check_against_reference(dist::Communicator& comm, int tp, bool tied, double tol, bool sp = false) {
+void check_against_reference(dist::Communicator& comm, const parallel::TensorParallelPlan& plan, bool tied,
+                             double tol) {
   const auto cfg = config(tied);
   Reference<T> ref(cfg);
   ref.train(kSteps);
-  parallel::TensorParallel<T> e(cfg, comm, parallel::TensorParallelPlan{.tp = tp, .sequence_parallel = sp},
-                                Generator(7));
+  parallel::TensorParallel<T> e(cfg, comm, plan, Generator(7));
   optim::AdamW<T> opt(e.parameters(), kAdam);
-  INFO("tp " << tp << " x dp " << comm.size() / tp << (tied ? ", tied" : ", untied") << (sp ? ", sp" : "") << ", "
-             << comm.backend());
+  INFO("tp " << plan.tp << " x pp " << plan.pp << " x dp " << e.mesh().dp_size() << (tied ? ", tied" : ", untied")
+             << (plan.sequence_parallel ? ", sp" : "") << ", " << comm.backend());
   Generator g(7);
   nn::GPT<T> init(cfg, g);
   CHECK(max_rel_error(e, init) == 0.0);  // the same initial values, bit for bit
@@ -133,16 +133,66 @@ TEST_CASE("Tensor parallel GPT trains like one process (tp 2 and 4, dp x tp 2 x 
   for (bool tied : {true, false})
     for (bool sp : {false, true}) {
       if (auto two = first_ranks(2)) {
-        check_against_reference<double>(*two, 2, tied, 1e-9, sp);
-        check_against_reference<float>(*two, 2, tied, 2e-4, sp);
+        check_against_reference<double>(*two, {.tp = 2, .sequence_parallel = sp}, tied, 1e-9);
+        check_against_reference<float>(*two, {.tp = 2, .sequence_parallel = sp}, tied, 2e-4);
       }
       if (n >= 4)
         if (auto four = first_ranks(4)) {
-          check_against_reference<double>(*four, 4, tied, 1e-9, sp);  // tp 4
-          check_against_reference<double>(*four, 2, tied, 1e-9, sp);  // dp 2 x tp 2
+          check_against_reference<double>(*four, {.tp = 4, .sequence_parallel = sp}, tied, 1e-9);
+          check_against_reference<double>(*four, {.tp = 2, .sequence_parallel = sp}, tied, 1e-9);  // dp 2 x tp 2
         }
     }
   world().barrier();
+}
+
+TEST_CASE("Tensor parallel stages of a pipeline train like one process (tp x pp 2 x 2, dp x tp x pp 2 x 2 x 2)",
+          "[tp][tp3d]") {
+  const int n = world().size();
+  for (bool sp : {false, true}) {
+    const parallel::TensorParallelPlan plan{.tp = 2, .sequence_parallel = sp, .pp = 2, .micro_batches = 2};
+    if (n >= 4)
+      if (auto four = first_ranks(4)) check_against_reference<double>(*four, plan, false, 1e-9);
+    if (n >= 8)
+      if (auto eight = first_ranks(8)) check_against_reference<double>(*eight, plan, false, 1e-9);
+  }
+  // A checkpoint of the 3-D engine holds the full tensors under nn::GPT's names.
+  const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_tp3d_ckpt_");
+  const auto cfg = config(false);
+  Reference<double> ref(cfg);
+  ref.train(kSteps);
+  if (n >= 4)
+    if (auto four = first_ranks(4)) {
+      parallel::TensorParallel<double> e(cfg, *four, {.tp = 2, .pp = 2, .micro_batches = 2}, Generator(7));
+      optim::AdamW<double> opt(e.parameters(), kAdam);
+      for (std::int64_t s = 0; s < kSteps; ++s) step(e, opt, make_batch(100 + static_cast<std::uint64_t>(s), cfg.vocab_size));
+      if (four->rank() == 0) std::filesystem::remove_all(dir);
+      four->barrier();
+      ckpt::CheckpointManager mgr(dir, four);
+      ckpt::save(mgr, kSteps, e, &opt, {});
+      // A rank holding another tp index, stage or plan than its peers: every rank throws.
+      CHECK_THROWS_WITH(parallel::TensorParallel<double>(cfg, *four, {.tp = 2, .pp = 1 + four->rank() % 2}),
+                        Catch::Contains("[ptrain.tp.plan]"));
+      CHECK_THROWS_WITH(parallel::TensorParallel<double>(config(true), *four, {.tp = 2, .pp = 2}),
+                        Catch::Contains("[ptrain.tp.tied]"));
+    }
+  world().barrier();
+  if (n >= 4) {
+    dist::SelfCommunicator self;
+    auto plain = std::make_shared<nn::GPT<double>>(cfg, *std::make_unique<Generator>(1));
+    parallel::Local<double> local(*plain);
+    ckpt::CheckpointManager mgr(dir, &self);
+    ckpt::load(mgr, mgr.latest().path, local, nullptr);
+    double diff = 0;
+    auto a = plain->named_parameters(), b = ref.model->named_parameters();
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const auto x = a[i].param->value.to_vector(), y = b[i].param->value.to_vector();
+      for (std::size_t j = 0; j < x.size(); ++j) diff = std::max(diff, std::abs(x[j] - y[j]));
+    }
+    CHECK(diff < 1e-9);
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("make_engine builds a tensor-parallel engine from a GPT", "[tp]") {
