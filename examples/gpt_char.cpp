@@ -220,14 +220,21 @@ Corpus load_corpus(const Options& o) {
 }
 
 
+// Whether the model is cut into pipeline stages (then it is untied: one weight
+// cannot live on two stages).
+bool pipelined(const Options& o) { return o.parallel == "pipeline" || (o.parallel == "tp" && o.stages > 1); }
+
 // --parallel with its options: "none", "ddp", "fsdp full_shard", "fsdp hybrid 2",
-// "pipeline 2 stages x 2 replicas, m 4, 1f1b".
+// "pipeline 2 stages x 2 replicas, m 4, 1f1b", "tp 2 x pp 2 x dp 1, m 4, 1f1b".
 std::string parallel_layout(const Options& o, int world) {
   if (o.parallel == "pipeline") {
     const int pp = o.stages > 0 ? o.stages : world;
     return "pipeline " + std::to_string(pp) + " stages x " + std::to_string(world / pp) + " replicas, m " +
            std::to_string(o.micro_batches) + ", " + o.schedule;
   }
+  if (o.parallel == "tp" && o.stages > 1)
+    return detail::cat("tp ", o.tp, " x pp ", o.stages, " x dp ", world / (o.tp * o.stages), ", m ", o.micro_batches,
+                       ", ", o.schedule);
   if (o.parallel == "tp") return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp);
   if (o.parallel != "fsdp") return o.parallel;
   return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
@@ -260,7 +267,7 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
     if (have == want) continue;
     model_diff += (key == "vocab" ? "; vocabulary size " : "; --" + key + " ") + have.dump() + " in the checkpoint, " +
                   want.dump() + (key == "vocab" ? " from the data now" : " now") +
-                  (key == "untied" ? " (--parallel pipeline always trains an untied model)" : "");
+                  (key == "untied" ? " (a pipeline always trains an untied model)" : "");
   }
   PTRAIN_CHECK(model_diff.empty(), CheckpointError, "[ptrain.example.config] ", path,
                " holds another model than the flags describe", model_diff,
@@ -287,8 +294,8 @@ void check_parallel_flags(const Options& o, int world) {
   PTRAIN_CHECK(!o.sequence_parallel || (o.parallel == "tp" && o.block % o.tp == 0), Error, "[gpt_char.sp] "
                "--sequence-parallel cuts each sequence of --block ", o.block, " tokens into --tp ", o.tp,
                " slices: use it with --parallel tp and a --block that is a multiple of --tp");
-  if (o.parallel != "pipeline") return;
-  const int pp = o.stages > 0 ? o.stages : world;
+  if (!pipelined(o)) return;
+  const int pp = o.parallel == "tp" ? o.stages : o.stages > 0 ? o.stages : world;
   PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
                " ranks; launch a multiple of --stages ranks (each group of --stages ranks is one replica)");
   PTRAIN_CHECK(o.grad_accum == 1, Error, "[gpt_char.grad_accum] --parallel pipeline accumulates its "
@@ -327,7 +334,7 @@ struct GptKind {
   using Config = nn::GPTConfig;
   static Config config(const Options& o, std::int64_t vocab, int rank) {
     return {.vocab_size = vocab, .block_size = o.block, .n_layer = o.n_layer, .n_head = o.n_head,
-            .n_embd = o.n_embd, .dropout = o.dropout, .tie_weights = !o.untied && o.parallel != "pipeline",
+            .n_embd = o.n_embd, .dropout = o.dropout, .tie_weights = !o.untied && !pipelined(o),
             // The tp ranks of a replica share their (replicated) dropout masks.
             .dropout_seed = o.seed + static_cast<std::uint64_t>(o.parallel == "tp" ? rank / o.tp : rank),
             .recompute = o.recompute};
@@ -367,7 +374,7 @@ struct LlamaKind {
       PTRAIN_CHECK(vocab <= c.vocab_size, DataError, "[gpt_char.vocab] the data's vocabulary of ", vocab,
                    " ids does not fit the model's ", c.vocab_size, " in ", hf_config.string(),
                    "; tokenize with the model's own tokenizer");
-      if (o.parallel == "pipeline") c.tie_weights = false;  // its head starts from embed_tokens
+      if (pipelined(o)) c.tie_weights = false;  // its head starts from embed_tokens
       c.document_token = o.document_token;
       c.recompute = o.recompute;
       return c;
@@ -381,7 +388,7 @@ struct LlamaKind {
     c.intermediate_size = o.intermediate > 0 ? o.intermediate : (8 * o.n_embd / 3 + 31) / 32 * 32;
     c.max_seq_len = o.block;
     c.rope.theta = o.rope_theta;
-    c.tie_weights = !o.untied && o.parallel != "pipeline";
+    c.tie_weights = !o.untied && !pipelined(o);
     c.document_token = o.document_token;
     c.recompute = o.recompute;
     return c;
@@ -475,7 +482,12 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   }
   parallel::Plan<T> plan = parallel::LocalOptions{};
   if (o.parallel == "ddp") plan = parallel::DDPOptions{};
-  if (o.parallel == "tp") plan = parallel::TensorParallelPlan{.tp = o.tp, .sequence_parallel = o.sequence_parallel};
+  if (o.parallel == "tp")
+    plan = parallel::TensorParallelPlan{
+        .tp = o.tp, .sequence_parallel = o.sequence_parallel, .pp = std::max(o.stages, 1),
+        .micro_batches = o.stages > 1 ? o.micro_batches : 1,
+        .schedule = o.schedule == "gpipe" ? parallel::Schedule::GPipe : parallel::Schedule::OneFOneB,
+        .unit_costs = unit_costs};
   if (o.parallel == "fsdp") {
     if (o.fsdp_strategy == "hybrid" && o.hybrid_shard_size == 0)
       o.hybrid_shard_size = dist::detect_launch_env().local_world_size;
@@ -491,15 +503,29 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   e.engine = parallel::make_engine<T>(model, world, plan);
   if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(e.engine.get())) {
     // The sample and --export: every rank gathers the full tensors, rank 0 keeps them.
-    e.describe = detail::cat("tensor parallel, tp ", tp->mesh().tp_size(), " x dp ", tp->mesh().dp_size(),
-                             o.sequence_parallel ? ", sequence parallel" : "");
-    e.gather = [&m, tp, lead] {
+    parallel::Mesh& mesh = tp->mesh();
+    e.describe = detail::cat("tensor parallel, tp ", mesh.tp_size(), " x pp ", mesh.pp_size(), " x dp ",
+                             mesh.dp_size(), o.sequence_parallel ? ", sequence parallel" : "",
+                             tp->pipeline() ? " (units " + tp->pipeline()->partition().str() + ")" : "");
+    // Every rank gathers its stage's full tensors over its tp group; tp rank 0 of
+    // each stage of replica 0 sends them to world rank 0, unit by unit in the model's order.
+    e.gather = [&m, tp, &mesh, lead] {
       const auto& entries = tp->parameters().entries();
-      auto mine = m.named_parameters();
-      for (std::size_t i = 0; i < entries.size(); ++i) {
-        auto full = parallel::detail::gather_full(entries[i].param->value, tp->spec(i), tp->group());
-        for (auto& p : mine)
-          if (lead && p.name == entries[i].name) p.param->value.copy_(full);
+      std::map<std::string, Tensor<T>> full;
+      for (std::size_t i = 0; i < entries.size(); ++i)
+        full[entries[i].name] = parallel::detail::gather_full(entries[i].param->value, tp->spec(i), tp->group());
+      if (mesh.replica() != 0 || mesh.tp_rank() != 0) return;
+      dist::Communicator& stages = mesh.pipeline_group();
+      const auto names = m.unit_names();
+      for (std::size_t u = 0; u < names.size(); ++u) {
+        const int s = tp->pipeline() ? tp->pipeline()->partition().stage_of(u) : 0;
+        if (!lead && stages.rank() != s) continue;
+        for (auto& p : m.units()[u]->named_parameters()) {
+          const std::string name = names[u] + "." + p.name;
+          if (lead && s == 0) p.param->value.copy_(full.at(name));
+          else if (lead) stages.recv(p.param->value, s);
+          else stages.send(full.at(name), 0);
+        }
       }
     };
   }
@@ -918,7 +944,8 @@ int main(int argc, char** argv) {
   app.add_option("--hybrid-shard-size", opt.hybrid_shard_size, "ranks per shard group of --fsdp-strategy hybrid "
                  "(0: the launcher's ranks per node)")->check(non_negative);
   app.add_option("--stages", opt.stages, "with --parallel pipeline: stages per replica; the ranks form "
-                 "world / stages replicas (0: one stage per rank)")->check(non_negative);
+                 "world / stages replicas (0: one stage per rank); with --parallel tp: pipeline stages of "
+                 "tensor-parallel units (0 or 1: none), world / (tp * stages) replicas")->check(non_negative);
   app.add_option("--micro-batches", opt.micro_batches, "with --parallel pipeline: micro-batches per --batch")
       ->check(positive);
   app.add_option("--schedule", opt.schedule, "with --parallel pipeline: 1f1b or gpipe")
