@@ -100,10 +100,8 @@ class TensorParallelGroup {
     dist::CollectiveLabel label("tp.all_gather");
     count(all);
     comm_.all_gather(slice, all);
-    auto out = Tensor<E>::empty(full, slice.device());                    // [B][tp][S / tp][...]
-    const std::int64_t B = slice.size(0), chunk = slice.numel() / B;
-    for (int r = 0; r < tp; ++r)
-      for (std::int64_t b = 0; b < B; ++b) out.view((b * tp + r) * chunk, {chunk}).copy_(all.view((r * B + b) * chunk, {chunk}));
+    auto out = Tensor<E>::empty(full, slice.device());  // [B][tp][S / tp][...]
+    regroup(all, out, slice.size(0), false);
     return out;
   }
   /// This rank's slice [B, S / tp, ...] of the sum over the group of `full`
@@ -117,10 +115,8 @@ class TensorParallelGroup {
                  "multiple of tp = ", tp, " or turn sequence parallelism off");
     Shape slice = full.shape();
     slice[1] /= tp;
-    const std::int64_t B = full.size(0), chunk = full.numel() / (B * tp);
     auto send = Tensor<E>::empty({full.numel()}, full.device());  // [tp][B][S / tp][...]
-    for (int r = 0; r < tp; ++r)
-      for (std::int64_t b = 0; b < B; ++b) send.view((r * B + b) * chunk, {chunk}).copy_(full.view((b * tp + r) * chunk, {chunk}));
+    regroup(full, send, full.size(0), true);
     auto out = Tensor<E>::empty(slice, full.device());
     dist::CollectiveLabel label("tp.reduce_scatter");
     count(send);
@@ -134,6 +130,19 @@ class TensorParallelGroup {
   void reset_counters() { bytes_ = calls_ = 0; }
 
  private:
+  // Copies the B x tp blocks of `src` into `dst`: from [B][tp][block] to
+  // [tp][B][block] order (the layout of the collectives' rank chunks) or back.
+  template <class E>
+  void regroup(const Tensor<E>& src, Tensor<E>& dst, std::int64_t B, bool to_rank_major) const {
+    const int tp = size();
+    const std::int64_t block = src.numel() / (B * tp);
+    for (int r = 0; r < tp; ++r)
+      for (std::int64_t b = 0; b < B; ++b) {
+        const std::int64_t batch_major = (b * tp + r) * block, rank_major = (r * B + b) * block;
+        dst.view(to_rank_major ? rank_major : batch_major, {block})
+            .copy_(src.view(to_rank_major ? batch_major : rank_major, {block}));
+      }
+  }
   template <class E>
   void count(const Tensor<E>& full) {
     comm_.check_serves(full.device(), "tensor parallelism");
