@@ -55,6 +55,22 @@ class GroupedQueryAttention : public Module<T> {
     v_ = this->register_module("v_proj", std::make_shared<Linear<T>>(n_embd, n_kv_head * head_dim_, qkv_bias, gen));
     o_ = this->register_module("o_proj", std::make_shared<Linear<T>>(n_head * head_dim_, n_embd, out_bias, gen));
   }
+  /// The attention of n_head query and n_kv_head key/value heads of width head_dim
+  /// over given projections: q [C -> n_head * head_dim], k and v [C -> n_kv_head *
+  /// head_dim], o [n_head * head_dim -> C'] (a tensor-parallel rank's share of the
+  /// heads: parallel/tp_llama.hpp).
+  GroupedQueryAttention(std::int64_t n_embd, std::int64_t n_head, std::int64_t n_kv_head, std::int64_t head_dim,
+                        ops::RotaryConfig rope, std::shared_ptr<Linear<T>> q, std::shared_ptr<Linear<T>> k,
+                        std::shared_ptr<Linear<T>> v, std::shared_ptr<Linear<T>> o)
+      : n_embd_(n_embd), n_head_(n_head), n_kv_head_(n_kv_head), head_dim_(head_dim), rope_(rope) {
+    PTRAIN_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0 && head_dim > 0, ShapeError,
+                 "[ptrain.gqa_attention] ", n_kv_head, " key/value heads must divide ", n_head, " query heads");
+    ops::rotary_inv_freq(head_dim_, rope_);
+    q_ = this->register_module("q_proj", std::move(q));
+    k_ = this->register_module("k_proj", std::move(k));
+    v_ = this->register_module("v_proj", std::move(v));
+    o_ = this->register_module("o_proj", std::move(o));
+  }
 
   /// Positions and document masking from the cache's batch context (Note [Batch
   /// context]): explicit position ids if it has them; with a document token, each

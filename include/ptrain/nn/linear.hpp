@@ -49,6 +49,7 @@ class Linear : public Module<T> {
 
   /// The first layer of a model needs no dx; skipping it saves one GEMM.
   void set_need_input_grad(bool need) { need_input_grad_ = need; }
+  bool need_input_grad() const { return need_input_grad_; }
 
   std::string describe() const override {
     return "Linear(" + std::to_string(in_) + ", " + std::to_string(out_) + (bias_ ? ")" : ", bias=false)");

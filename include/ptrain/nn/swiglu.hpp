@@ -26,6 +26,15 @@ class SwiGLU : public Module<T> {
     up_ = this->register_module("up_proj", std::make_shared<Linear<T>>(n_embd, hidden, bias, gen));
     down_ = this->register_module("down_proj", std::make_shared<Linear<T>>(hidden, n_embd, bias, gen));
   }
+  /// Over given projections: gate and up [n_embd -> hidden], down [hidden -> n_embd']
+  /// (a tensor-parallel rank's share of the hidden width: parallel/tp_llama.hpp).
+  SwiGLU(std::int64_t n_embd, std::int64_t hidden, std::shared_ptr<Linear<T>> gate, std::shared_ptr<Linear<T>> up,
+         std::shared_ptr<Linear<T>> down)
+      : n_embd_(n_embd), hidden_(hidden) {
+    gate_ = this->register_module("gate_proj", std::move(gate));
+    up_ = this->register_module("up_proj", std::move(up));
+    down_ = this->register_module("down_proj", std::move(down));
+  }
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     PTRAIN_CHECK(x.dim() >= 1 && x.size(-1) == n_embd_, ShapeError, "[ptrain.swiglu] input ", x.shape(),

@@ -4,7 +4,7 @@
 //
 //   auto world = dist::init_process_group();
 //   parallel::Plan<float> plan = parallel::FSDPOptions{};       // or LocalOptions, DDPOptions, PipelinePlan,
-//                                                               // TensorParallelPlan (nn::GPT only)
+//                                                               // TensorParallelPlan (nn::GPT, nn::Llama)
 //   auto engine = parallel::make_engine<float>(model, *world, plan);
 //
 // `model` is a std::shared_ptr to a model whose forward runs its units() in
@@ -85,9 +85,11 @@ std::unique_ptr<Engine<T>> make_engine(std::shared_ptr<M> model, dist::Communica
     // The engine copies its shards out of the model, which it then no longer needs.
     if constexpr (std::is_base_of_v<nn::GPT<T>, M>) {
       return std::make_unique<TensorParallel<T>>(static_cast<nn::GPT<T>&>(*model), world, *tp);
+    } else if constexpr (std::is_base_of_v<nn::Llama<T>, M>) {
+      return std::make_unique<TensorParallel<T>>(static_cast<nn::Llama<T>&>(*model), world, *tp);
     } else {
-      PTRAIN_THROW(Error, "[ptrain.tp.model] tensor parallelism splits the layers of nn::GPT; ", model->describe(),
-                   " has no tensor-parallel form: use DDPOptions or FSDPOptions");
+      PTRAIN_THROW(Error, "[ptrain.tp.model] tensor parallelism splits the layers of nn::GPT and nn::Llama; ",
+                   model->describe(), " has no tensor-parallel form: use DDPOptions or FSDPOptions");
     }
   }
   const auto units = model->units();

@@ -1,6 +1,6 @@
 #pragma once
-// Tensor parallelism (Megatron-LM) as an Engine: every layer of a GPT is split
-// over tp ranks (parallel/tp_gpt.hpp), optionally cut into pp pipeline stages,
+// Tensor parallelism (Megatron-LM) as an Engine: every layer of a GPT or a Llama
+// is split over tp ranks (parallel/tp_gpt.hpp, parallel/tp_llama.hpp), optionally cut into pp pipeline stages,
 // and world / (tp * pp) replicas of that model train on their own part of the
 // global batch.
 //
@@ -38,8 +38,9 @@
 //   group, those of replicated ones are counted once, and the stages' sums added.
 // - The loss is VocabParallelCrossEntropy (with pp = 1, set_loss() replaces it
 //   with a loss that must itself take vocabulary-parallel logits).
-// - Checkpoints (ckpt/tp_checkpoint.hpp) hold full tensors under nn::GPT's names.
+// - Checkpoints (ckpt/tp_checkpoint.hpp) hold full tensors under the full model's names.
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,6 +51,7 @@
 #include "ptrain/parallel/model_check.hpp"
 #include "ptrain/parallel/pipeline.hpp"
 #include "ptrain/parallel/tp_gpt.hpp"
+#include "ptrain/parallel/tp_llama.hpp"
 
 namespace ptrain::parallel {
 
@@ -72,18 +74,31 @@ struct TensorParallelPlan {
 template <class T>
 class TensorParallel : public Engine<T> {
  public:
-  using FullUnit = typename TensorParallelGPT<T>::FullUnit;
-
-  /// The shards of nn::GPT<T>(cfg, gen), built unit by unit; collective over `world`
-  /// (which must outlive the engine), every rank with the same plan and config.
+  /// The shards of nn::GPT<T>(cfg, gen), built unit by unit (nn::gpt_unit); collective
+  /// over `world` (which must outlive the engine), every rank with the same plan and config.
   TensorParallel(const nn::GPTConfig& cfg, dist::Communicator& world, TensorParallelPlan plan,
                  const Generator& gen = default_generator())
       : world_(world) {
-    init(cfg, plan, TensorParallelGPT<T>::full_units(cfg, gen));
+    init(gpt_model(cfg, [cfg, gen](std::size_t u) -> std::shared_ptr<nn::Module<T>> {
+           // The head of a tied model has no weight of its own; its ln_f starts at 1 and 0 as built.
+           if (cfg.tie_weights && u == static_cast<std::size_t>(cfg.n_layer) + 1) return nullptr;
+           return nn::gpt_unit<T>(cfg, u, gen);
+         }),
+         plan);
   }
   /// The shards of an nn::GPT that every rank built alike (same config and values).
   TensorParallel(nn::GPT<T>& full, dist::Communicator& world, TensorParallelPlan plan) : world_(world) {
-    init(full.config(), plan, [&full](std::size_t u) { return full.units()[u]; });
+    init(gpt_model(full.config(), [&full](std::size_t u) { return full.units()[u]; }), plan);
+  }
+  /// The shards of an nn::Llama that every rank built alike (parallel/tp_llama.hpp).
+  TensorParallel(nn::Llama<T>& full, dist::Communicator& world, TensorParallelPlan plan) : world_(world) {
+    const nn::LlamaConfig cfg = full.config();
+    init({.describe = full.describe(), .names = full.unit_names(), .heads = cfg.n_kv_head, .vocab = cfg.vocab_size,
+          .tied = cfg.tie_weights,
+          .unit = [cfg, &full](std::size_t u, TensorParallelGroup& g, nn::Parameter<T>* tied) {
+            return detail::tensor_parallel_llama_unit<T>(cfg, u, g, full.units()[u], tied);
+          }},
+         plan);
   }
 
   Mode mode() const override { return Mode::TensorParallel; }
@@ -105,8 +120,8 @@ class TensorParallel : public Engine<T> {
     }
   }
 
-  /// The whole tensor-parallel model (pp = 1).
-  TensorParallelGPT<T>& model() {
+  /// The whole tensor-parallel model, its units named as the full model's (pp = 1).
+  nn::UnitChain<T>& model() {
     PTRAIN_CHECK(model_ != nullptr, Error, "[ptrain.tp.model] with pp = ", mesh_->pp_size(), " each rank holds one "
                  "stage's units: use local_module() or pipeline()");
     return *model_;
@@ -120,12 +135,31 @@ class TensorParallel : public Engine<T> {
   Shape full_shape(std::size_t i) const { return detail::full_shape(params_->entries().at(i).shape, specs_.at(i)); }
 
  private:
-  void init(const nn::GPTConfig& cfg, const TensorParallelPlan& plan, const FullUnit& full_unit) {
-    check_plan(cfg, plan);
+  // What the engine needs of the model it splits.
+  struct Model {
+    std::string describe;                // the model for the plan check
+    std::vector<std::string> names;      // its units
+    std::int64_t heads, vocab;           // heads that tp must divide (key/value heads for Llama)
+    bool tied;                           // the head uses the embedding's weight
+    /// Unit u in tensor-parallel form with this rank's shards (tied: the embedding's weight shard).
+    std::function<std::shared_ptr<nn::Module<T>>(std::size_t u, TensorParallelGroup&, nn::Parameter<T>* tied)> unit;
+  };
+  static Model gpt_model(const nn::GPTConfig& cfg, std::function<std::shared_ptr<nn::Module<T>>(std::size_t)> full) {
+    return {.describe = ::ptrain::detail::cat("GPT(vocab ", cfg.vocab_size, ", block ", cfg.block_size, ", layers ",
+                                              cfg.n_layer, ", heads ", cfg.n_head, ", embd ", cfg.n_embd,
+                                              cfg.tie_weights ? ", tied)" : ")"),
+            .names = nn::gpt_unit_names(cfg), .heads = cfg.n_head, .vocab = cfg.vocab_size, .tied = cfg.tie_weights,
+            .unit = [cfg, full](std::size_t u, TensorParallelGroup& g, nn::Parameter<T>* tied) {
+              return detail::tensor_parallel_gpt_unit<T>(cfg, u, g, full(u), tied);
+            }};
+  }
+
+  void init(const Model& m, const TensorParallelPlan& plan) {
+    check_plan(m, plan);
     mesh_ = std::make_unique<Mesh>(
         world_, MeshShape{.dp = world_.size() / (plan.tp * plan.pp), .tp = plan.tp, .pp = plan.pp});
     group_ = std::make_unique<TensorParallelGroup>(mesh_->tensor_group(), plan.sequence_parallel);
-    const std::int64_t vocab = cfg.vocab_size;
+    const std::int64_t vocab = m.vocab;
     TensorParallelGroup* g = group_.get();
     LossFn<T> loss = [g, vocab](const Tensor<T>& out, const Targets<T>& targets, Tensor<T>* dout, acc_t<T> scale) {
       VocabParallelCrossEntropy<T> ce(*g, vocab);
@@ -135,19 +169,23 @@ class TensorParallel : public Engine<T> {
       return l;
     };
     if (plan.pp == 1) {
-      model_ = std::make_unique<TensorParallelGPT<T>>(cfg, *group_, full_unit);
+      model_ = std::make_unique<detail::StageModule<T>>();
+      nn::Parameter<T>* wte = nullptr;  // the embedding's weight shard, for a tied head
+      for (std::size_t u = 0; u < m.names.size(); ++u) {
+        auto unit = m.unit(u, *group_, m.tied ? wte : nullptr);
+        if (auto* e = dynamic_cast<VocabParallelEmbedding<T>*>(unit.get())) wte = &e->wte();
+        model_->add(m.names[u], std::move(unit));
+      }
       own_params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
       params_ = own_params_.get();
       this->set_loss(loss);
     } else {
-      const auto names = nn::gpt_unit_names(cfg);
-      const std::vector<double> costs = plan.unit_costs.empty() ? std::vector<double>(names.size(), 1.0)
+      const std::vector<double> costs = plan.unit_costs.empty() ? std::vector<double>(m.names.size(), 1.0)
                                                                 : plan.unit_costs;
       pipe_ = std::make_unique<Pipeline<T>>(
-          *mesh_, names.size(),
-          [&](std::size_t u) { return detail::tensor_parallel_gpt_unit<T>(cfg, u, *group_, full_unit(u)); },
+          *mesh_, m.names.size(), [&](std::size_t u) { return m.unit(u, *group_, nullptr); },
           partition_balanced(costs, plan.pp),
-          PipelineOptions<T>{.schedule = plan.schedule, .micro_batches = plan.micro_batches, .unit_names = names,
+          PipelineOptions<T>{.schedule = plan.schedule, .micro_batches = plan.micro_batches, .unit_names = m.names,
                              .loss = loss});
       params_ = &pipe_->parameters();
     }
@@ -164,12 +202,10 @@ class TensorParallel : public Engine<T> {
   // Every rank must pass the same plan and model: agreed with fixed-size
   // collectives first (check_same_model), so a mismatch ends every rank with
   // the reason instead of a hang in a split or an all-reduce of another size.
-  void check_plan(const nn::GPTConfig& cfg, const TensorParallelPlan& plan) {
+  void check_plan(const Model& m, const TensorParallelPlan& plan) {
     const std::string desc = ::ptrain::detail::cat(
         "TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ", plan.sequence_parallel ? "true" : "false",
-        ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, "} GPT(vocab ", cfg.vocab_size, ", block ",
-        cfg.block_size, ", layers ", cfg.n_layer, ", heads ", cfg.n_head, ", embd ", cfg.n_embd,
-        cfg.tie_weights ? ", tied)" : ")");
+        ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, "} ", m.describe);
     try {
       check_same_model(world_, {desc});
     } catch (const Error& e) {
@@ -179,14 +215,13 @@ class TensorParallel : public Engine<T> {
     PTRAIN_CHECK(plan.tp >= 1 && plan.pp >= 1 && world_.size() % (plan.tp * plan.pp) == 0, Error,
                  "[ptrain.tp.world] tp = ", plan.tp, " x pp = ", plan.pp, " does not divide the world of ",
                  world_.size(), " ranks; launch a multiple of tp * pp processes");
-    PTRAIN_CHECK(cfg.n_head % plan.tp == 0, Error, "[ptrain.tp.heads] tp = ", plan.tp, " does not divide n_head ",
-                 cfg.n_head, "; choose a tp degree that divides the number of heads");
-    PTRAIN_CHECK(plan.pp == 1 || !cfg.tie_weights, Error, "[ptrain.tp.tied] pp = ", plan.pp, " puts the embedding "
-                 "and the head of a tied GPT on different stages, which cannot share their weight; build the GPT "
-                 "with tie_weights = false");
-    PTRAIN_CHECK(plan.unit_costs.empty() || plan.unit_costs.size() == static_cast<std::size_t>(cfg.n_layer) + 2,
-                 Error, "[ptrain.tp.costs] ", plan.unit_costs.size(), " unit costs for ", cfg.n_layer + 2,
-                 " units (embedding, blocks, head)");
+    PTRAIN_CHECK(m.heads % plan.tp == 0, Error, "[ptrain.tp.heads] tp = ", plan.tp, " does not divide the ", m.heads,
+                 " heads of ", m.describe, " (key/value heads for Llama); choose a tp degree that divides them");
+    PTRAIN_CHECK(plan.pp == 1 || !m.tied, Error, "[ptrain.tp.tied] pp = ", plan.pp, " puts the embedding and the "
+                 "head of a tied model on different stages, which cannot share their weight; build the model with "
+                 "tie_weights = false");
+    PTRAIN_CHECK(plan.unit_costs.empty() || plan.unit_costs.size() == m.names.size(), Error, "[ptrain.tp.costs] ",
+                 plan.unit_costs.size(), " unit costs for ", m.names.size(), " units");
   }
 
   double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale, bool training) override {
@@ -242,7 +277,7 @@ class TensorParallel : public Engine<T> {
   dist::Communicator& world_;
   std::unique_ptr<Mesh> mesh_;
   std::unique_ptr<TensorParallelGroup> group_;
-  std::unique_ptr<TensorParallelGPT<T>> model_;       // pp = 1
+  std::unique_ptr<detail::StageModule<T>> model_;     // pp = 1
   std::unique_ptr<nn::FlatParameters<T>> own_params_;  // pp = 1
   std::unique_ptr<Pipeline<T>> pipe_;                  // pp > 1
   nn::FlatParameters<T>* params_ = nullptr;            // own_params_ or the pipeline's

@@ -1,6 +1,6 @@
 #pragma once
-// GPT in tensor-parallel form: the same units and parameter names as nn::GPT
-// ("embed", "h.i", "head"), each rank holding its shards.
+// GPT in tensor-parallel form: unit by unit, the same units and parameter names
+// as nn::GPT ("embed", "h.i", "head"), each rank holding its shards.
 //
 //   unit "embed"  VocabParallelEmbedding     wte by vocabulary rows, wpe replicated
 //   unit "h.i"    TensorParallelBlock        ln_1, ln_2 replicated;
@@ -9,12 +9,8 @@
 //   unit "head"   VocabParallelLMHead        ln_f replicated, the (tied) weight by vocabulary rows
 //
 // The output is this rank's slice of the logits; train it with
-// VocabParallelCrossEntropy (the TensorParallel engine does). Built from the
-// full model's units, so it starts from exactly the values nn::GPT(cfg, gen) has:
-//
-//   parallel::TensorParallelGroup tp(mesh.tensor_group());
-//   parallel::TensorParallelGPT<float> model(cfg, tp, gen);              // unit by unit (nn::gpt_unit)
-//   parallel::TensorParallelGPT<float> same(full_gpt, tp);               // or slices of a built nn::GPT
+// VocabParallelCrossEntropy (the TensorParallel engine, parallel/tensor_parallel.hpp,
+// builds the units with detail::tensor_parallel_gpt_unit and does).
 
 #include <functional>
 #include <string>
@@ -155,33 +151,14 @@ class TensorParallelBlock : public nn::PreNormBlock<T>, public ShardedModule {
 
 namespace detail {
 
-/// Unit u of nn::GPT (embedding, block u - 1, head) in tensor-parallel form over
-/// `group`, holding this rank's shards of `full` (the full unit; null: zeros as
-/// built, for a tied head whose weight is `tied_wte`, the embedding's shard).
-/// The block is wrapped in nn::Recompute when cfg.recompute is set. Pipeline
-/// stages build their units with it (TensorParallelPlan::pp).
+/// Copies this rank's shards of the parameters of `full` (a unit of the full
+/// model) into `unit`, its tensor-parallel form; `u` names the unit in errors.
 template <class T>
-std::shared_ptr<nn::Module<T>> tensor_parallel_gpt_unit(const nn::GPTConfig& cfg, std::size_t u,
-                                                        TensorParallelGroup& group,
-                                                        const std::shared_ptr<nn::Module<T>>& full,
-                                                        nn::Parameter<T>* tied_wte = nullptr) {
-  const auto layers = static_cast<std::size_t>(cfg.n_layer);
-  std::shared_ptr<nn::Module<T>> unit;
-  if (u == 0) {
-    unit = std::make_shared<VocabParallelEmbedding<T>>(group, cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.dropout,
-                                                       nn::detail::gpt_dropout_site(cfg, 0));
-  } else if (u <= layers) {
-    unit = std::make_shared<TensorParallelBlock<T>>(group, cfg.n_embd, cfg.n_head, cfg.dropout,
-                                                    nn::detail::gpt_dropout_site(cfg, u));
-    if (cfg.recompute) unit = std::make_shared<nn::Recompute<T>>(unit);
-  } else {
-    unit = std::make_shared<VocabParallelLMHead<T>>(group, cfg.n_embd, cfg.vocab_size, tied_wte);
-  }
-  if (!full) return unit;
+void copy_shards(nn::Module<T>& unit, nn::Module<T>& full, TensorParallelGroup& group, std::size_t u) {
   std::vector<std::pair<std::string, ShardSpec>> specs;
-  collect_shard_specs(*unit, "", specs);
-  auto src = full->named_parameters();
-  for (auto& p : unit->named_parameters()) {
+  collect_shard_specs(unit, "", specs);
+  auto src = full.named_parameters();
+  for (auto& p : unit.named_parameters()) {
     ShardSpec spec;
     for (const auto& [n, sp] : specs)
       if (n == p.name) spec = sp;
@@ -190,89 +167,34 @@ std::shared_ptr<nn::Module<T>> tensor_parallel_gpt_unit(const nn::GPTConfig& cfg
                  "; build the tensor-parallel model from the same model config");
     p.param->value.copy_(shard_of(it->param->value, spec, group.rank(), group.size()));
   }
+}
+
+/// Unit u of nn::GPT (embedding, block u - 1, head) in tensor-parallel form over
+/// `group`, holding this rank's shards of `full` (the full unit; null: as built,
+/// for a tied head, whose weight is `tied_wte`, the embedding's shard). The block
+/// is wrapped in nn::Recompute when cfg.recompute is set.
+template <class T>
+std::shared_ptr<nn::Module<T>> tensor_parallel_gpt_unit(const nn::GPTConfig& cfg, std::size_t u,
+                                                        TensorParallelGroup& group,
+                                                        const std::shared_ptr<nn::Module<T>>& full,
+                                                        nn::Parameter<T>* tied_wte = nullptr) {
+  PTRAIN_CHECK(cfg.n_head % group.size() == 0, Error, "[ptrain.tp.heads] n_head ", cfg.n_head,
+               " does not split over ", group.size(), " tensor-parallel ranks; choose a tp degree that divides it");
+  std::shared_ptr<nn::Module<T>> unit;
+  if (u == 0) {
+    unit = std::make_shared<VocabParallelEmbedding<T>>(group, cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.dropout,
+                                                       nn::detail::gpt_dropout_site(cfg, 0));
+  } else if (u <= static_cast<std::size_t>(cfg.n_layer)) {
+    unit = std::make_shared<TensorParallelBlock<T>>(group, cfg.n_embd, cfg.n_head, cfg.dropout,
+                                                    nn::detail::gpt_dropout_site(cfg, u));
+    if (cfg.recompute) unit = std::make_shared<nn::Recompute<T>>(unit);
+  } else {
+    unit = std::make_shared<VocabParallelLMHead<T>>(group, cfg.n_embd, cfg.vocab_size, tied_wte);
+  }
+  if (full) copy_shards(*unit, *full, group, u);
   return unit;
 }
 
 }  // namespace detail
-
-/// nn::GPT with every unit in tensor-parallel form over `group` (which must outlive it).
-template <class T>
-class TensorParallelGPT : public nn::UnitChain<T> {
- public:
-  /// Unit u of the full model, whose values this rank's shards copy.
-  using FullUnit = std::function<std::shared_ptr<nn::Module<T>>(std::size_t u)>;
-
-  /// The shards of nn::GPT<T>(cfg, gen), building one full unit at a time (nn::gpt_unit); `gen` is not advanced.
-  TensorParallelGPT(const nn::GPTConfig& cfg, TensorParallelGroup& group, const Generator& gen = default_generator())
-      : TensorParallelGPT(cfg, group, full_units(cfg, gen)) {}
-  /// The shards of an already built nn::GPT (same config, same values).
-  TensorParallelGPT(nn::GPT<T>& full, TensorParallelGroup& group)
-      : TensorParallelGPT(full.config(), group, [&full](std::size_t u) { return full.units()[u]; }) {}
-
-  TensorParallelGPT(const nn::GPTConfig& cfg, TensorParallelGroup& group, const FullUnit& full_unit)
-      : cfg_(cfg), group_(group) {
-    nn::detail::check_gpt_config(cfg);
-    PTRAIN_CHECK(cfg.n_head % group.size() == 0, Error, "[ptrain.tp.heads] n_head ", cfg.n_head,
-                 " does not split over ", group.size(), " tensor-parallel ranks; choose a tp degree that divides it");
-    const auto names = nn::gpt_unit_names(cfg);
-    for (std::size_t u = 0; u < names.size(); ++u) {
-      auto unit = detail::tensor_parallel_gpt_unit<T>(cfg, u, group, full_unit(u),
-                                                      embed_ && cfg.tie_weights ? &embed_->wte() : nullptr);
-      if (u == 0) embed_ = std::static_pointer_cast<VocabParallelEmbedding<T>>(unit);
-      else if (u + 1 < names.size())
-        blocks_.push_back(std::static_pointer_cast<TensorParallelBlock<T>>(
-            cfg.recompute ? unit->children().front().second : unit));
-      else head_ = std::static_pointer_cast<VocabParallelLMHead<T>>(unit);
-      std::vector<std::pair<std::string, ShardSpec>> specs;
-      detail::collect_shard_specs(*unit, "", specs);
-      for (auto& [n, sp] : specs) specs_.emplace_back(names[u] + "." + n, sp);
-      this->add_unit(names[u], std::move(unit));
-    }
-  }
-
-  /// Unit u of nn::GPT<T>(cfg, gen) (nn::gpt_unit); null for the head of a tied
-  /// model, which has no weight of its own (its ln_f starts at 1 and 0 as built).
-  static FullUnit full_units(const nn::GPTConfig& cfg, const Generator& gen) {
-    return [cfg, gen](std::size_t u) -> std::shared_ptr<nn::Module<T>> {
-      if (cfg.tie_weights && u == static_cast<std::size_t>(cfg.n_layer) + 1) return nullptr;
-      return nn::gpt_unit<T>(cfg, u, gen);
-    };
-  }
-
-  std::string describe() const override {
-    return "TensorParallelGPT(vocab=" + std::to_string(cfg_.vocab_size) + ", layers=" + std::to_string(cfg_.n_layer) +
-           ", heads=" + std::to_string(cfg_.n_head) + ", embd=" + std::to_string(cfg_.n_embd) +
-           ", tp=" + std::to_string(group_.size()) + ")";
-  }
-  const nn::GPTConfig& config() const { return cfg_; }
-  TensorParallelGroup& group() { return group_; }
-  /// How each sharded parameter (by full name) is cut; parameters not listed are replicated.
-  const std::vector<std::pair<std::string, ShardSpec>>& shard_specs() const { return specs_; }
-  ShardSpec shard_spec(const std::string& name) const {
-    for (const auto& [n, s] : specs_)
-      if (n == name) return s;
-    return {};
-  }
-  VocabParallelEmbedding<T>& embedding() { return *embed_; }
-  TensorParallelBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
-  VocabParallelLMHead<T>& head() { return *head_; }
-
-  /// Every dropout stream, named as nn::GPT::generators() names them.
-  std::vector<std::pair<std::string, Generator*>> generators() { return nn::detail::gpt_generators(*embed_, blocks_); }
-
-  /// The full logits [..., V] of this rank's slice (collective over the group):
-  /// for sampling, never for the loss.
-  Tensor<T> gather_logits(const Tensor<T>& local) {
-    return detail::gather_full(local, ShardSpec{local.dim() - 1, 1, cfg_.vocab_size}, group_);
-  }
-
- private:
-  nn::GPTConfig cfg_;
-  TensorParallelGroup& group_;
-  std::shared_ptr<VocabParallelEmbedding<T>> embed_;
-  std::vector<std::shared_ptr<TensorParallelBlock<T>>> blocks_;
-  std::shared_ptr<VocabParallelLMHead<T>> head_;
-  std::vector<std::pair<std::string, ShardSpec>> specs_;
-};
 
 }  // namespace ptrain::parallel

@@ -86,6 +86,21 @@ class TensorParallelGroup {
     comm_.all_reduce(t, op);
   }
 
+  /// f's forward and g's backward: the whole tensor [B, S, ...] from this rank's
+  /// sequence slice under sequence parallelism; `x` itself otherwise.
+  template <class E>
+  Tensor<E> whole(const Tensor<E>& x) {
+    return sequence_parallel() ? all_gather_sequence(x) : x;
+  }
+  /// g's forward and f's backward: the sum over the group of every rank's partial
+  /// tensor (all-reduce), or this rank's sequence slice of it under sequence parallelism.
+  template <class E>
+  Tensor<E> sum_partials(Tensor<E> x) {
+    if (sequence_parallel()) return reduce_scatter_sequence(x);
+    all_reduce(x);
+    return x;
+  }
+
   /// The full sequence [B, S, ...] from every rank's slice [B, S / tp, ...]
   /// (f's forward and g's backward under sequence parallelism); collective.
   template <class E>

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "ptrain/nn/activation.hpp"
 #include "ptrain/nn/layer_norm.hpp"
@@ -44,22 +45,30 @@ void add_row(T* dst, const T* src, std::int64_t n) {
 }
 }  // namespace detail
 
-/// GPT's input unit with the token table split by vocabulary rows: ids [B, S] ->
-/// dropout(wte[ids] + wpe[0..S)) [B, S, C], replicated (under sequence parallelism,
-/// this rank's slice [B, S / tp, C]). Each rank looks up the ids it owns (zeros
-/// elsewhere) and tp rank 0 adds the positions; g (an all-reduce, or a
-/// reduce-scatter along the sequence) sums them. Parameters "wte.weight" [V, C] (sharded by rows) and
-/// "wpe.weight" [block_size, C] (replicated), as nn::TokenPositionEmbedding.
+/// The input unit with the token table split by vocabulary rows: ids [B, S] ->
+/// dropout(wte[ids] + wpe[0..S)) [B, S, C] (GPT), or wte[ids] (Llama), replicated
+/// (under sequence parallelism, this rank's slice [B, S / tp, C]). Each rank looks
+/// up the ids it owns (zeros elsewhere) and tp rank 0 adds the positions; g (an
+/// all-reduce, or a reduce-scatter along the sequence) sums them. GPT's parameters
+/// are "wte.weight" [V, C] (sharded by rows) and "wpe.weight" [block_size, C]
+/// (replicated), as nn::TokenPositionEmbedding; Llama's "weight", as nn::Embedding.
 template <class T>
 class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
  public:
+  /// GPT's token and position embedding with dropout.
   VocabParallelEmbedding(TensorParallelGroup& group, std::int64_t vocab, std::int64_t block_size, std::int64_t dim,
                          double dropout = 0.0, std::uint64_t dropout_seed = 0)
-      : group_(group), range_(vocab, group.rank(), group.size()), block_size_(block_size), dim_(dim) {
-    wte_ = &this->register_parameter("wte.weight", Tensor<T>::zeros({range_.local, dim}));
+      : VocabParallelEmbedding(group, vocab, dim, "wte.weight") {
+    block_size_ = block_size;
     wpe_ = &this->register_parameter("wpe.weight", Tensor<T>::zeros({block_size, dim}));
     drop_ = this->register_module(
         "drop", std::make_shared<nn::Dropout<T>>(dropout, detail::residual_dropout_seed(dropout_seed, group)));
+  }
+  /// A token table alone, named `weight_name` (Llama's "weight").
+  VocabParallelEmbedding(TensorParallelGroup& group, std::int64_t vocab, std::int64_t dim,
+                         const std::string& weight_name = "weight")
+      : group_(group), range_(vocab, group.rank(), group.size()), dim_(dim), weight_name_(weight_name) {
+    wte_ = &this->register_parameter(weight_name, Tensor<T>::zeros({range_.local, dim}));
   }
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
     return lookup(ops::token_ids(x, range_.vocab), cache);
@@ -70,17 +79,16 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
   /// Adds this rank's rows of the wte gradient and the (replicated) wpe gradient; announces both.
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(cache.indices.size() == 1, Error, "[ptrain.backward] VocabParallelEmbedding::backward without a forward");
-    auto g = drop_->backward(dy, cache.child(0));
-    if (group_.sequence_parallel()) g = group_.all_gather_sequence(g);  // g's backward
+    const auto g = group_.whole(drop_ ? drop_->backward(dy, cache.child(0)) : dy);  // g's backward
     const auto& ids = cache.indices[0];
     const std::int64_t S = ids.size(1), C = dim_;
     for (std::int64_t t = 0; t < ids.numel(); ++t) {
       const T* gr = g.data() + t * C;
       const std::int64_t id = ids.data()[t];
-      detail::add_row(wpe_->grad.data() + (t % S) * C, gr, C);
+      if (wpe_) detail::add_row(wpe_->grad.data() + (t % S) * C, gr, C);
       if (range_.owns(id)) detail::add_row(wte_->grad.data() + (id - range_.lo) * C, gr, C);
     }
-    wpe_->mark_grad_ready();
+    if (wpe_) wpe_->mark_grad_ready();
     wte_->mark_grad_ready();
     cache.clear();
     return {};
@@ -90,16 +98,16 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
            std::to_string(group_.size()) + ")";
   }
   std::vector<std::pair<std::string, ShardSpec>> shard_specs() const override {
-    return {{"wte.weight", ShardSpec{0, 1, range_.vocab}}};
+    return {{weight_name_, ShardSpec{0, 1, range_.vocab}}};
   }
   nn::Parameter<T>& wte() { return *wte_; }
-  nn::Dropout<T>& dropout() { return *drop_; }
+  nn::Dropout<T>* dropout() { return drop_.get(); }
 
  private:
   Tensor<T> lookup(Tensor<std::int32_t> ids, nn::Cache<T>& cache) {
     PTRAIN_CHECK(ids.dim() == 2, ShapeError, "[ptrain.embedding.input] expected token ids [batch, seq], got ",
                  ids.shape());
-    PTRAIN_CHECK(ids.size(1) <= block_size_, ShapeError, "[ptrain.embedding.positions] sequence of ", ids.size(1),
+    PTRAIN_CHECK(!wpe_ || ids.size(1) <= block_size_, ShapeError, "[ptrain.embedding.positions] sequence of ", ids.size(1),
                  " tokens exceeds block_size ", block_size_, "; crop the context to the last block_size tokens");
     detail::require_cpu(ids.device(), "VocabParallelEmbedding");
     const std::int64_t S = ids.size(1), C = dim_;
@@ -108,57 +116,59 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
       T* o = out.data() + t * C;
       const std::int64_t id = ids.data()[t];
       if (range_.owns(id)) std::copy_n(wte_->value.data() + (id - range_.lo) * C, C, o);
-      if (group_.rank() == 0) detail::add_row(o, wpe_->value.data() + (t % S) * C, C);
+      if (wpe_ && group_.rank() == 0) detail::add_row(o, wpe_->value.data() + (t % S) * C, C);
     }
-    // g: the owner's row plus rank 0's position, on every rank (for its tokens).
-    if (group_.sequence_parallel()) out = group_.reduce_scatter_sequence(out);
-    else group_.all_reduce(out);
+    out = group_.sum_partials(out);  // g: the owner's row plus rank 0's position, on every rank (for its tokens)
     cache.indices = {ids};
-    return drop_->forward(out, cache.child(0));
+    return drop_ ? drop_->forward(out, cache.child(0)) : out;
   }
 
   TensorParallelGroup& group_;
   detail::VocabRange range_;
-  std::int64_t block_size_, dim_;
+  std::int64_t block_size_ = 0, dim_;
+  std::string weight_name_;
   nn::Parameter<T>* wte_;
-  nn::Parameter<T>* wpe_;
+  nn::Parameter<T>* wpe_ = nullptr;
   std::shared_ptr<nn::Dropout<T>> drop_;
 };
 
-/// GPT's last unit with the output projection split by vocabulary rows: x [B, S, C]
-/// -> this rank's logits [B, S, Vl] = ln_f(x) W_r^T, W_r the tied wte shard or an own
-/// "lm_head.weight" shard. f in front of the projection: backward all-reduces the
-/// gradient of ln_f's output before ln_f's own backward, so ln_f stays replicated.
-/// Under sequence parallelism x is this rank's slice of the sequence: ln_f runs on
-/// it, f gathers its output and reduce-scatters the gradient, and ln_f's
-/// parameters are partial (Note [Sequence parallelism]).
-template <class T>
+/// The last unit (nn::LMHead) with the output projection split by vocabulary rows:
+/// x [B, S, C] -> this rank's logits [B, S, Vl] = norm(x) W_r^T, W_r the tied wte
+/// shard or an own "lm_head.weight" shard. f in front of the projection: backward
+/// all-reduces the gradient of the norm's output before the norm's own backward,
+/// so the norm stays replicated. Under sequence parallelism x is this rank's slice
+/// of the sequence: the norm runs on it, f gathers its output and reduce-scatters
+/// the gradient, and the norm's parameters are partial (Note [Sequence parallelism]).
+template <class T, class Norm = nn::LayerNorm<T>>
 class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
  public:
-  /// `tied`: the embedding's wte shard, or null for an own weight (zeros; the model initialises it).
+  /// GPT's head with LayerNorm "ln_f". `tied`: the embedding's wte shard, or null for
+  /// an own weight (zeros; the model initialises it).
   VocabParallelLMHead(TensorParallelGroup& group, std::int64_t n_embd, std::int64_t vocab,
                       nn::Parameter<T>* tied = nullptr)
-      : group_(group), n_embd_(n_embd), vocab_(vocab), tied_(tied) {
-    ln_f_ = this->register_module("ln_f", std::make_shared<nn::LayerNorm<T>>(n_embd));
+    requires std::is_same_v<Norm, nn::LayerNorm<T>>
+      : VocabParallelLMHead(group, std::make_shared<Norm>(n_embd), "ln_f", n_embd, vocab, tied) {}
+  /// Any norm, registered under norm_name (Llama's RMSNorm "norm"), as nn::LMHead.
+  VocabParallelLMHead(TensorParallelGroup& group, std::shared_ptr<Norm> norm, const std::string& norm_name,
+                      std::int64_t n_embd, std::int64_t vocab, nn::Parameter<T>* tied = nullptr)
+      : group_(group), n_embd_(n_embd), vocab_(vocab), tied_(tied), norm_name_(norm_name) {
+    norm_ = this->register_module(norm_name, std::move(norm));
     const detail::VocabRange range(vocab, group.rank(), group.size());
     if (!tied_) own_ = &this->register_parameter("lm_head.weight", Tensor<T>::zeros({range.local, n_embd}));
     else check_shape(tied_->value, {range.local, n_embd}, "tied vocabulary-parallel LM head weight");
   }
   Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
-    auto h = ln_f_->forward(x, cache.child(0));
+    auto h = norm_->forward(x, cache.child(0));
     cache.tensors = {h};
-    return ops::linear(full_sequence(h), weight().value, Tensor<T>());
+    return ops::linear(group_.whole(h), weight().value, Tensor<T>());
   }
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(cache.tensors.size() == 1, Error, "[ptrain.backward] VocabParallelLMHead::backward without a forward");
     nn::Parameter<T>& w = weight();
-    auto dh = ops::linear_backward(full_sequence(cache.tensors[0]), w.value, dy, w.grad,
+    auto dh = ops::linear_backward(group_.whole(cache.tensors[0]), w.value, dy, w.grad,
                                    static_cast<Tensor<T>*>(nullptr));
     if (!tied_) w.mark_grad_ready();  // a tied weight is announced by the embedding (Note [Weight tying] in gpt.hpp)
-    // f's backward
-    if (group_.sequence_parallel()) dh = group_.reduce_scatter_sequence(dh);
-    else group_.all_reduce(dh);
-    auto dx = ln_f_->backward(dh, cache.child(0));
+    auto dx = norm_->backward(group_.sum_partials(dh), cache.child(0));  // f's backward first
     cache.clear();
     return dx;
   }
@@ -167,7 +177,7 @@ class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
            (tied_ ? ", tied" : "") + ", tp=" + std::to_string(group_.size()) + ")";
   }
   std::vector<std::pair<std::string, ShardSpec>> shard_specs() const override {
-    auto specs = detail::sequence_norm_specs(group_, "ln_f", *ln_f_);
+    auto specs = detail::sequence_norm_specs(group_, norm_name_, *norm_);
     if (!tied_) specs.push_back({"lm_head.weight", ShardSpec{0, 1, vocab_}});
     return specs;
   }
@@ -177,17 +187,15 @@ class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
     return out;
   }
   nn::Parameter<T>& weight() { return tied_ ? *tied_ : *own_; }
-  nn::LayerNorm<T>& ln_f() { return *ln_f_; }
+  Norm& norm() { return *norm_; }
 
  private:
-  // f's forward: every token's ln_f output (gathered under sequence parallelism).
-  Tensor<T> full_sequence(const Tensor<T>& h) { return group_.sequence_parallel() ? group_.all_gather_sequence(h) : h; }
-
   TensorParallelGroup& group_;
   std::int64_t n_embd_, vocab_;
   nn::Parameter<T>* tied_;
   nn::Parameter<T>* own_ = nullptr;
-  std::shared_ptr<nn::LayerNorm<T>> ln_f_;
+  std::string norm_name_;
+  std::shared_ptr<Norm> norm_;
 };
 
 /// Mean cross-entropy over rows of vocabulary-parallel logits [..., Vl] against

@@ -287,7 +287,7 @@ TEST_CASE("A block keeps the activations of the memory formula, divided by tp un
       ops::normal_(x, 0.0, 1.0, g);
       nn::Cache<double> cache;
       const std::int64_t before = memory_stats().live_bytes;
-      auto y = e.model().block(0).forward(x, cache);
+      auto y = e.model().units()[1]->forward(x, cache);  // block h.0
       const std::int64_t kept = memory_stats().live_bytes - before;
       const std::int64_t elements = sp ? (16 * b * s * h + 4 * b * s + a * b * s * s) / t
                                        : b * s * h * 4 + 12 * b * s * h / t + 4 * b * s + a * b * s * s / t;
