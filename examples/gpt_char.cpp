@@ -1011,8 +1011,6 @@ int main(int argc, char** argv) {
                           : opt.device != "cpu"   ? "--model llama runs on the CPU (its layers have no CUDA kernels "
                                                     "yet); leave out --device"
                           : opt.dropout != 0      ? "--model llama has no dropout (as Llama); leave out --dropout"
-                          : opt.parallel == "tp"  ? "--model llama has no tensor-parallel form yet; use --parallel "
-                                                    "ddp, fsdp or pipeline"
                                                   : nullptr;
     if (refused) {
       std::fprintf(stderr, "gpt_char: %s\n", refused);

@@ -12,6 +12,8 @@ usage: test_gpt_char_llama.py GPT_CHAR [MPIRUN]
              folder with --steps 0, on one process, validates as the run ended (the shape
              comes from config.json: the shape flags are left out)
   resume     a checkpoint of a Llama run resumes under DDP; one of a GPT run is refused
+  tp         (with MPIRUN) it resumes again at tp 2 with sequence parallelism, learns, and
+             exports the gathered model with the same names and shapes
   refused    --precision bf16, --dropout and --kv-heads without --model llama fail before
              training, naming the flag"""
 import json
@@ -100,6 +102,24 @@ def main():
                ["--steps", "130", "--checkpoint-dir", ckpt, "--resume"], "resume under ddp")
     if "resumed from" not in more or "step 120" not in more:
         raise Failure(f"resume: did not resume from step 120\n{more}")
+    # tensor parallel: the same checkpoint resumes at tp 2 with sequence parallelism, and
+    # the gathered model exports with full shapes
+    if launch:
+        hf_tp = os.path.join(work, "hf_tp")
+        tp = run(launch + [exe] + TRAIN + SHAPE + ["--parallel", "tp", "--tp", "2", "--sequence-parallel", "--steps",
+                                                   "140", "--checkpoint-dir", ckpt, "--resume", "--export-hf", hf_tp],
+                 "resume under tp 2 with sequence parallelism")
+        if "resumed from" not in tp or "tensor parallel, tp 2" not in tp or "sequence parallel" not in tp:
+            raise Failure(f"tp: did not resume from step 130 under tensor parallelism\n{tp}")
+        tp_loss, tp_ratio = final(tp, "tp")
+        if tp_ratio >= 1.0:
+            raise Failure(f"tp: final val_loss {tp_loss} is {tp_ratio} x the unigram entropy\n{tp}")
+        if safetensors_names(os.path.join(hf_tp, "model.safetensors")) != names:
+            raise Failure("tp: the exported tensors differ in names or shapes from the fsdp run's")
+        tp_back = run([exe] + TRAIN + ["--steps", "0", "--block", "48", "--init-from", hf_tp], "--init-from the tp export")
+        if abs(final(tp_back, "--init-from the tp export")[0] - tp_loss) > 1e-4 * tp_loss:
+            raise Failure(f"tp: the exported folder does not validate as the tp run ended\n{tp_back}")
+
     gpt_ckpt = os.path.join(work, "gpt_ckpt")
     run([exe, "--steps", "2", "--layers", "1", "--embd", "32", "--block", "16", "--eval-batches", "1",
          "--sample-tokens", "0", "--log-every", "0", "--checkpoint-dir", gpt_ckpt], "a GPT run")

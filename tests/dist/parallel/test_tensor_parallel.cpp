@@ -14,6 +14,7 @@
 #include <ptrain/ckpt/engine_checkpoint.hpp>
 #include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/nn/models/gpt.hpp>
+#include <ptrain/nn/models/llama.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/parallel/local.hpp>
 #include <ptrain/parallel/make_engine.hpp>
@@ -28,6 +29,13 @@ namespace {
 // A vocabulary that neither 2 nor 4 divides (padding), 4 heads, untied or tied.
 nn::GPTConfig config(bool tied) {
   return {.vocab_size = 11, .block_size = 8, .n_layer = 2, .n_head = 4, .n_embd = 16, .tie_weights = tied};
+}
+// The same with grouped-query attention (2 key/value heads), packed documents
+// (token 0 starts one) and every bias.
+nn::LlamaConfig llama_config(bool tied) {
+  return {.vocab_size = 11, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16, .intermediate_size = 24,
+          .max_seq_len = 8, .tie_weights = tied, .attention_bias = true, .o_proj_bias = true, .mlp_bias = true,
+          .document_token = 0};
 }
 const optim::AdamWOptions kAdam{.lr = 0.02, .eps = 1e-8, .weight_decay = 0.1};
 constexpr double kClip = 0.5;
@@ -68,15 +76,15 @@ std::pair<double, double> step(parallel::Engine<T>& e, optim::Optimizer<T>& opt,
   return {loss, norm};
 }
 
-// One process: nn::GPT on the global batch.
-template <class T>
+// One process: nn::GPT (or nn::Llama) on the global batch.
+template <class T, template <class> class M = nn::GPT>
 struct Reference {
-  std::shared_ptr<nn::GPT<T>> model;
+  std::shared_ptr<M<T>> model;
   parallel::Local<T> engine;
   optim::AdamW<T> opt;
   std::vector<std::pair<double, double>> history;
-  explicit Reference(const nn::GPTConfig& cfg)
-      : model(std::make_shared<nn::GPT<T>>(cfg, *std::make_unique<Generator>(7))), engine(*model),
+  explicit Reference(const typename std::remove_cvref_t<decltype(std::declval<M<T>>().config())>& cfg)
+      : model(std::make_shared<M<T>>(cfg, *std::make_unique<Generator>(7))), engine(*model),
         opt(engine.parameters(), kAdam) {}
   void train(std::int64_t steps, std::int64_t first = 0) {
     for (std::int64_t s = first; s < first + steps; ++s)
@@ -86,7 +94,7 @@ struct Reference {
 
 // Largest |full(tp) - reference| over all parameters, relative to the largest reference value.
 template <class T>
-double max_rel_error(parallel::TensorParallel<T>& e, nn::GPT<T>& ref) {
+double max_rel_error(parallel::TensorParallel<T>& e, nn::Module<T>& ref) {
   auto ref_params = ref.named_parameters();
   const auto& entries = e.parameters().entries();
   double diff = 0, scale = 0;
@@ -104,18 +112,25 @@ double max_rel_error(parallel::TensorParallel<T>& e, nn::GPT<T>& ref) {
   return diff / scale;
 }
 
-template <class T>
+// A GPT is split unit by unit from its config, a Llama from the built model.
+template <class T, template <class> class M = nn::GPT>
 void check_against_reference(dist::Communicator& comm, const parallel::TensorParallelPlan& plan, bool tied,
                              double tol) {
-  const auto cfg = config(tied);
-  Reference<T> ref(cfg);
+  const auto cfg = [&] {
+    if constexpr (std::is_same_v<M<T>, nn::GPT<T>>) return config(tied);
+    else return llama_config(tied);
+  }();
+  Reference<T, M> ref(cfg);
   ref.train(kSteps);
-  parallel::TensorParallel<T> e(cfg, comm, plan, Generator(7));
-  optim::AdamW<T> opt(e.parameters(), kAdam);
-  INFO("tp " << plan.tp << " x pp " << plan.pp << " x dp " << e.mesh().dp_size() << (tied ? ", tied" : ", untied")
-             << (plan.sequence_parallel ? ", sp" : "") << ", " << comm.backend());
   Generator g(7);
-  nn::GPT<T> init(cfg, g);
+  M<T> init(cfg, g);
+  auto e = [&] {
+    if constexpr (std::is_same_v<M<T>, nn::GPT<T>>) return parallel::TensorParallel<T>(cfg, comm, plan, Generator(7));
+    else return parallel::TensorParallel<T>(init, comm, plan);
+  }();
+  optim::AdamW<T> opt(e.parameters(), kAdam);
+  INFO(init.describe() << ": tp " << plan.tp << " x pp " << plan.pp << " x dp " << e.mesh().dp_size()
+                       << (plan.sequence_parallel ? ", sp" : "") << ", " << comm.backend());
   CHECK(max_rel_error(e, init) == 0.0);  // the same initial values, bit for bit
   for (std::int64_t s = 0; s < kSteps; ++s) {
     const auto [loss, norm] = step(e, opt, make_batch(100 + static_cast<std::uint64_t>(s), cfg.vocab_size));
@@ -142,6 +157,29 @@ TEST_CASE("Tensor parallel GPT trains like one process (tp 2 and 4, dp x tp 2 x 
           check_against_reference<double>(*four, {.tp = 2, .sequence_parallel = sp}, tied, 1e-9);  // dp 2 x tp 2
         }
     }
+  world().barrier();
+}
+
+TEST_CASE("Tensor parallel Llama trains like one process (tp 2, dp x tp 2 x 2, tp x pp 2 x 2)", "[tp]") {
+  const int n = world().size();
+  for (bool sp : {false, true}) {
+    for (bool tied : {true, false})
+      if (auto two = first_ranks(2)) {
+        check_against_reference<double, nn::Llama>(*two, {.tp = 2, .sequence_parallel = sp}, tied, 1e-9);
+        check_against_reference<float, nn::Llama>(*two, {.tp = 2, .sequence_parallel = sp}, tied, 2e-4);
+      }
+    if (n >= 4)
+      if (auto four = first_ranks(4)) {
+        check_against_reference<double, nn::Llama>(*four, {.tp = 2, .sequence_parallel = sp}, true, 1e-9);
+        check_against_reference<double, nn::Llama>(
+            *four, {.tp = 2, .sequence_parallel = sp, .pp = 2, .micro_batches = 2}, false, 1e-9);
+        // 2 key/value heads do not split over 4 ranks.
+        Generator g(7);
+        nn::Llama<double> full(llama_config(true), g);
+        CHECK_THROWS_WITH(parallel::TensorParallel<double>(full, *four, {.tp = 4}),
+                          Catch::Contains("[ptrain.tp.heads]") && Catch::Contains("2 heads"));
+      }
+  }
   world().barrier();
 }
 
