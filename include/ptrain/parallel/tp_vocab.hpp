@@ -101,7 +101,6 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
     return {{weight_name_, ShardSpec{0, 1, range_.vocab}}};
   }
   nn::Parameter<T>& wte() { return *wte_; }
-  nn::Dropout<T>* dropout() { return drop_.get(); }
 
  private:
   Tensor<T> lookup(Tensor<std::int32_t> ids, nn::Cache<T>& cache) {
