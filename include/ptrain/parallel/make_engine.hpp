@@ -42,7 +42,8 @@ struct PipelinePlan {
   int stages = 0;
   /// Relative cost of each unit (e.g. forward FLOPs) for balancing the stages; empty: equal.
   std::vector<double> unit_costs = {};
-  /// Schedule, micro-batches and loss; data_parallel and unit_names are set by make_engine.
+  /// Schedule, micro-batches, virtual stages (the units are balanced into stages * virtual_stages
+  /// chunks) and loss; data_parallel and unit_names are set by make_engine.
   PipelineOptions<T> options = {};
 };
 
@@ -111,7 +112,8 @@ std::unique_ptr<Engine<T>> make_engine(std::shared_ptr<M> model, dist::Communica
   PipelineOptions<T> po = pp.options;
   po.unit_names = names;
   auto pipe = std::make_unique<detail::Owned<Pipeline<T>>>(
-      held, *mesh, units.size(), [units](std::size_t u) { return units[u]; }, partition_balanced(costs, stages), po);
+      held, *mesh, units.size(), [units](std::size_t u) { return units[u]; },
+      partition_balanced(costs, stages * std::max(1, po.virtual_stages)), po);
   if (pipe->has_parameters()) mesh->broadcast_parameters(pipe->parameters());  // replica 0's values, as DDP
   return pipe;
 }

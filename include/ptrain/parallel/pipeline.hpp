@@ -29,34 +29,89 @@
 // caches are alive at once, whatever m is. Both schedules do the same
 // arithmetic per micro-batch and have the same bubble, (p - 1) / (m + p - 1) of
 // each stage's time when forward and backward times are equal across stages;
-// 1F1B only bounds activation memory. Interleaved 1F1B (v chunks per rank) is
-// not offered: see docs/pipeline.md.
+// 1F1B only bounds activation memory.
+//
+// Interleaved (Megatron-LM's virtual pipeline stages) cuts the model into p·v
+// chunks; stage s holds chunks s, s + p, ..., s + (v - 1)p, so a micro-batch
+// goes round the ring of stages v times (the last stage's chunk k feeds the
+// first stage's chunk k + 1). Each stage runs m·v forwards and m·v backwards
+// of 1/v of its layers. Megatron's order: micro-batches in groups of p, each
+// group forward through the stage's chunk 0, 1, ..., v - 1 and backward
+// through v - 1, ..., 0 (detail::nth_action; hence m % p == 0); stage s runs
+// w = min(2(p - s - 1) + (v - 1)p, m·v) warm-up forwards, then pairs of one
+// forward and one backward, then drains. The ramp (p - 1 chunk times at each
+// end) is v times shorter, so the bubble is (p - 1) / (v·m) of the ideal time
+// (1F1B: (p - 1) / m). The price is memory: up to w + 1 chunk caches are
+// alive, (w + 1) / v stage-equivalents, e.g. stage 0 holds
+// (p + (p - 1) / v) stages' worth of activations against p under 1F1B, and v
+// times more messages go between stages.
 //
 // Note [Communication order]
 // Messages carry tag 0 and pair by order (Note [Point-to-point order] in
-// dist/communicator.hpp), as NCCL requires: every message from stage s to s + 1
-// is an activation (the shape message first, once), every message back a
-// gradient, both in micro-batch order on each side. After each forward or
-// backward a stage posts, in one group, the send of its result and the recv of
-// the next action's input, and waits for that recv before computing. The group
-// is what keeps NCCL from deadlocking, where a send may wait for its recv and
-// transfers run in order on one stream: in 1F1B stage s sends activation i and
-// then needs gradient j from s + 1, while s + 1 sends gradient j and then needs
-// activation i from s (Megatron-LM's send_forward_recv_backward). MPI and Gloo
-// start each transfer at once, so there the order of posting is what matters:
-// a recv is posted just before the compute that needs it, never earlier (the
-// Gloo backend reports p2p completions in posting order, so waiting on a later
-// gradient could otherwise depend on an earlier activation whose sender is
-// itself waiting for us). Sends are waited for only at the end of the step;
-// their tensors stay alive in a pending list until then.
+// dist/communicator.hpp), as NCCL requires. A schedule is a sequence of steps:
+// one action, or (Interleaved, after the warm-up) a forward and a backward
+// (PipelineAction::with_next). After each step a stage posts, in one group,
+// the sends of the step's results and the recvs of the next step's inputs (the
+// first step's before it starts), and waits for each recv just before the
+// compute that needs it. Recvs are thus posted in the order they are waited
+// for, which the Gloo backend needs (it reports p2p completions in posting
+// order: waiting on a recv posted after an unfinished one could depend on a
+// sender that is itself waiting for us). Sends are waited for only at the end
+// of the step; their tensors stay alive in a pending list until then.
+//
+// Pairing. Every stage runs the forwards in one order of (chunk, micro-batch)
+// and the backwards in another (nth_action), only their interleaving differs.
+// On the link s -> s + 1 (activations; gradients go the other way) the sender
+// produces the chunk-k outputs in that order and the receiver consumes them as
+// its chunk-k inputs in the same order. Across the wrap-around p - 1 -> 0 the
+// last stage's chunk k feeds chunk k + 1 of the first stage: within a group of
+// p micro-batches chunk k's forwards come right before chunk k + 1's, so the
+// order is kept (backwards: chunk k + 1's gradients of the first stage feed
+// chunk k of the last, likewise). With p = 2 the next and the previous stage
+// are one rank, and activations and gradients share a link in each direction
+// (their common order: below).
+//
+// Deadlock freedom under NCCL, where a send may wait for its recv and a rank's
+// transfers run in order on one stream, needs every group to be matched by
+// groups its neighbours can post without waiting for it. 1F1B: stage s sends
+// activation i and then needs gradient j from s + 1, while s + 1 sends
+// gradient j and then needs activation i (Megatron-LM's
+// send_forward_recv_backward); one action per step, the group holds the send
+// of its result and the recv of the next action's input. Interleaved: with one
+// action per step, a stage that just ran a backward would send its gradient
+// alone (its next forward reads a chunk-0 batch, no recv) while the peer sends
+// the next gradient before receiving that one, and both sends wait: a
+// deadlock. Megatron-LM's interleaved schedule therefore exchanges once per
+// forward-backward pair (send_forward_backward_recv_forward_backward): the
+// results of both and the inputs of the next pair travel in one group.
+// Number a stage's groups j = 0, 1, ... (group j before step j, empty ones
+// counted) and give group j of stage s the tick j + s: for m > p every
+// transfer, the wrap-around included, joins two groups of the same tick (the
+// warm-up of stage s is two actions, one step, longer than that of s + 1). A
+// group waits only for groups of its own tick, and each tick's groups are the
+// next ones posted on their ranks once the earlier ticks are done: no cycle of
+// waits. Within a group forward transfers come before backward ones on both
+// sides, which keeps the order of a p = 2 link carrying both. With m = p the
+// warm-up cap m·v makes some stages run all forwards first and the ticks no
+// longer line up exactly. A test ("interleaved transfers" in
+// tests/dist/pipeline/test_pipeline.cpp) replays every stage's groups under
+// these rules for p = 2..6, v = 1..4 and m up to 4p, shape messages included,
+// and finds every transfer paired and no deadlock; the pipelines also train
+// under NCCL's rules on the CPU (nccl_model.hpp). Eval runs only forwards,
+// one per step, in the same order.
+// MPI and Gloo start each transfer at once, so the groups are no-ops there.
 
 // Note [Shapes]
-// Shapes are agreed once, on the first train_step: each stage sends the shape
-// of its output (rank and dimensions as I64, a host buffer, outside any group)
-// to the next stage before the first activation; gradients flowing back have
-// the shape of the activation they belong to. Later steps must use the same micro-batch shape; a stage
-// that sees another one throws ShapeError (its neighbours then fail with a
-// CommError when it stops, or after the timeout).
+// Shapes are agreed once, on the first train_step (or eval_loss): before the
+// first activation of each chunk, a stage sends that chunk's output shape
+// (rank and dimensions as I64, a host buffer, outside any group) to the next
+// stage; gradients flowing back have the shape of the activation they belong
+// to. The receiver posts the shape's recv where the activation's would go,
+// ends the group there, waits for it (it sizes the activation's buffer) and
+// opens a new group for the activation and the rest of the step's inputs, so
+// the order on each link stays the sender's. Later steps must use the same
+// micro-batch shape; a stage that sees another one throws ShapeError (its
+// neighbours then fail with a CommError when it stops, or after the timeout).
 //
 // Note [Loss scaling]
 // Each micro-batch's loss is the mean over its rows (CrossEntropyLoss); its
@@ -171,36 +226,75 @@ inline StagePartition partition_balanced(const std::vector<double>& cost, int st
 }
 
 enum class Schedule {
-  GPipe,     ///< all forwards, then all backwards (m caches alive per stage)
-  OneFOneB,  ///< warm-up, one forward one backward, drain (at most p caches alive)
+  GPipe,        ///< all forwards, then all backwards (m caches alive per stage)
+  OneFOneB,     ///< warm-up, one forward one backward, drain (at most p caches alive)
+  Interleaved,  ///< 1F1B over v chunks per stage (PipelineOptions::virtual_stages; Megatron-LM's interleaved schedule)
 };
 
-inline const char* schedule_name(Schedule s) { return s == Schedule::GPipe ? "gpipe" : "1f1b"; }
+inline const char* schedule_name(Schedule s) {
+  return s == Schedule::GPipe ? "gpipe" : s == Schedule::OneFOneB ? "1f1b" : "interleaved";
+}
 
 /// One step of a stage's schedule.
 struct PipelineAction {
   enum Kind : char { Forward = 'F', Backward = 'B' } kind;
   int micro_batch;
+  int chunk = 0;           ///< which of the stage's v chunks (0 without virtual stages)
+  bool with_next = false;  ///< runs with the next action as one step (Note [Communication order])
+  bool operator==(const PipelineAction&) const = default;
 };
 
-/// The order in which `stage` of `stages` runs forwards and backwards of m micro-batches (Note [Schedules]).
-inline std::vector<PipelineAction> make_schedule(Schedule s, int stage, int stages, int m) {
+namespace detail {
+// The options a schedule needs (Note [Schedules]).
+inline void check_schedule(Schedule s, int stages, int m, int v) {
+  PTRAIN_CHECK(m >= 1, Error, "[ptrain.pipeline.micro_batches] micro_batches must be >= 1, got ", m);
+  PTRAIN_CHECK(v >= 1, Error, "[ptrain.pipeline.virtual_stages] virtual_stages must be >= 1, got ", v);
+  if (v == 1) return;
+  PTRAIN_CHECK(s == Schedule::Interleaved, Error, "[ptrain.pipeline.virtual_stages] virtual_stages = ", v,
+               " needs schedule = Schedule::Interleaved; ", schedule_name(s), " runs one chunk per stage");
+  PTRAIN_CHECK(stages >= 2, Error, "[ptrain.pipeline.virtual_stages] a pipeline of one stage holds the whole "
+               "model: use virtual_stages = 1");
+  PTRAIN_CHECK(m % stages == 0, Error, "[ptrain.pipeline.micro_batches] the interleaved schedule runs micro-batches "
+               "in groups of p = ", stages, " (the number of stages); micro_batches = ", m, " is not a multiple of ",
+               stages, ": use ", (m + stages - 1) / stages * stages, " or another multiple, or virtual_stages = 1");
+}
+
+// The k-th forward (or backward) of a stage: micro-batches in groups of p, each
+// group forward through chunks 0, 1, ..., v - 1 and backward through v - 1,
+// ..., 0 (Megatron-LM's order; micro-batch k, chunk 0 when v = 1).
+inline PipelineAction nth_action(PipelineAction::Kind kind, int k, int p, int v) {
+  const int chunk = k % (p * v) / p;
+  return {kind, k / (p * v) * p + k % p, kind == PipelineAction::Forward ? chunk : v - 1 - chunk};
+}
+}  // namespace detail
+
+/// The order in which `stage` of `stages` runs forwards and backwards of m micro-batches
+/// over its v chunks (Note [Schedules]); v > 1 only with Schedule::Interleaved.
+inline std::vector<PipelineAction> make_schedule(Schedule s, int stage, int stages, int m, int virtual_stages = 1) {
   PTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && m >= 1, Error, "[ptrain.pipeline.schedule] stage ",
                stage, " of ", stages, " with ", m, " micro-batches is invalid");
+  detail::check_schedule(s, stages, m, virtual_stages);
+  const int v = virtual_stages, n = m * v;
+  auto forward = [&](int k) { return detail::nth_action(PipelineAction::Forward, k, stages, v); };
+  auto backward = [&](int k) { return detail::nth_action(PipelineAction::Backward, k, stages, v); };
   std::vector<PipelineAction> out;
+  int f = 0, b = 0;
   if (s == Schedule::GPipe) {
-    for (int i = 0; i < m; ++i) out.push_back({PipelineAction::Forward, i});
-    for (int i = 0; i < m; ++i) out.push_back({PipelineAction::Backward, i});
+    for (; f < n; ++f) out.push_back(forward(f));
+    for (; b < n; ++b) out.push_back(backward(b));
     return out;
   }
-  const int warmup = std::min(stages - stage - 1, m);
-  int f = 0, b = 0;
-  for (; f < warmup; ++f) out.push_back({PipelineAction::Forward, f});
-  for (; f < m; ++f, ++b) {
-    out.push_back({PipelineAction::Forward, f});
-    out.push_back({PipelineAction::Backward, b});
+  // Interleaved with v = 1 is 1F1B.
+  const bool interleaved = v > 1;
+  const int warmup = interleaved ? std::min((stages - stage - 1) * 2 + (v - 1) * stages, n)
+                                 : std::min(stages - stage - 1, m);
+  for (; f < warmup; ++f) out.push_back(forward(f));
+  for (; f < n; ++f, ++b) {
+    out.push_back(forward(f));
+    out.back().with_next = interleaved;  // Note [Communication order]: one exchange per pair
+    out.push_back(backward(b));
   }
-  for (; b < m; ++b) out.push_back({PipelineAction::Backward, b});
+  for (; b < n; ++b) out.push_back(backward(b));
   return out;
 }
 
@@ -210,12 +304,16 @@ struct PipelineEvent {
   int micro_batch;
   char kind;  ///< 'F' or 'B'
   double start, end;
+  int chunk = 0;  ///< which of the stage's chunks (Schedule::Interleaved)
 };
 
 template <class T>
 struct PipelineOptions {
   Schedule schedule = Schedule::OneFOneB;
   int micro_batches = 1;  ///< m; the batch's first dimension must be divisible by it
+  /// v, with Schedule::Interleaved: the model is cut into p * v chunks (the partition's "stages") and
+  /// stage s holds chunks s, s + p, ..., s + (v - 1)p; m must be a multiple of p. 1: one chunk per stage.
+  int virtual_stages = 1;
   /// Parameter-name prefix of each unit (e.g. GPT's unit_names()); default: the unit index.
   std::vector<std::string> unit_names = {};
   /// Loss on the last stage; default: mean cross-entropy over the rows of the output.
@@ -275,26 +373,36 @@ class Pipeline : public Engine<T> {
   /// Builds unit u of the model; called only for this stage's units, in increasing u.
   using UnitFactory = std::function<std::shared_ptr<nn::Module<T>>(std::size_t unit)>;
 
-  /// Collective over `comm` (size == partition.num_stages()). `comm` (and
-  /// options.data_parallel) must outlive the pipeline.
+  /// Collective over `comm` (size * options.virtual_stages == partition.num_stages()).
+  /// `comm` (and options.data_parallel) must outlive the pipeline.
   Pipeline(dist::Communicator& comm, std::size_t num_units, const UnitFactory& factory, StagePartition partition,
            PipelineOptions<T> options = {})
       : comm_(comm), part_(std::move(partition)), opt_(std::move(options)) {
     PTRAIN_CHECK(part_.num_units() == num_units, Error, "[ptrain.pipeline.partition] the partition covers ",
                  part_.num_units(), " units but the model has ", num_units);
-    PTRAIN_CHECK(part_.num_stages() == comm_.size(), Error, "[ptrain.pipeline.stages] the partition has ",
-                 part_.num_stages(), " stages but the pipeline group has ", comm_.size(),
-                 " ranks; cut the model into exactly one stage per rank of the group");
-    PTRAIN_CHECK(opt_.micro_batches >= 1, Error, "[ptrain.pipeline.micro_batches] micro_batches must be >= 1, got ",
-                 opt_.micro_batches);
     PTRAIN_CHECK(opt_.unit_names.empty() || opt_.unit_names.size() == num_units, Error,
                  "[ptrain.pipeline.names] ", opt_.unit_names.size(), " unit names for ", num_units, " units");
+    const int p = comm_.size(), v = opt_.virtual_stages;
+    detail::check_schedule(opt_.schedule, p, opt_.micro_batches, v);
+    PTRAIN_CHECK(part_.num_stages() == p * v, Error, "[ptrain.pipeline.stages] the partition has ",
+                 part_.num_stages(), " stages but the pipeline group has ", p, " ranks",
+                 v > 1 ? detail::cat(" x ", v, " virtual stages = ", p * v, " chunks") : std::string(),
+                 "; cut the model into exactly one ", v > 1 ? "chunk per rank and virtual stage" : "stage per rank",
+                 " of the group (partition_balanced(costs, ", v > 1 ? "p * v" : "p", "))");
     stage_ = comm_.rank();
-    for (std::size_t u = part_.begin(stage_); u < part_.end(stage_); ++u) {
-      auto unit = factory(u);
-      PTRAIN_CHECK(unit != nullptr, Error, "[ptrain.pipeline.factory] the unit factory returned null for unit ", u);
-      module_.add(opt_.unit_names.empty() ? std::to_string(u) : opt_.unit_names[u], std::move(unit));
+    // Note [Schedules]: chunk c of this stage is the model's chunk c * p + stage.
+    for (int c = 0; c < v; ++c) {
+      auto& chunk = *chunks_.emplace_back(std::make_unique<detail::StageModule<T>>());
+      for (std::size_t u = part_.begin(c * p + stage_); u < part_.end(c * p + stage_); ++u) {
+        auto unit = factory(u);
+        PTRAIN_CHECK(unit != nullptr, Error, "[ptrain.pipeline.factory] the unit factory returned null for unit ", u);
+        const std::string name = opt_.unit_names.empty() ? std::to_string(u) : opt_.unit_names[u];
+        chunk.add(name, unit);
+        module_.add(name, std::move(unit));
+      }
     }
+    in_shape_.resize(static_cast<std::size_t>(v));
+    out_shape_.resize(static_cast<std::size_t>(v));
     reject_borrowed_across_stages();
     // A stage without parameters has empty flat buffers, so an optimizer is built
     // (and stepped) on every stage alike.
@@ -358,20 +466,35 @@ class Pipeline : public Engine<T> {
   }
 
   int stage() const { return stage_; }
-  int num_stages() const { return part_.num_stages(); }
+  /// Ranks of the pipeline (p).
+  int num_stages() const { return comm_.size(); }
+  /// Chunks per stage (v; Schedule::Interleaved).
+  int virtual_stages() const { return opt_.virtual_stages; }
   bool is_first() const { return stage_ == 0; }
   bool is_last() const { return stage_ == num_stages() - 1; }
+  /// The model's p * v chunks (p stages without virtual stages).
   const StagePartition& partition() const { return part_; }
+  /// The units `stage` holds, in increasing order: those of its chunks stage, stage + p, ...
+  std::vector<std::size_t> units_of(int stage) const {
+    std::vector<std::size_t> units;
+    for (int k = stage; k < part_.num_stages(); k += num_stages())
+      for (std::size_t u = part_.begin(k); u < part_.end(k); ++u) units.push_back(u);
+    return units;
+  }
   const PipelineOptions<T>& options() const { return opt_; }
   /// Changes the number of micro-batches for later steps (shapes are re-agreed).
   void set_micro_batches(int m) {
-    PTRAIN_CHECK(m >= 1, Error, "[ptrain.pipeline.micro_batches] micro_batches must be >= 1, got ", m);
+    detail::check_schedule(opt_.schedule, num_stages(), m, opt_.virtual_stages);
     opt_.micro_batches = m;
     shapes_agreed_ = false;
   }
-  void set_schedule(Schedule s) { opt_.schedule = s; }
+  /// Another schedule for later steps; with virtual stages only Interleaved.
+  void set_schedule(Schedule s) {
+    detail::check_schedule(s, num_stages(), opt_.micro_batches, opt_.virtual_stages);
+    opt_.schedule = s;
+  }
 
-  /// This stage's units in one module; parameter names are "<unit name>.<param>".
+  /// This stage's units (of all its chunks) in one module; parameter names are "<unit name>.<param>".
   nn::Module<T>& module() { return module_; }
   bool has_parameters() const override { return !flat_->entries().empty(); }
   /// The stage's parameters in flat buffers (for the optimizer); empty buffers on a stage without parameters.
@@ -381,21 +504,27 @@ class Pipeline : public Engine<T> {
   const std::vector<PipelineEvent>& timeline() const { return events_; }
   /// Steady-clock time at which the last train_step started on this stage.
   double step_start() const { return step_start_; }
-  /// Most micro-batch caches alive at once in the last train_step (Note [Schedules]).
+  /// Most micro-batch caches (one per chunk and micro-batch) alive at once in the last train_step (Note [Schedules]).
   int peak_live_caches() const { return peak_live_; }
   /// Micro-batch caches alive now (0 between steps: each is freed when its backward ran).
   int live_caches() const { return static_cast<int>(caches_.size()); }
 
  private:
-  // What one micro-batch keeps between its forward and its backward.
+  // What one micro-batch keeps between a chunk's forward and its backward.
   struct MicroBatch {
-    nn::Cache<T> cache;       // the stage's activations
-    Tensor<T> dout;           // last stage: gradient of the scaled loss
+    nn::Cache<T> cache;       // the chunk's activations
+    Tensor<T> dout;           // the model's last chunk: gradient of the scaled loss
   };
   struct Pending {  // a transfer in flight and the buffer it reads or writes
     std::shared_ptr<dist::Work> work;
     Tensor<T> keep;  // the buffer must outlive the transfer
   };
+  struct Incoming {  // the input of a later action, being received
+    PipelineAction action;
+    Tensor<T> buffer;
+    std::shared_ptr<dist::Work> work;
+  };
+  using Results = std::vector<std::pair<PipelineAction, Tensor<T>>>;  // a step's outputs for the neighbours
 
   static PipelineOptions<T> with_data_group(PipelineOptions<T> o, Mesh& mesh) {
     o.data_parallel = &mesh.data_group();
@@ -415,7 +544,7 @@ class Pipeline : public Engine<T> {
 
   template <class In>
   double run_step(const Tensor<In>& input, const Targets<T>& targets, bool training, bool zero) {
-    const int m = opt_.micro_batches, p = num_stages();
+    const int m = opt_.micro_batches, p = num_stages(), v = opt_.virtual_stages;
     if (is_first()) check_batch(input, "input");
     if (is_last()) check_batch(targets, "targets");
     if (training && zero) zero_grad();
@@ -427,29 +556,18 @@ class Pipeline : public Engine<T> {
     agreeing_ = !shapes_agreed_;
     step_start_ = detail::steady_seconds();
     try {
-      // Note [Communication order]: each action's result goes out in one group with the next action's input.
       std::vector<PipelineAction> plan;
-      if (training) plan = make_schedule(opt_.schedule, stage_, p, m);
-      else for (int mb = 0; mb < m; ++mb) plan.push_back({PipelineAction::Forward, mb});
-      if (agreeing_ && !is_first()) in_shape_ = recv_shape();
-      post_recv(plan.front());
+      if (training) plan = make_schedule(opt_.schedule, stage_, p, m, v);
+      else for (int k = 0; k < m * v; ++k) plan.push_back(detail::nth_action(PipelineAction::Forward, k, p, v));
+      // Note [Communication order]: after each step, its results go out in one group with the next step's inputs.
+      Results results;
+      exchange(results, plan, 0);
       for (std::size_t k = 0; k < plan.size(); ++k) {
         const PipelineAction& a = plan[k];
-        Tensor<T> out = a.kind == PipelineAction::Forward ? forward_one(a.micro_batch, input, targets)
-                                                          : backward_one(a.micro_batch);
-        const bool recv_next = k + 1 < plan.size() && source_of(plan[k + 1]) >= 0;
-        if (out.defined() || recv_next) {
-          doing_ = "posting the transfers to the neighbouring stages";
-          detail::P2PGroup group(comm_);
-          dist::CollectiveLabel label("pipeline.activation");
-          if (out.defined()) {
-            const int peer = a.kind == PipelineAction::Forward ? stage_ + 1 : stage_ - 1;
-            sends_.push_back(
-                {comm_.send_async(out.data(), static_cast<std::size_t>(out.numel()), dtype_of<T>(), peer), out});
-          }
-          if (recv_next) post_recv(plan[k + 1]);
-          group.end();
-        }
+        Tensor<T> out = a.kind == PipelineAction::Forward ? forward_one(a, input, targets) : backward_one(a);
+        if (out.defined()) results.emplace_back(a, std::move(out));
+        if (a.with_next) continue;
+        exchange(results, plan, k + 1);
         reap_sends(false);
       }
       reap_sends(true);
@@ -495,14 +613,71 @@ class Pipeline : public Engine<T> {
                    "pipeline cannot share a weight between stages: build the model untied (tie_weights = false)");
   }
 
-  void record(char kind, int mb, double t0) {
-    events_.push_back({stage_, mb, kind, t0, detail::steady_seconds()});
+  void record(const PipelineAction& a, double t0) {
+    const char kind = static_cast<char>(a.kind);
+    events_.push_back({stage_, a.micro_batch, kind, t0, detail::steady_seconds(), a.chunk});
     if (obs::tracing())  // the same clock: trace_now_us() is steady_seconds() in microseconds
       obs::Tracer::get().complete(kind == 'F' ? "pipeline.forward" : "pipeline.backward", "pipeline", t0 * 1e6,
-                                  events_.back().end * 1e6, mb);
+                                  events_.back().end * 1e6, a.micro_batch);
   }
 
-  // Note [Shapes]: sends this stage's output shape once, before the first activation.
+  // The ring of stages (Note [Schedules]): activations go to the next stage, gradients to the previous one.
+  int next_stage() const { return (stage_ + 1) % num_stages(); }
+  int prev_stage() const { return (stage_ + num_stages() - 1) % num_stages(); }
+  // Whether this stage's chunk c is the model's first (reads the input) or last (computes the loss).
+  bool holds_input(int c) const { return is_first() && c == 0; }
+  bool holds_loss(int c) const { return is_last() && c == opt_.virtual_stages - 1; }
+  // The stage an action takes its input from, or -1 (the input batch, the loss).
+  int source_of(const PipelineAction& a) const {
+    if (a.kind == PipelineAction::Forward) return holds_input(a.chunk) ? -1 : prev_stage();
+    return holds_loss(a.chunk) ? -1 : next_stage();
+  }
+  // The stage an action's result goes to, or -1.
+  int dest_of(const PipelineAction& a) const {
+    if (a.kind == PipelineAction::Forward) return holds_loss(a.chunk) ? -1 : next_stage();
+    return holds_input(a.chunk) ? -1 : prev_stage();
+  }
+  // Note [Shapes]: a chunk's first activation is preceded by its shape in the first step.
+  bool carries_shape(const PipelineAction& a) const {
+    return agreeing_ && a.kind == PipelineAction::Forward && a.micro_batch == 0;
+  }
+
+  // Note [Communication order]: in one group, the sends of a step's results and
+  // the recvs of the inputs of the step that starts at plan[next].
+  void exchange(Results& results, const std::vector<PipelineAction>& plan, std::size_t next) {
+    std::vector<PipelineAction> inputs;
+    for (std::size_t k = next; k < plan.size(); ++k) {
+      if (source_of(plan[k]) >= 0) inputs.push_back(plan[k]);
+      if (!plan[k].with_next) break;
+    }
+    if (results.empty() && inputs.empty()) return;
+    doing_ = "posting the transfers to the neighbouring stages";
+    dist::CollectiveLabel label("pipeline.activation");
+    std::optional<detail::P2PGroup> group(std::in_place, comm_);
+    for (auto& [a, out] : results)
+      sends_.push_back(
+          {comm_.send_async(out.data(), static_cast<std::size_t>(out.numel()), dtype_of<T>(), dest_of(a)), out});
+    results.clear();
+    for (const PipelineAction& a : inputs) {
+      if (carries_shape(a)) {  // it sizes the activation's buffer: end the group and wait for it
+        shape_in_.fill(0);
+        auto work = comm_.recv_async(shape_in_.data(), shape_in_.size(), DType::I64, source_of(a));
+        group->end();
+        doing_ = "receiving an activation shape from the previous stage";
+        work->wait();
+        const std::int64_t dims = shape_in_[0];
+        PTRAIN_CHECK(dims >= 1 && dims <= detail::kMaxShapeDims, CommError, "[ptrain.pipeline.shape] stage ",
+                     stage_, " got a corrupt shape message from stage ", source_of(a));
+        in_shape_[static_cast<std::size_t>(a.chunk)] =
+            Shape(std::vector<std::int64_t>(shape_in_.begin() + 1, shape_in_.begin() + 1 + dims));
+        group.emplace(comm_);
+      }
+      post_recv(a);
+    }
+    group->end();
+  }
+
+  // Note [Shapes]: sends the shape of chunk c's output once, before its first activation.
   void send_shape(const Shape& s) {
     PTRAIN_CHECK(s.size() <= detail::kMaxShapeDims, ShapeError, "[ptrain.pipeline.shape] activations of rank ",
                  s.size(), " exceed ", detail::kMaxShapeDims, " dimensions");
@@ -510,68 +685,58 @@ class Pipeline : public Engine<T> {
     msg.fill(0);
     msg[0] = s.size();
     for (int i = 0; i < s.size(); ++i) msg[static_cast<std::size_t>(i) + 1] = s[i];
-    sends_int_.push_back(comm_.send_async(msg.data(), msg.size(), DType::I64, stage_ + 1));
-  }
-  Shape recv_shape() {
-    std::vector<std::int64_t> msg(detail::kMaxShapeDims + 1, 0);
-    doing_ = "receiving the activation shape from the previous stage";
-    comm_.recv(msg.data(), msg.size(), DType::I64, stage_ - 1);
-    PTRAIN_CHECK(msg[0] >= 1 && msg[0] <= detail::kMaxShapeDims, CommError, "[ptrain.pipeline.shape] stage ",
-                 stage_, " got a corrupt shape message from stage ", stage_ - 1);
-    return Shape(std::vector<std::int64_t>(msg.begin() + 1, msg.begin() + 1 + msg[0]));
+    sends_int_.push_back(comm_.send_async(msg.data(), msg.size(), DType::I64, next_stage()));
   }
 
-  // The neighbour an action takes its input from, or -1 (first stage's forwards, last stage's backwards).
-  int source_of(const PipelineAction& a) const {
-    if (a.kind == PipelineAction::Forward) return is_first() ? -1 : stage_ - 1;
-    return is_last() ? -1 : stage_ + 1;
-  }
-
-  // Posts the recv of action a's input into incoming_ (Note [Communication order]).
+  // Posts the recv of action a's input (inside exchange()'s group).
   void post_recv(const PipelineAction& a) {
-    const int peer = source_of(a);
-    if (peer < 0) return;
-    const bool fwd = a.kind == PipelineAction::Forward;
-    incoming_ = Tensor<T>::empty(fwd ? in_shape_ : out_shape_, device_);
-    incoming_action_ = a;
-    dist::CollectiveLabel label("pipeline.activation");
-    incoming_work_ = comm_.recv_async(incoming_.data(), static_cast<std::size_t>(incoming_.numel()), dtype_of<T>(),
-                                      peer);
+    const auto c = static_cast<std::size_t>(a.chunk);
+    Incoming& in = incoming_.emplace_back();
+    in.action = a;
+    in.buffer = Tensor<T>::empty(a.kind == PipelineAction::Forward ? in_shape_[c] : out_shape_[c], device_);
+    in.work = comm_.recv_async(in.buffer.data(), static_cast<std::size_t>(in.buffer.numel()), dtype_of<T>(),
+                               source_of(a));
   }
   // doing_ in words; a receive names what it waits for.
   std::string doing() const {
-    if (doing_ != kReceiving) return doing_;
-    const PipelineAction& a = incoming_action_;
+    if (doing_ != kReceiving || incoming_.empty()) return doing_;
+    const PipelineAction& a = incoming_.front().action;
     const bool fwd = a.kind == PipelineAction::Forward;
     return detail::cat("receiving ", fwd ? "the activation" : "the gradient", " of micro-batch ", a.micro_batch,
+                       opt_.virtual_stages > 1 ? detail::cat(" (chunk ", a.chunk, ")") : std::string(),
                        " from stage ", source_of(a));
   }
-  // Waits for the recv post_recv() started; returns its tensor.
-  Tensor<T> take_recv() {
+  // Waits for the input of action a, the oldest recv posted; returns its tensor.
+  Tensor<T> take_recv(const PipelineAction& a) {
+    PTRAIN_CHECK(!incoming_.empty() && incoming_.front().action == a, Error, "[ptrain.pipeline.schedule] the "
+                 "input of micro-batch ", a.micro_batch, " was not posted before its ",
+                 a.kind == PipelineAction::Forward ? "forward" : "backward", " (a schedule without its exchange)");
     doing_ = kReceiving;
-    incoming_work_->wait();
-    incoming_work_.reset();
-    return std::exchange(incoming_, Tensor<T>());
+    incoming_.front().work->wait();
+    Tensor<T> x = std::move(incoming_.front().buffer);
+    incoming_.pop_front();
+    return x;
   }
 
-  // Runs micro-batch mb's forward; returns the activation for the next stage (undefined on the last).
+  // Runs the forward of action a; returns the activation for the next stage (undefined for the model's last chunk).
   template <class In>
-  Tensor<T> forward_one(int mb, const Tensor<In>& input, const Targets<T>& targets) {
-    const int m = opt_.micro_batches;
-    Tensor<In> first;  // the first stage's micro-batch
-    Tensor<T> x;       // a later stage's activation from the previous stage
-    if (is_first()) {
+  Tensor<T> forward_one(const PipelineAction& a, const Tensor<In>& input, const Targets<T>& targets) {
+    const int m = opt_.micro_batches, mb = a.micro_batch;
+    const auto c = static_cast<std::size_t>(a.chunk);
+    Tensor<In> first;  // the first chunk's micro-batch
+    Tensor<T> x;       // a later chunk's activation from the previous stage
+    if (holds_input(a.chunk)) {
       const std::int64_t rows = input.size(0) / m;
       first = input.narrow(mb * rows, rows);
-      if (agreeing_ && mb == 0) in_shape_ = first.shape();
-      PTRAIN_CHECK(first.shape() == in_shape_, ShapeError, "[ptrain.pipeline.shape] the micro-batch shape ",
-                   first.shape(), " differs from ", in_shape_, " agreed on the first step; keep the batch size "
+      if (agreeing_ && mb == 0) in_shape_[0] = first.shape();
+      PTRAIN_CHECK(first.shape() == in_shape_[0], ShapeError, "[ptrain.pipeline.shape] the micro-batch shape ",
+                   first.shape(), " differs from ", in_shape_[0], " agreed on the first step; keep the batch size "
                    "fixed (drop a last partial batch) or call set_micro_batches() on every stage to agree again");
     } else {
-      x = take_recv();
+      x = take_recv(a);
     }
     const double t0 = detail::steady_seconds();
-    auto [it, fresh] = caches_.try_emplace(mb);
+    auto [it, fresh] = caches_.try_emplace({a.chunk, mb});
     PTRAIN_CHECK(fresh, Error, "[ptrain.pipeline.schedule] micro-batch ", mb, " ran forward twice");
     peak_live_ = std::max(peak_live_, static_cast<int>(caches_.size()));
     MicroBatch& state = it->second;
@@ -583,24 +748,25 @@ class Pipeline : public Engine<T> {
         nn::detail::set_batch_ids(state.cache, input.narrow(mb * rows, rows));
       }
     }
+    detail::StageModule<T>& chunk = *chunks_[c];
     Tensor<T> y;
-    if (!is_first()) y = module_.forward(x, state.cache);
-    else if constexpr (std::is_same_v<In, std::int32_t>) y = module_.forward_tokens(first, state.cache);
-    else y = module_.forward(first, state.cache);
-    if (is_last()) {
+    if (!holds_input(a.chunk)) y = chunk.forward(x, state.cache);
+    else if constexpr (std::is_same_v<In, std::int32_t>) y = chunk.forward_tokens(first, state.cache);
+    else y = chunk.forward(first, state.cache);
+    if (holds_loss(a.chunk)) {
       const std::int64_t rows = targets.size(0) / m;
       loss_sum_ += compute_loss(y, targets.narrow(mb * rows, rows), training_ ? &state.dout : nullptr);
     }
     if (!training_) caches_.erase(it);  // evaluation: nothing to keep for a backward
-    record('F', mb, t0);
-    if (is_last()) return {};
-    if (agreeing_ && mb == 0) {
-      out_shape_ = y.shape();
-      send_shape(out_shape_);
+    record(a, t0);
+    if (holds_loss(a.chunk)) return {};
+    if (carries_shape(a)) {
+      out_shape_[c] = y.shape();
+      send_shape(out_shape_[c]);
     }
-    PTRAIN_CHECK(y.shape() == out_shape_, ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
+    PTRAIN_CHECK(y.shape() == out_shape_[c], ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
                  " produced an activation of shape ", y.shape(), " but the shape agreed on the first step is ",
-                 out_shape_, "; keep the batch size and sequence length fixed across steps");
+                 out_shape_[c], "; keep the batch size and sequence length fixed across steps");
     return y;
   }
 
@@ -609,25 +775,26 @@ class Pipeline : public Engine<T> {
     return this->loss(y, t, dout, grad_scale_ / opt_.micro_batches);
   }
 
-  // Runs micro-batch mb's backward; returns the input gradient for the previous stage (undefined on the first).
-  Tensor<T> backward_one(int mb) {
-    auto it = caches_.find(mb);
-    PTRAIN_CHECK(it != caches_.end(), Error, "[ptrain.pipeline.schedule] backward of micro-batch ", mb,
+  // Runs the backward of action a; returns the input gradient for the previous stage (undefined for chunk 0 of the model).
+  Tensor<T> backward_one(const PipelineAction& a) {
+    auto it = caches_.find({a.chunk, a.micro_batch});
+    PTRAIN_CHECK(it != caches_.end(), Error, "[ptrain.pipeline.schedule] backward of micro-batch ", a.micro_batch,
                  " before its forward");
-    Tensor<T> dy = is_last() ? it->second.dout : take_recv();
+    Tensor<T> dy = holds_loss(a.chunk) ? it->second.dout : take_recv(a);
     const double t0 = detail::steady_seconds();
-    Tensor<T> dx = module_.backward(dy, it->second.cache);
+    Tensor<T> dx = chunks_[static_cast<std::size_t>(a.chunk)]->backward(dy, it->second.cache);
     caches_.erase(it);  // the activations of this micro-batch are no longer needed
     // The stage's gradients are final: average them over the replicas while
     // earlier stages still run their backwards.
-    if (++backwards_done_ == opt_.micro_batches && this->syncing() && opt_.data_parallel &&
+    if (++backwards_done_ == opt_.micro_batches * opt_.virtual_stages && this->syncing() && opt_.data_parallel &&
         opt_.data_parallel->size() > 1 && has_parameters())
       dp_work_ = opt_.data_parallel->all_reduce_async(flat_->grads(), dist::ReduceOp::Avg);
-    record('B', mb, t0);
-    if (is_first()) return {};
-    PTRAIN_CHECK(dx.defined() && dx.shape() == in_shape_, ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
+    record(a, t0);
+    if (holds_input(a.chunk)) return {};
+    const Shape& in = in_shape_[static_cast<std::size_t>(a.chunk)];
+    PTRAIN_CHECK(dx.defined() && dx.shape() == in, ShapeError, "[ptrain.pipeline.shape] stage ", stage_,
                  " returned an input gradient of shape ", dx.defined() ? dx.shape().str() : std::string("(none)"),
-                 " for an input of shape ", in_shape_, "; every unit after the first must return dx");
+                 " for an input of shape ", in, "; every unit after the first must return dx");
     return dx;
   }
 
@@ -648,12 +815,13 @@ class Pipeline : public Engine<T> {
     if (done) sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(done));
   }
 
-  // After a failure: drop every micro-batch. Send buffers stay alive (the
-  // failed communicator may still hold them) until the pipeline is destroyed.
+  // After a failure: drop every micro-batch. Buffers of transfers in flight stay
+  // alive (the failed communicator may still hold them) until the pipeline is destroyed.
   void abandon() {
     caches_.clear();
     abandoned_.insert(abandoned_.end(), sends_.begin(), sends_.end());
-    if (incoming_work_) abandoned_.push_back({std::exchange(incoming_work_, nullptr), std::exchange(incoming_, {})});
+    for (auto& in : incoming_) abandoned_.push_back({std::move(in.work), std::move(in.buffer)});
+    incoming_.clear();
     sends_.clear();
     sends_int_.clear();
     dp_work_.reset();
@@ -664,21 +832,21 @@ class Pipeline : public Engine<T> {
   StagePartition part_;
   PipelineOptions<T> opt_;
   int stage_ = 0;
-  detail::StageModule<T> module_;
+  detail::StageModule<T> module_;  // every unit of the stage (parameters, names, train())
+  std::vector<std::unique_ptr<detail::StageModule<T>>> chunks_;  // the same units by chunk (forward, backward)
   std::unique_ptr<nn::FlatParameters<T>> flat_;
-  std::map<int, MicroBatch> caches_;
+  std::map<std::pair<int, int>, MicroBatch> caches_;  // by (chunk, micro-batch)
   Device device_ = Device::cpu();  // of the parameters, where activations are received
   int peak_live_ = 0, backwards_done_ = 0;
   double loss_sum_ = 0;
   double grad_scale_ = 1.0;  // of the forward_backward() in progress
   bool shapes_agreed_ = false, agreeing_ = false, training_ = true;
-  Shape in_shape_, out_shape_;
-  Tensor<T> incoming_;  // the next action's input, being received
-  std::shared_ptr<dist::Work> incoming_work_;
-  PipelineAction incoming_action_{};
+  std::vector<Shape> in_shape_, out_shape_;  // by chunk
+  std::deque<Incoming> incoming_;            // in posting order, which is the order of use
   std::vector<Pending> sends_, abandoned_;
   std::vector<std::shared_ptr<dist::Work>> sends_int_;
   std::deque<std::array<std::int64_t, detail::kMaxShapeDims + 1>> shape_msgs_;
+  std::array<std::int64_t, detail::kMaxShapeDims + 1> shape_in_{};
   std::shared_ptr<dist::Work> dp_work_;
   std::vector<PipelineEvent> events_;
   double step_start_ = 0;
