@@ -91,13 +91,27 @@ std::vector<double> param_costs() {
   return c;
 }
 
-// Pipeline over `pp_comm` (one replica of `dp` with index `replica`) against the reference.
+// Warm-up forwards of stage s under the interleaved schedule (Megatron-LM's count) and
+// the most chunk caches it then holds: every forward of the warm-up, plus one in the steady phase.
+int interleaved_warmup(int s, int p, int m, int v) { return std::min(2 * (p - s - 1) + (v - 1) * p, m * v); }
+int interleaved_peak(int s, int p, int m, int v) {
+  const int w = interleaved_warmup(s, p, m, v);
+  return w == m * v ? w : w + 1;
+}
+// The most caches alive on stage s (Note [Schedules]): GPipe all m, 1F1B p - s.
+int want_peak(Schedule sched, int s, int p, int m, int v) {
+  if (sched == Schedule::GPipe) return m;
+  return v > 1 ? interleaved_peak(s, p, m, v) : std::min(p - s, m);
+}
+
+// Pipeline over `pp_comm` (one replica of `dp` with index `replica`) against the reference;
+// `part` has p * v chunks.
 void check_pipeline(dist::Communicator& pp_comm, dist::Communicator* dp_comm, Schedule sched, int m, Opt kind,
-                    const parallel::StagePartition& part) {
+                    const parallel::StagePartition& part, int v = 1) {
   const int p = pp_comm.size(), s = pp_comm.rank();
   const int dp = dp_comm ? dp_comm->size() : 1, replica = dp_comm ? dp_comm->rank() : 0;
-  // Global rows: divisible by dp * m (m = 4 in meshes, up to 8 without data parallelism).
-  const std::int64_t B = dp == 3 ? 24 : 16, steps = 3;
+  // Global rows: divisible by dp * m (m = 4 in meshes, up to 8 without data parallelism; 3 and 6 interleaved).
+  const std::int64_t B = dp == 3 || m % 3 == 0 ? 24 : 16, steps = 3;
   std::vector<std::pair<Tensor<float>, Tensor<std::int32_t>>> global;
   for (std::int64_t i = 0; i < steps; ++i) {
     auto b = make_batch(B, 77 + static_cast<std::uint64_t>(i));
@@ -108,7 +122,7 @@ void check_pipeline(dist::Communicator& pp_comm, dist::Communicator* dp_comm, Sc
   auto ref_losses = train_reference(*ref, ref_p, kind, global);
 
   parallel::Pipeline<float> pipe(pp_comm, kUnits, make_unit, part,
-                                 {.schedule = sched, .micro_batches = m, .data_parallel = dp_comm});
+                                 {.schedule = sched, .micro_batches = m, .virtual_stages = v, .data_parallel = dp_comm});
   auto opt = make_opt(kind, pipe.parameters());
   const std::int64_t rows = B / dp;
   for (std::int64_t i = 0; i < steps; ++i) {
@@ -116,21 +130,22 @@ void check_pipeline(dist::Communicator& pp_comm, dist::Communicator* dp_comm, Sc
     const double loss = pipe.train_step(x.narrow(replica * rows, rows), y.narrow(replica * rows, rows));
     opt->step();
     INFO("stage " << s << " of " << p << ", replica " << replica << " of " << dp << ", " << schedule_name(sched)
-                  << ", m = " << m << ", step " << i);
+                  << ", m = " << m << ", v = " << v << ", step " << i);
     // Each replica's loss is the mean over its rows; averaged over replicas it is the global mean.
     CHECK(std::abs(loss - ref_losses[static_cast<std::size_t>(i)]) <= 1e-5 * std::abs(ref_losses[static_cast<std::size_t>(i)]));
-    // Counted, not timed (Note [Schedules]): GPipe holds all m, 1F1B at most p - s.
-    const int want_peak = sched == Schedule::GPipe ? m : std::min(p - s, m);
-    CHECK(pipe.peak_live_caches() == want_peak);
-    CHECK(pipe.peak_live_caches() <= (sched == Schedule::GPipe ? m : p));
+    // Counted, not timed (Note [Schedules]): GPipe holds all m, 1F1B at most p - s, interleaved
+    // its warm-up + 1 chunk caches (at most m * v).
+    CHECK(pipe.peak_live_caches() == want_peak(sched, s, p, m, v));
+    CHECK(pipe.peak_live_caches() <= (sched == Schedule::GPipe ? m : v > 1 ? std::min(m * v, (v + 1) * p) : p));
     CHECK(pipe.live_caches() == 0);
-    // The timeline follows the schedule: 2m events, in make_schedule's order.
-    auto plan = parallel::make_schedule(sched, s, p, m);
+    // The timeline follows the schedule: 2mv events, in make_schedule's order.
+    auto plan = parallel::make_schedule(sched, s, p, m, v);
     const auto& tl = pipe.timeline();
     CHECK(tl.size() == plan.size());
     for (std::size_t k = 0; k < std::min(tl.size(), plan.size()); ++k) {
       CHECK(tl[k].kind == static_cast<char>(plan[k].kind));
       CHECK(tl[k].micro_batch == plan[k].micro_batch);
+      CHECK(tl[k].chunk == plan[k].chunk);
       CHECK(tl[k].end >= tl[k].start);
       if (k) CHECK(tl[k].start >= tl[k - 1].end);
     }
@@ -223,6 +238,239 @@ TEST_CASE("schedules: each micro-batch runs forward then backward once; 1F1B kee
         }
 }
 
+namespace {
+
+// A plan as "F<chunk>.<micro-batch>" / "B<chunk>.<micro-batch>", a step's forward and backward joined by '+'.
+std::string plan_str(const std::vector<parallel::PipelineAction>& plan) {
+  std::string out;
+  for (const auto& a : plan)
+    out += ptrain::detail::cat(static_cast<char>(a.kind), a.chunk, ".", a.micro_batch, a.with_next ? "+" : " ");
+  if (!out.empty()) out.pop_back();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("interleaved schedule: Megatron-LM's order, by hand for small cases", "[pipeline][interleaved]") {
+  using parallel::make_schedule;
+  // p = 2, v = 2, m = 4. Micro-batches in groups of p: the forwards (chunk.micro-batch) run
+  // 0.0 0.1 1.0 1.1 0.2 0.3 1.2 1.3, the backwards 1.0 1.1 0.0 0.1 1.2 1.3 0.2 0.3. Stage 0 warms
+  // up with 2(p - 1) + (v - 1)p = 4 forwards, stage 1 with 2; then forward + backward steps; then
+  // the remaining backwards.
+  CHECK(plan_str(make_schedule(Schedule::Interleaved, 0, 2, 4, 2)) ==
+        "F0.0 F0.1 F1.0 F1.1 F0.2+B1.0 F0.3+B1.1 F1.2+B0.0 F1.3+B0.1 B1.2 B1.3 B0.2 B0.3");
+  CHECK(plan_str(make_schedule(Schedule::Interleaved, 1, 2, 4, 2)) ==
+        "F0.0 F0.1 F1.0+B1.0 F1.1+B1.1 F0.2+B0.0 F0.3+B0.1 F1.2+B1.2 F1.3+B1.3 B0.2 B0.3");
+  // p = 3, v = 2, m = 3: the warm-ups 7, 5 and 3 are capped at m·v = 6, so stage 0 runs every forward first.
+  CHECK(plan_str(make_schedule(Schedule::Interleaved, 0, 3, 3, 2)) ==
+        "F0.0 F0.1 F0.2 F1.0 F1.1 F1.2 B1.0 B1.1 B1.2 B0.0 B0.1 B0.2");
+  CHECK(plan_str(make_schedule(Schedule::Interleaved, 1, 3, 3, 2)) ==
+        "F0.0 F0.1 F0.2 F1.0 F1.1 F1.2+B1.0 B1.1 B1.2 B0.0 B0.1 B0.2");
+  CHECK(plan_str(make_schedule(Schedule::Interleaved, 2, 3, 3, 2)) ==
+        "F0.0 F0.1 F0.2 F1.0+B1.0 F1.1+B1.1 F1.2+B1.2 B0.0 B0.1 B0.2");
+  // v = 1 is 1F1B.
+  CHECK(plan_str(make_schedule(Schedule::Interleaved, 0, 3, 5, 1)) ==
+        plan_str(make_schedule(Schedule::OneFOneB, 0, 3, 5, 1)));
+  CHECK(plan_str(make_schedule(Schedule::OneFOneB, 0, 2, 3)) == "F0.0 F0.1 B0.0 F0.2 B0.1 B0.2");
+  // Refused: m not a multiple of p, chunks without the interleaved schedule, one stage.
+  CHECK_THROWS_WITH(make_schedule(Schedule::Interleaved, 0, 3, 4, 2),
+                    Catch::Contains("[ptrain.pipeline.micro_batches]") && Catch::Contains("not a multiple of 3") &&
+                        Catch::Contains("use 6"));
+  CHECK_THROWS_WITH(make_schedule(Schedule::OneFOneB, 0, 2, 4, 2),
+                    Catch::Contains("[ptrain.pipeline.virtual_stages]") && Catch::Contains("Interleaved"));
+  CHECK_THROWS_WITH(make_schedule(Schedule::Interleaved, 0, 1, 4, 2), Catch::Contains("[ptrain.pipeline.virtual_stages]"));
+  CHECK_THROWS_WITH(make_schedule(Schedule::Interleaved, 0, 2, 4, 0), Catch::Contains("[ptrain.pipeline.virtual_stages]"));
+}
+
+TEST_CASE("interleaved schedule: every chunk's micro-batch forward then backward once; caches as counted",
+          "[pipeline][interleaved]") {
+  for (int p : {2, 3, 4, 5})
+    for (int v : {2, 3, 4})
+      for (int m = p; m <= 4 * p; m += p)
+        for (int s = 0; s < p; ++s) {
+          const auto plan = parallel::make_schedule(Schedule::Interleaved, s, p, m, v);
+          INFO("p " << p << " v " << v << " m " << m << " stage " << s << ": " << plan_str(plan));
+          CHECK(plan.size() == static_cast<std::size_t>(2 * m * v));
+          std::set<std::pair<int, int>> live, done;
+          std::size_t peak = 0;
+          int forwards = 0, warmup = 0;  // warm-up: the forwards before the first step that pairs or runs a backward
+          for (const auto& a : plan) {
+            if (a.kind != parallel::PipelineAction::Forward || a.with_next) break;
+            ++warmup;
+          }
+          for (std::size_t k = 0; k < plan.size(); ++k) {
+            const auto& a = plan[k];
+            const std::pair<int, int> key{a.chunk, a.micro_batch};
+            CHECK((a.chunk >= 0 && a.chunk < v && a.micro_batch >= 0 && a.micro_batch < m));
+            if (a.kind == parallel::PipelineAction::Forward) {
+              // Forwards: micro-batches in groups of p, each group through chunks 0, 1, ...
+              const int g = forwards / (p * v), r = forwards % (p * v);
+              CHECK(a.chunk == r / p);
+              CHECK(a.micro_batch == g * p + r % p);
+              ++forwards;
+              CHECK(live.insert(key).second);
+            } else {
+              CHECK(live.erase(key) == 1);  // after its forward
+              CHECK(done.insert(key).second);
+            }
+            // Only a forward followed by a backward makes one step.
+            if (a.with_next)
+              CHECK((a.kind == parallel::PipelineAction::Forward && k + 1 < plan.size() &&
+                     plan[k + 1].kind == parallel::PipelineAction::Backward));
+            peak = std::max(peak, live.size());
+          }
+          CHECK(live.empty());
+          CHECK(done.size() == static_cast<std::size_t>(m * v));
+          CHECK(warmup == interleaved_warmup(s, p, m, v));
+          CHECK(peak == static_cast<std::size_t>(interleaved_peak(s, p, m, v)));
+        }
+}
+
+namespace {
+
+// A model of the transfers a stage posts (Note [Communication order]), built
+// from the rules, not from the engine: model chunk g = c·p + s takes its input
+// from chunk g - 1 and sends its output to g + 1, on the ring of stages
+// (backward the other way). Ids: "A<g>.<i>" the activation into chunk g of
+// micro-batch i, "G<g>.<i>" the gradient into chunk g, "S<g>" the shape of
+// chunk g's input, which precedes its first activation on the first step.
+struct Xfer {
+  bool send;
+  int peer;
+  std::string id;
+};
+using XferGroup = std::vector<Xfer>;
+
+// One stage's groups in posting order: the first step's inputs; after each
+// step its results (a lone shape send before a chunk's first activation) with
+// the next step's inputs (a shape recv ends its group).
+std::vector<XferGroup> stage_xfers(const std::vector<parallel::PipelineAction>& plan, int s, int p, int v,
+                                   bool shapes) {
+  using A = parallel::PipelineAction;
+  const int next = (s + 1) % p, prev = (s + p - 1) % p, last = p * v - 1;
+  auto cat = [](auto&&... x) { return ptrain::detail::cat(x...); };
+  std::vector<XferGroup> groups;
+  XferGroup open;
+  auto close = [&] {
+    if (!open.empty()) groups.push_back(std::exchange(open, {}));
+  };
+  auto post_inputs = [&](std::size_t k) {  // the inputs of the step that starts at plan[k]
+    for (; k < plan.size(); ++k) {
+      const A& a = plan[k];
+      const int g = a.chunk * p + s;
+      if (a.kind == A::Forward && g > 0) {
+        if (shapes && a.micro_batch == 0) {
+          open.push_back({false, prev, cat("S", g)});
+          close();
+        }
+        open.push_back({false, prev, cat("A", g, ".", a.micro_batch)});
+      }
+      if (a.kind == A::Backward && g < last) open.push_back({false, next, cat("G", g, ".", a.micro_batch)});
+      if (!a.with_next) break;
+    }
+    close();
+  };
+  post_inputs(0);
+  for (std::size_t k = 0; k < plan.size(); ++k) {
+    const A& a = plan[k];
+    const int g = a.chunk * p + s;
+    if (a.kind == A::Forward && g < last) {
+      if (shapes && a.micro_batch == 0) groups.push_back({{true, next, cat("S", g + 1)}});
+      open.push_back({true, next, cat("A", g + 1, ".", a.micro_batch)});
+    }
+    if (a.kind == A::Backward && g > 0) open.push_back({true, prev, cat("G", g - 1, ".", a.micro_batch)});
+    if (!a.with_next) post_inputs(k + 1);
+  }
+  return groups;
+}
+
+// Replays every stage's groups under NCCL's rules: one stream per rank (a group
+// starts when the previous one finished), a send finishes only together with its
+// recv, transfers pair by order on each link. Returns "" or what went wrong.
+std::string replay(const std::vector<std::vector<XferGroup>>& stages) {
+  const int p = static_cast<int>(stages.size());
+  // The ids on each directed link, as sent and as received: they must pair up in order.
+  std::map<std::pair<int, int>, std::vector<std::string>> sent, received;
+  struct Op {
+    bool send;
+    std::pair<int, int> link;
+    std::size_t seq;  // position on its link
+    bool done = false;
+  };
+  std::vector<std::vector<std::vector<Op>>> ops(static_cast<std::size_t>(p));
+  for (int s = 0; s < p; ++s)
+    for (const auto& g : stages[static_cast<std::size_t>(s)]) {
+      auto& og = ops[static_cast<std::size_t>(s)].emplace_back();
+      for (const auto& x : g) {
+        const std::pair<int, int> link = x.send ? std::pair{s, x.peer} : std::pair{x.peer, s};
+        auto& ids = (x.send ? sent : received)[link];
+        ids.push_back(x.id);
+        og.push_back({x.send, link, ids.size() - 1});
+      }
+    }
+  for (const auto& [link, ids] : sent)
+    if (received[link] != ids) return ptrain::detail::cat("link ", link.first, " -> ", link.second, " pairs badly");
+  for (const auto& [link, ids] : received)
+    if (sent[link] != ids) return ptrain::detail::cat("link ", link.first, " -> ", link.second, " pairs badly");
+  std::vector<std::size_t> at(static_cast<std::size_t>(p), 0);  // each stream's current group
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int s = 0; s < p; ++s) {
+      auto& mine = ops[static_cast<std::size_t>(s)];
+      const auto us = static_cast<std::size_t>(s);
+      if (at[us] == mine.size()) continue;
+      for (Op& op : mine[at[us]]) {
+        if (op.done) continue;
+        const auto peer = static_cast<std::size_t>(op.send ? op.link.second : op.link.first);
+        if (at[peer] == ops[peer].size()) continue;
+        for (Op& other : ops[peer][at[peer]])
+          if (!other.done && other.send != op.send && other.link == op.link && other.seq == op.seq)
+            op.done = other.done = moved = true;
+      }
+      if (std::all_of(mine[at[us]].begin(), mine[at[us]].end(), [](const Op& o) { return o.done; })) {
+        ++at[us];
+        moved = true;
+      }
+    }
+  }
+  for (int s = 0; s < p; ++s)
+    if (at[static_cast<std::size_t>(s)] != ops[static_cast<std::size_t>(s)].size())
+      return ptrain::detail::cat("deadlock: stage ", s, " stuck in group ", at[static_cast<std::size_t>(s)]);
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("interleaved transfers pair in order and cannot deadlock under NCCL's rules (a model)",
+          "[pipeline][interleaved]") {
+  for (int p = 2; p <= 6; ++p)
+    for (int v = 1; v <= 4; ++v)
+      for (int m = v > 1 ? p : 1; m <= 4 * p; m += v > 1 ? p : 1)
+        for (bool training : {true, false})
+          for (bool shapes : {true, false}) {
+            const Schedule sched = v > 1 ? Schedule::Interleaved : Schedule::OneFOneB;
+            std::vector<std::vector<XferGroup>> stages;
+            for (int s = 0; s < p; ++s) {
+              auto plan = parallel::make_schedule(sched, s, p, m, v);
+              if (!training)  // eval: the forwards alone, one per step
+                std::erase_if(plan, [](const auto& a) { return a.kind == parallel::PipelineAction::Backward; });
+              for (auto& a : plan) a.with_next = a.with_next && training;
+              stages.push_back(stage_xfers(plan, s, p, v, shapes));
+            }
+            INFO("p " << p << " v " << v << " m " << m << (training ? " train" : " eval")
+                      << (shapes ? " with shapes" : ""));
+            CHECK(replay(stages) == "");
+          }
+  // The model can fail: one action per step instead of the interleaved pairs deadlocks (p = 2, v = 2, m = 4).
+  std::vector<std::vector<XferGroup>> unpaired;
+  for (int s = 0; s < 2; ++s) {
+    auto plan = parallel::make_schedule(Schedule::Interleaved, s, 2, 4, 2);
+    for (auto& a : plan) a.with_next = false;
+    unpaired.push_back(stage_xfers(plan, s, 2, 2, false));
+  }
+  CHECK_THAT(replay(unpaired), Catch::Contains("deadlock"));
+}
+
 TEST_CASE("pipeline training equals one process on the full batch, every schedule and m", "[pipeline]") {
   auto& comm = world();
   const int p = comm.size();
@@ -238,6 +486,91 @@ TEST_CASE("pipeline training equals one process on the full batch, every schedul
     }
 }
 
+TEST_CASE("interleaved pipelines (v = 2, 3, 4) train like one process; bad options are refused",
+          "[pipeline][interleaved]") {
+  auto& comm = world();
+  const int p = comm.size();
+  if (p < 2) return;  // one stage has nothing to interleave
+  for (int v : {2, 3, 4}) {
+    if (p * v > static_cast<int>(kUnits)) continue;
+    const auto part = parallel::partition_balanced(param_costs(), p * v);
+    for (int m : {p, 2 * p}) check_pipeline(comm, nullptr, Schedule::Interleaved, m, m == p ? Opt::SGD : Opt::AdamW, part, v);
+  }
+  // Refused by the constructor, which does not communicate, so every rank throws alike.
+  using Options = parallel::PipelineOptions<float>;
+  const auto chunks = parallel::partition_balanced(param_costs(), 2 * p);
+  const Options ok{.schedule = Schedule::Interleaved, .micro_batches = p, .virtual_stages = 2};
+  auto with = [&](auto change) {
+    Options o = ok;
+    change(o);
+    return o;
+  };
+  CHECK_THROWS_WITH(parallel::Pipeline<float>(comm, kUnits, make_unit, chunks, with([&](Options& o) { o.micro_batches = p + 1; })),
+                    Catch::Contains("[ptrain.pipeline.micro_batches]") && Catch::Contains("not a multiple of"));
+  CHECK_THROWS_WITH(parallel::Pipeline<float>(comm, kUnits, make_unit, chunks,
+                                              with([](Options& o) { o.schedule = Schedule::OneFOneB; })),
+                    Catch::Contains("[ptrain.pipeline.virtual_stages]"));
+  CHECK_THROWS_WITH(parallel::Pipeline<float>(comm, kUnits, make_unit, parallel::partition_balanced(param_costs(), p), ok),
+                    Catch::Contains("[ptrain.pipeline.stages]") && Catch::Contains("partition_balanced(costs, p * v)"));
+  parallel::Pipeline<float> pipe(comm, kUnits, make_unit, chunks, ok);
+  CHECK_THROWS_WITH(pipe.set_micro_batches(p + 1), Catch::Contains("[ptrain.pipeline.micro_batches]"));
+  CHECK_THROWS_WITH(pipe.set_schedule(Schedule::GPipe), Catch::Contains("[ptrain.pipeline.virtual_stages]"));
+  CHECK(pipe.options().micro_batches == p);
+  CHECK(pipe.options().schedule == Schedule::Interleaved);
+}
+
+// The pipeline runs each chunk on each micro-batch with the ops one process runs
+// on that micro-batch, and adds the micro-batches' gradients in the same order:
+// the results are the same bits.
+TEST_CASE("interleaved: loss and every gradient are bitwise those of one process on the same micro-batches",
+          "[pipeline][interleaved]") {
+  auto& comm = world();
+  const int p = comm.size(), s = comm.rank();
+  if (p < 2) return;  // one stage has nothing to interleave
+  for (int v : {2, 3}) {
+    if (p * v > static_cast<int>(kUnits)) continue;
+    const int m = 2 * p;
+    const std::int64_t rows = 2;
+    const Batch b = make_batch(rows * m, 31);
+    auto ref = full_model();
+    nn::FlatParameters<float> ref_p(*ref);
+    ref_p.zero_grad();
+    double ref_loss = 0;
+    const auto scale = static_cast<float>(1.0 / m);  // as the pipeline scales each micro-batch's loss gradient
+    for (int i = 0; i < m; ++i) {
+      nn::CrossEntropyLoss<float> ce;
+      nn::Cache<float> c, lc;
+      ref_loss += ce.forward(ref->forward(b.x.narrow(i * rows, rows), c), b.y.narrow(i * rows, rows), lc);
+      ref->backward(ce.backward(lc, scale), c);
+    }
+    ref_loss /= m;
+
+    const auto part = parallel::partition_balanced(param_costs(), p * v);
+    parallel::Pipeline<float> pipe(comm, kUnits, make_unit, part,
+                                   {.schedule = Schedule::Interleaved, .micro_batches = m, .virtual_stages = v});
+    const double loss = pipe.train_step(b.x, b.y);
+    INFO("stage " << s << " of " << p << ", v = " << v << " (" << part.str() << ")");
+    CHECK(loss == ref_loss);
+    std::map<std::string, Tensor<float>> want;
+    for (auto& prm : ref->named_parameters()) want[prm.name] = prm.param->grad;
+    bool same = true;
+    std::size_t compared = 0;
+    for (auto& prm : pipe.module().named_parameters()) {
+      const auto it = want.find(prm.name);
+      same = same && it != want.end() && identical(prm.param->grad, it->second);
+      ++compared;
+    }
+    CHECK(same);
+    // This stage holds chunks s, s + p, ...: their units, weight and bias each.
+    std::vector<std::size_t> units;
+    for (int c = 0; c < v; ++c)
+      for (std::size_t u = part.begin(c * p + s); u < part.end(c * p + s); ++u) units.push_back(u);
+    CHECK(pipe.units_of(s) == units);
+    CHECK(compared == 2 * units.size());
+    CHECK(pipe.parameters().entries().size() == compared);  // one FlatParameters over every chunk
+  }
+}
+
 TEST_CASE("dp x pp meshes (2 x 2 on four ranks) equal one process", "[pipeline][mesh]") {
   auto& comm = world();
   const int n = comm.size();
@@ -251,6 +584,9 @@ TEST_CASE("dp x pp meshes (2 x 2 on four ranks) equal one process", "[pipeline][
     const auto part = parallel::partition_balanced(param_costs(), pp);
     for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
       check_pipeline(mesh.pipeline_group(), &mesh.data_group(), sched, 4, Opt::AdamW, part);
+    if (pp >= 2)  // two chunks per stage, m = 4 or 3
+      check_pipeline(mesh.pipeline_group(), &mesh.data_group(), Schedule::Interleaved, 4 % pp == 0 ? 4 : pp,
+                     Opt::AdamW, parallel::partition_balanced(param_costs(), 2 * pp), 2);
   }
 }
 
@@ -304,12 +640,18 @@ TEST_CASE("pipelines under NCCL's point-to-point rules equal one process", "[pip
   const auto part = parallel::partition_balanced(param_costs(), n);
   for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
     for (int m : {1, 2, 8}) check_pipeline(model, nullptr, sched, m, Opt::AdamW, part);
+  // Interleaved, two chunks per stage: the ring's wrap-around included (with p = 2 both links join one pair).
+  for (int m : {n, 2 * n})
+    check_pipeline(model, nullptr, Schedule::Interleaved, m, Opt::AdamW,
+                   parallel::partition_balanced(param_costs(), 2 * n), 2);
   for (int pp = 2; pp < n; ++pp) {
     if (n % pp) continue;
     parallel::Mesh mesh(model, n / pp, pp);
     for (Schedule sched : {Schedule::GPipe, Schedule::OneFOneB})
       check_pipeline(mesh.pipeline_group(), &mesh.data_group(), sched, 4, Opt::AdamW,
                      parallel::partition_balanced(param_costs(), pp));
+    check_pipeline(mesh.pipeline_group(), &mesh.data_group(), Schedule::Interleaved, 2 * pp, Opt::AdamW,
+                   parallel::partition_balanced(param_costs(), 2 * pp), 2);
   }
 }
 
@@ -502,6 +844,66 @@ TEST_CASE("GPT (untied) in a pipeline equals one process; a tied GPT is refused"
   }
 }
 
+// A GPT cut into p·v chunks of one unit each, trained from int32 token ids
+// through the interleaved schedule, against one process on the whole batch;
+// then eval_loss and the global gradient norm of clip_grad_norm_.
+TEST_CASE("a GPT from token ids trains through the interleaved schedule like one process",
+          "[pipeline][interleaved][gpt]") {
+  auto& comm = world();
+  const int p = comm.size(), s = comm.rank(), v = 2, m = p;
+  if (p < 2) return;  // one stage has nothing to interleave
+  const nn::GPTConfig cfg = pipeline_gpt(p * v - 2);
+  const auto units = static_cast<std::size_t>(cfg.n_layer) + 2;
+  Generator gr(7);
+  nn::GPT<float> ref(cfg, gr);
+  nn::FlatParameters<float> ref_p(ref);
+  const std::int64_t B = 2 * m, S = 8;
+  auto as_float = [](const Tensor<std::int32_t>& ids) {
+    auto f = Tensor<float>::empty(ids.shape());
+    for (std::int64_t k = 0; k < ids.numel(); ++k) f.data()[k] = static_cast<float>(ids.data()[k]);
+    return f;
+  };
+  std::vector<std::pair<Tensor<std::int32_t>, Tensor<std::int32_t>>> batches;
+  std::vector<std::pair<Tensor<float>, Tensor<std::int32_t>>> float_batches;
+  for (std::uint64_t i = 0; i < 2; ++i) {
+    batches.push_back(make_tokens(B, S, cfg.vocab_size, 40 + i));
+    float_batches.emplace_back(as_float(batches.back().first), batches.back().second);
+  }
+  const auto [held_ids, held_tgt] = make_tokens(B, S, cfg.vocab_size, 49);
+  const auto ref_losses = train_reference(ref, ref_p, Opt::AdamW, float_batches);
+
+  parallel::Pipeline<float> pipe(comm, units, gpt_units<float>(cfg, 7),
+                                 parallel::partition_balanced(std::vector<double>(units, 1.0), p * v),
+                                 {.schedule = Schedule::Interleaved, .micro_batches = m, .virtual_stages = v,
+                                  .unit_names = ref.unit_names()});
+  CHECK(pipe.units_of(s) == std::vector<std::size_t>{static_cast<std::size_t>(s), static_cast<std::size_t>(s + p)});
+  auto opt = make_opt(Opt::AdamW, pipe.parameters());
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    const double loss = pipe.train_step(batches[i].first, batches[i].second);
+    opt->step();
+    INFO("stage " << s << " of " << p << ", step " << i);
+    CHECK(std::abs(loss - ref_losses[i]) <= 1e-5 * ref_losses[i]);
+  }
+  INFO("GPT stage " << s << " of " << p << ", interleaved v = " << v);
+  CHECK(rel_error(pipe.module(), ref) <= 1e-5);
+
+  nn::CrossEntropyLoss<float> ce;
+  nn::Cache<float> c, lc;
+  const double want_eval = ce.forward(ref.forward(as_float(held_ids), c), held_tgt, lc);
+  CHECK(std::abs(pipe.eval_loss(held_ids, held_tgt) - want_eval) <= 1e-5 * want_eval);
+  CHECK(pipe.peak_live_caches() == 1);
+  CHECK(pipe.timeline().size() == static_cast<std::size_t>(m * v));
+
+  // The gradient of the held-out batch: its global norm over the stages is one process's.
+  ref_p.zero_grad();
+  ref.backward(ce.backward(lc), c);
+  double sq = 0;
+  for (float g : ref_p.grads().to_vector()) sq += static_cast<double>(g) * g;
+  pipe.train_step(held_ids, held_tgt);
+  const double norm = pipe.clip_grad_norm_(1e9);
+  CHECK(std::abs(norm - std::sqrt(sq)) <= 1e-4 * std::sqrt(sq));
+}
+
 // A bf16 GPT (int32 ids through train_step, fp32 master weights in
 // AdamW) in a pipeline against the same model in one process on the whole
 // batch. The pipeline adds two micro-batches' bf16 gradients where the one
@@ -565,10 +967,10 @@ class KillSwitch : public nn::Module<float> {
 using ptrain::testing::free_port;
 using ptrain::testing::self_exe;
 
-// Spawns `world_size` Gloo ranks running [.pipe_kill_child]; `victim` kills
-// itself in the middle of a step. Every survivor must end with the pipeline's
-// CommError within the timeout, and no process may be left.
-void pipe_kill_scenario(int world_size, int victim, int timeout_s) {
+// Spawns `world_size` Gloo ranks running [.pipe_kill_child] (v chunks per
+// stage); `victim` kills itself in the middle of a step. Every survivor must
+// end with the pipeline's CommError within the timeout, and no process may be left.
+void pipe_kill_scenario(int world_size, int victim, int timeout_s, int v = 1) {
   std::string exe = self_exe(), port = std::to_string(free_port());
   std::string dir = "/tmp/ptrain_pipe_kill_" + std::to_string(::getpid()) + "_" + std::to_string(victim);
   REQUIRE(std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()) == 0);
@@ -580,6 +982,7 @@ void pipe_kill_scenario(int world_size, int victim, int timeout_s) {
     if (pid == 0) {
       ptrain::testing::set_gloo_rank_env(r, world_size, port, timeout_s, dir);
       ::setenv("PTRAIN_KILL_RANK", std::to_string(victim).c_str(), 1);
+      ::setenv("PTRAIN_KILL_V", std::to_string(v).c_str(), 1);
       ::execl(exe.c_str(), exe.c_str(), "[.pipe_kill_child]", "--reporter", "compact", static_cast<char*>(nullptr));
       ::_exit(127);
     }
@@ -602,7 +1005,7 @@ void pipe_kill_scenario(int world_size, int victim, int timeout_s) {
       ::kill(pids[r], SIGKILL);
       ::waitpid(pids[r], &status[r], 0);
     }
-  INFO("world " << world_size << ", victim stage " << victim);
+  INFO("world " << world_size << ", victim stage " << victim << ", " << v << " chunk(s) per stage");
   CHECK(left == 0);
   for (int r = 0; r < world_size; ++r) {
     INFO("stage " << r);
@@ -628,20 +1031,23 @@ void pipe_kill_scenario(int world_size, int victim, int timeout_s) {
 TEST_CASE("pipeline failure child (spawned by [.pipe_kill])", "[.pipe_kill_child]") {
   auto comm = dist::init_process_group();
   REQUIRE(comm->backend() == "gloo");
-  const int victim = std::atoi(std::getenv("PTRAIN_KILL_RANK"));
-  const int p = comm->size(), s = comm->rank();
-  // The victim's first unit dies in its 6th forward: micro-batch 1 of the second step.
+  const int victim = std::atoi(std::getenv("PTRAIN_KILL_RANK")), v = std::atoi(std::getenv("PTRAIN_KILL_V"));
+  const int p = comm->size(), s = comm->rank(), m = v > 1 ? 2 * p : 4;
+  const auto part = parallel::partition_balanced(param_costs(), p * v);
+  // The victim's first unit dies in its 6th forward: micro-batch 1 of the second step (1F1B), or
+  // with two chunks on three stages micro-batch 5 of the first chunk, before the second chunk's run.
   auto factory = [&](std::size_t u) -> std::shared_ptr<nn::Module<float>> {
     auto unit = make_unit(u);
-    if (s != victim || u != parallel::partition_balanced(param_costs(), p).begin(s)) return unit;
+    if (s != victim || u != part.begin(s)) return unit;
     auto seq = std::make_shared<nn::Sequential<float>>();
     seq->add(std::make_shared<KillSwitch>(6));
     seq->add(unit);
     return seq;
   };
-  parallel::Pipeline<float> pipe(*comm, kUnits, factory, parallel::partition_balanced(param_costs(), p),
-                                 {.schedule = Schedule::OneFOneB, .micro_batches = 4});
-  auto batch = make_batch(16, 1);
+  parallel::Pipeline<float> pipe(*comm, kUnits, factory, part,
+                                 {.schedule = v > 1 ? Schedule::Interleaved : Schedule::OneFOneB,
+                                  .micro_batches = m, .virtual_stages = v});
+  auto batch = make_batch(4 * m, 1);
   auto t0 = std::chrono::steady_clock::now();
   try {
     for (int step = 0; step < 1000; ++step) {
@@ -660,4 +1066,5 @@ TEST_CASE("pipeline failure: a stage killed mid-step makes every other stage fai
   pipe_kill_scenario(4, 1, 20);  // a middle stage
   pipe_kill_scenario(3, 2, 20);  // the last stage
   pipe_kill_scenario(3, 0, 20);  // the first stage (it also serves the store)
+  pipe_kill_scenario(3, 1, 20, 2);  // a middle stage of an interleaved ring
 }
