@@ -5,6 +5,7 @@
 //   mpirun -np 2 build/examples/gpt_char --parallel ddp       # data parallel (also under ptrun)
 //   ptrun --nproc-per-node 2 gpt_char --parallel fsdp          # fully sharded (--fsdp-strategy ...)
 //   ptrun --nproc-per-node 4 gpt_char --parallel pipeline --stages 2 --micro-batches 4   # 2 replicas x 2 stages
+//   ptrun --nproc-per-node 2 gpt_char --parallel pipeline --virtual-stages 2   # interleaved 1F1B, 2 chunks a stage
 //   mpirun -np 4 build/examples/gpt_char --parallel tp --tp 2   # tensor parallel: 2 replicas x tp 2
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //
@@ -96,6 +97,7 @@ struct Options {
   bool sequence_parallel = false;  // --parallel tp: the residual stream cut along the sequence
   int micro_batches = 4;
   std::string schedule = "1f1b";
+  int virtual_stages = 1;     // --parallel pipeline: chunks per stage (> 1: the interleaved schedule)
   bool untied = false;        // the LM head has its own weight (always under --parallel pipeline)
   bool recompute = false;     // activation checkpointing of every block
   std::int64_t steps = 1500;
@@ -224,13 +226,18 @@ Corpus load_corpus(const Options& o) {
 // cannot live on two stages).
 bool pipelined(const Options& o) { return o.parallel == "pipeline" || (o.parallel == "tp" && o.stages > 1); }
 
+// The pipeline's schedule: "1f1b", "gpipe" or "interleaved v 2".
+std::string schedule_label(const Options& o) {
+  return o.virtual_stages > 1 ? "interleaved v " + std::to_string(o.virtual_stages) : o.schedule;
+}
+
 // --parallel with its options: "none", "ddp", "fsdp full_shard", "fsdp hybrid 2",
 // "pipeline 2 stages x 2 replicas, m 4, 1f1b", "tp 2 x pp 2 x dp 1, m 4, 1f1b".
 std::string parallel_layout(const Options& o, int world) {
   if (o.parallel == "pipeline") {
     const int pp = o.stages > 0 ? o.stages : world;
     return "pipeline " + std::to_string(pp) + " stages x " + std::to_string(world / pp) + " replicas, m " +
-           std::to_string(o.micro_batches) + ", " + o.schedule;
+           std::to_string(o.micro_batches) + ", " + schedule_label(o);
   }
   if (o.parallel == "tp" && o.stages > 1)
     return detail::cat("tp ", o.tp, " x pp ", o.stages, " x dp ", world / (o.tp * o.stages), ", m ", o.micro_batches,
@@ -303,8 +310,17 @@ void check_parallel_flags(const Options& o, int world) {
                "--micro-batches by ", o.grad_accum);
   PTRAIN_CHECK(o.batch % o.micro_batches == 0, Error, "[gpt_char.micro_batches] --batch ", o.batch,
                " is not divisible by --micro-batches ", o.micro_batches, "; pick a multiple");
-  PTRAIN_CHECK(o.n_layer + 2 >= pp, Error, "[gpt_char.stages] ", pp, " stages for ", o.n_layer + 2,
-               " units (embedding, ", o.n_layer, " blocks, head); use at most ", o.n_layer + 2, " stages");
+  const int v = o.virtual_stages;
+  PTRAIN_CHECK(o.n_layer + 2 >= pp * v, Error, "[gpt_char.stages] ", pp, " stages", v > 1 ? " x " : "",
+               v > 1 ? std::to_string(v) + " virtual stages" : std::string(), " for ", o.n_layer + 2,
+               " units (embedding, ", o.n_layer, " blocks, head); every ", v > 1 ? "chunk" : "stage",
+               " needs a unit: use fewer, or more --layers");
+  if (v == 1) return;
+  PTRAIN_CHECK(o.schedule == "1f1b", Error, "[gpt_char.virtual_stages] --virtual-stages ", v, " runs the "
+               "interleaved 1F1B schedule; drop --schedule ", o.schedule, " (or use --virtual-stages 1)");
+  PTRAIN_CHECK(o.micro_batches % pp == 0, Error, "[gpt_char.micro_batches] --virtual-stages ", v, " runs "
+               "micro-batches in groups of --stages ", pp, "; --micro-batches ", o.micro_batches,
+               " is not a multiple of it: use ", (o.micro_batches + pp - 1) / pp * pp, " or another multiple");
 }
 
 // What the end of the run needs, checked before training: the prompt's tokens, the export's folders.
@@ -437,7 +453,8 @@ struct GptEngine {
 //   For the sample and --export every rank gathers full_parameters() and rank 0
 //   binds the model's own Parameters to the copies (FSDP is not used after).
 // - pipeline: a world / stages x stages Mesh; each rank keeps the units of its
-//   stage (moved to --device), stages balanced by forward FLOPs (unit_costs);
+//   stage (its --virtual-stages chunks; moved to --device), stages (chunks)
+//   balanced by forward FLOPs (unit_costs);
 //   the model is untied (one weight cannot live on two stages). For the sample
 //   and --export, stages 1.. of replica 0 send their parameters, in the model's
 //   order, into rank 0's copy of the model, on the training device.
@@ -456,19 +473,23 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
       if (!device.is_cpu()) m.units()[u]->to(device);
       return m.units()[u];
     };
+    const int v = o.virtual_stages;
     auto pipe = std::make_unique<parallel::Pipeline<T>>(
-        *e.mesh, m.units().size(), unit, parallel::partition_balanced(unit_costs, pp),
+        *e.mesh, m.units().size(), unit, parallel::partition_balanced(unit_costs, pp * v),
         parallel::PipelineOptions<T>{
-            .schedule = o.schedule == "gpipe" ? parallel::Schedule::GPipe : parallel::Schedule::OneFOneB,
-            .micro_batches = o.micro_batches, .unit_names = m.unit_names()});
-    e.describe = detail::cat("pipeline of ", pp, " stages (units ", pipe->partition().str(), ") x ",
-                             e.mesh->dp_size(), " replica(s), ", o.micro_batches, " micro-batches, ", o.schedule);
+            .schedule = v > 1                  ? parallel::Schedule::Interleaved
+                        : o.schedule == "gpipe" ? parallel::Schedule::GPipe
+                                                : parallel::Schedule::OneFOneB,
+            .micro_batches = o.micro_batches, .virtual_stages = v, .unit_names = m.unit_names()});
+    e.describe = detail::cat("pipeline of ", pp, " stages", v > 1 ? detail::cat(" x ", v, " chunks") : "",
+                             " (units ", pipe->partition().str(), ") x ", e.mesh->dp_size(), " replica(s), ",
+                             o.micro_batches, " micro-batches, ", schedule_label(o));
     e.gather = [&m, &stage = *pipe, &mesh = *e.mesh, device, lead] {
       if (mesh.replica() != 0) return;
       dist::Communicator& stages = mesh.pipeline_group();
       for (int s = 1; s < stages.size(); ++s) {
         if (!lead && stages.rank() != s) continue;
-        for (std::size_t u = stage.partition().begin(s); u < stage.partition().end(s); ++u) {
+        for (std::size_t u : stage.units_of(s)) {
           if (lead && !device.is_cpu()) m.units()[u]->to(device);
           for (auto& p : m.units()[u]->named_parameters()) {
             if (lead) stages.recv(p.param->value, s);
@@ -950,6 +971,9 @@ int main(int argc, char** argv) {
       ->check(positive);
   app.add_option("--schedule", opt.schedule, "with --parallel pipeline: 1f1b or gpipe")
       ->check(CLI::IsMember({"1f1b", "gpipe"}));
+  app.add_option("--virtual-stages", opt.virtual_stages, "with --parallel pipeline: model chunks per stage; above 1 "
+                 "runs the interleaved 1F1B schedule (a smaller bubble, more activations and messages; "
+                 "--micro-batches a multiple of the stages)")->check(positive);
   app.add_flag("--untied", opt.untied, "give the LM head its own weight instead of the token embedding's "
                "(always so under --parallel pipeline)");
   app.add_flag("--recompute", opt.recompute, "recompute each block's activations in backward (activation "
