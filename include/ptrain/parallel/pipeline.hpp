@@ -15,6 +15,14 @@
 //   double loss = pipe.forward_backward(x, y);   // x used on the first stage, y on the last
 //   pipe.step(opt);
 //
+// With virtual stages the model is cut into p * v chunks, v per rank, taken in
+// turn round the ring (Megatron-LM's interleaved 1F1B, Note [Schedules]):
+//
+//   auto part = parallel::partition_balanced(unit_costs, comm.size() * 2);
+//   parallel::Pipeline<float> pipe(comm, num_units, make_unit, part,
+//                                  {.schedule = parallel::Schedule::Interleaved, .micro_batches = 8,
+//                                   .virtual_stages = 2});   // m a multiple of p
+//
 // An Engine (parallel/engine.hpp). Language models pass int32 token ids as the
 // first stage's input (the only form for bf16, Note [bf16 kernels]).
 //

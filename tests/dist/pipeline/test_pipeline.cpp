@@ -31,6 +31,7 @@
 #include <ptrain/nn/sequential.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/sgd.hpp>
+#include <ptrain/parallel/make_engine.hpp>
 #include <ptrain/parallel/mesh.hpp>
 #include <ptrain/parallel/pipeline.hpp>
 
@@ -517,6 +518,31 @@ TEST_CASE("interleaved pipelines (v = 2, 3, 4) train like one process; bad optio
   CHECK_THROWS_WITH(pipe.set_schedule(Schedule::GPipe), Catch::Contains("[ptrain.pipeline.virtual_stages]"));
   CHECK(pipe.options().micro_batches == p);
   CHECK(pipe.options().schedule == Schedule::Interleaved);
+}
+
+TEST_CASE("make_engine: a PipelinePlan with virtual stages balances p * v chunks and trains like one process",
+          "[pipeline][interleaved]") {
+  auto& comm = world();
+  const int p = comm.size();
+  if (p < 2) return;  // one stage has nothing to interleave
+  const Batch b = make_batch(4 * p, 61);
+  auto ref = full_model();
+  nn::FlatParameters<float> ref_p(*ref);
+  const double ref_loss = train_reference(*ref, ref_p, Opt::SGD, {{b.x, b.y}}).at(0);
+  auto engine = parallel::make_engine<float>(
+      std::shared_ptr<nn::Sequential<float>>(full_model()), comm,
+      parallel::PipelinePlan<float>{
+          .stages = p, .unit_costs = param_costs(),
+          .options = {.schedule = Schedule::Interleaved, .micro_batches = p, .virtual_stages = 2}});
+  auto& pipe = static_cast<parallel::Pipeline<float>&>(*engine);
+  CHECK(pipe.partition().bounds() == parallel::partition_balanced(param_costs(), 2 * p).bounds());
+  auto opt = make_opt(Opt::SGD, engine->parameters());
+  engine->zero_grad();
+  const double loss = engine->forward_backward(b.x, b.y);
+  engine->step(*opt);
+  INFO("stage " << comm.rank() << " of " << p);
+  CHECK(std::abs(loss - ref_loss) <= 1e-5 * ref_loss);
+  CHECK(rel_error(pipe.module(), *ref) <= 1e-5);
 }
 
 // The pipeline runs each chunk on each micro-batch with the ops one process runs
