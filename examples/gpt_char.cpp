@@ -241,7 +241,7 @@ std::string parallel_layout(const Options& o, int world) {
   }
   if (o.parallel == "tp" && o.stages > 1)
     return detail::cat("tp ", o.tp, " x pp ", o.stages, " x dp ", world / (o.tp * o.stages), ", m ", o.micro_batches,
-                       ", ", o.schedule);
+                       ", ", schedule_label(o));
   if (o.parallel == "tp") return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp);
   if (o.parallel != "fsdp") return o.parallel;
   return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
@@ -508,7 +508,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
         .tp = o.tp, .sequence_parallel = o.sequence_parallel, .pp = std::max(o.stages, 1),
         .micro_batches = o.stages > 1 ? o.micro_batches : 1,
         .schedule = o.schedule == "gpipe" ? parallel::Schedule::GPipe : parallel::Schedule::OneFOneB,
-        .unit_costs = unit_costs};
+        .virtual_stages = o.virtual_stages, .unit_costs = unit_costs};
   if (o.parallel == "fsdp") {
     if (o.fsdp_strategy == "hybrid" && o.hybrid_shard_size == 0)
       o.hybrid_shard_size = dist::detect_launch_env().local_world_size;
@@ -539,7 +539,8 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
       dist::Communicator& stages = mesh.pipeline_group();
       const auto names = m.unit_names();
       for (std::size_t u = 0; u < names.size(); ++u) {
-        const int s = tp->pipeline() ? tp->pipeline()->partition().stage_of(u) : 0;
+        // The rank of the stage that holds unit u (chunk c of an interleaved pipeline runs on stage c % pp).
+        const int s = tp->pipeline() ? tp->pipeline()->partition().stage_of(u) % mesh.pp_size() : 0;
         if (!lead && stages.rank() != s) continue;
         for (auto& p : m.units()[u]->named_parameters()) {
           const std::string name = names[u] + "." + p.name;

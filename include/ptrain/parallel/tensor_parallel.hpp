@@ -64,9 +64,11 @@ struct TensorParallelPlan {
   bool sequence_parallel = false;
   /// Pipeline stages per replica (Note [Tensor-parallel engine]); 1: no pipeline.
   int pp = 1;
-  /// With pp > 1: micro-batches per batch and their schedule (parallel/pipeline.hpp).
+  /// With pp > 1: micro-batches per batch and their schedule (parallel/pipeline.hpp);
+  /// virtual_stages > 1 runs the interleaved schedule over that many chunks per stage.
   int micro_batches = 1;
   Schedule schedule = Schedule::OneFOneB;
+  int virtual_stages = 1;
   /// With pp > 1: relative cost of each unit for balancing the stages; empty: equal.
   std::vector<double> unit_costs = {};
 };
@@ -184,9 +186,10 @@ class TensorParallel : public Engine<T> {
                                                                 : plan.unit_costs;
       pipe_ = std::make_unique<Pipeline<T>>(
           *mesh_, m.names.size(), [&](std::size_t u) { return m.unit(u, *group_, nullptr); },
-          partition_balanced(costs, plan.pp),
-          PipelineOptions<T>{.schedule = plan.schedule, .micro_batches = plan.micro_batches, .unit_names = m.names,
-                             .loss = loss});
+          partition_balanced(costs, plan.pp * plan.virtual_stages),
+          PipelineOptions<T>{.schedule = plan.virtual_stages > 1 ? Schedule::Interleaved : plan.schedule,
+                             .micro_batches = plan.micro_batches, .virtual_stages = plan.virtual_stages,
+                             .unit_names = m.names, .loss = loss});
       params_ = &pipe_->parameters();
     }
     std::vector<std::pair<std::string, ShardSpec>> specs;
@@ -205,7 +208,8 @@ class TensorParallel : public Engine<T> {
   void check_plan(const Model& m, const TensorParallelPlan& plan) {
     const std::string desc = ::ptrain::detail::cat(
         "TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ", plan.sequence_parallel ? "true" : "false",
-        ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, "} ", m.describe);
+        ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, ", .virtual_stages = ", plan.virtual_stages,
+        "} ", m.describe);
     try {
       check_same_model(world_, {desc});
     } catch (const Error& e) {

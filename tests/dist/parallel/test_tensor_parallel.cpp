@@ -183,7 +183,7 @@ TEST_CASE("Tensor parallel Llama trains like one process (tp 2, dp x tp 2 x 2, t
   world().barrier();
 }
 
-TEST_CASE("Tensor parallel stages of a pipeline train like one process (tp x pp 2 x 2, dp x tp x pp 2 x 2 x 2)",
+TEST_CASE("Tensor parallel stages of a pipeline train like one process (tp x pp 2 x 2, dp x tp x pp 2 x 2 x 2, interleaved)",
           "[tp][tp3d]") {
   const int n = world().size();
   for (bool sp : {false, true}) {
@@ -193,6 +193,10 @@ TEST_CASE("Tensor parallel stages of a pipeline train like one process (tp x pp 
     if (n >= 8)
       if (auto eight = first_ranks(8)) check_against_reference<double>(*eight, plan, false, 1e-9);
   }
+  // The interleaved schedule: 2 chunks (of one unit) per stage.
+  if (n >= 4)
+    if (auto four = first_ranks(4))
+      check_against_reference<double>(*four, {.tp = 2, .pp = 2, .micro_batches = 2, .virtual_stages = 2}, false, 1e-9);
   // A checkpoint of the 3-D engine holds the full tensors under nn::GPT's names.
   const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_tp3d_ckpt_");
   const auto cfg = config(false);
