@@ -67,8 +67,9 @@ TrainerState load_tp(const fs::path& path, parallel::TensorParallel<T>& engine,
   for (const auto& b : params.buffers()) names.insert(b.name);
   // With pp > 1 the checkpoint also holds the other stages' tensors.
   for (const auto& n : c.tensor_names("model"))
-    PTRAIN_CHECK(engine.mesh().pp_size() > 1 || names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
-                 "' is not a parameter or buffer of the model; the checkpoint is from a different model");
+    PTRAIN_CHECK(engine.mesh().pp_size() > 1 || names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ",
+                 path.string(), ": tensor '", n, "' is not a parameter or buffer of the model; the checkpoint is "
+                 "from a different model");
   for (std::size_t i = 0; i < entries.size(); ++i) {
     c.check(entries[i].name, engine.full_shape(i), dtype_of<T>());
     if (opt)

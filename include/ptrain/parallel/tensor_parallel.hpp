@@ -1,8 +1,8 @@
 #pragma once
 // Tensor parallelism (Megatron-LM) as an Engine: every layer of a GPT or a Llama
-// is split over tp ranks (parallel/tp_gpt.hpp, parallel/tp_llama.hpp), optionally cut into pp pipeline stages,
-// and world / (tp * pp) replicas of that model train on their own part of the
-// global batch.
+// is split over tp ranks (parallel/tp_gpt.hpp, parallel/tp_llama.hpp), optionally
+// cut into pp pipeline stages, and world / (tp * pp) replicas of that model train
+// on their own part of the global batch.
 //
 //   auto world = dist::init_process_group();
 //   auto engine = parallel::make_engine<float>(gpt, *world, parallel::TensorParallelPlan{.tp = 2});

@@ -37,7 +37,7 @@ class HeadParallelAttention : public nn::Module<T> {
     PTRAIN_CHECK(n_head > 0 && n_embd % n_head == 0 && n_head % group.size() == 0, ShapeError, "[ptrain.tp.heads] ",
                  n_head, " heads (of width ", n_embd, ") do not split over ", group.size(),
                  " tensor-parallel ranks; choose a tp degree that divides n_head");
-    Generator scratch(0);  // the model copies the real values in (TensorParallelGPT)
+    Generator scratch(0);  // the real values are copied in (detail::copy_shards)
     c_attn_ = this->register_module("c_attn",
                                     std::make_shared<ColumnParallelLinear<T>>(group, n_embd, 3 * n_embd, true, 3, scratch));
     c_proj_ = this->register_module("c_proj", std::make_shared<RowParallelLinear<T>>(group, n_embd, n_embd, true, scratch));
