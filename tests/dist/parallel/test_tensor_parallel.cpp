@@ -260,54 +260,40 @@ TEST_CASE("make_engine builds a tensor-parallel engine from a GPT", "[tp]") {
   world().barrier();
 }
 
-TEST_CASE("Tensor parallel all-reduces carry the Megatron byte count", "[tp]") {
+TEST_CASE("Tensor-parallel collectives carry the Megatron byte count, with and without sequence parallelism",
+          "[tp]") {
   auto two = first_ranks(2);
   if (two) {
-    // Per layer: the f and g of attention and of the MLP, one B*S*C all-reduce each
-    // in forward (g) and backward (f); the embedding's g and the head's f once
-    // more; the loss: M (B*S values) and Z with the target logit (2*B*S).
+    // Per layer without SP: the f and g of attention and of the MLP, one B*S*C
+    // all-reduce each in forward (g) and backward (f); with SP an all-gather (f) and
+    // a reduce-scatter (g) in forward and, in backward, g's all-gather, the column
+    // layer's gather of its input again and f's reduce-scatter. The embedding's g
+    // and the head's f once more; the loss: M (B*S values) and Z with the target
+    // logit (2*B*S); with SP, once per step, the LayerNorms' partial gradients
+    // (2 * C per LayerNorm) in one all-reduce.
     const auto cfg = config(true);
-    parallel::TensorParallel<double> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2}, Generator(7));
-    const auto b = make_batch(5, cfg.vocab_size);
-    e.group().reset_counters();
-    e.forward_backward(b.ids, b.targets);
-    const std::int64_t tokens = kBatch * kSeq, activation = tokens * cfg.n_embd * 8;
-    CHECK(e.group().bytes() == (4 * cfg.n_layer + 2) * activation + 3 * tokens * 8);
-    CHECK(e.group().calls() == 4 * cfg.n_layer + 2 + 2);
-    e.group().reset_counters();
-    e.eval_loss(b.ids, b.targets);  // forward only: half the activation all-reduces
-    CHECK(e.group().bytes() == (2 * cfg.n_layer + 1) * activation + 3 * tokens * 8);
-  }
-  world().barrier();
-}
-
-TEST_CASE("Sequence parallelism gathers and scatters the same activations, once more in backward", "[tp]") {
-  auto two = first_ranks(2);
-  if (two) {
-    // Per layer in forward: an all-gather (f) and a reduce-scatter (g) of B*S*C per
-    // region; in backward: g's all-gather, the column layer's gather of its input
-    // again and f's reduce-scatter per region. The embedding's g and the head's f
-    // as well; the loss as without; and once per step the LayerNorms' partial
-    // gradients (2 * C per LayerNorm) in one all-reduce.
-    const auto cfg = config(true);
-    parallel::TensorParallel<double> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2, .sequence_parallel = true},
-                                       Generator(7));
-    const auto b = make_batch(5, cfg.vocab_size);
-    e.group().reset_counters();
-    e.forward_backward(b.ids, b.targets);
-    const std::int64_t tokens = kBatch * kSeq, activation = tokens * cfg.n_embd * 8;
-    CHECK(e.group().bytes() == (10 * cfg.n_layer + 5) * activation + 3 * tokens * 8);
-    CHECK(e.group().calls() == 10 * cfg.n_layer + 5 + 2);
-    e.group().reset_counters();
-    e.finish_gradient_sync();
-    CHECK(e.group().bytes() == (2 * cfg.n_layer + 1) * 2 * cfg.n_embd * 8);
-    CHECK(e.group().calls() == 1);
-    e.group().reset_counters();
-    e.eval_loss(b.ids, b.targets);
-    CHECK(e.group().bytes() == (4 * cfg.n_layer + 2) * activation + 3 * tokens * 8);
-    // A sequence that tp does not cut into equal slices is refused on every rank.
-    CHECK_THROWS_WITH(e.eval_loss(b.ids.view(0, {1, 7}).clone(), b.targets.view(0, {1, 7}).clone()),
-                      Catch::Contains("[ptrain.tp.sequence]"));
+    const std::int64_t L = cfg.n_layer, tokens = kBatch * kSeq, activation = tokens * cfg.n_embd * 8,
+                       loss = 3 * tokens * 8;
+    for (bool sp : {false, true}) {
+      INFO((sp ? "sp" : "no sp"));
+      parallel::TensorParallel<double> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2, .sequence_parallel = sp},
+                                         Generator(7));
+      const auto b = make_batch(5, cfg.vocab_size);
+      e.group().reset_counters();
+      e.forward_backward(b.ids, b.targets);
+      const std::int64_t regions = sp ? 10 * L + 5 : 4 * L + 2;
+      CHECK(e.group().bytes() == regions * activation + loss);
+      CHECK(e.group().calls() == regions + 2);
+      e.group().reset_counters();
+      e.finish_gradient_sync();
+      CHECK(e.group().bytes() == (sp ? (2 * L + 1) * 2 * cfg.n_embd * 8 : 0));
+      e.group().reset_counters();
+      e.eval_loss(b.ids, b.targets);  // forward only
+      CHECK(e.group().bytes() == (sp ? 4 * L + 2 : 2 * L + 1) * activation + loss);
+      if (sp)  // a sequence that tp does not cut into equal slices is refused on every rank
+        CHECK_THROWS_WITH(e.eval_loss(b.ids.view(0, {1, 7}).clone(), b.targets.view(0, {1, 7}).clone()),
+                          Catch::Contains("[ptrain.tp.sequence]"));
+    }
   }
   world().barrier();
 }
