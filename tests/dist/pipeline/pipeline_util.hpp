@@ -62,10 +62,11 @@ inline Batch make_batch(std::int64_t rows, std::uint64_t seed) {
 }
 
 enum class Opt { SGD, AdamW };
-inline std::unique_ptr<optim::Optimizer<float>> make_opt(Opt kind, nn::FlatParameters<float>& p) {
-  if (kind == Opt::SGD) return std::make_unique<optim::SGD<float>>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+template <class T>
+std::unique_ptr<optim::Optimizer<T>> make_opt(Opt kind, nn::FlatParameters<T>& p) {
+  if (kind == Opt::SGD) return std::make_unique<optim::SGD<T>>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
   // eps 1e-6: see the note in tests/dist/parallel/test_ddp.cpp (rounding noise on near-zero gradients).
-  return std::make_unique<optim::AdamW<float>>(p, optim::AdamWOptions{.lr = 0.01, .eps = 1e-6});
+  return std::make_unique<optim::AdamW<T>>(p, optim::AdamWOptions{.lr = 0.01, .eps = 1e-6});
 }
 
 /// A small untied GPT for pipelines (block_size 8, 2 heads, width 16) of n_layer blocks.
