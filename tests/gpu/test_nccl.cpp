@@ -3,9 +3,9 @@
 // collective is the identity, so each check compares the result with the input
 // written into a separate, NaN-poisoned buffer: an operation that does not run,
 // runs on the wrong bytes or never completes fails. Host buffers go through
-// Note [Host buffers] in dist/nccl.hpp. Compiled by g++ like a user's .cpp: the
-// DDP, FSDP and pipeline steps at the end run ptrain's kernels through ops::
-// (the kernel table that ptrain::cuda's CUDA source fills).
+// Note [Host buffers] in dist/nccl_communicator.hpp. Compiled by g++ like a
+// user's .cpp: the DDP, FSDP and pipeline steps at the end run ptrain's kernels
+// through ops:: (the kernel table that ptrain::cuda's CUDA source fills).
 #include <catch2/catch.hpp>
 
 #ifdef PTRAIN_NCCL
@@ -191,7 +191,7 @@ TEST_CASE("nccl: a call on another communicator, or from another thread, while a
 
 TEST_CASE("nccl: a rank that never joins ends init with an error, not a hang", "[gpu][nccl]") {
   // Rank 0 of 2 alone: NCCL's bootstrap waits for rank 1, which never comes
-  // (Note [NCCL nonblocking] in dist/nccl.hpp).
+  // (Note [NCCL nonblocking] in dist/nccl_communicator.hpp).
   dist::TCPStore store("127.0.0.1", 0, true, std::chrono::seconds(10), std::string());
   const auto t0 = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH(dist::NcclCommunicator(store, 0, 2, 0, std::chrono::seconds(3)),
