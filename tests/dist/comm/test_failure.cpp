@@ -128,7 +128,10 @@ void gloo_kill_scenario(int world_size, int victim, int timeout_s) {
     auto [ms, msg] = read_child_report(dir, r);
     INFO(msg);
     CHECK(ms >= 0);
-    CHECK(ms < timeout_s * 1000 / 2);  // detected from the dead connection, not by waiting out the timeout
+    // Detected from the dead connection, not by waiting out the timeout (Gloo's own
+    // message would say "Timed out"; ptrain's would be [ptrain.comm.timeout]).
+    CHECK(msg.find("Timed out") == std::string::npos);
+    CHECK(msg.find("[ptrain.comm.timeout]") == std::string::npos);
     CHECK(msg.find("all_reduce(F32 x 1048576, max)") != std::string::npos);
     // "peer rank 1 failed", or "peer ranks 1, 2 failed" when a third rank gave up first.
     CHECK(std::regex_search(msg, std::regex("peer ranks? ([0-9]+, )*" + std::to_string(victim) + "\\b")));
@@ -192,7 +195,7 @@ TEST_CASE("comm failure: a Gloo wait that Gloo never wakes ends through the stor
   }
   auto [ms0, msg0] = read_child_report(dir, 0);
   INFO(msg0);
-  CHECK(ms0 < 8000);  // without the probe, rank 2 exiting (10 s) would be what wakes it
+  (void)ms0;  // without the probe, rank 2 exiting (10 s) would wake it, with no "seen through the store"
   CHECK(msg0.find("recv(F32 x 1024, from 2, tag 7)") != std::string::npos);
   CHECK(msg0.find("peer rank 2 failed") != std::string::npos);
   CHECK(msg0.find("seen through the store") != std::string::npos);
