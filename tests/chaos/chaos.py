@@ -34,7 +34,7 @@ and the final checkpoint equals the reference run's bit for bit
 the reference is the uninterrupted run's checkpoint of the same step resumed on the
 same new number of ranks, and the final models agree within 1e-4 relative.
 Prints a table of faults by kind, hung runs, steps lost and bitwise-equal finals.
-Exit 0 when every check passes, 1 otherwise, 77 (skipped) without stdbuf or Fashion-MNIST.
+Exit 0 when every check passes, 1 otherwise (also without stdbuf or Fashion-MNIST: nothing here skips).
 
 The disk fault needs a tmpfs: as root one is mounted on the work directory; otherwise
 the driver runs itself again in a new user and mount namespace (`unshare -rm`); where
@@ -502,11 +502,12 @@ def main():
             ap.error(f"{exe} is not an executable")
     if not os.path.exists(os.path.join(args.fashion_data, "train-images-idx3-ubyte.gz")) and \
             not os.path.exists(os.path.join(args.fashion_data, "train-images-idx3-ubyte")):
-        print(f"chaos: no Fashion-MNIST in {args.fashion_data} (Debian: dataset-fashion-mnist; or --fashion-data)")
-        return 77
+        print(f"chaos: FAIL: no Fashion-MNIST in {args.fashion_data} (run tools/install-deps.sh --test: it installs "
+              "dataset-fashion-mnist; or give --fashion-data)")
+        return 1
     if shutil.which("stdbuf") is None:
-        print("chaos: stdbuf (coreutils) not found; it line-buffers the progress the faults are timed by")
-        return 77
+        print("chaos: FAIL: stdbuf (coreutils) not found; it line-buffers the progress the faults are timed by")
+        return 1
     # Without root, tmpfs needs a user and mount namespace of our own: run again inside one.
     if os.geteuid() != 0 and "PTRAIN_CHAOS_NS" not in os.environ and shutil.which("unshare") and \
             subprocess.run(["unshare", "-rm", "true"], stderr=subprocess.DEVNULL).returncode == 0:

@@ -130,8 +130,8 @@ def main():
     global PREFIX, PACKAGES
     for tool in ("cmake", "readelf", "objdump", "ldd", "dpkg-query", "apt-cache"):
         if shutil.which(tool) is None:
-            print(f"SKIPPED: {tool} is not installed")
-            sys.exit(77)
+            print(f"FAIL: {tool} is not installed: run tools/install-deps.sh --test", flush=True)
+            sys.exit(1)
     work = Path(tempfile.mkdtemp(prefix="ptrain-image-"))
     try:
         PREFIX = work / "opt-ptrain"

@@ -23,8 +23,8 @@ scripts, and the Slurm script in examples/slurm/:
 Variable names are checked against the names ptrain's C++ sources read
 (include/ptrain/dist/*.hpp are grepped, so renaming a variable there breaks
 this test). kubernetes-validate and hadolint come from PyPI into
-PTRAIN_TEST_TOOLS (default /opt/ptrain-test-tools; tools/install-deps.sh);
-without them those two checks are skipped, with a message.
+PTRAIN_TEST_TOOLS (default /opt/ptrain-test-tools; tools/install-deps.sh --test);
+without them (or without python3-yaml) the test fails, saying so. Nothing here skips.
 
   /usr/bin/python3 tests/cluster/test_manifests.py [REPO_ROOT]
 """
@@ -45,8 +45,8 @@ sys.path.insert(0, str(TEST_TOOLS))
 try:
     import yaml
 except ImportError:
-    print("SKIPPED: python3-yaml is not installed (apt-get install python3-yaml)")
-    sys.exit(77)
+    print("FAIL: /usr/bin/python3 cannot import yaml: run tools/install-deps.sh --test (it installs python3-yaml)")
+    sys.exit(1)
 try:
     import kubernetes_validate
     import kubernetes_validate.utils
@@ -299,7 +299,7 @@ REPLICATED_JOB = {"name", "groupName", "template", "replicas", "dependsOn"}
 class TestSchemas(unittest.TestCase):
     def setUp(self):
         if kubernetes_validate is None:
-            self.skipTest(f"kubernetes-validate is not in {TEST_TOOLS} (tools/install-deps.sh --test installs it)")
+            self.fail(f"kubernetes-validate is not in {TEST_TOOLS}: run tools/install-deps.sh --test (it installs it)")
 
     def test_core_objects_against_kubernetes_schemas(self):
         versions = [MIN_KUBERNETES, kubernetes_validate.utils.latest_version()]
@@ -658,7 +658,7 @@ class TestDockerfile(unittest.TestCase):
     def test_hadolint(self):
         hadolint = TEST_TOOLS / "bin" / "hadolint"
         if not hadolint.exists():
-            self.skipTest(f"hadolint is not in {TEST_TOOLS}/bin (tools/install-deps.sh --test installs it)")
+            self.fail(f"hadolint is not in {TEST_TOOLS}/bin: run tools/install-deps.sh --test (it installs it)")
         r = subprocess.run([str(hadolint), "--no-color", str(K8S / "Dockerfile")], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"hadolint:\n{r.stdout}{r.stderr}")
         # It does check: a known mistake must be reported.

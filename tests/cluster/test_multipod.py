@@ -31,8 +31,9 @@ Service's DNS does). No mpirun, no ptrun.
      (tests/dist/runtime/test_launchers.py runs the same on loopback and also
      compares the end with a run resumed from the last round's checkpoint.)
 
-Needs root (ip netns add, unshare --uts) and iproute2; exits 77 (skipped) when
-either is missing, or when the example has no --checkpoint-dir yet.
+Needs root (ip netns add, unshare --uts): exits 77 (skipped) without root or
+where `ip netns add` is not permitted. Fails without iproute2 (tools/install-deps.sh
+--test) or when the example has no --checkpoint-dir/--resume.
 
   /usr/bin/python3 tests/cluster/test_multipod.py PATH/TO/fashion_mnist [REPO_ROOT [PATH/TO/ptrun]]
 """
@@ -363,12 +364,12 @@ def main():
     if os.geteuid() != 0:
         skip("needs root to create network namespaces (run ctest as root, e.g. in CI's container)")
     if shutil.which("ip") is None or shutil.which("unshare") is None:
-        skip("needs iproute2 (ip) and util-linux (unshare)")
+        raise AssertionError("needs iproute2 (ip) and util-linux (unshare): run tools/install-deps.sh --test")
     if not PROG.exists():
         raise AssertionError(f"{PROG} is not built (cmake --build <build dir> --target fashion_mnist)")
     help_text = run(str(PROG), "--help", check=False).stdout
     if "--checkpoint-dir" not in help_text or "--resume" not in help_text:
-        skip(f"{PROG.name} has no --checkpoint-dir/--resume yet: nothing to resume")
+        raise AssertionError(f"{PROG.name} --help lists no --checkpoint-dir/--resume, which the pods use")
     probe = f"{PREFIX}-probe"
     if run("ip", "netns", "add", probe, check=False).returncode != 0:
         skip("`ip netns add` is not permitted here (needs CAP_SYS_ADMIN and a writable /run/netns)")

@@ -36,7 +36,7 @@ for fname, info in index["files"].items():
         arrays[name] = (e["dtype"], raw, a)
         values[name] = a.astype(np.float64).ravel().tolist()
 
-torch_status = "skipped: python3-torch is not installed"
+torch_status = "/usr/bin/python3 cannot import torch (python3-torch)"
 try:
     import torch
 except ImportError:

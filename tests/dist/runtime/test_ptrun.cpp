@@ -96,15 +96,15 @@ TEST_CASE("ptrun: a failing rank stops the others and sets the exit status", "[p
   for (auto c : {Case{"7", 7}, Case{"sig9", 128 + SIGKILL}}) {
     TempDir dir;
     const int n = 4;
-    auto t0 = std::chrono::steady_clock::now();
     Process p(ptrun({"--nproc-per-node", std::to_string(n), "--master-port", "0", PTRAIN_TEST_WORKER, "fail", "2",
                      c.code, dir.path()}));
-    auto st = p.wait(30s);
+    auto st = p.wait(120s);
     REQUIRE(st.has_value());
     INFO("rank 2 ends with " << c.code);
     CHECK(ptrain_test::exit_code(*st) == c.expect);
-    // The others sleep for 60 s unless stopped; ptrun's SIGTERM ends them at once.
-    CHECK(std::chrono::steady_clock::now() - t0 < 20s);
+    // The others sleep for 60 s unless stopped: each one's SIGTERM handler leaves term_<rank>.
+    for (int r = 0; r < n; ++r)
+      if (r != 2) CHECK(ptrain_test::file_exists(dir.file("term_" + std::to_string(r))));
     for (pid_t pid : worker_pids(dir, n)) CHECK(ptrain_test::process_gone(pid));
   }
 }
@@ -290,30 +290,28 @@ TEST_CASE("ptrun: on several nodes a signal stops every node, and a missing node
 
   // Node 1 never starts: node 0 gives up after --rdzv-timeout, before starting any rank.
   TempDir dir2;
-  auto t0 = std::chrono::steady_clock::now();
   Process alone(ptrun({"--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-port",
                        std::to_string(ptrain_test::free_port()), "--max-restarts", "1", "--rdzv-timeout", "2",
                        PTRAIN_TEST_WORKER, "sleep", dir2.path()}));
-  auto st = alone.wait(30s);
+  auto st = alone.wait(120s);
   REQUIRE(st.has_value());
   CHECK(ptrain_test::exit_code(*st) == 1);
-  CHECK(std::chrono::steady_clock::now() - t0 < 15s);
   CHECK_FALSE(ptrain_test::file_exists(dir2.file("pid_0")));
 }
 
 TEST_CASE("ptrun: on several nodes a node whose ranks are done does not wait past --rdzv-timeout", "[ptrun]") {
-  // Rank 0 (node 0) works 6 s longer than the others: node 1 leaves after --rdzv-timeout 1
+  // Rank 0 (node 0) works 30 s longer than the others: node 1 leaves after --rdzv-timeout 1
   // with its own status (0), as torchrun's exit barrier does, and node 0 still ends with 0.
-  auto t0 = std::chrono::steady_clock::now();
   auto nodes = two_nodes(std::to_string(ptrain_test::free_port()), {"--max-restarts", "1", "--rdzv-timeout", "1"},
-                         {PTRAIN_TEST_WORKER, "linger", "0", "6"});
-  auto st1 = nodes[1].wait(30s);
-  const auto node1_done = std::chrono::steady_clock::now() - t0;
-  auto st0 = nodes[0].wait(30s);
-  REQUIRE((st0 && st1));
+                         {PTRAIN_TEST_WORKER, "linger", "0", "30"});
+  auto st1 = nodes[1].wait(120s);
+  REQUIRE(st1.has_value());
+  // It did not wait for rank 0: node 0 is still running when node 1 is done.
+  CHECK_FALSE(nodes[0].wait(0ms).has_value());
+  auto st0 = nodes[0].wait(120s);
+  REQUIRE(st0.has_value());
   CHECK(ptrain_test::exit_code(*st1) == 0);
   CHECK(ptrain_test::exit_code(*st0) == 0);
-  CHECK(node1_done < 5s);  // it did not wait for rank 0
 }
 
 TEST_CASE("ptrun: several nodes need --node-rank, each its own", "[ptrun]") {
@@ -530,12 +528,11 @@ TEST_CASE("ptrun: when an elastic job's store host is lost, the other nodes end 
   Process a = elastic_node("1:2", port, dir, 60, true);
   Process b = elastic_node("1:2", port, dir, 60);
   REQUIRE(ptrain_test::wait_for_file(dir.file("world_2_1"), 20s));
-  auto t0 = std::chrono::steady_clock::now();
   ::kill(a.pid(), SIGKILL);
-  auto sb = b.wait(30s);
+  // Its rank sleeps 60 s and would end with 0; the lost store host ends the node with 1.
+  auto sb = b.wait(120s);
   REQUIRE(sb.has_value());
   CHECK(ptrain_test::exit_code(*sb) == 1);
-  CHECK(std::chrono::steady_clock::now() - t0 < 15s);
 }
 
 TEST_CASE("ptrun: an elastic job notices a lost node by its heartbeat and goes on without it", "[ptrun][elastic]") {

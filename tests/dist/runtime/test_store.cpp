@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../skip.hpp"  // tests/skip.hpp
 #include "process_util.hpp"
 #include "ptrain/dist/store.hpp"
 
@@ -316,8 +317,11 @@ TEST_CASE("store: a refused client fails the waits that do not complete soon aft
   answered.join();
   const auto took = std::chrono::steady_clock::now() - t0;
   CHECK(other_err.empty());
+  // The refusal came after t0 and the wait had kRefusedGrace (10 s) from it: a lower bound
+  // the server guarantees. That the wait ended through the refusal and not at its own 30 s
+  // timeout is the error's id ([ptrain.store.refused], not [ptrain.store.timeout]).
   CHECK(took >= 9s);
-  CHECK(took < 20s);  // not the 30 s wait
+  CHECK_THAT(err, !Catch::Contains("[ptrain.store.timeout]"));
   CHECK_THAT(err, Catch::Contains("[ptrain.store.refused]") && Catch::Contains("'never'") &&
                       Catch::Contains("no token") && Catch::Contains("wrong or missing PTRAIN_STORE_TOKEN"));
   // A wait begun after the grace is not affected; the connection stays usable.
@@ -346,23 +350,24 @@ TEST_CASE("store: processes of one job, one with a wrong token: the others fail 
   ptrain_test::TempDir dir;
   const int port = ptrain_test::free_port();
   std::vector<ptrain_test::Process> procs;
-  const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < 3; ++r)
     procs.emplace_back(std::vector<std::string>{PTRAIN_TEST_WORKER, "rendezvous", dir.path()},
                        std::map<std::string, std::string>{{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"},
                                                           {"MASTER_ADDR", "127.0.0.1"},
                                                           {"MASTER_PORT", std::to_string(port)},
                                                           {"PTRAIN_STORE_TOKEN", r == 2 ? "other" : "job-token"}});
+  // Ranks 0 and 1 fail through the refusal (10 s after it), not at their 30 s store
+  // timeout: the error's id says which ([ptrain.store.refused], not [ptrain.store.timeout]).
   for (int r = 0; r < 3; ++r) {
-    auto st = procs[r].wait(20s);
+    auto st = procs[r].wait(120s);
     REQUIRE(st.has_value());
     INFO("rank " << r);
     CHECK(ptrain_test::exit_code(*st) == 3);
     const std::string err = ptrain_test::read_text(dir.file("error_" + std::to_string(procs[r].pid())));
     if (r == 2) CHECK_THAT(err, Catch::Contains("[ptrain.store.auth]"));
-    else CHECK_THAT(err, Catch::Contains("[ptrain.store.refused]") && Catch::Contains("a wrong token"));
+    else CHECK_THAT(err, Catch::Contains("[ptrain.store.refused]") && Catch::Contains("a wrong token") &&
+                             !Catch::Contains("[ptrain.store.timeout]"));
   }
-  CHECK(std::chrono::steady_clock::now() - t0 < 20s);  // 10 s after the refusal; the ranks' store timeout is 30 s
 }
 
 TEST_CASE("store: clients retry until the server starts, and fail in time when it never does", "[store]") {
@@ -402,10 +407,8 @@ static std::string external_ipv4() {
 
 TEST_CASE("store: a server on a loopback host listens on loopback only", "[store]") {
   const std::string ip = external_ipv4();
-  if (ip.empty()) {
-    WARN("this host has no IPv4 address besides loopback; nothing to check");
-    return;
-  }
+  // CTest runs this test case in a process of its own (catch_discover_tests), so it may end the process.
+  if (ip.empty()) ptrain::testing::skip_test("this host has no IPv4 address besides loopback; nothing to check");
   TCPStore local("127.0.0.1", 0, true, 5s, std::string());
   CHECK_THROWS_WITH(TCPStore(ip, local.port(), false, 300ms, std::string()),
                     Catch::Contains("[ptrain.store.connect]"));

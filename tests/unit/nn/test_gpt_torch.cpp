@@ -1,8 +1,8 @@
 // Cross-check against PyTorch: the same GPT weights and tokens give the same
 // logits, loss and gradients. The weights go to raw float64 files plus a JSON
 // manifest; gpt_torch_reference.py (next to this file) builds the model from
-// torch.nn.functional and writes its results back. Skipped with a warning when
-// /usr/bin/python3 cannot import torch (Debian: apt-get install python3-torch).
+// torch.nn.functional and writes its results back. Fails when /usr/bin/python3
+// cannot import torch (tools/install-deps.sh --test installs python3-torch).
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdlib>
@@ -34,10 +34,8 @@ void require_close(const std::vector<double>& ours, const std::vector<double>& t
 }  // namespace
 
 TEST_CASE("GPT logits, loss and gradients equal PyTorch's", "[nn][gpt][torch]") {
-  if (!torch_available()) {
-    WARN("skipped: /usr/bin/python3 cannot import torch (apt-get install python3-torch to run this check)");
-    return;
-  }
+  if (!torch_available())
+    FAIL("/usr/bin/python3 cannot import torch: run tools/install-deps.sh --test (it installs python3-torch)");
   const fs::path script = fs::path(__FILE__).parent_path() / "gpt_torch_reference.py";
   REQUIRE(fs::exists(script));
   for (bool tie : {true, false}) {

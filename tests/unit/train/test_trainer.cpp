@@ -78,15 +78,17 @@ TEST_CASE("Trainer: the first metrics window after a resume holds only the steps
   }
   // Resumed at step 6: the first record (step 8) covers steps 7 and 8 only.
   Run again(data, o);
-  constexpr double kStepSeconds = 0.05;
-  std::vector<double> losses;
-  again.trainer->on_step = [&](const train::StepInfo& s) {
-    losses.push_back(s.loss);
-    std::this_thread::sleep_for(std::chrono::duration<double>(kStepSeconds));
-  };
+  // When each on_step call began and ended, in seconds since just before run().
+  std::vector<double> losses, entered, left;
   const auto t0 = std::chrono::steady_clock::now();
+  auto since_t0 = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  again.trainer->on_step = [&](const train::StepInfo& s) {
+    entered.push_back(since_t0());
+    losses.push_back(s.loss);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a window long enough to time
+    left.push_back(since_t0());
+  };
   CHECK(again.trainer->run().step == 10);
-  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   REQUIRE(losses.size() == 4);
 
   const auto lines = read_lines(metrics);
@@ -94,10 +96,17 @@ TEST_CASE("Trainer: the first metrics window after a resume holds only the steps
   const auto& rec = lines[lines.size() - 2];  // step 8; the last one is step 10
   REQUIRE(rec.at("step") == 8);
   CHECK(rec.at("loss").get<double>() == Approx((losses[0] + losses[1]) / 2).epsilon(1e-12));
-  // 2 steps of 4 samples in at least 2 sleeps; at most the whole run's time.
+  // samples_per_s is the window's 2 steps of kBatch samples over the window's time. That
+  // window opened after t0 and before step 7 (on_step call 0), and closed after on_step
+  // of step 8 (call 1) returned and before on_step of step 9 (call 2) began: its length
+  // lies between those measured times, whatever the machine's load. A window that also
+  // counted the steps before the resume would hold 8 steps' samples and fail this.
   const double sps = rec.at("samples_per_s").get<double>();
-  CHECK(sps <= 2 * kBatch / (2 * kStepSeconds));
-  CHECK(sps >= 2 * kBatch / wall);
+  REQUIRE(sps > 0);
+  const double window_s = 2 * kBatch / sps;
+  INFO("window " << window_s << " s; on_step calls at " << entered[0] << " .. " << left[1] << " .. " << entered[2]);
+  CHECK(window_s >= (left[1] - entered[0]) * (1 - 1e-9));
+  CHECK(window_s <= entered[2] * (1 + 1e-9));
   fs::remove_all(dir);
 }
 

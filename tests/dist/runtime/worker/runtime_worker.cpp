@@ -114,6 +114,8 @@ int main(int argc, char** argv) {
     int victim = std::atoi(argv[2]);
     std::string code = argv[3];
     out_dir = argv[4];
+    term_path = out_dir + "/term_" + std::to_string(my_rank);  // the others: SIGTERM leaves term_<rank>
+    if (my_rank != victim) ::signal(SIGTERM, on_term);
     write_pid();
     int world = std::atoi(env_or("WORLD_SIZE", "1").c_str());
     if (my_rank == victim) {

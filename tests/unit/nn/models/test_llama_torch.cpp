@@ -1,9 +1,9 @@
 // nn::Llama against an independent implementation: llama_torch_reference.py (next
 // to this file) builds the same network from the published architecture in
 // PyTorch float64 and differentiates it with autograd; the logits and the gradient
-// of every parameter must agree to 1e-9 of the tensor's largest value. Skipped
-// with a warning when /usr/bin/python3 cannot import torch (apt-get install
-// python3-torch).
+// of every parameter must agree to 1e-9 of the tensor's largest value. Fails
+// when /usr/bin/python3 cannot import torch (tools/install-deps.sh --test
+// installs python3-torch).
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <cmath>
@@ -40,10 +40,8 @@ double require_close(const std::vector<double>& ours, const std::vector<double>&
 }  // namespace
 
 TEST_CASE("Llama logits and every gradient equal an independent PyTorch float64 implementation", "[nn][llama]") {
-  if (!torch_available()) {
-    WARN("skipped: /usr/bin/python3 cannot import torch (apt-get install python3-torch to run this check)");
-    return;
-  }
+  if (!torch_available())
+    FAIL("/usr/bin/python3 cannot import torch: run tools/install-deps.sh --test (it installs python3-torch)");
   const fs::path script = fs::path(PTRAIN_TESTS_DIR) / "unit/nn/models/llama_torch_reference.py";
   REQUIRE(fs::exists(script));
   struct Case {
