@@ -21,6 +21,8 @@
 
 #include "dist/runtime/process_util.hpp"
 
+namespace test_ckpt_dist {
+
 using namespace ptrain;
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
@@ -374,3 +376,5 @@ TEST_CASE("an independent Python reader sees the same values", "[ckpt][dist][pyt
   REQUIRE(ty.size() == 3);
   for (int i = 0; i < 3; ++i) CHECK(std::abs(ty[static_cast<std::size_t>(i)].get<double>() - y.data()[i]) < 1e-5);
 }
+
+}  // namespace test_ckpt_dist

@@ -9,6 +9,8 @@
 
 #include "comm_util.hpp"
 
+namespace test_checked {
+
 using namespace comm_test;
 using Catch::Contains;
 
@@ -96,3 +98,5 @@ TEST_CASE("comm: checked collectives give the plain results and name the rank wh
     child->barrier();
   }
 }
+
+}  // namespace test_checked

@@ -7,6 +7,8 @@
 
 #include "comm_util.hpp"
 
+namespace test_collectives {
+
 using namespace comm_test;
 
 TEST_CASE("comm: world agrees with the launch environment", "[dist][comm]") {
@@ -172,3 +174,5 @@ TEST_CASE("comm: Tensor overloads", "[dist][comm]") {
   for (int q = 0; q < c.size(); ++q) CHECK(whole.data()[4 * q + 3] == q);
   if (c.size() > 1) CHECK_THROWS_AS(c.all_gather(part, part), ShapeError);
 }
+
+}  // namespace test_collectives

@@ -26,6 +26,8 @@
 
 #include "dist/spawn_util.hpp"
 
+namespace test_failure {
+
 using namespace comm_test;
 using ptrain::testing::read_child_report;
 using ptrain::testing::write_child_report;
@@ -204,3 +206,5 @@ TEST_CASE("comm failure: a Gloo wait that Gloo never wakes ends through the stor
   CHECK(msg1.find("barrier()") != std::string::npos);  // its own wait times out (1 s); its worker marks the failure
   if (std::getenv("PTRAIN_KILL_KEEP") == nullptr) std::system(("rm -rf " + dir).c_str());
 }
+
+}  // namespace test_failure

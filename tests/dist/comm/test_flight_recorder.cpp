@@ -22,6 +22,8 @@
 #include "dist/spawn_util.hpp"
 #include "ptrain/dist/flight_recorder.hpp"
 
+namespace test_flight_recorder {
+
 using namespace comm_test;
 
 namespace {
@@ -136,3 +138,5 @@ TEST_CASE("flight recorder: the analyser names the rank that called another coll
   CHECK(out.find("VERDICT: group world: collective #5 differs across ranks: ranks 0,2 called all_reduce(F32 x "
                  "1000, sum); rank 1 called broadcast(F32 x 1000, root 0)") != std::string::npos);
 }
+
+}  // namespace test_flight_recorder

@@ -12,6 +12,8 @@
 
 #include "comm_util.hpp"
 
+namespace test_mismatch {
+
 using namespace comm_test;
 using Catch::Contains;
 
@@ -100,3 +102,5 @@ TEST_CASE("comm: mismatched collectives fail on every rank with both calls named
   }
   world().barrier();
 }
+
+}  // namespace test_mismatch

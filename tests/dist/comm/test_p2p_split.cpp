@@ -2,6 +2,8 @@
 
 #include "comm_util.hpp"
 
+namespace test_p2p_split {
+
 using namespace comm_test;
 
 TEST_CASE("comm: send/recv ring, posted together, several tags and sizes", "[dist][comm]") {
@@ -130,3 +132,5 @@ TEST_CASE("comm: split by parity with reversed keys, nested split, color -1", "[
     CHECK(d == 3.5);
   }
 }
+
+}  // namespace test_p2p_split

@@ -5,6 +5,8 @@
 #include "comm_util.hpp"
 #include "ptrain/train/stragglers.hpp"
 
+namespace test_stragglers {
+
 using namespace comm_test;
 
 TEST_CASE("straggler report names the slowest rank and its ratio to the median", "[comm][stragglers]") {
@@ -24,3 +26,5 @@ TEST_CASE("straggler report names the slowest rank and its ratio to the median",
   CHECK(rep["slowest_vs_median"].get<double>() == Approx(n / ((n + 1) / 2.0)));
   CHECK(rep["step_time_s"].get<double>() == Approx(0.01));
 }
+
+}  // namespace test_stragglers

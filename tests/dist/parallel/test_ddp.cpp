@@ -16,6 +16,8 @@
 #include <ptrain/optim/sgd.hpp>
 #include <ptrain/parallel/ddp.hpp>
 
+namespace test_ddp {
+
 using namespace ptrain;
 using ptrain::testing::world;
 
@@ -345,3 +347,5 @@ TEST_CASE("ranks with different models get a clear error on every rank", "[ddp]"
   }
   CHECK(threw == (comm.size() > 1));
 }
+
+}  // namespace test_ddp

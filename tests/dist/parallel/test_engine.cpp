@@ -15,6 +15,8 @@
 
 #include "dist/world.hpp"
 
+namespace test_engine {
+
 using namespace ptrain;
 using ptrain::testing::world;
 
@@ -234,3 +236,5 @@ TEST_CASE("A single process is a world of one", "[engine][self]") {
   CHECK(sub->size() == 1);
   CHECK(self.split(-1, 0) == nullptr);
 }
+
+}  // namespace test_engine

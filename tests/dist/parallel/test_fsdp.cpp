@@ -19,6 +19,8 @@
 #include <ptrain/optim/clip.hpp>
 #include <ptrain/parallel/fsdp.hpp>
 
+namespace test_fsdp {
+
 using namespace ptrain;
 using ptrain::testing::world;
 using parallel::ShardingStrategy;
@@ -469,3 +471,5 @@ TEST_CASE("FSDP global-norm clipping equals clipping the full gradient", "[fsdp]
   const int replicas = n / options_for(ShardingStrategy::Hybrid).hybrid_shard_size;
   CHECK(std::sqrt(sq / replicas) == Approx(1e-3 * want / (want + 1e-6)).epsilon(1e-4));
 }
+
+}  // namespace test_fsdp

@@ -16,6 +16,8 @@
 
 #include "dist/world.hpp"
 
+namespace test_llama_engine {
+
 using namespace ptrain;
 using ptrain::testing::world;
 
@@ -128,3 +130,5 @@ TEST_CASE("Llama trains on packed documents like one process in every engine", "
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
+
+}  // namespace test_llama_engine

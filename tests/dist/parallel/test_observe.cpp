@@ -16,6 +16,8 @@
 
 #include "dist/world.hpp"
 
+namespace test_observe {
+
 using namespace ptrain;
 
 TEST_CASE("Trainer writes straggler fields, TensorBoard scalars and per-rank traces", "[trainer][observe]") {
@@ -90,3 +92,5 @@ TEST_CASE("Trainer writes straggler fields, TensorBoard scalars and per-rank tra
   comm.barrier();
   if (rank == 0) std::filesystem::remove_all(dir);
 }
+
+}  // namespace test_observe

@@ -16,6 +16,8 @@
 
 #include "dist/world.hpp"
 
+namespace test_regression {
+
 using namespace ptrain;
 using ptrain::testing::world;
 
@@ -113,3 +115,5 @@ TEST_CASE("An engine given the wrong kind of targets for its loss says so on eve
   CHECK_THROWS_WITH(engine->eval_loss(x, Tensor<float>::zeros({2, kOut})),
                     Catch::Contains("[ptrain.loss.targets] CrossEntropyLoss takes int32 class ids"));
 }
+
+}  // namespace test_regression

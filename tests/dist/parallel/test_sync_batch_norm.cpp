@@ -17,6 +17,8 @@
 
 #include "dist/world.hpp"
 
+namespace test_sync_batch_norm {
+
 using namespace ptrain;
 using ptrain::testing::world;
 
@@ -166,3 +168,5 @@ TEST_CASE("A CNN with SyncBatchNorm under DDP, FSDP and a pipeline trains as Bat
     if (world().rank() == 0) std::filesystem::remove_all(dir);
   }
 }
+
+}  // namespace test_sync_batch_norm

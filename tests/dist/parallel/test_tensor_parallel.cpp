@@ -21,6 +21,8 @@
 
 #include "dist/world.hpp"
 
+namespace test_tensor_parallel {
+
 using namespace ptrain;
 using ptrain::testing::world;
 
@@ -397,3 +399,5 @@ TEST_CASE("Bad tensor-parallel plans end every rank with the reason", "[tp][erro
   }
   world().barrier();
 }
+
+}  // namespace test_tensor_parallel

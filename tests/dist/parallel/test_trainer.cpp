@@ -15,6 +15,8 @@
 
 #include "dist/world.hpp"
 
+namespace test_trainer {
+
 using namespace ptrain;
 using ptrain::testing::world;
 
@@ -231,3 +233,5 @@ TEST_CASE("Trainer resumed on another world size keeps the schedule", "[trainer]
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
+
+}  // namespace test_trainer

@@ -39,6 +39,8 @@
 #include "dist/pipeline/pipeline_util.hpp"
 #include "dist/spawn_util.hpp"
 
+namespace test_pipeline {
+
 using namespace ptrain;
 using parallel::Schedule;
 
@@ -1104,3 +1106,5 @@ TEST_CASE("pipeline failure: a stage killed mid-step makes every other stage fai
   pipe_kill_scenario(3, 0, 20);  // the first stage (it also serves the store)
   pipe_kill_scenario(3, 1, 20, 2);  // a middle stage of an interleaved ring
 }
+
+}  // namespace test_pipeline

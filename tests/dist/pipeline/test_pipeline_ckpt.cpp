@@ -24,6 +24,8 @@
 
 #include "dist/pipeline/pipeline_util.hpp"
 
+namespace test_pipeline_ckpt {
+
 using namespace ptrain;
 using namespace pipeline_test;
 
@@ -316,3 +318,5 @@ TEST_CASE("a bf16 GPT pipeline resumes bitwise from its stage checkpoint", "[pip
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir.parent_path());
 }
+
+}  // namespace test_pipeline_ckpt

@@ -17,6 +17,8 @@
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/dist/launch_env.hpp"
 
+namespace test_launch_env {
+
 using namespace ptrain::dist;
 using Env = std::map<std::string, std::string>;
 
@@ -370,3 +372,5 @@ TEST_CASE("launch_env: real mpirun processes are found as Open MPI", "[launch_en
     CHECK(kv["sum"] == "6");
   }
 }
+
+}  // namespace test_launch_env

@@ -15,6 +15,8 @@
 
 #include "process_util.hpp"
 
+namespace test_ptrun {
+
 using namespace std::chrono_literals;
 using ptrain_test::Process;
 using ptrain_test::TempDir;
@@ -574,3 +576,5 @@ TEST_CASE("ptrun: an elastic job's failures count against --max-restarts", "[ptr
     CHECK_FALSE(ptrain_test::file_exists(dir.file("round_2_" + std::to_string(r))));
   }
 }
+
+}  // namespace test_ptrun

@@ -22,6 +22,8 @@
 #include "process_util.hpp"
 #include "ptrain/dist/store.hpp"
 
+namespace test_store {
+
 using namespace ptrain::dist;
 using namespace std::chrono_literals;
 
@@ -468,3 +470,5 @@ TEST_CASE("store: make_store follows the launch environment", "[store]") {
   missing.master_addr.clear();
   CHECK_THROWS_AS(make_store(missing, 1s), ptrain::LaunchError);
 }
+
+}  // namespace test_store

@@ -15,6 +15,8 @@
 #include <ptrain/optim/adamw.hpp>
 #include <unistd.h>
 
+namespace test_checkpoint {
+
 using namespace ptrain;
 namespace fs = std::filesystem;
 
@@ -519,3 +521,5 @@ TEST_CASE("sampler reshape: N ranks then M ranks see every sample exactly once",
     }
   }
 }
+
+}  // namespace test_checkpoint

@@ -9,6 +9,8 @@
 
 #include <ptrain/core/allocator.hpp>
 
+namespace test_allocator {
+
 using namespace ptrain;
 
 namespace {
@@ -115,3 +117,5 @@ TEST_CASE("caching allocator: empty_cache keeps blocks that other streams still 
   CHECK(a.raw_frees == 2);
   CHECK(a.stats().reserved_bytes == 0);
 }
+
+}  // namespace test_allocator

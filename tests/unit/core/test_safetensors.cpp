@@ -9,6 +9,8 @@
 #include <string>
 #include <unistd.h>
 
+namespace test_safetensors {
+
 using namespace ptrain;
 using namespace ptrain::ckpt;
 
@@ -190,3 +192,5 @@ TEST_CASE("safetensors reader survives every truncation and single-byte flip", "
   }
   CHECK(rejected > static_cast<int>(header_len) / 2);
 }
+
+}  // namespace test_safetensors

@@ -3,6 +3,8 @@
 #include <ptrain/core/random.hpp>
 #include <ptrain/core/tensor.hpp>
 
+namespace test_tensor {
+
 using namespace ptrain;
 
 TEST_CASE("tensor views share storage and check bounds", "[core][tensor]") {
@@ -142,3 +144,5 @@ TEST_CASE("generator streams are reproducible and well distributed", "[core][ran
   REQUIRE(std::abs(sum2 / n - 1.0) < 0.015);   // ~5 sigma for the variance
   for (int k = 0; k < 10; ++k) REQUIRE(std::abs(counts[k] - n / 10) < 700);  // ~5 sigma
 }
+
+}  // namespace test_tensor

@@ -6,6 +6,8 @@
 
 #include "ptrain/data/batches.hpp"
 
+namespace test_batches {
+
 using ptrain::Shape;
 using ptrain::Tensor;
 
@@ -107,3 +109,5 @@ TEST_CASE("gather_rows rejects bad indices and shapes", "[data][batches]") {
   auto flat = Tensor<float>::zeros({6});
   CHECK_THROWS_AS(ptrain::gather_rows(src, ok.data(), 2, flat), ptrain::ShapeError);
 }
+
+}  // namespace test_batches

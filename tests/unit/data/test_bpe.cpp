@@ -9,6 +9,8 @@
 #include <ptrain/data/bpe.hpp>
 #include "reference_files.hpp"
 
+namespace test_bpe {
+
 using namespace ptrain;
 using test::read_file;
 using test::read_json;
@@ -165,3 +167,5 @@ TEST_CASE("BPE: a text cut at piece_boundary_after encodes in parts to the whole
   // Error offsets count from the text's start, also in a part.
   CHECK_THROWS_WITH(tok.encode_to("ab\ncd\xff", [](const auto&) {}, 3), Catch::Contains("byte 5 (0xff)"));
 }
+
+}  // namespace test_bpe

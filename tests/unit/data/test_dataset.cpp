@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 #include <ptrain/data/dataset.hpp>
 
+namespace test_dataset {
+
 using namespace ptrain;
 
 TEST_CASE("TensorDataset gathers the rows it is asked for", "[data][dataset]") {
@@ -27,3 +29,5 @@ TEST_CASE("TensorDataset refuses inputs and targets of different lengths", "[dat
   auto y = Tensor<std::int32_t>::zeros({2});
   CHECK_THROWS_WITH(TensorDataset<float>(x, y), Catch::Contains("[ptrain.data.dataset]"));
 }
+
+}  // namespace test_dataset

@@ -11,6 +11,8 @@
 
 #include "ptrain/data/idx.hpp"
 
+namespace test_idx {
+
 namespace fs = std::filesystem;
 using ptrain::DataError;
 
@@ -280,3 +282,5 @@ TEST_CASE("default_fashion_mnist_dir honours PTRAIN_FASHION_MNIST_DIR", "[data][
   if (old) ::setenv("PTRAIN_FASHION_MNIST_DIR", saved.c_str(), 1);
   else ::unsetenv("PTRAIN_FASHION_MNIST_DIR");
 }
+
+}  // namespace test_idx

@@ -10,6 +10,8 @@
 #include <ptrain/data/ranked_bpe.hpp>
 #include "reference_files.hpp"
 
+namespace test_ranked_bpe {
+
 using namespace ptrain;
 using test::read_file;
 using test::read_json;
@@ -236,3 +238,5 @@ TEST_CASE("base64 decoding", "[data][tokenizer][llama3]") {
   CHECK(detail::base64_decode("AA==").value() == std::string(1, '\0'));
   for (const char* bad : {"", "SGV", "SG=s", "S===", "SGk*", "=AAA"}) CHECK_FALSE(detail::base64_decode(bad));
 }
+
+}  // namespace test_ranked_bpe

@@ -3,6 +3,8 @@
 #include <ptrain/data/sampler.hpp>
 #include <set>
 
+namespace test_sampler {
+
 using namespace ptrain;
 
 TEST_CASE("DistributedSampler shards cover the data set disjointly", "[data][sampler]") {
@@ -59,3 +61,5 @@ TEST_CASE("DistributedSampler reshuffles per epoch and resumes mid-epoch", "[dat
   REQUIRE_THROWS_AS(DistributedSampler(10, 2, 2, 0), Error);
   REQUIRE_THROWS_AS(b.set_epoch(0, 51), Error);
 }
+
+}  // namespace test_sampler

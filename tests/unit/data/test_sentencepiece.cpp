@@ -8,6 +8,8 @@
 #include <ptrain/data/sentencepiece.hpp>
 #include "reference_files.hpp"
 
+namespace test_sentencepiece {
+
 using namespace ptrain;
 using test::read_file;
 using test::read_json;
@@ -73,3 +75,5 @@ TEST_CASE("SentencePiece refuses damaged models and bad input", "[data][tokenize
   fs::remove_all(d);
 }
 #endif
+
+}  // namespace test_sentencepiece

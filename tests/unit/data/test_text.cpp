@@ -7,6 +7,8 @@
 #include <set>
 #include <unistd.h>
 
+namespace test_text {
+
 using namespace ptrain;
 
 namespace {
@@ -264,3 +266,5 @@ TEST_CASE("RandomWindows over token files: the same windows as in memory, never 
   for (const auto& p : paths) std::filesystem::remove(p);
   std::filesystem::remove(one);
 }
+
+}  // namespace test_text

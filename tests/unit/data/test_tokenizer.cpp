@@ -6,6 +6,8 @@
 #include <ptrain/data/tokenizer.hpp>
 #include "reference_files.hpp"
 
+namespace test_tokenizer {
+
 using namespace ptrain;
 using test::read_file;
 using test::read_json;
@@ -128,3 +130,5 @@ TEST_CASE("Tokenizer refuses what it cannot read, saying what it looked for", "[
                     Contains("[ptrain.tokenizer.tiktoken]") && Contains("line 2"));
   fs::remove_all(d);
 }
+
+}  // namespace test_tokenizer

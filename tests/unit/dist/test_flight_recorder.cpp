@@ -14,6 +14,8 @@
 #include "ptrain/dist/flight_recorder.hpp"
 #include "ptrain/dist/self_communicator.hpp"
 
+namespace test_flight_recorder {
+
 using namespace ptrain;
 using namespace ptrain::dist;
 
@@ -104,3 +106,5 @@ TEST_CASE("flight recorder dumps every live recorder on SIGUSR2 from its watcher
   ::unsetenv("PTRAIN_FLIGHT_RECORDER_DIR");
   std::system(("rm -rf " + dir).c_str());
 }
+
+}  // namespace test_flight_recorder

@@ -10,6 +10,8 @@
 #include <ptrain/ops/activation.hpp>
 #include <vector>
 
+namespace test_cpu_kernels {
+
 using namespace ptrain;
 namespace k = ptrain::kernels::cpu;
 
@@ -136,3 +138,5 @@ TEST_CASE("reductions and argmax", "[kernels][reduce]") {
   REQUIRE(ops::argmax_rows(Tensor<float>::from(x, {3, 2})).to_vector() == std::vector<std::int32_t>{0, 0, 0});
   REQUIRE_THROWS_WITH(ops::argmax_rows(Tensor<float>::empty({2, 0})), Catch::Contains("[ptrain.argmax]"));
 }
+
+}  // namespace test_cpu_kernels

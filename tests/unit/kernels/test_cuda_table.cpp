@@ -21,6 +21,8 @@
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/sgd.hpp>
 
+namespace test_cuda_table {
+
 using namespace ptrain;
 
 namespace {
@@ -169,3 +171,5 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
                       Catch::Contains("[ptrain.cuda.unsupported]") && Catch::Contains("sgd_update"));
   }
 }
+
+}  // namespace test_cuda_table

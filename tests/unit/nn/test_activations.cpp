@@ -13,6 +13,8 @@
 
 #include "unit/gradcheck.hpp"
 
+namespace test_activations {
+
 using namespace ptrain;
 using ptrain::testing::check_module_gradients;
 
@@ -194,3 +196,5 @@ TEST_CASE("The public gradient check passes a right backward and names the worst
   REQUIRE(r.ok);
   REQUIRE(r.checked == 6 + 6 + 2);  // input (every element), weight (every element), bias
 }
+
+}  // namespace test_activations

@@ -9,6 +9,8 @@
 
 #include "unit/gradcheck.hpp"
 
+namespace test_batch_norm {
+
 using namespace ptrain;
 using ptrain::testing::check_module_gradients;
 
@@ -125,3 +127,5 @@ TEST_CASE("BatchNorm refuses inputs of the wrong shape", "[nn][batch_norm]") {
   REQUIRE_THROWS_AS(nn::BatchNorm2d<double>(3, {.momentum = 1.5}), ShapeError);
   REQUIRE_THROWS_WITH(bn2.backward(random_input({4, 3, 2, 2}, 1), c), Catch::Contains("[ptrain.backward]"));
 }
+
+}  // namespace test_batch_norm

@@ -28,6 +28,8 @@
 #include "ptrain/ops/activation.hpp"
 #include "ptrain/optim/adamw.hpp"
 
+namespace test_bf16 {
+
 using namespace ptrain;
 namespace kp = ptrain::kernels::cpu;
 
@@ -348,3 +350,4 @@ TEST_CASE("bf16 training resumes bitwise from a checkpoint", "[bf16][ckpt]") {
   fs::remove_all(dir);
 }
 
+}  // namespace test_bf16

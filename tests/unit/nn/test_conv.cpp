@@ -8,6 +8,8 @@
 
 #include "unit/gradcheck.hpp"
 
+namespace test_conv {
+
 using namespace ptrain;
 using ptrain::testing::check_module_gradients;
 
@@ -188,3 +190,5 @@ TEST_CASE("AdaptiveAvgPool2d(1) averages each plane and Flatten keeps the batch 
   REQUIRE(flat.backward(f, fc).shape() == x.shape());
   check_module_gradients(flat, x);
 }
+
+}  // namespace test_conv

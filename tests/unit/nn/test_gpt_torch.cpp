@@ -15,6 +15,8 @@
 
 #include "unit/raw_files.hpp"
 
+namespace test_gpt_torch {
+
 using namespace ptrain;
 using testing::read_raw;
 using testing::torch_available;
@@ -103,3 +105,5 @@ TEST_CASE("GPT logits, loss and gradients equal PyTorch's", "[nn][gpt][torch]") 
     fs::remove_all(dir);
   }
 }
+
+}  // namespace test_gpt_torch

@@ -10,6 +10,8 @@
 
 #include "unit/gradcheck.hpp"
 
+namespace test_llama {
+
 using namespace ptrain;
 using Catch::Matchers::Contains;
 
@@ -325,3 +327,5 @@ TEST_CASE("Llama's KV-cached generation equals running the whole context each st
       REQUIRE(std::abs(logits.data()[v] - full.data()[static_cast<std::int64_t>(t) * c.vocab_size + v]) < 1e-12);
   }
 }
+
+}  // namespace test_llama

@@ -13,6 +13,8 @@
 
 #include "unit/gradcheck.hpp"
 
+namespace test_llama_layers {
+
 using namespace ptrain;
 using Catch::Matchers::Contains;
 using ptrain::testing::check_module_gradients;
@@ -399,3 +401,5 @@ TEST_CASE("RMSNorm, swiglu and rotary in bf16 match double on the same inputs", 
   ops::rotary_(xd, rope);
   near(xb, xd);
 }
+
+}  // namespace test_llama_layers

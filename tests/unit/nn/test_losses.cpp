@@ -8,6 +8,8 @@
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/ops/init.hpp>
 
+namespace test_losses {
+
 using namespace ptrain;
 using nn::Reduction;
 
@@ -283,3 +285,5 @@ TEST_CASE("Float and bf16 losses agree with double", "[nn][loss][bf16]") {
     REQUIRE(static_cast<float>(gb.data()[i]) == Approx(gd.data()[i]).margin(2e-3));
   }
 }
+
+}  // namespace test_losses

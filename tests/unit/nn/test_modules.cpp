@@ -10,6 +10,8 @@
 
 #include "unit/gradcheck.hpp"
 
+namespace test_modules {
+
 using namespace ptrain;
 using ptrain::testing::check_module_gradients;
 
@@ -234,3 +236,5 @@ TEST_CASE("flat parameters alias the module's parameters", "[nn][flat]") {
   }
   for (std::int64_t i = 15; i < 16; ++i) REQUIRE(flat.values().data()[i] == 0.0f);  // padding
 }
+
+}  // namespace test_modules

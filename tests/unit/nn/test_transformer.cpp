@@ -11,6 +11,8 @@
 
 #include "unit/gradcheck.hpp"
 
+namespace test_transformer {
+
 using namespace ptrain;
 using ptrain::testing::check_module_gradients;
 
@@ -554,3 +556,5 @@ TEST_CASE("generate: greedy continuation follows the model's argmax; crops the c
     REQUIRE(limited[n] == best);
   }
 }
+
+}  // namespace test_transformer

@@ -13,6 +13,8 @@
 #include "ptrain/obs/tensorboard.hpp"
 #include "ptrain/train/metrics.hpp"
 
+namespace test_tensorboard {
+
 using namespace ptrain;
 
 TEST_CASE("crc32c matches the standard check value", "[obs][tensorboard]") {
@@ -55,3 +57,5 @@ TEST_CASE("metrics records become TensorBoard scalars that an independent reader
   if (doc.contains("tensorboard_reader")) CHECK(doc["tensorboard_reader"] == doc["scalars"]);
   std::system(("rm -rf " + dir).c_str());
 }
+
+}  // namespace test_tensorboard

@@ -13,6 +13,8 @@
 #include "ptrain/dist/self_communicator.hpp"
 #include "ptrain/obs/trace.hpp"
 
+namespace test_trace {
+
 using namespace ptrain;
 
 TEST_CASE("tracer records spans only inside its step window and writes a Chrome trace", "[obs][trace]") {
@@ -67,3 +69,5 @@ TEST_CASE("trace window from the environment is checked", "[obs][trace]") {
   }
   ::unsetenv("PTRAIN_TRACE_STEPS");
 }
+
+}  // namespace test_trace

@@ -7,6 +7,8 @@
 #include <ptrain/optim/schedule.hpp>
 #include <ptrain/optim/sgd.hpp>
 
+namespace test_optim {
+
 using namespace ptrain;
 
 namespace {
@@ -140,3 +142,5 @@ TEST_CASE("global-norm clipping", "[optim][clip]") {
   auto h = Tensor<double>::from({1.0, 1.0}, {2});
   REQUIRE(optim::clip_grad_norm_(h, 100.0, [](double s) { return 3 * s; }) == Approx(std::sqrt(6.0)));
 }
+
+}  // namespace test_optim

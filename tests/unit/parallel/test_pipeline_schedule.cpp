@@ -19,6 +19,8 @@
 
 #include <ptrain/parallel/pipeline_schedule.hpp>
 
+namespace test_pipeline_schedule {
+
 using ptrain::parallel::make_schedule;
 using ptrain::parallel::PipelineAction;
 using ptrain::parallel::Schedule;
@@ -380,3 +382,5 @@ TEST_CASE("invalid partitions and schedule options are refused with their error 
   CHECK_NOTHROW(check_schedule(Schedule::Interleaved, 3, 6, 2));
   CHECK_NOTHROW(check_schedule(Schedule::GPipe, 1, 1, 1));
 }
+
+}  // namespace test_pipeline_schedule

@@ -9,6 +9,8 @@
 
 #include "ptrain/train/metrics.hpp"
 
+namespace test_metrics {
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -112,3 +114,5 @@ TEST_CASE("MetricsWriter: disabled writer, bad path, bad record", "[train][metri
   CHECK_THROWS_AS(w.write(json::array({1, 2})), ptrain::Error);
   CHECK_THROWS_AS(w.write(json(3.5)), ptrain::Error);
 }
+
+}  // namespace test_metrics

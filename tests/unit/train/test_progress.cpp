@@ -4,6 +4,8 @@
 
 #include "ptrain/train/progress.hpp"
 
+namespace test_progress {
+
 TEST_CASE("format_duration", "[train][progress]") {
   CHECK(ptrain::format_duration(0) == "0:00");
   CHECK(ptrain::format_duration(59.6) == "1:00");
@@ -52,3 +54,5 @@ TEST_CASE("Progress: last step, resumed runs, disabled", "[train][progress]") {
   CHECK(os3.str().empty());
   CHECK_THROWS_AS(ptrain::Progress(10, -1, os3), ptrain::Error);
 }
+
+}  // namespace test_progress

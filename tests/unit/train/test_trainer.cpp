@@ -15,6 +15,8 @@
 #include <ptrain/parallel/make_engine.hpp>
 #include <ptrain/train/trainer.hpp>
 
+namespace test_trainer {
+
 using namespace ptrain;
 namespace fs = std::filesystem;
 
@@ -163,3 +165,5 @@ TEST_CASE("Trainer: every checkpoint corrupt refuses at start-up, start_over set
   for (const auto& p : corrupt) CHECK(fs::exists(p.parent_path() / ("corrupt-" + p.filename().string())));
   fs::remove_all(dir);
 }
+
+}  // namespace test_trainer

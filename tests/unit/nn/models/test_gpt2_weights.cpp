@@ -12,6 +12,8 @@
 
 #include "unit/raw_files.hpp"
 
+namespace test_gpt2_weights {
+
 using namespace ptrain;
 using testing::read_raw;
 namespace fs = std::filesystem;
@@ -153,3 +155,5 @@ TEST_CASE("save_gpt2_weights writes a Hugging Face GPT-2 folder with the model's
   CHECK_THROWS_WITH(ckpt::save_gpt2_weights((dir / "x").string(), small, V + 1), Catch::Contains("at most the model's"));
   fs::remove_all(dir);
 }
+
+}  // namespace test_gpt2_weights

@@ -5,6 +5,8 @@
 #include <limits>
 #include <ptrain/nn/models/hf_weights.hpp>
 
+namespace test_hf_weights {
+
 using namespace ptrain;
 
 TEST_CASE("F16 values decode to the IEEE half they encode", "[ckpt][llama]") {
@@ -28,3 +30,5 @@ TEST_CASE("F16 values decode to the IEEE half they encode", "[ckpt][llama]") {
   CHECK_THROWS_WITH(ckpt::detail::convert_stored(reinterpret_cast<const std::uint8_t*>(bits), DType::I32, 0, out.data()),
                     Catch::Contains("[ptrain.ckpt.dtype]"));
 }
+
+}  // namespace test_hf_weights

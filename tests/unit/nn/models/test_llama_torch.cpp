@@ -17,6 +17,8 @@
 
 #include "unit/raw_files.hpp"
 
+namespace test_llama_torch {
+
 using namespace ptrain;
 using testing::read_raw;
 using testing::torch_available;
@@ -126,3 +128,5 @@ TEST_CASE("Llama logits and every gradient equal an independent PyTorch float64 
     fs::remove_all(dir);
   }
 }
+
+}  // namespace test_llama_torch

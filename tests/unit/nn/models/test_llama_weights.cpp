@@ -19,6 +19,8 @@
 
 #include "unit/raw_files.hpp"
 
+namespace test_llama_weights {
+
 using namespace ptrain;
 using testing::read_raw;
 namespace fs = std::filesystem;
@@ -288,3 +290,5 @@ TEST_CASE("transformers' AutoModelForCausalLM gives ptrain's logits on a folder 
   }
   fs::remove_all(dir);
 }
+
+}  // namespace test_llama_weights
