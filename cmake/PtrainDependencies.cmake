@@ -117,12 +117,17 @@ endfunction()
 # ptrain::cuda: the CUDA runtime, cuBLAS, cuBLASLt and, when found, NCCL with the
 # PTRAIN_NCCL definition (dist/nccl.hpp calls the CUDA runtime, so NCCL comes
 # only with the target that brings it).
+# ptrain_link_cuda_dependencies(target [scope]): scope INTERFACE (the default) or PUBLIC.
 function(ptrain_link_cuda_dependencies target)
-  target_link_libraries(${target} INTERFACE CUDA::cudart CUDA::cublas CUDA::cublasLt)
+  set(scope INTERFACE)
+  if(ARGC GREATER 1)
+    set(scope ${ARGV1})
+  endif()
+  target_link_libraries(${target} ${scope} CUDA::cudart CUDA::cublas CUDA::cublasLt)
   if(PTRAIN_HAVE_NCCL)
-    target_include_directories(${target} INTERFACE ${PTRAIN_NCCL_INCLUDE})
-    target_link_libraries(${target} INTERFACE ${PTRAIN_NCCL_LIBRARY})
-    target_compile_definitions(${target} INTERFACE PTRAIN_NCCL=1)
+    target_include_directories(${target} ${scope} ${PTRAIN_NCCL_INCLUDE})
+    target_link_libraries(${target} ${scope} ${PTRAIN_NCCL_LIBRARY})
+    target_compile_definitions(${target} ${scope} PTRAIN_NCCL=1)
   endif()
 endfunction()
 
