@@ -27,6 +27,7 @@
 #include "ptrain/ops/norm.hpp"
 #include "ptrain/ops/optimizer.hpp"
 #include "ptrain/ops/rotary.hpp"
+#include "ptrain/ops/vector.hpp"
 
 #include "ptrain/nn/activation.hpp"
 #include "ptrain/nn/attention.hpp"
