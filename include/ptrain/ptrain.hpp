@@ -27,6 +27,7 @@
 #include "ptrain/ops/norm.hpp"
 #include "ptrain/ops/optimizer.hpp"
 #include "ptrain/ops/rotary.hpp"
+#include "ptrain/ops/vector.hpp"
 
 #include "ptrain/nn/activation.hpp"
 #include "ptrain/nn/attention.hpp"
@@ -41,6 +42,7 @@
 #include "ptrain/nn/models/cnn.hpp"
 #include "ptrain/nn/models/gpt.hpp"
 #include "ptrain/nn/models/gpt2_weights.hpp"
+#include "ptrain/nn/models/llama.hpp"
 #include "ptrain/nn/models/llama_weights.hpp"
 #include "ptrain/nn/models/mlp.hpp"
 #include "ptrain/nn/module.hpp"
@@ -76,6 +78,7 @@
 #include "ptrain/parallel/tp_gpt.hpp"
 #include "ptrain/parallel/tp_group.hpp"
 #include "ptrain/parallel/tp_linear.hpp"
+#include "ptrain/parallel/tp_llama.hpp"
 #include "ptrain/parallel/tp_vocab.hpp"
 
 #include "ptrain/ckpt/async_writer.hpp"
@@ -87,6 +90,7 @@
 #include "ptrain/ckpt/tp_checkpoint.hpp"
 
 #include "ptrain/data/batches.hpp"
+#include "ptrain/data/dataset.hpp"
 #include "ptrain/data/idx.hpp"
 #include "ptrain/data/sampler.hpp"
 #include "ptrain/data/bpe.hpp"
@@ -97,3 +101,6 @@
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"
 #include "ptrain/train/stragglers.hpp"
+#include "ptrain/train/trainer.hpp"
+
+#include "ptrain/testing/gradcheck.hpp"

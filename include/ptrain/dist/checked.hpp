@@ -30,6 +30,7 @@
 
 #include "ptrain/dist/call_check.hpp"
 #include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/forwarding_communicator.hpp"
 
 namespace ptrain::dist {
 
@@ -37,22 +38,12 @@ namespace ptrain::dist {
 inline bool collective_checks_from_env() { return collective_checks_mode() == CollectiveChecks::Detail; }
 
 /// Wraps a communicator so that every collective is first checked across ranks (Note [Collective checks]).
-class CheckedCommunicator final : public Communicator {
+class CheckedCommunicator final : public ForwardingCommunicator {
  public:
-  explicit CheckedCommunicator(std::unique_ptr<Communicator> inner)
-      : Communicator(inner ? inner->timeout() : std::chrono::milliseconds(0)), inner_(std::move(inner)) {
+  explicit CheckedCommunicator(std::unique_ptr<Communicator> inner) : ForwardingCommunicator(std::move(inner)) {
     PTRAIN_CHECK(inner_ != nullptr, CommError, "[ptrain.comm.checked] CheckedCommunicator needs a communicator");
   }
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
-  void set_timeout(std::chrono::milliseconds t) override {
-    Communicator::set_timeout(t);
-    inner_->set_timeout(t);
-  }
-  /// The wrapped communicator.
-  Communicator& inner() { return *inner_; }
   /// Collectives checked so far.
   std::int64_t checked() const { return seq_; }
 
@@ -74,15 +65,6 @@ class CheckedCommunicator final : public Communicator {
     check(detail::call_row(detail::kBroadcast, count, dt, 0, root));
     return inner_->broadcast_async(buf, count, dt, root);
   }
-  std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
-    return inner_->send_async(buf, count, dt, peer, tag);
-  }
-  std::shared_ptr<Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag) override {
-    return inner_->recv_async(buf, count, dt, peer, tag);
-  }
-  void group_start() override { inner_->group_start(); }
-  void group_end() override { inner_->group_end(); }
-  bool serves(Device d) const override { return inner_->serves(d); }
   std::shared_ptr<Work> barrier_async() override {
     check(detail::call_row(detail::kBarrier));
     return inner_->barrier_async();
@@ -111,7 +93,6 @@ class CheckedCommunicator final : public Communicator {
                                                          "the call was not run and the communicator is still usable"));
   }
 
-  std::unique_ptr<Communicator> inner_;
   std::int64_t seq_ = 0;
 };
 

@@ -384,6 +384,16 @@ decltype(auto) visit_dtype(DType dt, F&& f) {
                " is not supported by communicators; use F32, F64, BF16, I32 or I64");
 }
 
+// Throws [ptrain.comm.dtype] unless communicators move dt (the types of visit_dtype).
+inline void check_dtype(DType dt) {
+  visit_dtype(dt, [](auto) {});
+}
+
+// What a send or recv Work says it is, e.g. "send(F32 x 8, to 1, tag 0)".
+inline std::string p2p_desc(bool is_send, std::size_t count, DType dt, int peer, int tag) {
+  return op_desc(is_send ? "send" : "recv", count, dt, cat(is_send ? "to " : "from ", peer, ", tag ", tag).c_str());
+}
+
 // The division that turns a Sum into an Avg (Note on ReduceOp::Avg).
 inline void divide_by(void* buf, std::size_t n, DType dt, int size) {
   visit_dtype(dt, [&](auto t) {
@@ -529,6 +539,12 @@ class Communicator {
     PTRAIN_CHECK(peer >= 0 && peer < size() && peer != rank(), CommError, "[ptrain.comm.peer] ", op, " on rank ",
                  rank(), ": peer ", peer, " is not another rank of this group of ", size(),
                  " (0..", size() - 1, ", excluding self)");
+  }
+  // send/recv on a backend that pairs transfers by (peer, tag) (MPI, Gloo): another
+  // rank of the group and a tag >= 0. `op` is "send" or "recv".
+  void check_p2p(const char* op, int peer, int tag) const {
+    check_peer(peer, op);
+    PTRAIN_CHECK(tag >= 0, CommError, "[ptrain.comm.tag] ", op, ": tag ", tag, " must be >= 0");
   }
   void check_root(int root, const char* op) const {
     PTRAIN_CHECK(root >= 0 && root < size(), CommError, "[ptrain.comm.root] ", op, ": root ", root,

@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/forwarding_communicator.hpp"
 #include "ptrain/obs/trace.hpp"
 
 namespace ptrain::dist {
@@ -389,30 +390,19 @@ class RecordedWork final : public Work {
 }  // namespace detail
 
 /// Wraps a communicator so that its operations go into a flight recorder (Note [Flight recorder]).
-class RecordingCommunicator final : public Communicator {
+class RecordingCommunicator final : public ForwardingCommunicator {
  public:
   /// `group` names the communicator in dumps ("world"; split children get "world/split<n>.<color>").
   explicit RecordingCommunicator(std::unique_ptr<Communicator> inner, std::string group = "world",
                                  std::size_t capacity = flight_recorder_size())
-      : Communicator(inner ? inner->timeout() : std::chrono::milliseconds(0)), inner_(std::move(inner)) {
+      : ForwardingCommunicator(std::move(inner)) {
     PTRAIN_CHECK(inner_ != nullptr, CommError, "[ptrain.flight.inner] RecordingCommunicator needs a communicator");
     rec_ = std::make_shared<FlightRecorder>(std::move(group), inner_->rank(), inner_->size(), inner_->backend(),
                                             capacity);
     detail::FlightRegistry::get().add(rec_);
   }
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
-  void set_timeout(std::chrono::milliseconds t) override {
-    Communicator::set_timeout(t);
-    inner_->set_timeout(t);
-  }
-  bool serves(Device d) const override { return inner_->serves(d); }
-  void group_start() override { inner_->group_start(); }
-  void group_end() override { inner_->group_end(); }
-  /// The wrapped communicator and the recorder.
-  Communicator& inner() { return *inner_; }
+  /// The recorder (inner() is the wrapped communicator).
   const FlightRecorder& recorder() const { return *rec_; }
 
   std::shared_ptr<Work> all_reduce_async(const void* send, void* recv, std::size_t count, DType dt,
@@ -499,7 +489,6 @@ class RecordingCommunicator final : public Communicator {
                                                   std::move(label));
   }
 
-  std::unique_ptr<Communicator> inner_;
   std::shared_ptr<FlightRecorder> rec_;
   int splits_ = 0;
 };

@@ -407,7 +407,7 @@ class GlooCommunicator : public Communicator {
 
   std::shared_ptr<Work> all_gather_async(const void* send, void* recv, std::size_t send_count,
                                          DType dt) override {
-    detail::visit_dtype(dt, [](auto) { return 0; });
+    detail::check_dtype(dt);
     auto w = make_work(detail::op_desc("all_gather", send_count, dt));
     const auto row = detail::call_row(detail::kAllGather, send_count, dt);
     queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
@@ -430,7 +430,7 @@ class GlooCommunicator : public Communicator {
 
   std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
     check_root(root, "broadcast");
-    detail::visit_dtype(dt, [](auto) { return 0; });
+    detail::check_dtype(dt);
     auto w = make_work(detail::op_desc("broadcast", count, dt, detail::cat("root ", root).c_str()));
     const auto row = detail::call_row(detail::kBroadcast, count, dt, 0, root);
     queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
@@ -582,13 +582,10 @@ class GlooCommunicator : public Communicator {
   }
 
   std::shared_ptr<Work> p2p(bool is_send, void* buf, std::size_t count, DType dt, int peer, int tag) {
-    const char* op = is_send ? "send" : "recv";
-    check_peer(peer, op);
-    detail::visit_dtype(dt, [](auto) { return 0; });
-    PTRAIN_CHECK(tag >= 0, CommError, "[ptrain.comm.tag] ", op, ": tag ", tag, " must be >= 0");
-    auto w = probing(std::make_shared<detail::GlooP2PWork>(
-        detail::op_desc(op, count, dt, detail::cat(is_send ? "to " : "from ", peer, ", tag ", tag).c_str()),
-        s_->rank, peer, timeout()));
+    check_p2p(is_send ? "send" : "recv", peer, tag);
+    detail::check_dtype(dt);
+    auto w = probing(std::make_shared<detail::GlooP2PWork>(detail::p2p_desc(is_send, count, dt, peer, tag), s_->rank,
+                                                           peer, timeout()));
     w->is_send = is_send;
     std::size_t bytes = count * dtype_size(dt);
     queue_.submit(w, [=, s = s_, t = timeout()] {

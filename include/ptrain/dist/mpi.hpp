@@ -345,13 +345,11 @@ class MpiCommunicator : public Communicator {
 
   std::shared_ptr<Work> p2p(bool is_send, void* buf, std::size_t count, DType dt, int peer, int tag) {
     const char* op = is_send ? "send" : "recv";
-    check_peer(peer, op);
-    PTRAIN_CHECK(tag >= 0, CommError, "[ptrain.comm.tag] ", op, ": tag ", tag, " must be >= 0");
+    check_p2p(op, peer, tag);
     auto type = detail::mpi_type(dt);
     int n = detail::mpi_count(count, op);
-    auto w = std::make_shared<detail::MpiP2PWork>(
-        detail::op_desc(op, count, dt, detail::cat(is_send ? "to " : "from ", peer, ", tag ", tag).c_str()), rank_, peer,
-        timeout());
+    auto w = std::make_shared<detail::MpiP2PWork>(detail::p2p_desc(is_send, count, dt, peer, tag), rank_, peer,
+                                                  timeout());
     queue_.submit(w, [=, this, raw = w.get()] {
       auto g = detail::MpiRuntime::get().guard();
       if (is_send) PTRAIN_CHECK_MPI(MPI_Isend(buf, n, type, peer, tag, comm_, &raw->request));

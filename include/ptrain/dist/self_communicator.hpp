@@ -39,7 +39,7 @@ class SelfCommunicator : public Communicator {
   }
   std::shared_ptr<Work> broadcast_async(void*, std::size_t count, DType dt, int root) override {
     check_root(root, "broadcast");
-    detail::visit_dtype(dt, [](auto) {});
+    detail::check_dtype(dt);
     return done(detail::op_desc("broadcast", count, dt));
   }
   std::shared_ptr<Work> send_async(const void*, std::size_t, DType, int peer, int) override {
@@ -69,7 +69,7 @@ class SelfCommunicator : public Communicator {
 
   // Checks the dtype as every backend does, then copies when out of place.
   void copy(void* dst, const void* src, std::size_t count, DType dt) const {
-    detail::visit_dtype(dt, [](auto) {});
+    detail::check_dtype(dt);
     if (dst != src) ::ptrain::detail::copy_bytes(dst, device_, src, device_, count * dtype_size(dt));
   }
 

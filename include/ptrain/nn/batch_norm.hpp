@@ -15,7 +15,7 @@
 
 #include "ptrain/nn/module.hpp"
 #include "ptrain/ops/batch_norm.hpp"
-#include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/vector.hpp"
 
 namespace ptrain::nn {
 

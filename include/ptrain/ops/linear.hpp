@@ -2,8 +2,8 @@
 // Matrix products and the affine map y = x W^T + b (PyTorch's Linear layout:
 // W is [out, in], so checkpoints exchange weights without transposes).
 
-#include "ptrain/ops/activation.hpp"
 #include "ptrain/ops/dispatch.hpp"
+#include "ptrain/ops/vector.hpp"
 
 namespace ptrain::ops {
 

@@ -8,8 +8,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "ptrain/ops/activation.hpp"
 #include "ptrain/ops/dispatch.hpp"
+#include "ptrain/ops/vector.hpp"
 
 namespace ptrain::ops {
 

@@ -8,8 +8,8 @@
 // the bf16 gradients and writes its bf16 rounding to the parameters. Make the
 // optimizer after loading weights into the model.
 
-#include "ptrain/ops/activation.hpp"
 #include "ptrain/ops/optimizer.hpp"
+#include "ptrain/ops/vector.hpp"
 #include "ptrain/optim/optimizer.hpp"
 
 namespace ptrain::optim {

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <functional>
 
-#include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/vector.hpp"
 
 namespace ptrain::optim {
 

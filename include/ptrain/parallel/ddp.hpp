@@ -46,7 +46,7 @@
 
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
-#include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/vector.hpp"
 #include "ptrain/parallel/engine.hpp"
 #include "ptrain/parallel/model_check.hpp"
 

@@ -1,11 +1,14 @@
 #pragma once
 // The training contract. Every way of spreading training over ranks is an
 // Engine: one process (Local), data parallel (DDP), fully sharded (FSDP, every
-// strategy), pipeline (Pipeline, with data-parallel replicas); a training loop
-// written against Engine runs unchanged in each of them.
+// strategy), pipeline (Pipeline, with data-parallel replicas), tensor parallel
+// (TensorParallel: Megatron-style, with optional sequence parallelism, pipeline
+// stages and data-parallel replicas); a training loop written against Engine
+// runs unchanged in each of them. make_engine (parallel/make_engine.hpp) builds
+// any of them from a Plan.
 //
 //   auto world = dist::init_process_group();                  // a world of one without a launcher
-//   auto engine = parallel::make_engine<float>(units, *world, parallel::FSDPOptions{});  // picks the mode
+//   auto engine = parallel::make_engine<float>(model, *world, parallel::FSDPOptions{});  // picks the mode
 //   optim::AdamW<float> opt(engine->parameters(), {.lr = 1e-3});
 //   for (...) {
 //     engine->zero_grad();
@@ -17,7 +20,8 @@
 // Note [Engine contract]
 // - parameters() are the flat parameters this rank's optimizer updates: the
 //   whole model (Local, DDP), this rank's shard (FSDP), this stage's
-//   (Pipeline). Optimizers are built on them the same way in every mode.
+//   (Pipeline), this rank's tensor-parallel shards of its stage
+//   (TensorParallel). Optimizers are built on them the same way in every mode.
 // - forward_backward(input, targets, grad_scale) runs forward, the loss
 //   (LossFn; default: mean cross-entropy over rows) and backward on this rank's
 //   batch and adds grad_scale * d(loss) to the gradients. Targets are int32
@@ -30,9 +34,9 @@
 //   previous one's (so accumulating without no_sync() is correct, only slower).
 // - Inside no_sync() forward_backward() accumulates without communicating
 //   where the mode keeps full gradients (Local, DDP, FSDP ShardOptimizer and
-//   NoShard, the pipeline's data-parallel reduction); the first one after the
-//   scope reduces what was accumulated. Sharded-gradient FSDP reduces every
-//   time (Note [Accumulation] in fsdp.hpp).
+//   NoShard, the data-parallel reductions of the pipeline and of tensor
+//   parallelism); the first one after the scope reduces what was accumulated.
+//   Sharded-gradient FSDP reduces every time (Note [Accumulation] in fsdp.hpp).
 // - Every rank calls the same Engine functions in the same order, with the
 //   same batch shape (Note [Collective order contract] in dist/communicator.hpp);
 //   only Local calls no collective.
@@ -134,7 +138,8 @@ class Engine {
   /// The flat parameters this rank's optimizer updates (Note [Engine contract]).
   virtual nn::FlatParameters<T>& parameters() = 0;
   /// The module this rank runs: the model (Local, DDP), the sharded model whose
-  /// forward gathers (FSDP, collective), this stage's units (Pipeline).
+  /// forward gathers (FSDP, collective), this stage's units (Pipeline), this
+  /// rank's tensor-parallel model or stage (TensorParallel).
   virtual nn::Module<T>& local_module() = 0;
   /// The ranks this engine spans.
   virtual dist::Communicator& communicator() = 0;
@@ -210,7 +215,8 @@ class Engine {
   virtual double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
                      bool training) = 0;
   /// Sum of a per-rank partial sum of squares over the ranks that hold distinct
-  /// parts of the model (FSDP shards, pipeline stages); identity for replicas.
+  /// parts of the model (FSDP shards, pipeline stages, tensor-parallel shards);
+  /// identity for replicas.
   virtual double sum_over_model(double local) { return local; }
   /// False inside no_sync().
   bool syncing() const { return sync_; }

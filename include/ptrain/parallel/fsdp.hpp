@@ -79,7 +79,7 @@
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/sequential.hpp"
-#include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/vector.hpp"
 #include "ptrain/optim/optimizer.hpp"
 #include "ptrain/parallel/engine.hpp"
 #include "ptrain/parallel/model_check.hpp"

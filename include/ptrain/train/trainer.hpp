@@ -26,7 +26,7 @@
 // not stored: a checkpoint taken after p samples per rank of epoch e on W ranks
 // continues on M ranks at step e * steps_per_epoch(M) + ceil(p W / M / batch),
 // so the schedule, the progress total and the end of training follow the new
-// world size (Note [Sampler reshape] in ckpt/checkpoint.hpp). On more ranks the
+// world size (Note [Sampler reshape] in ckpt/sampler_state.hpp). On more ranks the
 // steps are smaller than the checkpoint's: the manager knows the run resumed
 // (CheckpointManager::resumed_from), so the new saves replace the old numbering.
 

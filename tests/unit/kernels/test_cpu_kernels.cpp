@@ -7,7 +7,7 @@
 #include <ptrain/kernels/cpu/layer_norm.hpp>
 #include <ptrain/kernels/cpu/reduce.hpp>
 #include <ptrain/kernels/cpu/softmax.hpp>
-#include <ptrain/ops/activation.hpp>
+#include <ptrain/ops/vector.hpp>
 #include <vector>
 
 namespace test_cpu_kernels {

@@ -25,7 +25,7 @@
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/models/gpt.hpp"
-#include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/vector.hpp"
 #include "ptrain/optim/adamw.hpp"
 
 namespace test_bf16 {
