@@ -29,33 +29,41 @@ inline constexpr std::size_t kUnits = 8;
 
 /// Unit u with weights drawn from seed `seed_base + u`; unit kUnits (past the
 /// classifier) is a parameter-free GELU, for models with a stage without weights.
-inline std::shared_ptr<nn::Module<float>> make_unit_seeded(std::size_t u, std::uint64_t seed_base) {
-  auto s = std::make_shared<nn::Sequential<float>>();
+/// In T = double for the checks that compare schedules rather than float rounding.
+template <class T = float>
+std::shared_ptr<nn::Module<T>> make_unit_seeded(std::size_t u, std::uint64_t seed_base) {
+  auto s = std::make_shared<nn::Sequential<T>>();
   if (u == kUnits) {
-    s->add(std::make_shared<nn::GELU<float>>());
+    s->add(std::make_shared<nn::GELU<T>>());
     return s;
   }
   Generator g(seed_base + u);
-  s->add(std::make_shared<nn::Linear<float>>(kWidths[u], kWidths[u + 1], true, g));
-  if (u + 1 < kUnits) s->add(std::make_shared<nn::GELU<float>>());
+  s->add(std::make_shared<nn::Linear<T>>(kWidths[u], kWidths[u + 1], true, g));
+  if (u + 1 < kUnits) s->add(std::make_shared<nn::GELU<T>>());
   return s;
 }
 inline std::shared_ptr<nn::Module<float>> make_unit(std::size_t u) { return make_unit_seeded(u, 1000); }
+template <class T>
+std::shared_ptr<nn::Module<T>> make_unit_as(std::size_t u) { return make_unit_seeded<T>(u, 1000); }
 
 /// The first `units` units (kUnits, or kUnits + 1 with the trailing GELU) in one module.
-inline std::unique_ptr<nn::Sequential<float>> full_model(std::size_t units = kUnits) {
-  auto m = std::make_unique<nn::Sequential<float>>();
-  for (std::size_t u = 0; u < units; ++u) m->add(make_unit(u));
+template <class T = float>
+std::unique_ptr<nn::Sequential<T>> full_model(std::size_t units = kUnits) {
+  auto m = std::make_unique<nn::Sequential<T>>();
+  for (std::size_t u = 0; u < units; ++u) m->add(make_unit_as<T>(u));
   return m;
 }
 
-struct Batch {
-  Tensor<float> x;
+template <class T = float>
+struct BatchOf {
+  Tensor<T> x;
   Tensor<std::int32_t> y;
 };
-inline Batch make_batch(std::int64_t rows, std::uint64_t seed) {
+using Batch = BatchOf<float>;
+template <class T = float>
+BatchOf<T> make_batch(std::int64_t rows, std::uint64_t seed) {
   Generator g(seed);
-  Batch b{Tensor<float>::empty({rows, kFeatures}), Tensor<std::int32_t>::empty({rows})};
+  BatchOf<T> b{Tensor<T>::empty({rows, kFeatures}), Tensor<std::int32_t>::empty({rows})};
   ops::uniform_(b.x, -1.0, 1.0, g);
   for (std::int64_t i = 0; i < rows; ++i) b.y.data()[i] = static_cast<std::int32_t>(g.below(kClasses));
   return b;

@@ -48,6 +48,24 @@ namespace {
 
 using namespace pipeline_test;
 
+// The GPT pipelines and check_pipeline's MLP run in double: what they test is the
+// schedule (which micro-batch, chunk and gradient goes where), not float rounding. In float the pipeline adds the
+// micro-batches' gradients in another order than one process, and AdamW turns those
+// last-bit differences of near-zero gradients into parameter differences of about
+// 1e-5 relative after two steps, a value that depends on the processor's vector width
+// (1.2e-5 with AVX-512). In double the same amplification leaves about 2^-29 of that
+// (~1e-13); a wrong micro-batch, chunk or missing gradient is off by more than 1e-3.
+constexpr double kDoubleTol = 1e-9;
+
+// The float MLP checks below: forwards, and at most two SGD steps (lr 0.1, momentum 0.9;
+// SGD is linear in the gradient, unlike AdamW). Micro-batches change only the grouping of
+// the row sums (<= 16 rows) and GEMM blocking of dot products (<= 14 terms) in 8 layers:
+// with u = 2^-24, |err| <= (16 + 8 * 15) u ~ 8e-6 of the terms' magnitudes, hence a loss
+// within ~6e-6 relative, parameters moved by at most 0.29 (lr (1 + 1.9)) times that
+// gradient error, ~2.4e-6 against weights of ~0.4: 1e-5 holds on any vector width. A wrong
+// micro-batch or a missing gradient moves the loss or a weight by more than 1e-3.
+constexpr double kFloatSgdTol = 1e-5;
+
 // Trains the reference on the full batches; returns each step's loss.
 template <class Model, class T>
 std::vector<double> train_reference(Model& model, nn::FlatParameters<T>& p, Opt kind,
@@ -109,23 +127,24 @@ int want_peak(Schedule sched, int s, int p, int m, int v) {
 }
 
 // Pipeline over `pp_comm` (one replica of `dp` with index `replica`) against the reference;
-// `part` has p * v chunks.
+// `part` has p * v chunks. In double (kDoubleTol): in float, AdamW multiplies the rounding
+// differences of near-zero gradients summed in another order by up to lr / eps = 1e4 per step.
 void check_pipeline(dist::Communicator& pp_comm, dist::Communicator* dp_comm, Schedule sched, int m, Opt kind,
                     const parallel::StagePartition& part, int v = 1) {
   const int p = pp_comm.size(), s = pp_comm.rank();
   const int dp = dp_comm ? dp_comm->size() : 1, replica = dp_comm ? dp_comm->rank() : 0;
   // Global rows: divisible by dp * m (m = 4 in meshes, up to 8 without data parallelism; 3 and 6 interleaved).
   const std::int64_t B = dp == 3 || m % 3 == 0 ? 24 : 16, steps = 3;
-  std::vector<std::pair<Tensor<float>, Tensor<std::int32_t>>> global;
+  std::vector<std::pair<Tensor<double>, Tensor<std::int32_t>>> global;
   for (std::int64_t i = 0; i < steps; ++i) {
-    auto b = make_batch(B, 77 + static_cast<std::uint64_t>(i));
+    auto b = make_batch<double>(B, 77 + static_cast<std::uint64_t>(i));
     global.emplace_back(b.x, b.y);
   }
-  auto ref = full_model();
-  nn::FlatParameters<float> ref_p(*ref);
+  auto ref = full_model<double>();
+  nn::FlatParameters<double> ref_p(*ref);
   auto ref_losses = train_reference(*ref, ref_p, kind, global);
 
-  parallel::Pipeline<float> pipe(pp_comm, kUnits, make_unit, part,
+  parallel::Pipeline<double> pipe(pp_comm, kUnits, make_unit_as<double>, part,
                                  {.schedule = sched, .micro_batches = m, .virtual_stages = v, .data_parallel = dp_comm});
   auto opt = make_opt(kind, pipe.parameters());
   const std::int64_t rows = B / dp;
@@ -136,7 +155,7 @@ void check_pipeline(dist::Communicator& pp_comm, dist::Communicator* dp_comm, Sc
     INFO("stage " << s << " of " << p << ", replica " << replica << " of " << dp << ", " << schedule_name(sched)
                   << ", m = " << m << ", v = " << v << ", step " << i);
     // Each replica's loss is the mean over its rows; averaged over replicas it is the global mean.
-    CHECK(std::abs(loss - ref_losses[static_cast<std::size_t>(i)]) <= 1e-5 * std::abs(ref_losses[static_cast<std::size_t>(i)]));
+    CHECK(std::abs(loss - ref_losses[static_cast<std::size_t>(i)]) <= kDoubleTol * std::abs(ref_losses[static_cast<std::size_t>(i)]));
     // Counted, not timed (Note [Schedules]): GPipe holds all m, 1F1B at most p - s, interleaved
     // its warm-up + 1 chunk caches (at most m * v).
     CHECK(pipe.peak_live_caches() == want_peak(sched, s, p, m, v));
@@ -157,7 +176,7 @@ void check_pipeline(dist::Communicator& pp_comm, dist::Communicator* dp_comm, Sc
   const double err = rel_error(pipe.module(), *ref);
   INFO("stage " << s << " of " << p << " (" << part.str() << "), replica " << replica << ", "
                 << schedule_name(sched) << ", m = " << m << ": relative error " << err);
-  CHECK(err <= 1e-5);
+  CHECK(err <= kDoubleTol);
 }
 
 }  // namespace
@@ -544,8 +563,8 @@ TEST_CASE("make_engine: a PipelinePlan with virtual stages balances p * v chunks
   const double loss = engine->forward_backward(b.x, b.y);
   engine->step(*opt);
   INFO("stage " << comm.rank() << " of " << p);
-  CHECK(std::abs(loss - ref_loss) <= 1e-5 * ref_loss);
-  CHECK(rel_error(pipe.module(), *ref) <= 1e-5);
+  CHECK(std::abs(loss - ref_loss) <= kFloatSgdTol * ref_loss);
+  CHECK(rel_error(pipe.module(), *ref) <= kFloatSgdTol);
 }
 
 // The pipeline runs each chunk on each micro-batch with the ops one process runs
@@ -711,7 +730,7 @@ TEST_CASE("eval_loss: the forward loss of one process, no gradients, no caches k
                                    {.micro_batches = m});
     auto opt = make_opt(Opt::SGD, pipe.parameters());
     INFO("stage " << s << " of " << p << " over " << c->backend());
-    CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - before) <= 1e-5 * before);
+    CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - before) <= kFloatSgdTol * before);
     pipe.train_step(train.x, train.y);
     const auto grads = pipe.parameters().grads().clone(), values = pipe.parameters().values().clone();
     const double loss = pipe.eval_loss(held_out.x, held_out.y);
@@ -723,8 +742,8 @@ TEST_CASE("eval_loss: the forward loss of one process, no gradients, no caches k
     CHECK(identical(pipe.parameters().values(), values));
     opt->step();
     // Evaluated before the update: the loss of the initial parameters again.
-    CHECK(std::abs(loss - before) <= 1e-5 * before);
-    CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - after) <= 1e-5 * after);
+    CHECK(std::abs(loss - before) <= kFloatSgdTol * before);
+    CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - after) <= kFloatSgdTol * after);
     CHECK(std::abs(after - before) > 1e-3 * before);  // the step changed the loss: the check above can fail
   }
 }
@@ -787,13 +806,13 @@ TEST_CASE("A custom loss trains like one process; eval_loss asks it for no gradi
     const double got = pipe.train_step(batches[static_cast<std::size_t>(i)].x, batches[static_cast<std::size_t>(i)].y);
     opt->step();
     const double want = ref_losses[static_cast<std::size_t>(i)];
-    CHECK(std::abs(got - want) <= 1e-5 * want);
+    CHECK(std::abs(got - want) <= kFloatSgdTol * want);
   }
-  CHECK(rel_error(pipe.module(), *ref) <= 1e-5);
+  CHECK(rel_error(pipe.module(), *ref) <= kFloatSgdTol);
   const int last = s == p - 1 ? 1 : 0;
   CHECK(with_grad == last * m * static_cast<int>(steps));
   CHECK(without == 0);
-  CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - eval_after) <= 1e-5 * eval_after);
+  CHECK(std::abs(pipe.eval_loss(held_out.x, held_out.y) - eval_after) <= kFloatSgdTol * eval_after);
   CHECK(without == last * m);
   CHECK(std::abs(eval_after - eval_before) > 1e-3 * eval_before);  // the steps changed the loss: the checks can fail
 }
@@ -817,14 +836,7 @@ TEST_CASE("mesh broadcast_parameters copies replica 0's values", "[pipeline][mes
   CHECK(all_one);
 }
 
-// The GPT pipelines run in double: what they test is the schedule (which micro-batch,
-// chunk and gradient goes where), not float rounding. In float the pipeline adds the
-// micro-batches' gradients in another order than one process, and AdamW turns those
-// last-bit differences of near-zero gradients into parameter differences of about
-// 1e-5 relative after two steps, a value that depends on the processor's vector width
-// (1.2e-5 with AVX-512). In double the same amplification leaves about 2^-29 of that
-// (~1e-13); a wrong micro-batch, chunk or missing gradient is off by more than 1e-3.
-constexpr double kDoubleTol = 1e-9;
+// The GPT pipelines run in double, like check_pipeline: see kDoubleTol.
 
 TEST_CASE("GPT (untied) in a pipeline equals one process; a tied GPT is refused", "[pipeline][gpt]") {
   auto& comm = world();
