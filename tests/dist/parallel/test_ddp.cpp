@@ -110,8 +110,15 @@ TEST_CASE("DDP equals one process on the global batch", "[ddp]") {
   parallel::DDPOptions small{.bucket_cap_bytes = 512, .first_bucket_bytes = 128};  // several buckets
   check_matches_single_process<double>(Opt::SGD, {}, 1e-12);
   check_matches_single_process<double>(Opt::AdamW, small, 1e-12);
+  // Float through DDP's buckets with SGD only (lr 0.1, momentum 0.9, 3 steps; linear in the
+  // gradient): the all-reduce sums <= 4 ranks' partial sums of <= 6 rows, one process all rows
+  // at once: |dg| <= (24 + 16) u sum|terms| ~ 2.4e-6 of gradients of at most ~1, moved by
+  // lr (1 + 1.9 + 2.71) = 0.56 into ~1.3e-6 against weights of ~0.3: <= 5e-6, so 1e-5 holds on
+  // any vector width; a missing or unaveraged all-reduce moves a weight by ~1e-2. AdamW in float
+  // is left out: it multiplies the rounding of near-zero gradients by up to lr / eps = 1e4,
+  // and DDP leaves the optimizer alone, so AdamW is covered by the double case above.
   check_matches_single_process<float>(Opt::SGD, small, 1e-5);
-  check_matches_single_process<float>(Opt::AdamW, {}, 1e-5);
+  check_matches_single_process<float>(Opt::SGD, {}, 1e-5);
 }
 
 // bf16 parameters and gradients: each rank's gradient is rounded to bf16
