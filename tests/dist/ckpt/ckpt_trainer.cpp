@@ -16,6 +16,8 @@
 // wrapped in FSDP instead of DDP and checkpoints are its shards (always
 // sharded; any world size loads them). Exit code 0 after --steps steps or
 // after a preemption signal (then a checkpoint of the current step is committed).
+// --dtype f64 trains in double (checkpoints then hold F64 tensors): the tests that
+// compare runs on different numbers of ranks use it (see test_ckpt_dist.cpp).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -38,26 +40,22 @@
 
 using namespace ptrain;
 
-int main(int argc, char** argv) {
-  std::string dir, out, samples_log, dump_loaded, fsdp_strategy;
+namespace {
+
+struct Args {
+  std::string dir, out, samples_log, dump_loaded, fsdp_strategy, dtype = "f32";
   std::int64_t steps = 12, every = 0, global_batch = 12, sleep_ms = 0, hidden = 16;
   bool resume = false, async = false, sharded = false;
-  CLI::App app{"checkpoint test trainer"};
-  app.add_option("--dir", dir, "checkpoint directory");
-  app.add_option("--steps", steps, "train until this many steps are done");
-  app.add_option("--every", every, "checkpoint every N steps (0: never)");
-  app.add_option("--global-batch", global_batch, "samples per step over all ranks");
-  app.add_option("--hidden", hidden, "hidden width of the MLP");
-  app.add_option("--sleep-ms", sleep_ms, "pause after each step (gives tests time to send signals)");
-  app.add_option("--out", out, "rank 0 writes the final parameters here (safetensors)");
-  app.add_option("--samples-log", samples_log, "per-rank log of sample indices");
-  app.add_option("--dump-loaded", dump_loaded, "per-rank raw dump of parameters after resume");
-  app.add_flag("--resume", resume, "resume from the latest checkpoint in --dir if there is one");
-  app.add_flag("--async", async, "asynchronous checkpoints");
-  app.add_flag("--sharded", sharded, "one checkpoint file per rank (save_sharded)");
-  app.add_option("--fsdp", fsdp_strategy, "FSDP instead of DDP: full_shard, shard_grad_op, shard_optimizer, no_shard, "
-                 "hybrid (shard groups of 2)");
-  CLI11_PARSE(app, argc, argv);
+};
+
+template <class T>
+int train(const Args& a) {
+  const std::string &dir = a.dir, &out = a.out, &samples_log = a.samples_log, &dump_loaded = a.dump_loaded,
+                    &fsdp_strategy = a.fsdp_strategy;
+  const std::int64_t steps = a.steps, every = a.every, global_batch = a.global_batch, sleep_ms = a.sleep_ms,
+                     hidden = a.hidden;
+  const bool resume = a.resume, async = a.async;
+  bool sharded = a.sharded;
 
   try {
     auto comm = dist::init_process_group();
@@ -68,23 +66,23 @@ int main(int argc, char** argv) {
     // Data: 96 samples, 6 features, 3 classes, the same on every rank.
     const std::int64_t n = 96, features = 6;
     Generator data_gen(1234);
-    auto X = Tensor<float>::empty({n, features});
+    auto X = Tensor<T>::empty({n, features});
     auto Y = Tensor<std::int32_t>::empty({n});
-    for (std::int64_t i = 0; i < X.numel(); ++i) X.data()[i] = static_cast<float>(data_gen.uniform() * 2 - 1);
+    for (std::int64_t i = 0; i < X.numel(); ++i) X.data()[i] = static_cast<T>(data_gen.uniform() * 2 - 1);
     for (std::int64_t i = 0; i < n; ++i) Y.data()[i] = static_cast<std::int32_t>(data_gen.below(3));
 
     Generator init(42);
-    nn::MLP<float> model(features, {hidden}, 3, nn::Activation::ReLU, init);
+    nn::MLP<T> model(features, {hidden}, 3, nn::Activation::ReLU, init);
     model.set_need_input_grad(false);
     // DDP over flat parameters, or FSDP over the MLP's layers; `values` is what the optimizer updates.
-    std::unique_ptr<nn::FlatParameters<float>> flat;
-    std::unique_ptr<nn::Module<float>> wrapped;
-    parallel::FSDP<float>* fsdp = nullptr;
-    std::unique_ptr<optim::AdamW<float>> adamw;
+    std::unique_ptr<nn::FlatParameters<T>> flat;
+    std::unique_ptr<nn::Module<T>> wrapped;
+    parallel::FSDP<T>* fsdp = nullptr;
+    std::unique_ptr<optim::AdamW<T>> adamw;
     if (fsdp_strategy.empty()) {
-      flat = std::make_unique<nn::FlatParameters<float>>(model);
-      wrapped = std::make_unique<parallel::DDP<float>>(model, *flat, *comm);
-      adamw = std::make_unique<optim::AdamW<float>>(*flat, optim::AdamWOptions{.lr = 0.01});
+      flat = std::make_unique<nn::FlatParameters<T>>(model);
+      wrapped = std::make_unique<parallel::DDP<T>>(model, *flat, *comm);
+      adamw = std::make_unique<optim::AdamW<T>>(*flat, optim::AdamWOptions{.lr = 0.01});
     } else {
       parallel::FSDPOptions fo{.hybrid_shard_size = 2, .unit_names = model.unit_names()};
       for (auto st : {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp,
@@ -92,18 +90,17 @@ int main(int argc, char** argv) {
                       parallel::ShardingStrategy::Hybrid})
         if (fsdp_strategy == parallel::strategy_name(st)) fo.strategy = st;
       PTRAIN_CHECK(fsdp_strategy == parallel::strategy_name(fo.strategy), Error, "unknown --fsdp ", fsdp_strategy);
-      auto f = std::make_unique<parallel::FSDP<float>>(model.units(), *comm, fo);
+      auto f = std::make_unique<parallel::FSDP<T>>(model.units(), *comm, fo);
       fsdp = f.get();
       wrapped = std::move(f);
-      adamw = std::make_unique<optim::AdamW<float>>(fsdp->parameters(),
-                                                    optim::AdamWOptions{.lr = 0.01});
+      adamw = std::make_unique<optim::AdamW<T>>(fsdp->parameters(), optim::AdamWOptions{.lr = 0.01});
       sharded = true;
     }
-    optim::AdamW<float>& opt = *adamw;
+    optim::AdamW<T>& opt = *adamw;
     // The parameters by name, whole (collective under FSDP).
     auto named_values = [&] {
       if (fsdp) return fsdp->full_parameters();
-      std::vector<std::pair<std::string, Tensor<float>>> v;
+      std::vector<std::pair<std::string, Tensor<T>>> v;
       for (const auto& e : flat->entries()) v.emplace_back(e.name, e.param->value);
       return v;
     };
@@ -172,9 +169,9 @@ int main(int argc, char** argv) {
       std::ofstream(dir + "/pid-rank" + std::to_string(rank) + ".tmp") << ::getpid() << "\n";
       std::filesystem::rename(dir + "/pid-rank" + std::to_string(rank) + ".tmp", dir + "/pid-rank" + std::to_string(rank));
     }
-    auto x = Tensor<float>::empty({batch, features});
+    auto x = Tensor<T>::empty({batch, features});
     auto y = Tensor<std::int32_t>::empty({batch});
-    nn::CrossEntropyLoss<float> ce;
+    nn::CrossEntropyLoss<T> ce;
     while (step < steps) {
       if (sampler.epoch_done()) sampler.set_epoch(sampler.epoch() + 1);
       const auto idx = sampler.next(batch);
@@ -186,7 +183,7 @@ int main(int argc, char** argv) {
       }
       gather_rows(X, idx.data(), batch, x);
       gather_rows(Y, idx.data(), batch, y);
-      nn::Cache<float> c, lc;
+      nn::Cache<T> c, lc;
       opt.set_lr(schedule(step));
       if (fsdp) {
         fsdp->zero_grad();
@@ -194,7 +191,7 @@ int main(int argc, char** argv) {
         fsdp->backward(ce.backward(lc), c);
         fsdp->step(opt);
       } else {
-        auto& ddp = static_cast<parallel::DDP<float>&>(*wrapped);
+        auto& ddp = static_cast<parallel::DDP<T>&>(*wrapped);
         flat->zero_grad();
         ce.forward(ddp.forward(x, c), y, lc);
         ddp.backward(ce.backward(lc), c);
@@ -226,4 +223,29 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ckpt_trainer: %s\n", e.what());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"checkpoint test trainer"};
+  app.add_option("--dir", a.dir, "checkpoint directory");
+  app.add_option("--steps", a.steps, "train until this many steps are done");
+  app.add_option("--every", a.every, "checkpoint every N steps (0: never)");
+  app.add_option("--global-batch", a.global_batch, "samples per step over all ranks");
+  app.add_option("--hidden", a.hidden, "hidden width of the MLP");
+  app.add_option("--sleep-ms", a.sleep_ms, "pause after each step (gives tests time to send signals)");
+  app.add_option("--out", a.out, "rank 0 writes the final parameters here (safetensors)");
+  app.add_option("--samples-log", a.samples_log, "per-rank log of sample indices");
+  app.add_option("--dump-loaded", a.dump_loaded, "per-rank raw dump of parameters after resume");
+  app.add_flag("--resume", a.resume, "resume from the latest checkpoint in --dir if there is one");
+  app.add_flag("--async", a.async, "asynchronous checkpoints");
+  app.add_flag("--sharded", a.sharded, "one checkpoint file per rank (save_sharded)");
+  app.add_option("--fsdp", a.fsdp_strategy, "FSDP instead of DDP: full_shard, shard_grad_op, shard_optimizer, no_shard, "
+                 "hybrid (shard groups of 2)");
+  app.add_option("--dtype", a.dtype, "f32 (default) or f64: the element type of the model, optimizer and checkpoints")
+      ->check(CLI::IsMember({"f32", "f64"}));
+  CLI11_PARSE(app, argc, argv);
+  return a.dtype == "f64" ? train<double>(a) : train<float>(a);
 }
