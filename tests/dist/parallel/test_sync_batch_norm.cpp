@@ -81,26 +81,36 @@ TEST_CASE("SyncBatchNorm on every rank's part equals BatchNorm on the global bat
 namespace {
 constexpr std::int64_t kSide = 8, kClasses = 5, kRowsPerRank = 4;
 
-std::shared_ptr<nn::CNN<float>> make_cnn(bool sync) {
+// The CNN runs in double: each engine sums the batch statistics and gradients in another
+// order than one process (per-rank partial sums, all-reduced), and two AdamW steps (eps
+// 1e-8, scale-free: m / (sqrt(v) + eps)) turn the last-bit differences of near-zero float
+// gradients into parameter differences of up to lr = 1e-2, which depend on the processor's
+// vector width. In double the rounding is 2^-29 of float's, so parameters and running
+// statistics agree to ~1e-13 relative (the model of test_pipeline.cpp's kDoubleTol); 1e-9
+// leaves four orders of margin, and statistics over one rank's rows instead of the global
+// batch, or a lost gradient, are off by more than 1e-3.
+constexpr double kDoubleTol = 1e-9;
+
+std::shared_ptr<nn::CNN<double>> make_cnn(bool sync) {
   Generator g(11);
-  return std::make_shared<nn::CNN<float>>(1, kSide, kSide, std::vector<std::int64_t>{3, 4}, kClasses, sync, g);
+  return std::make_shared<nn::CNN<double>>(1, kSide, kSide, std::vector<std::int64_t>{3, 4}, kClasses, sync, g);
 }
 
 struct Batch {
-  Tensor<float> x;
+  Tensor<double> x;
   Tensor<std::int32_t> y;
 };
 Batch make_batch(std::int64_t rows, std::uint64_t seed) {
   Generator g(seed);
-  Batch b{Tensor<float>::empty({rows, kSide * kSide}), Tensor<std::int32_t>::empty({rows})};
-  for (std::int64_t i = 0; i < b.x.numel(); ++i) b.x.data()[i] = static_cast<float>(g.uniform() * 2 - 1);
+  Batch b{Tensor<double>::empty({rows, kSide * kSide}), Tensor<std::int32_t>::empty({rows})};
+  for (std::int64_t i = 0; i < b.x.numel(); ++i) b.x.data()[i] = g.uniform() * 2 - 1;
   for (std::int64_t i = 0; i < rows; ++i) b.y.data()[i] = static_cast<std::int32_t>(g.below(kClasses));
   return b;
 }
 
 // Two AdamW steps on the global batch (the engine's rank takes its rows).
-void train(parallel::Engine<float>& e, int world_size) {
-  optim::AdamW<float> opt(e.parameters(), {.lr = 0.01});
+void train(parallel::Engine<double>& e, int world_size) {
+  optim::AdamW<double> opt(e.parameters(), {.lr = 0.01});
   dist::Communicator* dp = e.data_parallel_group();
   const std::int64_t parts = dp ? dp->size() : 1, part = dp ? dp->rank() : 0;
   for (std::uint64_t s = 0; s < 2; ++s) {
@@ -112,8 +122,8 @@ void train(parallel::Engine<float>& e, int world_size) {
   }
 }
 
-std::map<std::string, std::vector<float>> parameters_and_buffers(nn::Module<float>& m) {
-  std::map<std::string, std::vector<float>> out;
+std::map<std::string, std::vector<double>> parameters_and_buffers(nn::Module<double>& m) {
+  std::map<std::string, std::vector<double>> out;
   for (auto& p : m.named_parameters()) out[p.name] = p.param->value.to_vector();
   for (auto& b : m.named_buffers()) out[b.name] = b.buffer->to_vector();
   return out;
@@ -124,20 +134,20 @@ TEST_CASE("A CNN with SyncBatchNorm under DDP, FSDP and a pipeline trains as Bat
           "[dist][sync_batch_norm]") {
   const int n = world().size();
   auto ref_model = make_cnn(false);
-  parallel::Local<float> ref(*ref_model);
+  parallel::Local<double> ref(*ref_model);
   train(ref, n);
   const auto want = parameters_and_buffers(*ref_model);
 
-  const std::vector<std::pair<std::string, parallel::Plan<float>>> plans = {
+  const std::vector<std::pair<std::string, parallel::Plan<double>>> plans = {
       {"ddp", parallel::DDPOptions{.first_bucket_bytes = 64}},
       {"fsdp full_shard", parallel::FSDPOptions{.strategy = parallel::ShardingStrategy::FullShard}},
       // One micro-batch: a stage's statistics then span its replicas' whole batch.
-      {"pipeline", parallel::PipelinePlan<float>{.stages = n % 2 == 0 ? 2 : n, .options = {.micro_batches = 1}}},
+      {"pipeline", parallel::PipelinePlan<double>{.stages = n % 2 == 0 ? 2 : n, .options = {.micro_batches = 1}}},
   };
   for (const auto& [name, plan] : plans) {
     INFO(name);
     auto model = make_cnn(true);
-    auto engine = parallel::make_engine<float>(model, world(), plan);
+    auto engine = parallel::make_engine<double>(model, world(), plan);
     train(*engine, n);
     // The trained model, gathered into one process through a checkpoint of the engine's mode.
     const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_syncbn_" + std::to_string(name.size()) + "_");
@@ -148,7 +158,7 @@ TEST_CASE("A CNN with SyncBatchNorm under DDP, FSDP and a pipeline trains as Bat
       ckpt::save(mgr, 2, *engine, nullptr);
     }
     auto loaded = make_cnn(false);
-    parallel::Local<float> local(*loaded);
+    parallel::Local<double> local(*loaded);
     ckpt::CheckpointManager reader(dir, &local.communicator());
     ckpt::load(reader, reader.latest().path, local);
     const auto got = parameters_and_buffers(*loaded);
@@ -161,9 +171,9 @@ TEST_CASE("A CNN with SyncBatchNorm under DDP, FSDP and a pipeline trains as Bat
         d = std::max(d, std::abs(static_cast<double>(v[i]) - got.at(k)[i]));
         scale = std::max(scale, std::abs(static_cast<double>(v[i])));
       }
-      CHECK(d / scale < 2e-5);
+      CHECK(d / scale < kDoubleTol);
     }
-    CHECK(got.at("2.num_batches_tracked")[0] == 2.0f);
+    CHECK(got.at("2.num_batches_tracked")[0] == 2.0);
     world().barrier();
     if (world().rank() == 0) std::filesystem::remove_all(dir);
   }
