@@ -37,7 +37,10 @@ packages=(
 test_tools=0
 for arg in "$@"; do
   case "$arg" in
-    --test) packages+=(python3-torch python3-pip); test_tools=1 ;;  # torchrun; pip for the PyPI tools below
+    --test)  # torchrun; pip for the PyPI tools below; what transformers imports (it is
+             # installed with --no-deps, so these come from Debian)
+      packages+=(python3-torch python3-pip python3-packaging python3-fsspec python3-requests)
+      test_tools=1 ;;
     --bench) packages+=(python3-torch libopenblas0-pthread python3-matplotlib) ;;
     *) echo "install-deps: unknown option $arg (use --test or --bench)" >&2; exit 2 ;;
   esac
