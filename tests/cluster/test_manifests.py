@@ -12,7 +12,7 @@ scripts, and the Slurm script in examples/slurm/:
   TrainingRuntime), whose own fields are checked against the field names of
   the operators' API types;
 - every pod: GPU requests exactly when its program is a GPU program (one that
-  links ptrain::cuda in examples/CMakeLists.txt), the image variant to match,
+  links ptrain::cuda's kernels, ptrain_cuda_own, in examples/CMakeLists.txt), the image variant to match,
   NCCL settings where GPUs talk, a non-root security context with no
   privilege escalation and no capabilities, the store token from the Secret
   of secret.yaml, the one checkpoint claim of pvc.yaml, and flags that the
@@ -92,9 +92,9 @@ def read_env_names():
 
 
 def gpu_programs():
-    """Example targets that link ptrain::cuda: the programs that need a GPU."""
+    """Example targets that link ptrain::cuda's kernels (ptrain_cuda_own): the programs that need a GPU."""
     text = (ROOT / "examples" / "CMakeLists.txt").read_text()
-    return set(re.findall(r"target_link_libraries\((\w+)[^)]*ptrain::cuda", text))
+    return set(re.findall(r"target_link_libraries\((\w+)[^)]*(?:ptrain::cuda|ptrain_cuda_own)", text))
 
 
 def image_programs():
@@ -243,7 +243,7 @@ class TestParse(unittest.TestCase):
         for name in ["JOB_COMPLETION_INDEX", "PTRAIN_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                      "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PTRAIN_COMM_TIMEOUT_S", "PTRAIN_STORE_TOKEN"]:
             self.assertTrue(name in ENV_NAMES, f"{name} is no longer read by include/ptrain/dist/*.hpp")
-        self.assertEqual(GPU_PROGRAMS, {"gpt_char_cuda"}, "examples/CMakeLists.txt: which targets link ptrain::cuda?")
+        self.assertEqual(GPU_PROGRAMS, {"gpt_char_cuda"}, "examples/CMakeLists.txt: which targets link ptrain_cuda_own?")
         self.assertTrue(all_pods(), "no pod templates found")
 
 
