@@ -3,9 +3,11 @@
 //   ptrun --nproc-per-node 4 [--nnodes N --node-rank K --master-addr H --master-port P] prog args...
 //
 // Starts nproc-per-node copies of prog with the variables torchrun sets
-// (RANK, WORLD_SIZE, LOCAL_RANK, ...), forwards SIGINT/SIGTERM/SIGHUP to them,
-// and when one rank fails stops the others (SIGTERM, SIGKILL after a grace
-// period). With --max-restarts N it then starts every rank again, up to N
+// (RANK, WORLD_SIZE, LOCAL_RANK, ...), forwards SIGINT/SIGTERM/SIGHUP/SIGQUIT to
+// them and stops the job, forwards SIGUSR1/SIGUSR2 (and whatever else
+// --signals-to-handle lists) without stopping it (Note [Signals ptrun handles]
+// in rendezvous.hpp), and when one rank fails stops the others (SIGTERM, SIGKILL
+// after a grace period). With --max-restarts N it then starts every rank again, up to N
 // times, on every node (Note [Restarts across nodes]); otherwise, or when no
 // restart is left, it exits with that rank's status (128 + signal for a signal).
 // Rank 0 of the program serves ptrain's TCP store; only several nodes with
@@ -24,6 +26,8 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -32,6 +36,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,6 +55,7 @@ using ptrun::Launch;
 using ptrun::Peers;
 using ptrun::pending_signal;
 using ptrun::Rendezvous;
+using ptrun::signal_policy;
 
 struct Child {
   pid_t pid = -1;
@@ -256,7 +262,13 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
       std::perror("ptrun: poll");
       signal_children(children, SIGKILL);
     }
-    if (const int sig = pending_signal(sfd)) {
+    // A signal that does not stop the job only reaches the ranks (Note [Signals ptrun handles]).
+    auto forward = [&](int sig) {
+      std::fprintf(stderr, "ptrun: got signal %d (%s); forwarding it to %d rank(s), which decide whether to stop\n",
+                   sig, strsignal(sig), running);
+      signal_children(children, sig);
+    };
+    if (const int sig = pending_signal(sfd, forward)) {
       end.signal = sig;
       std::fprintf(stderr, "ptrun: got signal %d (%s); forwarding it to %d rank(s)\n", sig, strsignal(sig), running);
       stop_all(sig);
@@ -406,6 +418,61 @@ std::pair<std::string, int> split_endpoint(const std::string& v, int default_por
   return {host, port.empty() ? default_port : parse_count(port, "--rdzv-endpoint's port", 65535)};
 }
 
+// torchrun's --signals-to-handle: comma-separated names (SIGUSR1; USR1 and lower case work
+// too). Names a signal ptrun cannot or must not catch, or one that is no signal, are errors.
+std::set<int> parse_signals(const std::string& v) {
+  static const std::map<std::string, int> catchable{
+      {"HUP", SIGHUP},   {"INT", SIGINT},     {"QUIT", SIGQUIT}, {"USR1", SIGUSR1},     {"USR2", SIGUSR2},
+      {"ALRM", SIGALRM}, {"TERM", SIGTERM},   {"CONT", SIGCONT}, {"TSTP", SIGTSTP},     {"TTIN", SIGTTIN},
+      {"TTOU", SIGTTOU}, {"URG", SIGURG},     {"XCPU", SIGXCPU}, {"XFSZ", SIGXFSZ},     {"VTALRM", SIGVTALRM},
+      {"PROF", SIGPROF}, {"WINCH", SIGWINCH}, {"IO", SIGIO},     {"POLL", SIGPOLL},     {"PWR", SIGPWR}};
+  static const std::map<std::string, std::string> refused{
+      {"KILL", "cannot be caught"},
+      {"STOP", "cannot be caught"},
+      {"CHLD", "is ptrun's own (it says that a rank ended)"},
+      {"CLD", "is ptrun's own (it says that a rank ended)"},
+      {"PIPE", "is ptrun's own (a closed output pipe)"},
+      {"SEGV", "reports a fault, not a request"},
+      {"BUS", "reports a fault, not a request"},
+      {"FPE", "reports a fault, not a request"},
+      {"ILL", "reports a fault, not a request"},
+      {"TRAP", "reports a fault, not a request"},
+      {"SYS", "reports a fault, not a request"},
+      {"ABRT", "reports a fault, not a request"},
+      {"IOT", "reports a fault, not a request"},
+      {"STKFLT", "reports a fault, not a request"}};
+  auto trim = [](std::string t) {
+    const auto b = t.find_first_not_of(" \t"), e = t.find_last_not_of(" \t");
+    return b == std::string::npos ? std::string() : t.substr(b, e - b + 1);
+  };
+  std::set<int> out;
+  if (trim(v).empty()) return out;  // an empty list: only what ptrun always handles
+  std::size_t start = 0;
+  for (;;) {
+    const std::size_t end = std::min(v.find(',', start), v.size());
+    const std::string entry = trim(v.substr(start, end - start));
+    std::string name = entry;
+    for (auto& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    if (name.rfind("SIG", 0) == 0) name = name.substr(3);
+    if (entry.empty())
+      throw std::runtime_error("--signals-to-handle '" + v + "': an empty entry; give names separated by commas, "
+                               "as SIGTERM,SIGUSR1");
+    if (auto it = catchable.find(name); it != catchable.end()) {
+      out.insert(it->second);
+    } else if (auto r = refused.find(name); r != refused.end()) {
+      throw std::runtime_error("--signals-to-handle: '" + entry + "' " + r->second + "; ptrun forwards SIGHUP, "
+                               "SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGALRM, SIGCONT, SIGTSTP, SIGTTIN, "
+                               "SIGTTOU, SIGURG, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF, SIGWINCH, SIGIO, SIGPWR");
+    } else {
+      throw std::runtime_error("--signals-to-handle: '" + entry + "' is not a signal name (give names such as "
+                               "SIGTERM or SIGUSR1, separated by commas)");
+    }
+    if (end >= v.size()) break;
+    start = end + 1;
+  }
+  return out;
+}
+
 // <dir>/<run id>_<random>/, as torchrun lays out its log folder.
 std::string new_log_dir(std::string dir, const std::string& run_id) {
   if (dir.empty()) {
@@ -463,7 +530,8 @@ int main(int argc, char** argv) {
   int node_rank = 0, master_port = 29500, max_restarts = 0;
   double grace = 5.0, rdzv_timeout = 600.0, monitor_interval = 0.1;
   std::string nproc_arg = "1", nnodes_arg = "1", master_addr = "127.0.0.1", run_id, rdzv_backend = "static",
-              rdzv_endpoint, rdzv_conf, log_dir, redirects = "0", tee = "0", role = "default";
+              rdzv_endpoint, rdzv_conf, log_dir, redirects = "0", tee = "0", role = "default",
+              signals_arg = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2";
   std::optional<std::string> line_prefix;
   bool no_python = false, standalone = false;
   std::vector<std::string> command;
@@ -505,6 +573,12 @@ int main(int argc, char** argv) {
                  "3 both, or per local rank as 0:3,1:0")->envname("PET_REDIRECTS");
   app.add_option("-t,--tee", tee, "streams that go to the log files and to the console (values as --redirects)")
       ->envname("PET_TEE");
+  app.add_option("--signals-to-handle,--signals_to_handle", signals_arg,
+                 "comma-separated signals ptrun catches and forwards to every rank; torchrun's default plus "
+                 "SIGUSR1 and SIGUSR2 (Slurm's --signal, the flight recorder). SIGINT, SIGTERM, SIGHUP (always "
+                 "handled, listed or not) and SIGQUIT also stop the job; the others only reach the ranks. SIGUSR1 "
+                 "or SIGUSR2 left out is ignored with a message; any other signal left out keeps its default action")
+      ->capture_default_str()->envname("PET_SIGNALS_TO_HANDLE");
   app.add_option("--role", role, "the ranks' ROLE_NAME (and the line prefix's ${role_name})");
   app.add_option("--log-line-prefix-template,--log_line_prefix_template", line_prefix,
                  "prefix of every line a rank writes; ${role_name}, ${rank}, ${local_rank} are replaced "
@@ -532,6 +606,12 @@ int main(int argc, char** argv) {
   std::optional<bool> is_host;
   std::map<int, unsigned> redirect_map, tee_map;
   try {
+    // Note [Signals ptrun handles]
+    ptrun::SignalPolicy& policy = signal_policy();
+    policy.stop = {SIGINT, SIGTERM, SIGHUP};
+    policy.forward.clear();
+    for (int s : parse_signals(signals_arg)) (s == SIGQUIT ? policy.stop : policy.forward).insert(s);
+    for (int s : {SIGINT, SIGTERM, SIGHUP}) policy.forward.erase(s);
     nproc = procs_per_node(nproc_arg);
     const std::size_t colon = nnodes_arg.find(':');
     nnodes = parse_count(nnodes_arg.substr(colon == std::string::npos ? 0 : colon + 1), "--nnodes", 1 << 16);
@@ -617,9 +697,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ptrun: the ranks' log files are in %s\n", l.log_dir.c_str());
   }
 
-  sigset_t mask, old_mask;
-  sigemptyset(&mask);
-  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&mask, s);
+  sigset_t mask = signal_policy().caught(), old_mask;
   sigprocmask(SIG_BLOCK, &mask, &old_mask);
   int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0) {

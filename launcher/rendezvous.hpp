@@ -4,13 +4,18 @@
 
 #include <ifaddrs.h>
 #include <netdb.h>
+#include <signal.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,12 +39,59 @@ struct Launch {
   std::chrono::milliseconds monitor{100};  // --monitor-interval
 };
 
-// The first signal (not SIGCHLD) waiting in `sfd`, or 0.
-inline int pending_signal(int sfd) {
+// Note [Signals ptrun handles]
+// ptrun reads its signals through a signalfd and sorts them in three kinds:
+//   stop     SIGINT, SIGTERM and SIGHUP always, SIGQUIT when --signals-to-handle lists it
+//            (the default does): forwarded to every rank, and the job stops (SIGKILL after
+//            --grace-period, no restart);
+//   forward  every other signal of --signals-to-handle (SIGUSR1 and SIGUSR2 by default):
+//            forwarded to every running rank and nothing else; the ranks decide what it
+//            means (a checkpoint before a time limit, a flight-recorder dump), and how they
+//            exit is handled as any exit of theirs;
+//   ignored  SIGUSR1 or SIGUSR2 left out of the list: ptrun says so on stderr and goes on,
+//            so that a stray `pkill -USR2` never kills the job (their default action would
+//            end ptrun, and PR_SET_PDEATHSIG would SIGKILL every rank).
+// Any other signal that is not listed keeps its default action, as under torchrun.
+struct SignalPolicy {
+  std::set<int> stop{SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+  std::set<int> forward{SIGUSR1, SIGUSR2};
+  /// The signals ptrun blocks and reads through its signalfd (SIGCHLD included).
+  sigset_t caught() const {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGCHLD}) sigaddset(&set, s);
+    for (int s : stop) sigaddset(&set, s);
+    for (int s : forward) sigaddset(&set, s);
+    return set;
+  }
+};
+
+/// ptrun's policy, set once by main from --signals-to-handle.
+inline SignalPolicy& signal_policy() {
+  static SignalPolicy policy;
+  return policy;
+}
+
+// The first signal that stops the job (Note [Signals ptrun handles]) waiting in `sfd`, or 0.
+// A signal only to be forwarded goes to `forward` (which sends it to the running ranks);
+// without one (no rank runs) it is reported and dropped, as is a signal ptrun ignores.
+inline int pending_signal(int sfd, const std::function<void(int)>& forward = {}) {
+  const SignalPolicy& policy = signal_policy();
   int sig = 0;
   signalfd_siginfo si;
-  while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si))
-    if (si.ssi_signo != SIGCHLD && !sig) sig = static_cast<int>(si.ssi_signo);
+  while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+    const int s = static_cast<int>(si.ssi_signo);
+    if (s == SIGCHLD) continue;
+    if (policy.stop.count(s)) {
+      if (!sig) sig = s;
+    } else if (policy.forward.count(s) && forward) {
+      forward(s);
+    } else if (policy.forward.count(s)) {
+      std::fprintf(stderr, "ptrun: got signal %d (%s) while no rank runs; not forwarded\n", s, strsignal(s));
+    } else {
+      std::fprintf(stderr, "ptrun: got signal %d (%s); ignored: it is not in --signals-to-handle\n", s, strsignal(s));
+    }
+  }
   return sig;
 }
 

@@ -1,6 +1,7 @@
 // ptrun with real processes: the variables each rank sees, exit-status
-// propagation, one failing rank stopping the others, signal forwarding, the
-// SIGKILL escalation and restarts (--max-restarts).
+// propagation, one failing rank stopping the others, signal forwarding (the
+// signals that stop the job and those that only reach the ranks,
+// --signals-to-handle), the SIGKILL escalation and restarts (--max-restarts).
 
 #include <catch2/catch.hpp>
 
@@ -164,6 +165,124 @@ TEST_CASE("ptrun: ranks that ignore SIGTERM get SIGKILL after the grace period",
   CHECK(took >= 400ms);  // it did wait for the grace period
   CHECK(took < 10s);
   for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+}
+
+namespace {
+// ptrun with its stderr in `err` (exec through sh, so that the Process's pid is ptrun's).
+Process ptrun_logged(const std::string& args, const std::string& err) {
+  return Process({"/bin/sh", "-c", "exec " + std::string(PTRAIN_TEST_PTRUN) + " " + args + " 2>" + err});
+}
+
+// Waits until `path` contains `text`; false after `timeout`.
+bool wait_for_text(const std::string& path, const std::string& text, std::chrono::milliseconds timeout) {
+  auto until = std::chrono::steady_clock::now() + timeout;
+  while (ptrain_test::read_text(path).find(text) == std::string::npos) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+}  // namespace
+
+TEST_CASE("ptrun: SIGUSR1 and SIGUSR2 reach every rank and ptrun exits with the ranks' status", "[ptrun]") {
+  // Slurm's --signal=USR1@N and the flight recorder's SIGUSR2 sent to ptrun: it must not die
+  // of them (their default action; PR_SET_PDEATHSIG would then SIGKILL every rank).
+  for (int sig : {SIGUSR1, SIGUSR2}) {
+    TempDir dir;
+    const int n = 2;
+    Process p(ptrun({"--nproc-per-node", std::to_string(n), PTRAIN_TEST_WORKER, "usr", dir.path(), "75"}));
+    auto pids = worker_pids(dir, n);
+    ::kill(p.pid(), sig);
+    auto st = p.wait(60s);
+    REQUIRE(st.has_value());
+    INFO("signal " << sig);
+    CHECK(ptrain_test::exit_code(*st) == 75);  // the ranks' own code, not 128 + sig
+    const std::string got = sig == SIGUSR1 ? "usr1_" : "usr2_", other = sig == SIGUSR1 ? "usr2_" : "usr1_";
+    for (int r = 0; r < n; ++r) {
+      CHECK(ptrain_test::file_exists(dir.file(got + std::to_string(r))));
+      CHECK_FALSE(ptrain_test::file_exists(dir.file(other + std::to_string(r))));
+    }
+    for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+  }
+}
+
+TEST_CASE("ptrun: SIGUSR1 does not stop the job, the ranks decide", "[ptrun]") {
+  // The ranks note the signal and sleep on (a flight-recorder dump): ptrun forwards it, twice,
+  // and keeps running; a later SIGTERM still stops the job as before.
+  TempDir dir;
+  const int n = 2;
+  Process p(ptrun({"--nproc-per-node", std::to_string(n), PTRAIN_TEST_WORKER, "usr", dir.path(), "stay"}));
+  auto pids = worker_pids(dir, n);
+  ::kill(p.pid(), SIGUSR1);
+  for (int r = 0; r < n; ++r) REQUIRE(ptrain_test::wait_for_file(dir.file("usr1_" + std::to_string(r)), 30s));
+  ::kill(p.pid(), SIGUSR2);
+  for (int r = 0; r < n; ++r) REQUIRE(ptrain_test::wait_for_file(dir.file("usr2_" + std::to_string(r)), 30s));
+  CHECK_FALSE(p.wait(0ms).has_value());
+  for (pid_t pid : pids) CHECK_FALSE(ptrain_test::process_gone(pid));
+  ::kill(p.pid(), SIGTERM);
+  auto st = p.wait(60s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 75);
+  // Both ranks were still there to get the SIGTERM.
+  for (int r = 0; r < n; ++r) CHECK(ptrain_test::file_exists(dir.file("term_" + std::to_string(r))));
+  for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+}
+
+TEST_CASE("ptrun: --signals-to-handle chooses the signals it forwards", "[ptrun]") {
+  // Only SIGUSR1 listed: SIGUSR2 is not forwarded, and ptrun says so instead of dying of it.
+  TempDir dir;
+  const int n = 2;
+  const std::string err = dir.file("stderr");
+  Process p = ptrun_logged("--signals-to-handle SIGUSR1 --nproc-per-node 2 " + std::string(PTRAIN_TEST_WORKER) +
+                               " usr " + dir.path() + " 75",
+                           err);
+  auto pids = worker_pids(dir, n);
+  ::kill(p.pid(), SIGUSR2);
+  REQUIRE(wait_for_text(err, "not in --signals-to-handle", 30s));
+  CHECK_FALSE(p.wait(0ms).has_value());
+  ::kill(p.pid(), SIGUSR1);
+  auto st = p.wait(60s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 75);
+  for (int r = 0; r < n; ++r) {
+    CHECK(ptrain_test::file_exists(dir.file("usr1_" + std::to_string(r))));
+    CHECK_FALSE(ptrain_test::file_exists(dir.file("usr2_" + std::to_string(r))));
+  }
+  for (pid_t pid : pids) CHECK(ptrain_test::process_gone(pid));
+
+  // torchrun's underscore spelling; names without SIG, in lower case, with spaces, work too.
+  TempDir dir2;
+  Process q(ptrun({"--signals_to_handle=usr2, SIGTERM", "--nproc-per-node", "2", PTRAIN_TEST_WORKER, "usr",
+                   dir2.path(), "76"}));
+  worker_pids(dir2, n);
+  ::kill(q.pid(), SIGUSR2);
+  auto st2 = q.wait(60s);
+  REQUIRE(st2.has_value());
+  CHECK(ptrain_test::exit_code(*st2) == 76);
+  for (int r = 0; r < n; ++r) CHECK(ptrain_test::file_exists(dir2.file("usr2_" + std::to_string(r))));
+}
+
+TEST_CASE("ptrun: --signals-to-handle refuses what it cannot forward, naming it", "[ptrun]") {
+  for (std::string bad : {"SIGBOGUS", "SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "15"}) {
+    TempDir dir;
+    const std::string err = dir.file("stderr");
+    Process p = ptrun_logged("--signals-to-handle SIGTERM," + bad + " --nproc-per-node 1 /bin/true", err);
+    auto st = p.wait(20s);
+    REQUIRE(st.has_value());
+    INFO(bad << ": " << ptrain_test::read_text(err));
+    CHECK(ptrain_test::exit_code(*st) == 2);
+    CHECK(ptrain_test::read_text(err).find("'" + bad + "'") != std::string::npos);
+  }
+  TempDir dir;
+  Process empty = ptrun_logged("--signals-to-handle SIGTERM,,SIGUSR1 /bin/true", dir.file("stderr"));
+  auto st = empty.wait(20s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 2);
+  // --help gives the default, with SIGUSR1 and SIGUSR2.
+  Process help = ptrun_logged("--help >" + dir.file("help"), dir.file("stderr"));
+  REQUIRE(help.wait(20s).has_value());
+  CHECK(ptrain_test::read_text(dir.file("help")).find("SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2") !=
+        std::string::npos);
 }
 
 TEST_CASE("ptrun: --max-restarts starts every rank again after a failure", "[ptrun]") {

@@ -15,6 +15,10 @@
 //   sleep OUTDIR [ignore]    write a pid file and sleep; on SIGTERM write OUTDIR/term_<rank> and exit 75
 //                            (as a program that saved a checkpoint on preemption; "ignore": SIGTERM
 //                            is ignored, so only SIGKILL ends it)
+//   usr OUTDIR CODE          install SIGUSR1 and SIGUSR2 handlers, write a pid file and sleep; on SIGUSR1
+//                            or SIGUSR2 write OUTDIR/usr1_<rank> or usr2_<rank> and exit CODE (as a program
+//                            that checkpoints before a time limit; "stay": sleep on, as after a
+//                            flight-recorder dump); SIGTERM as in "sleep"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -61,6 +65,16 @@ void on_term(int) {
   int fd = ::open(term_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd >= 0) ::close(fd);
   ::_exit(75);
+}
+
+// Mode "usr": the same for SIGUSR1 and SIGUSR2, with the exit code the test chose.
+std::string usr1_path, usr2_path;
+int usr_code = 0;  // -1: stay
+
+void on_usr(int sig) {
+  int fd = ::open((sig == SIGUSR1 ? usr1_path : usr2_path).c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd >= 0) ::close(fd);
+  if (usr_code >= 0) ::_exit(usr_code);
 }
 
 }  // namespace
@@ -166,6 +180,26 @@ int main(int argc, char** argv) {
     term_path = out_dir + "/term_" + std::to_string(my_rank);
     ::signal(SIGTERM, on_term);
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(std::atof(argv[3]) * 1000)));
+    return 0;
+  }
+
+  if (mode == "usr" && argc >= 4) {
+    out_dir = argv[2];
+    usr_code = std::string(argv[3]) == "stay" ? -1 : std::atoi(argv[3]);
+    usr1_path = out_dir + "/usr1_" + std::to_string(my_rank);
+    usr2_path = out_dir + "/usr2_" + std::to_string(my_rank);
+    term_path = out_dir + "/term_" + std::to_string(my_rank);
+    // Every signal waits while a handler runs, so a SIGTERM that ptrun sends when another
+    // rank has exited cannot cut this one's file short.
+    struct sigaction sa {};
+    sigfillset(&sa.sa_mask);
+    sa.sa_handler = on_usr;
+    ::sigaction(SIGUSR1, &sa, nullptr);
+    ::sigaction(SIGUSR2, &sa, nullptr);
+    sa.sa_handler = on_term;
+    ::sigaction(SIGTERM, &sa, nullptr);
+    write_pid();  // the handlers are in place
+    std::this_thread::sleep_for(std::chrono::seconds(60));
     return 0;
   }
 
