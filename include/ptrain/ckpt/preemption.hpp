@@ -13,7 +13,8 @@
 // Kubernetes sends SIGTERM to every container of a pod being evicted and
 // SIGKILL terminationGracePeriodSeconds (default 30) later; Slurm sends
 // the signal given by --signal=USR1@60 sixty seconds before the time limit;
-// ptrun and torchrun forward SIGTERM/SIGINT to every rank. A signal often
+// ptrun and torchrun forward SIGTERM/SIGINT to every rank, ptrun SIGUSR1 too
+// (its default --signals-to-handle). A signal often
 // reaches only some ranks (one node is evicted), so the decision is collective:
 // should_stop() all-reduces the local flag with MAX, and every rank sees the
 // same answer at the same step, saves the same checkpoint and stops.
