@@ -163,12 +163,12 @@ TEST_CASE("store: timeouts name the key and barrier names the missing ranks", "[
   TCPStore server("127.0.0.1", 0, true, 300ms, std::string());
   server.set("present", "1");
   auto t0 = std::chrono::steady_clock::now();
+  // The wait's own 200 ms, not the store's 300 ms: named in the error, and at least that long.
   CHECK_THROWS_WITH(server.wait({"present", "never/set"}, 200ms),
-                    Catch::Contains("[ptrain.store.timeout]") && Catch::Contains("'never/set'") &&
-                        Catch::Contains("still missing: 'never/set'") && !Catch::Contains("still missing: 'present'"));
-  auto took = std::chrono::steady_clock::now() - t0;
-  CHECK(took >= 190ms);
-  CHECK(took < 3s);
+                    Catch::Contains("[ptrain.store.timeout]") && Catch::Contains("after 200 ms") &&
+                        Catch::Contains("'never/set'") && Catch::Contains("still missing: 'never/set'") &&
+                        !Catch::Contains("still missing: 'present'"));
+  CHECK(std::chrono::steady_clock::now() - t0 >= 190ms);
   CHECK_THROWS_WITH(server.get("absent-key"), Catch::Contains("absent-key") && Catch::Contains("300 ms"));
   // The connection stays in step after a cancelled wait.
   CHECK(server.get("present") == "1");
@@ -384,11 +384,11 @@ TEST_CASE("store: clients retry until the server starts, and fail in time when i
   CHECK(client.get("ready") == "yes");
   starter.join();
 
+  // A port nobody listens on: the client gives up after its own 300 ms, which the error names.
   int dead = ptrain_test::free_port();
-  auto t0 = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH(TCPStore("127.0.0.1", dead, false, 300ms, std::string()),
-                    Catch::Contains("[ptrain.store.connect]") && Catch::Contains(std::to_string(dead)));
-  CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+                    Catch::Contains("[ptrain.store.connect]") && Catch::Contains(std::to_string(dead)) &&
+                        Catch::Contains("within 300 ms"));
   CHECK_THROWS_WITH(TCPStore("127.0.0.1", port, true, 300ms, std::string()), Catch::Contains("[ptrain.store.bind]"));
 }
 
@@ -436,9 +436,8 @@ TEST_CASE("store: destroying the server wakes blocked clients instead of hanging
   auto t0 = std::chrono::steady_clock::now();
   server.reset();
   waiter.join();
-  auto took = std::chrono::steady_clock::now() - t0;
-  CHECK(took >= 250ms);  // connected clients get the grace period (Note [Server shutdown])
-  CHECK(took < 3s);
+  CHECK(std::chrono::steady_clock::now() - t0 >= 250ms);  // connected clients get the grace period (Note [Server shutdown])
+  // The server's end woke the waiter (an I/O error), not the wait's own 5 s timeout ([ptrain.store.timeout]).
   CHECK_THAT(err, Catch::Contains("[ptrain.store.io]") && Catch::Contains("never"));
   // Later calls fail fast with a clear message.
   CHECK_THROWS_WITH(client.set("x", "y"), Catch::Contains("[ptrain.store.closed]"));
