@@ -26,7 +26,7 @@
 // the GPU of the rank's LOCAL_RANK, with NCCL between ranks: it needs this file
 // linked with ptrain::cuda, gpt_char_cuda (built where CMake finds the toolkit):
 //   gpt_char_cuda --device cuda --precision bf16 --batch 64 --block 256 --layers 6 --embd 384
-//   torchrun --nproc-per-node 8 gpt_char_cuda --device cuda --precision bf16 --parallel fsdp
+//   torchrun --nproc-per-node 8 --no-python gpt_char_cuda --device cuda --precision bf16 --parallel fsdp
 //
 // Data: Debian's `fortunes` package (/usr/share/games/fortunes, about 2.5 MB of
 // English): every fortune file, in name order, without the "%" separator lines.
