@@ -136,7 +136,7 @@ struct Options {
   bool resume = false;
   bool start_over = false;
   std::string export_path;
-  std::string export_hf;  // Hugging Face GPT-2 folder
+  std::string export_hf;  // Hugging Face folder (GPT-2, or the Llama family for --model llama)
   std::string init_from;  // pretrained weights: Hugging Face GPT-2 or ptrain names
 };
 
@@ -1008,12 +1008,14 @@ int main(int argc, char** argv) {
   app.add_option("--threads", opt.threads, "GEMM threads per process (0: library default; 1 under ddp/fsdp)");
   add_checkpoint_flags(app, opt);
   add_observe_flags(app, opt.observe);
-  app.add_option("--init-from", opt.init_from, "start from pretrained weights: a Hugging Face GPT-2 "
-                 "model.safetensors (or its folder) or a ptrain file (--export, a checkpoint's model.safetensors)");
+  app.add_option("--init-from", opt.init_from, "start from pretrained weights: a Hugging Face folder "
+                 "(GPT-2, Llama, Mistral, Qwen2: config.json and model.safetensors), a GPT-2 model.safetensors, or a "
+                 "ptrain file (--export, a checkpoint's model.safetensors)");
   app.add_option("--export", opt.export_path, "at the end, rank 0 writes the final parameters, whole, to this "
                  "safetensors file (PyTorch's safetensors.torch.load_file reads it)");
-  app.add_option("--export-hf", opt.export_hf, "at the end, rank 0 writes the model as a Hugging Face GPT-2 folder "
-                 "(model.safetensors, config.json, --tokenizer's files) for transformers' from_pretrained");
+  app.add_option("--export-hf", opt.export_hf, "at the end, rank 0 writes the model as a Hugging Face folder "
+                 "(GPT-2, or Llama/Mistral/Qwen2 for --model llama: model.safetensors, config.json, --tokenizer's "
+                 "files) for transformers' from_pretrained");
   CLI11_PARSE(app, argc, argv);
   if (!apply_run_dir("gpt_char", app, opt.observe, opt.metrics, opt.checkpoint_dir)) return 2;
   if (opt.resume && opt.checkpoint_dir.empty()) {
