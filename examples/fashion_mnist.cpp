@@ -33,6 +33,7 @@
 #include <ptrain/train/trainer.hpp>
 
 #include "checkpoint_flags.hpp"
+#include "cli_checks.hpp"
 #include "observe_flags.hpp"
 
 using namespace ptrain;
@@ -117,7 +118,7 @@ int main(int argc, char** argv) {
   add_checkpoint_flags(app, opt);
   ObserveFlags observe;
   add_observe_flags(app, observe);
-  CLI11_PARSE(app, argc, argv);
+  if (const int rc = parse_command_line(app, argc, argv); rc >= 0) return rc;
   if (!apply_run_dir("fashion_mnist", app, observe, opt.metrics, opt.checkpoint_dir)) return 2;
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir (or --run-dir)\n");

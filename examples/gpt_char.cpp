@@ -72,6 +72,7 @@
 #include <ptrain/ptrain.hpp>
 
 #include "checkpoint_flags.hpp"
+#include "cli_checks.hpp"
 #include "observe_flags.hpp"
 
 using namespace ptrain;
@@ -1016,7 +1017,7 @@ int main(int argc, char** argv) {
   app.add_option("--export-hf", opt.export_hf, "at the end, rank 0 writes the model as a Hugging Face folder "
                  "(GPT-2, or Llama/Mistral/Qwen2 for --model llama: model.safetensors, config.json, --tokenizer's "
                  "files) for transformers' from_pretrained");
-  CLI11_PARSE(app, argc, argv);
+  if (const int rc = parse_command_line(app, argc, argv); rc >= 0) return rc;
   if (!apply_run_dir("gpt_char", app, opt.observe, opt.metrics, opt.checkpoint_dir)) return 2;
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir (or --run-dir)\n");

@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
       ->check(positive);
   app.add_option("inputs", inputs, "text files (one document each) or .jsonl files (one document per line)")
       ->required();
-  CLI11_PARSE(app, argc, argv);
+  if (const int rc = parse_command_line(app, argc, argv); rc >= 0) return rc;
 
   try {
     const auto t0 = std::chrono::steady_clock::now();
