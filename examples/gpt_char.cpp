@@ -666,6 +666,7 @@ class RunCheckpoints {
     if (o.checkpoint_dir.empty()) return;
     mgr_ = std::make_unique<ckpt::CheckpointManager>(o.checkpoint_dir, &world,
                                                      ckpt::CheckpointOptions{.keep_last = o.keep_checkpoints});
+    mgr_->check_writable();
     if (o.resume) last_ = mgr_->latest_to_resume(o.start_over);
   }
   /// Whether --resume found a checkpoint (which then replaces --init-from's weights).

@@ -136,6 +136,28 @@ class CheckpointManager {
   CheckpointManager(const CheckpointManager&) = delete;
   CheckpointManager& operator=(const CheckpointManager&) = delete;
 
+  /// Creates the directory and proves on every rank that a file can be written there
+  /// (collective with a communicator; every rank then throws the same error): a
+  /// directory that cannot take a checkpoint is found before training, not at the first
+  /// save after hours of it. The Trainer and the examples call it before the first step.
+  void check_writable() {
+    std::string err;
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    const fs::path probe = dir_ / (".write-probe-rank" + std::to_string(rank()));
+    if (!ec) {
+      std::ofstream f(probe);
+      if (!(f << "ok") || !f.flush()) ec = std::make_error_code(std::errc::io_error);
+    }
+    if (ec || !fs::exists(probe)) {
+      err = "rank " + std::to_string(rank()) + " cannot write to the checkpoint directory " + dir_.string() + " (" +
+            (ec ? ec.message() : std::string("no file appeared")) +
+            "); choose a writable directory (--checkpoint-dir, --run-dir) that every rank can reach";
+    }
+    fs::remove(probe, ec);
+    agree(err, "[ptrain.ckpt.unwritable] ", "cannot write to the checkpoint directory (its log has the reason)");
+  }
+
   const fs::path& dir() const { return dir_; }
   int rank() const { return comm_ ? comm_->rank() : 0; }
   int world_size() const { return comm_ ? comm_->size() : 1; }
@@ -495,15 +517,18 @@ class CheckpointManager {
   // torchrun) sends this rank SIGTERM while its exception unwinds; by then the
   // PreemptionHandler's destructor has restored the default action, and the
   // signal would end the process before the program could print the reason.
-  void agree(const std::string& err, const char* id) {
+  // Every rank learns whether one failed (`err` non-empty there) and throws: its own
+  // error, or "rank R <others>".
+  void agree(const std::string& err, const char* id,
+             const char* others = "failed to save its part of the checkpoint (its log has the reason); this "
+                                  "checkpoint is not committed and the previous one stays valid") {
     if (!err.empty() && comm_ && comm_->size() > 1)
       std::fprintf(stderr, "ptrain: rank %d: %s%s\n", rank(), id, err.c_str());
     std::int32_t failed = err.empty() ? 0 : rank() + 1;
     if (comm_ && comm_->size() > 1) comm_->all_reduce(&failed, 1, DType::I32, dist::ReduceOp::Max);
     if (failed == 0) return;
     if (!err.empty()) PTRAIN_THROW(CheckpointError, id, err);
-    PTRAIN_THROW(CheckpointError, id, "rank ", failed - 1, " failed to save its part of the checkpoint (its log has "
-                 "the reason); this checkpoint is not committed and the previous one stays valid");
+    PTRAIN_THROW(CheckpointError, id, "rank ", failed - 1, " ", others);
   }
 
   // Note [Commit protocol], step 2: this rank's files and its manifest.

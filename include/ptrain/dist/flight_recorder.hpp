@@ -43,6 +43,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -216,9 +217,31 @@ class FlightRegistry {
 
   void add(const std::shared_ptr<FlightRecorder>& rec) {
     std::lock_guard lock(m_);
+    std::erase_if(recorders_, [](const std::weak_ptr<FlightRecorder>& w) { return w.expired(); });
     if (recorders_.empty() && world_rank_ < 0) world_rank_ = rec->rank();
+    if (recorders_.empty()) prepare_dir(rec->rank());
     recorders_.push_back(rec);
     start_watcher();
+  }
+
+  /// Makes $PTRAIN_FLIGHT_RECORDER_DIR and proves that a file can be written there, when
+  /// the first recorder starts: a folder that cannot take the dump is found when the job
+  /// starts, not when it is stuck and the dump is needed.
+  static void prepare_dir(int rank) {
+    const std::string dir = flight_recorder_dir();
+    if (dir.empty()) return;
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);  // a failure shows in the probe below
+    const std::string probe = cat(dir, "/.write-probe-rank", rank, ".", ::getpid());
+    std::FILE* f = std::fopen(probe.c_str(), "w");
+    const int err = f == nullptr ? errno : 0;
+    if (f != nullptr) {
+      std::fclose(f);
+      std::remove(probe.c_str());
+    }
+    PTRAIN_CHECK(err == 0, CommError, "[ptrain.flight.dir] rank ", rank, " cannot write to the flight recorder's "
+                 "folder PTRAIN_FLIGHT_RECORDER_DIR=", dir, " (", std::strerror(err), "); set it (or "
+                 "--flight-recorder-dir) to a writable folder on every node");
   }
 
   /// Writes every live recorder to <dir>/rank<R>.json; `reason` says why. Returns the path, "" when off.

@@ -139,6 +139,7 @@ class Trainer {
     if (!o_.checkpoint_dir.empty()) {
       mgr = std::make_unique<ckpt::CheckpointManager>(o_.checkpoint_dir, &engine_.communicator(),
                                                       ckpt::CheckpointOptions{.keep_last = o_.keep_checkpoints});
+      mgr->check_writable();
       saver = std::make_unique<ckpt::AsyncCheckpointer>(*mgr);
       if (o_.resume) resumed = try_resume(*mgr, sampler, lead, start_epoch, result.step);
       preempt = std::make_unique<ckpt::PreemptionHandler>();

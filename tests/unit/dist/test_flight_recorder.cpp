@@ -107,4 +107,23 @@ TEST_CASE("flight recorder dumps every live recorder on SIGUSR2 from its watcher
   std::system(("rm -rf " + dir).c_str());
 }
 
+TEST_CASE("flight recorder: its folder is made at start-up, and one that cannot be written is refused",
+          "[dist][flight]") {
+  const std::string dir = "/tmp/ptrain_flight_dir_" + std::to_string(::getpid());
+  REQUIRE(std::system(("rm -rf " + dir + " && mkdir -p " + dir + " && echo x > " + dir + "/a_file").c_str()) == 0);
+  // Below a regular file nothing can be created, whoever runs the test (root included).
+  ::setenv("PTRAIN_FLIGHT_RECORDER_DIR", (dir + "/a_file/fr").c_str(), 1);
+  CHECK_THROWS_WITH(RecordingCommunicator(std::make_unique<SelfCommunicator>(), "world", 16),
+                    Catch::Contains("[ptrain.flight.dir]") && Catch::Contains(dir + "/a_file/fr") &&
+                        Catch::Contains("writable folder"));
+  // A folder that does not exist yet (and its parent) is made when the first recorder starts.
+  ::setenv("PTRAIN_FLIGHT_RECORDER_DIR", (dir + "/new/fr").c_str(), 1);
+  {
+    RecordingCommunicator c(std::make_unique<SelfCommunicator>(), "world", 16);
+    CHECK(::access((dir + "/new/fr").c_str(), W_OK) == 0);
+  }
+  ::unsetenv("PTRAIN_FLIGHT_RECORDER_DIR");
+  std::system(("rm -rf " + dir).c_str());
+}
+
 }  // namespace test_flight_recorder

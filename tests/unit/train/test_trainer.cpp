@@ -166,4 +166,33 @@ TEST_CASE("Trainer: every checkpoint corrupt refuses at start-up, start_over set
   fs::remove_all(dir);
 }
 
+TEST_CASE("Trainer: a checkpoint directory that cannot be written is refused before the first step",
+          "[train][trainer]") {
+  const fs::path dir = fresh_dir("ptrain_trainer_unwritable_");
+  fs::create_directories(dir);
+  std::ofstream(dir / "a_file") << "not a directory";
+  auto data = make_data(kBatch * 4);
+  // Below a regular file nothing can be created, whoever runs the test (root included).
+  train::TrainerOptions o{.log_every = 0, .checkpoint_dir = (dir / "a_file" / "ckpt").string()};
+  int steps_run = 0;
+  {
+    Run refused(data, o);
+    refused.trainer->on_step = [&](const train::StepInfo&) { ++steps_run; };
+    CHECK_THROWS_WITH(refused.trainer->run(), Catch::Contains("[ptrain.ckpt.unwritable]") &&
+                                                  Catch::Contains(o.checkpoint_dir) &&
+                                                  Catch::Contains("choose a writable directory"));
+  }
+  CHECK(steps_run == 0);
+  // A directory that does not exist yet is made, and training runs.
+  o.checkpoint_dir = (dir / "new" / "ckpt").string();
+  {
+    Run fine(data, o);
+    CHECK(fine.trainer->run().step == 4);
+  }
+  CHECK(fs::exists(dir / "new" / "ckpt" / "step-00000004"));
+  for (auto& e : fs::directory_iterator(dir / "new" / "ckpt"))
+    CHECK(e.path().filename().string().rfind(".write-probe", 0) != 0);  // the probe is gone
+  fs::remove_all(dir);
+}
+
 }  // namespace test_trainer
