@@ -563,7 +563,9 @@ int main(int argc, char** argv) {
                  "store: node 0's host and port)")->envname("PET_RDZV_BACKEND");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint, "host[:port] of the store (with c10d; port "
                  "default 29400)")->envname("PET_RDZV_ENDPOINT");
-  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "key=value,...: join_timeout (seconds, as --rdzv-timeout)")
+  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "key=value,...: join_timeout or timeout (seconds, as "
+                 "--rdzv-timeout), last_call_timeout, keep_alive_interval, keep_alive_max_attempt, is_host; other "
+                 "keys (read_timeout, use_libuv, ...) are ignored with a warning")
       ->envname("PET_RDZV_CONF");
   app.add_option("--monitor-interval,--monitor_interval", monitor_interval,
                  "seconds between checks of the other nodes' state")->check(CLI::Range(0.01, 60.0));
@@ -618,15 +620,20 @@ int main(int argc, char** argv) {
     min_nodes = colon == std::string::npos ? nnodes : parse_count(nnodes_arg.substr(0, colon), "--nnodes MIN", nnodes);
     redirect_map = ptrun::parse_std_map(redirects, "--redirects");
     tee_map = ptrun::parse_std_map(tee, "--tee");
+    std::string ignored_keys;
     for (const auto& [key, value] : parse_conf(rdzv_conf)) {
-      if (key == "join_timeout") rdzv_timeout = parse_seconds(value, "join_timeout");
+      if (key == "join_timeout" || key == "timeout") rdzv_timeout = parse_seconds(value, key.c_str());
       else if (key == "last_call_timeout") last_call = parse_seconds(value, "last_call_timeout");
       else if (key == "keep_alive_interval") keep_alive = parse_seconds(value, "keep_alive_interval");
       else if (key == "keep_alive_max_attempt") keep_alive_attempts = parse_seconds(value, "keep_alive_max_attempt");
       else if (key == "is_host") is_host = value == "1" || value == "true" || value == "True";
-      else throw std::runtime_error("--rdzv-conf: unknown key '" + key + "' (ptrun knows join_timeout, "
-                                    "last_call_timeout, keep_alive_interval, keep_alive_max_attempt and is_host)");
+      else ignored_keys += (ignored_keys.empty() ? "'" : ", '") + key + "'";
     }
+    // As torchrun's backends, which read the keys they know and pass over the others.
+    if (!ignored_keys.empty())
+      std::fprintf(stderr, "ptrun: warning: --rdzv-conf %s not used by ptrun, ignored (it reads join_timeout, "
+                   "timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt and is_host)\n",
+                   ignored_keys.c_str());
     if (rdzv_backend == "c10d") {
       if (rdzv_endpoint.empty()) throw std::runtime_error("--rdzv-backend c10d needs --rdzv-endpoint host:port (node 0's)");
       if (addr_opt->count() || port_opt->count())

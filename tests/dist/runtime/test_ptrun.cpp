@@ -579,9 +579,26 @@ TEST_CASE("ptrun: torchrun's --nproc-per-node words and rendezvous flags", "[ptr
   CHECK(run_captured(dir, "--rdzv-backend etcd --rdzv-endpoint h:1 /bin/true") == 2);
   CHECK(ptrain_test::read_text(dir.file("err")).find("etcd is not supported") != std::string::npos);
   CHECK(run_captured(dir, "--rdzv-backend c10d /bin/true") == 2);
-  CHECK(run_captured(dir, "--rdzv-conf bogus=1 /bin/true") == 2);
-  CHECK(ptrain_test::read_text(dir.file("err")).find("unknown key 'bogus'") != std::string::npos);
+  CHECK(run_captured(dir, "--rdzv-conf bogus /bin/true") == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("key=value") != std::string::npos);
 }
+
+TEST_CASE("ptrun: --rdzv-conf keys ptrun does not read are named in a warning and the job runs", "[ptrun]") {
+  TempDir dir;
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --rdzv-conf read_timeout=5,use_libuv=1,timeout=30 "
+                            "/bin/sh -c 'echo ran $RANK'") == 0);
+  auto out = lines_of(ptrain_test::read_text(dir.file("out")));
+  std::sort(out.begin(), out.end());
+  CHECK(out == std::vector<std::string>{"[default0]:ran 0", "[default1]:ran 1"});
+  const auto warnings = lines_of(ptrain_test::read_text(dir.file("err")));
+  REQUIRE(warnings.size() == 1);  // once, for every key it ignores
+  CHECK(warnings[0].find("warning") != std::string::npos);
+  CHECK(warnings[0].find("'read_timeout', 'use_libuv'") != std::string::npos);
+  CHECK(warnings[0].find("'timeout'") == std::string::npos);  // read, as --rdzv-timeout
+  CHECK(run_captured(dir, "--rdzv-conf timeout=soon /bin/true") == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("timeout=soon") != std::string::npos);
+}
+
 
 namespace {
 // One elastic ptrun "node" on this machine: --nnodes MIN:MAX, one rank, the worker's elastic mode.
