@@ -91,7 +91,7 @@ class Output {
   struct Rank {
     int rank, local_rank;
     unsigned to_file;     // streams copied to <dir>/<local_rank>/std{out,err}.log
-    unsigned to_console;  // streams passed on to ptrun's own stdout/stderr
+    unsigned to_console;  // streams passed on to ptrun's own stdout/stderr (neither: /dev/null)
   };
 
   /// Creates the pipes (and log files) of one rank; returns the write ends for the
@@ -101,7 +101,12 @@ class Output {
     for (int s = 0; s < 2; ++s) {
       const unsigned bit = s == 0 ? kOut : kErr;
       const bool file = (r.to_file & bit) != 0, console = (r.to_console & bit) != 0;
-      if (!file && (!console || prefix.empty())) continue;  // nothing to do with the bytes: no pipe
+      if (!file && !console) {  // shown nowhere (--local-ranks-filter): the stream goes to /dev/null
+        ends[s] = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (ends[s] < 0) throw std::runtime_error(std::string("cannot open /dev/null: ") + std::strerror(errno));
+        continue;
+      }
+      if (!file && prefix.empty()) continue;  // nothing to do with the bytes: no pipe
       Stream st;
       st.console_fd = console ? (s == 0 ? STDOUT_FILENO : STDERR_FILENO) : -1;
       st.prefix = prefix;

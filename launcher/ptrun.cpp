@@ -152,7 +152,9 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
     std::pair<int, int> out{-1, -1};
     try {
       const unsigned file = ptrun::std_for(l.redirects, local) | ptrun::std_for(l.tee, local);
-      const unsigned console = (ptrun::kAll & ~ptrun::std_for(l.redirects, local)) | ptrun::std_for(l.tee, local);
+      const unsigned console = !l.shown.empty() && !l.shown.count(local)
+                                   ? ptrun::kNone  // filtered out: its tee'd streams go to the files only
+                                   : (ptrun::kAll & ~ptrun::std_for(l.redirects, local)) | ptrun::std_for(l.tee, local);
       out = output.add({rank, local, file, console}, ptrun::expand_prefix(l.line_prefix, l.role, rank, local),
                        attempt_dir);
     } catch (const std::exception& e) {
@@ -531,7 +533,8 @@ int main(int argc, char** argv) {
   double grace = 5.0, rdzv_timeout = 600.0, monitor_interval = 0.1;
   std::string nproc_arg = "1", nnodes_arg = "1", master_addr = "127.0.0.1", run_id, rdzv_backend = "static",
               rdzv_endpoint, rdzv_conf, log_dir, redirects = "0", tee = "0", role = "default",
-              signals_arg = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2";
+              signals_arg = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2", ranks_filter, start_method = "spawn",
+              local_addr, logs_specs;
   std::optional<std::string> line_prefix;
   bool no_python = false, standalone = false;
   std::vector<std::string> command;
@@ -563,8 +566,13 @@ int main(int argc, char** argv) {
                  "store: node 0's host and port)")->envname("PET_RDZV_BACKEND");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint, "host[:port] of the store (with c10d; port "
                  "default 29400)")->envname("PET_RDZV_ENDPOINT");
-  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "key=value,...: join_timeout (seconds, as --rdzv-timeout)")
+  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "key=value,...: join_timeout or timeout (seconds, as "
+                 "--rdzv-timeout), last_call_timeout, keep_alive_interval, keep_alive_max_attempt, is_host; other "
+                 "keys (read_timeout, use_libuv, ...) are ignored with a warning")
       ->envname("PET_RDZV_CONF");
+  app.add_option("--local-addr,--local_addr", local_addr, "accepted for torchrun compatibility, no effect: the "
+                 "ranks' MASTER_ADDR and the store are always the endpoint's host (node 0), so ptrun never "
+                 "advertises an address of its own")->envname("PET_LOCAL_ADDR");
   app.add_option("--monitor-interval,--monitor_interval", monitor_interval,
                  "seconds between checks of the other nodes' state")->check(CLI::Range(0.01, 60.0));
   app.add_option("--log-dir,--log_dir", log_dir, "folder for the ranks' log files (with --redirects or --tee; "
@@ -579,6 +587,16 @@ int main(int argc, char** argv) {
                  "handled, listed or not) and SIGQUIT also stop the job; the others only reach the ranks. SIGUSR1 "
                  "or SIGUSR2 left out is ignored with a message; any other signal left out keeps its default action")
       ->capture_default_str()->envname("PET_SIGNALS_TO_HANDLE");
+  app.add_option("--local-ranks-filter,--local_ranks_filter", ranks_filter,
+                 "comma-separated local ranks whose stdout and stderr reach the console (e.g. 0 or 0,1); the "
+                 "others' output goes to their log files if --redirects/--tee send it there, else nowhere")
+      ->envname("PET_LOCAL_RANKS_FILTER");
+  app.add_option("--start-method,--start_method", start_method, "spawn, fork or forkserver: accepted for torchrun "
+                 "compatibility and ignored; ptrun always starts the program with fork and exec")
+      ->envname("PET_START_METHOD");
+  app.add_option("--logs-specs,--logs_specs", logs_specs, "torchrun's plugin for log destinations: not applicable "
+                 "(a value is ignored with a warning); ptrun's logs are --log-dir, --redirects, --tee and "
+                 "--log-line-prefix-template")->envname("PET_LOGS_SPECS");
   app.add_option("--role", role, "the ranks' ROLE_NAME (and the line prefix's ${role_name})");
   app.add_option("--log-line-prefix-template,--log_line_prefix_template", line_prefix,
                  "prefix of every line a rank writes; ${role_name}, ${rank}, ${local_rank} are replaced "
@@ -605,6 +623,7 @@ int main(int argc, char** argv) {
   double last_call = 30.0, keep_alive = 5.0, keep_alive_attempts = 3;
   std::optional<bool> is_host;
   std::map<int, unsigned> redirect_map, tee_map;
+  std::set<int> shown;
   try {
     // Note [Signals ptrun handles]
     ptrun::SignalPolicy& policy = signal_policy();
@@ -618,15 +637,35 @@ int main(int argc, char** argv) {
     min_nodes = colon == std::string::npos ? nnodes : parse_count(nnodes_arg.substr(0, colon), "--nnodes MIN", nnodes);
     redirect_map = ptrun::parse_std_map(redirects, "--redirects");
     tee_map = ptrun::parse_std_map(tee, "--tee");
+    if (start_method != "spawn" && start_method != "fork" && start_method != "forkserver")
+      throw std::runtime_error("--start-method '" + start_method + "': give spawn, fork or forkserver");
+    for (std::size_t start = 0; !ranks_filter.empty() && start <= ranks_filter.size();) {
+      const std::size_t end = std::min(ranks_filter.find(',', start), ranks_filter.size());
+      const std::string item = ranks_filter.substr(start, end - start);
+      if (item.empty() || item.size() > 5 || item.find_first_not_of("0123456789") != std::string::npos ||
+          std::stoi(item) >= nproc)
+        throw std::runtime_error("--local-ranks-filter: '" + item + "' is not a local rank; give numbers from 0 to " +
+                                 std::to_string(nproc - 1) + " separated by commas");
+      shown.insert(std::stoi(item));
+      start = end + 1;
+    }
+    std::string ignored_keys;
     for (const auto& [key, value] : parse_conf(rdzv_conf)) {
-      if (key == "join_timeout") rdzv_timeout = parse_seconds(value, "join_timeout");
+      if (key == "join_timeout" || key == "timeout") rdzv_timeout = parse_seconds(value, key.c_str());
       else if (key == "last_call_timeout") last_call = parse_seconds(value, "last_call_timeout");
       else if (key == "keep_alive_interval") keep_alive = parse_seconds(value, "keep_alive_interval");
       else if (key == "keep_alive_max_attempt") keep_alive_attempts = parse_seconds(value, "keep_alive_max_attempt");
       else if (key == "is_host") is_host = value == "1" || value == "true" || value == "True";
-      else throw std::runtime_error("--rdzv-conf: unknown key '" + key + "' (ptrun knows join_timeout, "
-                                    "last_call_timeout, keep_alive_interval, keep_alive_max_attempt and is_host)");
+      else ignored_keys += (ignored_keys.empty() ? "'" : ", '") + key + "'";
     }
+    // As torchrun's backends, which read the keys they know and pass over the others.
+    if (!ignored_keys.empty())
+      std::fprintf(stderr, "ptrun: warning: --rdzv-conf %s not used by ptrun, ignored (it reads join_timeout, "
+                   "timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt and is_host)\n",
+                   ignored_keys.c_str());
+    if (!logs_specs.empty())
+      std::fprintf(stderr, "ptrun: warning: --logs-specs %s does not apply to ptrun, ignored; its logs are "
+                   "--log-dir, --redirects, --tee and --log-line-prefix-template\n", logs_specs.c_str());
     if (rdzv_backend == "c10d") {
       if (rdzv_endpoint.empty()) throw std::runtime_error("--rdzv-backend c10d needs --rdzv-endpoint host:port (node 0's)");
       if (addr_opt->count() || port_opt->count())
@@ -686,6 +725,7 @@ int main(int argc, char** argv) {
   l.agent_store = elastic || (nnodes > 1 && max_restarts > 0);
   l.redirects = std::move(redirect_map);
   l.tee = std::move(tee_map);
+  l.shown = std::move(shown);
   l.line_prefix = line_prefix ? *line_prefix : nnodes * nproc > 1 ? "[${role_name}${rank}]:" : "";
   l.monitor = std::chrono::milliseconds(static_cast<long long>(monitor_interval * 1000));
   if (!l.redirects.empty() || !l.tee.empty()) {

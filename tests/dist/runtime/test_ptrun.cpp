@@ -579,8 +579,80 @@ TEST_CASE("ptrun: torchrun's --nproc-per-node words and rendezvous flags", "[ptr
   CHECK(run_captured(dir, "--rdzv-backend etcd --rdzv-endpoint h:1 /bin/true") == 2);
   CHECK(ptrain_test::read_text(dir.file("err")).find("etcd is not supported") != std::string::npos);
   CHECK(run_captured(dir, "--rdzv-backend c10d /bin/true") == 2);
-  CHECK(run_captured(dir, "--rdzv-conf bogus=1 /bin/true") == 2);
-  CHECK(ptrain_test::read_text(dir.file("err")).find("unknown key 'bogus'") != std::string::npos);
+  CHECK(run_captured(dir, "--rdzv-conf bogus /bin/true") == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("key=value") != std::string::npos);
+}
+
+TEST_CASE("ptrun: --rdzv-conf keys ptrun does not read are named in a warning and the job runs", "[ptrun]") {
+  TempDir dir;
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --rdzv-conf read_timeout=5,use_libuv=1,timeout=30 "
+                            "/bin/sh -c 'echo ran $RANK'") == 0);
+  auto out = lines_of(ptrain_test::read_text(dir.file("out")));
+  std::sort(out.begin(), out.end());
+  CHECK(out == std::vector<std::string>{"[default0]:ran 0", "[default1]:ran 1"});
+  const auto warnings = lines_of(ptrain_test::read_text(dir.file("err")));
+  REQUIRE(warnings.size() == 1);  // once, for every key it ignores
+  CHECK(warnings[0].find("warning") != std::string::npos);
+  CHECK(warnings[0].find("'read_timeout', 'use_libuv'") != std::string::npos);
+  CHECK(warnings[0].find("'timeout'") == std::string::npos);  // read, as --rdzv-timeout
+  CHECK(run_captured(dir, "--rdzv-conf timeout=soon /bin/true") == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("timeout=soon") != std::string::npos);
+}
+
+TEST_CASE("ptrun: --local-ranks-filter shows only the listed local ranks' output", "[ptrun]") {
+  TempDir dir;
+  const std::string prog = " /bin/sh -c 'echo out $RANK; echo err $RANK >&2'";
+  REQUIRE(run_captured(dir, "--nproc-per-node 3 --local-ranks-filter 1" + prog) == 0);
+  CHECK(ptrain_test::read_text(dir.file("out")) == "[default1]:out 1\n");
+  CHECK(ptrain_test::read_text(dir.file("err")) == "[default1]:err 1\n");
+  REQUIRE(run_captured(dir, "--nproc-per-node 3 --local_ranks_filter 0,2" + prog) == 0);
+  auto out = lines_of(ptrain_test::read_text(dir.file("out")));
+  std::sort(out.begin(), out.end());
+  CHECK(out == std::vector<std::string>{"[default0]:out 0", "[default2]:out 2"});
+  // Without a prefix the shown rank keeps ptrun's streams; the others write nowhere.
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --local-ranks-filter 0 --log-line-prefix-template ''" + prog) == 0);
+  CHECK(ptrain_test::read_text(dir.file("out")) == "out 0\n");
+  CHECK(ptrain_test::read_text(dir.file("err")) == "err 0\n");
+
+  // With --tee a filtered-out rank's streams still go to its log files, as under torchrun.
+  TempDir d2;
+  REQUIRE(run_captured(d2, "--nproc-per-node 2 --rdzv-id job8 --log-dir " + d2.file("logs") +
+                           " --tee 3 --local-ranks-filter 0" + prog) == 0);
+  CHECK(ptrain_test::read_text(d2.file("out")) == "[default0]:out 0\n");
+  const std::string err = ptrain_test::read_text(d2.file("err"));
+  CHECK(err.find("err 1") == std::string::npos);
+  const std::size_t at = err.find(d2.file("logs") + "/job8_");
+  REQUIRE(at != std::string::npos);
+  const std::string rank1 = err.substr(at, err.find('\n', at) - at) + "/attempt_0/1";
+  CHECK(ptrain_test::read_text(rank1 + "/stdout.log") == "out 1\n");
+  CHECK(ptrain_test::read_text(rank1 + "/stderr.log") == "err 1\n");
+
+  for (const char* bad : {"2", "x", "-1", "0,"}) {
+    INFO(bad);
+    CHECK(run_captured(dir, std::string("--nproc-per-node 2 --local-ranks-filter '") + bad + "' /bin/true") == 2);
+    const std::string e = ptrain_test::read_text(dir.file("err"));
+    CHECK(e.find("--local-ranks-filter") != std::string::npos);
+    CHECK(e.find(std::string("'") + (std::string(bad) == "0," ? "" : bad) + "'") != std::string::npos);
+  }
+}
+
+TEST_CASE("ptrun: torchrun's --start-method, --local-addr and --logs-specs are accepted", "[ptrun]") {
+  TempDir dir;
+  for (const char* flags : {"--start-method fork", "--start_method spawn --local-addr 10.1.2.3",
+                            "--start-method forkserver --local_addr node0"}) {
+    INFO(flags);
+    REQUIRE(run_captured(dir, std::string("--nproc-per-node 2 ") + flags + " /bin/sh -c 'echo ok $RANK'") == 0);
+    auto out = lines_of(ptrain_test::read_text(dir.file("out")));
+    std::sort(out.begin(), out.end());
+    CHECK(out == std::vector<std::string>{"[default0]:ok 0", "[default1]:ok 1"});
+    CHECK(ptrain_test::read_text(dir.file("err")).empty());
+  }
+  // A log-specs plugin does not apply: a warning, and the job runs.
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --logs-specs mylogs /bin/sh -c 'echo ok $RANK'") == 0);
+  CHECK(lines_of(ptrain_test::read_text(dir.file("out"))).size() == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("warning: --logs-specs mylogs") != std::string::npos);
+  CHECK(run_captured(dir, "--nproc-per-node 2 --start-method thread /bin/true") == 2);
+  CHECK(ptrain_test::read_text(dir.file("err")).find("'thread'") != std::string::npos);
 }
 
 namespace {
