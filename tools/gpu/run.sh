@@ -80,6 +80,8 @@ step() {
 }
 
 [[ -d /usr/local/cuda/bin ]] && export PATH=/usr/local/cuda/bin:$PATH
+# Every phase runs the gated CUDA too (Note [The verification gate]): this run is what verifies it.
+export PTRAIN_UNVERIFIED_CUDA=1
 
 # --------------------------------------------------------------- environment ----
 {
@@ -178,6 +180,10 @@ example_bin=$build/examples/gpt_char_cuda
 [[ -x $example_bin ]] || example_bin=$build-nonccl/examples/gpt_char_cuda
 
 # --------------------------------------------------------------------- tests ----
+# The names on the verification gate's list, one per line.
+gated_names() {
+  sed -n '/kUnverifiedCuda = {/,/^};/p' include/ptrain/kernels/cuda_unverified.hpp | grep -o '"[a-z0-9_]*"' | tr -d '"'
+}
 if want test; then
   : >"$OUT/gpu_tests.log"
   if [[ -x $tests_bin ]]; then
@@ -186,6 +192,18 @@ if want test; then
     # timeout) then costs only its own cap, not the kernels' results.
     step gpu_tests 150 300 "$OUT/gpu_tests.log" "$tests_bin" "~[nccl]~[.]" --durations yes
     step gpu_tests_nccl 90 240 "$OUT/gpu_tests.log" "$tests_bin" "[nccl]" --durations yes
+    # The verification gate (Note [The verification gate]): per gated name, its
+    # [cuda:<name>] test cases again on their own, so the summary says which
+    # names passed and may leave include/ptrain/kernels/cuda_unverified.hpp.
+    for name in $(gated_names); do
+      if [[ -z $("$tests_bin" --list-test-names-only "[cuda:$name]" 2>/dev/null | grep -v '^$') ]]; then
+        summary+=("gate $name: no test tagged [cuda:$name]")
+      elif step "gate_$name" 60 240 "$OUT/gpu_tests.log" "$tests_bin" "[cuda:$name]" >/dev/null; then
+        summary+=("gate $name: passed")
+      else
+        summary+=("gate $name: FAILED")
+      fi
+    done
   else
     summary+=("gpu_tests: not run, $tests_bin was not built")
   fi

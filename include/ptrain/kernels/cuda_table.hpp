@@ -24,6 +24,7 @@
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
+#include "ptrain/kernels/cuda_unverified.hpp"
 #include "ptrain/kernels/pointwise_math.hpp"
 #include "ptrain/kernels/window.hpp"
 
@@ -159,13 +160,22 @@ const CudaKernels<T>& cuda_kernels() {
 }
 
 /// The kernel `fn` of the table for T, checked: [ptrain.cuda.unsupported] when the
-/// CUDA kernels have no form of it for T.
+/// CUDA kernels have no form of it for T, [ptrain.cuda.unverified] when it is gated
+/// (Note [The verification gate]).
 template <class T, class Fn>
 Fn cuda_kernel(Fn CudaKernels<T>::*fn, const char* name) {
   const Fn f = cuda_kernels<T>().*fn;
   PTRAIN_CHECK(f != nullptr, CudaError, "[ptrain.cuda.unsupported] ", name, " has no CUDA kernel for ",
                dtype_name(dtype_of<T>()), " tensors; use float, or move the tensors to the CPU");
+  check_cuda_verified(name);
   return f;
+}
+
+/// True when the table has `fn` for T and the gate lets it run: an op with a verified
+/// kernel for the same work takes that one otherwise.
+template <class T, class Fn>
+bool cuda_kernel_usable(Fn CudaKernels<T>::*fn, const char* name) {
+  return cuda_kernels<T>().*fn != nullptr && cuda_kernel_enabled(name);
 }
 
 }  // namespace ptrain::kernels

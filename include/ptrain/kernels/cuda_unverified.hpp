@@ -1,0 +1,55 @@
+#pragma once
+// The verification gate: CUDA work that compiles and has its GPU tests but has
+// not yet passed them on a GPU.
+//
+// Note [The verification gate]
+// A GPU is seldom at hand where ptrain is developed, so CUDA kernels are written,
+// compiled and tested against the CPU kernels on one machine and run on a GPU on
+// another, later. Until then a kernel is on kUnverifiedCuda below, and reaching it
+// through the kernel table throws CudaError [ptrain.cuda.unverified] naming it,
+// unless the environment sets PTRAIN_UNVERIFIED_CUDA=1 (tools/gpu/run.sh does so
+// for its test phase). Where an op has a verified kernel too, the op asks
+// cuda_kernel_enabled() and keeps using the verified one while the new one is
+// gated. A name leaves the list only after the GPU tests tagged [cuda:<name>]
+// in tests/gpu passed on a GPU; tools/gpu/run.sh prints passed or failed per name.
+// Names are the kernel table's members (kernels/cuda_table.hpp) or, for CUDA
+// paths that are not a single kernel, the feature named where it is checked
+// (check_cuda_verified).
+
+#include <cstdlib>
+#include <initializer_list>
+#include <string_view>
+
+#include "ptrain/core/error.hpp"
+
+namespace ptrain::kernels {
+
+/// Gated CUDA kernels and paths, one per line (tools/gpu/run.sh reads the quoted names).
+inline constexpr std::initializer_list<std::string_view> kUnverifiedCuda = {
+};
+
+/// True when `name` is on the gate's list.
+inline bool cuda_unverified(std::string_view name) {
+  for (std::string_view n : kUnverifiedCuda)
+    if (n == name) return true;
+  return false;
+}
+
+/// True when the environment allows gated CUDA (PTRAIN_UNVERIFIED_CUDA=1).
+inline bool unverified_cuda_allowed() {
+  const char* v = std::getenv("PTRAIN_UNVERIFIED_CUDA");
+  return v && std::string_view(v) == "1";
+}
+
+/// True unless `name` is gated and the environment does not allow gated CUDA.
+inline bool cuda_kernel_enabled(std::string_view name) { return !cuda_unverified(name) || unverified_cuda_allowed(); }
+
+/// Throws CudaError [ptrain.cuda.unverified] unless cuda_kernel_enabled(name).
+inline void check_cuda_verified(std::string_view name) {
+  PTRAIN_CHECK(cuda_kernel_enabled(name), CudaError, "[ptrain.cuda.unverified] the CUDA kernel ", name,
+               " has compiled and has GPU tests but has not yet passed them on a GPU (it is on the list in "
+               "ptrain/kernels/cuda_unverified.hpp); set PTRAIN_UNVERIFIED_CUDA=1 to run it anyway, or run the "
+               "model on the CPU");
+}
+
+}  // namespace ptrain::kernels
