@@ -23,10 +23,16 @@
 // split into grad_accum micro-batches (all but the last inside no_sync()),
 // each weighted by its share of the rows so the gradient is that of the mean
 // over the whole batch. The step count is derived from the sampler position,
-// not stored: a checkpoint taken after p samples per rank of epoch e on W ranks
-// continues on M ranks at step e * steps_per_epoch(M) + ceil(p W / M / batch),
-// so the schedule, the progress total and the end of training follow the new
-// world size (Note [Sampler reshape] in ckpt/sampler_state.hpp). On more ranks the
+// not stored, and counted from the end of the epoch: a checkpoint taken after
+// p samples per rank of epoch e on W ranks continues on M ranks at position
+// p' = p W / M of the epoch's N samples per rank, and the sampler still yields
+// num_batches(N - p') batches there, so the run stands at step
+// (e + 1) * steps_per_epoch(M) - num_batches(N - p') (resumed_step). Every epoch
+// then ends on a multiple of steps_per_epoch(M) and the run on total_steps(),
+// where the schedule reaches its end, whatever p' is. On the same world size
+// and batch p is a multiple of the batch and this is the step saved. The
+// schedule, the progress total and the end of training follow the new world
+// size (Note [Sampler reshape] in ckpt/sampler_state.hpp). On more ranks the
 // steps are smaller than the checkpoint's: the manager knows the run resumed
 // (CheckpointManager::resumed_from), so the new saves replace the old numbering.
 
@@ -84,6 +90,14 @@ struct TrainResult {
   int exit_code = 0;          ///< 0, or options.preempt_exit_code after a signal
   nlohmann::json last_eval;   ///< the last evaluate() result (null without one)
 };
+
+/// The step a run stands at when it resumes at `position` of the `per_rank` samples of
+/// (0-based) `epoch`: the epoch's steps less those the sampler still yields, so that the
+/// epoch ends on step (epoch + 1) * steps_per_epoch (Note [Trainer steps]).
+inline std::int64_t resumed_step(std::int64_t epoch, std::int64_t steps_per_epoch, std::int64_t per_rank,
+                                 std::int64_t position, std::int64_t batch, bool drop_last) {
+  return (epoch + 1) * steps_per_epoch - num_batches(per_rank - position, batch, drop_last);
+}
 
 /// What on_step sees after each step.
 struct StepInfo {
@@ -335,7 +349,7 @@ class Trainer {
     // allows (Note [Sampler reshape]); the same size resumes bit for bit.
     ckpt::restore_sampler(sampler, *saved.sampler, data_world_, saved.sampler->world_size != data_world_);
     epoch = static_cast<int>(saved.sampler->epoch);
-    step = epoch * per_epoch_ + (sampler.position() + o_.batch - 1) / o_.batch;
+    step = resumed_step(epoch, per_epoch_, sampler.num_samples(), sampler.position(), o_.batch, o_.drop_last);
     if (lead)
       std::printf("resumed from %s: step %lld, epoch %d (saved at step %lld on %d data-parallel rank(s))\n",
                   last.path.c_str(), static_cast<long long>(step), epoch + 1, static_cast<long long>(saved.step),

@@ -239,6 +239,30 @@ TEST_CASE("Trainer resumed on another world size keeps the schedule", "[trainer]
     CHECK(one_seen.back().lr == Approx(schedule_lr(10 * n - 1, 10 * n)).epsilon(1e-12));
   }
   comm.barrier();
+
+  // Issue 44: one process's checkpoint of an odd step (8 n + 1) resumed on n ranks
+  // stands between two of their steps (3 n + 1 batches of one process are 3 + 1/n of
+  // theirs); the run still ends on step 10, where the schedule ends, not one later.
+  const auto odd = dir / "odd";
+  if (comm.rank() == 0) {
+    auto r = make_run(parallel::LocalOptions{}, data, kBatch, odd.string(), 8 * n + 1, &self);
+    r.trainer->on_step = [&](const train::StepInfo& s) {
+      if (s.step == 8 * n + 2) throw std::runtime_error("killed");
+    };
+    CHECK_THROWS_WITH(r.trainer->run(), "killed");
+  }
+  comm.barrier();
+  {
+    std::vector<train::StepInfo> odd_seen;
+    auto r = make_run(parallel::DDPOptions{}, data, kBatch, odd.string(), 0);
+    r.trainer->on_step = [&](const train::StepInfo& s) { odd_seen.push_back(s); };
+    CHECK(r.trainer->run().step == 10);
+    REQUIRE_FALSE(odd_seen.empty());
+    CHECK(odd_seen.back().step == 10);
+    CHECK(odd_seen.back().epoch == 2);
+    CHECK(odd_seen.back().lr == Approx(schedule_lr(9, 10)).epsilon(1e-12));
+  }
+  comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 

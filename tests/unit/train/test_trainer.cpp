@@ -9,6 +9,8 @@
 #include <thread>
 #include <unistd.h>
 
+#include <ptrain/ckpt/sampler_state.hpp>
+#include <ptrain/data/sampler.hpp>
 #include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>
@@ -193,6 +195,43 @@ TEST_CASE("Trainer: a checkpoint directory that cannot be written is refused bef
   for (auto& e : fs::directory_iterator(dir / "new" / "ckpt"))
     CHECK(e.path().filename().string().rfind(".write-probe", 0) != 0);  // the probe is gone
   fs::remove_all(dir);
+}
+
+// Note [Trainer steps]: a run saved after k steps on W ranks and resumed on M
+// ranks (any of 1..8, odd k and odd sizes included) stands at resumed_step, and
+// the batches the M-rank sampler then yields (counted here by drawing them, as
+// run() does) end the epoch exactly on (epoch + 1) * steps_per_epoch(M); the
+// same world size resumes at step k.
+TEST_CASE("Trainer: a resume at any world size ends each epoch on its last step", "[train][trainer]") {
+  std::int64_t cases = 0;
+  for (const std::int64_t n : {97, 120, 1001})
+    for (const std::int64_t batch : {1, 3, 8})
+      for (const bool drop_last : {false, true})
+        for (int w = 1; w <= 8; ++w)
+          for (int m = 1; m <= 8; ++m) {
+            DistributedSampler saved(n, 0, w, 5, true, drop_last);
+            const std::int64_t per_epoch_w = num_batches(saved.num_samples(), batch, drop_last);
+            for (std::int64_t k = 1; k < per_epoch_w; k += 2) {
+              saved.set_epoch(1, k * batch);  // k steps into epoch 1 (0-based) on w ranks
+              const ckpt::SamplerState st = ckpt::sampler_state(saved, w);
+              DistributedSampler sampler(n, 0, m, 5, true, drop_last);
+              ckpt::restore_sampler(sampler, st, m, /*allow_repeat=*/true);
+              const std::int64_t per_epoch = num_batches(sampler.num_samples(), batch, drop_last);
+              std::int64_t step =
+                  train::resumed_step(1, per_epoch, sampler.num_samples(), sampler.position(), batch, drop_last);
+              INFO("n " << n << " batch " << batch << " drop_last " << drop_last << " w " << w << " m " << m
+                        << " k " << k << ": resumed at step " << step << " of " << per_epoch << " per epoch");
+              REQUIRE(step >= per_epoch);
+              if (m == w) REQUIRE(step == per_epoch + k);
+              while (!sampler.epoch_done()) {
+                if (static_cast<std::int64_t>(sampler.next(batch).size()) < batch && drop_last) break;
+                ++step;
+              }
+              REQUIRE(step == 2 * per_epoch);
+              ++cases;
+            }
+          }
+  CHECK(cases > 10000);
 }
 
 }  // namespace test_trainer
