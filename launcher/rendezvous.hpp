@@ -441,14 +441,16 @@ class ElasticRendezvous : public Peers {
     server = serve ? *serve : is_this_host(l.master_addr);
     if (server && !serve) {
       try {
-        return TCPStore(l.master_addr, l.master_port, true, o.join_timeout);
+        return TCPStore(l.master_addr, l.master_port, true, o.join_timeout, std::nullopt, claim(l));
       } catch (const ptrain::CommError& e) {
         if (std::string(e.what()).find("[ptrain.store.bind]") == std::string::npos) throw;
         server = false;  // another ptrun of this host serves it
       }
     }
-    return TCPStore(l.master_addr, l.master_port, server, o.join_timeout);
+    return TCPStore(l.master_addr, l.master_port, server, o.join_timeout, std::nullopt, claim(l));
   }
+  // An agent is a member of its job under its node rank (Note [Refused clients]).
+  static ptrain::dist::StoreClaim claim(const Launch& l) { return {l.run_id, l.node_rank}; }
 
   static Plan parse(const std::string& plan, std::string& why) {
     Plan p;

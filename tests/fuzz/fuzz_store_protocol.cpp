@@ -19,13 +19,15 @@ std::string hello(std::string_view token) {
   std::string m = "PTRS";
   m.push_back(static_cast<char>(detail::kStoreVersion));
   detail::put_str(m, token);
+  detail::put_str(m, "job");
+  detail::put_i64(m, 0);
   return m;
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  detail::StoreProtocol store("token");
+  detail::StoreProtocol store("token", "job");
   struct Client {
     std::uint64_t id;
     bool open = true;

@@ -6,7 +6,9 @@
 // Note [Store protocol]
 // One request, one reply, over a TCP connection per client. All integers are
 // little-endian; a string is a u32 length followed by its bytes.
-//   hello:   "PTRS" u8 version, string token  -> u8 status (0 ok, 1 bad token, 2 bad version)
+//   hello:   "PTRS" u8 version, string token, string job, i64 rank
+//                                              -> u8 status (0 ok, 1 bad token, 2 bad version)
+//            (job and rank: who the client says it is, Note [Refused clients] in store_server.hpp)
 //   request: u8 command, then its fields       -> u8 status (0 ok, 1 error + string, 2 wait canceled), result
 // Keys are at most kMaxKeyBytes, values at most kMaxValueBytes, a WAIT or CHECK
 // names at most kMaxKeysPerRequest keys. The server checks every length before
@@ -65,7 +67,7 @@ class Fd {
 enum class StoreCmd : std::uint8_t { Set = 1, Get, Wait, CancelWait, Add, CompareSet, Check, Delete };
 enum class StoreStatus : std::uint8_t { Ok = 0, Error = 1, Canceled = 2 };
 inline constexpr char kStoreMagic[4] = {'P', 'T', 'R', 'S'};
-inline constexpr std::uint8_t kStoreVersion = 1;
+inline constexpr std::uint8_t kStoreVersion = 2;
 
 inline void put_u32(std::string& out, std::uint32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));

@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -41,7 +42,8 @@ namespace detail {
 /// sockets; the protocol fuzzer (tests/fuzz/fuzz_store_protocol.cpp) feeds it directly.
 class StoreProtocol {
  public:
-  explicit StoreProtocol(std::string token) : token_(std::move(token)) {}
+  /// job: this job's id (TORCHELASTIC_RUN_ID), which a refused client's hello is compared with.
+  explicit StoreProtocol(std::string token, std::string job = {}) : token_(std::move(token)), job_(std::move(job)) {}
 
   /// A new client connection; `peer` ("address:port") is named in messages. Returns its id.
   std::uint64_t open(std::string peer, Fd fd = Fd()) {
@@ -87,6 +89,8 @@ class StoreProtocol {
         for (char& m : magic) m = static_cast<char>(r.u8());
         std::uint8_t version = r.u8();
         std::string_view token = r.str(kMaxKeyBytes);
+        std::string_view job = r.str(kMaxKeyBytes);
+        const std::int64_t rank = r.i64();
         if (r.need_more()) {
           // Reject a wrong magic as soon as its bytes are in, not after a length arrives.
           std::size_t have = std::min<std::size_t>(c.in.size() - done, 4);
@@ -99,7 +103,7 @@ class StoreProtocol {
         c.hello = status == 0;
         c.closing = status != 0;
         done += r.consumed();
-        if (status == 1) refuse(c.peer, token.empty());
+        if (status == 1) refuse(c.peer, token.empty(), job, rank);
         continue;
       }
       auto cmd = static_cast<StoreCmd>(r.u8());
@@ -125,22 +129,34 @@ class StoreProtocol {
   // A client that speaks the protocol but presents a wrong or missing token may
   // be a rank of this job started with another PTRAIN_STORE_TOKEN (or without
   // one): it never joins, so every rank waiting for its keys would sit out the
-  // whole timeout (300 s by default) and then blame a missing rank. It may also
-  // be a stranger (another tenant's pod) while every rank of the job is there.
-  // So a refusal gives every WAIT open at that moment, or begun within
+  // whole timeout (300 s by default) and then blame a missing rank. Or it is a
+  // stranger: another job's rank that reached this port, a tool, a scan. The
+  // hello says who the client is: its job (TORCHELASTIC_RUN_ID, empty when the
+  // launcher sets none) and its rank (-1 for a client that is no rank). A
+  // refused client that claims a rank of this job (a rank >= 0 and this
+  // server's job) gives every WAIT open at that moment, or begun within
   // kRefusedGrace after it, kRefusedGrace to complete; one that does not fails
-  // with an error naming the refused client. A job whose ranks are all there
-  // completes its waits in time and trains on; waits begun later are not
-  // affected. Garbage on the port (a wrong magic, a port scanner) only loses its
-  // connection.
+  // with an error naming that rank. A job whose ranks are all there completes
+  // its waits in time and trains on; waits begun later are not affected. Any
+  // other refused client is a stranger: it is named on stderr and changes
+  // nothing, so a stranger never ends a job, whether it has all its ranks or
+  // still waits for a late one. Garbage on the port (a wrong magic) only loses
+  // its connection.
   static constexpr std::chrono::seconds kRefusedGrace{10};
 
-  void refuse(const std::string& peer, bool missing_token) {
-    refused_ = cat("the store refused a client from ", peer, " that presented ",
-                   missing_token ? "no token" : "a wrong token",
-                   " (a wrong or missing PTRAIN_STORE_TOKEN) and this wait did not complete within ",
-                   kRefusedGrace.count(), " s after it, so that client is a rank of this job that cannot join; "
-                   "set PTRAIN_STORE_TOKEN to the same value on every rank (or on none)");
+  void refuse(const std::string& peer, bool missing_token, std::string_view job, std::int64_t rank) {
+    const char* presented = missing_token ? "no token" : "a wrong token";
+    if (rank < 0 || job != job_) {
+      const std::string claims = rank < 0 ? std::string("no rank")
+                                          : cat("rank ", rank, " of job '", job, "' (this job is '", job_, "')");
+      std::fprintf(stderr, "ptrain store: refused a client from %s that presented %s and claims %s; it is not a "
+                   "rank of this job, so it is ignored\n", peer.c_str(), presented, claims.c_str());
+      return;
+    }
+    refused_ = cat("the store refused rank ", rank, " of this job, from ", peer, ", which presented ", presented,
+                   " (a wrong or missing PTRAIN_STORE_TOKEN), and this wait did not complete within ",
+                   kRefusedGrace.count(), " s after it, so that rank cannot join; set PTRAIN_STORE_TOKEN to the "
+                   "same value on every rank (or on none)");
     refused_until_ = Clock::now() + kRefusedGrace;
     for (auto& [id, w] : conns_)
       if (!w.waiting.empty()) w.refused_deadline = *refused_until_;
@@ -320,6 +336,7 @@ class StoreProtocol {
   }
 
   std::string token_;
+  std::string job_;  // this job's id (TORCHELASTIC_RUN_ID), for refused clients' claims
   std::string refused_;  // why waits fail, once a client was refused (Note [Refused clients])
   std::optional<Clock::time_point> refused_until_;  // waits begun before this get a deadline
   std::unordered_map<std::uint64_t, Conn> conns_;
@@ -334,7 +351,8 @@ class StoreServer : private StoreProtocol {
  public:
   /// loopback_only: listen on 127.0.0.1 only (the store's host is a loopback address,
   /// so no other machine should reach it).
-  StoreServer(int port, std::string token, bool loopback_only = false) : StoreProtocol(std::move(token)) {
+  StoreServer(int port, std::string token, bool loopback_only = false, std::string job = {})
+      : StoreProtocol(std::move(token), std::move(job)) {
     listen_ = open_listener(port, loopback_only);
     sockaddr_storage addr{};
     socklen_t len = sizeof addr;

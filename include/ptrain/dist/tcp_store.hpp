@@ -44,6 +44,18 @@ inline bool is_loopback(const std::string& host) {
 }
 }  // namespace detail
 
+/// Who a store client says it is in its hello (Note [Refused clients] in store_server.hpp).
+struct StoreClaim {
+  std::string job;    ///< the job's id: TORCHELASTIC_RUN_ID, which ptrun and torchrun set ("" when unset)
+  int rank = -1;      ///< the client's rank (a launcher's agent: its node rank); -1: none
+
+  /// This process's job from TORCHELASTIC_RUN_ID, with `rank`.
+  static StoreClaim from_env(int rank = -1) {
+    const char* job = std::getenv("TORCHELASTIC_RUN_ID");
+    return {job ? std::string(job) : std::string(), rank};
+  }
+};
+
 /// A Store served over TCP. The process constructed with is_server = true serves it
 /// (and is itself a client); the others connect, retrying with backoff until the timeout.
 /// A server whose host is an IPv4 loopback address listens on loopback only.
@@ -51,10 +63,11 @@ class TCPStore : public Store {
  public:
   /// host/port: where the server listens (port 0 with is_server picks a free port; see port()).
   /// token: shared secret every client must present; default: the PTRAIN_STORE_TOKEN variable.
+  /// claim: who this client is, sent in its hello; the server's job is its claim's job.
   TCPStore(std::string host, int port, bool is_server,
            std::chrono::milliseconds timeout = std::chrono::seconds(300),
-           std::optional<std::string> token = std::nullopt)
-      : host_(std::move(host)), port_(port) {
+           std::optional<std::string> token = std::nullopt, StoreClaim claim = StoreClaim::from_env())
+      : host_(std::move(host)), port_(port), claim_(std::move(claim)) {
     timeout_ = timeout;
     if (!token) {
       const char* t = std::getenv("PTRAIN_STORE_TOKEN");
@@ -65,7 +78,8 @@ class TCPStore : public Store {
     PTRAIN_CHECK(port >= 0 && port <= 65535 && (port > 0 || is_server), CommError,
                  "[ptrain.store.port] port ", port, " is not a TCP port; set MASTER_PORT to 1..65535");
     if (is_server) {
-      server_ = std::make_unique<detail::StoreServer>(port, *token, detail::is_loopback(host_) && host_ != "::1");
+      server_ = std::make_unique<detail::StoreServer>(port, *token, detail::is_loopback(host_) && host_ != "::1",
+                                                      claim_.job);
       port_ = server_->port();
       // The server's own client uses loopback: the advertised host may be a
       // name other hosts use for this machine, behind a firewall from itself.
@@ -242,6 +256,8 @@ class TCPStore : public Store {
     std::string msg(detail::kStoreMagic, 4);
     msg.push_back(static_cast<char>(detail::kStoreVersion));
     detail::put_str(msg, token);
+    detail::put_str(msg, claim_.job);
+    detail::put_i64(msg, claim_.rank);
     send_all(msg, "connect", "", until);
     std::uint8_t status = 0;
     recv_all(&status, 1, "connect", "", until);
@@ -397,6 +413,7 @@ class TCPStore : public Store {
 
   std::string host_;
   int port_ = 0;
+  StoreClaim claim_;
   std::mutex mu_;  // one request/reply at a time on the socket
   detail::Fd sock_;
   // Declared last, destroyed first: the server thread stops before this client's socket closes.
@@ -410,7 +427,7 @@ class TCPStore : public Store {
 inline std::unique_ptr<Store> make_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
   std::unique_ptr<TCPStore> store;
   if (env.world_size == 1 && (env.master_addr.empty() || env.master_port == 0)) {
-    store = std::make_unique<TCPStore>("127.0.0.1", 0, true, timeout);
+    store = std::make_unique<TCPStore>("127.0.0.1", 0, true, timeout, std::nullopt, StoreClaim::from_env(env.rank));
   } else {
     env.require_master();
     int port = env.master_port;
@@ -425,7 +442,8 @@ inline std::unique_ptr<Store> make_store(const LaunchEnv& env, std::chrono::mill
       PTRAIN_CHECK(port <= 65535, LaunchError, "[ptrain.launch.out_of_range] MASTER_PORT + 1 = ", port,
                    " is not a TCP port; set PTRAIN_STORE_PORT to a free port");
     }
-    store = std::make_unique<TCPStore>(env.master_addr, port, env.rank == 0, timeout);
+    store = std::make_unique<TCPStore>(env.master_addr, port, env.rank == 0, timeout, std::nullopt,
+                                       StoreClaim::from_env(env.rank));
   }
   store->set_rank(env.rank);
   return store;

@@ -57,8 +57,10 @@ struct RawSocket {
 
 std::string hello(const std::string& token = "") {
   std::string m = "PTRS";
-  m.push_back(1);
+  m.push_back(static_cast<char>(detail::kStoreVersion));
   detail::put_str(m, token);
+  detail::put_str(m, "");  // job
+  detail::put_i64(m, -1);  // no rank
   return m;
 }
 
@@ -289,10 +291,11 @@ TEST_CASE("store: a token keeps unauthenticated clients out", "[store]") {
 }
 
 TEST_CASE("store: a refused client fails the waits that do not complete soon after it, not others", "[store]") {
-  // Note [Refused clients]: a wait open at the refusal gets 10 s to complete.
-  TCPStore server("127.0.0.1", 0, true, 30s, std::string("s3cret"));
-  TCPStore early("127.0.0.1", server.port(), false, 30s, std::string("s3cret"));
-  TCPStore other("127.0.0.1", server.port(), false, 30s, std::string("s3cret"));
+  // Note [Refused clients]: a wait open at the refusal of a rank of this job gets 10 s to complete.
+  const StoreClaim job{"job-a", 0};
+  TCPStore server("127.0.0.1", 0, true, 30s, std::string("s3cret"), job);
+  TCPStore early("127.0.0.1", server.port(), false, 30s, std::string("s3cret"), job);
+  TCPStore other("127.0.0.1", server.port(), false, 30s, std::string("s3cret"), job);
   std::string err, other_err = "not answered";
   std::thread waiter([&] {
     try {
@@ -311,7 +314,7 @@ TEST_CASE("store: a refused client fails the waits that do not complete soon aft
   });
   std::this_thread::sleep_for(100ms);
   auto t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH(TCPStore("127.0.0.1", server.port(), false, 2s, std::string()),
+  CHECK_THROWS_WITH(TCPStore("127.0.0.1", server.port(), false, 2s, std::string(), StoreClaim{"job-a", 2}),
                     Catch::Contains("[ptrain.store.auth]"));
   std::this_thread::sleep_for(1s);
   server.set("soon", "1");
@@ -325,7 +328,8 @@ TEST_CASE("store: a refused client fails the waits that do not complete soon aft
   CHECK(took >= 9s);
   CHECK_THAT(err, !Catch::Contains("[ptrain.store.timeout]"));
   CHECK_THAT(err, Catch::Contains("[ptrain.store.refused]") && Catch::Contains("'never'") &&
-                      Catch::Contains("no token") && Catch::Contains("wrong or missing PTRAIN_STORE_TOKEN"));
+                      Catch::Contains("rank 2 of this job") && Catch::Contains("no token") &&
+                      Catch::Contains("wrong or missing PTRAIN_STORE_TOKEN"));
   // A wait begun after the grace is not affected; the connection stays usable.
   CHECK_THROWS_WITH(early.wait({"later"}, 300ms), Catch::Contains("[ptrain.store.timeout]"));
   CHECK(early.get("soon") == "1");
@@ -338,6 +342,37 @@ TEST_CASE("store: a refused client fails the waits that do not complete soon aft
   }
   TCPStore client("127.0.0.1", other_server.port(), false, 30s, std::string("s3cret"));
   CHECK_THROWS_WITH(client.wait({"never"}, 300ms), Catch::Contains("[ptrain.store.timeout]"));
+}
+
+TEST_CASE("store: a refused stranger ends no wait, even one for a late rank", "[store]") {
+  // Issue 44: clients that claim no rank, or a rank of another job, are refused and
+  // ignored. A wait for a late rank, open across their refusals, completes after
+  // the 10 s in which a refused rank of this job would have failed it.
+  const StoreClaim job{"job-a", 0};
+  TCPStore server("127.0.0.1", 0, true, 30s, std::string("s3cret"), job);
+  TCPStore waiting("127.0.0.1", server.port(), false, 30s, std::string("s3cret"), job);
+  std::string err = "not answered";
+  std::thread waiter([&] {
+    try {
+      waiting.wait({"late"}, 30s);
+      err.clear();
+    } catch (const ptrain::CommError& e) {
+      err = e.what();
+    }
+  });
+  std::this_thread::sleep_for(100ms);
+  for (const StoreClaim& stranger : {StoreClaim{"job-a", -1}, StoreClaim{"job-b", 1}, StoreClaim{"", 1}})
+    CHECK_THROWS_WITH(TCPStore("127.0.0.1", server.port(), false, 2s, std::string("guess"), stranger),
+                      Catch::Contains("[ptrain.store.auth]"));
+  {
+    RawSocket s(server.port());  // a raw hello without a token and without a rank
+    s.send(hello());
+    CHECK(s.closed_by_server());
+  }
+  std::this_thread::sleep_for(10500ms);
+  server.set("late", "1");  // the late rank arrives
+  waiter.join();
+  CHECK(err.empty());
 }
 
 TEST_CASE("store: add() that would overflow int64 is an error, the value unchanged", "[store]") {
