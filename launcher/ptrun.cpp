@@ -100,6 +100,7 @@ void signal_children(std::vector<Child>& children, int sig) {
 // 128 + signal); later failures are its consequences.
 struct RoundEnd {
   std::optional<int> failure;
+  std::string failed_rank;   // "rank R (pid P) exited with code C": this node's first failure
   int signal = 0;            // a signal ptrun received (and forwarded)
   bool cannot_start = false;  // exec or fork failed: starting again cannot help
   // After a forwarded signal: the lowest rank's non-zero exit code (a program that saved
@@ -303,8 +304,8 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
         }
         if (failed && !end.failure && !end.signal) {
           end.failure = exit_code(status);
-          std::fprintf(stderr, "ptrun: rank %d (pid %d) %s; stopping the other %d rank(s)\n", c.rank, pid,
-                       describe(status).c_str(), running);
+          end.failed_rank = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(pid) + ") " + describe(status);
+          std::fprintf(stderr, "ptrun: %s; stopping the other %d rank(s)\n", end.failed_rank.c_str(), running);
           stop_all(SIGTERM);
           if (rdzv) rdzv->report(round, "failed", "rank " + std::to_string(c.rank) + " " + describe(status));
         }
@@ -523,6 +524,26 @@ int run_elastic(Launch& l, const ElasticRendezvous::Options& o, std::optional<bo
       return last.status();
     }
   }
+}
+
+// The last line of a failed job (the static rendezvous): what failed, on which node,
+// whether restarts were left, and what to do.
+void report_failure(const Launch& l, const RoundEnd& end, int restart, bool across_nodes) {
+  std::string why = end.cannot_start ? "the program could not be started, which no restart can help"
+                    : !end.failed_rank.empty()
+                        ? end.failed_rank + " on node " + std::to_string(l.node_rank)
+                        : "another node failed or was lost, so this node's ranks were stopped";
+  std::string restarts =
+      end.cannot_start       ? ""
+      : l.max_restarts == 0  ? "; no restart was allowed (pass --max-restarts N to restart the job after a failure)"
+                             : "; all " + std::to_string(l.max_restarts) + " restart(s) of --max-restarts are used up";
+  std::string nodes;
+  if (l.nnodes > 1 && !across_nodes)
+    nodes = ". Without --max-restarts the nodes do not watch each other: when a node is lost, the ranks of the "
+            "others fail in their next collective (their errors above name the peer they lost), and each node's "
+            "ptrun reports its own ranks";
+  std::fprintf(stderr, "ptrun: the job failed after %d restart(s): %s%s%s\n", restart, why.c_str(), restarts.c_str(),
+               nodes.c_str());
 }
 
 }  // namespace
@@ -780,6 +801,7 @@ int main(int argc, char** argv) {
       }
       if (!again) {
         ::close(sfd);
+        if (end.failure && !end.signal) report_failure(l, end, restart, rdzv != nullptr);
         return end.status();
       }
       std::fprintf(stderr, "ptrun: starting all %d rank(s)%s again (restart %d of %d)\n", nproc,

@@ -502,6 +502,25 @@ std::vector<std::string> lines_of(const std::string& text) {
 
 }  // namespace
 
+TEST_CASE("ptrun: a failed job's last line names the failure and the restarts left", "[ptrun]") {
+  // Issue 44: the cause, the node and whether a restart was left, not only the rank's exit.
+  TempDir dir, out;
+  CHECK(run_captured(out, "--nproc-per-node 2 --master-port 0 " + std::string(PTRAIN_TEST_WORKER) + " fail 1 7 " +
+                              dir.path()) == 7);
+  const auto lines = lines_of(ptrain_test::read_text(out.file("err")));
+  REQUIRE_FALSE(lines.empty());
+  CHECK_THAT(lines.back(), Catch::StartsWith("ptrun: the job failed after 0 restart(s): rank 1 (pid ") &&
+                               Catch::Contains("exited with code 7 on node 0") &&
+                               Catch::Contains("no restart was allowed (pass --max-restarts N"));
+  TempDir flaky, out2;
+  CHECK(run_captured(out2, "--standalone --nproc-per-node 2 --max-restarts 1 " + std::string(PTRAIN_TEST_WORKER) +
+                               " flaky 0 5 " + flaky.path()) == 3);
+  const auto lines2 = lines_of(ptrain_test::read_text(out2.file("err")));
+  REQUIRE_FALSE(lines2.empty());
+  CHECK_THAT(lines2.back(), Catch::StartsWith("ptrun: the job failed after 1 restart(s): rank 0") &&
+                                Catch::Contains("all 1 restart(s) of --max-restarts are used up"));
+}
+
 TEST_CASE("ptrun: every line a rank writes carries its rank", "[ptrun]") {
   TempDir dir;
   // Many lines from each of 3 ranks at once, the last one without a newline.
