@@ -55,6 +55,7 @@
 #include "ptrain/ckpt/files.hpp"
 #include "ptrain/ckpt/pieces.hpp"
 #include "ptrain/ckpt/reader.hpp"
+#include "ptrain/core/writable_dir.hpp"
 #include "ptrain/core/safetensors.hpp"
 #include "ptrain/ckpt/trainer_state.hpp"
 #include "ptrain/core/random.hpp"
@@ -141,20 +142,10 @@ class CheckpointManager {
   /// directory that cannot take a checkpoint is found before training, not at the first
   /// save after hours of it. The Trainer and the examples call it before the first step.
   void check_writable() {
-    std::string err;
-    std::error_code ec;
-    fs::create_directories(dir_, ec);
-    const fs::path probe = dir_ / (".write-probe-rank" + std::to_string(rank()));
-    if (!ec) {
-      std::ofstream f(probe);
-      if (!(f << "ok") || !f.flush()) ec = std::make_error_code(std::errc::io_error);
-    }
-    if (ec || !fs::exists(probe)) {
+    std::string err = make_writable_dir(dir_, rank());
+    if (!err.empty())
       err = "rank " + std::to_string(rank()) + " cannot write to the checkpoint directory " + dir_.string() + " (" +
-            (ec ? ec.message() : std::string("no file appeared")) +
-            "); choose a writable directory (--checkpoint-dir, --run-dir) that every rank can reach";
-    }
-    fs::remove(probe, ec);
+            err + "); choose a writable directory (--checkpoint-dir, --run-dir) that every rank can reach";
     agree(err, "[ptrain.ckpt.unwritable] ", "cannot write to the checkpoint directory (its log has the reason)");
   }
 

@@ -52,6 +52,7 @@
 #include <utility>
 #include <vector>
 
+#include "ptrain/core/writable_dir.hpp"
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/dist/forwarding_communicator.hpp"
 #include "ptrain/obs/trace.hpp"
@@ -230,17 +231,9 @@ class FlightRegistry {
   static void prepare_dir(int rank) {
     const std::string dir = flight_recorder_dir();
     if (dir.empty()) return;
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);  // a failure shows in the probe below
-    const std::string probe = cat(dir, "/.write-probe-rank", rank, ".", ::getpid());
-    std::FILE* f = std::fopen(probe.c_str(), "w");
-    const int err = f == nullptr ? errno : 0;
-    if (f != nullptr) {
-      std::fclose(f);
-      std::remove(probe.c_str());
-    }
-    PTRAIN_CHECK(err == 0, CommError, "[ptrain.flight.dir] rank ", rank, " cannot write to the flight recorder's "
-                 "folder PTRAIN_FLIGHT_RECORDER_DIR=", dir, " (", std::strerror(err), "); set it (or "
+    const std::string err = make_writable_dir(dir, rank);
+    PTRAIN_CHECK(err.empty(), CommError, "[ptrain.flight.dir] rank ", rank, " cannot write to the flight recorder's "
+                 "folder PTRAIN_FLIGHT_RECORDER_DIR=", dir, " (", err, "); set it (or "
                  "--flight-recorder-dir) to a writable folder on every node");
   }
 

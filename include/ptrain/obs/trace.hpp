@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "ptrain/core/error.hpp"
+#include "ptrain/core/writable_dir.hpp"
 
 namespace ptrain::obs {
 
@@ -106,6 +107,11 @@ class Tracer {
     std::lock_guard lock(m_);
     PTRAIN_CHECK(o.first_step >= 1 && o.last_step >= o.first_step, Error, "[ptrain.trace.steps] trace steps ",
                  o.first_step, ":", o.last_step, " are not 1 <= first <= last");
+    if (!o.dir.empty()) {
+      const std::string err = make_writable_dir(o.dir, rank);
+      PTRAIN_CHECK(err.empty(), Error, "[ptrain.trace.dir] rank ", rank, " cannot write to the trace folder ", o.dir,
+                   " (", err, "); create it or pass another --trace-dir (PTRAIN_TRACE_DIR)");
+    }
     opts_ = std::move(o);
     rank_ = rank;
     configured_ = true;

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -52,6 +53,23 @@ TEST_CASE("tracer records spans only inside its step window and writes a Chrome 
   CHECK(count["comm.all_reduce grads"] == 2);
   CHECK(count["step"] == 2);
   CHECK(t.flush().empty());  // written once
+  std::system(("rm -rf " + dir).c_str());
+}
+
+TEST_CASE("the trace folder is made and proved writable when the tracer is configured", "[obs][trace]") {
+  // Issue 44: a folder that cannot be written is an error at start-up naming it, not after the traced steps.
+  const std::string dir = "/tmp/ptrain_trace_dir_" + std::to_string(::getpid());
+  REQUIRE(std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()) == 0);
+  std::ofstream(dir + "/a_file") << "not a directory";
+  obs::Tracer& t = obs::Tracer::get();
+  const std::string below_file = dir + "/a_file/trace";  // nothing can be made below a file, even by root
+  CHECK_THROWS_WITH(t.configure({.dir = below_file, .first_step = 1, .last_step = 1, .nvtx = false}, 3),
+                    Catch::Contains("[ptrain.trace.dir]") && Catch::Contains("rank 3") &&
+                        Catch::Contains(below_file) && Catch::Contains("--trace-dir"));
+  t.configure({.dir = dir + "/new/trace", .first_step = 1, .last_step = 1, .nvtx = false}, 3);
+  CHECK(std::filesystem::is_directory(dir + "/new/trace"));
+  CHECK(std::filesystem::is_empty(dir + "/new/trace"));  // the probe is gone
+  t.configure({.dir = "", .first_step = 1, .last_step = 1, .nvtx = false}, 3);
   std::system(("rm -rf " + dir).c_str());
 }
 
