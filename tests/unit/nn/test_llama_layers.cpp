@@ -418,7 +418,7 @@ bool same_bits(const Tensor<T>& a, const Tensor<T>& b) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("residual_rms_norm is the residual add then rms_norm, bit for bit", "[nn][llama]", float,
-                   double) {
+                   double, bf16) {
   using T = TestType;
   using A = acc_t<T>;
   // 37 columns: no multiple of a vector width, so a vectorised tail is covered too.
