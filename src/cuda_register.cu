@@ -54,6 +54,13 @@ void fill_floating(CudaKernels<T>& k) {
   k.nll_backward = &kc::nll_backward<T>;
   k.layer_norm_forward = &kc::layer_norm_forward<T>;
   k.layer_norm_backward = &kc::layer_norm_backward<T>;
+  k.rms_norm_forward = &kc::rms_norm_forward<T>;
+  k.rms_norm_backward = &kc::rms_norm_backward<T>;
+  k.residual_rms_norm_forward = &kc::residual_rms_norm_forward<T>;
+  k.residual_rms_norm_backward = &kc::residual_rms_norm_backward<T>;
+  k.rotary_apply = &kc::rotary_apply<T>;
+  k.swiglu_forward = &kc::swiglu_forward<T>;
+  k.swiglu_backward = &kc::swiglu_backward<T>;
   k.embedding_forward = &kc::embedding_forward<T>;
   k.embedding_backward = &kc::embedding_backward<T>;
   k.causal_attention_forward = &kc::causal_attention_forward<T>;

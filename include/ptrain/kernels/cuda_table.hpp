@@ -26,6 +26,7 @@
 #include "ptrain/core/error.hpp"
 #include "ptrain/kernels/cuda_unverified.hpp"
 #include "ptrain/kernels/pointwise_math.hpp"
+#include "ptrain/kernels/rotary_freqs.hpp"
 #include "ptrain/kernels/window.hpp"
 
 namespace ptrain::kernels {
@@ -80,6 +81,14 @@ struct CudaKernels {
   // layer_norm.cuh
   void (*layer_norm_forward)(I64, I64, const T*, const T*, const T*, A, T*, A*, A*) = nullptr;
   void (*layer_norm_backward)(I64, I64, const T*, const A*, const A*, const T*, const T*, T*, T*, T*) = nullptr;
+  // rms_norm.cuh, rotary.cuh, swiglu.cuh
+  void (*rms_norm_forward)(I64, I64, const T*, const T*, A, T*, A*) = nullptr;
+  void (*rms_norm_backward)(I64, I64, const T*, const A*, const T*, const T*, T*, T*) = nullptr;
+  void (*residual_rms_norm_forward)(I64, I64, const T*, const T*, const T*, A, T*, T*, A*) = nullptr;
+  void (*residual_rms_norm_backward)(I64, I64, const T*, const A*, const T*, const T*, const T*, T*, T*) = nullptr;
+  void (*rotary_apply)(I64, I64, I64, I64, const I32*, I64, const RotaryFreqs&, bool, T*) = nullptr;
+  void (*swiglu_forward)(I64, const T*, const T*, T*) = nullptr;
+  void (*swiglu_backward)(I64, const T*, const T*, const T*, T*, T*) = nullptr;
   // embedding.cuh
   I64 (*token_ids)(I64, const T*, I64, I32*) = nullptr;
   void (*embedding_forward)(I64, I64, const I32*, const T*, const T*, I64, T*) = nullptr;

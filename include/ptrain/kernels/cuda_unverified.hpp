@@ -25,7 +25,15 @@
 namespace ptrain::kernels {
 
 /// Gated CUDA kernels and paths, one per line (tools/gpu/run.sh reads the quoted names).
-inline constexpr std::initializer_list<std::string_view> kUnverifiedCuda = {
+inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
+    // rms_norm.cuh, rotary.cuh, swiglu.cuh
+    "rms_norm_forward",
+    "rms_norm_backward",
+    "residual_rms_norm_forward",
+    "residual_rms_norm_backward",
+    "rotary_apply",
+    "swiglu_forward",
+    "swiglu_backward",
 };
 
 /// True when `name` is on the gate's list.

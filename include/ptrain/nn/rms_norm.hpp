@@ -2,7 +2,7 @@
 // RMSNorm over the last dimension with a learned scale (Llama's LlamaRMSNorm):
 //   y = x / sqrt(mean(x^2) + eps) * weight
 // No mean subtraction and no bias. Parameter "weight" [d], initialised to ones.
-// CPU only (ops::rms_norm).
+// CPU and CUDA, float, double and bf16 (ops::rms_norm).
 
 #include <sstream>
 
@@ -43,6 +43,7 @@ class RMSNorm : public Module<T> {
     return s.str();
   }
   Parameter<T>& weight() { return *weight_; }
+  double eps() const { return eps_; }
 
  private:
   std::int64_t d_;

@@ -6,7 +6,7 @@
 // gate_proj and up_proj are C -> hidden, down_proj hidden -> C, without biases by
 // default (Llama, Mistral, Qwen2); bias = true gives all three a bias. Parameter
 // names follow Hugging Face: "gate_proj.weight", "up_proj.weight",
-// "down_proj.weight". CPU only (ops::swiglu).
+// "down_proj.weight". CPU and CUDA (ops::swiglu).
 
 #include <string>
 

@@ -95,14 +95,13 @@ Tensor<T> silu_backward(const Tensor<T>& x, const Tensor<T>& dy) {
   return detail::activation_backward(x, dy, kernels::ActivationKind::SiLU, 0.0, "silu output gradient");
 }
 
-/// silu(gate) * up, elementwise (the gated product of a SwiGLU MLP). CPU only.
+/// silu(gate) * up, elementwise (the gated product of a SwiGLU MLP).
 template <class T>
 Tensor<T> swiglu(const Tensor<T>& gate, const Tensor<T>& up) {
   check_shape(up, gate.shape(), "swiglu up projection");
   detail::check_devices("swiglu", gate.device(), up);
-  detail::require_cpu("swiglu", gate.device());
   auto h = Tensor<T>::empty(gate.shape(), gate.device());
-  kernels::cpu::swiglu_forward(gate.numel(), gate.data(), up.data(), h.data());
+  PTRAIN_DISPATCH(gate.device(), T, swiglu_forward, gate.numel(), gate.data(), up.data(), h.data());
   return h;
 }
 /// Gradients of swiglu given its inputs: dgate and dup.
@@ -112,10 +111,10 @@ void swiglu_backward(const Tensor<T>& gate, const Tensor<T>& up, const Tensor<T>
   check_shape(up, gate.shape(), "swiglu up projection");
   check_shape(dh, gate.shape(), "swiglu output gradient");
   detail::check_devices("swiglu_backward", gate.device(), up, dh);
-  detail::require_cpu("swiglu_backward", gate.device());
   dgate = Tensor<T>::empty(gate.shape(), gate.device());
   dup = Tensor<T>::empty(gate.shape(), gate.device());
-  kernels::cpu::swiglu_backward(gate.numel(), gate.data(), up.data(), dh.data(), dgate.data(), dup.data());
+  PTRAIN_DISPATCH(gate.device(), T, swiglu_backward, gate.numel(), gate.data(), up.data(), dh.data(), dgate.data(),
+                  dup.data());
 }
 
 /// x for x > 0, negative_slope * x otherwise.

@@ -39,7 +39,7 @@ void check_devices(const char* op, Device d, const Ts&... ts) {
   (check_device(op, d, ts.device()), ...);
 }
 
-/// For ops that have CPU kernels only (the Llama-family layers): throws CudaError
+/// For ops that have CPU kernels only (grouped-query attention): throws CudaError
 /// [ptrain.cuda.unsupported] for a tensor on a CUDA device.
 inline void require_cpu(const char* op, Device d) {
   PTRAIN_CHECK(d.is_cpu(), CudaError, "[ptrain.cuda.unsupported] ", op,

@@ -1,5 +1,6 @@
 #pragma once
-// LayerNorm and RMSNorm over the last dimension.
+// LayerNorm and RMSNorm over the last dimension, and RMSNorm fused with the
+// residual add before it (residual_rms_norm). CPU and CUDA.
 
 #include "ptrain/kernels/cpu/rms_norm.hpp"
 #include "ptrain/ops/dispatch.hpp"
@@ -42,16 +43,15 @@ Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, 
 }
 
 /// y = x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama's RMSNorm), weight [d];
-/// fills rstd ([rows], float for bf16 x) for the backward pass. CPU only.
+/// fills rstd ([rows], float for bf16 x) for the backward pass.
 template <class T>
 Tensor<T> rms_norm(const Tensor<T>& x, const Tensor<T>& weight, acc_t<T> eps, Tensor<acc_t<T>>& rstd) {
   const std::int64_t rows = rows_of(x, "rms_norm input"), d = x.size(-1);
   check_shape(weight, {d}, "rms_norm weight");
   detail::check_devices("rms_norm", x.device(), weight);
-  detail::require_cpu("rms_norm", x.device());
   auto y = Tensor<T>::empty(x.shape(), x.device());
   rstd = Tensor<acc_t<T>>::empty({rows}, x.device());
-  kernels::cpu::rms_norm_forward(rows, d, x.data(), weight.data(), eps, y.data(), rstd.data());
+  PTRAIN_DISPATCH(x.device(), T, rms_norm_forward, rows, d, x.data(), weight.data(), eps, y.data(), rstd.data());
   return y;
 }
 
@@ -65,11 +65,48 @@ Tensor<T> rms_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& rstd, co
   check_shape(weight, {d}, "rms_norm weight");
   check_shape(dweight, {d}, "rms_norm weight gradient");
   detail::check_devices("rms_norm_backward", x.device(), rstd, weight, dy, dweight);
-  detail::require_cpu("rms_norm_backward", x.device());
   auto dx = Tensor<T>::empty(x.shape(), x.device());
-  kernels::cpu::rms_norm_backward(rows, d, x.data(), rstd.data(), weight.data(), dy.data(), dx.data(),
-                                  dweight.data());
+  PTRAIN_DISPATCH(x.device(), T, rms_norm_backward, rows, d, x.data(), rstd.data(), weight.data(), dy.data(),
+                  dx.data(), dweight.data());
   return dx;
+}
+
+/// The residual add of a pre-norm block fused with the next RMSNorm: h = x + residual is
+/// returned in `h` and y = rms_norm(h, weight) is the result, with rstd as rms_norm's. On
+/// the CPU the bits equal ops::axpy_ into a copy of residual followed by rms_norm; a CUDA
+/// device does both in one kernel.
+template <class T>
+Tensor<T> residual_rms_norm(const Tensor<T>& x, const Tensor<T>& residual, const Tensor<T>& weight, acc_t<T> eps,
+                            Tensor<T>& h, Tensor<acc_t<T>>& rstd) {
+  const std::int64_t rows = rows_of(x, "residual_rms_norm input"), d = x.size(-1);
+  check_shape(residual, x.shape(), "residual_rms_norm residual");
+  check_shape(weight, {d}, "residual_rms_norm weight");
+  detail::check_devices("residual_rms_norm", x.device(), residual, weight);
+  h = Tensor<T>::empty(x.shape(), x.device());
+  auto y = Tensor<T>::empty(x.shape(), x.device());
+  rstd = Tensor<acc_t<T>>::empty({rows}, x.device());
+  PTRAIN_DISPATCH(x.device(), T, residual_rms_norm_forward, rows, d, x.data(), residual.data(), weight.data(), eps,
+                  h.data(), y.data(), rstd.data());
+  return y;
+}
+
+/// Backward of residual_rms_norm given its h and rstd: returns dh = rms_norm_backward(dy) +
+/// dresidual (the gradient of both x and residual), accumulates dweight. On the CPU the
+/// bits equal rms_norm_backward followed by ops::axpy_(1, dresidual, dh).
+template <class T>
+Tensor<T> residual_rms_norm_backward(const Tensor<T>& h, const Tensor<acc_t<T>>& rstd, const Tensor<T>& weight,
+                                     const Tensor<T>& dy, const Tensor<T>& dresidual, Tensor<T>& dweight) {
+  const std::int64_t rows = rows_of(h, "residual_rms_norm input"), d = h.size(-1);
+  check_shape(dy, h.shape(), "residual_rms_norm output gradient");
+  check_shape(dresidual, h.shape(), "residual_rms_norm residual-stream gradient");
+  check_shape(rstd, {rows}, "residual_rms_norm rstd");
+  check_shape(weight, {d}, "residual_rms_norm weight");
+  check_shape(dweight, {d}, "residual_rms_norm weight gradient");
+  detail::check_devices("residual_rms_norm_backward", h.device(), rstd, weight, dy, dresidual, dweight);
+  auto dh = Tensor<T>::empty(h.shape(), h.device());
+  PTRAIN_DISPATCH(h.device(), T, residual_rms_norm_backward, rows, d, h.data(), rstd.data(), weight.data(), dy.data(),
+                  dresidual.data(), dh.data(), dweight.data());
+  return dh;
 }
 
 }  // namespace ptrain::ops

@@ -20,7 +20,13 @@
 // s inv_freq. This is transformers' _compute_llama3_parameters, whose attention
 // scaling is 1. It is computed here in double (transformers computes in float32).
 //
-// CPU only: a tensor on a CUDA device throws [ptrain.cuda.unsupported].
+// CPU and CUDA. The frequencies are computed on the host (ops::rotary_freqs, head
+// widths up to 256) and reach the kernel by value; position ids are on x's device.
+// Negative ids are refused by the CPU kernel ([ptrain.rotary]); on a CUDA device the
+// ids are not read on the host, so no call waits for the device, and a negative id
+// rotates by a negative angle: a caller with ids on the device must pass ids >= 0.
+// nn::document_positions (nn/batch_context.hpp) builds them on the host from the
+// token ids, non-negative by construction.
 
 #include <cmath>
 #include <cstdint>
@@ -28,6 +34,7 @@
 #include <vector>
 
 #include "ptrain/kernels/cpu/rotary.hpp"
+#include "ptrain/kernels/rotary_freqs.hpp"
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {
@@ -76,6 +83,18 @@ inline std::vector<double> rotary_inv_freq(std::int64_t head_dim, const RotaryCo
   return inv;
 }
 
+/// rotary_inv_freq(head_dim, config) as the kernels take it; head_dim <= 256.
+inline kernels::RotaryFreqs rotary_freqs(std::int64_t head_dim, const RotaryConfig& config) {
+  const std::vector<double> inv = rotary_inv_freq(head_dim, config);
+  kernels::RotaryFreqs f;
+  PTRAIN_CHECK(static_cast<std::int64_t>(inv.size()) <= kernels::RotaryFreqs::kMaxHalf, ShapeError,
+               "[ptrain.rotary] head width ", head_dim, " exceeds ", 2 * kernels::RotaryFreqs::kMaxHalf,
+               ", the widest the rotary kernels take");
+  f.half = static_cast<std::int64_t>(inv.size());
+  for (std::size_t i = 0; i < inv.size(); ++i) f.inv_freq[i] = inv[i];
+  return f;
+}
+
 namespace detail {
 template <class T>
 void rotary_apply(Tensor<T>& x, const RotaryConfig& config, const Tensor<std::int32_t>& positions, bool inverse,
@@ -83,21 +102,17 @@ void rotary_apply(Tensor<T>& x, const RotaryConfig& config, const Tensor<std::in
   PTRAIN_CHECK(x.dim() == 4, ShapeError, "[ptrain.rotary] ", op, " needs x as [B, S, H, D], got ", x.shape(),
                "; reshape a [B, S, H*D] projection to [B, S, H, D]");
   const std::int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
-  const std::vector<double> inv_freq = rotary_inv_freq(D, config);
-  require_cpu(op, x.device());
+  const kernels::RotaryFreqs freqs = rotary_freqs(D, config);
   std::int64_t batch_stride = 0;
   if (positions.defined()) {
     PTRAIN_CHECK((positions.dim() == 1 && positions.size(0) == S) ||
                      (positions.dim() == 2 && positions.size(0) == B && positions.size(1) == S),
                  ShapeError, "[ptrain.rotary] position ids must be [S] = [", S, "] or [B, S] = [", B, ", ", S,
                  "], got ", positions.shape());
-    require_cpu(op, positions.device());
-    for (std::int64_t i = 0; i < positions.numel(); ++i)
-      PTRAIN_CHECK(positions.data()[i] >= 0, ShapeError, "[ptrain.rotary] position id ", positions.data()[i],
-                   " at index ", i, " is negative");
+    check_devices(op, x.device(), positions);
     batch_stride = positions.dim() == 2 ? S : 0;
   }
-  kernels::cpu::rotary_apply(B, S, H, D, positions.data(), batch_stride, inv_freq.data(), inverse, x.data());
+  PTRAIN_DISPATCH(x.device(), T, rotary_apply, B, S, H, D, positions.data(), batch_stride, freqs, inverse, x.data());
 }
 }  // namespace detail
 

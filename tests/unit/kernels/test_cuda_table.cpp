@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -17,7 +18,9 @@
 #include <ptrain/nn/linear.hpp>
 #include <ptrain/ops/activation.hpp>
 #include <ptrain/ops/linear.hpp>
+#include <ptrain/ops/norm.hpp>
 #include <ptrain/ops/optimizer.hpp>
+#include <ptrain/ops/rotary.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/sgd.hpp>
 
@@ -40,7 +43,7 @@ class HostBackend final : public ptrain::detail::DeviceBackend {
 };
 
 struct Calls {
-  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0;
+  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, rms_norm = 0, rotary = 0;
 };
 Calls& calls() {
   static Calls c;
@@ -74,6 +77,17 @@ void fake_cast(std::int64_t n, const float* x, bf16* y) {
   kernels::cpu::cast(n, x, y);
 }
 
+void fake_rms_norm(std::int64_t rows, std::int64_t d, const float* x, const float* w, float eps, float* y,
+                   float* rstd) {
+  ++calls().rms_norm;
+  kernels::cpu::rms_norm_forward(rows, d, x, w, eps, y, rstd);
+}
+void fake_rotary(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D, const std::int32_t* positions,
+                 std::int64_t stride, const kernels::RotaryFreqs& freqs, bool inverse, float* x) {
+  ++calls().rotary;
+  kernels::cpu::rotary_apply(B, S, H, D, positions, stride, freqs, inverse, x);
+}
+
 // Installs the stand-ins for a scope and empties both slots again afterwards.
 struct FakeCuda {
   HostBackend backend;
@@ -86,6 +100,8 @@ struct FakeCuda {
     table.f32.bias_add = &fake_bias_add;
     table.f32.cast_to_bf16 = &fake_cast;
     table.f64.adamw_update = &fake_adamw;
+    table.f32.rms_norm_forward = &fake_rms_norm;
+    table.f32.rotary_apply = &fake_rotary;
     kernels::detail::cuda_kernel_table_slot() = &table;
     ptrain::detail::cuda_backend_slot() = &backend;
   }
@@ -161,6 +177,49 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     const auto p = lin.weight().value.to_vector();
     CHECK(p[0] == Approx(1.0 - 0.1).epsilon(1e-6));
     CHECK(p[1] == Approx(-1.0 + 0.1).epsilon(1e-6));
+  }
+  SECTION("rms_norm and rotary: the Llama ops reach the table") {
+    // The gate (Note [The verification gate]) lets these run only when gated CUDA is allowed.
+    if (!kernels::cuda_kernel_enabled("rms_norm_forward") || !kernels::cuda_kernel_enabled("rotary_apply")) {
+      const auto w = Tensor<float>::from({1.0f, 2.0f, 0.5f}, {3}).to(kFakeGpu);
+      Tensor<float> rstd;
+      CHECK_THROWS_WITH(ops::rms_norm(x_gpu, w, 1e-6f, rstd),
+                        Catch::Contains("[ptrain.cuda.unverified]") && Catch::Contains("rms_norm_forward"));
+      CHECK(calls().rms_norm == 0);
+    }
+    struct AllowGated {  // sets PTRAIN_UNVERIFIED_CUDA=1 for the section, then restores it
+      std::string was;
+      bool had;
+      AllowGated() : had(std::getenv("PTRAIN_UNVERIFIED_CUDA") != nullptr) {
+        if (had) was = std::getenv("PTRAIN_UNVERIFIED_CUDA");
+        ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
+      }
+      ~AllowGated() {
+        if (had) ::setenv("PTRAIN_UNVERIFIED_CUDA", was.c_str(), 1);
+        else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+      }
+    } allow;
+    const auto w_cpu = Tensor<float>::from({1.0f, 2.0f, 0.5f}, {3});
+    Tensor<float> rstd_cpu, rstd_gpu;
+    const auto y_cpu = ops::rms_norm(x_cpu, w_cpu, 1e-6f, rstd_cpu);
+    CHECK(calls().rms_norm == 0);
+    const auto y_gpu = ops::rms_norm(x_gpu, w_cpu.to(kFakeGpu), 1e-6f, rstd_gpu);
+    CHECK(calls().rms_norm == 1);
+    CHECK(y_gpu.device() == kFakeGpu);
+    CHECK(rstd_gpu.device() == kFakeGpu);
+    CHECK(y_gpu.to_vector() == y_cpu.to_vector());
+    CHECK(rstd_gpu.to_vector() == rstd_cpu.to_vector());
+    // q [1, 2, 1, 2]: D = 2 has the one frequency theta^0 = 1, so position 1 rotates
+    // (lo, hi) by 1 radian and position 0 leaves it as it is.
+    auto q = Tensor<float>::from({1.0f, 2.0f, 3.0f, 4.0f}, {1, 2, 1, 2}).to(kFakeGpu);
+    const auto positions = Tensor<std::int32_t>::from({0, 1}, {2}).to(kFakeGpu);
+    ops::rotary_(q, {.theta = 1.0}, positions);
+    CHECK(calls().rotary == 1);
+    const auto got = q.to_vector();
+    CHECK(got[0] == 1.0f);
+    CHECK(got[1] == 2.0f);
+    CHECK(got[2] == Approx(-4.0 * std::sin(1.0) + 3.0 * std::cos(1.0)).margin(1e-6));
+    CHECK(got[3] == Approx(4.0 * std::cos(1.0) + 3.0 * std::sin(1.0)).margin(1e-6));
   }
   SECTION("an entry the table lacks is refused, not called") {
     CHECK_THROWS_WITH(ops::relu(x_gpu),

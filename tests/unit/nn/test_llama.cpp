@@ -5,6 +5,7 @@
 // Face config.json fields written here by hand for LlamaConfig::from_hf_config.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <ptrain/nn/models/llama.hpp>
 #include <vector>
 
@@ -180,6 +181,43 @@ TEST_CASE("Llama with recompute equals Llama without, documents included", "[nn]
     CHECK(p1[i].name == p2[i].name);
     for (std::int64_t k = 0; k < p1[i].param->grad.numel(); ++k)
       REQUIRE(p1[i].param->grad.data()[k] == p2[i].param->grad.data()[k]);
+  }
+}
+
+TEMPLATE_TEST_CASE("LlamaBlock's fused residual norm gives PreNormBlock's bits", "[nn][llama]", float, double) {
+  // The same four modules wired by PreNormBlock (the add, then post_attention_layernorm as a
+  // module of its own) and by LlamaBlock (ops::residual_rms_norm): output, dx and every
+  // parameter gradient must be the same bits.
+  using T = TestType;
+  nn::LlamaConfig c = small_config();
+  c.mlp_bias = true;
+  Generator gen(8);
+  nn::LlamaBlock<T> block(c, gen);
+  auto part = [](nn::Module<T>& m) { return std::shared_ptr<nn::Module<T>>(std::shared_ptr<void>(), &m); };
+  nn::PreNormBlock<T> plain({"input_layernorm", part(block.input_layernorm())}, {"self_attn", part(block.self_attn())},
+                            {"post_attention_layernorm", part(block.post_attention_layernorm())},
+                            {"mlp", part(block.mlp())});
+  Generator data(9);
+  for (auto& p : block.named_parameters()) ops::uniform_(p.param->value, -0.5, 0.5, data);  // norms too
+  auto x = Tensor<T>::empty({2, 5, c.n_embd}), dy = Tensor<T>::empty({2, 5, c.n_embd});
+  ops::uniform_(x, -1.0, 1.0, data);
+  ops::uniform_(dy, -1.0, 1.0, data);
+
+  auto run = [&](nn::Module<T>& m) {
+    block.zero_grad();
+    nn::Cache<T> cache;
+    auto y = m.forward(x, cache);
+    auto dx = m.backward(dy, cache);
+    std::vector<std::vector<T>> out{y.to_vector(), dx.to_vector()};
+    for (auto& p : block.named_parameters()) out.push_back(p.param->grad.to_vector());
+    return out;
+  };
+  const auto want = run(plain), got = run(block);
+  REQUIRE(want.size() == got.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    INFO("output " << i << " (y, dx, then the parameters' gradients)");
+    REQUIRE(want[i].size() == got[i].size());
+    CHECK(std::memcmp(want[i].data(), got[i].data(), want[i].size() * sizeof(T)) == 0);
   }
 }
 

@@ -6,6 +6,7 @@
 // checked by finite differences in double.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <ptrain/nn/gqa_attention.hpp>
 #include <ptrain/nn/rms_norm.hpp>
 #include <ptrain/nn/swiglu.hpp>
@@ -353,18 +354,23 @@ TEST_CASE("grouped-query attention: shape errors and CPU-only kernels", "[nn][ll
                       Contains("v"));
 }
 
-TEST_CASE("the Llama-family ops refuse CUDA tensors by name", "[nn][llama]") {
-  // Host memory labelled cuda:0: every op must refuse it before reading or allocating anything.
+TEST_CASE("the Llama-family ops on CUDA tensors reach the kernel table or refuse them by name", "[nn][llama]") {
+  // Host memory labelled cuda:0: no op may read it. rms_norm, swiglu and rotary go to the
+  // CUDA kernel table, which this program does not link; the CPU-only ops refuse by name.
   auto host = std::make_shared<std::vector<double>>(2 * 3 * 2 * 4, 0.5);
   auto on_cuda = [&](const Shape& s) { return Tensor<double>::wrap(host->data(), s, Device::cuda(0), host); };
   const auto x = on_cuda({2, 3, 2, 4});
   auto unsupported = [](const std::string& op) { return Contains("[ptrain.cuda.unsupported] " + op + " has CPU"); };
+  const auto unavailable = Contains("[ptrain.cuda.unavailable]");
   Tensor<double> rstd, probs;
   REQUIRE_THROWS_AS(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), CudaError);
-  REQUIRE_THROWS_WITH(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), unsupported("rms_norm"));
-  REQUIRE_THROWS_WITH(ops::swiglu(x, x), unsupported("swiglu"));
+  REQUIRE_THROWS_WITH(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), unavailable);
+  REQUIRE_THROWS_WITH(ops::swiglu(x, x), unavailable);
   auto rotated = x;
-  REQUIRE_THROWS_WITH(ops::rotary_(rotated, {}), unsupported("rotary_"));
+  REQUIRE_THROWS_WITH(ops::rotary_(rotated, {}), unavailable);
+  // Position ids on another device than x.
+  REQUIRE_THROWS_WITH(ops::rotary_(rotated, {}, Tensor<std::int32_t>::from({0, 1, 2}, {3})),
+                      Contains("[ptrain.device.mismatch]"));
   REQUIRE_THROWS_WITH(ops::gqa_attention(x, x, x, probs), unsupported("gqa_attention"));
 }
 
@@ -400,6 +406,57 @@ TEST_CASE("RMSNorm, swiglu and rotary in bf16 match double on the same inputs", 
   ops::rotary_(xb, rope);
   ops::rotary_(xd, rope);
   near(xb, xd);
+}
+
+namespace {
+// Same shape and the same bytes.
+template <class T>
+bool same_bits(const Tensor<T>& a, const Tensor<T>& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * sizeof(T)) == 0;
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("residual_rms_norm is the residual add then rms_norm, bit for bit", "[nn][llama]", float,
+                   double, bf16) {
+  using T = TestType;
+  using A = acc_t<T>;
+  // 37 columns: no multiple of a vector width, so a vectorised tail is covered too.
+  const Shape shape{3, 5, 37};
+  auto cast = [](const Tensor<double>& d) {
+    auto t = Tensor<T>::empty(d.shape());
+    for (std::int64_t i = 0; i < d.numel(); ++i) t.data()[i] = static_cast<T>(d.data()[i]);
+    return t;
+  };
+  const auto x = cast(random_tensor(shape, 71, -2.0, 2.0)), res = cast(random_tensor(shape, 72, -2.0, 2.0));
+  const auto w = cast(random_tensor({37}, 73, 0.5, 1.5));
+  const A eps = A(1e-5);
+
+  // Forward: h = x + residual written out, and the norm of that h.
+  auto h_ref = res.clone();
+  ops::axpy_(A(1), x, h_ref);
+  Tensor<A> rstd_ref, rstd;
+  const auto y_ref = ops::rms_norm(h_ref, w, eps, rstd_ref);
+  Tensor<T> h;
+  const auto y = ops::residual_rms_norm(x, res, w, eps, h, rstd);
+  CHECK(same_bits(h, h_ref));
+  CHECK(same_bits(y, y_ref));
+  CHECK(same_bits(rstd, rstd_ref));
+
+  // Backward: dh = the norm's dx + the residual stream's gradient; dw accumulates onto dw0.
+  const auto dy = cast(random_tensor(shape, 74)), dres = cast(random_tensor(shape, 75));
+  const auto dw0 = cast(random_tensor({37}, 76));
+  auto dw_ref = dw0.clone(), dw = dw0.clone();
+  auto dh_ref = ops::rms_norm_backward(h_ref, rstd_ref, w, dy, dw_ref);
+  ops::axpy_(A(1), dres, dh_ref);
+  const auto dh = ops::residual_rms_norm_backward(h, rstd, w, dy, dres, dw);
+  CHECK(same_bits(dh, dh_ref));
+  CHECK(same_bits(dw, dw_ref));
+  // The fused result is not the unfused one by accident of equal inputs: dres moved it.
+  CHECK_FALSE(same_bits(dh, ops::rms_norm_backward(h_ref, rstd_ref, w, dy, dw_ref)));
+
+  REQUIRE_THROWS_WITH(ops::residual_rms_norm(x, cast(random_tensor({3, 5, 36}, 77)), w, eps, h, rstd),
+                      Contains("residual"));
 }
 
 }  // namespace test_llama_layers

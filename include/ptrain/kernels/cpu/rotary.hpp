@@ -10,17 +10,28 @@
 #include <cstdint>
 
 #include "ptrain/core/dtype.hpp"
+#include "ptrain/core/error.hpp"
+#include "ptrain/kernels/rotary_freqs.hpp"
 
 namespace ptrain::kernels::cpu {
 
 /// positions: the position of token (b, s) is positions[b * pos_batch_stride + s]
 /// (pos_batch_stride 0 shares one row of S positions across the batch); null means s.
-/// inv_freq: [D/2] angular frequencies.
+/// Throws ShapeError [ptrain.rotary] for a negative position, before x is touched.
+/// freqs: D/2 angular frequencies (freqs.half == D/2).
 template <class T>
 void rotary_apply(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D, const std::int32_t* positions,
-                  std::int64_t pos_batch_stride, const double* inv_freq, bool inverse, T* x) {
+                  std::int64_t pos_batch_stride, const RotaryFreqs& freqs, bool inverse, T* x) {
   using A = acc_t<T>;
   const std::int64_t half = D / 2;
+  PTRAIN_CHECK(freqs.half == half, ShapeError, "[ptrain.rotary] ", freqs.half, " frequencies for head width ", D,
+               "; make them with ops::rotary_freqs(D, config)");
+  if (positions)
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t s = 0; s < S; ++s)
+        PTRAIN_CHECK(positions[b * pos_batch_stride + s] >= 0, ShapeError, "[ptrain.rotary] position id ",
+                     positions[b * pos_batch_stride + s], " at index ", b * pos_batch_stride + s, " is negative");
+  const double* inv_freq = freqs.inv_freq;
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t s = 0; s < S; ++s) {
       const double pos = positions ? positions[b * pos_batch_stride + s] : static_cast<double>(s);

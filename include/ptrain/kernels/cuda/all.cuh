@@ -15,6 +15,9 @@
 //   activation.cuh   activation_forward/backward (tanh, sigmoid, silu, leaky relu), log_softmax_rows(+backward)
 //   loss.cuh         pointwise_loss_forward/backward (mse, l1, smooth l1, huber, bce), nll_forward/backward
 //   layer_norm.cuh   layer_norm_forward/backward
+//   rms_norm.cuh     rms_norm_forward/backward, residual_rms_norm_forward/backward (fused residual add)
+//   rotary.cuh       rotary_apply (rotary position embedding, Llama 3 scaling through the frequencies)
+//   swiglu.cuh       swiglu_forward/backward
 //   embedding.cuh    token_ids, embedding_forward/backward (deterministic scatter-add)
 //   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
 //   conv.cuh         im2col, col2im, max/avg pooling (float, double)
@@ -33,6 +36,9 @@
 #include "ptrain/kernels/cuda/activation.cuh"
 #include "ptrain/kernels/cuda/loss.cuh"
 #include "ptrain/kernels/cuda/layer_norm.cuh"
+#include "ptrain/kernels/cuda/rms_norm.cuh"
+#include "ptrain/kernels/cuda/rotary.cuh"
+#include "ptrain/kernels/cuda/swiglu.cuh"
 #include "ptrain/kernels/cuda/embedding.cuh"
 #include "ptrain/kernels/cuda/attention.cuh"
 #include "ptrain/kernels/cuda/flash_attention.cuh"

@@ -110,6 +110,40 @@ class LlamaBlock : public PreNormBlock<T> {
                     {"post_attention_layernorm", post_norm_}, {"mlp", mlp_});
   }
 
+  /// PreNormBlock's wiring with the first residual add fused into the second norm
+  /// (ops::residual_rms_norm: h = x + attn(...) and post_attention_layernorm(h) in one
+  /// kernel); on the CPU the same bits as the add followed by the norm.
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    auto a = attn_->forward(input_norm_->forward(x, cache.child(0)), cache.child(1));
+    Tensor<T> h;
+    Tensor<acc_t<T>> rstd;
+    auto n2 = ops::residual_rms_norm(x, a, post_norm_->weight().value, static_cast<acc_t<T>>(post_norm_->eps()), h,
+                                     rstd);
+    Cache<T>& norm_cache = cache.child(2);  // what post_attention_layernorm's own forward keeps
+    norm_cache.tensors = {h};
+    norm_cache.stats = {rstd};
+    auto y = mlp_->forward(n2, cache.child(3));
+    ops::axpy_(1, h, y);
+    return y;
+  }
+
+  /// The residual stream's gradient dy joins the norm's in one kernel
+  /// (ops::residual_rms_norm_backward: dh = post_attention_layernorm'(dmlp) + dy).
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    Cache<T>& norm_cache = cache.child(2);
+    PTRAIN_CHECK(norm_cache.tensors.size() == 1 && norm_cache.stats.size() == 1, Error,
+                 "[ptrain.backward] LlamaBlock::backward without a forward");
+    auto dn2 = mlp_->backward(dy, cache.child(3));
+    Parameter<T>& w = post_norm_->weight();
+    auto dh = ops::residual_rms_norm_backward(norm_cache.tensors[0], norm_cache.stats[0], w.value, dn2, dy, w.grad);
+    w.mark_grad_ready();
+    norm_cache.clear();
+    auto dx = input_norm_->backward(attn_->backward(dh, cache.child(1)), cache.child(0));
+    ops::axpy_(1, dh, dx);
+    cache.clear();
+    return dx;
+  }
+
   /// Generation: x [1, s, C], the next s tokens after kv.length (GroupedQueryAttention::decode).
   Tensor<T> decode(const Tensor<T>& x, KVCache<T>& kv, std::int64_t capacity) {
     Cache<T> scratch;  // no backward
