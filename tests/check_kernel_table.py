@@ -53,13 +53,16 @@ def table_members():
 
 
 def doc_section_names(heading):
-    """The `name`s in the first column of the table under `heading` in docs/cuda.md."""
+    """The `name`s in the first column of the table under `heading` in docs/cuda.md (several to a row)."""
     text = (root / "docs/cuda.md").read_text()
     if heading not in text:
         return None
     section = text[text.index(heading) + len(heading):]
     section = re.split(r"\n#{2,3} ", section, maxsplit=1)[0]
-    return set(re.findall(r"^\| `(\w+)` \|", section, flags=re.M))
+    names = set()
+    for first_cell in re.findall(r"^\|([^|]*)\|", section, flags=re.M):
+        names.update(re.findall(r"`(\w+)`", first_cell))
+    return names
 
 
 def main():
