@@ -14,8 +14,10 @@
 // at that step in an event file there (obs/tensorboard.hpp).
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <system_error>
 
 #include <nlohmann/json.hpp>
 
@@ -30,14 +32,18 @@ class MetricsWriter {
  public:
   /// Disabled writer.
   MetricsWriter() = default;
-  /// Opens `path` (truncating it, or appending when `append`, e.g. for a resumed run); "" disables.
+  /// Opens `path` (truncating it, or appending when `append`, e.g. for a resumed run), making its
+  /// folder if needed; "" disables.
   /// A non-empty `tensorboard` directory also gets the records' scalars.
   explicit MetricsWriter(const std::string& path, bool append = false, const std::string& tensorboard = {})
       : path_(path), tb_(tensorboard), start_(std::chrono::steady_clock::now()) {
     if (path_.empty()) return;
+    std::error_code ec;  // a folder that cannot be made shows as the open's error below
+    if (const auto folder = std::filesystem::path(path_).parent_path(); !folder.empty())
+      std::filesystem::create_directories(folder, ec);
     out_.open(path_, append ? std::ios::out | std::ios::app : std::ios::out | std::ios::trunc);
     PTRAIN_CHECK(out_.is_open(), Error, "[ptrain.metrics.open] cannot open metrics file '", path_,
-                 "' for writing; check that its directory exists and is writable, or pass another --metrics path");
+                 "' for writing; check that its folder can be made and written, or pass another --metrics path");
   }
   MetricsWriter(MetricsWriter&&) = default;
   MetricsWriter& operator=(MetricsWriter&&) = default;

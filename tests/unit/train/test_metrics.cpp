@@ -102,10 +102,17 @@ TEST_CASE("MetricsWriter: disabled writer, bad path, bad record", "[train][metri
   def.write({{"step", 1}});
   CHECK(fs::is_empty(dir.path));
 
-  const std::string bad = (dir.path / "no-such-dir" / "m.jsonl").string();
+  // A missing folder is made (issue 44); one below a regular file cannot be, even by root.
+  {
+    ptrain::MetricsWriter made((dir.path / "new" / "run" / "m.jsonl").string());
+    made.write({{"step", 1}});
+  }
+  CHECK(fs::file_size(dir.path / "new" / "run" / "m.jsonl") > 0);
+  std::ofstream(dir.path / "a_file") << "not a directory";
+  const std::string bad = (dir.path / "a_file" / "m.jsonl").string();
   try {
     ptrain::MetricsWriter w(bad);
-    FAIL("opening a path in a missing directory did not throw");
+    FAIL("opening a path below a regular file did not throw");
   } catch (const ptrain::Error& e) {
     CHECK_THAT(e.what(), Catch::Contains("[ptrain.metrics.open]") && Catch::Contains(bad));
   }
