@@ -16,6 +16,7 @@
 //   loss.cuh         pointwise_loss_forward/backward (mse, l1, smooth l1, huber, bce), nll_forward/backward
 //   layer_norm.cuh   layer_norm_forward/backward
 //   embedding.cuh    token_ids, embedding_forward/backward (deterministic scatter-add)
+//   vocab_parallel.cuh  the vocabulary-parallel embedding (+backward) and cross-entropy statistics, loss (+backward)
 //   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
 //   conv.cuh         im2col, col2im, max/avg pooling (float, double)
 //   batch_norm.cuh   batch-norm statistics, finalisation, apply, backward (float, double)
@@ -34,6 +35,7 @@
 #include "ptrain/kernels/cuda/loss.cuh"
 #include "ptrain/kernels/cuda/layer_norm.cuh"
 #include "ptrain/kernels/cuda/embedding.cuh"
+#include "ptrain/kernels/cuda/vocab_parallel.cuh"
 #include "ptrain/kernels/cuda/attention.cuh"
 #include "ptrain/kernels/cuda/flash_attention.cuh"
 #include "ptrain/kernels/cuda/conv.cuh"
