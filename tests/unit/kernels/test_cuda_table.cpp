@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include <ptrain/ops/activation.hpp>
 #include <ptrain/ops/linear.hpp>
 #include <ptrain/ops/optimizer.hpp>
+#include <ptrain/ops/vocab_parallel.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/sgd.hpp>
 
@@ -40,7 +42,7 @@ class HostBackend final : public ptrain::detail::DeviceBackend {
 };
 
 struct Calls {
-  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0;
+  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, vocab_embedding = 0;
 };
 Calls& calls() {
   static Calls c;
@@ -74,6 +76,12 @@ void fake_cast(std::int64_t n, const float* x, bf16* y) {
   kernels::cpu::cast(n, x, y);
 }
 
+void fake_vocab_embedding(std::int64_t rows, std::int64_t dim, const std::int32_t* ids, std::int64_t lo,
+                          std::int64_t local, const float* table, const float* pos, std::int64_t seq, float* out) {
+  ++calls().vocab_embedding;
+  kernels::cpu::vocab_parallel_embedding_forward(rows, dim, ids, lo, local, table, pos, seq, out);
+}
+
 // Installs the stand-ins for a scope and empties both slots again afterwards.
 struct FakeCuda {
   HostBackend backend;
@@ -86,6 +94,7 @@ struct FakeCuda {
     table.f32.bias_add = &fake_bias_add;
     table.f32.cast_to_bf16 = &fake_cast;
     table.f64.adamw_update = &fake_adamw;
+    table.f32.vocab_parallel_embedding_forward = &fake_vocab_embedding;
     kernels::detail::cuda_kernel_table_slot() = &table;
     ptrain::detail::cuda_backend_slot() = &backend;
   }
@@ -161,6 +170,25 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     const auto p = lin.weight().value.to_vector();
     CHECK(p[0] == Approx(1.0 - 0.1).epsilon(1e-6));
     CHECK(p[1] == Approx(-1.0 + 0.1).epsilon(1e-6));
+  }
+  SECTION("the vocabulary-parallel lookup reaches the table, behind the verification gate") {
+    // Rows [2, 4) of a 5-row vocabulary on this rank: ids 2 and 3 are its rows 0 and 1, the rest zero rows.
+    const auto table = Tensor<float>::from({1.0f, 2.0f, 3.0f, 4.0f}, {2, 2}).to(kFakeGpu);
+    const auto ids = Tensor<std::int32_t>::from({0, 2, 3, 4}, {2, 2}).to(kFakeGpu);
+    const char* saved = std::getenv("PTRAIN_UNVERIFIED_CUDA");
+    const std::string saved_value = saved ? saved : "";
+    ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+    CHECK_THROWS_WITH(ops::vocab_parallel_embedding(ids, 2, table, Tensor<float>()),
+                      Catch::Contains("[ptrain.cuda.unverified]") &&
+                          Catch::Contains("vocab_parallel_embedding_forward"));
+    CHECK(calls().vocab_embedding == 0);
+    ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
+    const auto out = ops::vocab_parallel_embedding(ids, 2, table, Tensor<float>());
+    if (saved) ::setenv("PTRAIN_UNVERIFIED_CUDA", saved_value.c_str(), 1);
+    else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+    CHECK(calls().vocab_embedding == 1);
+    CHECK(out.device() == kFakeGpu);
+    CHECK(out.to_vector() == std::vector<float>{0, 0, 1, 2, 3, 4, 0, 0});
   }
   SECTION("an entry the table lacks is refused, not called") {
     CHECK_THROWS_WITH(ops::relu(x_gpu),
