@@ -6,7 +6,8 @@
 // kernel table that ptrain::cuda's CUDA source fills). One GPU has one rank, so
 // the collectives between the ranks (and sequence parallelism, which needs
 // tp >= 2) are not exercised here: the [tp] tests of tests/dist cover them on the
-// CPU.
+// CPU. The vocab_parallel_* kernels are on the verification gate; these tests
+// are their verification, so each sets PTRAIN_UNVERIFIED_CUDA=1 for its own scope.
 //
 // Bounds (test_kernels.cu's header): float 1e-5 norm-wise relative against the
 // CPU float kernel (the row sums of exp and the scatter-add run in another
@@ -20,6 +21,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "ptrain/core/tensor.hpp"
@@ -66,6 +69,21 @@ Tensor<Ref<T>> widen(const Tensor<T>& t) {
     return Tensor<float>::from(v, t.shape());
   }
 }
+// These tests verify the gated vocab_parallel_* kernels (Note [The verification
+// gate]), so they run them whatever the environment says; the variable is restored
+// at the end of the test case.
+struct AllowGated {
+  const char* saved = std::getenv("PTRAIN_UNVERIFIED_CUDA");
+  std::string value = saved ? saved : "";
+  AllowGated() { ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1); }
+  ~AllowGated() {
+    if (saved) ::setenv("PTRAIN_UNVERIFIED_CUDA", value.c_str(), 1);
+    else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+  }
+  AllowGated(const AllowGated&) = delete;
+  AllowGated& operator=(const AllowGated&) = delete;
+};
+
 template <class T>
 double tol() {
   return std::is_same_v<T, bf16> ? 4e-3 : 1e-5;
@@ -78,6 +96,7 @@ TEMPLATE_TEST_CASE("tp gpu: the vocabulary-parallel embedding and its backward o
                    float, bf16) {
   using T = TestType;
   INFO("seed " << test_seed());
+  AllowGated allow;
   const auto table = random_tensor<T>({kLocal, kC}, -1, 1), pos = random_tensor<T>({kS, kC}, -1, 1);
   const auto dout = random_tensor<T>({kB, kS, kC}, -1, 1);
   const auto ids = random_ids(kV, false);
@@ -109,6 +128,7 @@ TEMPLATE_TEST_CASE("tp gpu: the vocabulary-parallel cross-entropy statistics, lo
                    float, bf16) {
   using T = TestType;
   INFO("seed " << test_seed());
+  AllowGated allow;
   auto logits = random_tensor<T>({kB, kS, kLocal}, -4, 4);
   const auto targets = random_ids(kV, true);
   // Reference in the GPU kernel's arithmetic (float statistics for bf16 either way).
@@ -147,6 +167,7 @@ TEMPLATE_TEST_CASE("tp gpu: the vocabulary-parallel units on a one-rank group se
                    float, bf16) {
   using T = TestType;
   INFO("seed " << test_seed());
+  AllowGated allow;
   dist::SelfCommunicator gpu_comm(kGpu), cpu_comm;
   REQUIRE(gpu_comm.serves(kGpu));
   parallel::TensorParallelGroup gpu_group(gpu_comm), cpu_group(cpu_comm);
@@ -199,6 +220,7 @@ TEST_CASE("tp gpu: a tensor-parallel GPT step at tp 1 on cuda equals the step on
           "[cuda:vocab_parallel_row_max][cuda:vocab_parallel_row_sums][cuda:vocab_parallel_loss]"
           "[cuda:vocab_parallel_loss_backward]") {
   INFO("seed " << test_seed());
+  AllowGated allow;
   for (bool tied : {true, false}) {
     INFO((tied ? "tied" : "untied"));
     const nn::GPTConfig cfg{.vocab_size = kV, .block_size = kS, .n_layer = 2, .n_head = 4, .n_embd = 32,
