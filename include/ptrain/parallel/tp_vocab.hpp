@@ -189,6 +189,9 @@ class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
 /// so the forward sends 3 values per row instead of V, and backward needs no
 /// communication: d loss_i / d x_ij = exp(x_ij - M_i) / Z_i - [j == t] on the
 /// rank's own columns. Padding columns take no part (their gradient is 0).
+/// The per-rank parts are ops (ops/vocab_parallel.hpp) on the logits' device; the
+/// targets are checked by the loss op after the two all-reduces, and since the tp
+/// ranks hold the same targets, all of them throw [ptrain.tp.target] together.
 template <class T>
 class VocabParallelCrossEntropy {
  public:
