@@ -63,6 +63,12 @@ void fill_floating(CudaKernels<T>& k) {
   k.swiglu_backward = &kc::swiglu_backward<T>;
   k.embedding_forward = &kc::embedding_forward<T>;
   k.embedding_backward = &kc::embedding_backward<T>;
+  k.vocab_parallel_embedding_forward = &kc::vocab_parallel_embedding_forward<T>;
+  k.vocab_parallel_embedding_backward = &kc::vocab_parallel_embedding_backward<T>;
+  k.vocab_parallel_row_max = &kc::vocab_parallel_row_max<T>;
+  k.vocab_parallel_row_sums = &kc::vocab_parallel_row_sums<T>;
+  k.vocab_parallel_loss = &kc::vocab_parallel_loss<T>;
+  k.vocab_parallel_loss_backward = &kc::vocab_parallel_loss_backward<T>;
   k.causal_attention_forward = &kc::causal_attention_forward<T>;
   k.causal_attention_backward = &kc::causal_attention_backward<T>;
   k.flash_attention_supported = &kc::flash_attention_supported<T>;

@@ -93,6 +93,13 @@ struct CudaKernels {
   I64 (*token_ids)(I64, const T*, I64, I32*) = nullptr;
   void (*embedding_forward)(I64, I64, const I32*, const T*, const T*, I64, T*) = nullptr;
   void (*embedding_backward)(I64, I64, const I32*, const T*, T*, T*, I64) = nullptr;
+  // vocab_parallel.cuh
+  void (*vocab_parallel_embedding_forward)(I64, I64, const I32*, I64, I64, const T*, const T*, I64, T*) = nullptr;
+  void (*vocab_parallel_embedding_backward)(I64, I64, const I32*, I64, I64, const T*, T*, T*, I64) = nullptr;
+  void (*vocab_parallel_row_max)(I64, I64, I64, const T*, A*) = nullptr;
+  void (*vocab_parallel_row_sums)(I64, I64, I64, I64, const T*, const I32*, I32, A*) = nullptr;
+  double (*vocab_parallel_loss)(I64, I64, const A*, const I32*, I32, I64&, I64&) = nullptr;
+  void (*vocab_parallel_loss_backward)(I64, I64, I64, I64, const T*, const A*, const I32*, I32, A, T*) = nullptr;
   // attention.cuh, flash_attention.cuh
   void (*causal_attention_forward)(I64, I64, I64, I64, const T*, A, T*, T*, double, U64, U64, T*) = nullptr;
   void (*causal_attention_backward)(I64, I64, I64, I64, const T*, const T*, const T*, double, U64, U64, const T*,

@@ -25,6 +25,8 @@
 namespace ptrain::kernels {
 
 /// Gated CUDA kernels and paths, one per line (tools/gpu/run.sh reads the quoted names).
+/// const char*, not string_view: g++ 12 does not take a constant initializer_list
+/// of string_views made from literals ("modification of <temporary>").
 inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     // rms_norm.cuh, rotary.cuh, swiglu.cuh
     "rms_norm_forward",
@@ -34,6 +36,13 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "rotary_apply",
     "swiglu_forward",
     "swiglu_backward",
+    // vocab_parallel.cuh
+    "vocab_parallel_embedding_forward",
+    "vocab_parallel_embedding_backward",
+    "vocab_parallel_row_max",
+    "vocab_parallel_row_sums",
+    "vocab_parallel_loss",
+    "vocab_parallel_loss_backward",
 };
 
 /// True when `name` is on the gate's list.

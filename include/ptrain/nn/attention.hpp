@@ -61,6 +61,25 @@ class CausalSelfAttention : public Module<T> {
     c_proj_ = this->register_module("c_proj", std::make_shared<Linear<T>>(n_embd, n_embd, true, gen));
     resid_drop_ = this->register_module("resid_drop", std::make_shared<Dropout<T>>(dropout, dropout_seed + 1));
   }
+  /// Over given projections: c_attn [n_embd -> 3 * n_head * d] (q | k | v of n_head
+  /// heads of width d), c_proj [n_head * d -> n_embd'] (a tensor-parallel rank's
+  /// share of the heads: parallel/tp_gpt.hpp). attn_seed keys the attention
+  /// dropout's stream, resid_seed resid_drop's.
+  CausalSelfAttention(std::int64_t n_embd, std::int64_t n_head, std::shared_ptr<Linear<T>> c_attn,
+                      std::shared_ptr<Linear<T>> c_proj, double dropout = 0.0, std::uint64_t attn_seed = 0,
+                      std::uint64_t resid_seed = 1)
+      : n_embd_(n_embd), n_head_(n_head), p_(dropout), attn_gen_(attn_seed) {
+    PTRAIN_CHECK(c_attn && c_proj, Error, "[ptrain.attention] CausalSelfAttention needs both projections");
+    const std::int64_t qkv = c_attn->weight().value.size(0);
+    PTRAIN_CHECK(n_head > 0 && qkv % (3 * n_head) == 0 && c_proj->weight().value.size(1) == qkv / 3, ShapeError,
+                 "[ptrain.attention] c_attn ", c_attn->weight().value.shape(), " and c_proj ",
+                 c_proj->weight().value.shape(), " do not hold q, k and v of ", n_head, " heads and their projection");
+    PTRAIN_CHECK(dropout >= 0.0 && dropout < 1.0, Error, "[ptrain.dropout] probability ", dropout,
+                 " must be in [0, 1)");
+    c_attn_ = this->register_module("c_attn", std::move(c_attn));
+    c_proj_ = this->register_module("c_proj", std::move(c_proj));
+    resid_drop_ = this->register_module("resid_drop", std::make_shared<Dropout<T>>(dropout, resid_seed));
+  }
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.attention] input must be [B, S, ",

@@ -32,7 +32,25 @@ class FeedForward : public Module<T> {
     c_proj_ = this->register_module("c_proj", std::make_shared<Linear<T>>(4 * n_embd, n_embd, true, gen));
     drop_ = this->register_module("drop", std::make_shared<Dropout<T>>(dropout, dropout_seed));
   }
+  /// Over given projections: c_fc [n_embd -> hidden], c_proj [hidden -> n_embd'] (a
+  /// tensor-parallel rank's share of the hidden width: parallel/tp_gpt.hpp). Forward
+  /// and backward then go through the projections' own forward and backward (a
+  /// column- or row-parallel layer adds its collectives there), not the fused ops.
+  FeedForward(std::int64_t n_embd, std::shared_ptr<Linear<T>> c_fc, std::shared_ptr<Linear<T>> c_proj,
+              double dropout = 0.0, std::uint64_t dropout_seed = 0)
+      : n_embd_(n_embd), fused_(false) {
+    PTRAIN_CHECK(c_fc && c_proj && c_fc->weight().value.size(0) == c_proj->weight().value.size(1), ShapeError,
+                 "[ptrain.feed_forward] c_fc and c_proj must be given and agree on the hidden width");
+    c_fc_ = this->register_module("c_fc", std::move(c_fc));
+    act_ = this->register_module("act", std::make_shared<GELU<T>>());
+    c_proj_ = this->register_module("c_proj", std::move(c_proj));
+    drop_ = this->register_module("drop", std::make_shared<Dropout<T>>(dropout, dropout_seed));
+  }
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    if (!fused_) {
+      auto h = act_->forward(c_fc_->forward(x, cache.child(0)), cache.child(1));
+      return drop_->forward(c_proj_->forward(h, cache.child(2)), cache.child(3));
+    }
     // c_fc and the GELU as one op (a fused GEMM epilogue on GPUs), leaving in
     // each child's cache what its own forward would have: the input of c_fc,
     // the input of the GELU.
@@ -46,6 +64,11 @@ class FeedForward : public Module<T> {
     // c_proj's backward, the GELU's and c_fc's bias gradient as one op (fused
     // GEMM epilogues on GPUs), then c_fc's weight gradient and dx.
     auto g = drop_->backward(dy, cache.child(3));
+    if (!fused_) {
+      auto dx = c_fc_->backward(act_->backward(c_proj_->backward(g, cache.child(2)), cache.child(1)), cache.child(0));
+      cache.clear();
+      return dx;
+    }
     Parameter<T>& w_proj = c_proj_->weight();
     Parameter<T>& b_proj = *c_proj_->bias();
     Parameter<T>& w_fc = c_fc_->weight();
@@ -71,6 +94,7 @@ class FeedForward : public Module<T> {
   std::shared_ptr<Linear<T>> c_fc_, c_proj_;
   std::shared_ptr<GELU<T>> act_;
   std::shared_ptr<Dropout<T>> drop_;
+  bool fused_ = true;  // c_fc with the GELU, and c_proj's backward with the GELU's, as fused ops
 };
 
 /// A pre-norm residual block with its four parts given as modules:

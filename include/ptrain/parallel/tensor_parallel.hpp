@@ -39,6 +39,9 @@
 // - The loss is VocabParallelCrossEntropy (with pp = 1, set_loss() replaces it
 //   with a loss that must itself take vocabulary-parallel logits).
 // - Checkpoints (ckpt/tp_checkpoint.hpp) hold full tensors under the full model's names.
+// - Device: each unit is built on the device of the full model's unit, or moved to
+//   TensorParallelPlan::device; the vocabulary-parallel pieces and the collectives
+//   run there (docs/tensor_parallel.md, "On the GPU").
 
 #include <functional>
 #include <memory>
@@ -71,6 +74,10 @@ struct TensorParallelPlan {
   int virtual_stages = 1;
   /// With pp > 1: relative cost of each unit for balancing the stages; empty: equal.
   std::vector<double> unit_costs = {};
+  /// The device of this rank's shards (the world's communicator must serve it: NCCL
+  /// for cuda:N); unset: the device of the model's parameters (the CPU for a model
+  /// built from its config). With a device, the full model may stay on the host.
+  std::optional<Device> device = std::nullopt;
 };
 
 template <class T>
@@ -175,6 +182,7 @@ class TensorParallel : public Engine<T> {
       nn::Parameter<T>* wte = nullptr;  // the embedding's weight shard, for a tied head
       for (std::size_t u = 0; u < m.names.size(); ++u) {
         auto unit = m.unit(u, *group_, m.tied ? wte : nullptr);
+        if (plan.device) unit->to(*plan.device);  // before the tied head borrows the embedding's weight
         if (auto* e = dynamic_cast<VocabParallelEmbedding<T>*>(unit.get())) wte = &e->wte();
         model_->add(m.names[u], std::move(unit));
       }
@@ -185,7 +193,12 @@ class TensorParallel : public Engine<T> {
       const std::vector<double> costs = plan.unit_costs.empty() ? std::vector<double>(m.names.size(), 1.0)
                                                                 : plan.unit_costs;
       pipe_ = std::make_unique<Pipeline<T>>(
-          *mesh_, m.names.size(), [&](std::size_t u) { return m.unit(u, *group_, nullptr); },
+          *mesh_, m.names.size(),
+          [&](std::size_t u) {
+            auto unit = m.unit(u, *group_, nullptr);
+            if (plan.device) unit->to(*plan.device);
+            return unit;
+          },
           partition_balanced(costs, plan.pp * plan.virtual_stages),
           PipelineOptions<T>{.schedule = plan.virtual_stages > 1 ? Schedule::Interleaved : plan.schedule,
                              .micro_batches = plan.micro_batches, .virtual_stages = plan.virtual_stages,

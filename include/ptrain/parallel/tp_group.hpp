@@ -63,6 +63,9 @@
 namespace ptrain::parallel {
 
 /// The ranks that hold the shards of one layer, and what they sent (Note [Tensor parallel f and g]).
+/// Its collectives run on the tensors' device, which the communicator must serve
+/// (the CPU with MPI or Gloo, the GPU with NCCL); the sequence regrouping copies
+/// blocks on that device.
 class TensorParallelGroup {
  public:
   /// `comm` must outlive the group. `sequence_parallel`: Note [Sequence parallelism].
@@ -243,7 +246,7 @@ void for_shard_elements(const Shape& full, const ShardSpec& s, int rank, int tp,
     }
 }
 
-/// Rank's shard of `full` (on full's device; padding zero).
+/// Rank's shard of `full` (any device; cut on the host, returned on full's device; padding zero).
 template <class E>
 Tensor<E> shard_of(const Tensor<E>& full, const ShardSpec& s, int rank, int tp) {
   if (!s.sharded()) return full;
@@ -255,16 +258,20 @@ Tensor<E> shard_of(const Tensor<E>& full, const ShardSpec& s, int rank, int tp) 
   return out.to(full.device());
 }
 
-/// The full tensor of which `local` is this rank's shard: all-gathers the shards
-/// over `group` (collective) and drops the padding. A host tensor.
+/// The full tensor of which `local` (on any device) is this rank's shard:
+/// all-gathers the shards over `group` (collective) and drops the padding. A host
+/// tensor. The shards are gathered on local's device where the communicator serves
+/// it (a GPU with NCCL), on the host otherwise; the padding is dropped on the host.
 template <class E>
 Tensor<E> gather_full(const Tensor<E>& local, const ShardSpec& s, TensorParallelGroup& group) {
-  const Tensor<E> host = local.to(Device::cpu());
-  if (!s.sharded()) return host;
+  if (!s.sharded()) return local.to(Device::cpu());
   const int tp = group.size();
-  Tensor<E> all = Tensor<E>::empty({local.numel() * tp});
-  if (tp > 1) group.communicator().all_gather(host, all);
-  else all.copy_(host.view(0, {host.numel()}));
+  const Device at = group.communicator().serves(local.device()) ? local.device() : Device::cpu();
+  const Tensor<E> mine = local.to(at);
+  Tensor<E> gathered = Tensor<E>::empty({local.numel() * tp}, at);
+  if (tp > 1) group.communicator().all_gather(mine, gathered);
+  else gathered.copy_(mine.view(0, {mine.numel()}));
+  const Tensor<E> all = gathered.to(Device::cpu());
   const Shape full = full_shape(local.shape(), s);
   auto out = Tensor<E>::empty(full);
   for (int r = 0; r < tp; ++r)

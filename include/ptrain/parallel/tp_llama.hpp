@@ -74,8 +74,9 @@ namespace detail {
 
 /// Unit u of nn::Llama (embedding, layer u - 1, head) in tensor-parallel form over
 /// `group`, holding this rank's shards of `full` (the full unit; null: as built,
-/// for a tied head, whose weight is `tied_weight`, the embedding's shard). The
-/// layer is wrapped in nn::Recompute when cfg.recompute is set.
+/// for a tied head, whose weight is `tied_weight`, the embedding's shard), on the
+/// device of full's parameters. The layer is wrapped in nn::Recompute when
+/// cfg.recompute is set.
 template <class T>
 std::shared_ptr<nn::Module<T>> tensor_parallel_llama_unit(const nn::LlamaConfig& cfg, std::size_t u,
                                                           TensorParallelGroup& group,

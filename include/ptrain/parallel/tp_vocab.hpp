@@ -7,12 +7,11 @@
 // Rank r holds vocabulary rows [r * Vl, (r + 1) * Vl), Vl = ceil(V / tp); the
 // rows past V are padding (Note [Tensor parallel shards] in tp_group.hpp).
 //
-// These units run on the CPU: their masked lookups and the loss are host loops
-// ([ptrain.tp.device] elsewhere); the linear layers of tp_linear.hpp run on any device.
+// The masked lookups and the loss statistics are ops (ops/vocab_parallel.hpp), so
+// these units run on any device whose tensors the group's communicator serves
+// (the CPU with MPI or Gloo, a GPU with NCCL).
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -21,15 +20,12 @@
 #include "ptrain/nn/targets.hpp"
 #include "ptrain/ops/embedding.hpp"
 #include "ptrain/ops/linear.hpp"
+#include "ptrain/ops/vocab_parallel.hpp"
 #include "ptrain/parallel/tp_group.hpp"
 
 namespace ptrain::parallel {
 
 namespace detail {
-inline void require_cpu(Device d, const char* who) {
-  PTRAIN_CHECK(d.is_cpu(), Error, "[ptrain.tp.device] ", who, " runs on the CPU only, got a tensor on ", d,
-               "; train tensor-parallel models on the CPU (MPI or Gloo)");
-}
 /// The vocabulary rows of tp rank `rank`: [lo, lo + Vl), of which [lo, min(lo + Vl, V)) are real.
 struct VocabRange {
   std::int64_t lo, local, vocab;
@@ -38,11 +34,6 @@ struct VocabRange {
   bool owns(std::int64_t id) const { return id >= lo && id < lo + local; }
   std::int64_t real() const { return std::max<std::int64_t>(0, std::min(local, vocab - lo)); }
 };
-/// dst[0..n) += src[0..n), in the arithmetic type (float for bf16).
-template <class T>
-void add_row(T* dst, const T* src, std::int64_t n) {
-  for (std::int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(static_cast<acc_t<T>>(dst[c]) + static_cast<acc_t<T>>(src[c]));
-}
 }  // namespace detail
 
 /// The input unit with the token table split by vocabulary rows: ids [B, S] ->
@@ -80,14 +71,7 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(cache.indices.size() == 1, Error, "[ptrain.backward] VocabParallelEmbedding::backward without a forward");
     const auto g = group_.whole(drop_ ? drop_->backward(dy, cache.child(0)) : dy);  // g's backward
-    const auto& ids = cache.indices[0];
-    const std::int64_t S = ids.size(1), C = dim_;
-    for (std::int64_t t = 0; t < ids.numel(); ++t) {
-      const T* gr = g.data() + t * C;
-      const std::int64_t id = ids.data()[t];
-      if (wpe_) detail::add_row(wpe_->grad.data() + (t % S) * C, gr, C);
-      if (range_.owns(id)) detail::add_row(wte_->grad.data() + (id - range_.lo) * C, gr, C);
-    }
+    ops::vocab_parallel_embedding_backward(cache.indices[0], range_.lo, g, wte_->grad, wpe_ ? &wpe_->grad : nullptr);
     if (wpe_) wpe_->mark_grad_ready();
     wte_->mark_grad_ready();
     cache.clear();
@@ -108,15 +92,9 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
                  ids.shape());
     PTRAIN_CHECK(!wpe_ || ids.size(1) <= block_size_, ShapeError, "[ptrain.embedding.positions] sequence of ", ids.size(1),
                  " tokens exceeds block_size ", block_size_, "; crop the context to the last block_size tokens");
-    detail::require_cpu(ids.device(), "VocabParallelEmbedding");
-    const std::int64_t S = ids.size(1), C = dim_;
-    auto out = Tensor<T>::zeros({ids.size(0), S, C});
-    for (std::int64_t t = 0; t < ids.numel(); ++t) {
-      T* o = out.data() + t * C;
-      const std::int64_t id = ids.data()[t];
-      if (range_.owns(id)) std::copy_n(wte_->value.data() + (id - range_.lo) * C, C, o);
-      if (wpe_ && group_.rank() == 0) detail::add_row(o, wpe_->value.data() + (t % S) * C, C);
-    }
+    // The rows this rank owns (zeros elsewhere), and tp rank 0 adds the positions.
+    auto out = ops::vocab_parallel_embedding(ids, range_.lo, wte_->value,
+                                             wpe_ && group_.rank() == 0 ? wpe_->value : Tensor<T>());
     out = group_.sum_partials(out);  // g: the owner's row plus rank 0's position, on every rank (for its tokens)
     cache.indices = {ids};
     return drop_ ? drop_->forward(out, cache.child(0)) : out;
@@ -211,6 +189,9 @@ class VocabParallelLMHead : public nn::Module<T>, public ShardedModule {
 /// so the forward sends 3 values per row instead of V, and backward needs no
 /// communication: d loss_i / d x_ij = exp(x_ij - M_i) / Z_i - [j == t] on the
 /// rank's own columns. Padding columns take no part (their gradient is 0).
+/// The per-rank parts are ops (ops/vocab_parallel.hpp) on the logits' device; the
+/// targets are checked by the loss op after the two all-reduces, and since the tp
+/// ranks hold the same targets, all of them throw [ptrain.tp.target] together.
 template <class T>
 class VocabParallelCrossEntropy {
  public:
@@ -218,70 +199,33 @@ class VocabParallelCrossEntropy {
       : group_(group), range_(vocab, group.rank(), group.size()), ignore_index_(ignore_index) {}
 
   double forward(const Tensor<T>& logits, const nn::Targets<T>& targets, nn::Cache<T>& cache) {
-    using A = acc_t<T>;
     const Tensor<std::int32_t>& ids = targets.ids("VocabParallelCrossEntropy");
-    detail::require_cpu(logits.device(), "VocabParallelCrossEntropy");
     const std::int64_t Vl = range_.local, real = range_.real();
     PTRAIN_CHECK(logits.dim() >= 1 && logits.size(-1) == Vl && ids.numel() * Vl == logits.numel(), ShapeError,
                  "[ptrain.tp.logits] vocabulary-parallel logits ", logits.shape(), " do not hold ", Vl,
                  " vocabulary columns for each of the ", ids.numel(), " targets");
     const std::int64_t N = ids.numel();
-    auto stats = Tensor<A>::empty({3 * N});  // M | Z | x_t - M
-    A* M = stats.data();
-    std::int64_t valid = 0;
-    for (std::int64_t i = 0; i < N; ++i) {
-      const std::int32_t t = ids.data()[i];
-      PTRAIN_CHECK(t == ignore_index_ || (t >= 0 && t < range_.vocab), ShapeError, "[ptrain.tp.target] target ", t,
-                   " at row ", i, " is not a class id in [0, ", range_.vocab, ") nor ignore_index ", ignore_index_);
-      valid += t != ignore_index_;
-      A m = std::numeric_limits<A>::lowest();
-      for (std::int64_t j = 0; j < real; ++j) m = std::max(m, static_cast<A>(logits.data()[i * Vl + j]));
-      M[i] = m;
-    }
+    auto stats = ops::vocab_parallel_row_max(logits, real);  // M | Z | x_t - M
     auto max_part = stats.view(0, {N});
     group_.all_reduce(max_part, dist::ReduceOp::Max);
-    A* Z = M + N;
-    A* xt = Z + N;
-    for (std::int64_t i = 0; i < N; ++i) {
-      A z = 0;
-      for (std::int64_t j = 0; j < real; ++j) z += std::exp(static_cast<A>(logits.data()[i * Vl + j]) - M[i]);
-      Z[i] = z;
-      const std::int32_t t = ids.data()[i];
-      xt[i] = t != ignore_index_ && range_.owns(t) ? static_cast<A>(logits.data()[i * Vl + (t - range_.lo)]) - M[i] : A(0);
-    }
+    ops::vocab_parallel_row_sums(logits, ids, range_.lo, real, ignore_index_, stats);
     auto sum_part = stats.view(N, {2 * N});
     group_.all_reduce(sum_part);
-    double loss = 0;
-    for (std::int64_t i = 0; i < N; ++i)
-      if (ids.data()[i] != ignore_index_) loss += std::log(static_cast<double>(Z[i])) - static_cast<double>(xt[i]);
+    std::int64_t valid = 0;
+    const double loss = ops::vocab_parallel_loss<T>(stats, ids, range_.vocab, ignore_index_, valid);
     cache.tensors = {logits};
     cache.stats = {stats};
     cache.indices = {ids};
     cache.values = {static_cast<std::uint64_t>(valid)};
-    return valid > 0 ? loss / static_cast<double>(valid) : 0.0;
+    return loss;
   }
   /// Gradient of `dloss * loss` with respect to this rank's logits; no communication.
   Tensor<T> backward(nn::Cache<T>& cache, acc_t<T> dloss = 1) {
-    using A = acc_t<T>;
     PTRAIN_CHECK(cache.tensors.size() == 1 && cache.stats.size() == 1, Error,
                  "[ptrain.backward] VocabParallelCrossEntropy::backward without a forward");
-    const Tensor<T>& logits = cache.tensors[0];
-    const auto& ids = cache.indices[0];
-    const std::int64_t N = ids.numel(), Vl = range_.local, real = range_.real();
-    const auto valid = static_cast<std::int64_t>(cache.values[0]);
-    const A* M = cache.stats[0].data();
-    const A* Z = M + N;
-    const A scale = valid > 0 ? dloss / static_cast<A>(valid) : A(0);
-    auto d = Tensor<T>::zeros(logits.shape());
-    for (std::int64_t i = 0; i < N; ++i) {
-      const std::int32_t t = ids.data()[i];
-      if (t == ignore_index_) continue;
-      for (std::int64_t j = 0; j < real; ++j) {
-        A p = std::exp(static_cast<A>(logits.data()[i * Vl + j]) - M[i]) / Z[i];
-        if (range_.lo + j == t) p -= 1;
-        d.data()[i * Vl + j] = static_cast<T>(p * scale);
-      }
-    }
+    auto d = ops::vocab_parallel_loss_backward(cache.tensors[0], cache.stats[0], cache.indices[0], range_.lo,
+                                               range_.real(), static_cast<std::int64_t>(cache.values[0]), dloss,
+                                               ignore_index_);
     cache.clear();
     return d;
   }

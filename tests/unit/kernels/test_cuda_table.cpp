@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include <ptrain/ops/norm.hpp>
 #include <ptrain/ops/optimizer.hpp>
 #include <ptrain/ops/rotary.hpp>
+#include <ptrain/ops/vocab_parallel.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/sgd.hpp>
 
@@ -43,7 +45,7 @@ class HostBackend final : public ptrain::detail::DeviceBackend {
 };
 
 struct Calls {
-  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, rms_norm = 0, rotary = 0;
+  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, rms_norm = 0, rotary = 0, vocab_embedding = 0;
 };
 Calls& calls() {
   static Calls c;
@@ -87,6 +89,25 @@ void fake_rotary(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D,
   ++calls().rotary;
   kernels::cpu::rotary_apply(B, S, H, D, positions, stride, freqs, inverse, x);
 }
+void fake_vocab_embedding(std::int64_t rows, std::int64_t dim, const std::int32_t* ids, std::int64_t lo,
+                          std::int64_t local, const float* table, const float* pos, std::int64_t seq, float* out) {
+  ++calls().vocab_embedding;
+  kernels::cpu::vocab_parallel_embedding_forward(rows, dim, ids, lo, local, table, pos, seq, out);
+}
+
+// Sets PTRAIN_UNVERIFIED_CUDA to `value` (nullptr: unsets it) for a scope, then restores it.
+struct ScopedGate {
+  std::optional<std::string> was;
+  explicit ScopedGate(const char* value) {
+    if (const char* v = std::getenv("PTRAIN_UNVERIFIED_CUDA")) was = v;
+    if (value) ::setenv("PTRAIN_UNVERIFIED_CUDA", value, 1);
+    else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+  }
+  ~ScopedGate() {
+    if (was) ::setenv("PTRAIN_UNVERIFIED_CUDA", was->c_str(), 1);
+    else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+  }
+};
 
 // Installs the stand-ins for a scope and empties both slots again afterwards.
 struct FakeCuda {
@@ -102,6 +123,7 @@ struct FakeCuda {
     table.f64.adamw_update = &fake_adamw;
     table.f32.rms_norm_forward = &fake_rms_norm;
     table.f32.rotary_apply = &fake_rotary;
+    table.f32.vocab_parallel_embedding_forward = &fake_vocab_embedding;
     kernels::detail::cuda_kernel_table_slot() = &table;
     ptrain::detail::cuda_backend_slot() = &backend;
   }
@@ -179,26 +201,15 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     CHECK(p[1] == Approx(-1.0 + 0.1).epsilon(1e-6));
   }
   SECTION("rms_norm and rotary: the Llama ops reach the table") {
-    // The gate (Note [The verification gate]) lets these run only when gated CUDA is allowed.
-    if (!kernels::cuda_kernel_enabled("rms_norm_forward") || !kernels::cuda_kernel_enabled("rotary_apply")) {
+    {
+      ScopedGate off(nullptr);  // refused by the gate (Note [The verification gate]) unless allowed
       const auto w = Tensor<float>::from({1.0f, 2.0f, 0.5f}, {3}).to(kFakeGpu);
       Tensor<float> rstd;
       CHECK_THROWS_WITH(ops::rms_norm(x_gpu, w, 1e-6f, rstd),
                         Catch::Contains("[ptrain.cuda.unverified]") && Catch::Contains("rms_norm_forward"));
       CHECK(calls().rms_norm == 0);
     }
-    struct AllowGated {  // sets PTRAIN_UNVERIFIED_CUDA=1 for the section, then restores it
-      std::string was;
-      bool had;
-      AllowGated() : had(std::getenv("PTRAIN_UNVERIFIED_CUDA") != nullptr) {
-        if (had) was = std::getenv("PTRAIN_UNVERIFIED_CUDA");
-        ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
-      }
-      ~AllowGated() {
-        if (had) ::setenv("PTRAIN_UNVERIFIED_CUDA", was.c_str(), 1);
-        else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
-      }
-    } allow;
+    ScopedGate allow("1");
     const auto w_cpu = Tensor<float>::from({1.0f, 2.0f, 0.5f}, {3});
     Tensor<float> rstd_cpu, rstd_gpu;
     const auto y_cpu = ops::rms_norm(x_cpu, w_cpu, 1e-6f, rstd_cpu);
@@ -220,6 +231,23 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     CHECK(got[1] == 2.0f);
     CHECK(got[2] == Approx(-4.0 * std::sin(1.0) + 3.0 * std::cos(1.0)).margin(1e-6));
     CHECK(got[3] == Approx(4.0 * std::cos(1.0) + 3.0 * std::sin(1.0)).margin(1e-6));
+  }
+  SECTION("the vocabulary-parallel lookup reaches the table, behind the verification gate") {
+    // Rows [2, 4) of a 5-row vocabulary on this rank: ids 2 and 3 are its rows 0 and 1, the rest zero rows.
+    const auto table = Tensor<float>::from({1.0f, 2.0f, 3.0f, 4.0f}, {2, 2}).to(kFakeGpu);
+    const auto ids = Tensor<std::int32_t>::from({0, 2, 3, 4}, {2, 2}).to(kFakeGpu);
+    {
+      ScopedGate off(nullptr);
+      CHECK_THROWS_WITH(ops::vocab_parallel_embedding(ids, 2, table, Tensor<float>()),
+                        Catch::Contains("[ptrain.cuda.unverified]") &&
+                            Catch::Contains("vocab_parallel_embedding_forward"));
+      CHECK(calls().vocab_embedding == 0);
+    }
+    ScopedGate allow("1");
+    const auto out = ops::vocab_parallel_embedding(ids, 2, table, Tensor<float>());
+    CHECK(calls().vocab_embedding == 1);
+    CHECK(out.device() == kFakeGpu);
+    CHECK(out.to_vector() == std::vector<float>{0, 0, 1, 2, 3, 4, 0, 0});
   }
   SECTION("an entry the table lacks is refused, not called") {
     CHECK_THROWS_WITH(ops::relu(x_gpu),

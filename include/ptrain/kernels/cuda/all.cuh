@@ -19,6 +19,7 @@
 //   rotary.cuh       rotary_apply (rotary position embedding, Llama 3 scaling through the frequencies)
 //   swiglu.cuh       swiglu_forward/backward
 //   embedding.cuh    token_ids, embedding_forward/backward (deterministic scatter-add)
+//   vocab_parallel.cuh  the vocabulary-parallel embedding (+backward) and cross-entropy statistics, loss (+backward)
 //   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
 //   conv.cuh         im2col, col2im, max/avg pooling (float, double)
 //   batch_norm.cuh   batch-norm statistics, finalisation, apply, backward (float, double)
@@ -40,6 +41,7 @@
 #include "ptrain/kernels/cuda/rotary.cuh"
 #include "ptrain/kernels/cuda/swiglu.cuh"
 #include "ptrain/kernels/cuda/embedding.cuh"
+#include "ptrain/kernels/cuda/vocab_parallel.cuh"
 #include "ptrain/kernels/cuda/attention.cuh"
 #include "ptrain/kernels/cuda/flash_attention.cuh"
 #include "ptrain/kernels/cuda/conv.cuh"
