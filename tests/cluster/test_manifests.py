@@ -6,11 +6,16 @@ scripts, and the Slurm script in examples/slurm/:
 
 - core-API objects (Service, Job, Pod, PVC, Secret, NetworkPolicy, ConfigMap)
   are validated, strictly (unknown fields are errors), against the OpenAPI
-  schemas of Kubernetes 1.29 (the oldest the manifests support) and of the
-  newest release that kubernetes-validate ships; so are the pod and job
-  templates inside the operators' kinds (PyTorchJob, MPIJob, TrainJob,
-  TrainingRuntime), whose own fields are checked against the field names of
-  the operators' API types;
+  schemas of Kubernetes 1.29 (the oldest the manifests support; 1.31 for the
+  elastic Job) and of the newest release that kubernetes-validate ships, as
+  written and with the optional (commented) Kueue label and priorityClassName
+  lines uncommented; so are the pod and job templates inside the operators'
+  kinds (PyTorchJob, MPIJob, TrainJob, TrainingRuntime, Volcano Job). Those
+  kinds' own schemas are not available offline: their fields, and the enum
+  values of JobSet's failure policy and Volcano's policies, are checked against
+  copies of the operators' Go API types here, and what ptrain relies on (which
+  failures restart without counting, the elastic rendezvous, Volcano's rank and
+  master) is checked structurally;
 - every pod: GPU requests exactly when its program is a GPU program (one that
   links ptrain::cuda's kernels, ptrain_cuda_own, in examples/CMakeLists.txt), the image variant to match,
   NCCL settings where GPUs talk, a non-root security context with no

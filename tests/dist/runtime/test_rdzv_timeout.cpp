@@ -149,4 +149,48 @@ TEST_CASE("rendezvous timeout: rank 0 waits for a late rank, and names one that 
   }
 }
 
+#ifdef PTRAIN_GLOO
+TEST_CASE("init_process_group (Gloo): a rank later than the communicator timeout joins within PTRAIN_RDZV_TIMEOUT_S",
+          "[rdzv_timeout]") {
+  EnvGuard guard("PTRAIN_RDZV_TIMEOUT_S");
+  const auto timeout = 300ms, late = 1500ms;
+  auto run = [&](bool with_rdzv) {
+    if (with_rdzv) ::setenv("PTRAIN_RDZV_TIMEOUT_S", "20", 1);
+    else ::unsetenv("PTRAIN_RDZV_TIMEOUT_S");
+    const int port = ptrain_test::free_port();
+    std::string errors[2];
+    double sums[2] = {0, 0};
+    std::unique_ptr<Communicator> comms[2];
+    auto rank_main = [&](int rank) {
+      if (rank == 1) std::this_thread::sleep_for(late);
+      try {
+        ProcessGroupOptions o;  // reads PTRAIN_RDZV_TIMEOUT_S, as a program does
+        o.backend = "gloo";
+        o.timeout = timeout;
+        o.env = rank_env(rank, port);
+        comms[rank] = init_process_group(o);
+        double x = rank + 1.0;
+        comms[rank]->all_reduce(&x, 1, ptrain::DType::F64, ReduceOp::Sum);
+        sums[rank] = x;
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    };
+    std::thread t0(rank_main, 0), t1(rank_main, 1);
+    t0.join();
+    t1.join();
+    return std::make_pair(std::move(errors[0]), sums[0] + sums[1]);
+  };
+  SECTION("without it rank 0 gives up before rank 1 comes") {
+    auto [error0, total] = run(false);
+    CHECK_FALSE(error0.empty());
+  }
+  SECTION("with it both ranks meet and reduce") {
+    auto [error0, total] = run(true);
+    CHECK(error0.empty());
+    CHECK(total == 6.0);  // each rank's sum is 1 + 2
+  }
+}
+#endif
+
 }  // namespace test_rdzv_timeout
