@@ -6,11 +6,16 @@ scripts, and the Slurm script in examples/slurm/:
 
 - core-API objects (Service, Job, Pod, PVC, Secret, NetworkPolicy, ConfigMap)
   are validated, strictly (unknown fields are errors), against the OpenAPI
-  schemas of Kubernetes 1.29 (the oldest the manifests support) and of the
-  newest release that kubernetes-validate ships; so are the pod and job
-  templates inside the operators' kinds (PyTorchJob, MPIJob, TrainJob,
-  TrainingRuntime), whose own fields are checked against the field names of
-  the operators' API types;
+  schemas of Kubernetes 1.29 (the oldest the manifests support; 1.31 for the
+  elastic Job) and of the newest release that kubernetes-validate ships, as
+  written and with the optional (commented) Kueue label and priorityClassName
+  lines uncommented; so are the pod and job templates inside the operators'
+  kinds (PyTorchJob, MPIJob, TrainJob, TrainingRuntime, Volcano Job). Those
+  kinds' own schemas are not available offline: their fields, and the enum
+  values of JobSet's failure policy and Volcano's policies, are checked against
+  copies of the operators' Go API types here, and what ptrain relies on (which
+  failures restart without counting, the elastic rendezvous, Volcano's rank and
+  master) is checked structurally;
 - every pod: GPU requests exactly when its program is a GPU program (one that
   links ptrain::cuda's kernels, ptrain_cuda_own, in examples/CMakeLists.txt), the image variant to match,
   NCCL settings where GPUs talk, a non-root security context with no
@@ -62,6 +67,11 @@ DIST = ROOT / "include" / "ptrain" / "dist"
 MIN_GRACE_S = 60
 # The oldest Kubernetes the manifests are written for (podFailurePolicy, podReplacementPolicy).
 MIN_KUBERNETES = "1.29.0"
+# Manifests that need a newer one, as their headers say: the elastic Job's successPolicy.
+MIN_KUBERNETES_OF = {"elastic-job.yaml": "1.31.0"}
+# The first rendezvous must outlast scheduling a pod on a node that is scaled up and
+# pulling a CUDA image there (several GB): PTRAIN_RDZV_TIMEOUT_S or ptrun's --rdzv-timeout.
+MIN_RDZV_TIMEOUT_S = 600
 # A manifest command's program -> the sources that define its flags (the
 # examples share their checkpoint flags through examples/checkpoint_flags.hpp).
 CHECKPOINT_FLAGS = ROOT / "examples" / "checkpoint_flags.hpp"
@@ -114,13 +124,30 @@ RUNTIME_SETUP = (K8S / "runtime-setup.sh").read_text()
 IMAGE_UID = int(re.search(r"useradd --uid (\d+)", RUNTIME_SETUP).group(1))
 
 
-def load_all(path):
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+def load_all(path, text=None):
+    """The documents of a manifest. A Volcano Job (batch.volcano.sh) is given the kind
+    VolcanoJob here, so that it is not taken for a batch/v1 Job."""
+    docs = [d for d in yaml.safe_load_all(path.read_text() if text is None else text) if d is not None]
+    for d in docs:
+        if str(d.get("apiVersion", "")).startswith("batch.volcano.sh/") and d.get("kind") == "Job":
+            d["kind"] = "VolcanoJob"
+    return docs
 
 
-def manifests():
-    """(file name, document) for every document of every manifest."""
-    return [(path.name, d) for path in sorted(K8S.glob("*.yaml")) for d in load_all(path)]
+def manifests(optional=False):
+    """(file name, document) for every document of every manifest; with optional, as
+    if the optional lines (OPTIONAL_LINE: Kueue's queue label, priorityClassName) were
+    not commented out."""
+    return [(path.name, d) for path in sorted(K8S.glob("*.yaml"))
+            for d in load_all(path, with_optional_lines(path.read_text()) if optional else None)]
+
+
+# A commented-out optional setting: "# key: value" at the indentation it would have.
+OPTIONAL_LINE = re.compile(r"(?m)^(\s*)# ((?:kueue\.x-k8s\.io/queue-name|priorityClassName): \S+)")
+
+
+def with_optional_lines(text):
+    return OPTIONAL_LINE.sub(r"\1\2", text)
 
 
 def flags_of(command):
@@ -209,11 +236,13 @@ def pods_of(file, doc, docs):
                      "resources": trainer["resourcesPerNode"]})
         pod["containers"] = [node] + [c for c in pod["containers"] if c is not node]
         return [Pod(file, f"{file} TrainJob node", pod)]
+    if kind == "VolcanoJob":
+        return [Pod(file, f"{file} task {task['name']}", task["template"]["spec"]) for task in spec["tasks"]]
     return []
 
 
-def all_pods():
-    docs = manifests()
+def all_pods(optional=False):
+    docs = manifests(optional)
     return [p for file, d in docs for p in pods_of(file, d, docs)]
 
 
@@ -241,7 +270,8 @@ class TestParse(unittest.TestCase):
     def test_header_names_found(self):
         # If the grep finds nothing the other tests would pass vacuously.
         for name in ["JOB_COMPLETION_INDEX", "PTRAIN_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PTRAIN_COMM_TIMEOUT_S", "PTRAIN_STORE_TOKEN"]:
+                     "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PTRAIN_COMM_TIMEOUT_S", "PTRAIN_STORE_TOKEN",
+                     "PTRAIN_RDZV_TIMEOUT_S", "VC_TASK_INDEX"]:
             self.assertTrue(name in ENV_NAMES, f"{name} is no longer read by include/ptrain/dist/*.hpp")
         self.assertEqual(GPU_PROGRAMS, {"gpt_char_cuda"}, "examples/CMakeLists.txt: which targets link ptrain_cuda_own?")
         self.assertTrue(all_pods(), "no pod templates found")
@@ -264,6 +294,8 @@ def as_core_objects(doc):
         return [pod_template(rs["template"], role) for role, rs in spec["pytorchReplicaSpecs"].items()]
     if kind == "MPIJob":
         return [pod_template(rs["template"], role) for role, rs in spec["mpiReplicaSpecs"].items()]
+    if kind == "VolcanoJob":
+        return [pod_template(task["template"], task["name"]) for task in spec["tasks"]]
     if kind == "TrainingRuntime":
         return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{name}-{r['name']}"},
                  "spec": r["template"]["spec"]} for r in spec["template"]["spec"]["replicatedJobs"]]
@@ -284,6 +316,10 @@ CRD_FIELDS = {
     "TrainJob": {"runtimeRef", "initializer", "trainer", "runtimePatches", "suspend", "activeDeadlineSeconds",
                  "managedBy"},
     "TrainingRuntime": {"mlPolicy", "podGroupPolicy", "template"},
+    # Volcano's JobSpec (volcano.sh/apis pkg/apis/batch/v1alpha1/job.go)
+    "VolcanoJob": {"schedulerName", "minAvailable", "volumes", "tasks", "policies", "plugins", "runningEstimate",
+                   "queue", "maxRetry", "ttlSecondsAfterFinished", "priorityClassName", "minSuccess",
+                   "networkTopology"},
 }
 RUN_POLICY = {"cleanPodPolicy", "ttlSecondsAfterFinished", "activeDeadlineSeconds", "backoffLimit",
               "schedulingPolicy", "suspend", "managedBy"}
@@ -294,6 +330,18 @@ ML_POLICY = {"numNodes", "torch", "mpi", "flux", "jax", "xgboost"}
 JOBSET_SPEC = {"replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy", "suspend",
                "coordinator", "managedBy", "ttlSecondsAfterFinished"}
 REPLICATED_JOB = {"name", "groupName", "template", "replicas", "dependsOn"}
+# JobSet v1alpha2 FailurePolicy and FailurePolicyRule (sigs.k8s.io/jobset api/jobset/v1alpha2/jobset_types.go);
+# the actions are those of released JobSets (0.6 and later), the reasons the Job controller's.
+FAILURE_POLICY = {"maxRestarts", "restartStrategy", "rules"}
+FAILURE_POLICY_RULE = {"name", "action", "onJobFailureReasons", "onJobFailureMessagePatterns", "targetReplicatedJobs"}
+JOBSET_ACTIONS = {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"}
+JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "PodFailurePolicy", "MaxFailedIndexesExceeded"}
+# Volcano's TaskSpec and LifecyclePolicy (job.go), Event and Action (pkg/apis/bus/v1alpha1: the values users may set).
+VOLCANO_TASK = {"name", "replicas", "minAvailable", "template", "policies", "topologyPolicy", "maxRetry", "dependsOn"}
+VOLCANO_POLICY = {"action", "event", "events", "exitCode", "timeout"}
+VOLCANO_EVENTS = {"*", "PodFailed", "PodEvicted", "Unknown", "TaskCompleted", "TaskFailed"}
+VOLCANO_ACTIONS = {"AbortJob", "RestartJob", "RestartTask", "TerminateJob", "CompleteJob", "ResumeJob"}
+VOLCANO_PLUGINS = {"env", "svc", "ssh", "pytorch", "mpi", "tensorflow"}
 
 
 class TestSchemas(unittest.TestCase):
@@ -302,9 +350,10 @@ class TestSchemas(unittest.TestCase):
             self.fail(f"kubernetes-validate is not in {TEST_TOOLS}: run tools/install-deps.sh --test (it installs it)")
 
     def test_core_objects_against_kubernetes_schemas(self):
-        versions = [MIN_KUBERNETES, kubernetes_validate.utils.latest_version()]
         checked = set()
-        for file, doc in manifests():
+        # Also with the optional lines in: uncommented, they must be valid where they stand.
+        for file, doc in manifests() + manifests(optional=True):
+            versions = [MIN_KUBERNETES_OF.get(file, MIN_KUBERNETES), kubernetes_validate.utils.latest_version()]
             for obj in as_core_objects(doc):
                 for version in versions:
                     try:
@@ -316,10 +365,13 @@ class TestSchemas(unittest.TestCase):
         for kind in ["Service", "Job", "Pod", "PersistentVolumeClaim", "Secret", "NetworkPolicy", "ConfigMap",
                      "PodTemplate"]:
             self.assertIn(kind, checked, f"no {kind} was validated")
+        for file, version in MIN_KUBERNETES_OF.items():
+            self.assertIn(f"Kubernetes >= {version.rsplit('.', 1)[0]}", (K8S / file).read_text(),
+                          f"{file}: the header must say that it needs Kubernetes {version}")
 
     def test_validation_can_fail(self):
         # The validator must reject a misspelt field, or the test above proves nothing.
-        job = next(d for _, d in manifests() if d["kind"] == "Job")
+        job = next(d for d in load_all(K8S / "indexed-job.yaml") if d["kind"] == "Job")
         bad = copy.deepcopy(job)
         bad["spec"]["template"]["spec"]["containers"][0]["comand"] = ["x"]
         with self.assertRaises(kubernetes_validate.utils.ValidationError):
@@ -346,6 +398,26 @@ class TestSchemas(unittest.TestCase):
                 self.assertLessEqual(set(jobset), JOBSET_SPEC, f"{file}: JobSet fields")
                 for r in jobset["replicatedJobs"]:
                     self.assertLessEqual(set(r), REPLICATED_JOB, f"{file}: replicatedJob fields")
+                fp = jobset.get("failurePolicy", {})
+                self.assertLessEqual(set(fp), FAILURE_POLICY, f"{file}: JobSet failurePolicy fields")
+                names = {r["name"] for r in jobset["replicatedJobs"]}
+                for rule in fp.get("rules", []):
+                    self.assertLessEqual(set(rule), FAILURE_POLICY_RULE, f"{file}: failurePolicy rule fields")
+                    self.assertIn(rule["action"], JOBSET_ACTIONS, f"{file}: failurePolicy action")
+                    self.assertRegex(rule.get("name", "x"), r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+                    self.assertLessEqual(set(rule.get("onJobFailureReasons", [])), JOB_FAILURE_REASONS)
+                    self.assertLessEqual(set(rule.get("targetReplicatedJobs", [])), names)
+            if kind == "VolcanoJob":
+                self.assertLessEqual(set(spec["plugins"]), VOLCANO_PLUGINS, f"{file}: Volcano plugins")
+                for task in spec["tasks"]:
+                    self.assertLessEqual(set(task), VOLCANO_TASK, f"{file}: Volcano task fields")
+                for policy in spec.get("policies", []) + [p for task in spec["tasks"] for p in task.get("policies", [])]:
+                    self.assertLessEqual(set(policy), VOLCANO_POLICY, f"{file}: Volcano policy fields")
+                    self.assertIn(policy["action"], VOLCANO_ACTIONS, f"{file}: Volcano action")
+                    # Volcano accepts either an event or an exit code in one policy, not both.
+                    self.assertEqual(("event" in policy or "events" in policy) + ("exitCode" in policy), 1, policy)
+                    if "event" in policy:
+                        self.assertIn(policy["event"], VOLCANO_EVENTS, f"{file}: Volcano event")
         self.assertEqual(seen, set(CRD_FIELDS), "every operator kind has an example")
 
 
@@ -485,10 +557,11 @@ class TestClaimSecretPolicies(unittest.TestCase):
     def test_network_policy_admits_only_the_jobs_own_pods(self):
         # The label each controller puts on its pods, with the job's name as value.
         labels = {"Job": "job-name", "PyTorchJob": "training.kubeflow.org/job-name",
-                  "MPIJob": "training.kubeflow.org/job-name", "TrainJob": "jobset.sigs.k8s.io/jobset-name"}
+                  "MPIJob": "training.kubeflow.org/job-name", "TrainJob": "jobset.sigs.k8s.io/jobset-name",
+                  "VolcanoJob": "volcano.sh/job-name"}
         policies = [d for _, d in manifests() if d["kind"] == "NetworkPolicy"]
         jobs = [d for _, d in manifests() if d["kind"] in labels]
-        self.assertEqual(len(jobs), len(labels))
+        self.assertEqual({d["kind"] for d in jobs}, set(labels))
         for job in jobs:
             selector = {labels[job["kind"]]: job["metadata"]["name"]}
             mine = [p for p in policies if p["spec"]["podSelector"].get("matchLabels") == selector]
@@ -499,10 +572,12 @@ class TestClaimSecretPolicies(unittest.TestCase):
             for rule in spec["ingress"]:
                 self.assertEqual(rule["from"], [{"podSelector": {"matchLabels": selector}}],
                                  f"{job['metadata']['name']}: only the job's own pods may connect")
-        # The Indexed Job's label is the one the Job controller sets (the Service selects by it too).
-        indexed = next(d for d in jobs if d["kind"] == "Job")
-        service = next(d for _, d in manifests() if d["kind"] == "Service")
-        self.assertEqual(service["spec"]["selector"], {"job-name": indexed["metadata"]["name"]})
+        # An Indexed Job's label is the one the Job controller sets (its file's Service selects by it too).
+        for file in ("indexed-job.yaml", "elastic-job.yaml"):
+            docs = load_all(K8S / file)
+            job = next(d for d in docs if d["kind"] == "Job")
+            service = next(d for d in docs if d["kind"] == "Service")
+            self.assertEqual(service["spec"]["selector"], {"job-name": job["metadata"]["name"]}, file)
 
 
 class TestIndexedJob(unittest.TestCase):
@@ -608,6 +683,239 @@ class TestTrainJob(unittest.TestCase):
         self.assertIn("--no-python", launchers[0])
         self.assertEqual(int(trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]), trainer["numProcPerNode"],
                          "one rank per GPU")
+
+
+# The objects a user submits as a job, and where each keeps its queue and its priority.
+JOB_KINDS = {"Job", "PyTorchJob", "MPIJob", "TrainJob", "VolcanoJob", "Pod"}
+
+
+class TestQueuesAndPriority(unittest.TestCase):
+    """Kueue's queue label and a priorityClassName on every job, commented out: both name
+    objects the cluster must have (a LocalQueue, a PriorityClass), so the manifests apply
+    unchanged without them."""
+
+    def test_every_job_names_a_queue_and_every_pod_a_priority(self):
+        plain = manifests()
+        with_optional = manifests(optional=True)
+        self.assertEqual(len(plain), len(with_optional))
+        jobs = 0
+        for (file, doc), (_, opt) in zip(plain, with_optional):
+            if doc["kind"] not in JOB_KINDS:
+                continue
+            jobs += 1
+            where = f"{file} {doc['kind']} {doc['metadata']['name']}"
+            if doc["kind"] == "VolcanoJob":
+                # Volcano has its own queues (Kueue does not manage Volcano Jobs): the queue is a spec field.
+                self.assertTrue(doc["spec"].get("queue"), f"{where}: spec.queue")
+                self.assertIn("priorityClassName", opt["spec"], f"{where}: a commented priorityClassName in spec")
+                self.assertNotIn("priorityClassName", doc["spec"], f"{where}: priorityClassName must stay optional")
+                continue
+            label = "kueue.x-k8s.io/queue-name"
+            self.assertIn(label, opt["metadata"].get("labels", {}), f"{where}: a commented {label} label")
+            self.assertNotIn(label, doc["metadata"].get("labels", {}), f"{where}: the queue label must stay optional")
+        self.assertEqual(jobs, len([d for _, d in plain if d["kind"] in JOB_KINDS]))
+        self.assertGreaterEqual(jobs, 7)
+        pods = all_pods(optional=True)
+        self.assertEqual(len(pods), len(all_pods()))
+        for p, plain_pod in zip(pods, all_pods()):
+            if p.file == "volcano-job.yaml":
+                continue                    # the Volcano Job's priority is the job's (above)
+            self.assertTrue(p.spec.get("priorityClassName"), f"{p.where}: a commented priorityClassName")
+            self.assertNotIn("priorityClassName", plain_pod.spec, f"{p.where}: priorityClassName must stay optional")
+
+    def test_uncommenting_changes_only_those_lines(self):
+        for path in sorted(K8S.glob("*.yaml")):
+            text = path.read_text()
+            changed = [(a, b) for a, b in zip(text.splitlines(), with_optional_lines(text).splitlines()) if a != b]
+            for before, after in changed:
+                self.assertEqual(before.replace("# ", "", 1), after, path.name)
+                self.assertRegex(after.strip(), r"^(kueue\.x-k8s\.io/queue-name|priorityClassName): [a-z0-9-]+(\s+#.*)?$")
+
+
+class TestRendezvousTimeout(unittest.TestCase):
+    def test_the_variable_bounds_the_first_rendezvous(self):
+        pg = (DIST / "process_group.hpp").read_text()
+        self.assertIn("rdzv_timeout_from_env()", pg, "init_process_group no longer reads PTRAIN_RDZV_TIMEOUT_S")
+        self.assertIn("rendezvous_store(env, opts.timeout, opts.rdzv_timeout)", pg)
+
+    def test_every_job_waits_long_enough_for_an_image_pull(self):
+        checked = 0
+        for p in all_pods():
+            if "--parallel" not in flags_of(p.argv) or p.container["command"][0] == MPI_ENTRYPOINT:
+                continue                    # one process; or MPI: mpirun starts once every worker is ready
+            env = env_map(p.container)
+            ptrun = next((l for l in p.launchers if Path(l[0]).name == "ptrun"), None)
+            if ptrun:
+                # The pods' ptruns meet first (--rdzv-timeout, default 600 s); the ranks start together after.
+                flags = flags_of(ptrun)
+                self.assertTrue("--max-restarts" in flags or "--nnodes" in flags, p.where)
+                self.assertGreaterEqual(float(flags.get("--rdzv-timeout", 600)), MIN_RDZV_TIMEOUT_S, p.where)
+                self.assertNotIn("PTRAIN_RDZV_TIMEOUT_S", env, f"{p.where}: ptrun's --rdzv-timeout bounds the start")
+            else:
+                rdzv = float(env.get("PTRAIN_RDZV_TIMEOUT_S", 0))
+                self.assertGreaterEqual(rdzv, MIN_RDZV_TIMEOUT_S, f"{p.where}: PTRAIN_RDZV_TIMEOUT_S for the start")
+                self.assertLess(float(env["PTRAIN_COMM_TIMEOUT_S"]), rdzv,
+                                f"{p.where}: the collective timeout stays short")
+            checked += 1
+        self.assertGreaterEqual(checked, 5)
+
+
+class TestTrainJobFailurePolicy(unittest.TestCase):
+    """Evictions and checkpointed preemptions restart the JobSet without using up maxRestarts."""
+
+    def setUp(self):
+        docs = load_all(K8S / "trainjob.yaml")
+        self.trainjob = next(d for d in docs if d["kind"] == "TrainJob")
+        runtime = next(d for d in docs if d["kind"] == "TrainingRuntime")
+        self.jobset = runtime["spec"]["template"]["spec"]
+        self.rjob = next(r for r in self.jobset["replicatedJobs"] if r["name"] == "node")
+        self.job = self.rjob["template"]["spec"]
+
+    def first_rule(self, reason):
+        """The JobSet action for a Job that failed with `reason` (first matching rule; default RestartJobSet)."""
+        for rule in self.jobset["failurePolicy"].get("rules", []):
+            reasons = rule.get("onJobFailureReasons", [])
+            targets = rule.get("targetReplicatedJobs", [])
+            if (not reasons or reason in reasons) and (not targets or "node" in targets) \
+                    and not rule.get("onJobFailureMessagePatterns"):
+                return rule["action"]
+        return "RestartJobSet"
+
+    def test_preemption_restarts_do_not_count(self):
+        self.assertEqual(self.first_rule("PodFailurePolicy"), "RestartJobSetAndIgnoreMaxRestarts")
+        self.assertEqual(self.first_rule("BackoffLimitExceeded"), "RestartJobSet", "crashes must count")
+        self.assertGreater(self.jobset["failurePolicy"]["maxRestarts"], 0)
+        # The Job fails with reason PodFailurePolicy exactly for preemptions.
+        self.assertEqual(self.job["template"]["spec"]["restartPolicy"], "Never", "podFailurePolicy needs Never")
+        self.assertEqual(self.job["backoffLimit"], 0, "the first other failure fails the Job (BackoffLimitExceeded)")
+        rules = self.job["podFailurePolicy"]["rules"]
+        self.assertTrue(all(r["action"] == "FailJob" for r in rules), "FailJob is what sets reason PodFailurePolicy")
+        self.assertTrue(any(any(c["type"] == "DisruptionTarget" and c.get("status") == "True"
+                                for c in r.get("onPodConditions", [])) for r in rules))
+        launchers, argv = split_command(self.trainjob["spec"]["trainer"]["command"])
+        preempt = int(flags_of(argv)["--preempt-exit-code"])
+        codes = [c for r in rules for c in r.get("onExitCodes", {}).get("values", [])]
+        self.assertEqual(codes, [preempt], "only a checkpointed preemption; a crash (exit 1) must count")
+        for r in rules:
+            if "onExitCodes" in r:
+                self.assertEqual(r["onExitCodes"]["containerName"], "node")
+                self.assertEqual(r["onExitCodes"]["operator"], "In")
+
+
+class TestElasticJob(unittest.TestCase):
+    def setUp(self):
+        docs = load_all(K8S / "elastic-job.yaml")
+        self.job = next(d for d in docs if d["kind"] == "Job")
+        self.services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+        self.spec = self.job["spec"]
+        self.pod = self.spec["template"]["spec"]
+        self.container = self.pod["containers"][0]
+        launchers, self.argv = split_command(self.container["command"])
+        self.assertEqual([Path(l[0]).name for l in launchers], ["ptrun"])
+        self.ptrun = flags_of(launchers[0])
+
+    def test_elastic_ptrun_on_every_pod(self):
+        lo, hi = (int(x) for x in self.ptrun["--nnodes"].split(":"))
+        self.assertTrue(1 <= lo < hi, "--nnodes MIN:MAX with MIN < MAX")
+        self.assertEqual(self.spec["completionMode"], "Indexed")
+        self.assertEqual(self.spec["completions"], hi, "completions = --nnodes MAX")
+        self.assertEqual(self.spec["parallelism"], self.spec["completions"], "elastic Indexed Jobs change both together")
+        self.assertEqual(self.ptrun["--nproc-per-node"], "1", "a CPU program: one rank per pod")
+        self.assertEqual(self.ptrun["--rdzv-backend"], "c10d")
+        self.assertIn("--max-restarts", self.ptrun)
+        self.assertIn("--rdzv-id", self.ptrun)
+        # ptrun gives the ranks their variables; values in the manifest would disagree with each round's.
+        env = env_map(self.container)
+        for name in ("RANK", "WORLD_SIZE", "PTRAIN_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            self.assertNotIn(name, env, f"ptrun sets {name} for every round")
+        for option in ('"--nnodes', '"--rdzv-endpoint', '"--rdzv-backend', '"--rdzv-id', '"--rdzv-timeout'):
+            self.assertIn(option, program_source("ptrun"))
+
+    def test_endpoint_is_pod0_through_headless_service(self):
+        sub = self.pod["subdomain"]
+        svc = self.services[sub]["spec"]
+        self.assertEqual(svc["clusterIP"], "None")
+        self.assertTrue(svc.get("publishNotReadyAddresses"))
+        self.assertEqual(svc["selector"], {"job-name": self.job["metadata"]["name"]})
+        host, port = self.ptrun["--rdzv-endpoint"].rsplit(":", 1)
+        self.assertEqual(host, f"{self.job['metadata']['name']}-0.{sub}", "the rendezvous host is index 0")
+        self.assertIn(int(port), [p["port"] for p in svc["ports"]])
+        self.assertIn(int(port), [p["containerPort"] for p in self.container["ports"]])
+
+    def test_success_and_failure_policies(self):
+        # Done when pod 0 is: the other indexes may be gone (shrunk) or arrive after the end.
+        self.assertEqual(self.spec["successPolicy"]["rules"], [{"succeededIndexes": "0"}])
+        self.assertEqual(self.pod["restartPolicy"], "Never")
+        self.assertEqual(self.spec.get("podReplacementPolicy"), "Failed", "never two pod 0s")
+        rules = self.spec["podFailurePolicy"]["rules"]
+        self.assertTrue(any(r["action"] == "Ignore" and any(c["type"] == "DisruptionTarget"
+                                                            for c in r.get("onPodConditions", [])) for r in rules))
+        preempt = int(flags_of(self.argv)["--preempt-exit-code"])
+        self.assertTrue(any(r["action"] == "Ignore" and preempt in r.get("onExitCodes", {}).get("values", [])
+                            for r in rules), "a pod that leaves after a checkpoint is not a failure")
+        for r in rules:
+            if "onExitCodes" in r:
+                self.assertEqual(r["onExitCodes"]["containerName"], self.container["name"])
+                if r["action"] == "FailJob":
+                    self.assertNotIn(1, r["onExitCodes"]["values"], "a lost pod 0 (exit 1) must stay retryable")
+        self.assertGreaterEqual(self.spec["backoffLimit"], self.spec["completions"] - 1)
+
+
+class TestVolcanoJob(unittest.TestCase):
+    def setUp(self):
+        self.job = load_all(K8S / "volcano-job.yaml")[0]
+        self.assertEqual(self.job["apiVersion"], "batch.volcano.sh/v1alpha1")
+        self.assertEqual(self.job["kind"], "VolcanoJob")
+        self.spec = self.job["spec"]
+        self.task = self.spec["tasks"][0]
+        self.pod = self.task["template"]["spec"]
+        self.container = self.pod["containers"][0]
+        self.env = env_map(self.container)
+
+    def test_rank_world_and_master(self):
+        self.assertEqual(len(self.spec["tasks"]), 1, "one task of identical ranks")
+        # The env plugin sets VC_TASK_INDEX, which launch_env.hpp's Volcano row reads as the rank.
+        self.assertIn("env", self.spec["plugins"])
+        self.assertTrue('r.has("VC_TASK_INDEX")' in LAUNCH_ENV)
+        branch = LAUNCH_ENV[LAUNCH_ENV.index('r.has("VC_TASK_INDEX")'):]
+        branch = branch[:branch.index("} else if")]
+        self.assertIn("manifest_world", branch)
+        world = int(self.env.get("PTRAIN_WORLD_SIZE", self.env.get("WORLD_SIZE", 0)))
+        self.assertEqual(world, self.task["replicas"])
+        self.assertNotIn("RANK", self.env, "RANK would take precedence over VC_TASK_INDEX")
+        # The svc plugin: hostname <job>-<task>-<index>, subdomain <job> (a headless Service of that name).
+        self.assertIn("svc", self.spec["plugins"])
+        name = self.job["metadata"]["name"]
+        self.assertEqual(self.env["MASTER_ADDR"], f"{name}-{self.task['name']}-0.{name}")
+        self.assertIn(int(self.env["MASTER_PORT"]), [p["containerPort"] for p in self.container["ports"]])
+        self.assertEqual(flags_of(self.argv()).get("--parallel"), "ddp")
+
+    def argv(self):
+        return split_command(self.container["command"])[1]
+
+    def test_gang_queue_and_policies(self):
+        self.assertEqual(self.spec["schedulerName"], "volcano")
+        self.assertTrue(self.spec["queue"])
+        self.assertEqual(self.spec["minAvailable"], self.task["replicas"], "gang: every rank or none")
+        self.assertGreater(self.spec["maxRetry"], 3)
+        self.assertEqual(self.pod["restartPolicy"], "Never", "Volcano's policies restart pods, not the kubelet")
+        policies = self.spec["policies"]
+
+        def action(event=None, exit_code=None):
+            """Volcano's action for a pod event (a failed pod carries its exit code): the first match."""
+            for p in policies:
+                if "exitCode" in p and exit_code is not None and p["exitCode"] == exit_code:
+                    return p["action"]
+                if p.get("event") in (event, "*") and event is not None:
+                    return p["action"]
+            return None
+        preempt = int(flags_of(self.argv())["--preempt-exit-code"])
+        self.assertEqual(action("PodFailed", preempt), "RestartJob", "a checkpointed preemption restarts the job")
+        self.assertEqual(action("PodEvicted"), "RestartJob")
+        self.assertEqual(action("PodFailed", 1), "RestartJob", "a lost peer (exit 1) restarts the job")
+        for code in (2, 109):
+            self.assertEqual(action("PodFailed", code), "TerminateJob", f"exit {code}: a bad command line")
+        self.assertIn({"event": "TaskCompleted", "action": "CompleteJob"}, self.task["policies"])
 
 
 class TestMPIJob(unittest.TestCase):

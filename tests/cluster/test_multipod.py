@@ -57,6 +57,7 @@ SKIP = 77
 PODS = 4                             # replaced by the manifest's completions
 SUBNET = "10.233.0"                  # private test range, exists only inside the namespaces
 COMM_TIMEOUT_S = 20                  # PTRAIN_COMM_TIMEOUT_S for the test (the manifest's is for clusters)
+RDZV_TIMEOUT_S = 60                  # PTRAIN_RDZV_TIMEOUT_S likewise: the pods here start within seconds
 SLACK_S = 25                         # process exit, store retries and loading data on 2 busy cores
 RUN_LIMIT_S = 240                    # one whole training run must end within this
 # A short run: a small model and 2 epochs so that SIGKILL lands mid-run after a checkpoint.
@@ -185,6 +186,8 @@ class Pod:
                "KUBERNETES_SERVICE_PORT": "443", "JOB_COMPLETION_INDEX": str(k)}
         env.update(spec["env"])
         env["PTRAIN_COMM_TIMEOUT_S"] = str(COMM_TIMEOUT_S)
+        if "PTRAIN_RDZV_TIMEOUT_S" in env:
+            env["PTRAIN_RDZV_TIMEOUT_S"] = str(RDZV_TIMEOUT_S)
         self.log_path = logdir / f"{tag}-pod{k}.log"
         self.log = open(self.log_path, "w")
         # ip netns exec -> new UTS namespace -> set the pod hostname -> exec the rank.

@@ -29,7 +29,8 @@
 // first sends and then receives does not deadlock.
 //
 // Note [Failure]
-// Every wait is bounded by a timeout (PTRAIN_COMM_TIMEOUT_S, default 300 s).
+// Every wait is bounded by a timeout (PTRAIN_COMM_TIMEOUT_S, default 300 s; the first
+// rendezvous by PTRAIN_RDZV_TIMEOUT_S when set, see init_process_group).
 // An operation that fails or times out raises CommError naming the operation,
 // the rank, the peer when known, and the timeout. After a failure inside the
 // backend the communicator is aborted: every later operation fails at once
@@ -48,6 +49,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -79,17 +81,31 @@ inline const char* reduce_op_name(ReduceOp op) {
   return "?";
 }
 
+namespace detail {
+// $name as a number of seconds from 0.001 to 1e7; nullopt when unset or empty.
+inline std::optional<std::chrono::milliseconds> seconds_from_env(const char* name, const char* error_id) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  char* end = nullptr;
+  double s = std::strtod(v, &end);
+  PTRAIN_CHECK(end != v && *end == '\0' && s >= 0.001 && s < 1e7, LaunchError, error_id, " ", name, "='", v,
+               "' is not a number of seconds from 0.001 to 1e7; set it to e.g. 300 or unset it");
+  return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0));
+}
+}  // namespace detail
+
 /// Default timeout for every communicator wait: $PTRAIN_COMM_TIMEOUT_S seconds, or 300 s.
 inline std::chrono::milliseconds default_comm_timeout() {
   constexpr std::chrono::milliseconds kDefault{300'000};
-  const char* v = std::getenv("PTRAIN_COMM_TIMEOUT_S");
-  if (v == nullptr || *v == '\0') return kDefault;
-  char* end = nullptr;
-  double s = std::strtod(v, &end);
-  PTRAIN_CHECK(end != v && *end == '\0' && s >= 0.001 && s < 1e7, LaunchError,
-               "[ptrain.comm.timeout_env] PTRAIN_COMM_TIMEOUT_S='", v,
-               "' is not a number of seconds from 0.001 to 1e7; set it to e.g. 300 or unset it");
-  return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0));
+  return detail::seconds_from_env("PTRAIN_COMM_TIMEOUT_S", "[ptrain.comm.timeout_env]").value_or(kDefault);
+}
+
+/// Timeout of the first rendezvous alone (reaching the store and every rank joining it):
+/// $PTRAIN_RDZV_TIMEOUT_S seconds; nullopt when unset, and then the communicator timeout bounds it.
+/// Lets a job wait long for its last pod to be scheduled and pull its image while a lost
+/// peer is still noticed within PTRAIN_COMM_TIMEOUT_S once training runs.
+inline std::optional<std::chrono::milliseconds> rdzv_timeout_from_env() {
+  return detail::seconds_from_env("PTRAIN_RDZV_TIMEOUT_S", "[ptrain.comm.rdzv_timeout_env]");
 }
 
 namespace detail {

@@ -11,6 +11,7 @@
 //   "self", "mpi", "gloo", "nccl" force a backend; an error names what is missing.
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "ptrain/core/device.hpp"
@@ -38,8 +39,11 @@ struct ProcessGroupOptions {
   std::string backend = {};
   /// Where the buffers passed to collectives live; cuda:N selects NCCL under "auto".
   Device device = Device::cpu();
-  /// Timeout of every wait (store rendezvous included).
+  /// Timeout of every wait (the first rendezvous too, unless rdzv_timeout is set).
   std::chrono::milliseconds timeout = default_comm_timeout();
+  /// Timeout of the first rendezvous through the store alone: reaching it and every rank
+  /// joining it (Note [Rendezvous timeout]); default: $PTRAIN_RDZV_TIMEOUT_S, else `timeout`.
+  std::optional<std::chrono::milliseconds> rdzv_timeout = rdzv_timeout_from_env();
   /// Launch environment; detected from the process environment when not given.
   std::optional<LaunchEnv> env = {};
   /// Check every collective across ranks before running it (Note [Collective checks]);
@@ -116,6 +120,24 @@ inline std::string select_backend(const ProcessGroupOptions& opts, const LaunchE
 }
 
 namespace detail {
+// Note [Rendezvous timeout]
+// Ranks of a job start minutes apart when a node must first pull the image, but once
+// they all run, a peer that stops answering should be an error soon. With a
+// rendezvous timeout, the store is reached with that timeout, and every rank then
+// waits for all the others in one store barrier under the same timeout; only after
+// that does the store take the communicator's timeout, so the backend's own
+// connection (Gloo's mesh, NCCL's unique id) and every later wait use the short one.
+// Without it the store is built with the communicator's timeout and no barrier is
+// added, as before.
+inline std::shared_ptr<Store> rendezvous_store(const LaunchEnv& env, std::chrono::milliseconds timeout,
+                                               std::optional<std::chrono::milliseconds> rdzv_timeout) {
+  if (!rdzv_timeout) return make_store(env, timeout);
+  std::shared_ptr<Store> store = make_store(env, *rdzv_timeout);
+  store->barrier("ptrain/pg/joined", env.world_size);
+  store->set_timeout(timeout);
+  return store;
+}
+
 #ifdef PTRAIN_MPI
 // mpirun gave MPI its own world; it must agree with what the environment says.
 inline void check_mpi_world(const Communicator& c, const LaunchEnv& env) {
@@ -144,7 +166,7 @@ inline std::unique_ptr<Communicator> init_backend(const ProcessGroupOptions& opt
 #endif
 #ifdef PTRAIN_GLOO
   if (b == "gloo") {
-    std::shared_ptr<Store> store = make_store(env, opts.timeout);
+    std::shared_ptr<Store> store = rendezvous_store(env, opts.timeout, opts.rdzv_timeout);
     std::string host = detail::is_loopback(env.master_addr) || env.master_addr.empty() ? "127.0.0.1" : "";
     if (env.world_size > 1 && env.master_addr.empty()) host.clear();
     return std::make_unique<GlooCommunicator>(std::move(store), env.rank, env.world_size, opts.timeout, host);
@@ -159,7 +181,7 @@ inline std::unique_ptr<Communicator> init_backend(const ProcessGroupOptions& opt
       return std::make_unique<NcclCommunicator>(boot, opts.device.index, opts.timeout);
     }
 #endif
-    auto store = make_store(env, opts.timeout);
+    auto store = rendezvous_store(env, opts.timeout, opts.rdzv_timeout);
     return std::make_unique<NcclCommunicator>(*store, env.rank, env.world_size, opts.device.index, opts.timeout);
   }
 #endif
