@@ -105,7 +105,6 @@ namespace {
 std::unique_ptr<dist::Communicator> staged_world() {
   dist::ProcessGroupOptions o;
   o.device = kGpu;
-  o.timeout = std::chrono::seconds(60);
   o.check_collectives = false;
   o.flight_recorder = false;
   return dist::init_process_group(o);
@@ -302,7 +301,7 @@ std::vector<int> run_ranks(int n, const std::filesystem::path& dir, int timeout_
     for (std::string kv : {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
                            "WORLD_SIZE=" + std::to_string(n), "LOCAL_WORLD_SIZE=" + std::to_string(n),
                            std::string("MASTER_ADDR=127.0.0.1"), "MASTER_PORT=" + port,
-                           std::string("PTRAIN_COMM_TIMEOUT_S=60"), std::string("PTRAIN_UNVERIFIED_CUDA=1")})
+                           std::string("PTRAIN_COMM_TIMEOUT_S=45"), std::string("PTRAIN_UNVERIFIED_CUDA=1")})
       env.push_back(kv);
     std::vector<char*> envp;
     for (auto& kv : env) envp.push_back(kv.data());
@@ -363,10 +362,10 @@ TEST_CASE("staged: 2 and 4 ranks sharing one GPU train like one process (DDP, FS
   for (int n : {2, 4}) {
     const auto dir = std::filesystem::temp_directory_path() /
                      ("ptrain_staged_" + std::to_string(::getpid()) + "_np" + std::to_string(n));
-    const auto codes = run_ranks(n, dir, 150);
+    const auto codes = run_ranks(n, dir, 75);
     for (int r = 0; r < n; ++r) {
       const auto log = dir / ("rank" + std::to_string(r) + ".log");
-      INFO(n << " ranks: rank " << r << " exited with " << codes[r] << " (-9: killed after 150 s); its output:\n"
+      INFO(n << " ranks: rank " << r << " exited with " << codes[r] << " (-9: killed after 75 s); its output:\n"
              << read_file(log));
       CHECK(codes[r] == 0);
     }
