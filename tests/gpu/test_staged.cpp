@@ -101,10 +101,13 @@ TEST_CASE("staged: device buffers through pinned host memory, ordered with the c
 
 namespace {
 
-// The world of a rank of the multi-rank check: Gloo chosen by "auto" (ranks outnumber GPUs), staged.
+// The world of a rank of the multi-rank check: Gloo, staged, chosen by "auto" because the
+// ranks outnumber the GPUs (forced where the machine has a GPU per rank: all use cuda:0).
 std::unique_ptr<dist::Communicator> staged_world() {
   dist::ProcessGroupOptions o;
   o.device = kGpu;
+  const int ranks = dist::detect_launch_env().local_world_size;
+  o.backend = kernels::cuda::device_count() < ranks ? "auto" : "gloo";
   o.check_collectives = false;
   o.flight_recorder = false;
   return dist::init_process_group(o);
