@@ -318,8 +318,8 @@ class StagedCommunicator final : public ForwardingCommunicator {
     PTRAIN_CHECK(inner_->serves(Device::cpu()), CommError, "[ptrain.comm.staged] the ", inner_->backend(),
                  " communicator does not move host memory, so it cannot carry staged device buffers; wrap an MPI "
                  "or Gloo communicator");
+    backend_ = &::ptrain::detail::cuda_backend();  // [ptrain.cuda.unavailable] without ptrain::cuda
     kernels::check_cuda_verified("staged_communicator");
-    backend_ = &::ptrain::detail::cuda_backend();
     pool_ = pool ? std::move(pool) : std::make_shared<detail::StagePool>(*backend_);
   }
 
