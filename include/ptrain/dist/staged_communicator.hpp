@@ -161,19 +161,14 @@ struct StagedOp {
     inner->wait(timeout);
     copy_back();
   }
-  // Copies back if the host call has finished; never waits for it. Errors are left
-  // for the Work's owner, whose wait() meets them again.
-  bool try_complete() noexcept {
+  // Copies back if the host call has finished (rethrowing its error); never waits for it.
+  bool try_complete() {
     std::unique_lock lock(m, std::try_to_lock);
     if (!lock.owns_lock()) return false;
     if (done) return true;
-    try {
-      if (!inner->is_completed()) return false;
-      inner->wait(std::chrono::milliseconds(0));
-      copy_back();
-    } catch (...) {
-      return false;
-    }
+    if (!inner->is_completed()) return false;
+    inner->wait(std::chrono::milliseconds(0));
+    copy_back();
     return true;
   }
 
@@ -185,7 +180,7 @@ struct StagedOp {
   }
 };
 
-// The staged calls of a communicator (and its splits) in submission order.
+// The staged calls of one communicator in flight, in submission order.
 class StagedOps {
  public:
   void add(std::shared_ptr<StagedOp> op) {
@@ -199,7 +194,13 @@ class StagedOps {
       std::lock_guard lock(m_);
       ops.assign(ops_.begin(), ops_.end());
     }
-    for (auto& op : ops) op->try_complete();
+    for (auto& op : ops) {
+      try {
+        op->try_complete();
+      } catch (...) {
+        // A failed call: its Work's owner meets the error when it waits.
+      }
+    }
     std::lock_guard lock(m_);
     ops_.erase(std::remove_if(ops_.begin(), ops_.end(),
                               [](const std::shared_ptr<StagedOp>& op) {
