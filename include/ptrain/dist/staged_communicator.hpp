@@ -23,17 +23,16 @@
 // whether or not its Work is still referenced: a Work dropped without waiting is
 // completed (result copied back) by the next wait on another Work of the same
 // communicator that finds it done, by the next staged call, or at the latest by
-// the communicator's destructor. Buffers that overlap (in place: all_reduce with send == recv,
-// all_gather with send inside recv, reduce_scatter with recv inside send) share one
-// host region at the same offsets, so the wrapped communicator sees the same
-// in-place call. A broadcast copies in on the root and back on the others; a send
+// the communicator's destructor. Buffers that overlap (in place: all_reduce with
+// send == recv, all_gather with send inside recv, reduce_scatter with recv inside
+// send) share one host region at the same offsets, so the wrapped communicator
+// sees the same in-place call. A broadcast copies in on the root and back on the others; a send
 // copies in only, a recv back only. Host pointers pass through unchanged.
 // Cost: every staged call waits for the caller's stream before it starts, and
 // each byte crosses PCIe twice, so communication no longer overlaps the GPU's
 // work; NCCL, one GPU per rank, stays the fast path.
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
