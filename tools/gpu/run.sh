@@ -9,8 +9,10 @@
 # Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
 #   env.txt          nvidia-smi, nvcc, cmake, torch versions
 #   build.log        configure and build of ptrain_gpu and gpu_bench
-#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu (the [nccl] cases in a second run), then
-#                    examples/gpt_char_cuda trained on the GPU for 300 steps in fp32 and in bf16
+#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu (the [nccl] cases in a second run; the
+#                    [multirank] cases, several ranks sharing the GPU over Gloo, only in their
+#                    gate step), then examples/gpt_char_cuda trained on the GPU for 300 steps
+#                    in fp32 and in bf16
 #   gpu_bench.jsonl  one JSON line per measurement, "impl": "ptrain" and "pytorch"
 #                    (ptrain's GPT steps twice: with cuBLASLt's fused epilogues and without)
 #   gpu_bench.log    everything the benchmarks printed (tables on stderr)
@@ -98,6 +100,20 @@ export PTRAIN_UNVERIFIED_CUDA=1
     echo "WARNING: no .deps/ here; run tools/gpu/stage-deps.sh where Debian's packages are and carry .deps"
 } 2>&1 | tee "$OUT/env.txt"
 
+# ---------------------------------------------------------------------- Gloo ----
+# Several ranks on the one GPU (the [multirank] tests) talk through Gloo staged by
+# tools/gpu/stage-deps.sh: headers, CMake config and libgloo with the libraries it
+# needs in .deps/lib. --disable-new-dtags writes the build's library path as
+# DT_RPATH, which the loader also uses for libgloo's own dependencies (DT_RUNPATH
+# serves only the executable's), so no LD_LIBRARY_PATH is needed.
+if [[ -f .deps/share/cmake/Gloo/GlooConfig.cmake ]]; then
+  gloo_args=(-DPTRAIN_WITH_GLOO=ON -DCMAKE_EXE_LINKER_FLAGS=-Wl,--disable-new-dtags)
+  echo "Gloo: .deps/share/cmake/Gloo (multi-rank tests on one GPU)" | tee -a "$OUT/env.txt"
+else
+  gloo_args=(-DPTRAIN_WITH_GLOO=OFF)
+  echo "Gloo: not staged in .deps; the multi-rank tests are not built" | tee -a "$OUT/env.txt"
+fi
+
 # ---------------------------------------------------------------------- NCCL ----
 # ptrain's CMake finds NCCL with find_library(nccl) + find_path(nccl.h) next to
 # the CUDA toolkit, which needs an unversioned libnccl.so. PyTorch's wheel
@@ -149,12 +165,12 @@ build_args=(--target ptrain_gpu gpu_bench gpt_char_cuda -j "$jobs" -- -k)
 [[ ${generator[*]-} == "-G Ninja" ]] && build_args+=(0)
 
 cmake_args=("${generator[@]}" -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$root/.deps" -DPTRAIN_WITH_CUDA=ON
-            -DPTRAIN_WITH_MPI=OFF -DPTRAIN_WITH_GLOO=OFF -DPTRAIN_WITH_BLAS=OFF -DPTRAIN_CUDA_ARCHS=90)
+            -DPTRAIN_WITH_MPI=OFF "${gloo_args[@]}" -DPTRAIN_WITH_BLAS=OFF -DPTRAIN_CUDA_ARCHS=90)
 # Which copies CMake found (.deps/..., not /usr) and which compiler and NCCL.
 show_cache() {
   grep -E '^(Eigen3|Catch2|nlohmann_json|CLI11)_DIR|^ZLIB_(INCLUDE_DIR|LIBRARY_RELEASE):' "$1/CMakeCache.txt" 2>&1 |
     tee -a "$OUT/build.log"
-  grep -E '^PTRAIN_NCCL_(INCLUDE|LIBRARY)|^CMAKE_CUDA_COMPILER:' "$1/CMakeCache.txt" 2>&1 | tee -a "$OUT/build.log"
+  grep -E '^PTRAIN_NCCL_(INCLUDE|LIBRARY)|^CMAKE_CUDA_COMPILER:|^Gloo_DIR' "$1/CMakeCache.txt" 2>&1 | tee -a "$OUT/build.log"
 }
 
 tests_bin=$build/tests/gpu/ptrain_gpu
@@ -165,11 +181,11 @@ if want build; then
   step configure 120 360 "$OUT/build.log" cmake -S . -B "$build" "${cmake_args[@]}" "${nccl_args[@]}"
   show_cache "$build"
   step build 300 240 "$OUT/build.log" cmake --build "$build" "${build_args[@]}"
-  # NCCL is the part of the GPU build most likely to break on a new machine
-  # (header and library versions); without it the kernels and the benchmarks still build.
-  if [[ ! -x $tests_bin || ! -x $bench_bin ]] && [[ -n $nccl_library ]]; then
+  # NCCL and the staged Gloo are the parts of the GPU build most likely to break on a new
+  # machine (header and library versions); without them the kernels and the benchmarks still build.
+  if [[ ! -x $tests_bin || ! -x $bench_bin ]] && [[ -n $nccl_library || ${gloo_args[0]} == -DPTRAIN_WITH_GLOO=ON ]]; then
     step configure_nonccl 60 300 "$OUT/build.log" cmake -S . -B "$build-nonccl" "${cmake_args[@]}" \
-      -DPTRAIN_WITH_NCCL=OFF
+      -DPTRAIN_WITH_NCCL=OFF -DPTRAIN_WITH_GLOO=OFF
     step build_nonccl 240 240 "$OUT/build.log" cmake --build "$build-nonccl" "${build_args[@]}"
   fi
 fi
@@ -190,18 +206,28 @@ if want test; then
     # --durations yes: the time of each test case, to see what a session's budget goes to.
     # The NCCL cases run on their own: one that hangs (a collective, the init
     # timeout) then costs only its own cap, not the kernels' results.
-    step gpu_tests 150 300 "$OUT/gpu_tests.log" "$tests_bin" "~[nccl]~[.]" --durations yes
+    step gpu_tests 150 300 "$OUT/gpu_tests.log" "$tests_bin" "~[nccl]~[.]~[multirank]" --durations yes
     step gpu_tests_nccl 90 240 "$OUT/gpu_tests.log" "$tests_bin" "[nccl]" --durations yes
     # The verification gate (Note [The verification gate]): per gated name, its
     # [cuda:<name>] test cases again on their own, so the summary says which
     # names passed and may leave include/ptrain/kernels/cuda_unverified.hpp.
+    # A name whose cases include [multirank] ones (ranks of ptrain_gpu started by the
+    # case itself, sharing the GPU) gets a longer cap.
     for name in $(gated_names); do
-      if [[ -z $("$tests_bin" --list-test-names-only "[cuda:$name]" 2>/dev/null | grep -v '^$') ]]; then
+      cases=$("$tests_bin" --list-test-names-only "[cuda:$name]" 2>/dev/null | grep -v '^$')
+      multirank=$("$tests_bin" --list-test-names-only "[cuda:$name][multirank]" 2>/dev/null | grep -v '^$')
+      cap=60
+      [[ -n $multirank ]] && cap=200
+      if [[ -z $cases ]]; then
         summary+=("gate $name: no test tagged [cuda:$name]")
-      elif step "gate_$name" 60 240 "$OUT/gpu_tests.log" "$tests_bin" "[cuda:$name]" >/dev/null; then
+      elif step "gate_$name" "$cap" 240 "$OUT/gpu_tests.log" "$tests_bin" "[cuda:$name]" >/dev/null; then
         summary+=("gate $name: passed")
       else
         summary+=("gate $name: FAILED")
+      fi
+      # The staged communicator's multi-rank cases exist only in a build with Gloo.
+      if [[ $name == staged_communicator && -z $multirank ]]; then
+        summary+=("gate $name: one process only; the multi-rank cases need Gloo (tools/gpu/stage-deps.sh, carry .deps)")
       fi
     done
   else
@@ -243,7 +269,7 @@ if want sanitize; then
     summary+=("sanitize: not run, no compute-sanitizer in PATH or /usr/local/cuda/bin")
   else
     flash="cuda: flash attention matches the CPU in double"
-    step memcheck 300 150 "$OUT/sanitize.log" "$sanitizer" --tool memcheck --error-exitcode 1 "$tests_bin" "~[nccl]~[.]"
+    step memcheck 300 150 "$OUT/sanitize.log" "$sanitizer" --tool memcheck --error-exitcode 1 "$tests_bin" "~[nccl]~[.]~[multirank]"
     step racecheck 120 40 "$OUT/sanitize.log" "$sanitizer" --tool racecheck --error-exitcode 1 "$tests_bin" "$flash"
     step synccheck 60 0 "$OUT/sanitize.log" "$sanitizer" --tool synccheck --error-exitcode 1 "$tests_bin" "$flash"
   fi

@@ -14,12 +14,18 @@
 #   ZLIB           zlib1g-dev          include/zlib.h, zconf.h, lib/libz.a (ptrain requires
 #                                      zlib: gzip'ed IDX files, checkpoint CRCs; the static
 #                                      archive needs no libz.so link on the other side)
+#   Gloo           libgloo-dev,        include/gloo, share/cmake/Gloo, lib/libgloo.so.0(.5.0) and
+#                  libgloo0            the shared libraries it needs that are not part of every
+#                                      Linux (libhiredis, libibverbs, libnl): the GPU run's
+#                                      several ranks on one GPU talk through Gloo, staged
+#                                      (docs/cuda.md, "Several ranks on one GPU")
 #
 # The packages' CMake configs locate their headers relative to their own file
 # (the prefix is three directories up), so they keep working after the copy as
 # long as each keeps its depth below the prefix: files go to .deps/<path below /usr>.
-# MPI, Gloo and OpenBLAS are not staged: they are libraries, and the GPU build
-# turns them off.
+# MPI and OpenBLAS are not staged: the GPU build turns them off. Gloo's shared
+# library is built against this machine's glibc and libstdc++; a machine with the
+# same or newer ones (the GPU machine's Ubuntu 24.04) loads it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=.deps
@@ -54,6 +60,32 @@ stage zlib1g-dev '^/usr/include/z(lib|conf)\.h$'
 # any distribution (<prefix>/lib), so the GPU machine's layout does not matter.
 zlib_a=$(dpkg -L zlib1g-dev | grep -E '/libz\.a$')
 cp -p "$zlib_a" "$dest/lib/libz.a"
+
+# Gloo: headers and CMake config from libgloo-dev; the library, under its file
+# name and its SONAME, and the libraries it needs beyond the C and C++ runtimes,
+# each under the name the loader asks for. The imported target's location is
+# made relative to the prefix.
+stage libgloo-dev '^/usr/(include/gloo/|share/cmake/Gloo/)'
+gloo_so=$(dpkg -L libgloo0 | grep -E '/libgloo\.so\.[0-9.]+$' | head -n 1)
+[[ -n $gloo_so ]] || { echo "stage-deps: libgloo0 installed no libgloo.so.* (is it installed?)" >&2; exit 1; }
+mkdir -p "$dest/lib"
+cp -pL "$gloo_so" "$dest/lib/$(basename "$gloo_so")"
+soname=$(objdump -p "$gloo_so" | awk '$1 == "SONAME" {print $2}')
+[[ -n $soname && ! -e $dest/lib/$soname ]] && cp -pL "$gloo_so" "$dest/lib/$soname"
+n=0
+while read -r name _ path _; do
+  case $name in
+    linux-vdso* | ld-linux* | libc.so* | libm.so* | libstdc++.so* | libgcc_s.so* | libpthread.so* | libdl.so* | librt.so*) ;;
+    *)
+      [[ -f $path ]] || { echo "stage-deps: $gloo_so needs $name, which ldd cannot find" >&2; exit 1; }
+      cp -pL "$path" "$dest/lib/$name"
+      n=$((n + 1))
+      ;;
+  esac
+done < <(ldd "$gloo_so" | awk '$2 == "=>" {print $1, $2, $3, $4}')
+echo "stage-deps: libgloo0: $(basename "$gloo_so") and $n libraries it needs"
+sed -i "s|/usr/lib/$(basename "$gloo_so")|\${_IMPORT_PREFIX}/lib/$(basename "$gloo_so")|g" \
+  "$dest"/share/cmake/Gloo/GlooTargets-*.cmake
 
 # A config that names an absolute /usr path would still point at this
 # machine's copy. Catch2's files compare their own location with

@@ -265,6 +265,23 @@ class DeviceBackend {
   /// Copies bytes between any two of {cpu, this device}; synchronous.
   virtual void copy(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t bytes) = 0;
   virtual void memset_zero(void* dst, Device dev, std::size_t bytes) = 0;
+  /// Number of devices of this kind the process sees; 0 when the backend cannot tell.
+  virtual int device_count() { return 0; }
+  /// True when host code may read and write `p` directly (pageable or pinned host
+  /// memory). A backend that cannot tell answers false, and callers then move the
+  /// bytes with copy() as if they were device memory.
+  virtual bool is_host_pointer(const void* p) {
+    (void)p;
+    return false;
+  }
+  /// Page-locked host memory, which copy() moves to and from the device faster
+  /// than pageable memory; null when the backend has none (use pageable memory then).
+  /// Freed with free_pinned_host().
+  virtual void* allocate_pinned_host(std::size_t bytes) {
+    (void)bytes;
+    return nullptr;
+  }
+  virtual void free_pinned_host(void* p) { (void)p; }
 };
 
 inline DeviceBackend*& cuda_backend_slot() {

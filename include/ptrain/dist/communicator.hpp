@@ -484,7 +484,9 @@ class Communicator {
                  backend(), " communicator of rank ", rank(), " cannot move them: ",
                  d.is_cpu() ? "NCCL moves GPU memory only; train a CPU model over MPI or Gloo"
                             : "use the NCCL backend for CUDA tensors (init_process_group picks it for a cuda "
-                              "device), created on the tensors' GPU, or move the model to the CPU");
+                              "device), created on the tensors' GPU; or MPI or Gloo staged through host memory "
+                              "(init_process_group with that device and backend mpi or gloo); or move the model "
+                              "to the CPU");
   }
 
   /// Blocking forms: the async form, then wait(timeout()).

@@ -4,11 +4,17 @@
 //
 //   backend "auto" (default, or $PTRAIN_BACKEND):
 //     a world of one rank                  -> self (no peers: collectives are copies)
-//     device cuda:N                        -> NCCL (unique id via MPI under mpirun, else the store)
+//     device cuda:N                        -> NCCL (unique id via MPI under mpirun, else the store),
+//                                             unless the GPUs are shared (below)
 //     launched by mpirun/mpiexec or srun   -> MPI, when ptrain was built with MPI
 //     torchrun, ptrun, Kubernetes, none    -> Gloo, rendezvous through the TCP store
 //                                             (MPI when built without Gloo)
 //   "self", "mpi", "gloo", "nccl" force a backend; an error names what is missing.
+//
+// Device cuda:N with MPI or Gloo (forced, or chosen by "auto" when this node runs
+// more ranks than it has visible GPUs, which NCCL refuses, or when ptrain was
+// built without NCCL): the communicator is wrapped in a StagedCommunicator, which
+// moves device buffers through host memory (Note [Staged device buffers]).
 
 #include <memory>
 #include <optional>
@@ -20,6 +26,7 @@
 #include "ptrain/dist/flight_recorder.hpp"
 #include "ptrain/dist/launch_env.hpp"
 #include "ptrain/dist/self_communicator.hpp"
+#include "ptrain/dist/staged_communicator.hpp"
 #include "ptrain/dist/store.hpp"
 #ifdef PTRAIN_MPI
 #include "ptrain/dist/mpi.hpp"
@@ -37,7 +44,9 @@ namespace ptrain::dist {
 struct ProcessGroupOptions {
   /// "auto", "self", "mpi", "gloo" or "nccl"; empty reads $PTRAIN_BACKEND (default "auto").
   std::string backend = {};
-  /// Where the buffers passed to collectives live; cuda:N selects NCCL under "auto".
+  /// Where the buffers passed to collectives live; cuda:N selects NCCL under "auto" (MPI or
+  /// Gloo staged through host memory when local ranks share GPUs), and makes a forced MPI or Gloo
+  /// backend stage device buffers (dist/staged_communicator.hpp).
   Device device = Device::cpu();
   /// Timeout of every wait (the first rendezvous too, unless rdzv_timeout is set).
   std::chrono::milliseconds timeout = default_comm_timeout();
@@ -71,7 +80,20 @@ inline std::string compiled_backends() {
   return s;
 }
 
+namespace detail {
+/// True when this node runs more ranks than it has visible CUDA devices, so that some
+/// ranks share a GPU (NCCL refuses that). False when the program has no CUDA backend,
+/// or the backend cannot count its devices.
+inline bool local_ranks_share_gpus(const LaunchEnv& env) {
+  if (env.local_world_size < 2) return false;
+  ::ptrain::detail::DeviceBackend* cuda = ::ptrain::detail::cuda_backend_slot();
+  const int visible = cuda ? cuda->device_count() : 0;
+  return visible > 0 && visible < env.local_world_size;
+}
+}  // namespace detail
+
 /// The backend init_process_group would use for these options and environment ("self", "mpi", "gloo", "nccl").
+/// With device cuda:N, "mpi" and "gloo" stage device buffers through host memory.
 inline std::string select_backend(const ProcessGroupOptions& opts, const LaunchEnv& env) {
   std::string b = opts.backend;
   if (b.empty()) {
@@ -93,8 +115,10 @@ inline std::string select_backend(const ProcessGroupOptions& opts, const LaunchE
   if (b == "auto") {
     bool mpi_launch = env.launcher == Launcher::OpenMPI || env.launcher == Launcher::MPICH ||
                       env.launcher == Launcher::Slurm;
+    // A GPU per rank for NCCL; otherwise a host backend stages device buffers.
+    bool staged = opts.device.is_cuda() && (!has_nccl || detail::local_ranks_share_gpus(env)) && (has_mpi || has_gloo);
     if (env.world_size == 1) b = "self";
-    else if (opts.device.is_cuda()) b = "nccl";
+    else if (opts.device.is_cuda() && !staged) b = "nccl";
     else if (mpi_launch && has_mpi) b = "mpi";
     else if (has_gloo) b = "gloo";
     else if (has_mpi) b = "mpi";
@@ -193,6 +217,8 @@ inline std::unique_ptr<Communicator> init_backend(const ProcessGroupOptions& opt
 /// The world communicator of this launch; collective over every rank.
 inline std::unique_ptr<Communicator> init_process_group(ProcessGroupOptions opts = {}) {
   auto c = detail::init_backend(opts);
+  if (opts.device.is_cuda() && (c->backend() == "mpi" || c->backend() == "gloo"))
+    c = std::make_unique<StagedCommunicator>(std::move(c), opts.device);
   if (opts.check_collectives) c = std::make_unique<CheckedCommunicator>(std::move(c));
   if (opts.flight_recorder) c = std::make_unique<RecordingCommunicator>(std::move(c));
   return c;

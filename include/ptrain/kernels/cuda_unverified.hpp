@@ -43,6 +43,8 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "vocab_parallel_row_sums",
     "vocab_parallel_loss",
     "vocab_parallel_loss_backward",
+    // dist/staged_communicator.hpp
+    "staged_communicator",
 };
 
 /// True when `name` is on the gate's list.

@@ -151,6 +151,31 @@ class CudaBackend final : public ::ptrain::detail::DeviceBackend {
     PTRAIN_CHECK_CUDA(cudaMemsetAsync(dst, 0, bytes, current_stream(dev.index)));
   }
 
+  int device_count() override { return ::ptrain::kernels::cuda::device_count(); }
+
+  bool is_host_pointer(const void* p) override {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      // Older runtimes fail on pointers CUDA never saw: plain host memory.
+      (void)cudaGetLastError();
+      return true;
+    }
+    return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
+  }
+
+  void* allocate_pinned_host(std::size_t bytes) override {
+    void* p = nullptr;
+    // Portable: pinned for every device's context, so any cuda:N copies from it at full speed.
+    if (cudaHostAlloc(&p, bytes == 0 ? 1 : bytes, cudaHostAllocPortable) != cudaSuccess) {
+      (void)cudaGetLastError();  // no pinned memory (limit reached, no driver): the caller uses pageable memory
+      return nullptr;
+    }
+    return p;
+  }
+  void free_pinned_host(void* p) override {
+    if (p) PTRAIN_CHECK_CUDA(cudaFreeHost(p));
+  }
+
  private:
   std::mutex mutex_;
   std::array<std::atomic<CudaAllocator*>, kMaxDevices> allocators_{};

@@ -1,0 +1,200 @@
+// DDP, FSDP and the pipeline on "device" tensors over a StagedCommunicator
+// (dist/staged_communicator.hpp), without a GPU: a stand-in cuda:0 whose memory
+// is host memory the communicator must still stage (the backend says it is not
+// host memory) and whose kernel table holds the CPU kernels. The same engine on
+// CPU tensors over the plain world runs the same kernels and the same host
+// collectives, so every gradient norm and every parameter must come out the same
+// bits: staging may move bytes, never change them. tests/gpu/test_staged.cpp runs
+// these engines on a real GPU.
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include <ptrain/dist/process_group.hpp>
+#include <ptrain/dist/staged_communicator.hpp>
+#include <ptrain/nn/models/mlp.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/make_engine.hpp>
+
+#include "dist/world.hpp"
+
+namespace test_staged_engines {
+
+using namespace ptrain;
+using ptrain::testing::world;
+
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+// cuda:0 as host memory that only this backend's allocator hands out.
+class HostGpu final : public ptrain::detail::DeviceBackend {
+ public:
+  class Blocks final : public ptrain::detail::CachingAllocator {
+   public:
+    bool holds(const void* p) {
+      std::lock_guard lock(m_);
+      auto it = raw_.upper_bound(static_cast<const char*>(p));
+      if (it == raw_.begin()) return false;
+      --it;
+      return static_cast<const char*>(p) < it->first + it->second;
+    }
+
+   protected:
+    void* raw_allocate(std::size_t bytes) override {
+      void* p = std::aligned_alloc(kAlignment, bytes);
+      REQUIRE(p != nullptr);
+      std::lock_guard lock(m_);
+      raw_[static_cast<const char*>(p)] = bytes;
+      return p;
+    }
+    void raw_free(void* p) override {
+      {
+        std::lock_guard lock(m_);
+        raw_.erase(static_cast<const char*>(p));
+      }
+      std::free(p);
+    }
+
+   private:
+    std::mutex m_;
+    std::map<const char*, std::size_t> raw_;
+  };
+
+  Allocator& allocator(int) override { return blocks; }
+  void copy(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t bytes) override {
+    if (dst_dev.is_cpu() && src_dev.is_cuda()) ++to_host;
+    if (bytes) std::memmove(dst, src, bytes);
+  }
+  void memset_zero(void* dst, Device, std::size_t bytes) override {
+    if (bytes) std::memset(dst, 0, bytes);
+  }
+  int device_count() override { return 1; }
+  bool is_host_pointer(const void* p) override { return !blocks.holds(p); }
+
+  Blocks blocks;
+  std::atomic<long> to_host{0};
+};
+
+HostGpu& gpu() {
+  static HostGpu* g = new HostGpu;  // never destroyed: staging pools refer to it
+  return *g;
+}
+
+// The CPU kernels as the CUDA table of double (the kernels these engines reach).
+template <class T>
+void fill_with_cpu_kernels(kernels::CudaKernels<T>& k) {
+  namespace kc = kernels::cpu;
+  k.gemm = &kc::gemm<T>;
+  k.linear_epilogue = &kc::linear_epilogue<T>;
+  k.linear_weight_grad_epilogue = &kc::linear_weight_grad_epilogue<T>;
+  k.bias_add = &kc::bias_add<T>;
+  k.bias_grad = &kc::bias_grad<T>;
+  k.relu_forward = &kc::relu_forward<T>;
+  k.relu_backward = &kc::relu_backward<T>;
+  k.axpy = &kc::axpy<T>;
+  k.scale = &kc::scale<T>;
+  k.sum = &kc::sum<T>;
+  k.sum_squares = &kc::sum_squares<T>;
+  k.softmax_rows = &kc::softmax_rows<T>;
+  k.cross_entropy_forward = &kc::cross_entropy_forward<T>;
+  k.cross_entropy_backward = &kc::cross_entropy_backward<T>;
+  k.adamw_update = &kc::adamw_update<T>;
+}
+
+// Installs the stand-in backend and table for a scope, with the verification gate
+// open (PTRAIN_UNVERIFIED_CUDA=1); restores all three afterwards.
+struct FakeCuda {
+  kernels::CudaKernelTable table;
+  std::optional<std::string> gate;
+  FakeCuda() {
+    fill_with_cpu_kernels(table.f64);
+    if (const char* v = std::getenv("PTRAIN_UNVERIFIED_CUDA")) gate = v;
+    ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
+    kernels::detail::cuda_kernel_table_slot() = &table;
+    ptrain::detail::cuda_backend_slot() = &gpu();
+  }
+  ~FakeCuda() {
+    kernels::detail::cuda_kernel_table_slot() = nullptr;
+    ptrain::detail::cuda_backend_slot() = nullptr;
+    if (gate) ::setenv("PTRAIN_UNVERIFIED_CUDA", gate->c_str(), 1);
+    else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+  }
+};
+
+using Real = double;
+constexpr std::int64_t kIn = 7, kOut = 5, kRowsPerRank = 4, kSteps = 3;
+const optim::AdamWOptions kAdam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
+
+std::shared_ptr<nn::MLP<Real>> make_mlp(Device d) {
+  Generator g(3);
+  auto m = std::make_shared<nn::MLP<Real>>(kIn, std::vector<std::int64_t>{6, 9}, kOut, nn::Activation::ReLU, g);
+  m->to(d);
+  return m;
+}
+
+// kSteps clipped AdamW steps on this rank's data-parallel shard; the norms, then the parameters.
+std::pair<std::vector<double>, std::vector<Real>> train(parallel::Engine<Real>& e, Device d, int world_size) {
+  optim::AdamW<Real> opt(e.parameters(), kAdam);
+  std::vector<double> norms;
+  for (std::int64_t s = 0; s < kSteps; ++s) {
+    const std::int64_t rows = kRowsPerRank * world_size;
+    Generator g(100 + static_cast<std::uint64_t>(s));
+    auto x = Tensor<Real>::empty({rows, kIn});
+    auto y = Tensor<std::int32_t>::empty({rows});
+    for (std::int64_t i = 0; i < rows * kIn; ++i) x.data()[i] = static_cast<Real>(g.uniform() * 2 - 1);
+    for (std::int64_t i = 0; i < rows; ++i) y.data()[i] = static_cast<std::int32_t>(g.below(kOut));
+    dist::Communicator* dp = e.data_parallel_group();
+    const std::int64_t n = dp ? dp->size() : 1, r = dp ? dp->rank() : 0, mine = rows / n;
+    e.zero_grad();
+    e.forward_backward(x.narrow(r * mine, mine).to(d), y.narrow(r * mine, mine).to(d));
+    norms.push_back(e.clip_grad_norm_(0.05));
+    e.step(opt);
+  }
+  return {norms, e.parameters().values().to_vector()};
+}
+
+}  // namespace
+
+TEST_CASE("Engines on staged device tensors equal the same engines on CPU tensors bit for bit", "[staged]") {
+  auto& comm = world();
+  const int n = comm.size(), r = comm.rank();
+  using S = parallel::ShardingStrategy;
+  std::vector<std::pair<std::string, parallel::Plan<Real>>> plans = {
+      {"ddp", parallel::DDPOptions{.first_bucket_bytes = 64}},
+      {"fsdp full_shard", parallel::FSDPOptions{.strategy = S::FullShard}},
+      {"fsdp hybrid", parallel::FSDPOptions{.strategy = S::Hybrid, .hybrid_shard_size = n % 2 == 0 ? n / 2 : n}},
+  };
+  if (n % 2 == 0)
+    plans.push_back({"pipeline", parallel::PipelinePlan<Real>{.stages = 2, .unit_costs = {1, 0, 1, 0, 1},
+                                                              .options = {.micro_batches = 2}}});
+  FakeCuda fake;
+  dist::StagedCommunicator staged(comm.split(0, r), kGpu);
+  for (const auto& [name, plan] : plans) {
+    INFO(name << " on " << n << " ranks, " << comm.backend());
+    auto cpu_engine = parallel::make_engine<Real>(make_mlp(Device::cpu()), comm, plan);
+    const auto want = train(*cpu_engine, Device::cpu(), n);
+    const long copies = gpu().to_host;
+    const auto calls = staged.staging_stats().staged_calls;
+    auto dev_engine = parallel::make_engine<Real>(make_mlp(kGpu), staged, plan);
+    CHECK(dev_engine->parameters().values().device() == kGpu);
+    const auto got = train(*dev_engine, kGpu, n);
+    CHECK(got.first == want.first);
+    CHECK(got.second == want.second);
+    CHECK(want.first.size() == static_cast<std::size_t>(kSteps));
+    if (n > 1) CHECK(staged.staging_stats().staged_calls > calls);  // collectives moved "device" memory
+    CHECK(gpu().to_host > copies);
+  }
+  // The plain world refuses the same device model, naming the staged way out.
+  CHECK_THROWS_WITH(parallel::make_engine<Real>(make_mlp(kGpu), comm, parallel::Plan<Real>{parallel::DDPOptions{}}),
+                    Catch::Contains("[ptrain.comm.device]") && Catch::Contains("staged through host memory"));
+}
+
+}  // namespace test_staged_engines
