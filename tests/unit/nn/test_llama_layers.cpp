@@ -336,7 +336,7 @@ TEST_CASE("grouped-query attention gradients (finite differences)", "[nn][llama]
   check_module_gradients(positioned, random_tensor({2, 5, 8}, 54));
 }
 
-TEST_CASE("grouped-query attention: shape errors and CPU-only kernels", "[nn][llama]") {
+TEST_CASE("grouped-query attention: shape errors", "[nn][llama]") {
   REQUIRE_THROWS_WITH(nn::GroupedQueryAttention<double>(16, 4, 3), Contains("n_kv_head 3 must divide n_head 4"));
   REQUIRE_THROWS_WITH(nn::GroupedQueryAttention<double>(15, 4, 2), Contains("not divisible"));
   REQUIRE_THROWS_WITH(nn::GroupedQueryAttention<double>(12, 4, 2), Contains("even"));  // head width 3
@@ -344,12 +344,12 @@ TEST_CASE("grouped-query attention: shape errors and CPU-only kernels", "[nn][ll
   nn::Cache<double> cache;
   REQUIRE_THROWS_WITH(attn.forward(random_tensor({2, 3, 8}, 1), cache), Contains("[B, S, 16]"));
   REQUIRE_THROWS_WITH(attn.backward(random_tensor({2, 3, 16}, 1), cache), Contains("without a forward"));
-  Tensor<double> probs;
+  ops::GqaSaved<double> saved;
   REQUIRE_THROWS_WITH(ops::gqa_attention(random_tensor({1, 3, 4, 2}, 1), random_tensor({1, 3, 3, 2}, 2),
-                                         random_tensor({1, 3, 3, 2}, 3), probs),
+                                         random_tensor({1, 3, 3, 2}, 3), saved),
                       Contains("3 key/value heads do not divide 4"));
   REQUIRE_THROWS_WITH(ops::gqa_attention(random_tensor({1, 3, 4, 2}, 1), random_tensor({1, 3, 2, 2}, 2),
-                                         random_tensor({1, 3, 1, 2}, 3), probs),
+                                         random_tensor({1, 3, 1, 2}, 3), saved),
                       Contains("v"));
 }
 
@@ -359,13 +359,15 @@ TEST_CASE("the Llama-family ops refuse CUDA tensors by name", "[nn][llama]") {
   auto on_cuda = [&](const Shape& s) { return Tensor<double>::wrap(host->data(), s, Device::cuda(0), host); };
   const auto x = on_cuda({2, 3, 2, 4});
   auto unsupported = [](const std::string& op) { return Contains("[ptrain.cuda.unsupported] " + op + " has CPU"); };
-  Tensor<double> rstd, probs;
+  Tensor<double> rstd;
   REQUIRE_THROWS_AS(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), CudaError);
   REQUIRE_THROWS_WITH(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), unsupported("rms_norm"));
   REQUIRE_THROWS_WITH(ops::swiglu(x, x), unsupported("swiglu"));
   auto rotated = x;
   REQUIRE_THROWS_WITH(ops::rotary_(rotated, {}), unsupported("rotary_"));
-  REQUIRE_THROWS_WITH(ops::gqa_attention(x, x, x, probs), unsupported("gqa_attention"));
+  // gqa_attention has CUDA kernels: without ptrain::cuda linked, the table is what is missing.
+  ops::GqaSaved<double> saved;
+  REQUIRE_THROWS_WITH(ops::gqa_attention(x, x, x, saved), Contains("[ptrain.cuda.unavailable]"));
 }
 
 TEST_CASE("RMSNorm, swiglu and rotary in bf16 match double on the same inputs", "[nn][llama][bf16]") {

@@ -17,6 +17,7 @@
 //   layer_norm.cuh   layer_norm_forward/backward
 //   embedding.cuh    token_ids, embedding_forward/backward (deterministic scatter-add)
 //   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
+//   gqa_attention.cuh grouped-query flash attention (causal, documents, sliding window), backward, KV-cache decode
 //   conv.cuh         im2col, col2im, max/avg pooling (float, double)
 //   batch_norm.cuh   batch-norm statistics, finalisation, apply, backward (float, double)
 //   optimizer.cuh    sgd_update, adamw_update
@@ -36,6 +37,7 @@
 #include "ptrain/kernels/cuda/embedding.cuh"
 #include "ptrain/kernels/cuda/attention.cuh"
 #include "ptrain/kernels/cuda/flash_attention.cuh"
+#include "ptrain/kernels/cuda/gqa_attention.cuh"
 #include "ptrain/kernels/cuda/conv.cuh"
 #include "ptrain/kernels/cuda/batch_norm.cuh"
 #include "ptrain/kernels/cuda/optimizer.cuh"
