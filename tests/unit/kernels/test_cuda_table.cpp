@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include <ptrain/nn/flat_parameters.hpp>
 #include <ptrain/nn/linear.hpp>
 #include <ptrain/ops/activation.hpp>
+#include <ptrain/ops/gqa_attention.hpp>
 #include <ptrain/ops/linear.hpp>
 #include <ptrain/ops/optimizer.hpp>
 #include <ptrain/optim/adamw.hpp>
@@ -40,7 +42,7 @@ class HostBackend final : public ptrain::detail::DeviceBackend {
 };
 
 struct Calls {
-  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0;
+  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, gqa_forward = 0, gqa_backward = 0, gqa_decode = 0;
 };
 Calls& calls() {
   static Calls c;
@@ -74,6 +76,44 @@ void fake_cast(std::int64_t n, const float* x, bf16* y) {
   kernels::cpu::cast(n, x, y);
 }
 
+void fake_gqa_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D, const float* q,
+                      std::int64_t ldq, const float* k, const float* v, std::int64_t ldkv, const std::int32_t* starts,
+                      std::int64_t window, float scale, float* y, float* lse) {
+  ++calls().gqa_forward;
+  kernels::cpu::gqa_flash_forward(B, S, H, Hkv, D, q, ldq, k, v, ldkv, starts, window, scale, y, lse);
+}
+void fake_gqa_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D,
+                       const float* q, std::int64_t ldq, const float* k, const float* v, std::int64_t ldkv,
+                       const std::int32_t* starts, std::int64_t window, const float* y, const float* lse,
+                       const float* dy, float scale, float* dq, float* dk, float* dv) {
+  ++calls().gqa_backward;
+  kernels::cpu::gqa_flash_backward(B, S, H, Hkv, D, q, ldq, k, v, ldkv, starts, window, y, lse, dy, scale, dq, dk, dv);
+}
+void fake_gqa_decode(std::int64_t s, std::int64_t n, std::int64_t H, std::int64_t Hkv, std::int64_t D, const float* q,
+                     const float* k, const float* v, std::int64_t window, double scale, float* y) {
+  ++calls().gqa_decode;
+  kernels::cpu::gqa_attention_decode(s, n, H, Hkv, D, q, k, v, window, scale, y);
+}
+
+// Sets PTRAIN_UNVERIFIED_CUDA (value, or unset for null) for a scope, then restores it.
+class UnverifiedEnv {
+ public:
+  explicit UnverifiedEnv(const char* value) {
+    if (const char* old = std::getenv(kName)) old_ = old, had_ = true;
+    set(value);
+  }
+  ~UnverifiedEnv() { set(had_ ? old_.c_str() : nullptr); }
+
+ private:
+  static void set(const char* value) {
+    if (value) setenv(kName, value, 1);
+    else unsetenv(kName);
+  }
+  static constexpr const char* kName = "PTRAIN_UNVERIFIED_CUDA";
+  std::string old_;
+  bool had_ = false;
+};
+
 // Installs the stand-ins for a scope and empties both slots again afterwards.
 struct FakeCuda {
   HostBackend backend;
@@ -86,6 +126,9 @@ struct FakeCuda {
     table.f32.bias_add = &fake_bias_add;
     table.f32.cast_to_bf16 = &fake_cast;
     table.f64.adamw_update = &fake_adamw;
+    table.f32.gqa_flash_forward = &fake_gqa_forward;
+    table.f32.gqa_flash_backward = &fake_gqa_backward;
+    table.f32.gqa_attention_decode = &fake_gqa_decode;
     kernels::detail::cuda_kernel_table_slot() = &table;
     ptrain::detail::cuda_backend_slot() = &backend;
   }
@@ -161,6 +204,46 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     const auto p = lin.weight().value.to_vector();
     CHECK(p[0] == Approx(1.0 - 0.1).epsilon(1e-6));
     CHECK(p[1] == Approx(-1.0 + 0.1).epsilon(1e-6));
+  }
+  SECTION("grouped-query attention: the flash entries, gated, with the saved state on the device") {
+    const std::int64_t B = 1, S = 5, H = 2, Hkv = 1, D = 2;
+    std::vector<float> qs, ks;
+    for (int i = 0; i < B * S * H * D; ++i) qs.push_back(0.1f * static_cast<float>(i % 7) - 0.3f);
+    for (int i = 0; i < B * S * Hkv * D; ++i) ks.push_back(0.2f * static_cast<float>(i % 5) - 0.4f);
+    const auto q_cpu = Tensor<float>::from(qs, {B, S, H, D}), k_cpu = Tensor<float>::from(ks, {B, S, Hkv, D});
+    const auto q = q_cpu.to(kFakeGpu), k = k_cpu.to(kFakeGpu);
+    ops::GqaSaved<float> saved;
+    if (kernels::cuda_unverified("gqa_flash_forward")) {  // while gated, refused without the variable
+      UnverifiedEnv gated(nullptr);
+      CHECK_THROWS_WITH(ops::gqa_attention(q, k, k, saved),
+                        Catch::Contains("[ptrain.cuda.unverified]") && Catch::Contains("gqa_flash_forward"));
+      CHECK(calls().gqa_forward == 0);
+    }
+    UnverifiedEnv allowed("1");
+    const auto starts = Tensor<std::int32_t>::from({0, 0, 2, 2, 2}, {B, S});
+    CHECK_THROWS_WITH(ops::gqa_attention(q, k, k, saved, starts), Catch::Contains("[ptrain.device.mismatch]"));
+    const auto y = ops::gqa_attention(q, k, k, saved, starts.to(kFakeGpu), 2);
+    CHECK(calls().gqa_forward == 1);
+    CHECK(y.device() == kFakeGpu);
+    CHECK(saved.lse.device() == kFakeGpu);
+    CHECK(saved.lse.shape() == Shape{B, H, S});
+    CHECK_FALSE(saved.probs.defined());
+    ops::GqaSaved<float> cpu_saved;
+    const auto y_cpu = ops::gqa_attention(q_cpu, k_cpu, k_cpu, cpu_saved, starts, 2);
+    CHECK(calls().gqa_forward == 1);  // the CPU path keeps the materialised kernel
+    const auto got = y.to_vector(), want = y_cpu.to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == Approx(want[i]).margin(1e-6));
+    Tensor<float> dq, dk, dv, dq_cpu, dk_cpu, dv_cpu;
+    ops::gqa_attention_backward(q, k, k, saved, y, dq, dk, dv);
+    ops::gqa_attention_backward(q_cpu, k_cpu, k_cpu, cpu_saved, y_cpu, dq_cpu, dk_cpu, dv_cpu);
+    CHECK(calls().gqa_backward == 1);
+    CHECK(dk.device() == kFakeGpu);
+    const auto gk = dk.to_vector(), wk = dk_cpu.to_vector();
+    for (std::size_t i = 0; i < gk.size(); ++i) CHECK(gk[i] == Approx(wk[i]).margin(1e-6));
+    const auto yd = ops::gqa_attention_decode(q.view(3 * H * D, {1, 2, H, D}), k, k, S, 2);
+    CHECK(calls().gqa_decode == 1);
+    const auto gd = yd.to_vector();
+    for (std::size_t i = 0; i < gd.size(); ++i) CHECK(gd[i] == Approx(want[3 * H * D + i]).margin(1e-6));
   }
   SECTION("an entry the table lacks is refused, not called") {
     CHECK_THROWS_WITH(ops::relu(x_gpu),
