@@ -3,7 +3,8 @@
 // its log-sum-exp (against the CPU flash-contract kernel), dq, dk and dv, for
 // Hkv = H, H/2 and 1, with and without document starts, with and without a
 // sliding window shorter than S, head widths 32, 64 and 128; and the KV-cache
-// decode against the full forward's last rows. Compiled by g++ like a user's
+// decode against the full forward's last rows; GPT's packed qkv through
+// ops::causal_attention (float, no dropout). Compiled by g++ like a user's
 // .cpp. Bounds (gpu_util.hpp rel_err, norm-wise relative): float 1e-5 (float
 // arithmetic; sums over at most S * H / Hkv terms); bf16 1e-2 (inputs are bf16
 // values, so the reference sees what the kernel reads; the kernel computes in
@@ -20,6 +21,7 @@
 
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/nn/batch_context.hpp"
+#include "ptrain/ops/attention.hpp"
 #include "ptrain/ops/gqa_attention.hpp"
 #include "gpu/gpu_util.hpp"
 
@@ -157,4 +159,21 @@ TEST_CASE("gqa KV-cache decode on CUDA equals the full forward's last rows, wind
         check_decode<float>(4, Hkv, D, window);
         check_decode<bf16>(4, Hkv, D, window);
       }
+}
+
+TEST_CASE("GPT's packed attention in float without dropout takes the grouped-query kernels",
+          "[cuda:gqa_flash_forward][cuda:gqa_flash_backward][gqa_attention]") {
+  const std::int64_t B = 2, S = 37, H = 2, D = 32, C = H * D;
+  const auto qkv_v = uniform<float>(B * S * 3 * C, -1.5, 1.5), dy_v = uniform<float>(B * S * C, -1, 1);
+  const auto qkv = cpu_double(to_double(qkv_v), {B, S, 3 * C}), dy = cpu_double(to_double(dy_v), {B, S, C});
+  ops::AttentionSaved<double> ref_saved;
+  const auto y_ref = ops::causal_attention(qkv, H, 0.0, 0, 0, ref_saved).to_vector();
+  const auto dqkv_ref = ops::causal_attention_backward(qkv, ref_saved, H, dy).to_vector();
+  const auto g_qkv = gpu_tensor(qkv_v, {B, S, 3 * C}), g_dy = gpu_tensor(dy_v, {B, S, C});
+  ops::AttentionSaved<float> saved;
+  const auto y = ops::causal_attention(g_qkv, H, 0.0, 0, 0, saved);
+  CHECK(saved.lse.defined());  // the fused path, not the materialised one
+  CHECK_FALSE(saved.probs.defined());
+  CHECK(rel_err(y.to_vector(), y_ref) < 1e-5);
+  CHECK(rel_err(ops::causal_attention_backward(g_qkv, saved, H, g_dy).to_vector(), dqkv_ref) < 1e-5);
 }

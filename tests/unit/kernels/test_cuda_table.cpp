@@ -17,6 +17,7 @@
 #include <ptrain/nn/flat_parameters.hpp>
 #include <ptrain/nn/linear.hpp>
 #include <ptrain/ops/activation.hpp>
+#include <ptrain/ops/attention.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
 #include <ptrain/ops/linear.hpp>
 #include <ptrain/ops/optimizer.hpp>
@@ -95,6 +96,8 @@ void fake_gqa_decode(std::int64_t s, std::int64_t n, std::int64_t H, std::int64_
   kernels::cpu::gqa_attention_decode(s, n, H, Hkv, D, q, k, v, window, scale, y);
 }
 
+bool no_flash(std::int64_t, const float*) { return false; }
+
 // Sets PTRAIN_UNVERIFIED_CUDA (value, or unset for null) for a scope, then restores it.
 class UnverifiedEnv {
  public:
@@ -129,6 +132,7 @@ struct FakeCuda {
     table.f32.gqa_flash_forward = &fake_gqa_forward;
     table.f32.gqa_flash_backward = &fake_gqa_backward;
     table.f32.gqa_attention_decode = &fake_gqa_decode;
+    table.f32.flash_attention_supported = &no_flash;
     kernels::detail::cuda_kernel_table_slot() = &table;
     ptrain::detail::cuda_backend_slot() = &backend;
   }
@@ -244,6 +248,24 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     CHECK(calls().gqa_decode == 1);
     const auto gd = yd.to_vector();
     for (std::size_t i = 0; i < gd.size(); ++i) CHECK(gd[i] == Approx(want[3 * H * D + i]).margin(1e-6));
+  }
+  SECTION("GPT's packed attention in float without dropout reaches the grouped-query entries") {
+    const std::int64_t B = 1, S = 4, H = 2, D = 2, C = H * D;
+    std::vector<float> vals;
+    for (int i = 0; i < B * S * 3 * C; ++i) vals.push_back(0.05f * static_cast<float>((i * 7) % 13) - 0.3f);
+    const auto qkv_cpu = Tensor<float>::from(vals, {B, S, 3 * C});
+    UnverifiedEnv allowed("1");
+    ops::AttentionSaved<float> saved, cpu_saved;
+    const auto y = ops::causal_attention(qkv_cpu.to(kFakeGpu), H, 0.0, 0, 0, saved);
+    CHECK(calls().gqa_forward == 1);
+    CHECK(saved.lse.defined());
+    const auto y_cpu = ops::causal_attention(qkv_cpu, H, 0.0, 0, 0, cpu_saved);
+    const auto got = y.to_vector(), want = y_cpu.to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == Approx(want[i]).margin(1e-6));
+    const auto dqkv = ops::causal_attention_backward(qkv_cpu.to(kFakeGpu), saved, H, y).to_vector();
+    const auto dqkv_cpu = ops::causal_attention_backward(qkv_cpu, cpu_saved, H, y_cpu).to_vector();
+    CHECK(calls().gqa_backward == 1);
+    for (std::size_t i = 0; i < dqkv.size(); ++i) CHECK(dqkv[i] == Approx(dqkv_cpu[i]).margin(1e-6));
   }
   SECTION("an entry the table lacks is refused, not called") {
     CHECK_THROWS_WITH(ops::relu(x_gpu),
