@@ -19,11 +19,9 @@
 // on the device of its parameters: the CPU (float, double, bf16) or CUDA (float and
 // bf16: flash attention, ops/gqa_attention.hpp).
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
+#include <cstdint>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "ptrain/nn/batch_context.hpp"
 #include "ptrain/nn/linear.hpp"

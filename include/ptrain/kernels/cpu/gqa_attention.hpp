@@ -12,9 +12,11 @@
 // (starts null: 0; window 0: no window): `window` keys counting its own, the mask
 // of Hugging Face's sliding-window attention (transformers' masking_utils:
 // sliding_window_overlay keeps kv_idx > q_idx - sliding_window, on top of the
-// causal kv_idx <= q_idx), used by Mistral. Every kernel of the family
-// (the materialised path here, the flash-contract twins below, the CUDA kernels
-// in kernels/cuda/gqa_attention.cuh) applies this one rule.
+// causal kv_idx <= q_idx), used by Mistral. Older transformers releases were not
+// consistent about this count between their attention backends (transformers
+// issues 29623 and 39408, fixed by pull request 40163). Every kernel of the family
+// (the materialised path here, the flash-contract twins below, the CUDA kernels in
+// kernels/cuda/gqa_attention.cuh) applies this one rule.
 //
 // The flash contract (gqa_flash_forward/backward, gqa_attention_decode): what the
 // CUDA kernels compute, here as plain loops in the arithmetic type acc_t<T>, the
