@@ -74,6 +74,11 @@ void fill_floating(CudaKernels<T>& k) {
   k.flash_attention_supported = &kc::flash_attention_supported<T>;
   k.flash_attention_forward = &kc::flash_attention_forward<T>;
   k.flash_attention_backward = &kc::flash_attention_backward<T>;
+  if constexpr (!std::is_same_v<T, double>) {  // float and bf16 kernels only
+    k.gqa_flash_forward = &kc::gqa_flash_forward<T>;
+    k.gqa_flash_backward = &kc::gqa_flash_backward<T>;
+    k.gqa_attention_decode = &kc::gqa_attention_decode<T>;
+  }
 }
 
 // float and double: the forms bf16 has not (token ids, the plain optimizer

@@ -108,6 +108,12 @@ struct CudaKernels {
   void (*flash_attention_forward)(I64, I64, I64, I64, const T*, A, double, U64, U64, T*, A*) = nullptr;
   void (*flash_attention_backward)(I64, I64, I64, I64, const T*, const T*, const A*, double, U64, U64, const T*, A,
                                    T*) = nullptr;
+  // gqa_attention.cuh (float and bf16)
+  void (*gqa_flash_forward)(I64, I64, I64, I64, I64, const T*, I64, const T*, const T*, I64, const I32*, I64, A, T*,
+                            A*) = nullptr;
+  void (*gqa_flash_backward)(I64, I64, I64, I64, I64, const T*, I64, const T*, const T*, I64, const I32*, I64,
+                             const T*, const A*, const T*, A, T*, T*, T*) = nullptr;
+  void (*gqa_attention_decode)(I64, I64, I64, I64, I64, const T*, const T*, const T*, I64, double, T*) = nullptr;
   // conv.cuh (float and double)
   void (*im2col)(I64, const Window2d&, const T*, T*) = nullptr;
   void (*col2im)(I64, const Window2d&, const T*, T*) = nullptr;

@@ -14,13 +14,14 @@
 // for an o_proj bias. Positions come from the cache's batch context (explicit
 // position ids, or restarting at each document with set_document_token(); Note
 // [Batch context]), else 0..S-1; the three-argument forward takes int32 position ids
-// ([S] or [B, S]) directly. No dropout. CPU only.
+// ([S] or [B, S]) directly. set_sliding_window(W): each query sees its last W keys,
+// itself included (Mistral's sliding window, Hugging Face's mask). No dropout. Runs
+// on the device of its parameters: the CPU (float, double, bf16) or CUDA (float and
+// bf16: flash attention, ops/gqa_attention.hpp).
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
+#include <cstdint>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "ptrain/nn/batch_context.hpp"
 #include "ptrain/nn/linear.hpp"
@@ -88,6 +89,7 @@ class GroupedQueryAttention : public Module<T> {
                    " do not match the input ", x.shape(), "; they must be [B, S]");
       starts = document_starts(ctx->ids, document_token_);
       if (!positions.defined()) positions = document_positions(starts);
+      if (!x.device().is_cpu()) starts = starts.to(x.device());
     }
     return attend(x, positions, starts, cache);
   }
@@ -98,13 +100,16 @@ class GroupedQueryAttention : public Module<T> {
   }
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    PTRAIN_CHECK(cache.tensors.size() == 4 && cache.indices.size() == 1, Error,
-                 "[ptrain.backward] GroupedQueryAttention::backward without a forward");
+    PTRAIN_CHECK(cache.tensors.size() == 5 && cache.stats.size() == 1 && cache.indices.size() == 2 &&
+                     cache.values.size() == 1,
+                 Error, "[ptrain.backward] GroupedQueryAttention::backward without a forward");
     const Tensor<T>&q = cache.tensors[0], &k = cache.tensors[1], &v = cache.tensors[2];
     const std::int64_t B = q.size(0), S = q.size(1);
+    ops::GqaSaved<T> saved{cache.tensors[3], cache.tensors[4], cache.stats[0], cache.indices[1],
+                           static_cast<std::int64_t>(cache.values[0])};
     auto dy_heads = o_->backward(dy, cache.child(3)).reshape(q.shape());
     Tensor<T> dq, dk, dv;
-    ops::gqa_attention_backward(q, k, v, cache.tensors[3], dy_heads, dq, dk, dv);
+    ops::gqa_attention_backward(q, k, v, saved, dy_heads, dq, dk, dv);
     ops::rotary_backward_(dq, rope_, cache.indices[0]);
     ops::rotary_backward_(dk, rope_, cache.indices[0]);
     auto dx = q_->backward(dq.reshape({B, S, n_head_ * head_dim_}), cache.child(0));
@@ -130,20 +135,19 @@ class GroupedQueryAttention : public Module<T> {
   /// Generation with a KV cache: x [1, s, C] are the next s tokens, at positions
   /// kv.length .. kv.length + s - 1; their rotated keys and values are appended to kv
   /// (capacity: the first call's `capacity` positions) and the output [1, s, C] is
-  /// what forward() gives those tokens after the kv.length before them. One
-  /// sequence, no document masking, no backward.
+  /// what forward() gives those tokens after the kv.length before them (with the
+  /// sliding window, each sees its last `window` positions). One sequence, no
+  /// document masking, no backward. The cache lives on x's device.
   Tensor<T> decode(const Tensor<T>& x, KVCache<T>& kv, std::int64_t capacity) {
     PTRAIN_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(2) == n_embd_, ShapeError,
                  "[ptrain.gqa_attention.decode] input must be [1, s, ", n_embd_, "], got ", x.shape());
     const std::int64_t s = x.size(1), past = kv.length, H = n_head_, Hkv = n_kv_head_, D = head_dim_;
     if (!kv.k.defined()) {
-      kv.k = Tensor<T>::zeros({1, capacity, Hkv, D});
-      kv.v = Tensor<T>::zeros({1, capacity, Hkv, D});
+      kv.k = Tensor<T>::zeros({1, capacity, Hkv, D}, x.device());
+      kv.v = Tensor<T>::zeros({1, capacity, Hkv, D}, x.device());
     }
     PTRAIN_CHECK(past + s <= kv.k.size(1), ShapeError, "[ptrain.gqa_attention.decode] ", past + s,
                  " positions exceed the KV cache's ", kv.k.size(1), "; start a new cache");
-    PTRAIN_CHECK(window_ == 0 || past + s <= window_, ShapeError, "[ptrain.gqa_attention.window] ", past + s,
-                 " positions exceed the sliding window of ", window_, " tokens");
     Cache<T> scratch;  // the projections' saved inputs, not needed without backward
     auto q = q_->forward(x, scratch.child(0)).reshape({1, s, H, D});
     auto k = k_->forward(x, scratch.child(1)).reshape({1, s, Hkv, D});
@@ -152,33 +156,11 @@ class GroupedQueryAttention : public Module<T> {
     for (std::int64_t i = 0; i < s; ++i) positions.data()[i] = static_cast<std::int32_t>(past + i);
     ops::rotary_(q, rope_, positions);
     ops::rotary_(k, rope_, positions);
-    std::copy(k.data(), k.data() + k.numel(), kv.k.data() + past * Hkv * D);
-    std::copy(v.data(), v.data() + v.numel(), kv.v.data() + past * Hkv * D);
+    kv.k.view(past * Hkv * D, k.shape()).copy_(k);
+    kv.v.view(past * Hkv * D, v.shape()).copy_(v);
     kv.length = past + s;
-    // Token i (position past + i) attends to positions 0 .. past + i, in the arithmetic type.
-    auto y = Tensor<T>::empty({1, s, H * D});
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-    std::vector<double> w(static_cast<std::size_t>(past + s)), acc(static_cast<std::size_t>(D));
-    for (std::int64_t i = 0; i < s; ++i)
-      for (std::int64_t h = 0; h < H; ++h) {
-        const T* qi = q.data() + (i * H + h) * D;
-        const std::int64_t g = h / (H / Hkv), n = past + i + 1;
-        double mx = -std::numeric_limits<double>::infinity(), total = 0;
-        for (std::int64_t j = 0; j < n; ++j) {
-          const T* kj = kv.k.data() + (j * Hkv + g) * D;
-          double dot = 0;
-          for (std::int64_t d = 0; d < D; ++d) dot += static_cast<double>(qi[d]) * static_cast<double>(kj[d]);
-          mx = std::max(mx, w[static_cast<std::size_t>(j)] = dot * scale);
-        }
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (std::int64_t j = 0; j < n; ++j) {
-          const double e = std::exp(w[static_cast<std::size_t>(j)] - mx);
-          total += e;
-          const T* vj = kv.v.data() + (j * Hkv + g) * D;
-          for (std::int64_t d = 0; d < D; ++d) acc[static_cast<std::size_t>(d)] += e * static_cast<double>(vj[d]);
-        }
-        for (std::int64_t d = 0; d < D; ++d) y.data()[(i * H + h) * D + d] = static_cast<T>(acc[static_cast<std::size_t>(d)] / total);
-      }
+    // Token i (position past + i) attends to positions 0 .. past + i (the last window of them).
+    auto y = ops::gqa_attention_decode(q, kv.k, kv.v, kv.length, window_).reshape({1, s, H * D});
     return o_->forward(y, scratch.child(3));
   }
 
@@ -186,10 +168,13 @@ class GroupedQueryAttention : public Module<T> {
   /// document and positions restart (Note [Batch context]); -1 (default): no masking.
   void set_document_token(std::int32_t token) { document_token_ = token; }
   std::int32_t document_token() const { return document_token_; }
-  /// Mistral's sliding window: within it, sliding-window attention is causal
-  /// attention, so sequences up to `window` tokens are exact and longer ones are
-  /// refused (ptrain has no banded kernel); 0 (default): no limit.
-  void set_sliding_window(std::int64_t window) { window_ = window; }
+  /// Mistral's sliding window: each query sees its last `window` keys, itself
+  /// included (Note [Sliding window] in kernels/cpu/gqa_attention.hpp); 0 (default): none.
+  void set_sliding_window(std::int64_t window) {
+    PTRAIN_CHECK(window >= 0, Error, "[ptrain.gqa_attention.window] sliding window ", window, " must be >= 0 (0: none)");
+    window_ = window;
+  }
+  std::int64_t sliding_window() const { return window_; }
 
  private:
   Tensor<T> attend(const Tensor<T>& x, const Tensor<std::int32_t>& position_ids, const Tensor<std::int32_t>& starts,
@@ -197,19 +182,18 @@ class GroupedQueryAttention : public Module<T> {
     PTRAIN_CHECK(x.dim() == 3 && x.size(2) == n_embd_, ShapeError, "[ptrain.gqa_attention] input must be [B, S, ",
                  n_embd_, "], got ", x.shape());
     const std::int64_t B = x.size(0), S = x.size(1);
-    PTRAIN_CHECK(window_ == 0 || S <= window_, ShapeError, "[ptrain.gqa_attention.window] a sequence of ", S,
-                 " tokens is longer than the sliding window of ", window_, " tokens; ptrain has no sliding-window "
-                 "attention: train and sample with sequences of at most ", window_, " tokens");
     // The projections' outputs are fresh tensors (Linear keeps only its input), so rotating in place is safe.
     auto q = q_->forward(x, cache.child(0)).reshape({B, S, n_head_, head_dim_});
     auto k = k_->forward(x, cache.child(1)).reshape({B, S, n_kv_head_, head_dim_});
     auto v = v_->forward(x, cache.child(2)).reshape({B, S, n_kv_head_, head_dim_});
     ops::rotary_(q, rope_, position_ids);
     ops::rotary_(k, rope_, position_ids);
-    Tensor<T> probs;
-    auto y = ops::gqa_attention(q, k, v, probs, starts);
-    cache.tensors = {q, k, v, probs};
-    cache.indices = {position_ids};
+    ops::GqaSaved<T> saved;
+    auto y = ops::gqa_attention(q, k, v, saved, starts, window_);
+    cache.tensors = {q, k, v, saved.probs, saved.out};
+    cache.stats = {saved.lse};
+    cache.indices = {position_ids, saved.starts};
+    cache.values = {static_cast<std::uint64_t>(window_)};
     return o_->forward(y.reshape({B, S, n_head_ * head_dim_}), cache.child(3));
   }
 

@@ -8,11 +8,15 @@
 //
 // Runs on qkv's device: kernels/cpu/attention.hpp (causal row tiles),
 // kernels/cuda/flash_attention.cuh (fused, for bf16 on GPUs where it applies:
-// saved keeps the output and the rows' log-sum-exp, no [S, S] tensor), or
+// saved keeps the output and the rows' log-sum-exp, no [S, S] tensor),
+// kernels/cuda/gqa_attention.cuh (the grouped-query family's flash kernel on the
+// packed qkv: float, and bf16 at head widths flash_attention.cuh has no kernel for,
+// without dropout, once its gate lets it run: Note [The verification gate]), or
 // kernels/cuda/attention.cuh (batched cuBLAS products and a masked softmax).
 // Otherwise saved.probs is [B, H, S, S] on that device, like PyTorch's eager attention.
 
 #include <cmath>
+#include <type_traits>
 
 #include "ptrain/kernels/cpu/attention.hpp"
 #include "ptrain/ops/dispatch.hpp"
@@ -38,6 +42,18 @@ void check_attention_input(const Tensor<T>& qkv, std::int64_t n_head) {
   PTRAIN_CHECK(n_head > 0 && (qkv.size(2) / 3) % n_head == 0, ShapeError, "[ptrain.attention] width ",
                qkv.size(2) / 3, " is not divisible by ", n_head, " heads");
 }
+/// Whether the grouped-query flash kernels take this CUDA case (packed qkv, H = Hkv):
+/// no dropout, an even head width up to 128, float, or bf16 at a width the verified
+/// flash_attention.cuh has no kernel for (32, 64 and 128 stay its own, and
+/// set_flash_attention(false) sends them to the materialised path as before), both
+/// kernels in the table and let through by the gate (kernels::cuda_kernel_usable).
+template <class T>
+bool gqa_packed_usable(std::int64_t D, double p) {
+  const bool type_ok = std::is_same_v<T, float> || (std::is_same_v<T, bf16> && D != 32 && D != 64 && D != 128);
+  return type_ok && p == 0 && D % 2 == 0 && D <= 128 &&
+         kernels::cuda_kernel_usable(&kernels::CudaKernels<T>::gqa_flash_forward, "gqa_flash_forward") &&
+         kernels::cuda_kernel_usable(&kernels::CudaKernels<T>::gqa_flash_backward, "gqa_flash_backward");
+}
 }  // namespace detail
 
 /// y [B, S, C] = softmax(q k^T / sqrt(D) + causal mask) v per head, with dropout p on the
@@ -58,6 +74,16 @@ Tensor<T> causal_attention(const Tensor<T>& qkv, std::int64_t n_head, double p, 
     saved.lse = Tensor<acc_t<T>>::empty({B, n_head, S}, dev);
     PTRAIN_DISPATCH(dev, T, flash_attention_forward, B, S, n_head, D, qkv.data(), scale, p, seed, offset,
                     saved.out.data(), saved.lse.data());
+    return saved.out;
+  }
+  if (dev.is_cuda() && detail::gqa_packed_usable<T>(D, p)) {
+    // q = qkv, k = qkv + C, v = qkv + 2C, each with row stride 3C (Note [GQA flash attention]).
+    saved.out = Tensor<T>::empty({B, S, C}, dev);
+    saved.lse = Tensor<acc_t<T>>::empty({B, n_head, S}, dev);
+    const T* q = qkv.data();
+    kernels::cuda_kernel<T>(&kernels::CudaKernels<T>::gqa_flash_forward, "gqa_flash_forward")(
+        B, S, n_head, n_head, D, q, 3 * C, q + C, q + 2 * C, 3 * C, nullptr, 0, scale, saved.out.data(),
+        saved.lse.data());
     return saved.out;
   }
   saved.probs = Tensor<T>::empty({B, n_head, S, S}, dev);
@@ -81,6 +107,18 @@ Tensor<T> causal_attention_backward(const Tensor<T>& qkv, const AttentionSaved<T
     check_shape(saved.lse, {B, n_head, S}, "saved attention log-sum-exp");
     detail::check_devices("causal_attention_backward", qkv.device(), dy, saved.out, saved.lse);
     auto dqkv = Tensor<T>::empty(qkv.shape(), qkv.device());
+    // Both fused kernels keep the same out and lse (the natural log-sum-exp of the scaled
+    // scores), so either backward serves either forward without dropout: the verified
+    // kernel where it applies, else the grouped-query one.
+    if (!PTRAIN_DISPATCH(qkv.device(), T, flash_attention_supported, D, qkv.data()) &&
+        detail::gqa_packed_usable<T>(D, saved.p)) {
+      const T* q = qkv.data();
+      T* dq = dqkv.data();
+      kernels::cuda_kernel<T>(&kernels::CudaKernels<T>::gqa_flash_backward, "gqa_flash_backward")(
+          B, S, n_head, n_head, D, q, 3 * C, q + C, q + 2 * C, 3 * C, nullptr, 0, saved.out.data(), saved.lse.data(),
+          dy.data(), scale, dq, dq + C, dq + 2 * C);
+      return dqkv;
+    }
     PTRAIN_DISPATCH(qkv.device(), T, flash_attention_backward, B, S, n_head, D, qkv.data(), saved.out.data(),
                     saved.lse.data(), saved.p, saved.seed, saved.offset, dy.data(), scale, dqkv.data());
     return dqkv;

@@ -39,12 +39,4 @@ void check_devices(const char* op, Device d, const Ts&... ts) {
   (check_device(op, d, ts.device()), ...);
 }
 
-/// For ops that have CPU kernels only (grouped-query attention): throws CudaError
-/// [ptrain.cuda.unsupported] for a tensor on a CUDA device.
-inline void require_cpu(const char* op, Device d) {
-  PTRAIN_CHECK(d.is_cpu(), CudaError, "[ptrain.cuda.unsupported] ", op,
-               " has CPU kernels only (no CUDA kernel yet), got a tensor on ", d,
-               "; move the module and its inputs to the CPU with .to(Device::cpu())");
-}
-
 }  // namespace ptrain::ops::detail

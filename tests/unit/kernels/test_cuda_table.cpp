@@ -18,6 +18,8 @@
 #include <ptrain/nn/flat_parameters.hpp>
 #include <ptrain/nn/linear.hpp>
 #include <ptrain/ops/activation.hpp>
+#include <ptrain/ops/attention.hpp>
+#include <ptrain/ops/gqa_attention.hpp>
 #include <ptrain/ops/linear.hpp>
 #include <ptrain/ops/norm.hpp>
 #include <ptrain/ops/optimizer.hpp>
@@ -45,7 +47,8 @@ class HostBackend final : public ptrain::detail::DeviceBackend {
 };
 
 struct Calls {
-  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, rms_norm = 0, rotary = 0, vocab_embedding = 0;
+  int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, rms_norm = 0, rotary = 0, vocab_embedding = 0,
+      gqa_forward = 0, gqa_backward = 0, gqa_decode = 0;
 };
 Calls& calls() {
   static Calls c;
@@ -95,6 +98,27 @@ void fake_vocab_embedding(std::int64_t rows, std::int64_t dim, const std::int32_
   kernels::cpu::vocab_parallel_embedding_forward(rows, dim, ids, lo, local, table, pos, seq, out);
 }
 
+void fake_gqa_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D, const float* q,
+                      std::int64_t ldq, const float* k, const float* v, std::int64_t ldkv, const std::int32_t* starts,
+                      std::int64_t window, float scale, float* y, float* lse) {
+  ++calls().gqa_forward;
+  kernels::cpu::gqa_flash_forward(B, S, H, Hkv, D, q, ldq, k, v, ldkv, starts, window, scale, y, lse);
+}
+void fake_gqa_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D,
+                       const float* q, std::int64_t ldq, const float* k, const float* v, std::int64_t ldkv,
+                       const std::int32_t* starts, std::int64_t window, const float* y, const float* lse,
+                       const float* dy, float scale, float* dq, float* dk, float* dv) {
+  ++calls().gqa_backward;
+  kernels::cpu::gqa_flash_backward(B, S, H, Hkv, D, q, ldq, k, v, ldkv, starts, window, y, lse, dy, scale, dq, dk, dv);
+}
+void fake_gqa_decode(std::int64_t s, std::int64_t n, std::int64_t H, std::int64_t Hkv, std::int64_t D, const float* q,
+                     const float* k, const float* v, std::int64_t window, double scale, float* y) {
+  ++calls().gqa_decode;
+  kernels::cpu::gqa_attention_decode(s, n, H, Hkv, D, q, k, v, window, scale, y);
+}
+
+bool no_flash(std::int64_t, const float*) { return false; }
+
 // Sets PTRAIN_UNVERIFIED_CUDA to `value` (nullptr: unsets it) for a scope, then restores it.
 struct ScopedGate {
   std::optional<std::string> was;
@@ -124,6 +148,10 @@ struct FakeCuda {
     table.f32.rms_norm_forward = &fake_rms_norm;
     table.f32.rotary_apply = &fake_rotary;
     table.f32.vocab_parallel_embedding_forward = &fake_vocab_embedding;
+    table.f32.gqa_flash_forward = &fake_gqa_forward;
+    table.f32.gqa_flash_backward = &fake_gqa_backward;
+    table.f32.gqa_attention_decode = &fake_gqa_decode;
+    table.f32.flash_attention_supported = &no_flash;
     kernels::detail::cuda_kernel_table_slot() = &table;
     ptrain::detail::cuda_backend_slot() = &backend;
   }
@@ -248,6 +276,64 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     CHECK(calls().vocab_embedding == 1);
     CHECK(out.device() == kFakeGpu);
     CHECK(out.to_vector() == std::vector<float>{0, 0, 1, 2, 3, 4, 0, 0});
+  }
+  SECTION("grouped-query attention: the flash entries, gated, with the saved state on the device") {
+    const std::int64_t B = 1, S = 5, H = 2, Hkv = 1, D = 2;
+    std::vector<float> qs, ks;
+    for (int i = 0; i < B * S * H * D; ++i) qs.push_back(0.1f * static_cast<float>(i % 7) - 0.3f);
+    for (int i = 0; i < B * S * Hkv * D; ++i) ks.push_back(0.2f * static_cast<float>(i % 5) - 0.4f);
+    const auto q_cpu = Tensor<float>::from(qs, {B, S, H, D}), k_cpu = Tensor<float>::from(ks, {B, S, Hkv, D});
+    const auto q = q_cpu.to(kFakeGpu), k = k_cpu.to(kFakeGpu);
+    ops::GqaSaved<float> saved;
+    if (kernels::cuda_unverified("gqa_flash_forward")) {  // while gated, refused without the variable
+      ScopedGate gated(nullptr);
+      CHECK_THROWS_WITH(ops::gqa_attention(q, k, k, saved),
+                        Catch::Contains("[ptrain.cuda.unverified]") && Catch::Contains("gqa_flash_forward"));
+      CHECK(calls().gqa_forward == 0);
+    }
+    ScopedGate allowed("1");
+    const auto starts = Tensor<std::int32_t>::from({0, 0, 2, 2, 2}, {B, S});
+    CHECK_THROWS_WITH(ops::gqa_attention(q, k, k, saved, starts), Catch::Contains("[ptrain.device.mismatch]"));
+    const auto y = ops::gqa_attention(q, k, k, saved, starts.to(kFakeGpu), 2);
+    CHECK(calls().gqa_forward == 1);
+    CHECK(y.device() == kFakeGpu);
+    CHECK(saved.lse.device() == kFakeGpu);
+    CHECK(saved.lse.shape() == Shape{B, H, S});
+    CHECK_FALSE(saved.probs.defined());
+    ops::GqaSaved<float> cpu_saved;
+    const auto y_cpu = ops::gqa_attention(q_cpu, k_cpu, k_cpu, cpu_saved, starts, 2);
+    CHECK(calls().gqa_forward == 1);  // the CPU path keeps the materialised kernel
+    const auto got = y.to_vector(), want = y_cpu.to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == Approx(want[i]).margin(1e-6));
+    Tensor<float> dq, dk, dv, dq_cpu, dk_cpu, dv_cpu;
+    ops::gqa_attention_backward(q, k, k, saved, y, dq, dk, dv);
+    ops::gqa_attention_backward(q_cpu, k_cpu, k_cpu, cpu_saved, y_cpu, dq_cpu, dk_cpu, dv_cpu);
+    CHECK(calls().gqa_backward == 1);
+    CHECK(dk.device() == kFakeGpu);
+    const auto gk = dk.to_vector(), wk = dk_cpu.to_vector();
+    for (std::size_t i = 0; i < gk.size(); ++i) CHECK(gk[i] == Approx(wk[i]).margin(1e-6));
+    const auto yd = ops::gqa_attention_decode(q.view(3 * H * D, {1, 2, H, D}), k, k, S, 2);
+    CHECK(calls().gqa_decode == 1);
+    const auto gd = yd.to_vector();
+    for (std::size_t i = 0; i < gd.size(); ++i) CHECK(gd[i] == Approx(want[3 * H * D + i]).margin(1e-6));
+  }
+  SECTION("GPT's packed attention in float without dropout reaches the grouped-query entries") {
+    const std::int64_t B = 1, S = 4, H = 2, D = 2, C = H * D;
+    std::vector<float> vals;
+    for (int i = 0; i < B * S * 3 * C; ++i) vals.push_back(0.05f * static_cast<float>((i * 7) % 13) - 0.3f);
+    const auto qkv_cpu = Tensor<float>::from(vals, {B, S, 3 * C});
+    ScopedGate allowed("1");
+    ops::AttentionSaved<float> saved, cpu_saved;
+    const auto y = ops::causal_attention(qkv_cpu.to(kFakeGpu), H, 0.0, 0, 0, saved);
+    CHECK(calls().gqa_forward == 1);
+    CHECK(saved.lse.defined());
+    const auto y_cpu = ops::causal_attention(qkv_cpu, H, 0.0, 0, 0, cpu_saved);
+    const auto got = y.to_vector(), want = y_cpu.to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == Approx(want[i]).margin(1e-6));
+    const auto dqkv = ops::causal_attention_backward(qkv_cpu.to(kFakeGpu), saved, H, y).to_vector();
+    const auto dqkv_cpu = ops::causal_attention_backward(qkv_cpu, cpu_saved, H, y_cpu).to_vector();
+    CHECK(calls().gqa_backward == 1);
+    for (std::size_t i = 0; i < dqkv.size(); ++i) CHECK(dqkv[i] == Approx(dqkv_cpu[i]).margin(1e-6));
   }
   SECTION("an entry the table lacks is refused, not called") {
     CHECK_THROWS_WITH(ops::relu(x_gpu),

@@ -337,7 +337,7 @@ TEST_CASE("grouped-query attention gradients (finite differences)", "[nn][llama]
   check_module_gradients(positioned, random_tensor({2, 5, 8}, 54));
 }
 
-TEST_CASE("grouped-query attention: shape errors and CPU-only kernels", "[nn][llama]") {
+TEST_CASE("grouped-query attention: shape errors", "[nn][llama]") {
   REQUIRE_THROWS_WITH(nn::GroupedQueryAttention<double>(16, 4, 3), Contains("n_kv_head 3 must divide n_head 4"));
   REQUIRE_THROWS_WITH(nn::GroupedQueryAttention<double>(15, 4, 2), Contains("not divisible"));
   REQUIRE_THROWS_WITH(nn::GroupedQueryAttention<double>(12, 4, 2), Contains("even"));  // head width 3
@@ -345,24 +345,23 @@ TEST_CASE("grouped-query attention: shape errors and CPU-only kernels", "[nn][ll
   nn::Cache<double> cache;
   REQUIRE_THROWS_WITH(attn.forward(random_tensor({2, 3, 8}, 1), cache), Contains("[B, S, 16]"));
   REQUIRE_THROWS_WITH(attn.backward(random_tensor({2, 3, 16}, 1), cache), Contains("without a forward"));
-  Tensor<double> probs;
+  ops::GqaSaved<double> saved;
   REQUIRE_THROWS_WITH(ops::gqa_attention(random_tensor({1, 3, 4, 2}, 1), random_tensor({1, 3, 3, 2}, 2),
-                                         random_tensor({1, 3, 3, 2}, 3), probs),
+                                         random_tensor({1, 3, 3, 2}, 3), saved),
                       Contains("3 key/value heads do not divide 4"));
   REQUIRE_THROWS_WITH(ops::gqa_attention(random_tensor({1, 3, 4, 2}, 1), random_tensor({1, 3, 2, 2}, 2),
-                                         random_tensor({1, 3, 1, 2}, 3), probs),
+                                         random_tensor({1, 3, 1, 2}, 3), saved),
                       Contains("v"));
 }
 
-TEST_CASE("the Llama-family ops on CUDA tensors reach the kernel table or refuse them by name", "[nn][llama]") {
-  // Host memory labelled cuda:0: no op may read it. rms_norm, swiglu and rotary go to the
-  // CUDA kernel table, which this program does not link; the CPU-only ops refuse by name.
+TEST_CASE("the Llama-family ops on CUDA tensors reach the kernel table", "[nn][llama]") {
+  // Host memory labelled cuda:0: no op may read it. Every Llama-family op goes to the
+  // CUDA kernel table, which this program does not link.
   auto host = std::make_shared<std::vector<double>>(2 * 3 * 2 * 4, 0.5);
   auto on_cuda = [&](const Shape& s) { return Tensor<double>::wrap(host->data(), s, Device::cuda(0), host); };
   const auto x = on_cuda({2, 3, 2, 4});
-  auto unsupported = [](const std::string& op) { return Contains("[ptrain.cuda.unsupported] " + op + " has CPU"); };
   const auto unavailable = Contains("[ptrain.cuda.unavailable]");
-  Tensor<double> rstd, probs;
+  Tensor<double> rstd;
   REQUIRE_THROWS_AS(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), CudaError);
   REQUIRE_THROWS_WITH(ops::rms_norm(x, on_cuda({4}), 1e-6, rstd), unavailable);
   REQUIRE_THROWS_WITH(ops::swiglu(x, x), unavailable);
@@ -371,7 +370,8 @@ TEST_CASE("the Llama-family ops on CUDA tensors reach the kernel table or refuse
   // Position ids on another device than x.
   REQUIRE_THROWS_WITH(ops::rotary_(rotated, {}, Tensor<std::int32_t>::from({0, 1, 2}, {3})),
                       Contains("[ptrain.device.mismatch]"));
-  REQUIRE_THROWS_WITH(ops::gqa_attention(x, x, x, probs), unsupported("gqa_attention"));
+  ops::GqaSaved<double> saved;
+  REQUIRE_THROWS_WITH(ops::gqa_attention(x, x, x, saved), unavailable);
 }
 
 TEST_CASE("RMSNorm, swiglu and rotary in bf16 match double on the same inputs", "[nn][llama][bf16]") {

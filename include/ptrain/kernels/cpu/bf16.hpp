@@ -15,6 +15,7 @@
 #include "ptrain/kernels/cpu/elementwise.hpp"
 #include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/kernels/cpu/gemm.hpp"
+#include "ptrain/kernels/cpu/gqa_attention.hpp"
 #include "ptrain/kernels/cpu/layer_norm.hpp"
 #include "ptrain/kernels/cpu/optimizer.hpp"
 #include "ptrain/kernels/cpu/reduce.hpp"
@@ -238,6 +239,30 @@ inline void causal_attention_backward(std::int64_t B, std::int64_t S, std::int64
   causal_attention_backward<float>(B, S, H, D, qf.data(), pf.data(), detail::data_or_null(pdf), p, seed, offset,
                                    dyf.data(), scale, df.data());
   detail::narrow(df, dqkv);
+}
+
+inline void gqa_attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D,
+                                  const bf16* q, const bf16* k, const bf16* v, float scale, bf16* probs, bf16* y,
+                                  const std::int32_t* starts = nullptr, std::int64_t window = 0) {
+  auto qf = detail::widen(q, B * S * H * D), kf = detail::widen(k, B * S * Hkv * D), vf = detail::widen(v, B * S * Hkv * D);
+  Scratch<float> pf(static_cast<std::size_t>(B * H * S * S)), yf(qf.size());
+  gqa_attention_forward<float>(B, S, H, Hkv, D, qf.data(), kf.data(), vf.data(), scale, pf.data(), yf.data(), starts,
+                               window);
+  detail::narrow(pf, probs);
+  detail::narrow(yf, y);
+}
+
+inline void gqa_attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t D,
+                                   const bf16* q, const bf16* k, const bf16* v, const bf16* probs, const bf16* dy,
+                                   float scale, bf16* dq, bf16* dk, bf16* dv) {
+  auto qf = detail::widen(q, B * S * H * D), kf = detail::widen(k, B * S * Hkv * D), vf = detail::widen(v, B * S * Hkv * D);
+  auto pf = detail::widen(probs, B * H * S * S), dyf = detail::widen(dy, B * S * H * D);
+  Scratch<float> dqf(qf.size()), dkf(kf.size()), dvf(vf.size());
+  gqa_attention_backward<float>(B, S, H, Hkv, D, qf.data(), kf.data(), vf.data(), pf.data(), dyf.data(), scale,
+                                dqf.data(), dkf.data(), dvf.data());
+  detail::narrow(dqf, dq);
+  detail::narrow(dkf, dk);
+  detail::narrow(dvf, dv);
 }
 
 }  // namespace ptrain::kernels::cpu

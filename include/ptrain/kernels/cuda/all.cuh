@@ -21,6 +21,7 @@
 //   embedding.cuh    token_ids, embedding_forward/backward (deterministic scatter-add)
 //   vocab_parallel.cuh  the vocabulary-parallel embedding (+backward) and cross-entropy statistics, loss (+backward)
 //   attention.cuh    causal_attention_forward/backward (batched cuBLAS + masked softmax)
+//   gqa_attention.cuh grouped-query flash attention (causal, documents, sliding window), backward, KV-cache decode
 //   conv.cuh         im2col, col2im, max/avg pooling (float, double)
 //   batch_norm.cuh   batch-norm statistics, finalisation, apply, backward (float, double)
 //   optimizer.cuh    sgd_update, adamw_update
@@ -44,6 +45,7 @@
 #include "ptrain/kernels/cuda/vocab_parallel.cuh"
 #include "ptrain/kernels/cuda/attention.cuh"
 #include "ptrain/kernels/cuda/flash_attention.cuh"
+#include "ptrain/kernels/cuda/gqa_attention.cuh"
 #include "ptrain/kernels/cuda/conv.cuh"
 #include "ptrain/kernels/cuda/batch_norm.cuh"
 #include "ptrain/kernels/cuda/optimizer.cuh"

@@ -344,8 +344,8 @@ inline LlamaConfig LlamaConfig::from_hf_config(const nlohmann::json& j) {
     c.attention_bias = c.o_proj_bias = detail::hf_get<bool>(j, "attention_bias", false);
     c.mlp_bias = detail::hf_get<bool>(j, "mlp_bias", false);
   }
-  // Within its window, sliding-window attention is causal attention: the model takes
-  // sequences up to the window and refuses longer ones ([ptrain.gqa_attention.window]).
+  // Mistral's sliding window: each query sees its last sliding_window keys, itself
+  // included, as Hugging Face's mask (Note [Sliding window] in kernels/cpu/gqa_attention.hpp).
   if (type == "mistral") c.sliding_window = detail::hf_get<std::int64_t>(j, "sliding_window", 0);
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
     const auto hd = detail::hf_get<std::int64_t>(j, "head_dim", 0);
