@@ -929,7 +929,7 @@ int main(int argc, char** argv) {
   Options opt;
   CLI::App app{"Train a GPT or a Llama with ptrain on the characters of a text or on token files"};
   app.add_option("--model", opt.model, "gpt (GPT-2 blocks) or llama (RMSNorm, grouped-query attention with rotary "
-                 "positions, SwiGLU; CPU, fp32)")->check(CLI::IsMember({"gpt", "llama"}));
+                 "positions, SwiGLU)")->check(CLI::IsMember({"gpt", "llama"}));
   app.add_option("--kv-heads", opt.n_kv_head, "--model llama: key/value heads, dividing --heads (default: --heads)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--intermediate", opt.intermediate, "--model llama: SwiGLU width (default: 8/3 of --embd, rounded "
@@ -1035,17 +1035,11 @@ int main(int argc, char** argv) {
   }
 
   if (opt.model == "llama") {
-    const char* refused = opt.precision != "fp32" ? "--model llama trains in fp32 (its attention has float and "
-                                                    "double kernels); leave out --precision"
-                          : opt.device != "cpu"   ? "--model llama runs on the CPU (its layers have no CUDA kernels "
-                                                    "yet); leave out --device"
-                          : opt.dropout != 0      ? "--model llama has no dropout (as Llama); leave out --dropout"
-                                                  : nullptr;
-    if (refused) {
-      std::fprintf(stderr, "gpt_char: %s\n", refused);
+    if (opt.dropout != 0) {
+      std::fprintf(stderr, "gpt_char: --model llama has no dropout (as Llama); leave out --dropout\n");
       return 2;
     }
-    return run<float, LlamaKind<float>>(opt);
+    return opt.precision == "bf16" ? run<bf16, LlamaKind<bf16>>(opt) : run<float, LlamaKind<float>>(opt);
   }
   if (opt.document_token >= 0 || opt.n_kv_head > 0 || opt.intermediate > 0) {
     std::fprintf(stderr, "gpt_char: --document-token, --kv-heads and --intermediate are for --model llama\n");

@@ -257,6 +257,7 @@ inline std::function<bool(const std::string&)> llama_decay_filter() {
 /// cfg.max_seq_len tokens; when it is full, the cache restarts from the last
 /// max_seq_len / 2 tokens. Sampling as GPT's generate (sample_logits: temperature,
 /// top_k, vocab_limit, one uniform per token from gen); evaluation mode, restored after.
+/// The model may be on any device (ids go there, the last row of logits comes back).
 template <class T>
 std::vector<std::int32_t> generate(Llama<T>& model, std::vector<std::int32_t> prompt, std::int64_t max_new_tokens,
                                    double temperature, std::int64_t top_k, Generator& gen,
@@ -267,6 +268,7 @@ std::vector<std::int32_t> generate(Llama<T>& model, std::vector<std::int32_t> pr
                                                                         : c.max_seq_len;
   const bool was_training = model.training();
   model.train(false);
+  const Device device = model.named_parameters().front().param->value.device();
   std::vector<KVCache<T>> kv;
   std::size_t fed = 0;  // prompt[0 .. fed) is in the cache
   std::vector<double> last(static_cast<std::size_t>(V));
@@ -281,12 +283,13 @@ std::vector<std::int32_t> generate(Llama<T>& model, std::vector<std::int32_t> pr
     const std::vector<std::int32_t> fresh(prompt.begin() + static_cast<std::ptrdiff_t>(fed), prompt.end());
     const auto s = static_cast<std::int64_t>(fresh.size());
     Cache<T> scratch;
-    auto h = model.embedding().forward_tokens(Tensor<std::int32_t>::from(fresh, {1, s}), scratch.child(0));
+    auto h = model.embedding().forward_tokens(Tensor<std::int32_t>::from(fresh, {1, s}).to(device), scratch.child(0));
     for (std::int64_t l = 0; l < c.n_layer; ++l)
       h = model.block(static_cast<std::size_t>(l)).decode(h, kv[static_cast<std::size_t>(l)], context);
     fed = prompt.size();
-    const auto logits = model.head().forward(h.view((s - 1) * c.n_embd, {1, 1, c.n_embd}), scratch.child(1));
-    for (std::int64_t v = 0; v < V; ++v) last[static_cast<std::size_t>(v)] = static_cast<double>(logits.data()[v]);
+    const auto logits = model.head().forward(h.view((s - 1) * c.n_embd, {1, 1, c.n_embd}), scratch.child(1))
+                            .to(Device::cpu());
+    for (std::int64_t v = 0; v < V; ++v) last[static_cast<std::size_t>(v)] = static_cast<acc_t<T>>(logits.data()[v]);
     prompt.push_back(sample_logits(last.data(), vocab_limit > 0 ? std::min(vocab_limit, V) : V, temperature, top_k,
                                    gen.uniform()));
   }
