@@ -10,6 +10,8 @@
 // after a grace period). With --max-restarts N it then starts every rank again, up to N
 // times, on every node (Note [Restarts across nodes]); otherwise, or when no
 // restart is left, it exits with that rank's status (128 + signal for a signal).
+// Each rank gets a TORCHELASTIC_ERROR_FILE of its own; a failed job's root cause goes to
+// ptrun's own TORCHELASTIC_ERROR_FILE (Note [Error files] in error_files.hpp).
 // Rank 0 of the program serves ptrain's TCP store; only several nodes with
 // --max-restarts add an agent store, served by node 0's ptrun.
 
@@ -641,9 +643,11 @@ int main(int argc, char** argv) {
                  "ranks' MASTER_ADDR and the store are always the endpoint's host (node 0), so ptrun never "
                  "advertises an address of its own")->envname("PET_LOCAL_ADDR");
   app.add_option("--monitor-interval,--monitor_interval", monitor_interval,
-                 "seconds between checks of the other nodes' state")->envname("PET_MONITOR_INTERVAL")->check(CLI::Range(0.01, 60.0));
-  app.add_option("--log-dir,--log_dir", log_dir, "folder for the ranks' log files (with --redirects or --tee; "
-                 "default: a new folder under TMPDIR)")->envname("PET_LOG_DIR");
+                 "seconds between checks of the other nodes' state")
+      ->envname("PET_MONITOR_INTERVAL")->check(CLI::Range(0.01, 60.0));
+  app.add_option("--log-dir,--log_dir", log_dir, "folder for the ranks' log files (with --redirects or --tee) and "
+                 "error files (TORCHELASTIC_ERROR_FILE); default: a new folder under TMPDIR, removed at exit unless it "
+                 "holds logs or error files")->envname("PET_LOG_DIR");
   app.add_option("-r,--redirects", redirects, "streams that go to the log files only: 0 none, 1 stdout, 2 stderr, "
                  "3 both, or per local rank as 0:3,1:0")->envname("PET_REDIRECTS");
   app.add_option("-t,--tee", tee, "streams that go to the log files and to the console (values as --redirects)")
