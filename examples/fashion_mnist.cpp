@@ -188,6 +188,7 @@ int main(int argc, char** argv) {
     }
     return result.exit_code;
   } catch (const Error& e) {
+    dist::record_error(e);  // for the launcher's TORCHELASTIC_ERROR_FILE (torchrun, ptrun)
     std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
     return 1;
   }

@@ -919,6 +919,7 @@ int run(Options opt) {
                      {"wall_s", secs}});
     }
   } catch (const Error& e) {
+    dist::record_error(e);  // for the launcher's TORCHELASTIC_ERROR_FILE (torchrun, ptrun)
     std::fprintf(stderr, "gpt_char: %s\n", e.what());
     return 1;
   }

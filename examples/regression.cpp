@@ -52,6 +52,7 @@ int main(int argc, char** argv) try {
     std::printf("final test MSE %.6f after %d epochs on %d rank(s)\n", mse, epochs, world->size());
   return argc > 2 && !(mse <= std::stod(argv[2])) ? 1 : 0;
 } catch (const std::exception& e) {
+  dist::record_error(e);  // for the launcher's TORCHELASTIC_ERROR_FILE (torchrun, ptrun)
   std::fprintf(stderr, "regression: %s\n", e.what());
   return 2;
 }

@@ -56,14 +56,44 @@ inline unsigned std_for(const std::map<int, unsigned>& m, int local_rank) {
   return kNone;
 }
 
-/// The prefix template with ${role_name}, ${rank} and ${local_rank} filled in.
-inline std::string expand_prefix(std::string t, const std::string& role, int rank, int local_rank) {
-  const std::pair<const char*, std::string> vars[] = {
-      {"${role_name}", role}, {"${rank}", std::to_string(rank)}, {"${local_rank}", std::to_string(local_rank)}};
-  for (const auto& [name, value] : vars)
-    for (std::size_t p = t.find(name); p != std::string::npos; p = t.find(name, p + value.size()))
-      t.replace(p, std::string(name).size(), value);
-  return t;
+/// The prefix template with its variables filled in, as torchrun fills
+/// TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (Python's string.Template.safe_substitute):
+/// ${role_name}, ${rank} and ${local_rank}, also written $rank etc.; $$ is one $; any
+/// other $ is left as written.
+inline std::string expand_prefix(const std::string& t, const std::string& role, int rank, int local_rank) {
+  auto value = [&](const std::string& name, std::string& out) {
+    if (name == "role_name") out = role;
+    else if (name == "rank") out = std::to_string(rank);
+    else if (name == "local_rank") out = std::to_string(local_rank);
+    else return false;
+    return true;
+  };
+  auto ident_start = [](char c) { return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); };
+  auto ident_char = [&](char c) { return ident_start(c) || (c >= '0' && c <= '9'); };
+  std::string out;
+  for (std::size_t i = 0; i < t.size();) {
+    if (t[i] != '$' || i + 1 == t.size()) {
+      out += t[i++];
+      continue;
+    }
+    if (t[i + 1] == '$') {
+      out += '$';
+      i += 2;
+      continue;
+    }
+    const bool braced = t[i + 1] == '{';
+    std::size_t b = i + (braced ? 2 : 1), e = b;
+    if (e < t.size() && ident_start(t[e]))
+      while (e < t.size() && ident_char(t[e])) ++e;
+    std::string v;
+    if (e > b && (!braced || (e < t.size() && t[e] == '}')) && value(t.substr(b, e - b), v)) {
+      out += v;
+      i = braced ? e + 1 : e;
+    } else {
+      out += t[i++];  // not a known variable: kept as written
+    }
+  }
+  return out;
 }
 
 inline void make_dirs(const std::string& path) {

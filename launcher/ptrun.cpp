@@ -10,6 +10,8 @@
 // after a grace period). With --max-restarts N it then starts every rank again, up to N
 // times, on every node (Note [Restarts across nodes]); otherwise, or when no
 // restart is left, it exits with that rank's status (128 + signal for a signal).
+// Each rank gets a TORCHELASTIC_ERROR_FILE of its own; a failed job's root cause goes to
+// ptrun's own TORCHELASTIC_ERROR_FILE (Note [Error files] in error_files.hpp).
 // Rank 0 of the program serves ptrain's TCP store; only several nodes with
 // --max-restarts add an agent store, served by node 0's ptrun.
 
@@ -33,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <random>
@@ -41,6 +44,7 @@
 #include <thread>
 #include <vector>
 
+#include "error_files.hpp"
 #include "output.hpp"
 #include "rendezvous.hpp"
 #include "ptrain/config.hpp"
@@ -101,6 +105,9 @@ void signal_children(std::vector<Child>& children, int sig) {
 struct RoundEnd {
   std::optional<int> failure;
   std::string failed_rank;   // "rank R (pid P) exited with code C": this node's first failure
+  std::string error_file;    // that rank's TORCHELASTIC_ERROR_FILE (Note [Error files])
+  int error_code = 0;        // and its torchrun exit code: the exit status, or -signal
+  std::string cause;         // why the round failed when no rank did (the program cannot start)
   int signal = 0;            // a signal ptrun received (and forwarded)
   bool cannot_start = false;  // exec or fork failed: starting again cannot help
   // After a forwarded signal: the lowest rank's non-zero exit code (a program that saved
@@ -133,6 +140,7 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
 
   const int world = l.nnodes * l.nproc;
   std::vector<Child> children(l.nproc);
+  std::vector<std::string> error_files(l.nproc);  // Note [Error files]
   ptrun::Output output;
   const std::string attempt_dir = l.log_dir + "/attempt_" + std::to_string(round);
   int running = 0;
@@ -158,14 +166,17 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
                                    : (ptrun::kAll & ~ptrun::std_for(l.redirects, local)) | ptrun::std_for(l.tee, local);
       out = output.add({rank, local, file, console}, ptrun::expand_prefix(l.line_prefix, l.role, rank, local),
                        attempt_dir);
+      error_files[local] = ptrun::rank_error_file(attempt_dir, local);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "ptrun: %s\n", e.what());
       stop_all(SIGKILL);
       end.failure = 1;
       end.cannot_start = true;
+      end.cause = e.what();
       break;
     }
     if (::pipe2(ep, O_CLOEXEC) != 0) {
+      end.cause = std::string("cannot create a pipe: ") + std::strerror(errno);
       std::perror("ptrun: pipe");
       stop_all(SIGKILL);
       end.failure = 1;
@@ -199,6 +210,7 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
       set("TORCHELASTIC_MAX_RESTARTS", std::to_string(l.max_restarts));
       set("TORCHELASTIC_RUN_ID", l.run_id);
       set("TORCHELASTIC_USE_AGENT_STORE", l.agent_store ? "True" : "False");
+      set("TORCHELASTIC_ERROR_FILE", error_files[local]);
       // torchrun's default: one thread per rank unless the user chose otherwise.
       if (l.nproc > 1 && !std::getenv("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
       std::vector<char*> args;
@@ -213,6 +225,7 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
     for (int fd : {out.first, out.second})
       if (fd >= 0) ::close(fd);
     if (pid < 0) {
+      end.cause = std::string("cannot start a process: ") + std::strerror(errno);
       std::perror("ptrun: fork");
       ::close(ep[0]);
       stop_all(SIGKILL);
@@ -229,7 +242,8 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
     while (got < 0 && errno == EINTR);
     ::close(ep[0]);
     if (got == static_cast<ssize_t>(sizeof err)) {
-      std::fprintf(stderr, "ptrun: cannot execute '%s': %s\n", l.command[0].c_str(), std::strerror(err));
+      end.cause = "cannot execute '" + l.command[0] + "': " + std::strerror(err);
+      std::fprintf(stderr, "ptrun: %s\n", end.cause.c_str());
       stop_all(SIGTERM);
       end.failure = 127;
       end.cannot_start = true;
@@ -305,6 +319,8 @@ RoundEnd run_round(Launch& l, int round, int sfd, const sigset_t& old_mask, Peer
         if (failed && !end.failure && !end.signal) {
           end.failure = exit_code(status);
           end.failed_rank = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(pid) + ") " + describe(status);
+          end.error_file = error_files[static_cast<std::size_t>(&c - children.data())];
+          end.error_code = WIFSIGNALED(status) ? -WTERMSIG(status) : WEXITSTATUS(status);
           std::fprintf(stderr, "ptrun: %s; stopping the other %d rank(s)\n", end.failed_rank.c_str(), running);
           stop_all(SIGTERM);
           if (rdzv) rdzv->report(round, "failed", "rank " + std::to_string(c.rank) + " " + describe(status));
@@ -488,47 +504,9 @@ std::string new_log_dir(std::string dir, const std::string& run_id) {
   return path;
 }
 
-// Note [Elastic membership]: rounds on whichever nodes are there, until the job ends.
-int run_elastic(Launch& l, const ElasticRendezvous::Options& o, std::optional<bool> serve, int sfd,
-                const sigset_t& old_mask) {
-  ElasticRendezvous rdzv(l, o, serve);
-  RoundEnd last;
-  for (int k = -1, restarts = 0;; ++k) {
-    int sig = 0;
-    std::string why;
-    const auto plan = rdzv.join(k, restarts, sfd, sig, why);
-    if (sig) {
-      if (rdzv.serves()) rdzv.stop(k, "node 0's ptrun got signal " + std::to_string(sig), sfd);
-      return 128 + sig;
-    }
-    if (!plan) {
-      std::fprintf(stderr, "ptrun: the job stops: %s\n", why.c_str());
-      return last.failure.value_or(1);
-    }
-    rdzv.running(*plan);
-    l.nnodes = plan->nodes;
-    l.node_rank = plan->index;
-    l.restart_count = plan->restarts;
-    std::fprintf(stderr, "ptrun: round %d on %d node(s): this is node %d, ranks %d..%d of %d (restarts %d of %d)\n",
-                 k, l.nnodes, l.node_rank, l.node_rank * l.nproc, (l.node_rank + 1) * l.nproc - 1, l.nnodes * l.nproc,
-                 l.restart_count, l.max_restarts);
-    last = run_round(l, k, sfd, old_mask, &rdzv);
-    if (last.signal || last.cannot_start) {  // node 0 stops the job; another node leaves it
-      if (rdzv.serves()) rdzv.ended(k, false, sfd);
-      return last.status();
-    }
-    if (rdzv.ended(k, !last.failure, sfd)) return last.status();
-    if (rdzv.serves() && rdzv.failed(k) && ++restarts > l.max_restarts) {
-      rdzv.stop(k + 1, "round " + std::to_string(k) + " failed and the " + std::to_string(l.max_restarts) +
-                           " restart(s) of --max-restarts are used up", sfd);
-      return last.status();
-    }
-  }
-}
-
 // The last line of a failed job (the static rendezvous): what failed, on which node,
 // whether restarts were left, and what to do.
-void report_failure(const Launch& l, const RoundEnd& end, int restart, bool across_nodes) {
+std::string report_failure(const Launch& l, const RoundEnd& end, int restart, bool across_nodes) {
   std::string why = end.cannot_start ? "the program could not be started, which no restart can help"
                     : !end.failed_rank.empty()
                         ? end.failed_rank + " on node " + std::to_string(l.node_rank)
@@ -542,8 +520,76 @@ void report_failure(const Launch& l, const RoundEnd& end, int restart, bool acro
     nodes = ". Without --max-restarts the nodes do not watch each other: when a node is lost, the ranks of the "
             "others fail in their next collective (their errors above name the peer they lost), and each node's "
             "ptrun reports its own ranks";
-  std::fprintf(stderr, "ptrun: the job failed after %d restart(s): %s%s%s\n", restart, why.c_str(), restarts.c_str(),
-               nodes.c_str());
+  return "the job failed after " + std::to_string(restart) + " restart(s): " + why + restarts + nodes;
+}
+
+// Note [Error files]: the job's end. A failed job leaves its root cause in ptrun's own
+// TORCHELASTIC_ERROR_FILE (`why`: ptrun's words for a failure that is no rank's), and the
+// temporary log folder goes unless a rank wrote an error file there. Returns `status`.
+int finish_job(const Launch& l, int status, const RoundEnd& last, const std::string& why = "") {
+  const std::string node = "node " + std::to_string(l.node_rank) + " (host " + ptrun::host_name() + ")";
+  if (status != 0) {
+    auto own = [&](const std::string& text) { return ptrain::dist::error_record("ptrun on " + node + ": " + text); };
+    if (!last.failed_rank.empty() && last.failure && !last.signal)
+      ptrun::write_launcher_error(ptrun::rank_root_cause(last.error_file, last.error_code,
+                                                         last.failed_rank + " on " + node));
+    else if (!why.empty())
+      ptrun::write_launcher_error(own(why));
+    else if (last.signal)
+      ptrun::write_launcher_error(own("got signal " + std::to_string(last.signal) + " (" + strsignal(last.signal) +
+                                      "), forwarded it to the ranks and stopped the job, which ended with status " +
+                                      std::to_string(status)));
+    else if (!last.cause.empty())
+      ptrun::write_launcher_error(own(last.cause));
+    else
+      ptrun::write_launcher_error(own("the job ended with status " + std::to_string(status)));
+  }
+  if (l.temporary_log_dir && !l.log_dir.empty()) {
+    std::error_code ec;
+    if (!ptrun::holds_error_files(l.log_dir)) std::filesystem::remove_all(l.log_dir, ec);
+    else std::fprintf(stderr, "ptrun: the ranks' error files (error.json) are kept in %s\n", l.log_dir.c_str());
+  }
+  return status;
+}
+
+// Note [Elastic membership]: rounds on whichever nodes are there, until the job ends.
+int run_elastic(Launch& l, const ElasticRendezvous::Options& o, std::optional<bool> serve, int sfd,
+                const sigset_t& old_mask) {
+  ElasticRendezvous rdzv(l, o, serve);
+  RoundEnd last;
+  for (int k = -1, restarts = 0;; ++k) {
+    int sig = 0;
+    std::string why;
+    const auto plan = rdzv.join(k, restarts, sfd, sig, why);
+    if (sig) {
+      if (rdzv.serves()) rdzv.stop(k, "node 0's ptrun got signal " + std::to_string(sig), sfd);
+      RoundEnd stopped;
+      stopped.signal = sig;
+      return finish_job(l, 128 + sig, stopped);
+    }
+    if (!plan) {
+      std::fprintf(stderr, "ptrun: the job stops: %s\n", why.c_str());
+      return finish_job(l, last.failure.value_or(1), last, "the job stops: " + why);
+    }
+    rdzv.running(*plan);
+    l.nnodes = plan->nodes;
+    l.node_rank = plan->index;
+    l.restart_count = plan->restarts;
+    std::fprintf(stderr, "ptrun: round %d on %d node(s): this is node %d, ranks %d..%d of %d (restarts %d of %d)\n",
+                 k, l.nnodes, l.node_rank, l.node_rank * l.nproc, (l.node_rank + 1) * l.nproc - 1, l.nnodes * l.nproc,
+                 l.restart_count, l.max_restarts);
+    last = run_round(l, k, sfd, old_mask, &rdzv);
+    if (last.signal || last.cannot_start) {  // node 0 stops the job; another node leaves it
+      if (rdzv.serves()) rdzv.ended(k, false, sfd);
+      return finish_job(l, last.status(), last);
+    }
+    if (rdzv.ended(k, !last.failure, sfd)) return finish_job(l, last.status(), last);
+    if (rdzv.serves() && rdzv.failed(k) && ++restarts > l.max_restarts) {
+      rdzv.stop(k + 1, "round " + std::to_string(k) + " failed and the " + std::to_string(l.max_restarts) +
+                           " restart(s) of --max-restarts are used up", sfd);
+      return finish_job(l, last.status(), last);
+    }
+  }
 }
 
 }  // namespace
@@ -571,10 +617,12 @@ int main(int argc, char** argv) {
   auto* port_opt = app.add_option("--master-port,--master_port", master_port,
                                   "port of rank 0's store; 0 picks a free one (single node only)")
                        ->envname("PET_MASTER_PORT")->check(CLI::Range(0, 65535));
-  app.add_flag("--standalone", standalone, "single node on localhost with a free port");
-  app.add_flag("--no-python,--no_python", no_python, "accepted for torchrun compatibility; ptrun never runs python");
-  app.add_option("--grace-period,--grace_period", grace, "seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->check(CLI::Range(0.0, 3600.0));
+  app.add_flag("--standalone", standalone, "single node on localhost with a free port")->envname("PET_STANDALONE");
+  app.add_flag("--no-python,--no_python", no_python, "accepted for torchrun compatibility; ptrun never runs python")
+      ->envname("PET_NO_PYTHON");
+  app.add_option("--grace-period,--grace_period,--shutdown-timeout,--shutdown_timeout", grace,
+                 "seconds between SIGTERM and SIGKILL when stopping ranks (torchrun's --shutdown-timeout)")
+      ->envname("PET_SHUTDOWN_TIMEOUT")->check(CLI::Range(0.0, 3600.0));
   app.add_option("--max-restarts,--max_restarts", max_restarts,
                  "start every rank (of every node) again after a failure, up to this many times")
       ->envname("PET_MAX_RESTARTS")->check(CLI::Range(0, 1000000));
@@ -595,9 +643,11 @@ int main(int argc, char** argv) {
                  "ranks' MASTER_ADDR and the store are always the endpoint's host (node 0), so ptrun never "
                  "advertises an address of its own")->envname("PET_LOCAL_ADDR");
   app.add_option("--monitor-interval,--monitor_interval", monitor_interval,
-                 "seconds between checks of the other nodes' state")->check(CLI::Range(0.01, 60.0));
-  app.add_option("--log-dir,--log_dir", log_dir, "folder for the ranks' log files (with --redirects or --tee; "
-                 "default: a new folder under TMPDIR)")->envname("PET_LOG_DIR");
+                 "seconds between checks of the other nodes' state")
+      ->envname("PET_MONITOR_INTERVAL")->check(CLI::Range(0.01, 60.0));
+  app.add_option("--log-dir,--log_dir", log_dir, "folder for the ranks' log files (with --redirects or --tee) and "
+                 "error files (TORCHELASTIC_ERROR_FILE); default: a new folder under TMPDIR, removed at exit unless it "
+                 "holds logs or error files")->envname("PET_LOG_DIR");
   app.add_option("-r,--redirects", redirects, "streams that go to the log files only: 0 none, 1 stdout, 2 stderr, "
                  "3 both, or per local rank as 0:3,1:0")->envname("PET_REDIRECTS");
   app.add_option("-t,--tee", tee, "streams that go to the log files and to the console (values as --redirects)")
@@ -618,15 +668,22 @@ int main(int argc, char** argv) {
   app.add_option("--logs-specs,--logs_specs", logs_specs, "torchrun's plugin for log destinations: not applicable "
                  "(a value is ignored with a warning); ptrun's logs are --log-dir, --redirects, --tee and "
                  "--log-line-prefix-template")->envname("PET_LOGS_SPECS");
-  app.add_option("--role", role, "the ranks' ROLE_NAME (and the line prefix's ${role_name})");
+  app.add_option("--role", role, "the ranks' ROLE_NAME (and the line prefix's ${role_name})")->envname("PET_ROLE");
   app.add_option("--log-line-prefix-template,--log_line_prefix_template", line_prefix,
                  "prefix of every line a rank writes; ${role_name}, ${rank}, ${local_rank} are replaced "
-                 "(default with more than one rank: [${role_name}${rank}]: ; empty: no prefix)");
+                 "(default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE when set, as torchrun reads it, else with more "
+                 "than one rank [${role_name}${rank}]: ; empty: no prefix)");
   // Everything from the first positional argument on is the program's command line.
   app.prefix_command();
   app.footer("Sets RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT for each rank.");
   app.set_version_flag("--version", PTRAIN_VERSION_STRING);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version end with 0; a bad option or value (on the command line or in a
+    // PET_ variable) is a usage error, 2, as under torchrun's argparse.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
   command = app.remaining();
   auto usage_error = [](const std::string& what) {
     std::fprintf(stderr, "ptrun: %s\n", what.c_str());
@@ -747,23 +804,29 @@ int main(int argc, char** argv) {
   l.redirects = std::move(redirect_map);
   l.tee = std::move(tee_map);
   l.shown = std::move(shown);
-  l.line_prefix = line_prefix ? *line_prefix : nnodes * nproc > 1 ? "[${role_name}${rank}]:" : "";
+  // torchrun >= 2.2 reads its template from TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (unset or empty: its default).
+  const char* prefix_env = std::getenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE");
+  l.line_prefix = line_prefix                 ? *line_prefix
+                  : prefix_env && *prefix_env ? prefix_env
+                  : nnodes * nproc > 1        ? "[${role_name}${rank}]:"
+                                              : "";
   l.monitor = std::chrono::milliseconds(static_cast<long long>(monitor_interval * 1000));
-  if (!l.redirects.empty() || !l.tee.empty()) {
-    try {
-      l.log_dir = new_log_dir(log_dir, run_id);
-    } catch (const std::exception& e) {
-      return usage_error(e.what());
-    }
-    std::fprintf(stderr, "ptrun: the ranks' log files are in %s\n", l.log_dir.c_str());
+  // Note [Error files]: the log folder always exists, for the ranks' error files.
+  const bool log_files = !l.redirects.empty() || !l.tee.empty();
+  try {
+    l.log_dir = new_log_dir(log_dir, run_id);
+  } catch (const std::exception& e) {
+    return usage_error(e.what());
   }
+  l.temporary_log_dir = log_dir.empty() && !log_files;
+  if (log_files) std::fprintf(stderr, "ptrun: the ranks' log files are in %s\n", l.log_dir.c_str());
 
   sigset_t mask = signal_policy().caught(), old_mask;
   sigprocmask(SIG_BLOCK, &mask, &old_mask);
   int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0) {
     std::perror("ptrun: signalfd");
-    return 1;
+    return finish_job(l, 1, RoundEnd{}, std::string("signalfd: ") + std::strerror(errno));
   }
 
   try {
@@ -801,7 +864,9 @@ int main(int argc, char** argv) {
       }
       if (!again) {
         ::close(sfd);
-        if (end.failure && !end.signal) report_failure(l, end, restart, rdzv != nullptr);
+        const std::string line = end.failure && !end.signal ? report_failure(l, end, restart, rdzv != nullptr) : "";
+        finish_job(l, end.status(), end, line);
+        if (!line.empty()) std::fprintf(stderr, "ptrun: %s\n", line.c_str());  // the cause comes last
         return end.status();
       }
       std::fprintf(stderr, "ptrun: starting all %d rank(s)%s again (restart %d of %d)\n", nproc,
@@ -809,6 +874,6 @@ int main(int argc, char** argv) {
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ptrun: %s\n", e.what());
-    return 1;
+    return finish_job(l, 1, RoundEnd{}, e.what());
   }
 }

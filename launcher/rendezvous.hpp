@@ -36,6 +36,7 @@ struct Launch {
   // lines on the console prefixed with line_prefix (a template; empty: as written).
   std::map<int, unsigned> redirects, tee;
   std::string log_dir, line_prefix;
+  bool temporary_log_dir = false;  // Note [Error files]: ptrun's own, removed at exit unless it holds error files
   std::set<int> shown;  // --local-ranks-filter: the local ranks whose output reaches the console (empty: all)
   std::chrono::milliseconds monitor{100};  // --monitor-interval
 };

@@ -61,6 +61,7 @@
 
 #include "ptrain/dist/checked.hpp"
 #include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/error_file.hpp"
 #include "ptrain/dist/flight_recorder.hpp"
 #include "ptrain/dist/launch_env.hpp"
 #include "ptrain/dist/process_group.hpp"

@@ -12,6 +12,9 @@ with a run of the same program under ptrun:
                     c10d: bitwise equal
   torchrun.restart  torchrun --max_restarts 1: rank 1 SIGKILLed once a checkpoint exists;
                     the ranks resume from it and end bitwise equal
+  error_file        fashion_mnist with a missing --data folder under torchrun and under ptrun,
+                    each launcher given TORCHELASTIC_ERROR_FILE: both copy a rank's own record
+                    (the exception, as ptrain::dist::record_error writes it) there, with errorCode 1
   elastic           three ptrun nodes with --nnodes 1:3 (one rank each); node 2 is killed
                     mid-run, the job goes on with two, node 2 comes back and the job grows
                     to three; no round starts more than --checkpoint-every steps behind
@@ -151,6 +154,32 @@ def case_torchrun(work):
     if "resumed from" not in out:
         raise Failure(f"torchrun.restart: no resume in\n{out[-3000:]}")
     same_final(ref, restart_dir, "torchrun.restart (rank 1 SIGKILLed, resumed)")
+
+
+def case_error_file(work):
+    missing = os.path.join(work, "no-such-data")
+    records = {}
+    for name, cmd in (("torchrun", torchrun(["--nproc_per_node", "2", "--master_port", str(free_port_pair()),
+                                             "--log_dir", os.path.join(work, "tl")])),
+                      ("ptrun", [PTRUN, "--nproc-per-node", "2", "--master-port", str(free_port_pair())])):
+        path, log = os.path.join(work, name + "-error.json"), os.path.join(work, name + "-error.log")
+        env = dict(os.environ, TORCHELASTIC_ERROR_FILE=path, TMPDIR=work)  # ptrun keeps its folder of error files there
+        p = subprocess.Popen(cmd + [FASHION, "--data", missing] + FASHION_ARGS, stdout=open(log, "w"),
+                             stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        finish(p, log, f"{name} fashion_mnist --data {missing}", expect=1)  # torchrun's 1; ptrun: the rank's 1
+        if not os.path.exists(path):
+            raise Failure(f"error_file: {name} wrote no TORCHELASTIC_ERROR_FILE\n{text(log)[-3000:]}")
+        with open(path) as f:
+            records[name] = json.load(f)
+    for name, r in records.items():
+        m = r.get("message")
+        if (not isinstance(m, dict) or not m.get("message", "").startswith("ptrain::DataError: ")
+                or missing not in m["message"] or m.get("errorCode") != 1
+                or sorted(m.get("extraInfo", {})) != ["py_callstack", "timestamp"]):
+            raise Failure(f"error_file: {name}'s record is not the rank's own: {r}")
+    if records["torchrun"]["message"]["message"] != records["ptrun"]["message"]["message"]:
+        raise Failure(f"error_file: torchrun and ptrun copied different records: {records}")
+    print("ok   error_file: torchrun and ptrun copy the rank's record:", records["ptrun"]["message"]["message"][:100])
 
 
 def descendants(pid):
@@ -293,14 +322,14 @@ def wait_until(cond, what, logs):
 
 
 def main():
-    cases = {"torchrun": case_torchrun, "elastic": case_elastic}
+    cases = {"torchrun": case_torchrun, "error_file": case_error_file, "elastic": case_elastic}
     only = os.environ.get("PTRAIN_LAUNCHER_CASES", "").split(",")
     failed = []
     with tempfile.TemporaryDirectory(prefix="ptrain-launchers-") as work:
         for name, case in cases.items():
             if only != [""] and name not in only:
                 continue
-            if name == "torchrun" and not TORCHRUN:
+            if name in ("torchrun", "error_file") and not TORCHRUN:
                 failed.append("torchrun: no torchrun found (tools/install-deps.sh --test installs python3-torch)")
                 continue
             os.makedirs(os.path.join(work, name))

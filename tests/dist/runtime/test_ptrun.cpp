@@ -9,10 +9,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "process_util.hpp"
 
@@ -483,9 +487,11 @@ TEST_CASE("ptrun: a single node's ranks share a random store token, unless the j
 namespace {
 
 // Runs `ptrun args` through sh with stdout and stderr in files; returns the exit status.
-int run_captured(const TempDir& dir, const std::string& args) {
-  Process p({"/bin/sh", "-c", std::string(PTRAIN_TEST_PTRUN) + " " + args + " >" + dir.file("out") + " 2>" +
-                                  dir.file("err")});
+// ptrun with `args`, its stdout and stderr in dir's out and err; `env`: "NAME=value ..."
+// for ptrun's environment.
+int run_captured(const TempDir& dir, const std::string& args, const std::string& env = "") {
+  Process p({"/bin/sh", "-c", env + " " + std::string(PTRAIN_TEST_PTRUN) + " " + args + " >" + dir.file("out") +
+                                  " 2>" + dir.file("err")});
   auto st = p.wait(30s);
   REQUIRE(st.has_value());
   return ptrain_test::exit_code(*st);
@@ -519,6 +525,195 @@ TEST_CASE("ptrun: a failed job's last line names the failure and the restarts le
   REQUIRE_FALSE(lines2.empty());
   CHECK_THAT(lines2.back(), Catch::StartsWith("ptrun: the job failed after 1 restart(s): rank 0") &&
                                 Catch::Contains("all 1 restart(s) of --max-restarts are used up"));
+}
+
+namespace {
+// The record in a torchrun error file; an empty object when there is none or it is no JSON.
+nlohmann::json read_record(const std::string& path) {
+  if (!ptrain_test::file_exists(path)) return nlohmann::json::object();
+  nlohmann::json j = nlohmann::json::parse(ptrain_test::read_text(path), nullptr, false);
+  return j.is_discarded() ? nlohmann::json::object() : j;
+}
+
+// Entries of a folder.
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) names.push_back(e.path().filename().string());
+  return names;
+}
+
+long long now_s() { return static_cast<long long>(std::time(nullptr)); }
+}  // namespace
+
+TEST_CASE("ptrun: a failed rank without an error file: ptrun's TORCHELASTIC_ERROR_FILE names it", "[ptrun]") {
+  // Kubeflow reads the launcher's TORCHELASTIC_ERROR_FILE; torchrun's record shape, with
+  // the rank, its exit and its node when the rank wrote nothing itself.
+  struct Case {
+    std::string code;
+    int status, error_code;
+    std::string exit;
+  };
+  for (const auto& c : {Case{"7", 7, 7, "exited with code 7"}, Case{"sig9", 128 + SIGKILL, -SIGKILL, "was killed by "
+                                                                                                      "signal 9"}}) {
+    INFO("rank 1 ends with " << c.code);
+    TempDir dir, out;
+    const std::string tmp = out.file("tmp"), error = out.file("error.json");
+    const long long t0 = now_s();
+    CHECK(run_captured(out, "--nproc-per-node 2 --master-port 0 " + std::string(PTRAIN_TEST_WORKER) + " fail 1 " +
+                                c.code + " " + dir.path(),
+                       "TMPDIR=" + tmp + " TORCHELASTIC_ERROR_FILE=" + error) == c.status);
+    const nlohmann::json j = read_record(error);
+    REQUIRE(j.contains("message"));
+    const std::string message = j["message"].value("message", "");
+    CHECK_THAT(message, Catch::StartsWith("rank 1 (pid ") && Catch::Contains(c.exit) && Catch::Contains("on node 0 (host ") &&
+                            Catch::Contains("it wrote no error file"));
+    CHECK(j["message"].value("errorCode", 0) == c.error_code);
+    const long long stamp = std::stoll(j["message"]["extraInfo"].value("timestamp", "0"));
+    CHECK(stamp >= t0);
+    CHECK(stamp <= now_s());
+    CHECK(j["message"]["extraInfo"].contains("py_callstack"));
+    // No rank wrote an error file: ptrun's temporary folder for them is gone.
+    CHECK(entries(tmp).empty());
+  }
+  // A job that succeeds writes nothing there and leaves nothing behind.
+  TempDir out;
+  CHECK(run_captured(out, "--nproc-per-node 2 /bin/true",
+                     "TMPDIR=" + out.file("tmp") + " TORCHELASTIC_ERROR_FILE=" + out.file("error.json")) == 0);
+  CHECK_FALSE(ptrain_test::file_exists(out.file("error.json")));
+  CHECK(entries(out.file("tmp")).empty());
+}
+
+TEST_CASE("ptrun: a rank's own error file is the one copied to ptrun's TORCHELASTIC_ERROR_FILE", "[ptrun]") {
+  TempDir dir, out;
+  const std::string tmp = out.file("tmp"), error = out.file("error.json");
+  // Rank 1 throws; ptrain::dist::record_error writes the exception in torchrun's shape.
+  CHECK(run_captured(out, "--nproc-per-node 3 --master-port 0 " + std::string(PTRAIN_TEST_WORKER) + " fail 1 throw " +
+                              dir.path(),
+                     "TMPDIR=" + tmp + " TORCHELASTIC_ERROR_FILE=" + error) == 1);
+  const nlohmann::json j = read_record(error);
+  REQUIRE(j.contains("message"));
+  CHECK(j["message"].value("message", "") == "std::runtime_error: rank 1 failed on purpose");
+  CHECK(j["message"].value("errorCode", 0) == 1);  // set by the launcher, as torchrun does
+  // The folder holds an error file, so it is kept, and ptrun says where.
+  const auto kept = entries(tmp);
+  REQUIRE(kept.size() == 1);
+  const std::string rank_file = tmp + "/" + kept[0] + "/attempt_0/1/error.json";
+  CHECK(ptrain_test::read_text(out.file("err")).find("kept in " + tmp + "/" + kept[0]) != std::string::npos);
+  nlohmann::json own = read_record(rank_file);
+  REQUIRE(own.contains("message"));
+  CHECK_FALSE(own["message"].contains("errorCode"));  // the rank's file as it wrote it
+  own["message"]["errorCode"] = 1;
+  CHECK(own == j);  // the same timestamp and call stack: a copy, not ptrun's own record
+  CHECK_FALSE(ptrain_test::file_exists(tmp + "/" + kept[0] + "/attempt_0/0/error.json"));
+
+  // A file that is not a torchrun record is not copied: ptrun's own names the rank and the file.
+  TempDir dir2, out2;
+  CHECK(run_captured(out2, "--nproc-per-node 2 --master-port 0 " + std::string(PTRAIN_TEST_WORKER) + " fail 0 corrupt " +
+                               dir2.path(),
+                     "TMPDIR=" + out2.file("tmp") + " TORCHELASTIC_ERROR_FILE=" + out2.file("error.json")) == 5);
+  const nlohmann::json j2 = read_record(out2.file("error.json"));
+  REQUIRE(j2.contains("message"));
+  CHECK_THAT(j2["message"].value("message", ""), Catch::StartsWith("rank 0 (pid ") &&
+                                                     Catch::Contains("exited with code 5 on node 0") &&
+                                                     Catch::Contains("is not a torchrun error record"));
+  CHECK(j2["message"].value("errorCode", 0) == 5);
+}
+
+TEST_CASE("ptrun: each rank's TORCHELASTIC_ERROR_FILE is in the log folder, as torchrun lays it out", "[ptrun]") {
+  TempDir dir, env;
+  const std::string logs = dir.file("logs");
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --rdzv-id job9 --log-dir " + logs + " " PTRAIN_TEST_WORKER " env " +
+                                env.path()) == 0);
+  const auto runs = entries(logs);
+  REQUIRE(runs.size() == 1);  // --log-dir's job folder is kept
+  CHECK(runs[0].rfind("job9_", 0) == 0);
+  for (int r = 0; r < 2; ++r) {
+    auto kv = ptrain_test::read_kv(env.file("env_" + std::to_string(r)));
+    CHECK(kv["TORCHELASTIC_ERROR_FILE"] == logs + "/" + runs[0] + "/attempt_0/" + std::to_string(r) + "/error.json");
+    CHECK(ptrain_test::file_exists(logs + "/" + runs[0] + "/attempt_0/" + std::to_string(r)));  // its folder exists
+  }
+  // A job that ptrun stopped on a signal and that ended with a failure leaves that cause.
+  TempDir d2;
+  Process p({"/bin/sh", "-c", "TORCHELASTIC_ERROR_FILE=" + d2.file("error.json") + " exec " +
+                                  std::string(PTRAIN_TEST_PTRUN) + " --nproc-per-node 2 " + PTRAIN_TEST_WORKER +
+                                  " sleep " + d2.path() + " 2>" + d2.file("err")});
+  worker_pids(d2, 2);
+  ::kill(p.pid(), SIGTERM);
+  auto st = p.wait(30s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 75);
+  const nlohmann::json j = read_record(d2.file("error.json"));
+  REQUIRE(j.contains("message"));
+  CHECK_THAT(j["message"].value("message", ""), Catch::Contains("got signal 15") &&
+                                                    Catch::Contains("ended with status 75"));
+  // A usage error writes nothing, as under torchrun.
+  CHECK(run_captured(d2, "--nproc-per-node 2 --tee 9 /bin/true", "TORCHELASTIC_ERROR_FILE=" + d2.file("usage.json")) ==
+        2);
+  CHECK_FALSE(ptrain_test::file_exists(d2.file("usage.json")));
+}
+
+TEST_CASE("ptrun: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE sets the line prefix as under torchrun", "[ptrun]") {
+  TempDir dir;
+  const std::string prog = " /bin/sh -c 'echo hi'";
+  auto sorted_out = [&] {
+    auto out = lines_of(ptrain_test::read_text(dir.file("out")));
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  REQUIRE(run_captured(dir, "--nproc-per-node 2" + prog, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]: '") == 0);
+  CHECK(sorted_out() == std::vector<std::string>{"[rank0]: hi", "[rank1]: hi"});
+  // Python's string.Template: $name without braces, $$ for a dollar, unknown names kept.
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --role w" + prog,
+                       "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='$role_name-$local_rank $$ ${foo} $rankx|'") == 0);
+  CHECK(sorted_out() == std::vector<std::string>{"w-0 $ ${foo} $rankx|hi", "w-1 $ ${foo} $rankx|hi"});
+  // One rank gets the template too (the default there is no prefix).
+  REQUIRE(run_captured(dir, "--nproc-per-node 1" + prog, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='<${local_rank}>'") == 0);
+  CHECK(sorted_out() == std::vector<std::string>{"<0>hi"});
+  // --log-line-prefix-template wins over the variable; an empty variable is torchrun's "unset".
+  REQUIRE(run_captured(dir, "--nproc-per-node 2 --log-line-prefix-template 'r${rank}:'" + prog,
+                       "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]: '") == 0);
+  CHECK(sorted_out() == std::vector<std::string>{"r0:hi", "r1:hi"});
+  REQUIRE(run_captured(dir, "--nproc-per-node 2" + prog, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=") == 0);
+  CHECK(sorted_out() == std::vector<std::string>{"[default0]:hi", "[default1]:hi"});
+}
+
+TEST_CASE("ptrun: torchrun's PET_ variables give every option ptrun shares with it a default", "[ptrun]") {
+  TempDir dir, env;
+  const std::string worker = std::string(" ") + PTRAIN_TEST_WORKER + " env " + env.path();
+  // PET_ROLE: the ranks' ROLE_NAME; the flag wins over the variable.
+  REQUIRE(run_captured(dir, "--nproc-per-node 1" + worker, "PET_ROLE=trainer") == 0);
+  CHECK(ptrain_test::read_kv(env.file("env_0"))["ROLE_NAME"] == "trainer");
+  REQUIRE(run_captured(dir, "--nproc-per-node 1 --role critic" + worker, "PET_ROLE=trainer") == 0);
+  CHECK(ptrain_test::read_kv(env.file("env_0"))["ROLE_NAME"] == "critic");
+  // PET_STANDALONE=1: a free port on localhost instead of 29500; 0 (torchrun's check_env) is off.
+  REQUIRE(run_captured(dir, "--nproc-per-node 1" + worker, "PET_STANDALONE=1") == 0);
+  auto kv = ptrain_test::read_kv(env.file("env_0"));
+  CHECK(kv["MASTER_ADDR"] == "127.0.0.1");
+  CHECK(kv["MASTER_PORT"] != "29500");
+  REQUIRE(run_captured(dir, "--nproc-per-node 1" + worker, "PET_STANDALONE=0") == 0);
+  CHECK(ptrain_test::read_kv(env.file("env_0"))["MASTER_PORT"] == "29500");
+  CHECK(run_captured(dir, "/bin/true", "PET_NO_PYTHON=1") == 0);
+  // PET_MONITOR_INTERVAL and PET_SHUTDOWN_TIMEOUT are read: a bad value is a usage error (2, as a bad
+  // flag is, and as under torchrun's argparse).
+  CHECK(run_captured(dir, "/bin/true", "PET_MONITOR_INTERVAL=often") == 2);
+  CHECK(run_captured(dir, "/bin/true", "PET_SHUTDOWN_TIMEOUT=soon") == 2);
+  CHECK(run_captured(dir, "--grace-period soon /bin/true") == 2);
+  CHECK(run_captured(dir, "--help") == 0);
+  // PET_SHUTDOWN_TIMEOUT is the grace period (ptrun's default is 5 s): ranks that ignore
+  // SIGTERM are killed after 0.5 s.
+  TempDir d2;
+  Process p({"/bin/sh", "-c", "PET_SHUTDOWN_TIMEOUT=0.5 exec " + std::string(PTRAIN_TEST_PTRUN) +
+                                  " --nproc-per-node 2 " + PTRAIN_TEST_WORKER + " sleep " + d2.path() + " ignore"});
+  worker_pids(d2, 2);
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(p.pid(), SIGTERM);
+  auto st = p.wait(30s);
+  REQUIRE(st.has_value());
+  CHECK(ptrain_test::exit_code(*st) == 128 + SIGTERM);
+  CHECK(std::chrono::steady_clock::now() - t0 < 4s);
+  // torchrun's --shutdown-timeout spelling of --grace-period.
+  CHECK(run_captured(dir, "--shutdown-timeout 1 --nproc-per-node 1 /bin/true") == 0);
 }
 
 TEST_CASE("ptrun: every line a rank writes carries its rank", "[ptrun]") {
@@ -682,7 +877,9 @@ Process elastic_node(const std::string& nnodes, int port, const TempDir& dir, do
   std::vector<std::string> args{"--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
                                 "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port), "--monitor-interval",
                                 "0.05", "--rdzv-conf", std::string("last_call_timeout=1,join_timeout=20,") +
-                                "keep_alive_interval=0.5,keep_alive_max_attempt=4,is_host=" + (first ? "1" : "0")};
+                                "keep_alive_interval=0.5,keep_alive_max_attempt=4,is_host=" + (first ? "1" : "0"),
+                                // a node the test ends with SIGKILL cannot remove its log folder: keep it in `dir`
+                                "--log-dir", dir.file("logs")};
   for (std::string a : {std::string(PTRAIN_TEST_WORKER), std::string("elastic"), dir.path(), std::to_string(seconds)})
     args.push_back(a);
   return Process(ptrun(args));

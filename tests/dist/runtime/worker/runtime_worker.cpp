@@ -4,7 +4,9 @@
 //
 //   env OUTDIR               write the launcher variables to OUTDIR/env_<RANK>
 //   rendezvous OUTDIR        detect the launch, meet through the store, write OUTDIR/rank_<rank>
-//   fail R CODE OUTDIR       write a pid file; rank R exits with CODE ("sig9": SIGKILL itself) once
+//   fail R CODE OUTDIR       write a pid file; rank R exits with CODE ("sig9": SIGKILL itself; "throw":
+//                            throws, records the exception with ptrain::dist::record_error and exits 1;
+//                            "corrupt": writes a broken TORCHELASTIC_ERROR_FILE and exits 5) once
 //                            every rank has started, the others sleep
 //   flaky R FAILS OUTDIR     meet through the store, write OUTDIR/round_<restart>_<rank> (MASTER_PORT and
 //                            the TORCHELASTIC_* variables); while TORCHELASTIC_RESTART_COUNT < FAILS
@@ -28,9 +30,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
+#include "ptrain/dist/error_file.hpp"
 #include "ptrain/dist/launch_env.hpp"
 #include "ptrain/dist/store.hpp"
 
@@ -89,7 +93,7 @@ int main(int argc, char** argv) {
     std::string text;
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                           "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
-                          "OMP_NUM_THREADS", "PTRAIN_STORE_TOKEN", "ROLE_NAME"})
+                          "OMP_NUM_THREADS", "PTRAIN_STORE_TOKEN", "ROLE_NAME", "TORCHELASTIC_ERROR_FILE"})
       text += std::string(v) + "=" + env_or(v, "<unset>") + "\n";
     text += "ARGS=";
     for (int i = 3; i < argc; ++i) text += std::string(i > 3 ? " " : "") + argv[i];
@@ -136,6 +140,18 @@ int main(int argc, char** argv) {
       for (int r = 0; r < world; ++r)
         while (!exists(out_dir + "/pid_" + std::to_string(r))) std::this_thread::sleep_for(std::chrono::milliseconds(5));
       if (code == "sig9") ::raise(SIGKILL);
+      if (code == "corrupt") {
+        write_file(ptrain::dist::error_file_path(), "{\"message\": {\"message\": \"cut sho");
+        return 5;
+      }
+      if (code == "throw") {
+        try {
+          throw std::runtime_error("rank " + std::to_string(my_rank) + " failed on purpose");
+        } catch (const std::exception& e) {
+          ptrain::dist::record_error(e);
+          return 1;
+        }
+      }
       return std::atoi(code.c_str());
     }
     std::this_thread::sleep_for(std::chrono::seconds(60));
