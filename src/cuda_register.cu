@@ -68,6 +68,9 @@ void fill_floating(CudaKernels<T>& k) {
   k.flash_attention_supported = &kc::flash_attention_supported<T>;
   k.flash_attention_forward = &kc::flash_attention_forward<T>;
   k.flash_attention_backward = &kc::flash_attention_backward<T>;
+  k.fused_classifier = &kc::fused_classifier<T>;
+  k.sum_squares_to = &kc::sum_squares_to<T>;
+  k.adamw_update_ranges = &kc::adamw_update_ranges<T>;
 }
 
 // float and double: the forms bf16 has not (token ids, the plain optimizer

@@ -34,6 +34,10 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "rotary_apply",
     "swiglu_forward",
     "swiglu_backward",
+    // fused_classifier.cuh, adamw_ranges.cuh
+    "fused_classifier",
+    "sum_squares_to",
+    "adamw_update_ranges",
 };
 
 /// True when `name` is on the gate's list.
