@@ -30,6 +30,7 @@ void sum_squares_to(std::int64_t n, const T* x, double* out) {
   *out = sum_squares(n, x);
 }
 
+namespace detail {
 /// The gradient scale of global-norm clipping: max_norm / (sqrt(sumsq) + 1e-6) when below 1, else 1.
 template <class A>
 A clip_coefficient(const AdamWStep& s) {
@@ -37,10 +38,11 @@ A clip_coefficient(const AdamWStep& s) {
   const double c = s.max_norm / (std::sqrt(*s.grad_sumsq) + 1e-6);
   return c < 1.0 ? static_cast<A>(c) : A(1);
 }
+}  // namespace detail
 
 /// AdamW (adamw_update's formula) on the n elements of p (T's arithmetic type: the
 /// parameters for float and double, the fp32 master copy for bf16) from the gradient g
-/// times clip_coefficient(s), with moments m and v. The buffer is split into nranges
+/// times the clipping coefficient (AdamWStep::grad_sumsq), with moments m and v. The buffer is split into nranges
 /// consecutive ranges, range r ending at ends[r] (ends[nranges - 1] == n); weight decay
 /// applies where decay[r] != 0. When param is non-null (bf16 parameters) it receives
 /// the bf16 rounding of the updated p: to nearest, or stochastic (s.stochastic_rounding).
@@ -48,7 +50,7 @@ template <class T>
 void adamw_update_ranges(std::int64_t n, std::int64_t nranges, const std::int64_t* ends, const std::uint8_t* decay,
                          acc_t<T>* p, const T* g, acc_t<T>* m, acc_t<T>* v, bf16* param, const AdamWStep& s) {
   using A = acc_t<T>;
-  const A coef = clip_coefficient<A>(s);
+  const A coef = detail::clip_coefficient<A>(s);
   const A lr = static_cast<A>(s.lr), b1 = static_cast<A>(s.beta1), b2 = static_cast<A>(s.beta2),
           eps = static_cast<A>(s.eps);
   Scratch<A> scaled;
