@@ -245,6 +245,34 @@ TEST_CASE("CrossEntropyLoss equals NLLLoss of LogSoftmax", "[nn][loss]") {
   for (std::int64_t i = 0; i < a.numel(); ++i) REQUIRE(a.data()[i] == Approx(b.data()[i]).margin(1e-14));
 }
 
+TEST_CASE("CrossEntropyLoss::forward_backward writes forward and backward's gradient over the logits and keeps the "
+          "loss in a DeviceLoss", "[nn][loss][fused]") {
+  const auto logits = random_tensor({6, 5}, 17, -3, 3);
+  const auto t = Tensor<std::int32_t>::from({4, 0, -100, 2, 2, 1}, {6});
+  nn::CrossEntropyLoss<double> ce(-100, 0.1);
+  nn::Cache<double> c;
+  const double want = ce.forward(logits, t, c);
+  const auto d = ce.backward(c, 1.3);
+  ops::DeviceLoss window;
+  auto work = logits.clone();
+  const auto g = ce.forward_backward(work, t, window, 1.3, 0.5);
+  CHECK(g.data() == work.data());  // in place
+  CHECK(g.to_vector() == d.to_vector());
+  CHECK(window.device() == Device::cpu());
+  CHECK(window.sum() == 0.5 * want);
+  CHECK(window.weight() == 0.5);
+  CHECK(window.mean() == want);
+  auto again = logits.clone();
+  ce.forward_backward(again, t, window, 1.3, 0.5);
+  CHECK(window.mean() == Approx(want).epsilon(1e-15));
+  window.reset();
+  CHECK(window.sum() == 0.0);
+  CHECK(window.mean() == 0.0);
+  auto bad = logits.clone();
+  REQUIRE_THROWS_WITH(ce.forward_backward(bad, Tensor<std::int32_t>::from({4, 0, 5, 2, 2, 1}, {6}), window),
+                      Catch::Contains("[ptrain.cross_entropy] target 5 at row 2"));
+}
+
 TEST_CASE("A loss given the wrong kind of targets says which it needs", "[nn][loss]") {
   const auto x = random_tensor({3, 2}, 12);
   const auto ids = Tensor<std::int32_t>::from({0, 1, 1}, {3});
