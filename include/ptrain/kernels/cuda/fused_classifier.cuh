@@ -11,7 +11,9 @@
 // max and sum of exp (rescaled when the max grows) and reads the target's
 // logit, block reductions give the log-sum-exp, and a second sweep writes
 // dloss (softmax - onehot) / counted over the row; the row is read twice (the
-// second time mostly from L2) and written once. Thread 0 adds each row's loss
+// second time mostly from L2) and written once. Both sweeps load 16 bytes per
+// thread before using them (kUnroll<T> elements a block apart), so that a bf16
+// row streams at the memory's speed rather than at one 2-byte load per thread. Thread 0 adds each row's loss
 // to its block's partial in the block's row order, and the partials are
 // summed in block order by one block, so the loss is the same bits every run.
 // Float, double and bf16 (float arithmetic, Note [bf16 kernels]).
@@ -24,6 +26,7 @@
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
+#include "ptrain/kernels/cuda/elementwise.cuh"
 #include "ptrain/kernels/cuda/reduce.cuh"
 
 namespace ptrain::kernels::cuda {
@@ -54,6 +57,7 @@ __global__ void fused_classifier_kernel(std::int64_t rows, std::int64_t cols, T*
                                         std::int32_t ignore_index, acc_t<T> smoothing, acc_t<T> dloss,
                                         const double* counts, double* partial) {
   using A = acc_t<T>;
+  constexpr int U = kUnroll<T>;
   const auto valid = static_cast<std::int64_t>(counts[0]);
   const A scale = valid ? dloss / static_cast<A>(valid) : A(0);  // as the CPU computes it
   const A uniform = scale * smoothing / static_cast<A>(cols);
@@ -64,16 +68,30 @@ __global__ void fused_classifier_kernel(std::int64_t rows, std::int64_t cols, T*
     const bool counted = t != ignore_index && t >= 0 && t < cols;
     // Read before the barriers in block_max: the second sweep overwrites xr[t].
     const A xt = counted ? ld(xr[t]) : A(0);
+    // Each pass takes kUnroll<T> elements a block apart (16 bytes of the row per
+    // thread in flight, Note [Elementwise loops]) and folds them into the running
+    // max and sum with one rescaling.
     A m = A(-INFINITY), s = A(0), row_sum = A(0);
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      const A x = ld(xr[c]);
-      row_sum += x;
-      if (x > m) {
-        s = s * dev_exp(m - x) + A(1);
-        m = x;
-      } else if (m != A(-INFINITY)) {
-        s += dev_exp(x - m);
+    for (std::int64_t base = threadIdx.x; base < cols; base += U * blockDim.x) {
+      A xs[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const std::int64_t c = base + k * static_cast<std::int64_t>(blockDim.x);
+        xs[k] = c < cols ? ld(xr[c]) : A(-INFINITY);
       }
+      A pm = m;
+#pragma unroll
+      for (int k = 0; k < U; ++k) pm = xs[k] > pm ? xs[k] : pm;
+      if (pm != A(-INFINITY)) {
+        A add = A(0);
+#pragma unroll
+        for (int k = 0; k < U; ++k) add += dev_exp(xs[k] - pm);  // exp(-inf) = 0 past the row's end
+        s = s * dev_exp(m - pm) + add;
+        m = pm;
+      }
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (base + k * static_cast<std::int64_t>(blockDim.x) < cols) row_sum += xs[k];
     }
     const A mx = block_max(m);
     s = block_sum(m == A(-INFINITY) ? A(0) : s * dev_exp(m - mx));
@@ -84,10 +102,21 @@ __global__ void fused_classifier_kernel(std::int64_t rows, std::int64_t cols, T*
                                        : static_cast<double>((A(1) - smoothing) * (lse - xt) +
                                                              smoothing * (lse - row_sum / static_cast<A>(cols)));
     }
-    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      A d = counted ? scale * dev_exp(ld(xr[c]) - lse) - uniform : A(0);
-      if (counted && c == t) d -= scale * (A(1) - smoothing);
-      xr[c] = st<T>(d);
+    for (std::int64_t base = threadIdx.x; base < cols; base += U * blockDim.x) {
+      A xs[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const std::int64_t c = base + k * static_cast<std::int64_t>(blockDim.x);
+        if (c < cols) xs[k] = ld(xr[c]);
+      }
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const std::int64_t c = base + k * static_cast<std::int64_t>(blockDim.x);
+        if (c >= cols) break;
+        A d = counted ? scale * dev_exp(xs[k] - lse) - uniform : A(0);
+        if (counted && c == t) d -= scale * (A(1) - smoothing);
+        xr[c] = st<T>(d);
+      }
     }
   }
   if (threadIdx.x == 0) partial[blockIdx.x] = block_total;
