@@ -79,6 +79,9 @@ void fill_floating(CudaKernels<T>& k) {
     k.gqa_flash_backward = &kc::gqa_flash_backward<T>;
     k.gqa_attention_decode = &kc::gqa_attention_decode<T>;
   }
+  k.fused_classifier = &kc::fused_classifier<T>;
+  k.sum_squares_to = &kc::sum_squares_to<T>;
+  k.adamw_update_ranges = &kc::adamw_update_ranges<T>;
 }
 
 // float and double: the forms bf16 has not (token ids, the plain optimizer

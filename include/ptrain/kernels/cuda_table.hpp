@@ -24,6 +24,7 @@
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
+#include "ptrain/kernels/adamw_step.hpp"
 #include "ptrain/kernels/cuda_unverified.hpp"
 #include "ptrain/kernels/pointwise_math.hpp"
 #include "ptrain/kernels/rotary_freqs.hpp"
@@ -136,6 +137,11 @@ struct CudaKernels {
   /// adamw_update_mixed<T>: fp32 master weights and moments, gradient in T, bf16 copy.
   void (*adamw_update_mixed)(I64, float*, const T*, float*, float*, float, float, float, float, float, I64,
                              bf16*) = nullptr;
+  // fused_classifier.cuh, adamw_ranges.cuh
+  void (*fused_classifier)(I64, I64, T*, const I32*, I32, A, A, double, double*) = nullptr;
+  void (*sum_squares_to)(I64, const T*, double*) = nullptr;
+  void (*adamw_update_ranges)(I64, I64, const I64*, const std::uint8_t*, A*, const T*, A*, A*, bf16*,
+                              const AdamWStep&) = nullptr;
 };
 
 /// Every element type's table. int32 has token_ids only.

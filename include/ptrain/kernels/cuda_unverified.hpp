@@ -49,6 +49,10 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "gqa_flash_forward",
     "gqa_flash_backward",
     "gqa_attention_decode",
+    // fused_classifier.cuh, adamw_ranges.cuh
+    "fused_classifier",
+    "sum_squares_to",
+    "adamw_update_ranges",
 };
 
 /// True when `name` is on the gate's list.

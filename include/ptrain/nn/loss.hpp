@@ -61,6 +61,16 @@ class CrossEntropyLoss {
     cache.clear();
     return d;
   }
+  /// Loss and gradient in one pass, for a caller that no longer needs the logits (a
+  /// language model's head output): overwrites logits with the gradient of dloss * loss
+  /// and adds loss_weight * loss to `loss` without reading it on the host
+  /// (ops::fused_classifier_, ops::DeviceLoss). Returns the gradient (the logits' storage).
+  Tensor<T> forward_backward(Tensor<T>& logits, const Targets<T>& targets, ops::DeviceLoss& loss,
+                             acc_t<T> dloss = 1, double loss_weight = 1.0) {
+    ops::fused_classifier_(logits, targets.ids("CrossEntropyLoss"), loss, dloss, ignore_index_, smoothing_,
+                           loss_weight);
+    return logits;
+  }
 
  private:
   std::int32_t ignore_index_;

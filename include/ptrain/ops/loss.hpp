@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "ptrain/ops/device_loss.hpp"
 #include "ptrain/ops/dispatch.hpp"
 #include "ptrain/ops/vector.hpp"
 
@@ -206,6 +207,54 @@ Tensor<T> nll_backward(const Shape& shape, Device device, const Tensor<std::int3
   PTRAIN_DISPATCH(device, T, nll_backward, rows, classes, targets.data(), ignore_index, dy ? dy->data() : nullptr,
                   scale, d.data());
   return d;
+}
+
+}  // namespace ptrain::ops
+
+// ------------------------------------------------------------ fused classifier ----
+
+namespace ptrain::ops {
+
+/// Mean cross-entropy of logits [rows, classes] (or [..., classes]) against targets
+/// [rows] and its gradient in one pass that writes the gradient of dloss * loss over
+/// the logits (for a caller that no longer needs them: the LM head's output), adding
+/// loss_weight * loss to `loss` without reading it on the host (DeviceLoss). Same
+/// arguments and results as cross_entropy followed by cross_entropy_backward (on the
+/// CPU the same bits), except that targets outside [0, classes) on a GPU are reported
+/// when the loss is read (their rows get no gradient). On a GPU the fused kernel runs
+/// once it has passed its GPU tests (Note [The verification gate]); until then the
+/// verified kernels run, which read the loss on the host each call.
+template <class T>
+void fused_classifier_(Tensor<T>& logits, const Tensor<std::int32_t>& targets, DeviceLoss& loss,
+                       acc_t<T> dloss = 1, std::int32_t ignore_index = -100, double label_smoothing = 0.0,
+                       double loss_weight = 1.0) {
+  const std::int64_t rows = rows_of(logits, "logits"), classes = logits.size(-1);
+  PTRAIN_CHECK(targets.numel() == rows, ShapeError, "[ptrain.cross_entropy] ", rows, " rows of logits ",
+               logits.shape(), " but ", targets.numel(), " targets");
+  detail::check_devices("fused_classifier", logits.device(), targets);
+  PTRAIN_CHECK(rows == 0 || classes > 0, ShapeError, "[ptrain.cross_entropy] logits ", logits.shape(),
+               " have no classes");
+  if (targets.device().is_cpu()) {
+    const std::int32_t* t = targets.data();
+    for (std::int64_t i = 0; i < rows; ++i)
+      PTRAIN_CHECK(t[i] == ignore_index || (t[i] >= 0 && t[i] < classes), ShapeError,
+                   "[ptrain.cross_entropy] target ", t[i], " at row ", i, " is outside [0, ", classes, ")");
+  }
+  PTRAIN_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, Error, "[ptrain.loss.label_smoothing] ",
+               label_smoothing, " is outside [0, 1]");
+  Tensor<double>& acc = loss.bind(logits.device());
+  if (logits.device().is_cuda() &&
+      !kernels::cuda_kernel_usable(&kernels::CudaKernels<T>::fused_classifier, "fused_classifier")) {
+    Tensor<acc_t<T>> lse;
+    std::int64_t valid = 0;
+    const double l = cross_entropy(logits, targets, lse, valid, ignore_index, label_smoothing);
+    logits.copy_(cross_entropy_backward(logits, lse, targets, valid, dloss, ignore_index, label_smoothing));
+    loss.add_host(loss_weight * l);
+  } else {
+    PTRAIN_DISPATCH(logits.device(), T, fused_classifier, rows, classes, logits.data(), targets.data(), ignore_index,
+                    static_cast<acc_t<T>>(label_smoothing), dloss, loss_weight, acc.data());
+  }
+  loss.add_weight(loss_weight);
 }
 
 }  // namespace ptrain::ops

@@ -56,4 +56,35 @@ void adamw_update_mixed_(Tensor<float>& master, const Tensor<G>& g, Tensor<float
                   lr, beta1, beta2, eps, weight_decay, step, param.data());
 }
 
+/// out[0] = the sum of the squares of x's elements (out: one double on x's device). On a
+/// GPU nothing waits for the device: the sum stays there for adamw_update_ranges_'s clipping.
+template <class T>
+void sum_squares_into(const Tensor<T>& x, Tensor<double>& out) {
+  PTRAIN_CHECK(out.numel() == 1, ShapeError, "[ptrain.optim.range] sum_squares_into: the result is one double, got ",
+               out.shape());
+  detail::check_devices("sum_squares_into", x.device(), out);
+  PTRAIN_DISPATCH(x.device(), T, sum_squares_to, x.numel(), x.data(), out.data());
+}
+
+/// AdamW over a whole flat buffer in one call (kernels::cpu::adamw_update_ranges): p the
+/// parameters (float, double) or their fp32 master copy (bf16, whose rounding goes to
+/// *param), g the gradient, m and v the moments; `ends` (int64) and `decay` (uint8, one
+/// flag per range) split the buffer into ranges, ends ascending to p.numel(); s.grad_sumsq,
+/// when set, points into a double on the same device (sum_squares_into).
+template <class T>
+void adamw_update_ranges_(Tensor<acc_t<T>>& p, const Tensor<T>& g, Tensor<acc_t<T>>& m, Tensor<acc_t<T>>& v,
+                          Tensor<bf16>* param, const Tensor<std::int64_t>& ends, const Tensor<std::uint8_t>& decay,
+                          const kernels::AdamWStep& s) {
+  detail::check_update("adamw_update_ranges", p, g, m, v);
+  if (param) detail::check_update("adamw_update_ranges", p, *param);
+  detail::check_devices("adamw_update_ranges", p.device(), ends, decay);
+  PTRAIN_CHECK(ends.numel() == decay.numel() && ends.numel() > 0, ShapeError, "[ptrain.optim.range] ",
+               ends.numel(), " range ends and ", decay.numel(), " decay flags; pass one flag per range");
+  if (ends.device().is_cpu())
+    PTRAIN_CHECK(ends.data()[ends.numel() - 1] == p.numel(), ShapeError, "[ptrain.optim.range] the ranges end at ",
+                 ends.data()[ends.numel() - 1], " but the buffer holds ", p.numel(), " elements");
+  PTRAIN_DISPATCH(p.device(), T, adamw_update_ranges, p.numel(), ends.numel(), ends.data(), decay.data(), p.data(),
+                  g.data(), m.data(), v.data(), param ? param->data() : nullptr, s);
+}
+
 }  // namespace ptrain::ops

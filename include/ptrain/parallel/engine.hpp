@@ -44,6 +44,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -113,6 +114,37 @@ double cross_entropy(const Tensor<T>& output, const Targets<T>& targets, Tensor<
   const double loss = ce.forward(output, targets, cache);
   if (dout) *dout = ce.backward(cache, scale);
   return loss;
+}
+
+/// A LossFn that keeps the training loss on the device: mean cross-entropy by
+/// ops::fused_classifier_ (nn::CrossEntropyLoss::forward_backward), the gradient
+/// written over the output, and grad_scale * loss added to `window` on the output's
+/// device, so that a training step never waits for the host to read a loss. For
+/// models whose output nothing reads after the loss (a language model's head: its
+/// backward needs the head's input and weight, not its output). forward_backward()
+/// then returns NaN: read window.mean() where the program reports (the mean loss per
+/// step when a step's grad_scales add up to 1, as gradient accumulation's do) and
+/// reset() it there. Evaluation (no dout) computes and returns the loss as
+/// cross_entropy does. `window` must outlive the engine's use of the function.
+///
+///   ops::DeviceLoss window;
+///   engine->set_loss(parallel::device_cross_entropy<bf16>(window));
+///   ... engine->forward_backward(ids, targets); engine->step(opt); ...
+///   if (step % 100 == 0) { std::printf("loss %.4f\n", engine->average(window.mean())); window.reset(); }
+template <class T>
+LossFn<T> device_cross_entropy(ops::DeviceLoss& window, std::int32_t ignore_index = -100,
+                               double label_smoothing = 0.0) {
+  return [&window, ignore_index, label_smoothing](const Tensor<T>& output, const Targets<T>& targets,
+                                                  Tensor<T>* dout, acc_t<T> scale) {
+    nn::CrossEntropyLoss<T> ce(ignore_index, label_smoothing);
+    if (!dout) {
+      nn::Cache<T> cache;
+      return ce.forward(output, targets, cache);
+    }
+    Tensor<T> logits = output;  // the same storage, overwritten with the gradient
+    *dout = ce.forward_backward(logits, targets, window, scale, static_cast<double>(scale));
+    return std::numeric_limits<double>::quiet_NaN();
+  };
 }
 
 /// One batch's input: features (x) or int32 token ids, which the first unit looks

@@ -1,12 +1,16 @@
 // CPU kernels against naive loops in double.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <ptrain/config.hpp>  // before the kernels: Note [GCC 12 AVX-512 warnings]
+#include <ptrain/kernels/cpu/bf16.hpp>
 #include <ptrain/kernels/cpu/elementwise.hpp>
+#include <ptrain/kernels/cpu/fused_classifier.hpp>
 #include <ptrain/kernels/cpu/gemm.hpp>
 #include <ptrain/kernels/cpu/layer_norm.hpp>
 #include <ptrain/kernels/cpu/reduce.hpp>
 #include <ptrain/kernels/cpu/softmax.hpp>
+#include <ptrain/kernels/stochastic_round.hpp>
 #include <ptrain/ops/vector.hpp>
 #include <vector>
 
@@ -97,6 +101,107 @@ TEST_CASE("softmax cross-entropy matches log-sum-exp in double and is stable", "
   double row_sum = 0;
   for (std::int64_t c = 0; c < cols; ++c) row_sum += d[c];
   REQUIRE(std::abs(row_sum) < 1e-12);  // softmax - onehot sums to zero
+}
+
+namespace {
+/// Mean cross-entropy with label smoothing eps and its gradient times dloss, in double:
+/// the definition written out (rows with target ignore or outside [0, cols) do not count).
+double naive_cross_entropy(std::int64_t rows, std::int64_t cols, const std::vector<double>& x,
+                           const std::vector<std::int32_t>& t, double eps, double dloss, std::vector<double>& grad) {
+  std::int64_t valid = 0;
+  for (auto ti : t) valid += ti >= 0 && ti < cols;
+  double total = 0;
+  grad.assign(x.size(), 0.0);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (t[r] < 0 || t[r] >= cols) continue;
+    double mx = -1e300, s = 0, mean = 0;
+    for (std::int64_t c = 0; c < cols; ++c) mx = std::max(mx, x[r * cols + c]);
+    for (std::int64_t c = 0; c < cols; ++c) s += std::exp(x[r * cols + c] - mx), mean += x[r * cols + c] / cols;
+    const double lse = mx + std::log(s);
+    total += (1 - eps) * (lse - x[r * cols + t[r]]) + eps * (lse - mean);
+    for (std::int64_t c = 0; c < cols; ++c)
+      grad[r * cols + c] = dloss * (std::exp(x[r * cols + c] - lse) - (c == t[r] ? 1 - eps : 0.0) - eps / cols) / valid;
+  }
+  return total / valid;
+}
+}  // namespace
+
+TEST_CASE("fused classifier: loss and in-place gradient against the definition in double", "[kernels][loss][fused]") {
+  const std::int64_t rows = 5, cols = 37;
+  auto x = random_vec(rows * cols, 11);
+  for (auto& v : x) v *= 4.0;
+  x[2 * cols + 1] = 500.0;  // would overflow a naive exp
+  const std::vector<std::int32_t> t = {3, -100, 1, 36, 40};  // an ignored row and a target out of range
+  for (double eps : {0.0, 0.1}) {
+    std::vector<double> want;
+    const double ref = naive_cross_entropy(rows, cols, x, t, eps, 0.5, want);
+    // double and float against the definition; the accumulator adds weight * loss to what it held.
+    std::vector<double> xd = x;
+    double acc[2] = {0.25, 1.0};
+    k::fused_classifier<double>(rows, cols, xd.data(), t.data(), -100, eps, 0.5, 2.0, acc);
+    CHECK(acc[0] == Approx(0.25 + 2.0 * ref).epsilon(1e-13));
+    CHECK(acc[1] == 2.0);  // one target outside [0, cols) added
+    for (std::size_t i = 0; i < x.size(); ++i) CHECK(xd[i] == Approx(want[i]).margin(1e-15));
+    for (std::int64_t c = 0; c < cols; ++c) CHECK(xd[1 * cols + c] == 0.0);  // ignored
+    for (std::int64_t c = 0; c < cols; ++c) CHECK(xd[4 * cols + c] == 0.0);  // target out of range
+    std::vector<float> xf(x.begin(), x.end());
+    double accf[2] = {0, 0};
+    k::fused_classifier<float>(rows, cols, xf.data(), t.data(), -100, static_cast<float>(eps), 0.5f, 1.0, accf);
+    CHECK(accf[0] == Approx(ref).epsilon(1e-5));
+    for (std::size_t i = 0; i < x.size(); ++i) CHECK(xf[i] == Approx(want[i]).margin(1e-7));
+  }
+}
+
+TEST_CASE("fused classifier on the CPU gives the bits of cross_entropy forward and backward", "[kernels][loss][fused]") {
+  const std::int64_t rows = 6, cols = 29;
+  const auto x = random_vec(rows * cols, 12);
+  const std::vector<std::int32_t> t = {0, 28, 7, -1, 13, 5};  // ignore_index -1
+  const float eps = 0.05f, dloss = 0.75f;
+  // float
+  std::vector<float> xf(x.begin(), x.end()), lse(rows), d(rows * cols);
+  std::int64_t valid = 0;
+  const double loss = k::cross_entropy_forward<float>(rows, cols, xf.data(), t.data(), lse.data(), valid, -1, eps);
+  k::cross_entropy_backward<float>(rows, cols, xf.data(), lse.data(), t.data(), valid, dloss, d.data(), -1, eps);
+  double acc[2] = {0, 0};
+  k::fused_classifier<float>(rows, cols, xf.data(), t.data(), -1, eps, dloss, 1.0, acc);
+  CHECK(acc[0] == loss);
+  CHECK(std::memcmp(xf.data(), d.data(), d.size() * sizeof(float)) == 0);
+  // bf16: widened to float, the gradient rounded once
+  std::vector<bf16> xb(x.size()), db(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) xb[i] = bf16(static_cast<float>(x[i]));
+  const double lossb = k::cross_entropy_forward(rows, cols, xb.data(), t.data(), lse.data(), valid, -1, eps);
+  k::cross_entropy_backward(rows, cols, xb.data(), lse.data(), t.data(), valid, dloss, db.data(), -1, eps);
+  double accb[2] = {0, 0};
+  k::fused_classifier<bf16>(rows, cols, xb.data(), t.data(), -1, eps, dloss, 1.0, accb);
+  CHECK(accb[0] == lossb);
+  CHECK(std::memcmp(xb.data(), db.data(), db.size() * sizeof(bf16)) == 0);
+}
+
+TEST_CASE("stochastic rounding to bf16 is unbiased, picks a neighbour and repeats per (seed, step, index)",
+          "[kernels][bf16][fused]") {
+  const float x = 1.0f + 0.3f * 0x1p-7f;  // 30% of the way from 1 to the next bf16, 1 + 2^-7
+  const float lo = 1.0f, hi = 1.0f + 0x1p-7f;
+  double sum = 0;
+  int ups = 0;
+  const int n = 20000;
+  for (int i = 0; i < n; ++i) {
+    const float r = static_cast<float>(kernels::bf16_round_stochastic(x, 7, 3, static_cast<std::uint64_t>(i)));
+    REQUIRE((r == lo || r == hi));
+    ups += r == hi;
+    sum += r;
+  }
+  // P(up) = 0.3: a binomial's standard deviation is sqrt(n 0.3 0.7) ~ 65; allow 5 of them.
+  CHECK(std::abs(ups - 0.3 * n) < 5 * std::sqrt(n * 0.21));
+  CHECK(std::abs(sum / n - x) < 5 * std::sqrt(0.21 / n) * 0x1p-7);
+  CHECK(kernels::bf16_round_stochastic(x, 7, 3, 11).bits == kernels::bf16_round_stochastic(x, 7, 3, 11).bits);
+  int differ = 0;  // another step draws again
+  for (int i = 0; i < 64; ++i)
+    differ += kernels::bf16_round_stochastic(x, 7, 3, i).bits != kernels::bf16_round_stochastic(x, 7, 4, i).bits;
+  CHECK(differ > 0);
+  // Values that are bf16 already stay; infinities and NaN round to nearest.
+  CHECK(static_cast<float>(kernels::bf16_round_stochastic(-2.5f, 1, 1, 5)) == -2.5f);
+  CHECK(std::isinf(static_cast<float>(kernels::bf16_round_stochastic(INFINITY, 1, 1, 5))));
+  CHECK(std::isnan(static_cast<float>(kernels::bf16_round_stochastic(NAN, 1, 1, 5))));
 }
 
 TEST_CASE("layer norm forward normalises rows", "[kernels][layer_norm]") {

@@ -21,6 +21,7 @@
 #include <ptrain/ops/attention.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
 #include <ptrain/ops/linear.hpp>
+#include <ptrain/ops/loss.hpp>
 #include <ptrain/ops/norm.hpp>
 #include <ptrain/ops/optimizer.hpp>
 #include <ptrain/ops/rotary.hpp>
@@ -48,7 +49,7 @@ class HostBackend final : public ptrain::detail::DeviceBackend {
 
 struct Calls {
   int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, rms_norm = 0, rotary = 0, vocab_embedding = 0,
-      gqa_forward = 0, gqa_backward = 0, gqa_decode = 0;
+      gqa_forward = 0, gqa_backward = 0, gqa_decode = 0, adamw_ranges = 0, sum_squares_to = 0, fused_classifier = 0;
 };
 Calls& calls() {
   static Calls c;
@@ -133,6 +134,21 @@ struct ScopedGate {
   }
 };
 
+void fake_adamw_ranges(std::int64_t n, std::int64_t k, const std::int64_t* ends, const std::uint8_t* decay, double* p,
+                       const double* g, double* m, double* v, bf16* param, const kernels::AdamWStep& s) {
+  ++calls().adamw_ranges;
+  kernels::cpu::adamw_update_ranges(n, k, ends, decay, p, g, m, v, param, s);
+}
+void fake_sum_squares_to(std::int64_t n, const double* x, double* out) {
+  ++calls().sum_squares_to;
+  kernels::cpu::sum_squares_to(n, x, out);
+}
+void fake_fused_classifier(std::int64_t rows, std::int64_t cols, float* logits, const std::int32_t* targets,
+                           std::int32_t ignore, float eps, float dloss, double w, double* loss) {
+  ++calls().fused_classifier;
+  kernels::cpu::fused_classifier(rows, cols, logits, targets, ignore, eps, dloss, w, loss);
+}
+
 // Installs the stand-ins for a scope and empties both slots again afterwards.
 struct FakeCuda {
   HostBackend backend;
@@ -152,6 +168,9 @@ struct FakeCuda {
     table.f32.gqa_flash_backward = &fake_gqa_backward;
     table.f32.gqa_attention_decode = &fake_gqa_decode;
     table.f32.flash_attention_supported = &no_flash;
+    table.f64.adamw_update_ranges = &fake_adamw_ranges;
+    table.f64.sum_squares_to = &fake_sum_squares_to;
+    table.f32.fused_classifier = &fake_fused_classifier;
     kernels::detail::cuda_kernel_table_slot() = &table;
     ptrain::detail::cuda_backend_slot() = &backend;
   }
@@ -222,7 +241,7 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     lin.weight().grad.copy_(Tensor<double>::from({0.5, -2.0}, {1, 2}));  // a view into flat.grads()
     optim::AdamW<double> adamw(flat, {.lr = 0.1, .weight_decay = 0.0});
     adamw.step();
-    CHECK(calls().adamw == 1);
+    CHECK(calls().adamw + calls().adamw_ranges == 1);  // the one-launch kernel once the gate lets it
     // First AdamW step without decay: p -= lr * g / (|g| + eps'), i.e. lr * sign(g) up to eps.
     const auto p = lin.weight().value.to_vector();
     CHECK(p[0] == Approx(1.0 - 0.1).epsilon(1e-6));
@@ -334,6 +353,58 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     const auto dqkv_cpu = ops::causal_attention_backward(qkv_cpu, cpu_saved, H, y_cpu).to_vector();
     CHECK(calls().gqa_backward == 1);
     for (std::size_t i = 0; i < dqkv.size(); ++i) CHECK(dqkv[i] == Approx(dqkv_cpu[i]).margin(1e-6));
+  }
+  SECTION("AdamW takes the one-launch kernel once the gate lets it, the per-range kernel before") {
+    auto run = [](optim::AdamWOptions o) {
+      nn::Linear<double> lin(2, 2, true);
+      for (int i = 0; i < 4; ++i) lin.weight().value.data()[i] = 0.25 * i - 0.5;
+      for (int i = 0; i < 2; ++i) lin.bias()->value.data()[i] = 0.125 * i + 0.5;
+      lin.to(kFakeGpu);
+      nn::FlatParameters<double> flat(lin);
+      lin.weight().grad.copy_(Tensor<double>::from({0.5, -2.0, 1.0, 0.25}, {2, 2}));  // views into flat.grads()
+      lin.bias()->grad.copy_(Tensor<double>::from({3.0, -1.0}, {2}));
+      optim::AdamW<double> adamw(flat, o, [](const std::string& name) { return name != "bias"; });
+      adamw.step();
+      return flat.values().to_vector();
+    };
+    const optim::AdamWOptions o{.lr = 0.1, .weight_decay = 0.5};
+    const auto per_range = run(o);
+    if (!kernels::cuda_kernel_enabled("adamw_update_ranges")) {
+      CHECK(calls().adamw == 2);  // two ranges: the weight decays, the bias does not
+      CHECK(calls().adamw_ranges == 0);
+    }
+    calls() = {};
+    ScopedGate allow("1");
+    CHECK(run(o) == per_range);  // the same arithmetic
+    CHECK(calls().adamw_ranges == 1);
+    CHECK(calls().adamw == 0);
+    CHECK(calls().sum_squares_to == 0);
+    auto clipped = o;
+    clipped.max_grad_norm = 0.1;
+    const auto c = run(clipped);
+    CHECK(calls().sum_squares_to == 1);
+    CHECK(calls().adamw_ranges == 2);
+    CHECK(c != per_range);
+  }
+  SECTION("the fused classifier reaches the table once the gate lets it") {
+    auto logits = x_gpu.clone();
+    const auto targets = Tensor<std::int32_t>::from({2, 0}, {2}).to(kFakeGpu);
+    ops::DeviceLoss loss;
+    if (!kernels::cuda_kernel_enabled("fused_classifier")) {
+      // Gated: the verified kernels run, which this stand-in table lacks.
+      CHECK_THROWS_WITH(ops::fused_classifier_(logits, targets, loss),
+                        Catch::Contains("[ptrain.cuda.unsupported]") && Catch::Contains("cross_entropy_forward"));
+    }
+    ScopedGate allow("1");
+    ops::fused_classifier_(logits, targets, loss);
+    CHECK(calls().fused_classifier == 1);
+    CHECK(loss.device() == kFakeGpu);
+    auto cpu_logits = x_cpu.clone();
+    ops::DeviceLoss cpu_loss;
+    ops::fused_classifier_(cpu_logits, targets.to(Device::cpu()), cpu_loss);
+    CHECK(logits.to_vector() == cpu_logits.to_vector());
+    CHECK(loss.mean() == cpu_loss.mean());
+    CHECK(loss.mean() > 0);
   }
   SECTION("an entry the table lacks is refused, not called") {
     CHECK_THROWS_WITH(ops::relu(x_gpu),

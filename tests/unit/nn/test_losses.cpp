@@ -5,7 +5,9 @@
 #include <cmath>
 #include <functional>
 #include <ptrain/nn/activation.hpp>
+#include <ptrain/nn/linear.hpp>
 #include <ptrain/nn/loss.hpp>
+#include <ptrain/parallel/local.hpp>
 #include <ptrain/ops/init.hpp>
 
 namespace test_losses {
@@ -243,6 +245,62 @@ TEST_CASE("CrossEntropyLoss equals NLLLoss of LogSoftmax", "[nn][loss]") {
   REQUIRE(ce.forward(logits, t, c1) == Approx(nll.forward(lsm.forward(logits, c2), t, c3)).epsilon(1e-13));
   const auto a = ce.backward(c1), b = lsm.backward(nll.backward(c3), c2);
   for (std::int64_t i = 0; i < a.numel(); ++i) REQUIRE(a.data()[i] == Approx(b.data()[i]).margin(1e-14));
+}
+
+TEST_CASE("CrossEntropyLoss::forward_backward writes forward and backward's gradient over the logits and keeps the "
+          "loss in a DeviceLoss", "[nn][loss][fused]") {
+  const auto logits = random_tensor({6, 5}, 17, -3, 3);
+  const auto t = Tensor<std::int32_t>::from({4, 0, -100, 2, 2, 1}, {6});
+  nn::CrossEntropyLoss<double> ce(-100, 0.1);
+  nn::Cache<double> c;
+  const double want = ce.forward(logits, t, c);
+  const auto d = ce.backward(c, 1.3);
+  ops::DeviceLoss window;
+  auto work = logits.clone();
+  const auto g = ce.forward_backward(work, t, window, 1.3, 0.5);
+  CHECK(g.data() == work.data());  // in place
+  CHECK(g.to_vector() == d.to_vector());
+  CHECK(window.device() == Device::cpu());
+  CHECK(window.sum() == 0.5 * want);
+  CHECK(window.weight() == 0.5);
+  CHECK(window.mean() == want);
+  auto again = logits.clone();
+  ce.forward_backward(again, t, window, 1.3, 0.5);
+  CHECK(window.mean() == Approx(want).epsilon(1e-15));
+  window.reset();
+  CHECK(window.sum() == 0.0);
+  CHECK(window.mean() == 0.0);
+  auto bad = logits.clone();
+  REQUIRE_THROWS_WITH(ce.forward_backward(bad, Tensor<std::int32_t>::from({4, 0, 5, 2, 2, 1}, {6}), window),
+                      Catch::Contains("[ptrain.cross_entropy] target 5 at row 2"));
+}
+
+TEST_CASE("device_cross_entropy: an engine's step with the loss kept in a DeviceLoss", "[nn][loss][fused]") {
+  // The same model twice; the default cross-entropy against the fused one.
+  auto run = [](bool fused, ops::DeviceLoss& window, std::vector<double>& grads) {
+    Generator gen(31);
+    nn::Linear<double> head(4, 7, true, gen);
+    parallel::Local<double> engine(head);
+    if (fused) engine.set_loss(parallel::device_cross_entropy<double>(window, -100, 0.05));
+    else engine.set_loss(parallel::loss_fn<double>(nn::CrossEntropyLoss<double>(-100, 0.05)));
+    const auto x = random_tensor({5, 4}, 32);
+    const auto t = Tensor<std::int32_t>::from({6, 0, -100, 3, 3}, {5});
+    engine.zero_grad();
+    double loss = engine.forward_backward(x, t, 0.25);
+    loss += engine.forward_backward(x, t, 0.75);  // accumulates, as micro-batches do
+    grads = engine.parameters().grads().to_vector();
+    const double eval = engine.eval_loss(x, t);
+    return std::pair{loss, eval};
+  };
+  ops::DeviceLoss unused, window;
+  std::vector<double> g_ref, g;
+  const auto [loss_ref, eval_ref] = run(false, unused, g_ref);
+  const auto [loss, eval] = run(true, window, g);
+  CHECK(std::isnan(loss));  // training calls leave the loss in the window
+  CHECK(window.weight() == 1.0);
+  CHECK(window.mean() == Approx(loss_ref / 2).epsilon(1e-15));  // both batches are the same: the mean is one loss
+  CHECK(eval == eval_ref);
+  CHECK(g == g_ref);
 }
 
 TEST_CASE("A loss given the wrong kind of targets says which it needs", "[nn][loss]") {

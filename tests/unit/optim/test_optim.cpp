@@ -1,6 +1,7 @@
 // Optimizer steps against values worked out by hand.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <ptrain/nn/linear.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/clip.hpp>
@@ -119,6 +120,106 @@ TEST_CASE("optimizers refuse options that would silently ruin training", "[optim
   optim::SGD<double> ok(t.values, t.grads, t.entries, {.lr = 0.1});
   CHECK_THROWS_WITH(ok.set_lr(INFINITY), Catch::Contains("[ptrain.optim.lr]"));
   CHECK(ok.lr() == 0.1);
+}
+
+namespace {
+/// A Linear's flat parameters with gradients filled from random values in [-scale, scale).
+template <class T>
+struct Model {
+  Generator gen{21};
+  nn::Linear<T> lin{5, 3, true, gen};
+  nn::FlatParameters<T> flat{lin};
+  explicit Model(double scale) {
+    auto& g = flat.grads();
+    std::vector<T> v(static_cast<std::size_t>(g.numel()));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(static_cast<float>(scale * (2 * random_uniform(5, i) - 1)));
+    g.copy_(Tensor<T>::from(v, g.shape()));
+  }
+};
+bool no_bias_decay(const std::string& name) { return name != "bias"; }
+
+/// One AdamW step in double from p, g (weight decay wd where decay[i]), clipped to max_norm (0: off).
+std::vector<double> naive_adamw(std::vector<double> p, std::vector<double> g, const std::vector<bool>& decay,
+                                double lr, double wd, double max_norm) {
+  double sq = 0;
+  for (double x : g) sq += x * x;
+  const double coef = max_norm > 0 ? std::min(1.0, max_norm / (std::sqrt(sq) + 1e-6)) : 1.0;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    const double gi = g[i] * coef, m = 0.1 * gi, v = 0.001 * gi * gi;
+    const double mhat = m / 0.1, vhat = v / 0.001;
+    p[i] = p[i] * (1 - lr * (decay[i] ? wd : 0.0)) - lr * mhat / (std::sqrt(vhat) + 1e-8);
+  }
+  return p;
+}
+}  // namespace
+
+TEST_CASE("AdamW in one call over the ranges gives the bits of the range-by-range update",
+          "[optim][adamw][fused]") {
+  // max_grad_norm far above the norm takes the one-call path (Note [AdamW in one launch]) and clips nothing.
+  Model<float> a(1.0), b(1.0);
+  optim::AdamW<float> per_range(a.flat, {.lr = 0.05, .weight_decay = 0.1}, no_bias_decay);
+  optim::AdamW<float> one_call(b.flat, {.lr = 0.05, .weight_decay = 0.1, .max_grad_norm = 1e30}, no_bias_decay);
+  for (int s = 0; s < 3; ++s) {
+    per_range.step();
+    one_call.step();
+  }
+  const auto va = a.flat.values().to_vector(), vb = b.flat.values().to_vector();
+  CHECK(std::memcmp(va.data(), vb.data(), va.size() * sizeof(float)) == 0);
+  CHECK(one_call.grad_sumsq().to_vector()[0] == Approx(optim::clip_grad_norm_(a.flat.grads(), 1e30) *
+                                                       optim::clip_grad_norm_(a.flat.grads(), 1e30)));
+  CHECK(b.flat.grads().to_vector() == a.flat.grads().to_vector());  // clipping in the update leaves the gradients
+}
+
+TEST_CASE("AdamW clips inside the update as clip_grad_norm_ before it", "[optim][adamw][fused]") {
+  Model<float> a(3.0), b(3.0);
+  const auto p0 = a.flat.values().to_vector();
+  const auto g0 = a.flat.grads().to_vector();
+  optim::AdamW<float> before(a.flat, {.lr = 0.05, .weight_decay = 0.1}, no_bias_decay);
+  optim::AdamW<float> inside(b.flat, {.lr = 0.05, .weight_decay = 0.1, .max_grad_norm = 0.5}, no_bias_decay);
+  const double norm = optim::clip_grad_norm_(a.flat.grads(), 0.5);
+  REQUIRE(norm > 1.0);  // the clipping matters
+  before.step();
+  inside.step();
+  const auto va = a.flat.values().to_vector(), vb = b.flat.values().to_vector();
+  CHECK(std::memcmp(va.data(), vb.data(), va.size() * sizeof(float)) == 0);
+  CHECK(std::sqrt(inside.grad_sumsq().to_vector()[0]) == Approx(norm).epsilon(1e-12));
+  // Against the definition in double: weights decay, the bias does not.
+  std::vector<bool> decay(p0.size(), true);
+  const auto& e = b.flat.entries();
+  for (const auto& en : e)
+    if (en.name == "bias")
+      for (std::int64_t i = 0; i < en.shape.numel(); ++i) decay[static_cast<std::size_t>(en.offset + i)] = false;
+  const auto want = naive_adamw({p0.begin(), p0.end()}, {g0.begin(), g0.end()}, decay, 0.05, 0.1, 0.5);
+  for (std::size_t i = 0; i < want.size(); ++i) CHECK(vb[i] == Approx(want[i]).margin(1e-6));
+}
+
+TEST_CASE("AdamW on bf16 parameters rounds the master copy stochastically", "[optim][adamw][fused]") {
+  Model<bf16> a(1.0), b(1.0);
+  optim::AdamW<bf16> nearest(a.flat, {.lr = 1e-3, .weight_decay = 0.1});
+  optim::AdamW<bf16> stochastic(b.flat, {.lr = 1e-3, .weight_decay = 0.1, .stochastic_rounding = true, .seed = 9});
+  nearest.step();
+  stochastic.step();
+  // The fp32 master copies agree bit for bit; the bf16 parameters are a neighbour of the master
+  // value (nearest rounding: the nearer one), and stochastic rounding moves some of them.
+  const auto& ma = nearest.flat_state()[2].second;
+  const auto& mb = stochastic.flat_state()[2].second;
+  REQUIRE(nearest.flat_state()[2].first == "master");
+  CHECK(ma.to_vector() == mb.to_vector());
+  const auto pa = a.flat.values().to_vector(), pb = b.flat.values().to_vector();
+  const auto master = mb.to_vector();
+  int moved = 0;
+  for (std::size_t i = 0; i < master.size(); ++i) {
+    const float m = master[i], na = static_cast<float>(pa[i]), sb = static_cast<float>(pb[i]);
+    CHECK(na == static_cast<float>(bf16(m)));
+    const float ulp = std::ldexp(1.0f, std::ilogb(m) - 7);  // bf16's gap at m
+    CHECK(std::abs(sb - m) <= ulp);
+    CHECK((sb == na || (sb - m) * (na - m) <= 0));  // nearest, or the neighbour on m's other side
+    moved += sb != na;
+  }
+  CHECK(moved > 0);
+  Model<float> c(1.0);
+  CHECK_THROWS_WITH(optim::AdamW<float>(c.flat, {.stochastic_rounding = true}),
+                    Catch::Contains("stochastic_rounding rounds bf16"));
 }
 
 TEST_CASE("warmup + cosine schedule", "[optim][schedule]") {

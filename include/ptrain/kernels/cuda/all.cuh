@@ -25,6 +25,8 @@
 //   conv.cuh         im2col, col2im, max/avg pooling (float, double)
 //   batch_norm.cuh   batch-norm statistics, finalisation, apply, backward (float, double)
 //   optimizer.cuh    sgd_update, adamw_update
+//   fused_classifier.cuh  fused_classifier (cross-entropy loss and dlogits in place, loss kept on the device)
+//   adamw_ranges.cuh      adamw_update_ranges (AdamW over a flat buffer in one launch), sum_squares_to
 
 #include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/stream.hpp"
@@ -49,3 +51,5 @@
 #include "ptrain/kernels/cuda/conv.cuh"
 #include "ptrain/kernels/cuda/batch_norm.cuh"
 #include "ptrain/kernels/cuda/optimizer.cuh"
+#include "ptrain/kernels/cuda/fused_classifier.cuh"
+#include "ptrain/kernels/cuda/adamw_ranges.cuh"
