@@ -73,4 +73,24 @@ double rel_err(const std::vector<T>& got, const std::vector<double>& ref, double
   return max_ref > 0 ? max_diff / max_ref : max_diff;
 }
 
+/// Every parameter gradient of `gpu` (a model on the GPU) against the same parameter's
+/// of `cpu` (same names, same order): norm-wise relative error at most `bound`, and the
+/// reference not all zeros (a gradient of zeros would pass trivially).
+template <class Model>
+void check_same_gradients(Model& cpu, Model& gpu, double bound) {
+  auto cpu_params = cpu.named_parameters();
+  auto gpu_params = gpu.named_parameters();
+  REQUIRE(cpu_params.size() == gpu_params.size());
+  for (std::size_t i = 0; i < cpu_params.size(); ++i) {
+    INFO("parameter " << cpu_params[i].name);
+    REQUIRE(gpu_params[i].name == cpu_params[i].name);
+    REQUIRE(gpu_params[i].param->grad.device() == kGpu);
+    const auto ref = to_double(cpu_params[i].param->grad.to_vector());
+    const double err = rel_err(gpu_params[i].param->grad.to_vector(), ref);
+    INFO("relative error " << err);
+    CHECK(err <= bound);
+    CHECK(std::any_of(ref.begin(), ref.end(), [](double g) { return g != 0.0; }));
+  }
+}
+
 }  // namespace ptrain::testing

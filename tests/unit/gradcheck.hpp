@@ -1,12 +1,21 @@
 #pragma once
 // The tests' form of ptrain::testing::check_gradients (ptrain/testing/gradcheck.hpp):
-// a Catch2 REQUIRE with the report of the worst element; and dot() for tests
-// that build their own scalar.
+// a Catch2 REQUIRE with the report of the worst element; dot() for tests that
+// build their own scalar; random_tensor() for their inputs.
 
 #include <catch2/catch.hpp>
+#include <ptrain/ops/init.hpp>
 #include <ptrain/testing/gradcheck.hpp>
 
 namespace ptrain::testing {
+
+/// A CPU tensor of shape s, uniform in [lo, hi) from the stream of `seed`.
+inline Tensor<double> random_tensor(const Shape& s, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  auto x = Tensor<double>::empty(s);
+  Generator g(seed);
+  ops::uniform_(x, lo, hi, g);
+  return x;
+}
 
 /// sum(a * b) of two CPU tensors of one size.
 inline double dot(const Tensor<double>& a, const Tensor<double>& b) {

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "comm_util.hpp"
+#include "dist/host_blocks.hpp"
 #include "ptrain/dist/staged_communicator.hpp"
 
 namespace test_staged {
@@ -30,36 +31,7 @@ const Device kGpu = Device::cuda(0);
 // cuda:0 as complemented host memory (see the file comment).
 class ComplementGpu final : public ptrain::detail::DeviceBackend {
  public:
-  class Blocks final : public ptrain::detail::CachingAllocator {
-   public:
-    bool holds(const void* p) {
-      std::lock_guard lock(m_);
-      auto it = raw_.upper_bound(static_cast<const char*>(p));
-      if (it == raw_.begin()) return false;
-      --it;
-      return static_cast<const char*>(p) < it->first + it->second;
-    }
 
-   protected:
-    void* raw_allocate(std::size_t bytes) override {
-      void* p = std::aligned_alloc(kAlignment, bytes);
-      REQUIRE(p != nullptr);
-      std::lock_guard lock(m_);
-      raw_[static_cast<const char*>(p)] = bytes;
-      return p;
-    }
-    void raw_free(void* p) override {
-      {
-        std::lock_guard lock(m_);
-        raw_.erase(static_cast<const char*>(p));
-      }
-      std::free(p);
-    }
-
-   private:
-    std::mutex m_;
-    std::map<const char*, std::size_t> raw_;
-  };
 
   Allocator& allocator(int) override { return blocks; }
   void copy(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t bytes) override {
@@ -81,7 +53,7 @@ class ComplementGpu final : public ptrain::detail::DeviceBackend {
   }
   void free_pinned_host(void* p) override { std::free(p); }
 
-  Blocks blocks;
+  ptrain_test::HostBlocks blocks;
   std::atomic<int> to_host{0}, to_device{0}, pinned{0};
 };
 

@@ -23,6 +23,7 @@
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 
+#include "dist/host_blocks.hpp"
 #include "dist/world.hpp"
 
 namespace test_staged_engines {
@@ -37,36 +38,7 @@ const Device kGpu = Device::cuda(0);
 // cuda:0 as host memory that only this backend's allocator hands out.
 class HostGpu final : public ptrain::detail::DeviceBackend {
  public:
-  class Blocks final : public ptrain::detail::CachingAllocator {
-   public:
-    bool holds(const void* p) {
-      std::lock_guard lock(m_);
-      auto it = raw_.upper_bound(static_cast<const char*>(p));
-      if (it == raw_.begin()) return false;
-      --it;
-      return static_cast<const char*>(p) < it->first + it->second;
-    }
 
-   protected:
-    void* raw_allocate(std::size_t bytes) override {
-      void* p = std::aligned_alloc(kAlignment, bytes);
-      REQUIRE(p != nullptr);
-      std::lock_guard lock(m_);
-      raw_[static_cast<const char*>(p)] = bytes;
-      return p;
-    }
-    void raw_free(void* p) override {
-      {
-        std::lock_guard lock(m_);
-        raw_.erase(static_cast<const char*>(p));
-      }
-      std::free(p);
-    }
-
-   private:
-    std::mutex m_;
-    std::map<const char*, std::size_t> raw_;
-  };
 
   Allocator& allocator(int) override { return blocks; }
   void copy(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t bytes) override {
@@ -79,7 +51,7 @@ class HostGpu final : public ptrain::detail::DeviceBackend {
   int device_count() override { return 1; }
   bool is_host_pointer(const void* p) override { return !blocks.holds(p); }
 
-  Blocks blocks;
+  ptrain_test::HostBlocks blocks;
   std::atomic<long> to_host{0};
 };
 

@@ -14,19 +14,15 @@
 #include <ptrain/nn/gqa_attention.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
 
+#include "unit/gradcheck.hpp"
+
 namespace test_gqa_attention {
 
 using namespace ptrain;
 using Catch::Matchers::Contains;
+using ptrain::testing::random_tensor;
 
 namespace {
-
-Tensor<double> random_tensor(const Shape& s, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
-  auto x = Tensor<double>::empty(s);
-  Generator g(seed);
-  ops::uniform_(x, lo, hi, g);
-  return x;
-}
 
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == b.size());

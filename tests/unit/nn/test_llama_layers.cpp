@@ -18,16 +18,10 @@ namespace test_llama_layers {
 
 using namespace ptrain;
 using Catch::Matchers::Contains;
+using ptrain::testing::random_tensor;
 using ptrain::testing::check_module_gradients;
 
 namespace {
-
-Tensor<double> random_tensor(const Shape& s, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
-  auto x = Tensor<double>::empty(s);
-  Generator g(seed);
-  ops::uniform_(x, lo, hi, g);
-  return x;
-}
 
 void randomize(nn::Module<double>& m, std::uint64_t seed) {
   Generator g(seed);
