@@ -14,8 +14,9 @@ usage: test_gpt_char_llama.py GPT_CHAR [MPIRUN]
   resume     a checkpoint of a Llama run resumes under DDP; one of a GPT run is refused
   tp         (with MPIRUN) it resumes again at tp 2 with sequence parallelism, learns, and
              exports the gathered model with the same names and shapes
-  refused    --precision bf16, --dropout and --kv-heads without --model llama fail before
-             training, naming the flag"""
+  bf16       --precision bf16 (bf16 parameters, fp32 master weights) under FSDP learns too
+  refused    --dropout and --kv-heads without --model llama fail before training, naming
+             the flag"""
 import json
 import os
 import re
@@ -38,7 +39,7 @@ def run(argv, what, expect=0):
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+        p = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         raise Failure(f"{what}: no exit within {TIMEOUT_S} s (hang)")
     if p.returncode != expect:
@@ -128,16 +129,22 @@ def main():
     if "[ptrain.example.config]" not in refused or "--model" not in refused:
         raise Failure(f"resume: a GPT checkpoint was not refused by name\n{refused}")
 
+    bf16 = run(launch + [exe] + TRAIN + SHAPE + parallel + ["--precision", "bf16", "--steps", "120"],
+               "training in bf16")
+    bf16_loss, bf16_ratio = final(bf16, "training in bf16")
+    if bf16_ratio >= 1.0:
+        raise Failure(f"bf16: final val_loss {bf16_loss} is {bf16_ratio} x the unigram entropy; it did not "
+                      f"learn\n{bf16}")
+
     # refused flags
-    for flags, words in [(["--precision", "bf16"], "--precision"), (["--dropout", "0.1"], "--dropout")]:
-        out = run([exe] + TRAIN + SHAPE + flags + ["--steps", "1"], f"--model llama {flags[0]}", expect=2)
-        if words not in out:
-            raise Failure(f"refused: {flags} failed without naming {words}\n{out}")
+    out = run([exe] + TRAIN + SHAPE + ["--dropout", "0.1", "--steps", "1"], "--model llama --dropout", expect=2)
+    if "--dropout" not in out:
+        raise Failure(f"refused: --dropout failed without naming it\n{out}")
     out = run([exe, "--kv-heads", "2", "--steps", "1"], "--kv-heads with a GPT", expect=2)
     if "--model llama" not in out:
         raise Failure(f"refused: --kv-heads with a GPT failed without naming --model llama\n{out}")
-    print(f"gpt_char --model llama: final val_loss {loss:.4f} ({ratio:.3f} x unigram entropy), "
-          f"the exported folder {back_loss:.4f}; resume and refusals as expected")
+    print(f"gpt_char --model llama: final val_loss {loss:.4f} ({ratio:.3f} x unigram entropy), bf16 "
+          f"{bf16_loss:.4f} ({bf16_ratio:.3f}), the exported folder {back_loss:.4f}; resume and refusals as expected")
 
 
 if __name__ == "__main__":

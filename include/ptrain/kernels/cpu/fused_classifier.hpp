@@ -5,9 +5,9 @@
 // (kernels/cuda/fused_classifier.cuh) a training step never waits for the host.
 //
 // Row by row this is cross_entropy_forward followed by cross_entropy_backward
-// (kernels/cpu/softmax.hpp) with the same arithmetic, so the CPU results are
-// the bits of those two calls; bf16 rows are widened to float and the gradient
-// rounded back once (Note [bf16 kernels]).
+// (kernels/cpu/softmax.hpp) with the same arithmetic (up to the multiply-adds a
+// compiler contracts differently where it inlines them); bf16 rows are widened to
+// float and the gradient rounded back once (Note [bf16 kernels]).
 
 #include <cstdint>
 #include <type_traits>
