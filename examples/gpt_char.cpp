@@ -296,9 +296,6 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 
 // Flags that contradict each other or the world, refused before anything is read.
 void check_parallel_flags(const Options& o, int world) {
-  if (o.parallel == "tp")
-    PTRAIN_CHECK(o.precision == "fp32", Error, "[gpt_char.tp] --parallel tp runs in fp32; drop --precision or "
-                 "choose ddp or fsdp");
   PTRAIN_CHECK(!o.sequence_parallel || (o.parallel == "tp" && o.block % o.tp == 0), Error, "[gpt_char.sp] "
                "--sequence-parallel cuts each sequence of --block ", o.block, " tokens into --tp ", o.tp,
                " slices: use it with --parallel tp and a --block that is a multiple of --tp");

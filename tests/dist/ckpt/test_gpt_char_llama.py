@@ -14,7 +14,8 @@ usage: test_gpt_char_llama.py GPT_CHAR [MPIRUN]
   resume     a checkpoint of a Llama run resumes under DDP; one of a GPT run is refused
   tp         (with MPIRUN) it resumes again at tp 2 with sequence parallelism, learns, and
              exports the gathered model with the same names and shapes
-  bf16       --precision bf16 (bf16 parameters, fp32 master weights) under FSDP learns too
+  bf16       --precision bf16 (bf16 parameters, fp32 master weights) learns too, under FSDP
+             and (with MPIRUN) at tp 2 with sequence parallelism
   refused    --dropout and --kv-heads without --model llama fail before training, naming
              the flag"""
 import json
@@ -135,6 +136,12 @@ def main():
     if bf16_ratio >= 1.0:
         raise Failure(f"bf16: final val_loss {bf16_loss} is {bf16_ratio} x the unigram entropy; it did not "
                       f"learn\n{bf16}")
+    if launch:
+        tp16 = run(launch + [exe] + TRAIN + SHAPE + ["--parallel", "tp", "--tp", "2", "--sequence-parallel",
+                                                     "--precision", "bf16", "--steps", "120"], "bf16 at tp 2")
+        tp16_loss, tp16_ratio = final(tp16, "bf16 at tp 2")
+        if tp16_ratio >= 1.0:
+            raise Failure(f"bf16 at tp 2: final val_loss {tp16_loss} is {tp16_ratio} x the unigram entropy\n{tp16}")
 
     # refused flags
     out = run([exe] + TRAIN + SHAPE + ["--dropout", "0.1", "--steps", "1"], "--model llama --dropout", expect=2)
