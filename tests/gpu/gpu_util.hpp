@@ -35,6 +35,20 @@ inline Generator& rng() {
   return g;
 }
 
+/// The norm-wise relative error bound of a result in T computed from T inputs (file comment
+/// of test_kernels.cu): bf16 rounds its result to 8 bits, float and double are a few ulp.
+template <class T>
+constexpr double tol() {
+  return std::is_same_v<T, bf16> ? 1e-2 : std::is_same_v<T, float> ? 1e-5 : 1e-12;
+}
+
+/// A quiet NaN of T: outputs start as it, so an element a kernel forgets to write fails.
+template <class T>
+T nan_of() {
+  if constexpr (std::is_same_v<T, bf16>) return bf16(std::numeric_limits<float>::quiet_NaN());
+  else return std::numeric_limits<T>::quiet_NaN();
+}
+
 /// x as a double (exact for bf16, float, double).
 template <class T>
 double as_double(T x) {

@@ -39,10 +39,6 @@ using namespace ptrain::testing;
 
 namespace {
 
-template <class T>
-constexpr double tol() {
-  return std::is_same_v<T, bf16> ? 1e-2 : std::is_same_v<T, float> ? 1e-5 : 1e-12;
-}
 /// The bound for values computed in acc_t<T> (float for bf16).
 template <class T>
 constexpr double acc_tol() {

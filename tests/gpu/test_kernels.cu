@@ -68,12 +68,6 @@ struct RestoreSwitch {
 };
 
 template <class T>
-T nan_of() {
-  if constexpr (std::is_same_v<T, bf16>) return bf16(std::numeric_limits<float>::quiet_NaN());
-  else return std::numeric_limits<T>::quiet_NaN();
-}
-
-template <class T>
 Tensor<T> on_gpu(const std::vector<T>& v) {
   return Tensor<T>::from(v, {static_cast<std::int64_t>(v.size())}).to(kGpu);
 }
@@ -90,11 +84,6 @@ std::vector<T> host(const Tensor<T>& t) {
 }
 
 using Dims = std::vector<std::pair<std::int64_t, std::int64_t>>;
-
-template <class T>
-constexpr double tol() {
-  return std::is_same_v<T, bf16> ? 1e-2 : std::is_same_v<T, float> ? 1e-5 : 1e-12;
-}
 
 #define CHECK_CLOSE(got, ref)                         \
   do {                                                \

@@ -39,17 +39,6 @@ using namespace ptrain::testing;
 namespace {
 
 template <class T>
-constexpr double tol() {
-  return std::is_same_v<T, bf16> ? 1e-2 : std::is_same_v<T, float> ? 1e-5 : 1e-12;
-}
-
-template <class T>
-T nan_of() {
-  if constexpr (std::is_same_v<T, bf16>) return bf16(std::numeric_limits<float>::quiet_NaN());
-  else return std::numeric_limits<T>::quiet_NaN();
-}
-
-template <class T>
 Tensor<T> gpu(const std::vector<T>& v, const Shape& s) {
   return Tensor<T>::from(v, s).to(kGpu);
 }

@@ -21,6 +21,22 @@ inline const char* reduction_name(Reduction r) {
   return r == Reduction::Mean ? "mean" : r == Reduction::Sum ? "sum" : "none";
 }
 
+namespace detail {
+/// Cross-entropy's checks: targets on the CPU in [0, classes) or ignore_index (device
+/// targets are checked by the kernel), label smoothing in [0, 1].
+inline void check_cross_entropy_targets(const Tensor<std::int32_t>& targets, std::int64_t classes,
+                                        std::int32_t ignore_index, double label_smoothing) {
+  if (targets.device().is_cpu()) {
+    const std::int32_t* t = targets.data();
+    for (std::int64_t i = 0; i < targets.numel(); ++i)
+      PTRAIN_CHECK(t[i] == ignore_index || (t[i] >= 0 && t[i] < classes), ShapeError,
+                   "[ptrain.cross_entropy] target ", t[i], " at row ", i, " is outside [0, ", classes, ")");
+  }
+  PTRAIN_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, Error, "[ptrain.loss.label_smoothing] ",
+               label_smoothing, " is outside [0, 1]");
+}
+}  // namespace detail
+
 /// Softmax over the last dimension.
 template <class T>
 Tensor<T> softmax(const Tensor<T>& x) {
@@ -72,14 +88,7 @@ double cross_entropy(const Tensor<T>& logits, const Tensor<std::int32_t>& target
   PTRAIN_CHECK(targets.numel() == rows, ShapeError, "[ptrain.cross_entropy] ", rows, " rows of logits ",
                logits.shape(), " but ", targets.numel(), " targets");
   detail::check_devices("cross_entropy", logits.device(), targets);
-  if (targets.device().is_cpu()) {
-    const std::int32_t* t = targets.data();
-    for (std::int64_t i = 0; i < rows; ++i)
-      PTRAIN_CHECK(t[i] == ignore_index || (t[i] >= 0 && t[i] < classes), ShapeError,
-                   "[ptrain.cross_entropy] target ", t[i], " at row ", i, " is outside [0, ", classes, ")");
-  }
-  PTRAIN_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, Error, "[ptrain.loss.label_smoothing] ",
-               label_smoothing, " is outside [0, 1]");
+  detail::check_cross_entropy_targets(targets, classes, ignore_index, label_smoothing);
   lse = Tensor<acc_t<T>>::empty({rows}, logits.device());
   return PTRAIN_DISPATCH(logits.device(), T, cross_entropy_forward, rows, classes, logits.data(), targets.data(),
                          lse.data(), valid, ignore_index, static_cast<acc_t<T>>(label_smoothing));
@@ -234,14 +243,7 @@ void fused_classifier_(Tensor<T>& logits, const Tensor<std::int32_t>& targets, D
   detail::check_devices("fused_classifier", logits.device(), targets);
   PTRAIN_CHECK(rows == 0 || classes > 0, ShapeError, "[ptrain.cross_entropy] logits ", logits.shape(),
                " have no classes");
-  if (targets.device().is_cpu()) {
-    const std::int32_t* t = targets.data();
-    for (std::int64_t i = 0; i < rows; ++i)
-      PTRAIN_CHECK(t[i] == ignore_index || (t[i] >= 0 && t[i] < classes), ShapeError,
-                   "[ptrain.cross_entropy] target ", t[i], " at row ", i, " is outside [0, ", classes, ")");
-  }
-  PTRAIN_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, Error, "[ptrain.loss.label_smoothing] ",
-               label_smoothing, " is outside [0, 1]");
+  detail::check_cross_entropy_targets(targets, classes, ignore_index, label_smoothing);
   Tensor<double>& acc = loss.bind(logits.device());
   if (logits.device().is_cuda() &&
       !kernels::cuda_kernel_usable(&kernels::CudaKernels<T>::fused_classifier, "fused_classifier")) {
