@@ -25,6 +25,8 @@
 //              --no-flash; --no-bf16 skips it); --no-epilogues runs both
 //              without cuBLASLt's fused epilogues; FLOPs
 //              per token from GPTConfig::flops_per_token.
+//   llama      the same step on nn::Llama<bf16> in Llama 3.2 1B's shape (grouped-
+//              query attention, RMSNorm, rotary, SwiGLU) at batch 4 x 2048 tokens.
 //   attention  the fused causal attention alone, forward and forward +
 //              backward, head widths 64 and 128, sequence 1024 to 8192;
 //              TFLOP/s on the causal half of the products.
@@ -51,6 +53,7 @@
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/models/llama.hpp"
 #include "ptrain/ops/linear.hpp"
 #include "ptrain/optim/adamw.hpp"
 
@@ -64,6 +67,13 @@ const Device kGpu = Device::cuda(0);
 struct Options {
   nn::GPTConfig cfg{.vocab_size = 50304, .block_size = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768};
   std::int64_t batch = 8;
+  // The Llama-shaped step: Llama 3.2 1B's shape (16 layers, width 2048, 32 query and
+  // 8 key-value heads of width 64, SwiGLU 8192, vocabulary 128256, tied embeddings,
+  // rope theta 500000) at batch 4 x sequence 2048.
+  nn::LlamaConfig llama{.vocab_size = 128256, .n_layer = 16, .n_head = 32, .n_kv_head = 8, .n_embd = 2048,
+                        .intermediate_size = 8192, .max_seq_len = 2048, .rope = {.theta = 500000.0},
+                        .tie_weights = true};
+  std::int64_t llama_batch = 4;
   int samples = 7;
   double sample_ms = 20.0;
   int steps = 10, warmup = 3;
@@ -396,6 +406,25 @@ void bench_bandwidth(const Options& o) {
 
 // ------------------------------------------------------------- GPT step ----
 
+// GPU time of each of o.steps training steps after o.warmup untimed ones (the
+// allocator's peak is reset after the warm-up).
+std::vector<double> step_times(const Options& o, const std::function<void()>& step) {
+  for (int i = 0; i < o.warmup; ++i) step();
+  kc::synchronize_device(0);
+  reset_peak_memory(kGpu);
+  const cudaStream_t stream = kc::current_stream(0);
+  kc::Event start(true), stop(true);
+  std::vector<double> times;
+  for (int i = 0; i < o.steps; ++i) {
+    start.record(stream);
+    step();
+    stop.record(stream);
+    stop.synchronize();
+    times.push_back(stop.elapsed_ms(start));
+  }
+  return times;
+}
+
 // T = float (FP32 or TF32 GEMMs) or bf16 (mixed precision).
 template <class T>
 void bench_gpt(const Options& o) {
@@ -431,21 +460,7 @@ void bench_gpt(const Options& o) {
     model.backward(loss_fn.backward(loss_cache), cache);
     opt.step();
   };
-  for (int i = 0; i < o.warmup; ++i) step();
-  kc::synchronize_device(0);
-  reset_peak_memory(kGpu);
-
-  const cudaStream_t stream = kc::current_stream(0);
-  kc::Event start(true), stop(true);
-  std::vector<double> times;
-  for (int i = 0; i < o.steps; ++i) {
-    start.record(stream);
-    step();
-    stop.record(stream);
-    stop.synchronize();
-    times.push_back(stop.elapsed_ms(start));
-  }
-
+  const std::vector<double> times = step_times(o, step);
   const double ms = bench::median(times);
   const double tokens = static_cast<double>(B * S);
   const double fpt = cfg.flops_per_token(S);
@@ -467,6 +482,49 @@ void bench_gpt(const Options& o) {
                "%.1f TFLOP/s, MFU %.3f of %.1f, peak memory %.1f GiB, loss %.4f\n",
                static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd), static_cast<long long>(B),
                static_cast<long long>(S), precision, ms, 1000.0 * tokens / ms, tflops, tflops / peak, peak, peak_gib,
+               loss);
+}
+
+// ---------------------------------------------------------- Llama step ----
+
+// forward, cross-entropy, backward, AdamW on nn::Llama<bf16> (bf16 parameters and
+// activations, fp32 master weights): grouped-query flash attention, RMSNorm fused
+// with the residual add, rotary, SwiGLU. FLOPs per token from
+// LlamaConfig::flops_per_token; sequence = max_seq_len.
+void bench_llama(const Options& o) {
+  const nn::LlamaConfig& cfg = o.llama;
+  const std::int64_t B = o.llama_batch, S = cfg.max_seq_len;
+  manual_seed(0);
+  nn::Llama<bf16> model(cfg);
+  model.to(kGpu);
+  nn::FlatParameters<bf16> flat(model);
+  optim::AdamW<bf16> opt(flat, {.lr = 3e-4, .weight_decay = 0.1}, nn::llama_decay_filter());
+  nn::CrossEntropyLoss<bf16> loss_fn;
+  const auto x = indices<std::int32_t>({B, S}, cfg.vocab_size, 17);
+  const auto y = indices<std::int32_t>({B * S}, cfg.vocab_size, 18);
+  nn::Cache<bf16> cache, loss_cache;
+  double loss = 0;
+  const std::vector<double> times = step_times(o, [&] {
+    flat.zero_grad();
+    loss = loss_fn.forward(model.forward_tokens(x, cache), y, loss_cache);
+    model.backward(loss_fn.backward(loss_cache), cache);
+    opt.step();
+  });
+  const double ms = bench::median(times), tokens = static_cast<double>(B * S);
+  const double fpt = cfg.flops_per_token(S), tflops = fpt * tokens / (ms * 1e-3) / 1e12;
+  const double peak_gib = static_cast<double>(memory_stats(kGpu).peak_bytes) / (1024.0 * 1024.0 * 1024.0);
+  emit({{"bench", "gpu_llama_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"precision", "bf16"},
+        {"compile", "eager"}, {"layers", cfg.n_layer}, {"heads", cfg.n_head}, {"kv_heads", cfg.n_kv_head},
+        {"embd", cfg.n_embd}, {"mlp", cfg.intermediate_size}, {"seq", S}, {"vocab", cfg.vocab_size}, {"batch", B},
+        {"steps", o.steps}, {"warmup", o.warmup}, {"parameters", model.num_parameters()}, {"step_ms_median", ms},
+        {"step_ms_min", *std::min_element(times.begin(), times.end())}, {"tokens_per_s", 1000.0 * tokens / ms},
+        {"mflop_per_token", fpt / 1e6}, {"tflops", tflops}, {"peak_tflops", o.peak_tflops_bf16},
+        {"mfu", tflops / o.peak_tflops_bf16}, {"peak_mem_GiB", peak_gib}, {"final_loss", loss}});
+  std::fprintf(stderr, "\nLlama step (%lld layers, width %lld, %lld/%lld heads, %lld x %lld tokens, bf16): %.1f ms "
+               "median, %.0f tokens/s, %.1f TFLOP/s, MFU %.3f, peak memory %.1f GiB, loss %.4f\n",
+               static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd),
+               static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_kv_head), static_cast<long long>(B),
+               static_cast<long long>(S), ms, 1000.0 * tokens / ms, tflops, tflops / o.peak_tflops_bf16, peak_gib,
                loss);
 }
 
@@ -520,15 +578,17 @@ void bench_attention(const Options& o) {
 int main(int argc, char** argv) {
   CLI::App app{"ptrain GPU benchmarks: GEMM, memory-bound kernels, GPT step (cuda:0)"};
   Options o;
-  std::vector<std::string> only{"gemm", "bandwidth", "gpt", "attention"};
+  std::vector<std::string> only{"gemm", "bandwidth", "gpt", "llama", "attention"};
   app.add_option("--only", only, "sections to run")
-      ->check(CLI::IsMember({"gemm", "bandwidth", "gpt", "attention"}));
+      ->check(CLI::IsMember({"gemm", "bandwidth", "gpt", "llama", "attention"}));
   app.add_option("--layers", o.cfg.n_layer, "transformer blocks");
   app.add_option("--heads", o.cfg.n_head, "attention heads");
   app.add_option("--embd", o.cfg.n_embd, "embedding width (GEMM and kernel shapes follow it)");
   app.add_option("--block", o.cfg.block_size, "sequence length");
   app.add_option("--vocab", o.cfg.vocab_size, "vocabulary size");
   app.add_option("--batch", o.batch, "sequences per step; GEMM M = batch * block");
+  app.add_option("--llama-layers", o.llama.n_layer, "blocks of the Llama-shaped step");
+  app.add_option("--llama-batch", o.llama_batch, "sequences per Llama step (of 2048 tokens)");
   app.add_option("--samples", o.samples, "timed samples per kernel measurement (median reported)");
   app.add_option("--sample-ms", o.sample_ms, "target length of one kernel sample");
   app.add_option("--steps", o.steps, "timed GPT steps");
@@ -581,6 +641,7 @@ int main(int argc, char** argv) {
     if (o.fp) section(o.tf32 ? "gpt_tf32" : "gpt_fp32", bench_gpt<float>);
     if (o.bf16) section("gpt_bf16", bench_gpt<bf16>);
   }
+  if (wanted("llama")) section("llama", bench_llama);
   if (wanted("attention")) section("attention", bench_attention);
   return failed ? 1 : 0;
 }

@@ -290,6 +290,137 @@ def bench_gpt(a, gpu, attention, precision, compiled=False):
     torch.cuda.empty_cache()
 
 
+class LlamaBlock(nn.Module):
+    """A Llama decoder layer as Hugging Face's LlamaDecoderLayer computes it: RMSNorm, q/k/v
+    projections without bias, rotate-half rotary, key/value heads repeated for the query heads
+    (repeat_kv), causal SDPA, o_proj; RMSNorm, SwiGLU (down(silu(gate(x)) * up(x)))."""
+
+    def __init__(self, c, heads, kv_heads, mlp):
+        super().__init__()
+        self.h, self.kv, self.d = heads, kv_heads, c // heads
+        self.input_layernorm = nn.RMSNorm(c, eps=1e-5)
+        self.q_proj = nn.Linear(c, c, bias=False)
+        self.k_proj = nn.Linear(c, kv_heads * self.d, bias=False)
+        self.v_proj = nn.Linear(c, kv_heads * self.d, bias=False)
+        self.o_proj = nn.Linear(c, c, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(c, eps=1e-5)
+        self.gate_proj = nn.Linear(c, mlp, bias=False)
+        self.up_proj = nn.Linear(c, mlp, bias=False)
+        self.down_proj = nn.Linear(mlp, c, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, S, C = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(B, S, self.h, self.d).transpose(1, 2)
+        k = self.k_proj(h).view(B, S, self.kv, self.d).transpose(1, 2)
+        v = self.v_proj(h).view(B, S, self.kv, self.d).transpose(1, 2)
+
+        def rotate(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+        q, k = rotate(q), rotate(k)
+        k, v = (t.repeat_interleave(self.h // self.kv, dim=1) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(B, S, C))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    """gpu_bench.cu's Llama-shaped model: embeddings tied to the head, a final RMSNorm."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.llama_vocab, a.llama_embd)
+        self.layers = nn.ModuleList([LlamaBlock(a.llama_embd, a.llama_heads, a.llama_kv_heads, a.llama_mlp)
+                                     for _ in range(a.llama_layers)])
+        self.norm = nn.RMSNorm(a.llama_embd, eps=1e-5)
+        d = a.llama_embd // a.llama_heads
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        angles = torch.outer(torch.arange(a.llama_seq, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, idx):
+        x = self.embed_tokens(idx)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        return F.linear(self.norm(x), self.embed_tokens.weight)
+
+
+def llama_flops_per_token(a):
+    """LlamaConfig::flops_per_token: 6 x the matrix products' parameters + the attention products."""
+    C, L, S, H, F_ = a.llama_embd, a.llama_layers, a.llama_seq, a.llama_heads, a.llama_mlp
+    D = C // H
+    per_layer = C * H * D * 2 + 2 * C * a.llama_kv_heads * D + 3 * C * F_
+    return 6.0 * (L * per_layer + C * a.llama_vocab) + 6.0 * L * 2.0 * S * H * D
+
+
+def bench_llama(a, gpu, compiled):
+    """The Llama-shaped step in bf16 autocast with fused AdamW: eager with SDPA (which picks its
+    kernel), or torch.compile of forward + loss."""
+    torch.manual_seed(0)
+    model = Llama(a).to(DEV)
+    with torch.no_grad():
+        for n, q in model.named_parameters():
+            if q.dim() >= 2:
+                q.normal_(0.0, 0.02)
+    decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and "embed_tokens" not in n]
+    no_decay = [q for n, q in model.named_parameters() if not (q.dim() >= 2 and "embed_tokens" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, fused=True)
+    x = torch.randint(0, a.llama_vocab, (a.llama_batch, a.llama_seq), device=DEV)
+    y = torch.randint(0, a.llama_vocab, (a.llama_batch * a.llama_seq,), device=DEV)
+
+    def forward_loss(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return F.cross_entropy(model(x).view(-1, a.llama_vocab), y)
+
+    loss_of = torch.compile(forward_loss) if compiled else forward_loss
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = loss_of(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    warm = time.perf_counter()
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - warm
+    torch.cuda.reset_peak_memory_stats()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(a.steps):
+        start.record()
+        loss = step()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    ms, tokens, fpt = statistics.median(times), a.llama_batch * a.llama_seq, llama_flops_per_token(a)
+    tflops = fpt * tokens / (ms * 1e-3) / 1e12
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    emit({"bench": "gpu_llama_step", "impl": "pytorch", "gpu": gpu, "torch": torch.__version__,
+          "precision": "bf16-autocast", "compile": "torch.compile(mode='default') of forward + loss" if compiled
+          else "eager", "layers": a.llama_layers, "heads": a.llama_heads, "kv_heads": a.llama_kv_heads,
+          "embd": a.llama_embd, "mlp": a.llama_mlp, "seq": a.llama_seq, "vocab": a.llama_vocab,
+          "batch": a.llama_batch, "steps": a.steps, "warmup": a.warmup, "warmup_s": warm,
+          "parameters": sum(q.numel() for q in model.parameters()), "step_ms_median": ms, "step_ms_min": min(times),
+          "tokens_per_s": 1000.0 * tokens / ms, "mflop_per_token": fpt / 1e6, "tflops": tflops,
+          "peak_tflops": a.peak_tflops_bf16, "mfu": tflops / a.peak_tflops_bf16, "peak_mem_GiB": peak_gib,
+          "final_loss": float(loss)})
+    log(f"\nLlama step ({a.llama_layers} layers, width {a.llama_embd}, {a.llama_heads}/{a.llama_kv_heads} heads, "
+        f"{a.llama_batch} x {a.llama_seq} tokens, bf16 autocast{', compiled' if compiled else ''}): {ms:.1f} ms "
+        f"median, {1000.0 * tokens / ms:.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {tflops / a.peak_tflops_bf16:.3f}, "
+        f"peak memory {peak_gib:.1f} GiB, loss {float(loss):.4f}")
+    del model, opt
+    torch.cuda.empty_cache()
+
+
 def bench_attention(a, gpu):
     """gpu_bench.cu's attention section: causal SDPA in bf16 on the layout a GPT hands it
     (q, k, v strided views of one [B, S, 3, H, D] tensor), pinned to each of the flash
@@ -328,14 +459,16 @@ def bench_attention(a, gpu):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=["gemm", "bandwidth", "gpt", "attention"],
-                   default=["gemm", "bandwidth", "gpt", "attention"])
+    p.add_argument("--only", nargs="+", choices=["gemm", "bandwidth", "gpt", "llama", "attention"],
+                   default=["gemm", "bandwidth", "gpt", "llama", "attention"])
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--embd", type=int, default=768)
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--llama-layers", type=int, default=16, help="blocks of the Llama-shaped step")
+    p.add_argument("--llama-batch", type=int, default=4, help="sequences per Llama step")
     p.add_argument("--samples", type=int, default=7)
     p.add_argument("--sample-ms", type=float, default=20.0)
     p.add_argument("--steps", type=int, default=10)
@@ -386,6 +519,13 @@ def main():
             section(f"gpt_bf16_{attention}", bench_gpt, a, gpu, attention, "bf16-autocast")
             if not a.no_compile:
                 section(f"gpt_bf16_{attention}_compiled", bench_gpt, a, gpu, attention, "bf16-autocast", True)
+    if "llama" in a.only:
+        # Llama 3.2 1B's shape, as gpu_bench.cu's Options::llama.
+        a.llama_embd, a.llama_heads, a.llama_kv_heads, a.llama_mlp = 2048, 32, 8, 8192
+        a.llama_vocab, a.llama_seq = 128256, 2048
+        section("llama_bf16", bench_llama, a, gpu, False)
+        if not a.no_compile:
+            section("llama_bf16_compiled", bench_llama, a, gpu, True)
     if "attention" in a.only:
         section("attention", bench_attention, a, gpu)
     if failed:

@@ -93,6 +93,17 @@ def main():
                   f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.3f} {r.get('peak_mem_GiB', 0):6.1f} "
                   f"{ratio(refs.get(family(r), {}).get('step_ms_median'), r['step_ms_median'])}")
 
+    llama = [r for r in rows if r.get("bench") == "gpu_llama_step"]
+    if llama:
+        ref = next((r for r in llama if r["impl"] == "ptrain"), {})
+        print("\nLlama-shaped training step, bf16 (ratio = ptrain step / this step)")
+        print(f"{'impl':8} {'compile':8} {'batch':>5} {'seq':>5} {'step_ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} "
+              f"{'MFU':>6} {'GiB':>6} {'ratio':>6}")
+        for r in llama:
+            print(f"{r['impl']:8} {'eager' if r['compile'] == 'eager' else 'compile':8} {r['batch']:5} {r['seq']:5} "
+                  f"{r['step_ms_median']:8.1f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.3f} "
+                  f"{r.get('peak_mem_GiB', 0):6.1f} {ratio(ref.get('step_ms_median'), r['step_ms_median'])}")
+
     att = [r for r in rows if r.get("bench") == "gpu_attention"]
     if att:
         print("\nCausal attention, bf16 (TFLOP/s on the causal half; ratio = ptrain time / the faster PyTorch backend)")

@@ -4,7 +4,7 @@
 # -dev packages: the header-only dependencies come from .deps/, which
 # tools/gpu/stage-deps.sh fills on a machine that has them.
 #
-#   bash tools/gpu/run.sh [build] [test] [bench] [batch] [sanitize] [profile]   (no argument: the first three)
+#   bash tools/gpu/run.sh [build] [test] [bench] [batch] [sanitize] [profile]   (no argument: the first four)
 #
 # Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
 #   env.txt          nvidia-smi, nvcc, cmake, torch versions
@@ -14,7 +14,8 @@
 #                    gate step), then examples/gpt_char_cuda trained on the GPU for 300 steps
 #                    in fp32 and in bf16
 #   gpu_bench.jsonl  one JSON line per measurement, "impl": "ptrain" and "pytorch"
-#                    (ptrain's GPT steps twice: with cuBLASLt's fused epilogues and without)
+#                    (ptrain's GPT steps twice: with cuBLASLt's fused epilogues and without;
+#                    the Llama-shaped step, Llama 3.2 1B at 4 x 2048 tokens, on both sides)
 #   gpu_bench.log    everything the benchmarks printed (tables on stderr)
 #   gpu_compare.txt  ptrain / PyTorch ratios from gpu_bench.jsonl
 #                    (batch only: the bf16 GPT steps again at PTRAIN_GPU_BATCHES, default 64,
@@ -28,7 +29,7 @@
 # Environment: PTRAIN_GPU_BUILD (build directory, default build-gpu),
 # PTRAIN_GPU_BUDGET_S (default 540), PTRAIN_PYTHON (default python3),
 # PTRAIN_GPU_BENCH_ARGS (flags passed to both benchmarks, so only those both take:
-# --only, --batch, --layers, --heads, --embd, --block, --vocab, --steps, --warmup,
+# --only, --batch, --llama-batch, --llama-layers, --layers, --heads, --embd, --block, --vocab, --steps, --warmup,
 # --samples, --sample-ms, --no-float, --no-tf32, --no-bf16, --peak-tflops, --peak-tflops-bf16).
 # A failed step does not stop the later ones. Each step has a time cap, and all
 # together stay inside PTRAIN_GPU_BUDGET_S (default 540 s) so that a 10-minute
@@ -44,7 +45,7 @@ python=${PTRAIN_PYTHON:-python3}  # the Python with PyTorch (CUDA build)
 jobs=$(nproc)
 t0=$SECONDS
 phases=("$@")
-((${#phases[@]})) || phases=(build test bench)
+((${#phases[@]})) || phases=(build test bench batch)
 want() { [[ " ${phases[*]} " == *" $1 "* ]]; }
 
 summary=()
@@ -304,25 +305,27 @@ fi
 # JSON lines go to gpu_bench.jsonl as well as the log; the readable tables
 # (stderr) only to the log. `timeout` runs programs, not shell functions, hence bash -c.
 to_jsonl=(bash -c '"$@" | tee -a "$0"; exit "${PIPESTATUS[0]}"' "$OUT/gpu_bench.jsonl")
-read -r -a bench_args <<<"${PTRAIN_GPU_BENCH_ARGS:-}"
+# Default --no-float: the bf16 lines are what the targets are about, and the TF32 lines
+# would not leave the budget room for the Llama step; PTRAIN_GPU_BENCH_ARGS= (empty) runs them.
+read -r -a bench_args <<<"${PTRAIN_GPU_BENCH_ARGS---no-float}"
 if want bench; then
   : >"$OUT/gpu_bench.jsonl"
   : >"$OUT/gpu_bench.log"
   if [[ -x $bench_bin ]]; then
-    step bench_ptrain 150 150 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" "${bench_args[@]}"
+    step bench_ptrain 150 270 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" "${bench_args[@]}"
   else
     summary+=("bench_ptrain: not run, $bench_bin was not built")
   fi
   # Without torch the PyTorch side would only print a traceback; say why in the summary instead.
   if "$python" -c 'import torch' >/dev/null 2>&1; then
-    step bench_pytorch 150 15 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$python" benchmarks/gpu_bench.py \
+    step bench_pytorch 210 90 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$python" benchmarks/gpu_bench.py \
       "${bench_args[@]}"
   else
     summary+=("bench_pytorch: not run, $python cannot import torch (set PTRAIN_PYTHON)")
   fi
   # The GPT steps again without cuBLASLt's fused epilogues: what they gain (last, as the least needed).
   if [[ -x $bench_bin ]]; then
-    step bench_apart 90 15 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" --only gpt --no-epilogues \
+    step bench_apart 60 150 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" --only gpt --no-epilogues \
       "${bench_args[@]}"
   fi
 fi
