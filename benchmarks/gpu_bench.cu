@@ -30,7 +30,7 @@
 //              TFLOP/s on the causal half of the products. Then the
 //              tensor-core kernels (flash_tc_attention.cuh, backend
 //              "ptrain_flash_tc"), causal and not, at the same widths and
-//              sequences with 2^27 / S tokens (each row 1 to 10 ms).
+//              sequences with 2^27 / S tokens (each row 1 to 20 ms).
 //
 // A section that throws (out of memory, say) prints a "gpu_error" line and the
 // others still run; the exit code is then 1.
