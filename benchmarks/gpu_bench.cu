@@ -29,7 +29,9 @@
 //              query attention, RMSNorm, rotary, SwiGLU) at batch 4 x 2048 tokens.
 //   attention  the fused causal attention alone, forward and forward +
 //              backward, head widths 64 and 128, sequence 1024 to 8192;
-//              TFLOP/s on the causal half of the products.
+//              TFLOP/s on the causal half of the products. Then the
+//              tensor-core kernels (flash_tc_attention.cuh, backend
+//              "ptrain_flash_tc"), causal and not, on the same shapes.
 //
 // A section that throws (out of memory, say) prints a "gpu_error" line and the
 // others still run; the exit code is then 1.
@@ -573,6 +575,57 @@ void bench_attention(const Options& o) {
   }
 }
 
+// The tensor-core kernels (Note [Tensor-core flash attention]), bf16, q, k, v
+// [B, S, H, D] on bench_attention's shapes (H = 2048 / D, B = 16384 / S, so rows
+// compare with SDPA's at the same shape): FLOPs as FlashAttention-2 counts them, 4 B H S^2 D forward (QK^T and PV), half
+// of it causal, backward 2.5 times the forward (five products; these kernels
+// compute seven, dq recomputing two to stay free of atomics).
+void bench_attention_tc(const Options& o) {
+  for (const std::int64_t D : {64, 128}) {
+    for (const std::int64_t S : {1024, 4096, 8192}) {
+      const std::int64_t B = 16384 / S, H = 2048 / D, C = H * D;
+      const auto q = to_bf16(uniform({B, S, C}, -1.0f, 1.0f, 31)), k = to_bf16(uniform({B, S, C}, -1.0f, 1.0f, 32)),
+                 v = to_bf16(uniform({B, S, C}, -1.0f, 1.0f, 33)), dy = to_bf16(uniform({B, S, C}, -1.0f, 1.0f, 34));
+      auto y = Tensor<bf16>::empty({B, S, C}, kGpu), dq = Tensor<bf16>::empty({B, S, C}, kGpu),
+           dk = Tensor<bf16>::empty({B, S, C}, kGpu), dv = Tensor<bf16>::empty({B, S, C}, kGpu);
+      auto lse = Tensor<float>::empty({B * H * S}, kGpu);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+      for (const bool causal : {true, false}) {
+        auto forward = [&] {
+          PTRAIN_CHECK(kc::flash_tc_forward<bf16>(B, S, H, H, D, q.data(), C, k.data(), v.data(), C, causal, scale,
+                                                  y.data(), lse.data()),
+                       Error, "[ptrain.bench] flash_tc_forward declined the case (needs compute capability 8.0+)");
+        };
+        auto backward = [&] {
+          PTRAIN_CHECK(kc::flash_tc_backward<bf16>(B, S, H, H, D, q.data(), C, k.data(), v.data(), C, causal, y.data(),
+                                                   lse.data(), dy.data(), scale, dq.data(), dk.data(), dv.data()),
+                       Error, "[ptrain.bench] flash_tc_backward declined the case");
+        };
+        const double fwd_flops = 4.0 * static_cast<double>(B * H) * static_cast<double>(S * S) *
+                                 static_cast<double>(D) * (causal ? 0.5 : 1.0);
+        const struct {
+          const char* pass;
+          double flops;
+          std::function<void()> run;
+        } passes[] = {{"fwd", fwd_flops, forward}, {"fwd_bwd", 3.5 * fwd_flops, [&] {
+                                                      forward();
+                                                      backward();
+                                                    }}};
+        for (const auto& ps : passes) {
+          const Timing t = time_gpu(o, ps.run);
+          const double tflops = ps.flops / (t.median_ms * 1e-3) / 1e12;
+          emit({{"bench", "gpu_attention"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"backend", "ptrain_flash_tc"},
+                {"pass", ps.pass}, {"batch", B}, {"seq", S}, {"heads", H}, {"head_dim", D}, {"causal", causal},
+                {"median_ms", t.median_ms}, {"min_ms", t.min_ms}, {"tflops", tflops}});
+          std::fprintf(stderr, "attention_tc %-8s %-6s B %3lld S %5lld H %2lld D %3lld %9.3f ms %7.1f TFLOP/s\n",
+                       ps.pass, causal ? "causal" : "full", static_cast<long long>(B), static_cast<long long>(S),
+                       static_cast<long long>(H), static_cast<long long>(D), t.median_ms, tflops);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -643,5 +696,6 @@ int main(int argc, char** argv) {
   }
   if (wanted("llama")) section("llama", bench_llama);
   if (wanted("attention")) section("attention", bench_attention);
+  if (wanted("attention")) section("attention_tc", bench_attention_tc);
   return failed ? 1 : 0;
 }

@@ -117,6 +117,8 @@ CudaKernelTable make_table() {
   t.f32.adamw_update_mixed = &kc::adamw_update_mixed<float>;
   t.bf16_.adamw_update_mixed = &kc::adamw_update_mixed<bf16>;
   t.i32.token_ids = &kc::token_ids<std::int32_t>;
+  t.bf16_.flash_tc_forward = &kc::flash_tc_forward<bf16>;
+  t.bf16_.flash_tc_backward = &kc::flash_tc_backward<bf16>;
   return t;
 }
 

@@ -273,6 +273,10 @@ if want sanitize; then
     step memcheck 300 150 "$OUT/sanitize.log" "$sanitizer" --tool memcheck --error-exitcode 1 "$tests_bin" "~[nccl]~[.]~[multirank]"
     step racecheck 120 40 "$OUT/sanitize.log" "$sanitizer" --tool racecheck --error-exitcode 1 "$tests_bin" "$flash"
     step synccheck 60 0 "$OUT/sanitize.log" "$sanitizer" --tool synccheck --error-exitcode 1 "$tests_bin" "$flash"
+    # The tensor-core flash attention's small shapes (cp.async double buffering, barriers skipped by no thread).
+    flash_tc="tensor-core flash attention matches attention in double: widths 64, 128, causal or not, GQA"
+    step racecheck_flash_tc 120 30 "$OUT/sanitize.log" "$sanitizer" --tool racecheck --error-exitcode 1 "$tests_bin" "$flash_tc"
+    step synccheck_flash_tc 60 0 "$OUT/sanitize.log" "$sanitizer" --tool synccheck --error-exitcode 1 "$tests_bin" "$flash_tc"
   fi
 fi
 

@@ -115,6 +115,12 @@ struct CudaKernels {
   void (*gqa_flash_backward)(I64, I64, I64, I64, I64, const T*, I64, const T*, const T*, I64, const I32*, I64,
                              const T*, const A*, const T*, A, T*, T*, T*) = nullptr;
   void (*gqa_attention_decode)(I64, I64, I64, I64, I64, const T*, const T*, const T*, I64, double, T*) = nullptr;
+  // flash_tc_attention.cuh (bf16 only): q, k, v by row stride, causal or not; false
+  // (nothing done) where the kernels do not take the case, and the op takes another
+  bool (*flash_tc_forward)(I64, I64, I64, I64, I64, const T*, I64, const T*, const T*, I64, bool, A, T*,
+                           A*) = nullptr;
+  bool (*flash_tc_backward)(I64, I64, I64, I64, I64, const T*, I64, const T*, const T*, I64, bool, const T*,
+                            const A*, const T*, A, T*, T*, T*) = nullptr;
   // conv.cuh (float and double)
   void (*im2col)(I64, const Window2d&, const T*, T*) = nullptr;
   void (*col2im)(I64, const Window2d&, const T*, T*) = nullptr;

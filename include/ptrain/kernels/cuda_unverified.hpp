@@ -53,6 +53,9 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "fused_classifier",
     "sum_squares_to",
     "adamw_update_ranges",
+    // flash_tc_attention.cuh
+    "flash_tc_forward",
+    "flash_tc_backward",
 };
 
 /// True when `name` is on the gate's list.

@@ -8,7 +8,9 @@
 //
 // Runs on qkv's device: kernels/cpu/attention.hpp (causal row tiles),
 // kernels/cuda/flash_attention.cuh (fused, for bf16 on GPUs where it applies:
-// saved keeps the output and the rows' log-sum-exp, no [S, S] tensor),
+// saved keeps the output and the rows' log-sum-exp, no [S, S] tensor; without
+// dropout at head widths 64 and 128 kernels/cuda/flash_tc_attention.cuh's
+// tensor-core kernels run in its place once their gate lets them),
 // kernels/cuda/gqa_attention.cuh (the grouped-query family's flash kernel on the
 // packed qkv: float, and bf16 at head widths flash_attention.cuh has no kernel for,
 // without dropout, once its gate lets it run: Note [The verification gate]), or
@@ -54,6 +56,15 @@ bool gqa_packed_usable(std::int64_t D, double p) {
          kernels::cuda_kernel_usable(&kernels::CudaKernels<T>::gqa_flash_forward, "gqa_flash_forward") &&
          kernels::cuda_kernel_usable(&kernels::CudaKernels<T>::gqa_flash_backward, "gqa_flash_backward");
 }
+/// Whether the tensor-core flash kernels (kernels/cuda/flash_tc_attention.cuh, bf16)
+/// are in the table and both let through by the gate (Note [The verification gate]);
+/// they still decline, returning false, the cases they do not take (head width not 64
+/// or 128, alignment, the GPU), and the caller then runs the kernel it ran before.
+template <class T>
+bool flash_tc_usable() {
+  return kernels::cuda_kernel_usable(&kernels::CudaKernels<T>::flash_tc_forward, "flash_tc_forward") &&
+         kernels::cuda_kernel_usable(&kernels::CudaKernels<T>::flash_tc_backward, "flash_tc_backward");
+}
 }  // namespace detail
 
 /// y [B, S, C] = softmax(q k^T / sqrt(D) + causal mask) v per head, with dropout p on the
@@ -72,6 +83,13 @@ Tensor<T> causal_attention(const Tensor<T>& qkv, std::int64_t n_head, double p, 
   if (PTRAIN_DISPATCH(dev, T, flash_attention_supported, D, qkv.data())) {
     saved.out = Tensor<T>::empty({B, S, C}, dev);
     saved.lse = Tensor<acc_t<T>>::empty({B, n_head, S}, dev);
+    // Without dropout the tensor-core kernels first, on the packed strides (q = qkv,
+    // k = qkv + C, v = qkv + 2C, row stride 3C); they keep the same out and lse.
+    const T* q = qkv.data();
+    if (p == 0 && detail::flash_tc_usable<T>() &&
+        kernels::cuda_kernels<T>().flash_tc_forward(B, S, n_head, n_head, D, q, 3 * C, q + C, q + 2 * C, 3 * C, true,
+                                                    scale, saved.out.data(), saved.lse.data()))
+      return saved.out;
     PTRAIN_DISPATCH(dev, T, flash_attention_forward, B, S, n_head, D, qkv.data(), scale, p, seed, offset,
                     saved.out.data(), saved.lse.data());
     return saved.out;
@@ -107,13 +125,18 @@ Tensor<T> causal_attention_backward(const Tensor<T>& qkv, const AttentionSaved<T
     check_shape(saved.lse, {B, n_head, S}, "saved attention log-sum-exp");
     detail::check_devices("causal_attention_backward", qkv.device(), dy, saved.out, saved.lse);
     auto dqkv = Tensor<T>::empty(qkv.shape(), qkv.device());
-    // Both fused kernels keep the same out and lse (the natural log-sum-exp of the scaled
+    const T* q = qkv.data();
+    T* dq = dqkv.data();
+    if (saved.p == 0 && qkv.device().is_cuda() && detail::flash_tc_usable<T>() &&
+        kernels::cuda_kernels<T>().flash_tc_backward(B, S, n_head, n_head, D, q, 3 * C, q + C, q + 2 * C, 3 * C, true,
+                                                     saved.out.data(), saved.lse.data(), dy.data(), scale, dq, dq + C,
+                                                     dq + 2 * C))
+      return dqkv;
+    // The fused kernels keep the same out and lse (the natural log-sum-exp of the scaled
     // scores), so either backward serves either forward without dropout: the verified
     // kernel where it applies, else the grouped-query one.
     if (!PTRAIN_DISPATCH(qkv.device(), T, flash_attention_supported, D, qkv.data()) &&
         detail::gqa_packed_usable<T>(D, saved.p)) {
-      const T* q = qkv.data();
-      T* dq = dqkv.data();
       kernels::cuda_kernel<T>(&kernels::CudaKernels<T>::gqa_flash_backward, "gqa_flash_backward")(
           B, S, n_head, n_head, D, q, 3 * C, q + C, q + 2 * C, 3 * C, nullptr, 0, saved.out.data(), saved.lse.data(),
           dy.data(), scale, dq, dq + C, dq + 2 * C);

@@ -18,7 +18,9 @@
 //   CUDA  flash attention (kernels/cuda/gqa_attention.cuh; float and bf16): saved
 //         keeps the output and each row's log-sum-exp [B, H, S], and the backward
 //         recomputes the probabilities (Note [GQA flash attention]). The starts
-//         must be on the device too.
+//         must be on the device too. bf16 at head widths 64 and 128 without
+//         document starts or window takes kernels/cuda/flash_tc_attention.cuh's
+//         tensor-core kernels instead once their gate lets them (same out and lse).
 // Rotary positions are applied to q and k before (ops/rotary.hpp). No dropout on
 // the probabilities (Llama trains without).
 
@@ -26,6 +28,7 @@
 #include <type_traits>
 
 #include "ptrain/kernels/cpu/gqa_attention.hpp"
+#include "ptrain/ops/attention.hpp"
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {
@@ -85,6 +88,10 @@ Tensor<T> gqa_attention(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>&
     saved.lse = Tensor<acc_t<T>>::empty({B, H, S}, dev);
     saved.starts = document_starts;
     saved.window = window;
+    if (!starts && window == 0 && detail::flash_tc_usable<T>() &&
+        kernels::cuda_kernels<T>().flash_tc_forward(B, S, H, Hkv, D, q.data(), H * D, k.data(), v.data(), Hkv * D,
+                                                    true, scale, saved.out.data(), saved.lse.data()))
+      return saved.out;
     kernels::cuda_kernel<T>(&kernels::CudaKernels<T>::gqa_flash_forward, "gqa_flash_forward")(
         B, S, H, Hkv, D, q.data(), H * D, k.data(), v.data(), Hkv * D, starts, window, scale, saved.out.data(),
         saved.lse.data());
@@ -117,6 +124,11 @@ void gqa_attention_backward(const Tensor<T>& q, const Tensor<T>& k, const Tensor
     check_shape(saved.lse, {B, H, S}, "saved gqa_attention log-sum-exp");
     detail::check_devices("gqa_attention_backward", dev, saved.out, saved.lse);
     if (saved.starts.defined()) check_shape(saved.starts, {B, S}, "saved gqa_attention document starts");
+    if (!saved.starts.defined() && saved.window == 0 && detail::flash_tc_usable<T>() &&
+        kernels::cuda_kernels<T>().flash_tc_backward(B, S, H, Hkv, D, q.data(), H * D, k.data(), v.data(), Hkv * D,
+                                                     true, saved.out.data(), saved.lse.data(), dy.data(), scale,
+                                                     dq.data(), dk.data(), dv.data()))
+      return;
     kernels::cuda_kernel<T>(&kernels::CudaKernels<T>::gqa_flash_backward, "gqa_flash_backward")(
         B, S, H, Hkv, D, q.data(), H * D, k.data(), v.data(), Hkv * D,
         saved.starts.defined() ? saved.starts.data() : nullptr, saved.window, saved.out.data(), saved.lse.data(),

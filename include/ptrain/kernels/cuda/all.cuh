@@ -48,6 +48,7 @@
 #include "ptrain/kernels/cuda/attention.cuh"
 #include "ptrain/kernels/cuda/flash_attention.cuh"
 #include "ptrain/kernels/cuda/gqa_attention.cuh"
+#include "ptrain/kernels/cuda/flash_tc_attention.cuh"
 #include "ptrain/kernels/cuda/conv.cuh"
 #include "ptrain/kernels/cuda/batch_norm.cuh"
 #include "ptrain/kernels/cuda/optimizer.cuh"
