@@ -20,8 +20,7 @@
 // power of two >= d / B, chosen at compile time (1 .. kRowMaxPerThread), so
 // rows up to kRowRegisterWidth = 8192 wide are read once. The sums run in the
 // order of the kernels above (each thread over its elements in order, then
-// block_sum), so the forward and dx are the bits of layer_norm_forward and
-// layer_norm_backward's dx. The backward runs a fixed grid of at most
+// block_sum), with the same formulas. The backward runs a fixed grid of at most
 // kRowPartialBlocks blocks; each keeps dgamma and dbeta for its columns in
 // registers over the rows it owns (row r goes to block r mod grid), writes
 // them as one partial row, and column_finish_kernel (reduce.cuh) adds the
