@@ -264,6 +264,82 @@ void bench_gemm(const Options& o) {
 
 // ------------------------------------------------------------- bandwidth ----
 
+Tensor<bf16> uniform_bf16(const Shape& shape, float lo, float hi, std::uint64_t seed) {
+  auto f = uniform(shape, lo, hi, seed);
+  auto b = Tensor<bf16>::empty(shape, kGpu);
+  kc::cast<float, bf16>(f.numel(), f.data(), b.data());
+  return b;
+}
+
+// The row kernels that read a row once (layer_norm.cuh, softmax.cuh; gated) in bf16,
+// each after the verified kernel it replaces. Bytes: each bf16 array read or written
+// once (2 per element), mean and rstd (4 per row), the backward's dgamma/dbeta partial
+// rows (min(rows, 512) x C floats each, written and read); docs/cuda.md, "Row kernels:
+// bytes and expected times", has the expected times from these counts. LayerNorm runs
+// on the MLP activation's rows (4 M of width C: 201 MB for x, y, h and the residual
+// together at GPT-2 small, four times H100's L2), softmax on the attention rows
+// (batch x heads x block rows of width block) and on the logits (M x V).
+template <class Report>
+void bench_row_kernels(const Options& o, Report&& report) {
+  const std::int64_t M = o.batch * o.cfg.block_size, C = o.cfg.n_embd, V = o.cfg.vocab_size;
+  constexpr std::int64_t B2 = sizeof(bf16), F = sizeof(float);
+  {
+    const std::int64_t R = 4 * M, n = R * C;
+    auto x = uniform_bf16({R, C}, -3, 3, 21), res = uniform_bf16({R, C}, -3, 3, 22);
+    auto dy = uniform_bf16({R, C}, -1, 1, 23);
+    auto gamma = uniform_bf16({C}, 0.5, 1.5, 24), beta = uniform_bf16({C}, -0.5, 0.5, 25);
+    auto y = Tensor<bf16>::empty({R, C}, kGpu), h = Tensor<bf16>::empty({R, C}, kGpu);
+    auto dx = Tensor<bf16>::empty({R, C}, kGpu);
+    auto dgamma = Tensor<bf16>::zeros({C}, kGpu), dbeta = Tensor<bf16>::zeros({C}, kGpu);
+    auto mean = Tensor<float>::empty({R}, kGpu), rstd = Tensor<float>::empty({R}, kGpu);
+    const std::int64_t stats = 2 * R * F, params = 2 * C * B2;
+    const std::int64_t partials = 2 * 2 * std::min<std::int64_t>(R, 512) * C * F + 2 * params;
+    report("layer_norm_fwd_bf16", {R, C}, 2 * n * B2 + stats + params, time_gpu(o, [&] {
+             kc::layer_norm_forward<bf16>(R, C, x.data(), gamma.data(), beta.data(), 1e-5f, y.data(), mean.data(),
+                                          rstd.data());
+           }));
+    report("layer_norm_fwd_1read_bf16", {R, C}, 2 * n * B2 + stats + params, time_gpu(o, [&] {
+             kc::layer_norm_forward_one_read<bf16>(R, C, x.data(), gamma.data(), beta.data(), 1e-5f, y.data(),
+                                                   mean.data(), rstd.data());
+           }));
+    report("residual_ln_fwd_bf16", {R, C}, 4 * n * B2 + stats + params, time_gpu(o, [&] {
+             kc::residual_layer_norm_forward<bf16>(R, C, x.data(), res.data(), gamma.data(), beta.data(), 1e-5f,
+                                                   h.data(), y.data(), mean.data(), rstd.data());
+           }));
+    report("layer_norm_bwd_bf16", {R, C}, 3 * n * B2 + stats + partials, time_gpu(o, [&] {
+             kc::layer_norm_backward<bf16>(R, C, x.data(), mean.data(), rstd.data(), gamma.data(), dy.data(),
+                                           dx.data(), dgamma.data(), dbeta.data());
+           }));
+    report("layer_norm_bwd_1read_bf16", {R, C}, 3 * n * B2 + stats + partials, time_gpu(o, [&] {
+             kc::layer_norm_backward_one_read<bf16>(R, C, x.data(), mean.data(), rstd.data(), gamma.data(), dy.data(),
+                                                    dx.data(), dgamma.data(), dbeta.data());
+           }));
+    report("residual_ln_bwd_bf16", {R, C}, 4 * n * B2 + stats + partials, time_gpu(o, [&] {
+             kc::residual_layer_norm_backward<bf16>(R, C, h.data(), mean.data(), rstd.data(), gamma.data(), dy.data(),
+                                                    res.data(), dx.data(), dgamma.data(), dbeta.data());
+           }));
+  }
+  allocator_for(kGpu).empty_cache();
+  // Softmax: attention rows [batch * heads * block, block], then the logits [M, V],
+  // where a row (100 KB in bf16) is wider than the registers and the online form
+  // reads it twice (the second time mostly from L2).
+  const std::int64_t att_rows = o.batch * o.cfg.n_head * o.cfg.block_size, S = o.cfg.block_size;
+  for (const auto& shape : {std::pair{att_rows, S}, std::pair{M, V}}) {
+    const std::int64_t R = shape.first, W = shape.second;
+    auto x = uniform_bf16({R, W}, -4, 4, 26), y = Tensor<bf16>::empty({R, W}, kGpu);
+    report("softmax_rows_bf16", {R, W}, 2 * R * W * B2,
+           time_gpu(o, [&] { kc::softmax_rows<bf16>(R, W, x.data(), y.data()); }));
+    report("softmax_1read_bf16", {R, W}, 2 * R * W * B2,
+           time_gpu(o, [&] { kc::softmax_rows_one_read<bf16>(R, W, x.data(), y.data()); }));
+    auto dy = uniform_bf16({R, W}, -1, 1, 27), dx = Tensor<bf16>::empty({R, W}, kGpu);
+    report("softmax_bwd_bf16", {R, W}, 3 * R * W * B2,
+           time_gpu(o, [&] { kc::softmax_rows_backward<bf16>(R, W, y.data(), dy.data(), dx.data()); }));
+    report("softmax_bwd_1read_bf16", {R, W}, 3 * R * W * B2,
+           time_gpu(o, [&] { kc::softmax_rows_backward_one_read<bf16>(R, W, y.data(), dy.data(), dx.data()); }));
+    allocator_for(kGpu).empty_cache();
+  }
+}
+
 void bench_bandwidth(const Options& o) {
   const std::int64_t M = o.batch * o.cfg.block_size, C = o.cfg.n_embd, V = o.cfg.vocab_size;
   // The MLP activation [M, 4C] (100 MB at GPT-2 small): twice H100's 50 MB L2,
@@ -404,6 +480,7 @@ void bench_bandwidth(const Options& o) {
            }));
   }
   allocator_for(kGpu).empty_cache();
+  bench_row_kernels(o, report);
 }
 
 // ------------------------------------------------------------- GPT step ----

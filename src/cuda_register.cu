@@ -82,6 +82,12 @@ void fill_floating(CudaKernels<T>& k) {
   k.fused_classifier = &kc::fused_classifier<T>;
   k.sum_squares_to = &kc::sum_squares_to<T>;
   k.adamw_update_ranges = &kc::adamw_update_ranges<T>;
+  k.layer_norm_forward_one_read = &kc::layer_norm_forward_one_read<T>;
+  k.layer_norm_backward_one_read = &kc::layer_norm_backward_one_read<T>;
+  k.residual_layer_norm_forward = &kc::residual_layer_norm_forward<T>;
+  k.residual_layer_norm_backward = &kc::residual_layer_norm_backward<T>;
+  k.softmax_rows_one_read = &kc::softmax_rows_one_read<T>;
+  k.softmax_rows_backward_one_read = &kc::softmax_rows_backward_one_read<T>;
 }
 
 // float and double: the forms bf16 has not (token ids, the plain optimizer

@@ -148,6 +148,15 @@ struct CudaKernels {
   void (*sum_squares_to)(I64, const T*, double*) = nullptr;
   void (*adamw_update_ranges)(I64, I64, const I64*, const std::uint8_t*, A*, const T*, A*, A*, bf16*,
                               const AdamWStep&) = nullptr;
+  // layer_norm.cuh, softmax.cuh: row kernels that read a row once (gated; the ops keep
+  // layer_norm_forward/backward and softmax_rows/backward while they are)
+  void (*layer_norm_forward_one_read)(I64, I64, const T*, const T*, const T*, A, T*, A*, A*) = nullptr;
+  void (*layer_norm_backward_one_read)(I64, I64, const T*, const A*, const A*, const T*, const T*, T*, T*, T*) = nullptr;
+  void (*residual_layer_norm_forward)(I64, I64, const T*, const T*, const T*, const T*, A, T*, T*, A*, A*) = nullptr;
+  void (*residual_layer_norm_backward)(I64, I64, const T*, const A*, const A*, const T*, const T*, const T*, T*, T*,
+                                       T*) = nullptr;
+  void (*softmax_rows_one_read)(I64, I64, const T*, T*) = nullptr;
+  void (*softmax_rows_backward_one_read)(I64, I64, const T*, const T*, T*) = nullptr;
 };
 
 /// Every element type's table. int32 has token_ids only.

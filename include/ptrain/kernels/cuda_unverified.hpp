@@ -56,6 +56,13 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     // flash_tc_attention.cuh
     "flash_tc_forward",
     "flash_tc_backward",
+    // layer_norm.cuh, softmax.cuh: row kernels in one read
+    "layer_norm_forward_one_read",
+    "layer_norm_backward_one_read",
+    "residual_layer_norm_forward",
+    "residual_layer_norm_backward",
+    "softmax_rows_one_read",
+    "softmax_rows_backward_one_read",
 };
 
 /// True when `name` is on the gate's list.

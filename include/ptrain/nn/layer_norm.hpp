@@ -36,6 +36,9 @@ class LayerNorm : public Module<T> {
     return dx;
   }
   std::string describe() const override { return "LayerNorm(" + std::to_string(d_) + ")"; }
+  Parameter<T>& weight() { return *weight_; }
+  Parameter<T>& bias() { return *bias_; }
+  acc_t<T> eps() const { return eps_; }
 
  private:
   std::int64_t d_;

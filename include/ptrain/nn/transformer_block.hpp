@@ -166,6 +166,47 @@ class TransformerBlock : public PreNormBlock<T> {
     this->set_parts({"ln_1", ln_1_}, {"attn", attn_}, {"ln_2", ln_2_}, {"mlp", mlp_});
   }
 
+  /// PreNormBlock's wiring with the first residual add fused into ln_2
+  /// (ops::residual_layer_norm: h = x + attn(...) and ln_2(h) in one kernel) where the
+  /// fused op runs (ops::residual_layer_norm_usable: the CPU, where the bits are those of
+  /// the add followed by the norm, and CUDA once the gate lets its kernels run);
+  /// PreNormBlock's otherwise. ln_2's cache holds what its own forward keeps, so either
+  /// backward follows either forward.
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    if (!ops::residual_layer_norm_usable<T>(x.device())) return PreNormBlock<T>::forward(x, cache);
+    auto a = attn_->forward(ln_1_->forward(x, cache.child(0)), cache.child(1));
+    Tensor<T> h;
+    Tensor<acc_t<T>> mean, rstd;
+    auto n2 = ops::residual_layer_norm(x, a, ln_2_->weight().value, ln_2_->bias().value, ln_2_->eps(), h, mean, rstd);
+    Cache<T>& norm_cache = cache.child(2);
+    norm_cache.tensors = {h};
+    norm_cache.stats = {mean, rstd};
+    auto y = mlp_->forward(n2, cache.child(3));
+    ops::axpy_(1, h, y);
+    return y;
+  }
+
+  /// The residual stream's gradient dy joins ln_2's in one kernel
+  /// (ops::residual_layer_norm_backward: dh = ln_2'(dmlp) + dy) where the fused op runs.
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    if (!ops::residual_layer_norm_usable<T>(dy.device())) return PreNormBlock<T>::backward(dy, cache);
+    Cache<T>& norm_cache = cache.child(2);
+    PTRAIN_CHECK(norm_cache.tensors.size() == 1 && norm_cache.stats.size() == 2, Error,
+                 "[ptrain.backward] TransformerBlock::backward without a forward");
+    auto dn2 = mlp_->backward(dy, cache.child(3));
+    Parameter<T>& w = ln_2_->weight();
+    Parameter<T>& b = ln_2_->bias();
+    auto dh = ops::residual_layer_norm_backward(norm_cache.tensors[0], norm_cache.stats[0], norm_cache.stats[1],
+                                                w.value, dn2, dy, w.grad, b.grad);
+    w.mark_grad_ready();
+    b.mark_grad_ready();
+    norm_cache.clear();
+    auto dx = ln_1_->backward(attn_->backward(dh, cache.child(1)), cache.child(0));
+    ops::axpy_(1, dh, dx);
+    cache.clear();
+    return dx;
+  }
+
   std::string describe() const override {
     return "TransformerBlock(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) + ")";
   }

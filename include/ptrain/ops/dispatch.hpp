@@ -41,4 +41,12 @@ void check_devices(const char* op, Device d, const Ts&... ts) {
   (check_device(op, d, ts.device()), ...);
 }
 
+
+/// True for a CUDA device whose table has `fn` for T and whose gate lets it run: an op
+/// then takes `fn` instead of its verified kernel (Note [The verification gate]).
+template <class T, class Fn>
+bool use_cuda_kernel(Device dev, Fn kernels::CudaKernels<T>::*fn, const char* name) {
+  return dev.is_cuda() && kernels::cuda_kernel_usable(fn, name);
+}
+
 }  // namespace ptrain::ops::detail

@@ -42,7 +42,10 @@ template <class T>
 Tensor<T> softmax(const Tensor<T>& x) {
   const std::int64_t rows = rows_of(x, "softmax input"), cols = x.size(-1);
   auto y = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), T, softmax_rows, rows, cols, x.data(), y.data());
+  if (detail::use_cuda_kernel(x.device(), &kernels::CudaKernels<T>::softmax_rows_one_read, "softmax_rows_one_read"))
+    kernels::cuda_kernels<T>().softmax_rows_one_read(rows, cols, x.data(), y.data());
+  else
+    PTRAIN_DISPATCH(x.device(), T, softmax_rows, rows, cols, x.data(), y.data());
   return y;
 }
 
@@ -53,7 +56,11 @@ Tensor<T> softmax_backward(const Tensor<T>& y, const Tensor<T>& dy) {
   detail::check_devices("softmax_backward", y.device(), dy);
   const std::int64_t rows = rows_of(y, "softmax output"), cols = y.size(-1);
   auto dx = Tensor<T>::empty(y.shape(), y.device());
-  PTRAIN_DISPATCH(y.device(), T, softmax_rows_backward, rows, cols, y.data(), dy.data(), dx.data());
+  if (detail::use_cuda_kernel(y.device(), &kernels::CudaKernels<T>::softmax_rows_backward_one_read,
+                              "softmax_rows_backward_one_read"))
+    kernels::cuda_kernels<T>().softmax_rows_backward_one_read(rows, cols, y.data(), dy.data(), dx.data());
+  else
+    PTRAIN_DISPATCH(y.device(), T, softmax_rows_backward, rows, cols, y.data(), dy.data(), dx.data());
   return dx;
 }
 

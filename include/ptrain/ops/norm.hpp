@@ -1,6 +1,6 @@
 #pragma once
-// LayerNorm and RMSNorm over the last dimension, and RMSNorm fused with the
-// residual add before it (residual_rms_norm). CPU and CUDA.
+// LayerNorm and RMSNorm over the last dimension, and each fused with the
+// residual add before it (residual_layer_norm, residual_rms_norm). CPU and CUDA.
 
 #include "ptrain/kernels/cpu/rms_norm.hpp"
 #include "ptrain/ops/dispatch.hpp"
@@ -19,8 +19,13 @@ Tensor<T> layer_norm(const Tensor<T>& x, const Tensor<T>& gamma, const Tensor<T>
   auto y = Tensor<T>::empty(x.shape(), x.device());
   mean = Tensor<acc_t<T>>::empty({rows}, x.device());
   rstd = Tensor<acc_t<T>>::empty({rows}, x.device());
-  PTRAIN_DISPATCH(x.device(), T, layer_norm_forward, rows, d, x.data(), gamma.data(), beta.data(), eps, y.data(),
-                  mean.data(), rstd.data());
+  if (detail::use_cuda_kernel(x.device(), &kernels::CudaKernels<T>::layer_norm_forward_one_read,
+                              "layer_norm_forward_one_read"))
+    kernels::cuda_kernels<T>().layer_norm_forward_one_read(rows, d, x.data(), gamma.data(), beta.data(), eps, y.data(),
+                                                           mean.data(), rstd.data());
+  else
+    PTRAIN_DISPATCH(x.device(), T, layer_norm_forward, rows, d, x.data(), gamma.data(), beta.data(), eps, y.data(),
+                    mean.data(), rstd.data());
   return y;
 }
 
@@ -37,9 +42,70 @@ Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, 
   check_shape(dbeta, {d}, "layer_norm bias gradient");
   detail::check_devices("layer_norm_backward", x.device(), mean, rstd, gamma, dy, dgamma, dbeta);
   auto dx = Tensor<T>::empty(x.shape(), x.device());
-  PTRAIN_DISPATCH(x.device(), T, layer_norm_backward, rows, d, x.data(), mean.data(), rstd.data(), gamma.data(),
-                  dy.data(), dx.data(), dgamma.data(), dbeta.data());
+  if (detail::use_cuda_kernel(x.device(), &kernels::CudaKernels<T>::layer_norm_backward_one_read,
+                              "layer_norm_backward_one_read"))
+    kernels::cuda_kernels<T>().layer_norm_backward_one_read(rows, d, x.data(), mean.data(), rstd.data(), gamma.data(),
+                                                            dy.data(), dx.data(), dgamma.data(), dbeta.data());
+  else
+    PTRAIN_DISPATCH(x.device(), T, layer_norm_backward, rows, d, x.data(), mean.data(), rstd.data(), gamma.data(),
+                    dy.data(), dx.data(), dgamma.data(), dbeta.data());
   return dx;
+}
+
+/// True where residual_layer_norm and its backward run: on the CPU, and on a CUDA device
+/// once the gate lets their kernels run; a caller takes ops::axpy_ and layer_norm otherwise.
+template <class T>
+bool residual_layer_norm_usable(Device dev) {
+  return !dev.is_cuda() ||
+         (detail::use_cuda_kernel(dev, &kernels::CudaKernels<T>::residual_layer_norm_forward,
+                                  "residual_layer_norm_forward") &&
+          detail::use_cuda_kernel(dev, &kernels::CudaKernels<T>::residual_layer_norm_backward,
+                                  "residual_layer_norm_backward"));
+}
+
+/// The residual add of a pre-norm block fused with the next LayerNorm: h = x + residual is
+/// returned in `h` and y = layer_norm(h, gamma, beta) is the result, with mean and rstd as
+/// layer_norm's. On the CPU the bits equal ops::axpy_ into a copy of residual followed by
+/// layer_norm; a CUDA device does both in one kernel (gated: residual_layer_norm_usable).
+template <class T>
+Tensor<T> residual_layer_norm(const Tensor<T>& x, const Tensor<T>& residual, const Tensor<T>& gamma,
+                              const Tensor<T>& beta, acc_t<T> eps, Tensor<T>& h, Tensor<acc_t<T>>& mean,
+                              Tensor<acc_t<T>>& rstd) {
+  const std::int64_t rows = rows_of(x, "residual_layer_norm input"), d = x.size(-1);
+  check_shape(residual, x.shape(), "residual_layer_norm residual");
+  check_shape(gamma, {d}, "residual_layer_norm weight");
+  check_shape(beta, {d}, "residual_layer_norm bias");
+  detail::check_devices("residual_layer_norm", x.device(), residual, gamma, beta);
+  h = Tensor<T>::empty(x.shape(), x.device());
+  auto y = Tensor<T>::empty(x.shape(), x.device());
+  mean = Tensor<acc_t<T>>::empty({rows}, x.device());
+  rstd = Tensor<acc_t<T>>::empty({rows}, x.device());
+  PTRAIN_DISPATCH(x.device(), T, residual_layer_norm_forward, rows, d, x.data(), residual.data(), gamma.data(),
+                  beta.data(), eps, h.data(), y.data(), mean.data(), rstd.data());
+  return y;
+}
+
+/// Backward of residual_layer_norm given its h, mean and rstd: returns dh =
+/// layer_norm_backward(dy) + dresidual (the gradient of both x and residual), accumulates
+/// dgamma and dbeta. On the CPU the bits equal layer_norm_backward followed by
+/// ops::axpy_(1, dresidual, dh); a CUDA device does both in one kernel (gated).
+template <class T>
+Tensor<T> residual_layer_norm_backward(const Tensor<T>& h, const Tensor<acc_t<T>>& mean, const Tensor<acc_t<T>>& rstd,
+                                       const Tensor<T>& gamma, const Tensor<T>& dy, const Tensor<T>& dresidual,
+                                       Tensor<T>& dgamma, Tensor<T>& dbeta) {
+  const std::int64_t rows = rows_of(h, "residual_layer_norm input"), d = h.size(-1);
+  check_shape(dy, h.shape(), "residual_layer_norm output gradient");
+  check_shape(dresidual, h.shape(), "residual_layer_norm residual-stream gradient");
+  check_shape(mean, {rows}, "residual_layer_norm mean");
+  check_shape(rstd, {rows}, "residual_layer_norm rstd");
+  check_shape(gamma, {d}, "residual_layer_norm weight");
+  check_shape(dgamma, {d}, "residual_layer_norm weight gradient");
+  check_shape(dbeta, {d}, "residual_layer_norm bias gradient");
+  detail::check_devices("residual_layer_norm_backward", h.device(), mean, rstd, gamma, dy, dresidual, dgamma, dbeta);
+  auto dh = Tensor<T>::empty(h.shape(), h.device());
+  PTRAIN_DISPATCH(h.device(), T, residual_layer_norm_backward, rows, d, h.data(), mean.data(), rstd.data(),
+                  gamma.data(), dy.data(), dresidual.data(), dh.data(), dgamma.data(), dbeta.data());
+  return dh;
 }
 
 /// y = x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama's RMSNorm), weight [d];

@@ -50,6 +50,9 @@ class HostBackend final : public ptrain::detail::DeviceBackend {
 struct Calls {
   int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, rms_norm = 0, rotary = 0, vocab_embedding = 0,
       gqa_forward = 0, gqa_backward = 0, gqa_decode = 0, adamw_ranges = 0, sum_squares_to = 0, fused_classifier = 0;
+  // the row kernels: verified, and read once
+  int ln = 0, ln_backward = 0, ln_one_read = 0, ln_backward_one_read = 0, residual_ln = 0, residual_ln_backward = 0,
+      softmax = 0, softmax_backward = 0, softmax_one_read = 0, softmax_backward_one_read = 0;
 };
 Calls& calls() {
   static Calls c;
@@ -149,6 +152,53 @@ void fake_fused_classifier(std::int64_t rows, std::int64_t cols, float* logits, 
   kernels::cpu::fused_classifier(rows, cols, logits, targets, ignore, eps, dloss, w, loss);
 }
 
+void fake_ln(std::int64_t rows, std::int64_t d, const float* x, const float* g, const float* b, float eps, float* y,
+             float* mean, float* rstd) {
+  ++calls().ln;
+  kernels::cpu::layer_norm_forward(rows, d, x, g, b, eps, y, mean, rstd);
+}
+void fake_ln_one_read(std::int64_t rows, std::int64_t d, const float* x, const float* g, const float* b, float eps,
+                      float* y, float* mean, float* rstd) {
+  ++calls().ln_one_read;
+  kernels::cpu::layer_norm_forward(rows, d, x, g, b, eps, y, mean, rstd);
+}
+void fake_ln_backward(std::int64_t rows, std::int64_t d, const float* x, const float* mean, const float* rstd,
+                      const float* g, const float* dy, float* dx, float* dg, float* db) {
+  ++calls().ln_backward;
+  kernels::cpu::layer_norm_backward(rows, d, x, mean, rstd, g, dy, dx, dg, db);
+}
+void fake_ln_backward_one_read(std::int64_t rows, std::int64_t d, const float* x, const float* mean, const float* rstd,
+                               const float* g, const float* dy, float* dx, float* dg, float* db) {
+  ++calls().ln_backward_one_read;
+  kernels::cpu::layer_norm_backward(rows, d, x, mean, rstd, g, dy, dx, dg, db);
+}
+void fake_residual_ln(std::int64_t rows, std::int64_t d, const float* x, const float* r, const float* g,
+                      const float* b, float eps, float* h, float* y, float* mean, float* rstd) {
+  ++calls().residual_ln;
+  kernels::cpu::residual_layer_norm_forward(rows, d, x, r, g, b, eps, h, y, mean, rstd);
+}
+void fake_residual_ln_backward(std::int64_t rows, std::int64_t d, const float* h, const float* mean, const float* rstd,
+                               const float* g, const float* dy, const float* dr, float* dh, float* dg, float* db) {
+  ++calls().residual_ln_backward;
+  kernels::cpu::residual_layer_norm_backward(rows, d, h, mean, rstd, g, dy, dr, dh, dg, db);
+}
+void fake_softmax(std::int64_t rows, std::int64_t cols, const float* x, float* y) {
+  ++calls().softmax;
+  kernels::cpu::softmax_rows(rows, cols, x, y);
+}
+void fake_softmax_one_read(std::int64_t rows, std::int64_t cols, const float* x, float* y) {
+  ++calls().softmax_one_read;
+  kernels::cpu::softmax_rows(rows, cols, x, y);
+}
+void fake_softmax_backward(std::int64_t rows, std::int64_t cols, const float* y, const float* dy, float* dx) {
+  ++calls().softmax_backward;
+  kernels::cpu::softmax_rows_backward(rows, cols, y, dy, dx);
+}
+void fake_softmax_backward_one_read(std::int64_t rows, std::int64_t cols, const float* y, const float* dy, float* dx) {
+  ++calls().softmax_backward_one_read;
+  kernels::cpu::softmax_rows_backward(rows, cols, y, dy, dx);
+}
+
 // Installs the stand-ins for a scope and empties both slots again afterwards.
 struct FakeCuda {
   HostBackend backend;
@@ -171,6 +221,16 @@ struct FakeCuda {
     table.f64.adamw_update_ranges = &fake_adamw_ranges;
     table.f64.sum_squares_to = &fake_sum_squares_to;
     table.f32.fused_classifier = &fake_fused_classifier;
+    table.f32.layer_norm_forward = &fake_ln;
+    table.f32.layer_norm_backward = &fake_ln_backward;
+    table.f32.layer_norm_forward_one_read = &fake_ln_one_read;
+    table.f32.layer_norm_backward_one_read = &fake_ln_backward_one_read;
+    table.f32.residual_layer_norm_forward = &fake_residual_ln;
+    table.f32.residual_layer_norm_backward = &fake_residual_ln_backward;
+    table.f32.softmax_rows = &fake_softmax;
+    table.f32.softmax_rows_backward = &fake_softmax_backward;
+    table.f32.softmax_rows_one_read = &fake_softmax_one_read;
+    table.f32.softmax_rows_backward_one_read = &fake_softmax_backward_one_read;
     kernels::detail::cuda_kernel_table_slot() = &table;
     ptrain::detail::cuda_backend_slot() = &backend;
   }
@@ -405,6 +465,48 @@ TEST_CASE("cuda table: ops on cuda tensors call the table's kernels", "[kernels]
     CHECK(logits.to_vector() == cpu_logits.to_vector());
     CHECK(loss.mean() == cpu_loss.mean());
     CHECK(loss.mean() > 0);
+  }
+  SECTION("LayerNorm and softmax take the one-read kernels once the gate lets them, the verified ones before") {
+    const auto gamma = Tensor<float>::from({0.5f, 1.0f, 2.0f}, {3}).to(kFakeGpu);
+    const auto beta = Tensor<float>::from({0.0f, -1.0f, 1.0f}, {3}).to(kFakeGpu);
+    auto run = [&] {
+      Tensor<float> mean, rstd;
+      auto dg = Tensor<float>::zeros({3}, kFakeGpu), db = Tensor<float>::zeros({3}, kFakeGpu);
+      auto y = ops::layer_norm(x_gpu, gamma, beta, 1e-5f, mean, rstd);
+      ops::layer_norm_backward(x_gpu, mean, rstd, gamma, y, dg, db);
+      ops::softmax_backward(ops::softmax(x_gpu), x_gpu);
+    };
+    if (!kernels::cuda_kernel_enabled("layer_norm_forward_one_read")) {
+      run();
+      CHECK(calls().ln == 1);
+      CHECK(calls().ln_backward == 1);
+      CHECK(calls().softmax == 1);
+      CHECK(calls().softmax_backward == 1);
+      CHECK(calls().ln_one_read + calls().ln_backward_one_read + calls().softmax_one_read +
+                calls().softmax_backward_one_read == 0);
+      // GPT's block keeps the add and the verified LayerNorm; the fused op itself is refused.
+      CHECK_FALSE(ops::residual_layer_norm_usable<float>(kFakeGpu));
+      Tensor<float> h, mean, rstd;
+      CHECK_THROWS_WITH(ops::residual_layer_norm(x_gpu, x_gpu, gamma, beta, 1e-5f, h, mean, rstd),
+                        Catch::Contains("[ptrain.cuda.unverified]") && Catch::Contains("residual_layer_norm_forward"));
+    }
+    CHECK(ops::residual_layer_norm_usable<float>(Device::cpu()));
+    calls() = {};
+    ScopedGate allow("1");
+    run();
+    CHECK(calls().ln_one_read == 1);
+    CHECK(calls().ln_backward_one_read == 1);
+    CHECK(calls().softmax_one_read == 1);
+    CHECK(calls().softmax_backward_one_read == 1);
+    CHECK(calls().ln + calls().ln_backward + calls().softmax + calls().softmax_backward == 0);
+    CHECK(ops::residual_layer_norm_usable<float>(kFakeGpu));
+    Tensor<float> h, mean, rstd;
+    auto dg = Tensor<float>::zeros({3}, kFakeGpu), db = Tensor<float>::zeros({3}, kFakeGpu);
+    const auto y = ops::residual_layer_norm(x_gpu, x_gpu, gamma, beta, 1e-5f, h, mean, rstd);
+    ops::residual_layer_norm_backward(h, mean, rstd, gamma, y, x_gpu, dg, db);
+    CHECK(calls().residual_ln == 1);
+    CHECK(calls().residual_ln_backward == 1);
+    CHECK(h.device() == kFakeGpu);
   }
   SECTION("an entry the table lacks is refused, not called") {
     CHECK_THROWS_WITH(ops::relu(x_gpu),

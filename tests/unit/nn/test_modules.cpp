@@ -1,4 +1,5 @@
 #include <catch2/catch.hpp>
+#include <cstring>
 #include <ptrain/nn/activation.hpp>
 #include <ptrain/nn/embedding.hpp>
 #include <ptrain/nn/flat_parameters.hpp>
@@ -235,6 +236,65 @@ TEST_CASE("flat parameters alias the module's parameters", "[nn][flat]") {
     REQUIRE(params[i].param->grad.data() == flat.grads().data() + e[i].offset);
   }
   for (std::int64_t i = 15; i < 16; ++i) REQUIRE(flat.values().data()[i] == 0.0f);  // padding
+}
+
+namespace {
+template <class T>
+bool same_bits(const Tensor<T>& a, const Tensor<T>& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * sizeof(T)) == 0;
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("residual_layer_norm is the residual add then layer_norm, bit for bit", "[nn][layer_norm]", float,
+                   double, bf16) {
+  using T = TestType;
+  using A = acc_t<T>;
+  // 37 columns: no multiple of a vector width, so a vectorised tail is covered too.
+  const Shape shape{3, 5, 37};
+  auto cast = [](const Tensor<double>& d) {
+    auto t = Tensor<T>::empty(d.shape());
+    for (std::int64_t i = 0; i < d.numel(); ++i) t.data()[i] = static_cast<T>(d.data()[i]);
+    return t;
+  };
+  const auto x = cast(random_input(shape, 81, 2.0)), res = cast(random_input(shape, 82, 2.0));
+  const auto gamma = cast(random_input({37}, 83)), beta = cast(random_input({37}, 84));
+  const A eps = A(1e-5);
+
+  // Forward: h = x + residual written out, and the norm of that h (GPT's block adds
+  // the attention output into a copy of its input with axpy_).
+  auto h_ref = res.clone();
+  ops::axpy_(A(1), x, h_ref);
+  Tensor<A> mean_ref, rstd_ref, mean, rstd;
+  const auto y_ref = ops::layer_norm(h_ref, gamma, beta, eps, mean_ref, rstd_ref);
+  Tensor<T> h;
+  const auto y = ops::residual_layer_norm(x, res, gamma, beta, eps, h, mean, rstd);
+  CHECK(same_bits(h, h_ref));
+  CHECK(same_bits(y, y_ref));
+  CHECK(same_bits(mean, mean_ref));
+  CHECK(same_bits(rstd, rstd_ref));
+
+  // Backward: dh = the norm's dx + the residual stream's gradient; dgamma and dbeta
+  // accumulate onto what they held.
+  const auto dy = cast(random_input(shape, 85)), dres = cast(random_input(shape, 86));
+  const auto dg0 = cast(random_input({37}, 87)), db0 = cast(random_input({37}, 88));
+  auto dg_ref = dg0.clone(), db_ref = db0.clone(), dg = dg0.clone(), db = db0.clone();
+  auto dh_ref = ops::layer_norm_backward(h_ref, mean_ref, rstd_ref, gamma, dy, dg_ref, db_ref);
+  ops::axpy_(A(1), dres, dh_ref);
+  const auto dh = ops::residual_layer_norm_backward(h, mean, rstd, gamma, dy, dres, dg, db);
+  CHECK(same_bits(dh, dh_ref));
+  CHECK(same_bits(dg, dg_ref));
+  CHECK(same_bits(db, db_ref));
+  // dres moved the result: the fused form is not the plain backward by accident.
+  auto dg_plain = dg0.clone(), db_plain = db0.clone();
+  CHECK_FALSE(same_bits(dh, ops::layer_norm_backward(h_ref, mean_ref, rstd_ref, gamma, dy, dg_plain, db_plain)));
+  CHECK(ops::residual_layer_norm_usable<T>(Device::cpu()));
+
+  REQUIRE_THROWS_WITH(ops::residual_layer_norm(x, cast(random_input({3, 5, 36}, 89)), gamma, beta, eps, h, mean, rstd),
+                      Catch::Contains("residual_layer_norm residual"));
+  REQUIRE_THROWS_WITH(ops::residual_layer_norm_backward(h, mean, rstd, gamma, dy, cast(random_input({3, 5, 36}, 90)),
+                                                        dg, db),
+                      Catch::Contains("residual-stream gradient"));
 }
 
 }  // namespace test_modules

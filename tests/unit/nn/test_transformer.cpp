@@ -557,4 +557,43 @@ TEST_CASE("generate: greedy continuation follows the model's argmax; crops the c
   }
 }
 
+TEMPLATE_TEST_CASE("TransformerBlock with ln_2 fused with the residual add is PreNormBlock's wiring, bit for bit",
+                   "[nn][block][layer_norm]", float, double, bf16) {
+  // TransformerBlock fuses h = x + attn(ln_1(x)) into ln_2 (ops::residual_layer_norm);
+  // PreNormBlock over parts made from the same seed adds with axpy_ and runs ln_2 alone.
+  using T = TestType;
+  const std::int64_t C = 12, H = 3;
+  Generator g1(31), g2(31);
+  nn::TransformerBlock<T> block(C, H, 0.0, 0, g1);
+  nn::PreNormBlock<T> plain({"ln_1", std::make_shared<nn::LayerNorm<T>>(C)},
+                            {"attn", std::make_shared<nn::CausalSelfAttention<T>>(C, H, 0.0, 0, g2)},
+                            {"ln_2", std::make_shared<nn::LayerNorm<T>>(C)},
+                            {"mlp", std::make_shared<nn::FeedForward<T>>(C, 0.0, 2, g2)});
+  auto cast = [](const Tensor<double>& d, Tensor<T>& t) {
+    for (std::int64_t i = 0; i < d.numel(); ++i) t.data()[i] = static_cast<T>(d.data()[i]);
+  };
+  auto ps = block.named_parameters(), qs = plain.named_parameters();
+  REQUIRE(ps.size() == qs.size());
+  for (std::size_t i = 0; i < ps.size(); ++i) {  // LayerNorm's ones and zeros would hide a swapped gamma or beta
+    REQUIRE(ps[i].name == qs[i].name);
+    const auto v = random_tensor(ps[i].param->value.shape(), 40 + i, 0.5);
+    cast(v, ps[i].param->value);
+    cast(v, qs[i].param->value);
+  }
+  auto x = Tensor<T>::empty({2, 5, C}), dy = Tensor<T>::empty({2, 5, C});
+  cast(random_tensor(x.shape(), 32), x);
+  cast(random_tensor(dy.shape(), 33), dy);
+  auto bits_equal = [](const Tensor<T>& a, const Tensor<T>& b) {
+    return a.shape() == b.shape() &&
+           std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * sizeof(T)) == 0;
+  };
+  nn::Cache<T> c1, c2;
+  CHECK(bits_equal(block.forward(x, c1), plain.forward(x, c2)));
+  CHECK(bits_equal(block.backward(dy, c1), plain.backward(dy, c2)));
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    INFO(ps[i].name);
+    CHECK(bits_equal(ps[i].param->grad, qs[i].param->grad));
+  }
+}
+
 }  // namespace test_transformer

@@ -168,6 +168,23 @@ inline void layer_norm_backward(std::int64_t rows, std::int64_t d, const bf16* x
   detail::narrow(dbf, dbeta);
 }
 
+/// h = bf16(x + residual), then layer_norm_forward of h: the bits of axpy and layer_norm_forward.
+inline void residual_layer_norm_forward(std::int64_t rows, std::int64_t d, const bf16* x, const bf16* residual,
+                                        const bf16* gamma, const bf16* beta, float eps, bf16* h, bf16* y, float* mean,
+                                        float* rstd) {
+  for (std::int64_t i = 0; i < rows * d; ++i) h[i] = bf16(static_cast<float>(x[i]) + static_cast<float>(residual[i]));
+  layer_norm_forward(rows, d, h, gamma, beta, eps, y, mean, rstd);
+}
+
+/// dh = bf16(bf16(layer_norm_backward dx) + dresidual): the bits of layer_norm_backward and axpy.
+inline void residual_layer_norm_backward(std::int64_t rows, std::int64_t d, const bf16* h, const float* mean,
+                                         const float* rstd, const bf16* gamma, const bf16* dy, const bf16* dresidual,
+                                         bf16* dh, bf16* dgamma, bf16* dbeta) {
+  layer_norm_backward(rows, d, h, mean, rstd, gamma, dy, dh, dgamma, dbeta);
+  for (std::int64_t i = 0; i < rows * d; ++i)
+    dh[i] = bf16(static_cast<float>(dh[i]) + static_cast<float>(dresidual[i]));
+}
+
 inline void softmax_rows(std::int64_t rows, std::int64_t cols, const bf16* x, bf16* y) {
   detail::via_float(rows * cols, x, y, [=](const float* a, float* b) { softmax_rows<float>(rows, cols, a, b); });
 }

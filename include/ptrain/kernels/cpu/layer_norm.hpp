@@ -1,5 +1,8 @@
 #pragma once
-// LayerNorm over the last dimension: y = (x - mean) * rstd * gamma + beta.
+// LayerNorm over the last dimension: y = (x - mean) * rstd * gamma + beta, and its
+// residual form, which fuses the residual add before the norm of a pre-norm block
+// (h = x + residual; y = layer_norm(h)) and the residual stream's gradient after its
+// backward (dh = layer_norm_backward(dy) + dresidual). bf16 forms: kernels/cpu/bf16.hpp.
 
 #include <cmath>
 #include <cstdint>
@@ -52,6 +55,30 @@ void layer_norm_backward(std::int64_t rows, std::int64_t d, const T* x, const T*
       dxr[i] = s * (dyr[i] * gamma[i] - g_mean - xhat * gx_mean);
     }
   }
+}
+
+/// h = x + residual, written out, and y = layer_norm(h): row by row, each row's h first
+/// and then layer_norm_forward of that row, so the results are the bits of the add
+/// followed by layer_norm_forward. x, residual, h, y: [rows, d]; mean, rstd: [rows].
+template <class T>
+void residual_layer_norm_forward(std::int64_t rows, std::int64_t d, const T* x, const T* residual, const T* gamma,
+                                 const T* beta, T eps, T* h, T* y, T* mean, T* rstd) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * d;
+    const T* rr = residual + r * d;
+    T* hr = h + r * d;
+    for (std::int64_t i = 0; i < d; ++i) hr[i] = xr[i] + rr[i];
+    layer_norm_forward(1, d, hr, gamma, beta, eps, y + r * d, mean + r, rstd + r);
+  }
+}
+
+/// dh = layer_norm_backward(dy) + dresidual (the bits of layer_norm_backward followed by
+/// adding dresidual); dgamma, dbeta += as there. h: the forward's h; dy, dresidual, dh: [rows, d].
+template <class T>
+void residual_layer_norm_backward(std::int64_t rows, std::int64_t d, const T* h, const T* mean, const T* rstd,
+                                  const T* gamma, const T* dy, const T* dresidual, T* dh, T* dgamma, T* dbeta) {
+  layer_norm_backward(rows, d, h, mean, rstd, gamma, dy, dh, dgamma, dbeta);
+  for (std::int64_t i = 0; i < rows * d; ++i) dh[i] += dresidual[i];
 }
 
 }  // namespace ptrain::kernels::cpu

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cuda/check.hpp"
@@ -64,6 +65,37 @@ __device__ __forceinline__ T block_sum(T v) {
 template <class T>
 __device__ __forceinline__ T block_max(T v) {
   return block_reduce(v, MaxOp{}, T(-INFINITY));
+}
+
+// ------------------------------------------------------- rows in registers ----
+//
+// The row kernels that read a row once (Note [Row kernels in one read] in
+// layer_norm.cuh; softmax_rows_one_read) give a row a block of
+// block_for_cols(cols) threads, each holding N elements of it in registers, N
+// a compile-time power of two: rows up to kRowRegisterWidth wide.
+
+inline constexpr int kRowThreads = 512;  // block_for_cols's largest block
+inline constexpr int kRowMaxPerThread = 16;
+inline constexpr std::int64_t kRowRegisterWidth = std::int64_t{kRowThreads} * kRowMaxPerThread;
+
+/// Elements per thread of a row of d with `block` threads: the power of two >= d / block.
+inline int row_per_thread(std::int64_t d, int block) {
+  int n = 1;
+  while (std::int64_t{n} * block < d) n *= 2;
+  return n;
+}
+
+/// f(std::integral_constant<int, N>{}) for N = n, n a power of two in [1, kRowMaxPerThread].
+template <class F>
+void with_per_thread(int n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: f(std::integral_constant<int, 16>{}); break;
+  }
+  static_assert(kRowMaxPerThread == 16, "with_per_thread covers 1 .. 16");
 }
 
 // ------------------------------------------------------------ column sums ----

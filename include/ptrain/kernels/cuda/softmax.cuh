@@ -7,6 +7,14 @@
 // global memory two or three times (cross-entropy's forward: once) and never
 // leaves the block. Float, double and bf16 (Note [bf16 kernels]; the
 // log-sum-exp saved for backward is float).
+//
+// softmax_rows_one_read and softmax_rows_backward_one_read (gated; ops::softmax
+// keeps softmax_rows while they are) read a row once: rows up to
+// kRowRegisterWidth wide stay in registers (reduce.cuh, "rows in registers"),
+// and a wider row's max and sum come from one pass with an online max (each
+// thread keeps its running max m and sum of exp(x - m), rescaling the sum when
+// m grows; Milakov and Gimelshein, "Online normalizer calculation for softmax",
+// 2018), then a second pass writes y, two reads where softmax_rows makes three.
 
 #include <cuda_runtime.h>
 
@@ -149,7 +157,130 @@ __global__ void cross_entropy_backward_kernel(std::int64_t rows, std::int64_t co
   }
 }
 
+// Online max and sum: folds x into a thread's running max m and sum s of exp(. - m).
+template <class A>
+__device__ __forceinline__ void online_add(A& m, A& s, A x) {
+  if (x > m) {
+    s = s * dev_exp(m - x) + A(1);
+    m = x;
+  } else if (m != A(-INFINITY)) {
+    s += dev_exp(x - m);
+  }
+}
+
+// Rows up to N * blockDim.x wide, held in registers.
+template <class T, int N>
+__global__ void __launch_bounds__(kRowThreads)
+    softmax_rows_registers_kernel(std::int64_t rows, std::int64_t cols, const T* x, T* y) {
+  using A = acc_t<T>;
+  const std::int64_t B = blockDim.x;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const std::int64_t base = r * cols;
+    A v[N];
+    A mx = A(-INFINITY);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const std::int64_t c = threadIdx.x + k * B;
+      v[k] = c < cols ? ld(x[base + c]) : A(-INFINITY);
+      mx = v[k] > mx ? v[k] : mx;
+    }
+    mx = block_max(mx);
+    A s = A(0);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      v[k] = threadIdx.x + k * B < cols ? dev_exp(v[k] - mx) : A(0);
+      s += v[k];
+    }
+    const A inv = A(1) / block_sum(s);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const std::int64_t c = threadIdx.x + k * B;
+      if (c < cols) y[base + c] = st<T>(v[k] * inv);
+    }
+  }
+}
+
+// Wider rows: the max and the sum in one pass (online_add), then y.
+template <class T>
+__global__ void softmax_rows_online_kernel(std::int64_t rows, std::int64_t cols, const T* x, T* y) {
+  using A = acc_t<T>;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * cols;
+    T* yr = y + r * cols;
+    A m = A(-INFINITY), s = A(0);
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) online_add(m, s, ld(xr[c]));
+    const A mx = block_max(m);
+    const A inv = A(1) / block_sum(m == A(-INFINITY) ? A(0) : s * dev_exp(m - mx));
+    for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = st<T>(dev_exp(ld(xr[c]) - mx) * inv);
+  }
+}
+
+template <class T, int N>
+__global__ void __launch_bounds__(kRowThreads)
+    softmax_rows_backward_registers_kernel(std::int64_t rows, std::int64_t cols, const T* y, const T* dy, T* dx) {
+  using A = acc_t<T>;
+  const std::int64_t B = blockDim.x;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const std::int64_t base = r * cols;
+    A yv[N], dyv[N];
+    A dot = A(0);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const std::int64_t c = threadIdx.x + k * B;
+      yv[k] = dyv[k] = A(0);
+      if (c < cols) {
+        yv[k] = ld(y[base + c]);
+        dyv[k] = ld(dy[base + c]);
+        dot += yv[k] * dyv[k];
+      }
+    }
+    dot = block_sum(dot);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const std::int64_t c = threadIdx.x + k * B;
+      if (c < cols) dx[base + c] = st<T>(yv[k] * (dyv[k] - dot));
+    }
+  }
+}
+
 }  // namespace detail
+
+/// softmax_rows with each row read once, or twice for rows over kRowRegisterWidth (online
+/// max and sum); gated.
+template <class T>
+void softmax_rows_one_read(std::int64_t rows, std::int64_t cols, const T* x, T* y) {
+  detail::check_element_type<T>();
+  if (rows <= 0 || cols <= 0) return;
+  const int block = detail::block_for_cols(cols);
+  if (cols > detail::kRowRegisterWidth) {
+    detail::softmax_rows_online_kernel<T><<<detail::grid_for_rows(rows), block, 0, current_stream()>>>(rows, cols, x, y);
+  } else {
+    detail::with_per_thread(detail::row_per_thread(cols, block), [&](auto n) {
+      detail::softmax_rows_registers_kernel<T, decltype(n)::value>
+          <<<detail::grid_for_rows(rows), block, 0, current_stream()>>>(rows, cols, x, y);
+    });
+  }
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// softmax_rows_backward with y and dy read once (rows up to kRowRegisterWidth; wider rows
+/// take softmax_rows_backward's kernel); gated.
+template <class T>
+void softmax_rows_backward_one_read(std::int64_t rows, std::int64_t cols, const T* y, const T* dy, T* dx) {
+  detail::check_element_type<T>();
+  if (rows <= 0 || cols <= 0) return;
+  const int block = detail::block_for_cols(cols);
+  if (cols > detail::kRowRegisterWidth) {
+    detail::softmax_rows_backward_kernel<T>
+        <<<detail::grid_for_rows(rows), block, 0, current_stream()>>>(rows, cols, y, dy, dx);
+  } else {
+    detail::with_per_thread(detail::row_per_thread(cols, block), [&](auto n) {
+      detail::softmax_rows_backward_registers_kernel<T, decltype(n)::value>
+          <<<detail::grid_for_rows(rows), block, 0, current_stream()>>>(rows, cols, y, dy, dx);
+    });
+  }
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
 
 /// y[r, :] = softmax(x[r, :]) for a [rows, cols] array.
 template <class T>
