@@ -53,6 +53,14 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "fused_classifier",
     "sum_squares_to",
     "adamw_update_ranges",
+    // moe.cuh
+    "moe_route",
+    "moe_route_backward",
+    "moe_permute_plan",
+    "moe_gather",
+    "moe_gather_backward",
+    "moe_combine",
+    "moe_combine_backward",
 };
 
 /// True when `name` is on the gate's list.

@@ -71,7 +71,7 @@ struct MoeConfig {
 
 /// What one forward call's routing looked like (docs/moe.md, "Routing").
 struct MoeStats {
-  double aux_loss = 0;       ///< E * sum_e f_e P_e (1 when perfectly balanced), before its coefficient
+  double aux_loss = 0;       ///< E * sum_e f_e P_e (k when perfectly balanced), before its coefficient
   double z_loss = 0;         ///< mean over tokens of logsumexp(logits)^2, before its coefficient
   double loss = 0;           ///< aux_loss_coef * aux_loss + z_loss_coef * z_loss: what backward differentiates
   std::vector<std::int64_t> tokens_per_expert;  ///< token slots routed to each expert (before capacity)

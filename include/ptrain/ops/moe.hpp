@@ -8,6 +8,7 @@
 // tensors; a token's k slots are the rows of [N, k] tensors.
 
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "ptrain/kernels/cpu/moe.hpp"
@@ -106,6 +107,8 @@ inline MoePlan moe_permute_plan(const Tensor<std::int32_t>& experts, std::int64_
                   plan.pos.data(), plan.token_of.data());
   const auto host = counts.to_vector();
   plan.routed.assign(host.begin(), host.begin() + E);
+  PTRAIN_CHECK(std::accumulate(plan.routed.begin(), plan.routed.end(), std::int64_t(0)) == n * k, ShapeError,
+               "[ptrain.moe.experts] some of the ", n * k, " token slots name an expert outside [0, ", E, ")");
   plan.offsets.assign(host.begin() + E, host.end());
   plan.token_of = plan.token_of.view(0, {plan.rows()});
   return plan;
