@@ -12,7 +12,11 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <ptrain/nn/flat_parameters.hpp>
+#include <ptrain/nn/loss.hpp>
+#include <ptrain/nn/models/llama.hpp>
 #include <ptrain/nn/moe.hpp>
+#include <ptrain/optim/adamw.hpp>
 #include <vector>
 
 #include "unit/gradcheck.hpp"
@@ -394,6 +398,85 @@ TEST_CASE("moe: names, float against double, and bad configurations", "[moe]") {
   nn::Cache<double> cache;
   CHECK_THROWS_WITH(moe.forward(random_tensor({2, 5}, 1), cache), Contains("[ptrain.moe]"));
   CHECK_THROWS_WITH(moe.backward(random_tensor({2, 6}, 1), cache), Contains("[ptrain.backward]"));
+}
+
+TEST_CASE("moe: Llama with MoE blocks, names, counts and finite-difference gradients", "[moe][llama]") {
+  nn::LlamaConfig c{.vocab_size = 13, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16, .intermediate_size = 24};
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.moe_every = 2;  // layer 1 only
+  c.moe_intermediate_size = 12;
+  c.moe_shared_size = 8;
+  c.moe_aux_loss_coef = 0.1;
+  c.moe_z_loss_coef = 0.05;
+  Generator g(11);
+  nn::Llama<double> model(c, g);
+  REQUIRE(model.block(0).moe() == nullptr);
+  REQUIRE(model.block(1).moe() != nullptr);
+  CHECK_THROWS_WITH(model.block(1).mlp(), Contains("[ptrain.llama.moe]"));
+  CHECK(model.num_parameters() == c.num_parameters());
+  std::vector<std::string> names;
+  for (auto& p : model.named_parameters()) names.push_back(p.name);
+  for (const char* n : {"layers.0.mlp.gate_proj.weight", "layers.1.block_sparse_moe.gate.weight",
+                        "layers.1.block_sparse_moe.experts.3.w2.weight",
+                        "layers.1.block_sparse_moe.shared_experts.up_proj.weight"})
+    CHECK(std::find(names.begin(), names.end(), n) != names.end());
+  CHECK_THROWS_WITH(c.to_hf_config(), Contains("[ptrain.llama.hf_config]"));
+
+  Generator r(12);
+  for (auto& p : model.named_parameters()) ops::uniform_(p.param->value, -0.3, 0.3, r);
+  const auto ids = Tensor<std::int32_t>::from({1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 9, 0, 1, 2, 3, 4}, {2, 8});
+  const auto R = random_tensor({2, 8, 13}, 13);
+  auto loss = [&] {
+    nn::Cache<double> cache;
+    return dot(model.forward_tokens(ids, cache), R) + model.block(1).moe()->stats().loss;
+  };
+  nn::Cache<double> cache;
+  model.forward_tokens(ids, cache);
+  model.zero_grad();
+  model.backward(R, cache);
+  for (auto& p : model.named_parameters())
+    require_fd(p.param->value, p.param->grad.to_vector(), loss, p.name,
+               std::max<std::int64_t>(1, p.param->value.numel() / 5));
+}
+
+TEST_CASE("moe: a Llama with MoE blocks learns a toy sequence with AdamW", "[moe][llama]") {
+  nn::LlamaConfig c{.vocab_size = 16, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 32, .intermediate_size = 48};
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.moe_intermediate_size = 32;
+  c.moe_capacity_factor = 1.25;
+  c.moe_aux_loss_coef = 0.01;
+  c.moe_z_loss_coef = 1e-3;
+  Generator g(3);
+  nn::Llama<float> model(c, g);
+  nn::FlatParameters<float> flat(model);
+  optim::AdamW<float> opt(flat, {.lr = 1e-2});
+  // Two rows of a periodic sequence; the target of each token is the next one.
+  std::vector<std::int32_t> x, y;
+  for (std::int32_t b = 0; b < 2; ++b)
+    for (std::int32_t s = 0; s < 24; ++s) {
+      x.push_back((3 * b + s) % 8);
+      y.push_back((3 * b + s + 1) % 8);
+    }
+  const auto ids = Tensor<std::int32_t>::from(x, {2, 24});
+  const auto targets = Tensor<std::int32_t>::from(y, {48});
+  nn::CrossEntropyLoss<float> ce;
+  std::vector<double> losses;
+  for (int step = 0; step < 30; ++step) {
+    nn::Cache<float> cache, lc;
+    const auto logits = model.forward_tokens(ids, cache);
+    losses.push_back(ce.forward(logits, targets, lc));
+    model.zero_grad();
+    model.backward(ce.backward(lc), cache);
+    opt.step();
+    const nn::MoeStats& s = model.block(1).moe()->stats();
+    REQUIRE(std::accumulate(s.tokens_per_expert.begin(), s.tokens_per_expert.end(), std::int64_t(0)) == 48 * 2);
+    REQUIRE(s.capacity == 30);  // ceil(1.25 * 48 * 2 / 4)
+  }
+  INFO("loss " << losses.front() << " -> " << losses.back());
+  CHECK(losses.front() > 2.0);            // about log 16 at the start
+  CHECK(losses.back() < 0.25 * losses.front());
 }
 
 }  // namespace test_moe
