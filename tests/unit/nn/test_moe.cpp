@@ -386,6 +386,30 @@ TEST_CASE("moe: names, float against double, and bad configurations", "[moe]") {
   const auto dxd = moe.backward(Tensor<double>::full({8, 6}, 1.0), cd);
   for (std::int64_t i = 0; i < dxd.numel(); ++i) CHECK(dxf.data()[i] == Approx(dxd.data()[i]).margin(1e-5));
 
+  // And in bf16 (computed in float, rounded to 8 bits where stored): within a few bf16 steps.
+  nn::MoE<bf16> mb(c);
+  auto pb = mb.named_parameters();
+  for (std::size_t i = 0; i < pd.size(); ++i) {
+    std::vector<bf16> v;
+    for (double d : pd[i].param->value.to_vector()) v.push_back(bf16(static_cast<float>(d)));
+    pb[i].param->value.copy_(Tensor<bf16>::from(v, pd[i].param->value.shape()));
+  }
+  std::vector<bf16> xb;
+  for (double d : xv) xb.push_back(bf16(static_cast<float>(d)));
+  nn::Cache<bf16> cb;
+  const auto yb = mb.forward(Tensor<bf16>::from(xb, {8, 6}), cb);
+  const auto dxb = mb.backward(Tensor<bf16>::full({8, 6}, bf16(1.0f)), cb);
+  auto near_bf16 = [](const Tensor<bf16>& got, const Tensor<double>& want) {
+    double max = 0, err = 0;
+    for (std::int64_t i = 0; i < want.numel(); ++i) {
+      max = std::max(max, std::abs(want.data()[i]));
+      err = std::max(err, std::abs(double(float(got.data()[i])) - want.data()[i]));
+    }
+    return err <= 0.05 * max;  // NaN fails
+  };
+  CHECK(near_bf16(yb, yd));
+  CHECK(near_bf16(dxb, dxd));
+
   auto bad = base_config();
   bad.top_k = 5;
   CHECK_THROWS_WITH(nn::MoE<double>(bad), Contains("[ptrain.moe.config]"));
