@@ -10,7 +10,10 @@
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <optional>
 #include <numeric>
 #include <ptrain/nn/flat_parameters.hpp>
 #include <ptrain/nn/loss.hpp>
@@ -173,7 +176,99 @@ class GroupedExperts : public nn::Module<double> {
   std::vector<std::int64_t> offsets_;
 };
 
+// cuda:N backed by host memory, and a kernel table whose float entries are the CPU
+// kernels: the layer on "cuda:0" runs the table's kernels (kernels/cuda_table.hpp).
+class HostBackend final : public ptrain::detail::DeviceBackend {
+ public:
+  Allocator& allocator(int) override { return allocator_for(Device::cpu()); }
+  void copy(void* dst, Device, const void* src, Device, std::size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void memset_zero(void* dst, Device, std::size_t bytes) override {
+    if (bytes) std::memset(dst, 0, bytes);
+  }
+};
+
+struct CpuTableAsCuda {
+  HostBackend backend;
+  kernels::CudaKernelTable table;
+  std::optional<std::string> gate;
+  CpuTableAsCuda() {
+    namespace kc = kernels::cpu;
+    auto& k = table.f32;
+    k.gemm = &kc::gemm<float>;
+    k.linear_epilogue = &kc::linear_epilogue<float>;
+    k.linear_weight_grad_epilogue = &kc::linear_weight_grad_epilogue<float>;
+    k.bias_grad = &kc::bias_grad<float>;
+    k.sum_squares = &kc::sum_squares<float>;
+    k.axpy = &kc::axpy<float>;
+    k.swiglu_forward = &kc::swiglu_forward<float>;
+    k.swiglu_backward = &kc::swiglu_backward<float>;
+    k.activation_forward = &kc::activation_forward<float>;
+    k.activation_backward = &kc::activation_backward<float>;
+    k.moe_route = &kc::moe_route<float>;
+    k.moe_route_backward = &kc::moe_route_backward<float>;
+    k.moe_permute_plan = &kc::moe_permute_plan;
+    k.moe_gather = &kc::moe_gather<float>;
+    k.moe_gather_backward = &kc::moe_gather_backward<float>;
+    k.moe_combine = &kc::moe_combine<float>;
+    k.moe_combine_backward = &kc::moe_combine_backward<float>;
+    kernels::detail::cuda_kernel_table_slot() = &table;
+    ptrain::detail::cuda_backend_slot() = &backend;
+    if (const char* v = std::getenv("PTRAIN_UNVERIFIED_CUDA")) gate = v;
+  }
+  ~CpuTableAsCuda() {
+    kernels::detail::cuda_kernel_table_slot() = nullptr;
+    ptrain::detail::cuda_backend_slot() = nullptr;
+    if (gate) ::setenv("PTRAIN_UNVERIFIED_CUDA", gate->c_str(), 1);
+    else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+  }
+};
+
 }  // namespace
+
+TEST_CASE("moe: on a cuda device the layer runs the kernel table's MoE kernels, behind the gate", "[moe]") {
+  auto c = base_config();
+  c.capacity_factor = 0.9;
+  c.aux_loss_coef = 0.1;
+  c.z_loss_coef = 0.01;
+  c.shared_hidden = 4;
+  c.shared_gate = true;
+  Generator g1(7), g2(7);
+  nn::MoE<float> cpu(c, g1), dev(c, g2);
+  std::vector<float> xv(5 * 6), dyv(5 * 6);
+  for (std::size_t i = 0; i < xv.size(); ++i) {
+    xv[i] = std::sin(0.7f * float(i));
+    dyv[i] = std::cos(0.3f * float(i));
+  }
+  const auto x = Tensor<float>::from(xv, {5, 6}), dy = Tensor<float>::from(dyv, {5, 6});
+  nn::Cache<float> cc;
+  const auto y_ref = cpu.forward(x, cc);
+  const auto dx_ref = cpu.backward(dy, cc);
+
+  CpuTableAsCuda fake;
+  dev.to(Device::cuda(0));
+  nn::Cache<float> gc;
+  ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+  CHECK_THROWS_WITH(dev.forward(x.to(Device::cuda(0)), gc),
+                    Contains("[ptrain.cuda.unverified]") && Contains("moe_route"));
+  ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
+  gc.clear();
+  const auto y = dev.forward(x.to(Device::cuda(0)), gc);
+  const auto dx = dev.backward(dy.to(Device::cuda(0)), gc);
+  REQUIRE(y.device() == Device::cuda(0));
+  // The same kernels in the same order: the same bits.
+  CHECK(y.to_vector() == y_ref.to_vector());
+  CHECK(dx.to_vector() == dx_ref.to_vector());
+  CHECK(dev.stats().dropped == cpu.stats().dropped);
+  CHECK(dev.stats().dropped > 0);
+  auto pc = cpu.named_parameters();
+  auto pg = dev.named_parameters();
+  for (std::size_t i = 0; i < pc.size(); ++i) {
+    INFO(pc[i].name);
+    CHECK(pg[i].param->grad.to_vector() == pc[i].param->grad.to_vector());
+  }
+}
 
 TEST_CASE("moe: top-k picks the largest scores, ties to the lower expert, NaN last", "[moe]") {
   const auto logits = Tensor<double>::from({1, 3, 3, 0,  //
