@@ -91,7 +91,7 @@ struct MoePlan {
 
 /// The stable permutation of the slots of experts [N, k] (values in [0, E)) into expert-grouped
 /// order; capacity > 0 keeps each expert's first `capacity` slots in token order, <= 0 all.
-/// Reads E + 1 counts back to the host (the grouped GEMM's segments), so on a GPU it waits
+/// Reads 2E + 1 counts back to the host (the grouped GEMM's segments), so on a GPU it waits
 /// for the current stream.
 inline MoePlan moe_permute_plan(const Tensor<std::int32_t>& experts, std::int64_t E, std::int64_t capacity) {
   PTRAIN_CHECK(experts.dim() == 2 && E > 0, ShapeError, "[ptrain.moe.plan] experts must be [tokens, k] and E > 0, "
