@@ -75,6 +75,7 @@ __global__ void moe_place_kernel(std::int64_t slots, std::int64_t k, std::int64_
     if (e >= E) continue;  // an expert out of range: the op refuses the plan (its counts fall short)
     const I s = sorted_slots[i];
     const std::int64_t r = i - starts[e];
+    if (r >= starts[e + 1] - starts[e]) continue;  // only where an expert out of range sorted among e's slots
     if (r < cap) {
       const I p = offsets[e] + static_cast<I>(r);
       pos[s] = p;
