@@ -88,6 +88,13 @@ void fill_floating(CudaKernels<T>& k) {
   k.residual_layer_norm_backward = &kc::residual_layer_norm_backward<T>;
   k.softmax_rows_one_read = &kc::softmax_rows_one_read<T>;
   k.softmax_rows_backward_one_read = &kc::softmax_rows_backward_one_read<T>;
+  k.moe_route = &kc::moe_route<T>;
+  k.moe_route_backward = &kc::moe_route_backward<T>;
+  k.moe_permute_plan = &kc::moe_permute_plan;
+  k.moe_gather = &kc::moe_gather<T>;
+  k.moe_gather_backward = &kc::moe_gather_backward<T>;
+  k.moe_combine = &kc::moe_combine<T>;
+  k.moe_combine_backward = &kc::moe_combine_backward<T>;
 }
 
 // float and double: the forms bf16 has not (token ids, the plain optimizer

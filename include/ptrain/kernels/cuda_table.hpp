@@ -26,6 +26,7 @@
 #include "ptrain/core/error.hpp"
 #include "ptrain/kernels/adamw_step.hpp"
 #include "ptrain/kernels/cuda_unverified.hpp"
+#include "ptrain/kernels/moe_math.hpp"
 #include "ptrain/kernels/pointwise_math.hpp"
 #include "ptrain/kernels/rotary_freqs.hpp"
 #include "ptrain/kernels/window.hpp"
@@ -157,6 +158,15 @@ struct CudaKernels {
                                        T*) = nullptr;
   void (*softmax_rows_one_read)(I64, I64, const T*, T*) = nullptr;
   void (*softmax_rows_backward_one_read)(I64, I64, const T*, const T*, T*) = nullptr;
+  // moe.cuh (moe_permute_plan works on int32 only; every floating type's table has it)
+  void (*moe_route)(I64, I64, I64, MoeScore, bool, A, const T*, I32*, T*, A*, A*) = nullptr;
+  void (*moe_route_backward)(I64, I64, I64, MoeScore, bool, A, const T*, const I32*, const T*, const A*, const A*, A,
+                             T*) = nullptr;
+  void (*moe_permute_plan)(I64, I64, I64, I64, const I32*, I32*, I32*, I32*, I32*) = nullptr;
+  void (*moe_gather)(I64, I64, const I32*, const T*, T*) = nullptr;
+  void (*moe_gather_backward)(I64, I64, I64, const I32*, const T*, T*) = nullptr;
+  void (*moe_combine)(I64, I64, I64, const I32*, const T*, const T*, T*) = nullptr;
+  void (*moe_combine_backward)(I64, I64, I64, const I32*, const T*, const T*, const T*, T*, T*) = nullptr;
 };
 
 /// Every element type's table. int32 has token_ids only.

@@ -63,6 +63,14 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "residual_layer_norm_backward",
     "softmax_rows_one_read",
     "softmax_rows_backward_one_read",
+    // moe.cuh
+    "moe_route",
+    "moe_route_backward",
+    "moe_permute_plan",
+    "moe_gather",
+    "moe_gather_backward",
+    "moe_combine",
+    "moe_combine_backward",
 };
 
 /// True when `name` is on the gate's list.

@@ -82,6 +82,8 @@ std::shared_ptr<nn::Module<T>> tensor_parallel_llama_unit(const nn::LlamaConfig&
                                                           TensorParallelGroup& group,
                                                           const std::shared_ptr<nn::Module<T>>& full,
                                                           nn::Parameter<T>* tied_weight = nullptr) {
+  PTRAIN_CHECK(cfg.num_experts == 0, Error, "[ptrain.tp.moe] tensor parallelism of mixture-of-experts layers is not "
+               "built yet (docs/moe.md); train this model without tensor parallelism");
   std::shared_ptr<nn::Module<T>> unit;
   if (u == 0) {
     unit = std::make_shared<VocabParallelEmbedding<T>>(group, cfg.vocab_size, cfg.n_embd);

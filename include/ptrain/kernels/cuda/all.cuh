@@ -27,6 +27,7 @@
 //   optimizer.cuh    sgd_update, adamw_update
 //   fused_classifier.cuh  fused_classifier (cross-entropy loss and dlogits in place, loss kept on the device)
 //   adamw_ranges.cuh      adamw_update_ranges (AdamW over a flat buffer in one launch), sum_squares_to
+//   moe.cuh          mixture of experts: moe_route(+backward), moe_permute_plan, moe_gather(+backward), moe_combine(+backward)
 
 #include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/stream.hpp"
@@ -54,3 +55,4 @@
 #include "ptrain/kernels/cuda/optimizer.cuh"
 #include "ptrain/kernels/cuda/fused_classifier.cuh"
 #include "ptrain/kernels/cuda/adamw_ranges.cuh"
+#include "ptrain/kernels/cuda/moe.cuh"

@@ -10,6 +10,9 @@
 //   LlamaBlock:  h = x + self_attn(input_layernorm(x))        RMSNorm, grouped-query attention
 //               y = h + mlp(post_attention_layernorm(h))      with rotary positions, SwiGLU
 //
+// With cfg.num_experts > 0, every cfg.moe_every-th block's MLP is a mixture of
+// experts, nn::MoE, named "block_sparse_moe" as in Mixtral (docs/moe.md).
+//
 // Parameter names are Hugging Face's without the "model." prefix ("embed_tokens.weight",
 // "layers.0.self_attn.q_proj.weight", ...), but for the head's "head.norm.weight" and
 // "head.lm_head.weight" (HF: "model.norm.weight", "lm_head.weight");
@@ -36,6 +39,7 @@
 #include "ptrain/nn/embedding.hpp"
 #include "ptrain/nn/gqa_attention.hpp"
 #include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/moe.hpp"
 #include "ptrain/nn/recompute.hpp"
 #include "ptrain/nn/rms_norm.hpp"
 #include "ptrain/nn/sequential.hpp"
@@ -63,8 +67,38 @@ struct LlamaConfig {
   std::int32_t document_token = -1;      ///< a token that starts each packed document (-1: none; Note [Batch context])
   double init_std = 0.02;                ///< initializer_range
   bool recompute = false;                ///< activation checkpointing per block (nn/recompute.hpp)
+  // Mixture of experts (docs/moe.md): with num_experts > 0, layer l's MLP is an nn::MoE
+  // when (l + 1) % moe_every == 0 (every layer for 1, every second for 2: Qwen2-MoE's
+  // decoder_sparse_step); its router and experts come from these fields (moe_config()).
+  std::int64_t num_experts = 0;            ///< 0: dense MLPs only
+  std::int64_t top_k = 2;                  ///< experts per token (num_experts_per_tok)
+  std::int64_t moe_every = 1;
+  std::int64_t moe_intermediate_size = 0;  ///< each expert's SwiGLU width; 0: intermediate_size
+  std::int64_t moe_shared_size = 0;        ///< the shared experts' width; 0: none
+  double moe_capacity_factor = 0;          ///< 0: dropless
+  double moe_aux_loss_coef = 0;            ///< router_aux_loss_coef
+  double moe_z_loss_coef = 0;
 
   std::int64_t head_dim() const { return n_embd / n_head; }
+  bool is_moe_layer(std::int64_t l) const { return num_experts > 0 && (l + 1) % moe_every == 0; }
+  std::int64_t moe_layers() const {
+    std::int64_t n = 0;
+    for (std::int64_t l = 0; l < n_layer; ++l) n += is_moe_layer(l) ? 1 : 0;
+    return n;
+  }
+  /// The nn::MoE of an MoE layer (softmax, top-k, renormalised: Mixtral's router).
+  MoeConfig moe_config() const {
+    MoeConfig m;
+    m.n_embd = n_embd;
+    m.num_experts = num_experts;
+    m.top_k = top_k;
+    m.expert_hidden = moe_intermediate_size > 0 ? moe_intermediate_size : intermediate_size;
+    m.capacity_factor = moe_capacity_factor;
+    m.aux_loss_coef = moe_aux_loss_coef;
+    m.z_loss_coef = moe_z_loss_coef;
+    m.shared_hidden = moe_shared_size;
+    return m;
+  }
 
   /// Parameters of the model built from this config (a tied weight counted once).
   std::int64_t num_parameters() const {
@@ -72,7 +106,11 @@ struct LlamaConfig {
     const std::int64_t attn = C * n_head * D + 2 * C * n_kv_head * D + n_head * D * C +
                               (attention_bias ? n_head * D + 2 * n_kv_head * D : 0) + (o_proj_bias ? C : 0);
     const std::int64_t mlp = 3 * C * F + (mlp_bias ? 2 * F + C : 0);
-    return vocab_size * C + n_layer * (attn + mlp + 2 * C) + C + (tie_weights ? 0 : vocab_size * C);
+    const std::int64_t Fm = num_experts > 0 ? moe_config().expert_hidden : 0;
+    const std::int64_t moe = num_experts * C + 3 * num_experts * C * Fm + 3 * C * moe_shared_size;
+    const std::int64_t L_moe = moe_layers();
+    return vocab_size * C + n_layer * (attn + 2 * C) + (n_layer - L_moe) * mlp + L_moe * moe + C +
+           (tie_weights ? 0 : vocab_size * C);
   }
   /// Training FLOPs per token (forward + backward) of the matrix products, counting the
   /// causal attention products at full S x S (the usual convention, as GPTConfig's).
@@ -80,7 +118,14 @@ struct LlamaConfig {
     const double C = static_cast<double>(n_embd), D = static_cast<double>(head_dim()), L = static_cast<double>(n_layer);
     const double H = static_cast<double>(n_head), Hkv = static_cast<double>(n_kv_head);
     const double per_layer = C * H * D * 2 + 2 * C * Hkv * D + 3 * C * static_cast<double>(intermediate_size);
-    const double matmul = L * per_layer + C * static_cast<double>(vocab_size);
+    // An MoE layer's token runs the router and k experts (and the shared ones) instead of the MLP.
+    const double L_moe = static_cast<double>(moe_layers());
+    const double moe_mlp = num_experts > 0 ? C * static_cast<double>(num_experts) +
+                                                 3 * C * static_cast<double>(top_k * moe_config().expert_hidden +
+                                                                             moe_shared_size) -
+                                                 3 * C * static_cast<double>(intermediate_size)
+                                           : 0.0;
+    const double matmul = L * per_layer + L_moe * moe_mlp + C * static_cast<double>(vocab_size);
     return 6.0 * matmul + 6.0 * L * 2.0 * static_cast<double>(seq) * H * D;
   }
 
@@ -98,16 +143,21 @@ struct LlamaConfig {
 template <class T>
 class LlamaBlock : public PreNormBlock<T> {
  public:
-  LlamaBlock(const LlamaConfig& c, Generator& gen = default_generator()) {
+  /// Block `layer` of the model (its MLP is an nn::MoE when c.is_moe_layer(layer)).
+  LlamaBlock(const LlamaConfig& c, Generator& gen = default_generator(), std::int64_t layer = 0) {
     input_norm_ = std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps);
     attn_ = std::make_shared<GroupedQueryAttention<T>>(c.n_embd, c.n_head, c.n_kv_head, c.rope, c.attention_bias,
                                                        c.o_proj_bias, gen);
     attn_->set_document_token(c.document_token);
     attn_->set_sliding_window(c.sliding_window);
     post_norm_ = std::make_shared<RMSNorm<T>>(c.n_embd, c.rms_norm_eps);
-    mlp_ = std::make_shared<SwiGLU<T>>(c.n_embd, c.intermediate_size, c.mlp_bias, gen);
+    if (c.is_moe_layer(layer)) {
+      ffn_ = moe_ = std::make_shared<MoE<T>>(c.moe_config(), gen);
+    } else {
+      ffn_ = mlp_ = std::make_shared<SwiGLU<T>>(c.n_embd, c.intermediate_size, c.mlp_bias, gen);
+    }
     this->set_parts({"input_layernorm", input_norm_}, {"self_attn", attn_},
-                    {"post_attention_layernorm", post_norm_}, {"mlp", mlp_});
+                    {"post_attention_layernorm", post_norm_}, {moe_ ? "block_sparse_moe" : "mlp", ffn_});
   }
 
   /// PreNormBlock's wiring with the first residual add fused into the second norm
@@ -122,7 +172,7 @@ class LlamaBlock : public PreNormBlock<T> {
     Cache<T>& norm_cache = cache.child(2);  // what post_attention_layernorm's own forward keeps
     norm_cache.tensors = {h};
     norm_cache.stats = {rstd};
-    auto y = mlp_->forward(n2, cache.child(3));
+    auto y = ffn_->forward(n2, cache.child(3));
     ops::axpy_(1, h, y);
     return y;
   }
@@ -133,7 +183,7 @@ class LlamaBlock : public PreNormBlock<T> {
     Cache<T>& norm_cache = cache.child(2);
     PTRAIN_CHECK(norm_cache.tensors.size() == 1 && norm_cache.stats.size() == 1, Error,
                  "[ptrain.backward] LlamaBlock::backward without a forward");
-    auto dn2 = mlp_->backward(dy, cache.child(3));
+    auto dn2 = ffn_->backward(dy, cache.child(3));
     Parameter<T>& w = post_norm_->weight();
     auto dh = ops::residual_rms_norm_backward(norm_cache.tensors[0], norm_cache.stats[0], w.value, dn2, dy, w.grad);
     w.mark_grad_ready();
@@ -149,21 +199,29 @@ class LlamaBlock : public PreNormBlock<T> {
     Cache<T> scratch;  // no backward
     auto h = attn_->decode(input_norm_->forward(x, scratch.child(0)), kv, capacity);
     ops::axpy_(1, x, h);
-    auto y = mlp_->forward(post_norm_->forward(h, scratch.child(1)), scratch.child(2));
+    auto y = ffn_->forward(post_norm_->forward(h, scratch.child(1)), scratch.child(2));
     ops::axpy_(1, h, y);
     return y;
   }
 
-  std::string describe() const override { return "LlamaBlock(" + attn_->describe() + ", " + mlp_->describe() + ")"; }
+  std::string describe() const override { return "LlamaBlock(" + attn_->describe() + ", " + ffn_->describe() + ")"; }
   RMSNorm<T>& input_layernorm() { return *input_norm_; }
   GroupedQueryAttention<T>& self_attn() { return *attn_; }
   RMSNorm<T>& post_attention_layernorm() { return *post_norm_; }
-  SwiGLU<T>& mlp() { return *mlp_; }
+  /// The dense MLP; refused for an MoE block (moe()).
+  SwiGLU<T>& mlp() {
+    PTRAIN_CHECK(mlp_ != nullptr, Error, "[ptrain.llama.moe] this block's MLP is a mixture of experts: use moe()");
+    return *mlp_;
+  }
+  /// The mixture of experts, or null for a dense block.
+  MoE<T>* moe() { return moe_.get(); }
 
  private:
   std::shared_ptr<RMSNorm<T>> input_norm_, post_norm_;
   std::shared_ptr<GroupedQueryAttention<T>> attn_;
   std::shared_ptr<SwiGLU<T>> mlp_;
+  std::shared_ptr<MoE<T>> moe_;
+  std::shared_ptr<Module<T>> ffn_;  // mlp_ or moe_
 };
 
 namespace detail {
@@ -182,6 +240,9 @@ inline void check_llama_config(const LlamaConfig& c) {
                " must be >= 0 (0: none)");
   PTRAIN_CHECK(c.document_token < c.vocab_size, Error, "[ptrain.llama.config] document_token ", c.document_token,
                " is outside the vocabulary of ", c.vocab_size);
+  PTRAIN_CHECK(c.num_experts >= 0 && c.moe_every >= 1 && c.moe_intermediate_size >= 0, Error,
+               "[ptrain.llama.config] num_experts and moe_intermediate_size must be >= 0 and moe_every >= 1");
+  if (c.num_experts > 0) detail::check_moe_config(c.moe_config());
 }
 
 // Hugging Face's LlamaPreTrainedModel._init_weights: every Linear and Embedding weight
@@ -211,7 +272,7 @@ class Llama : public UnitChain<T> {
     embed_ = std::make_shared<Embedding<T>>(cfg.vocab_size, cfg.n_embd, scratch);
     this->add_unit("embed_tokens", embed_);
     for (std::int64_t l = 0; l < cfg.n_layer; ++l) {
-      blocks_.push_back(std::make_shared<LlamaBlock<T>>(cfg, scratch));
+      blocks_.push_back(std::make_shared<LlamaBlock<T>>(cfg, scratch, l));
       std::shared_ptr<Module<T>> unit = blocks_.back();
       if (cfg.recompute) unit = std::make_shared<Recompute<T>>(unit);
       this->add_unit("layers." + std::to_string(l), unit);
@@ -226,6 +287,9 @@ class Llama : public UnitChain<T> {
     return "Llama(vocab=" + std::to_string(cfg_.vocab_size) + ", layers=" + std::to_string(cfg_.n_layer) +
            ", heads=" + std::to_string(cfg_.n_head) + ", kv_heads=" + std::to_string(cfg_.n_kv_head) +
            ", embd=" + std::to_string(cfg_.n_embd) + ", mlp=" + std::to_string(cfg_.intermediate_size) +
+           (cfg_.num_experts > 0 ? ", experts=" + std::to_string(cfg_.num_experts) + " top_k=" +
+                                       std::to_string(cfg_.top_k) + " every=" + std::to_string(cfg_.moe_every)
+                                 : std::string()) +
            (cfg_.tie_weights ? ", tied)" : ")");
   }
   const LlamaConfig& config() const { return cfg_; }
@@ -392,6 +456,8 @@ inline LlamaConfig LlamaConfig::from_hf_config_file(const std::filesystem::path&
 }
 
 inline nlohmann::json LlamaConfig::to_hf_config() const {
+  PTRAIN_CHECK(num_experts == 0, Error, "[ptrain.llama.hf_config] a model with mixture-of-experts layers has no "
+               "Llama config.json (Mixtral folders are not built yet, docs/moe.md)");
   const bool qwen2 = attention_bias && !o_proj_bias, mistral = sliding_window > 0;
   nlohmann::json j = {
       {"architectures", {qwen2 ? "Qwen2ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM"}},

@@ -1,0 +1,418 @@
+#pragma once
+// Mixture of experts: a router picks k of E SwiGLU experts per token, the tokens
+// run through their experts grouped by expert, and each token's output is the
+// weighted sum of its k expert outputs (Mixtral's MixtralSparseMoeBlock; DeepSeek's
+// MoE with shared experts; Qwen2-MoE's gated shared expert).
+//
+//   x [..., C] -> MoE -> y [..., C]
+//
+//   MoeRouter  "gate"        logits = x W^T [N, E]; softmax or sigmoid scores; top-k;
+//                            optional renormalisation; load-balancing and z-losses
+//   MoeExperts "experts"     expert e: w2(silu(w1 x) * w3 x), on its tokens only
+//   SwiGLU     "shared_experts"      optional, every token (DeepSeek), optionally
+//   Linear     "shared_expert_gate"  scaled by sigmoid(x W_g^T) (Qwen2-MoE)
+//
+// Parameter names follow Hugging Face's Mixtral inside a block_sparse_moe:
+// "gate.weight", "experts.{e}.w1.weight" (gate projection, [F, C]),
+// "experts.{e}.w2.weight" (down, [C, F]), "experts.{e}.w3.weight" (up, [F, C]);
+// shared experts take DeepSeek's "shared_experts.{gate,up,down}_proj.weight".
+// CPU and CUDA (ops/moe.hpp); docs/moe.md has the maths, the memory and the limits.
+//
+//   nn::MoeConfig c;
+//   c.n_embd = 256; c.num_experts = 8; c.top_k = 2; c.expert_hidden = 512;
+//   c.aux_loss_coef = 0.01;
+//   nn::MoE<float> moe(c);
+//   auto y = moe.forward(x, cache);          // x [B, S, 256]
+//   moe.stats().aux_loss;                    // the latest forward's routing statistics
+//
+// Note [The dispatch seam]
+// forward() runs three steps, and expert parallelism will cut between them:
+//   1. route and permute (token order): the router's plan says where each of a
+//      token's k slots goes; moe_gather copies the token rows into one buffer
+//      grouped by expert, expert e's rows at [offsets[e], offsets[e + 1]).
+//   2. run experts (expert order): MoeExperts::forward_grouped runs each
+//      expert's SwiGLU on its segment (one GEMM per expert and projection).
+//   3. combine (token order): moe_combine sums each token's k expert outputs,
+//      weighted, in slot order.
+// With experts spread over an expert-parallel group, an all-to-all goes between
+// 1 and 2 (rank r receives the segments of its experts from every rank: split
+// sizes are sums of offsets' segments, exchanged first) and its reverse between
+// 2 and 3; backward mirrors both (dyp out, dxp back). Steps 1 and 3 need only
+// the plan; step 2 needs only its segments' row counts. docs/moe.md gives the
+// traffic per layer.
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "ptrain/nn/linear.hpp"
+#include "ptrain/nn/swiglu.hpp"
+#include "ptrain/ops/activation.hpp"
+#include "ptrain/ops/moe.hpp"
+
+namespace ptrain::nn {
+
+/// The hyperparameters of an MoE layer.
+struct MoeConfig {
+  std::int64_t n_embd = 0;          ///< C, the model width
+  std::int64_t num_experts = 8;     ///< E
+  std::int64_t top_k = 2;           ///< k experts per token
+  std::int64_t expert_hidden = 0;   ///< F, each expert's SwiGLU width (Mixtral's intermediate_size)
+  kernels::MoeScore score = kernels::MoeScore::Softmax;  ///< Softmax (Mixtral, Qwen) or Sigmoid (DeepSeek-V3)
+  bool renormalize = true;          ///< the k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
+  double routed_scale = 1.0;        ///< the routed weights' factor (DeepSeek's routed_scaling_factor)
+  double capacity_factor = 0;       ///< > 0: each expert keeps ceil(factor * N * k / E) slots; 0: dropless
+  double aux_loss_coef = 0;         ///< load-balancing loss coefficient (Mixtral's router_aux_loss_coef)
+  double z_loss_coef = 0;           ///< router z-loss coefficient (ST-MoE: 1e-3)
+  std::int64_t shared_hidden = 0;   ///< the shared experts' SwiGLU width (DeepSeek: n_shared_experts * F); 0: none
+  bool shared_gate = false;         ///< scale the shared output by sigmoid(x W_g^T) (Qwen2-MoE)
+};
+
+/// What one forward call's routing looked like (docs/moe.md, "Routing").
+struct MoeStats {
+  double aux_loss = 0;       ///< E * sum_e f_e P_e (k when perfectly balanced), before its coefficient
+  double z_loss = 0;         ///< mean over tokens of logsumexp(logits)^2, before its coefficient
+  double loss = 0;           ///< aux_loss_coef * aux_loss + z_loss_coef * z_loss: what backward differentiates
+  std::vector<std::int64_t> tokens_per_expert;  ///< token slots routed to each expert (before capacity)
+  std::int64_t capacity = 0; ///< slots each expert keeps; 0: dropless
+  std::int64_t dropped = 0;  ///< slots beyond their expert's capacity (they add nothing to the output)
+  double max_load = 0;       ///< max over experts of tokens_per_expert
+  double mean_load = 0;      ///< mean over experts of tokens_per_expert (N * k / E)
+};
+
+namespace detail {
+inline void check_moe_config(const MoeConfig& c) {
+  PTRAIN_CHECK(c.n_embd > 0 && c.num_experts > 0 && c.expert_hidden > 0, Error,
+               "[ptrain.moe.config] n_embd, num_experts and expert_hidden must be positive, got ", c.n_embd, ", ",
+               c.num_experts, ", ", c.expert_hidden);
+  PTRAIN_CHECK(c.top_k >= 1 && c.top_k <= c.num_experts, Error, "[ptrain.moe.config] top_k ", c.top_k,
+               " must lie in [1, num_experts = ", c.num_experts, "]");
+  PTRAIN_CHECK(c.capacity_factor >= 0 && c.aux_loss_coef >= 0 && c.z_loss_coef >= 0 && c.shared_hidden >= 0, Error,
+               "[ptrain.moe.config] capacity_factor, aux_loss_coef, z_loss_coef and shared_hidden must be >= 0");
+  PTRAIN_CHECK(!c.shared_gate || c.shared_hidden > 0, Error,
+               "[ptrain.moe.config] shared_gate needs shared experts: set shared_hidden > 0");
+}
+}  // namespace detail
+
+/// The router: x [N, C] -> the k routing weights per token [N, k]. Its forward also
+/// plans the permutation (ops::moe_permute_plan, with the capacity) and the statistics;
+/// backward takes the weights' gradient and adds the auxiliary losses' (their
+/// coefficients times their gradients) before the scores' backward. Parameter "weight" [E, C].
+template <class T>
+class MoeRouter : public Module<T> {
+ public:
+  using A = acc_t<T>;
+
+  explicit MoeRouter(const MoeConfig& c, Generator& gen = default_generator()) : cfg_(c) {
+    detail::check_moe_config(c);
+    weight_ = &this->register_parameter("weight",
+                                        detail::fan_in_uniform<T>({c.num_experts, c.n_embd}, c.n_embd, gen));
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    PTRAIN_CHECK(x.dim() == 2 && x.size(1) == cfg_.n_embd && x.size(0) > 0, ShapeError, "[ptrain.moe.router] input ",
+                 x.shape(), " must be [tokens > 0, ", cfg_.n_embd, "]");
+    const std::int64_t N = x.size(0), E = cfg_.num_experts, k = cfg_.top_k;
+    auto logits = ops::linear(x, weight_->value, Tensor<T>());
+    auto r = ops::moe_route(logits, k, cfg_.score, cfg_.renormalize, cfg_.routed_scale);
+    const std::int64_t capacity =
+        cfg_.capacity_factor > 0
+            ? static_cast<std::int64_t>(std::ceil(cfg_.capacity_factor * static_cast<double>(N * k) / double(E)))
+            : 0;
+    auto plan = ops::moe_permute_plan(r.experts, E, capacity);
+
+    MoeStats s;
+    const auto P = ops::moe_mean_probs(r.probs);
+    for (std::int64_t e = 0; e < E; ++e)
+      s.aux_loss += double(plan.routed[e]) / double(N) * P[static_cast<std::size_t>(e)];
+    s.aux_loss *= double(E);
+    s.z_loss = ops::sum_squares(r.lse) / double(N);
+    s.loss = cfg_.aux_loss_coef * s.aux_loss + cfg_.z_loss_coef * s.z_loss;
+    s.tokens_per_expert = plan.routed;
+    s.capacity = capacity;
+    s.dropped = N * k - plan.rows();
+    s.max_load = double(*std::max_element(plan.routed.begin(), plan.routed.end()));
+    s.mean_load = double(N * k) / double(E);
+    stats_ = std::move(s);
+
+    cache.tensors = {x, logits, r.weights};
+    cache.stats = {r.lse};
+    cache.indices = {r.experts, plan.pos, plan.token_of};
+    cache.values.clear();
+    for (auto v : plan.routed) cache.values.push_back(static_cast<std::uint64_t>(v));
+    for (auto v : plan.offsets) cache.values.push_back(static_cast<std::uint64_t>(v));
+    return r.weights;
+  }
+
+  /// dweights [N, k] -> dx [N, C]; adds to the weight's gradient.
+  Tensor<T> backward(const Tensor<T>& dweights, Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 3, Error, "[ptrain.backward] MoeRouter::backward without a forward");
+    const Tensor<T>& x = cache.tensors[0];
+    const std::int64_t N = x.size(0), E = cfg_.num_experts;
+    const ops::MoePlan p = plan(cache);
+    ops::MoeRouting<T> r{cache.indices[0], cache.tensors[2], {}, cache.stats[0]};
+    // d(aux_loss_coef * E sum_e f_e P_e) / dp_te = aux_loss_coef E f_e / N with f_e = routed_e / N.
+    Tensor<A> aux_grad;
+    if (cfg_.aux_loss_coef != 0) {
+      std::vector<A> g;
+      for (std::int64_t e = 0; e < E; ++e)
+        g.push_back(static_cast<A>(cfg_.aux_loss_coef * double(E) * double(p.routed[e]) / (double(N) * double(N))));
+      aux_grad = Tensor<A>::from(g, {E}).to(x.device());
+    }
+    auto dlogits = ops::moe_route_backward(cache.tensors[1], r, dweights, cfg_.score, cfg_.renormalize,
+                                           cfg_.routed_scale, aux_grad, cfg_.z_loss_coef / double(N));
+    auto dx = ops::linear_backward(x, weight_->value, dlogits, weight_->grad, static_cast<Tensor<T>*>(nullptr));
+    weight_->mark_grad_ready();
+    cache.clear();
+    return dx;
+  }
+
+  /// The chosen experts [N, k] of the forward call that filled `cache` (best first).
+  static const Tensor<std::int32_t>& experts(const Cache<T>& cache) { return cache.indices.at(0); }
+  /// The permutation that forward call planned.
+  ops::MoePlan plan(const Cache<T>& cache) const {
+    PTRAIN_CHECK(cache.indices.size() == 3, Error, "[ptrain.moe.router] no routing in this cache; run forward first");
+    const auto E = static_cast<std::ptrdiff_t>(cfg_.num_experts);
+    ops::MoePlan p{cache.indices[1], cache.indices[2], {}, {}};
+    for (auto it = cache.values.begin(); it != cache.values.end(); ++it)
+      (it - cache.values.begin() < E ? p.routed : p.offsets).push_back(static_cast<std::int64_t>(*it));
+    return p;
+  }
+  /// The latest forward call's statistics.
+  const MoeStats& stats() const { return stats_; }
+  const MoeConfig& config() const { return cfg_; }
+  Parameter<T>& weight() { return *weight_; }
+
+  std::string describe() const override {
+    return "MoeRouter(" + std::to_string(cfg_.n_embd) + " -> " + std::to_string(cfg_.num_experts) +
+           ", top_k=" + std::to_string(cfg_.top_k) +
+           (cfg_.score == kernels::MoeScore::Softmax ? ", softmax" : ", sigmoid") + ")";
+  }
+
+ private:
+  MoeConfig cfg_;
+  Parameter<T>* weight_ = nullptr;
+  MoeStats stats_;
+};
+
+/// One routed expert: Mixtral's MixtralBlockSparseTop2MLP, w2(silu(w1 x) * w3 x), no biases.
+template <class T>
+class MoeExpert : public Module<T> {
+ public:
+  MoeExpert(std::int64_t n_embd, std::int64_t hidden, Generator& gen = default_generator()) {
+    w1_ = this->register_module("w1", std::make_shared<Linear<T>>(n_embd, hidden, false, gen));
+    w2_ = this->register_module("w2", std::make_shared<Linear<T>>(hidden, n_embd, false, gen));
+    w3_ = this->register_module("w3", std::make_shared<Linear<T>>(n_embd, hidden, false, gen));
+  }
+  /// The expert on its own (every row of x), as a SwiGLU.
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    auto gate = w1_->forward(x, cache.child(0));
+    auto up = w3_->forward(x, cache.child(1));
+    cache.tensors = {gate, up};
+    return w2_->forward(ops::swiglu(gate, up), cache.child(2));
+  }
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 2, Error, "[ptrain.backward] MoeExpert::backward without a forward");
+    auto dh = w2_->backward(dy, cache.child(2));
+    Tensor<T> dgate, dup;
+    ops::swiglu_backward(cache.tensors[0], cache.tensors[1], dh, dgate, dup);
+    auto dx = w1_->backward(dgate, cache.child(0));
+    ops::axpy_(1, w3_->backward(dup, cache.child(1)), dx);
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override { return "MoeExpert(" + w1_->describe() + ")"; }
+  Linear<T>& w1() { return *w1_; }  ///< gate projection [F, C]
+  Linear<T>& w2() { return *w2_; }  ///< down projection [C, F]
+  Linear<T>& w3() { return *w3_; }  ///< up projection [F, C]
+
+ private:
+  std::shared_ptr<Linear<T>> w1_, w2_, w3_;
+};
+
+/// The E routed experts, run on tokens grouped by expert (Note [The dispatch seam]):
+/// forward_grouped(xp, offsets) runs expert e on rows [offsets[e], offsets[e + 1]) of xp,
+/// one GEMM per expert and projection; one SwiGLU product over all rows.
+template <class T>
+class MoeExperts : public Module<T> {
+ public:
+  MoeExperts(std::int64_t num_experts, std::int64_t n_embd, std::int64_t hidden, Generator& gen = default_generator())
+      : n_embd_(n_embd), hidden_(hidden) {
+    for (std::int64_t e = 0; e < num_experts; ++e)
+      experts_.push_back(
+          this->register_module(std::to_string(e), std::make_shared<MoeExpert<T>>(n_embd, hidden, gen)));
+  }
+
+  /// Refused: the experts need their segments (forward_grouped).
+  Tensor<T> forward(const Tensor<T>&, Cache<T>&) override {
+    PTRAIN_THROW(Error, "[ptrain.moe.experts] MoeExperts runs on tokens grouped by expert: call "
+                 "forward_grouped(x, offsets, cache), as nn::MoE does");
+  }
+
+  /// xp [M, C] grouped by expert, offsets [E + 1] (offsets[E] = M) -> [M, C].
+  Tensor<T> forward_grouped(const Tensor<T>& xp, const std::vector<std::int64_t>& offsets, Cache<T>& cache) {
+    const auto E = static_cast<std::int64_t>(experts_.size());
+    PTRAIN_CHECK(static_cast<std::int64_t>(offsets.size()) == E + 1 && offsets[0] == 0 &&
+                     std::is_sorted(offsets.begin(), offsets.end()),
+                 ShapeError, "[ptrain.moe.experts] offsets must be E + 1 = ", E + 1,
+                 " non-decreasing row offsets from 0");
+    PTRAIN_CHECK(xp.dim() == 2 && xp.size(1) == n_embd_ && xp.size(0) == offsets.back(), ShapeError,
+                 "[ptrain.moe.experts] input ", xp.shape(), " must be [", offsets.back(), ", ", n_embd_, "]");
+    const std::int64_t M = xp.size(0);
+    auto gate = Tensor<T>::empty({M, hidden_}, xp.device()), up = Tensor<T>::empty({M, hidden_}, xp.device());
+    for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
+      auto g = gate.narrow(lo, rows), u = up.narrow(lo, rows);
+      ops::matmul_into(xp.narrow(lo, rows), ex.w1().weight().value, g, false, true);
+      ops::matmul_into(xp.narrow(lo, rows), ex.w3().weight().value, u, false, true);
+    });
+    const auto h = ops::swiglu(gate, up);
+    auto y = Tensor<T>::empty({M, n_embd_}, xp.device());
+    for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
+      auto ys = y.narrow(lo, rows);
+      ops::matmul_into(h.narrow(lo, rows), ex.w2().weight().value, ys, false, true);
+    });
+    cache.tensors = {xp, gate, up};  // h is recomputed in backward
+    cache.values.assign(offsets.begin(), offsets.end());
+    return y;
+  }
+
+  /// dy [M, C] -> dx [M, C]; adds every expert's weight gradients and announces them.
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 3, Error, "[ptrain.backward] MoeExperts::backward without a forward");
+    const std::vector<std::int64_t> offsets(cache.values.begin(), cache.values.end());
+    const Tensor<T>&xp = cache.tensors[0], &gate = cache.tensors[1], &up = cache.tensors[2];
+    check_shape(dy, xp.shape(), "MoE experts' output gradient");
+    const std::int64_t M = xp.size(0);
+    const auto h = ops::swiglu(gate, up);
+    auto dh = Tensor<T>::empty({M, hidden_}, xp.device());
+    for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
+      auto dhs = dh.narrow(lo, rows);
+      ops::matmul_into(dy.narrow(lo, rows), ex.w2().weight().value, dhs);
+      ops::matmul_into(dy.narrow(lo, rows), h.narrow(lo, rows), ex.w2().weight().grad, true, false, 1, 1);
+    });
+    Tensor<T> dgate, dup;
+    ops::swiglu_backward(gate, up, dh, dgate, dup);
+    auto dx = Tensor<T>::empty({M, n_embd_}, xp.device());
+    for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
+      auto dxs = dx.narrow(lo, rows);
+      const auto dg = dgate.narrow(lo, rows), du = dup.narrow(lo, rows), xs = xp.narrow(lo, rows);
+      ops::matmul_into(dg, ex.w1().weight().value, dxs);
+      ops::matmul_into(du, ex.w3().weight().value, dxs, false, false, 1, 1);
+      ops::matmul_into(dg, xs, ex.w1().weight().grad, true, false, 1, 1);
+      ops::matmul_into(du, xs, ex.w3().weight().grad, true, false, 1, 1);
+    });
+    for (auto& ex : experts_)
+      for (auto* lin : {&ex->w1(), &ex->w2(), &ex->w3()}) lin->weight().mark_grad_ready();
+    cache.clear();
+    return dx;
+  }
+
+  std::string describe() const override {
+    return "MoeExperts(" + std::to_string(experts_.size()) + " x SwiGLU(" + std::to_string(n_embd_) +
+           ", hidden=" + std::to_string(hidden_) + "))";
+  }
+  std::int64_t size() const { return static_cast<std::int64_t>(experts_.size()); }
+  MoeExpert<T>& expert(std::int64_t e) { return *experts_.at(static_cast<std::size_t>(e)); }
+
+ private:
+  // f(expert, first row, rows) for every expert with rows; experts without tokens are skipped.
+  template <class F>
+  void for_segments(const std::vector<std::int64_t>& offsets, F&& f) {
+    for (std::size_t e = 0; e < experts_.size(); ++e)
+      if (offsets[e + 1] > offsets[e]) f(*experts_[e], offsets[e], offsets[e + 1] - offsets[e]);
+  }
+
+  std::int64_t n_embd_, hidden_;
+  std::vector<std::shared_ptr<MoeExpert<T>>> experts_;
+};
+
+/// The MoE layer: x [..., C] -> y [..., C] (file comment).
+template <class T>
+class MoE : public Module<T> {
+ public:
+  explicit MoE(const MoeConfig& c, Generator& gen = default_generator()) : cfg_(c) {
+    detail::check_moe_config(c);
+    router_ = this->register_module("gate", std::make_shared<MoeRouter<T>>(c, gen));
+    experts_ = this->register_module(
+        "experts", std::make_shared<MoeExperts<T>>(c.num_experts, c.n_embd, c.expert_hidden, gen));
+    if (c.shared_hidden > 0) {
+      shared_ = this->register_module("shared_experts",
+                                      std::make_shared<SwiGLU<T>>(c.n_embd, c.shared_hidden, false, gen));
+      if (c.shared_gate)
+        shared_gate_ =
+            this->register_module("shared_expert_gate", std::make_shared<Linear<T>>(c.n_embd, 1, false, gen));
+    }
+  }
+
+  Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
+    PTRAIN_CHECK(x.dim() >= 1 && x.size(-1) == cfg_.n_embd, ShapeError, "[ptrain.moe] input ", x.shape(),
+                 " does not end in ", cfg_.n_embd);
+    const auto x2 = x.reshape({-1, cfg_.n_embd});
+    // 1. Route, and permute the token rows into expert-grouped order.
+    Cache<T>& rc = cache.child(0);
+    const auto w = router_->forward(x2, rc);
+    const ops::MoePlan plan = router_->plan(rc);
+    const auto xp = ops::moe_gather(x2, plan);
+    // 2. Run each expert on its segment (expert parallelism: all-to-all before and after).
+    const auto yp = experts_->forward_grouped(xp, plan.offsets, cache.child(1));
+    // 3. Combine each token's k outputs, weighted, in token order.
+    auto y = ops::moe_combine(yp, plan.pos, w);
+    cache.tensors = {w, yp};
+    if (shared_) {
+      auto ys = shared_->forward(x2, cache.child(2));
+      if (shared_gate_) {
+        const auto g = ops::sigmoid(shared_gate_->forward(x2, cache.child(3)));  // [N, 1]
+        cache.tensors.insert(cache.tensors.end(), {ys, g});
+        ys = ops::moe_combine(ys, Tensor<std::int32_t>(), g);                   // row t times g[t]
+      }
+      ops::axpy_(1, ys, y);
+    }
+    return y.reshape(x.shape());
+  }
+
+  Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() >= 2, Error, "[ptrain.backward] MoE::backward without a forward");
+    const auto dy2 = dy.reshape({-1, cfg_.n_embd});
+    Cache<T>& rc = cache.child(0);
+    const ops::MoePlan plan = router_->plan(rc);
+    Tensor<T> dyp, dw;
+    ops::moe_combine_backward(cache.tensors[1], plan.pos, cache.tensors[0], dy2, dyp, dw);
+    const auto dxp = experts_->backward(dyp, cache.child(1));
+    auto dx = ops::moe_gather_backward(dxp, plan);
+    ops::axpy_(1, router_->backward(dw, rc), dx);
+    if (shared_) {
+      Tensor<T> dys = dy2;
+      if (shared_gate_) {
+        Tensor<T> dg;
+        ops::moe_combine_backward(cache.tensors[2], Tensor<std::int32_t>(), cache.tensors[3], dy2, dys, dg);
+        ops::axpy_(1, shared_gate_->backward(ops::sigmoid_backward(cache.tensors[3], dg), cache.child(3)), dx);
+      }
+      ops::axpy_(1, shared_->backward(dys, cache.child(2)), dx);
+    }
+    cache.clear();
+    return dx.reshape(dy.shape());
+  }
+
+  std::string describe() const override {
+    return "MoE(" + std::to_string(cfg_.n_embd) + ", experts=" + std::to_string(cfg_.num_experts) +
+           ", top_k=" + std::to_string(cfg_.top_k) + ", hidden=" + std::to_string(cfg_.expert_hidden) +
+           (shared_ ? ", shared=" + std::to_string(cfg_.shared_hidden) : std::string()) + ")";
+  }
+  /// The latest forward call's routing statistics.
+  const MoeStats& stats() const { return router_->stats(); }
+  const MoeConfig& config() const { return cfg_; }
+  MoeRouter<T>& router() { return *router_; }
+  MoeExperts<T>& experts() { return *experts_; }
+  SwiGLU<T>* shared_experts() { return shared_.get(); }
+  Linear<T>* shared_expert_gate() { return shared_gate_.get(); }
+
+ private:
+  MoeConfig cfg_;
+  std::shared_ptr<MoeRouter<T>> router_;
+  std::shared_ptr<MoeExperts<T>> experts_;
+  std::shared_ptr<SwiGLU<T>> shared_;
+  std::shared_ptr<Linear<T>> shared_gate_;
+};
+
+}  // namespace ptrain::nn

@@ -1,0 +1,160 @@
+// The mixture-of-experts CUDA kernels (kernels/cuda/moe.cuh) through ops::, against
+// the same ops on the CPU in double from the same inputs, and nn::MoE on cuda:0
+// against the same layer on the CPU. Compiled by g++ like a user's .cpp; the
+// kernels are gated (Note [The verification gate]): run with
+// PTRAIN_UNVERIFIED_CUDA=1, as tools/gpu/run.sh does. Inputs are values of the
+// element type, so the reference sees exactly what the kernel reads; the routing
+// (which experts, the permutation) compares exactly, since both devices compare
+// the same logits. Bounds: tol<T>() (gpu_util.hpp) for the kernels; the layer in
+// float within 1e-4 (sums in another order through three GEMMs).
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "gpu/gpu_util.hpp"
+#include "ptrain/nn/moe.hpp"
+
+namespace test_moe_gpu {
+
+using namespace ptrain;
+using namespace ptrain::testing;
+using kernels::MoeScore;
+
+namespace {
+
+template <class T>
+Tensor<T> gpu(const std::vector<T>& v, const Shape& s) {
+  return Tensor<T>::from(v, s).to(kGpu);
+}
+template <class T>
+Tensor<double> ref(const std::vector<T>& v, const Shape& s) {
+  return Tensor<double>::from(to_double(v), s);
+}
+
+#define CHECK_NEAR(got, want, T)                                          \
+  do {                                                                    \
+    INFO("seed " << test_seed());                                         \
+    const double err_ = rel_err((got).to_vector(), (want).to_vector());   \
+    INFO(#got << ": relative error " << err_);                            \
+    CHECK(err_ <= tol<T>());                                              \
+  } while (0)
+
+std::vector<std::int32_t> random_experts(std::int64_t n, std::int64_t k, std::int64_t E) {
+  std::vector<std::int32_t> v(static_cast<std::size_t>(n * k));
+  for (auto& e : v) e = static_cast<std::int32_t>(rng().below(static_cast<std::uint64_t>(E)));
+  return v;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda: moe route and its backward", "[gpu][moe_gpu][cuda:moe_route][cuda:moe_route_backward]",
+                   float, double, bf16) {
+  using T = TestType;
+  using A = acc_t<T>;
+  for (auto [n, E, k] : std::vector<std::array<std::int64_t, 3>>{{1, 4, 1}, {1000, 8, 2}, {333, 64, 6}}) {
+    for (auto kind : {MoeScore::Softmax, MoeScore::Sigmoid})
+      for (bool renorm : {true, false}) {
+        INFO("n " << n << " E " << E << " k " << k << " sigmoid " << (kind == MoeScore::Sigmoid) << " renorm "
+                  << renorm);
+        const auto logits = uniform<T>(n * E, -3, 3), dw = uniform<T>(n * k, -1, 1);
+        const auto aux = uniform<A>(E, 0, 0.1);
+        const auto r_ref = ops::moe_route(ref(logits, {n, E}), k, kind, renorm, 1.5);
+        const auto r = ops::moe_route(gpu(logits, {n, E}), k, kind, renorm, 1.5);
+        CHECK(r.experts.to_vector() == r_ref.experts.to_vector());
+        CHECK_NEAR(r.weights, r_ref.weights, T);
+        CHECK_NEAR(r.probs, r_ref.probs, T);
+        CHECK_NEAR(r.lse, r_ref.lse, T);
+        const auto d_ref = ops::moe_route_backward(ref(logits, {n, E}), r_ref, ref(dw, {n, k}), kind, renorm, 1.5,
+                                                   ref(aux, {E}), 0.01);
+        const auto d = ops::moe_route_backward(gpu(logits, {n, E}), r, gpu(dw, {n, k}), kind, renorm, 1.5,
+                                               gpu(aux, {E}), 0.01);
+        CHECK_NEAR(d, d_ref, T);
+      }
+  }
+}
+
+TEST_CASE("cuda: moe permutation plan", "[gpu][moe_gpu][cuda:moe_permute_plan]") {
+  for (auto [n, k, E] : std::vector<std::array<std::int64_t, 3>>{{1, 1, 1}, {7, 2, 3}, {4096, 2, 8}, {50000, 6, 160}})
+    for (std::int64_t capacity : {std::int64_t(0), std::int64_t(1), n * k / E + 1}) {
+      INFO("n " << n << " k " << k << " E " << E << " capacity " << capacity);
+      const auto experts = random_experts(n, k, E);
+      const auto want = ops::moe_permute_plan(Tensor<std::int32_t>::from(experts, {n, k}), E, capacity);
+      const auto got = ops::moe_permute_plan(gpu(experts, {n, k}), E, capacity);
+      CHECK(got.routed == want.routed);
+      CHECK(got.offsets == want.offsets);
+      CHECK(got.pos.to_vector() == want.pos.to_vector());
+      CHECK(got.token_of.to_vector() == want.token_of.to_vector());
+    }
+  auto bad = random_experts(5, 2, 4);
+  bad[3] = 9;
+  CHECK_THROWS_WITH(ops::moe_permute_plan(gpu(bad, {5, 2}), 4, 0), Catch::Matchers::Contains("[ptrain.moe.experts]"));
+}
+
+TEMPLATE_TEST_CASE("cuda: moe gather, combine and their backwards",
+                   "[gpu][moe_gpu][cuda:moe_gather][cuda:moe_gather_backward][cuda:moe_combine]"
+                   "[cuda:moe_combine_backward][cuda:moe_permute_plan]",
+                   float, double, bf16) {
+  using T = TestType;
+  for (auto [n, k, E, c] : std::vector<std::array<std::int64_t, 4>>{{5, 1, 2, 3}, {600, 2, 8, 100}, {257, 4, 16, 37}})
+    for (std::int64_t capacity : {std::int64_t(0), n * k / E}) {
+      INFO("n " << n << " k " << k << " E " << E << " c " << c << " capacity " << capacity);
+      const auto experts = random_experts(n, k, E);
+      const auto plan_ref = ops::moe_permute_plan(Tensor<std::int32_t>::from(experts, {n, k}), E, capacity);
+      const auto plan = ops::moe_permute_plan(gpu(experts, {n, k}), E, capacity);
+      const std::int64_t m = plan.rows();
+      const auto x = uniform<T>(n * c, -2, 2), w = uniform<T>(n * k, 0, 1), dy = uniform<T>(n * c, -1, 1);
+      const auto yp = uniform<T>(m * c, -2, 2), dxp = uniform<T>(m * c, -1, 1);
+      CHECK_NEAR(ops::moe_gather(gpu(x, {n, c}), plan), ops::moe_gather(ref(x, {n, c}), plan_ref), T);
+      CHECK_NEAR(ops::moe_gather_backward(gpu(dxp, {m, c}), plan),
+                 ops::moe_gather_backward(ref(dxp, {m, c}), plan_ref), T);
+      CHECK_NEAR(ops::moe_combine(gpu(yp, {m, c}), plan.pos, gpu(w, {n, k})),
+                 ops::moe_combine(ref(yp, {m, c}), plan_ref.pos, ref(w, {n, k})), T);
+      Tensor<T> dyp, dw;
+      Tensor<double> dyp_ref, dw_ref;
+      ops::moe_combine_backward(gpu(yp, {m, c}), plan.pos, gpu(w, {n, k}), gpu(dy, {n, c}), dyp, dw);
+      ops::moe_combine_backward(ref(yp, {m, c}), plan_ref.pos, ref(w, {n, k}), ref(dy, {n, c}), dyp_ref, dw_ref);
+      CHECK_NEAR(dyp, dyp_ref, T);
+      CHECK_NEAR(dw, dw_ref, T);
+      // Without a plan: row t scaled by w[t] (k = 1), as the gated shared expert uses it.
+      const auto w1 = uniform<T>(n, 0, 1);
+      CHECK_NEAR(ops::moe_combine(gpu(x, {n, c}), Tensor<std::int32_t>(), gpu(w1, {n, 1})),
+                 ops::moe_combine(ref(x, {n, c}), Tensor<std::int32_t>(), ref(w1, {n, 1})), T);
+    }
+}
+
+TEST_CASE("cuda: an MoE layer on the GPU equals the CPU's",
+          "[gpu][moe_gpu][cuda:moe_route][cuda:moe_route_backward][cuda:moe_permute_plan][cuda:moe_gather]"
+          "[cuda:moe_gather_backward][cuda:moe_combine][cuda:moe_combine_backward]") {
+  for (double capacity : {0.0, 0.8}) {
+    INFO("capacity factor " << capacity);
+    nn::MoeConfig c;
+    c.n_embd = 64;
+    c.num_experts = 8;
+    c.top_k = 2;
+    c.expert_hidden = 96;
+    c.capacity_factor = capacity;
+    c.aux_loss_coef = 0.01;
+    c.z_loss_coef = 0.001;
+    c.shared_hidden = 48;
+    c.shared_gate = true;
+    Generator g1(5), g2(5);
+    nn::MoE<float> cpu(c, g1), dev(c, g2);
+    dev.to(kGpu);
+    const auto x = uniform<float>(4 * 50 * 64, -1, 1), dy = uniform<float>(4 * 50 * 64, -1, 1);
+    nn::Cache<float> cc, gc;
+    const auto y_ref = cpu.forward(Tensor<float>::from(x, {4, 50, 64}), cc);
+    const auto y = dev.forward(gpu(x, {4, 50, 64}), gc);
+    CHECK(dev.stats().tokens_per_expert == cpu.stats().tokens_per_expert);
+    CHECK(dev.stats().dropped == cpu.stats().dropped);
+    CHECK(dev.stats().loss == Approx(cpu.stats().loss).epsilon(1e-5));
+    CHECK(rel_err(y.to_vector(), to_double(y_ref.to_vector())) <= 1e-4);
+    const auto dx_ref = cpu.backward(Tensor<float>::from(dy, {4, 50, 64}), cc);
+    const auto dx = dev.backward(gpu(dy, {4, 50, 64}), gc);
+    CHECK(rel_err(dx.to_vector(), to_double(dx_ref.to_vector())) <= 1e-4);
+    check_same_gradients(cpu, dev, 1e-4);
+  }
+}
+
+}  // namespace test_moe_gpu
