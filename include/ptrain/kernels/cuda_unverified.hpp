@@ -53,6 +53,8 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "fused_classifier",
     "sum_squares_to",
     "adamw_update_ranges",
+    // dist/nccl_communicator.hpp: all_to_all and all_to_all_v as grouped ncclSend/ncclRecv
+    "nccl_all_to_all",
 };
 
 /// True when `name` is on the gate's list.
