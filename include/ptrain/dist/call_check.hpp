@@ -29,8 +29,9 @@
 // when each rank i's send_counts[j] equals rank j's recv_counts[i]. Otherwise
 // (Open MPI would fail the receiver alone with MPI_ERR_TRUNCATE or silently
 // leave a block short, Gloo aborts the process) every rank all-gathers the
-// counts and fails with [ptrain.comm.mismatch] naming the pairs that differ. NCCL is not covered (its
-// collectives are enqueued on a GPU stream; use DETAIL), nor are send and recv.
+// counts and fails with [ptrain.comm.mismatch] naming the pairs that differ.
+// NCCL is not covered (its collectives are enqueued on a GPU stream; use
+// DETAIL), nor are send and recv.
 // PTRAIN_DISTRIBUTED_DEBUG=OFF turns the check off.
 
 #include <array>
@@ -67,8 +68,8 @@ enum CallKind : std::int64_t {
   kAllReduce = 1, kReduceScatter, kAllGather, kBroadcast, kBarrier, kSplit, kAllToAll, kAllToAllV
 };
 /// kind, count, dtype, reduce op, root: the same on every rank for a correct program.
-/// all_to_all's count is per rank; all_to_all_v's is 0 (its split sizes differ by rank,
-/// CheckedCommunicator checks them pairwise, Note [All-to-all layout]).
+/// all_to_all's count is per rank; all_to_all_v's is 0 (its split sizes differ by rank and
+/// are checked pairwise after the row: CallCheck::check_split, CheckedCommunicator).
 using CallRow = std::array<std::int64_t, 5>;
 
 inline CallRow call_row(CallKind kind, std::size_t count = 0, DType dt = DType::I64, std::int64_t op = 0,

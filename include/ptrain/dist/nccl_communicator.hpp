@@ -238,9 +238,8 @@ class NcclCommunicator : public Communicator {
   }
   std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
                                            const std::size_t* recv_counts, DType dt) override {
-    detail::AllToAllLayout l = all_to_all_layout(send_counts, recv_counts);
-    std::string what = detail::all_to_all_v_desc(l, dt);
-    return all_to_all_blocks(std::move(what), send, recv, std::move(l), dt);
+    const detail::AllToAllLayout l = all_to_all_layout(send_counts, recv_counts);
+    return all_to_all_blocks(detail::all_to_all_v_desc(l, dt), send, recv, l, dt);
   }
 
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
