@@ -8,10 +8,9 @@
 //     picks Gloo, staged, because the ranks outnumber the GPUs): collectives on device
 //     buffers (all-to-alls included) equal the same collectives on host buffers
 //     bitwise, and DDP, FSDP (full shard, shard_grad_op, hybrid), a 2-stage pipeline
-//     and tensor parallelism of a GPT
-//     train like one process on the GPU on the global batch (gradient norms and losses
-//     of 3 clipped AdamW steps in double, as tests/dist/parallel/test_engine.cpp and
-//     test_tensor_parallel.cpp check on the CPU).
+//     and tensor parallelism of a GPT train like one process on the GPU on the global
+//     batch (gradient norms and losses of 3 clipped AdamW steps in double, as
+//     tests/dist/parallel/test_engine.cpp and test_tensor_parallel.cpp check on the CPU).
 // The ranks run the hidden case [.staged_rank], each with its output in a file that
 // the parent prints when a rank fails.
 
