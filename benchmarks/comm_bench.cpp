@@ -1,12 +1,14 @@
-// comm_bench: nccl-tests-style sweep of all_reduce, reduce_scatter and
-// all_gather through ptrain's MPI and Gloo communicators, with the raw MPI
-// call in the same run as the reference.
+// comm_bench: nccl-tests-style sweep of all_reduce, reduce_scatter, all_gather,
+// all_to_all and all_to_all_v through ptrain's MPI and Gloo communicators, with
+// the raw MPI call in the same run as the reference.
 //
 //   mpirun -np 2 comm_bench [--min-bytes 1024 --max-bytes 67108864 --iters 20]
 //
 // Sizes follow nccl-tests: all_reduce moves `bytes` per rank, all_gather
-// `bytes` of output, reduce_scatter `bytes` of input. algbw = bytes / time;
-// busbw = algbw * 2(n-1)/n (all_reduce) or * (n-1)/n (the other two). Time is
+// `bytes` of output, reduce_scatter `bytes` of input, all_to_all(_v) `bytes` of
+// input per rank (n blocks of bytes/n; all_to_all_v passes the same blocks as
+// split sizes, against MPI_Alltoallv). algbw = bytes / time; busbw = algbw *
+// 2(n-1)/n (all_reduce) or * (n-1)/n (the others). Time is
 // the median over iterations of the slowest rank, each iteration starting
 // after a barrier. Inputs are small integers, so every result is exact and
 // #wrong counts elements that differ from the reference.
@@ -84,7 +86,7 @@ int main(int argc, char** argv) {
   CLI::App app{"ptrain communicator benchmark"};
   std::size_t min_bytes = 1024, max_bytes = std::size_t{64} << 20;
   int iters = 20, warmup = 3;
-  std::string backends = "mpi,gloo", ops = "all_reduce,reduce_scatter,all_gather";
+  std::string backends = "mpi,gloo", ops = "all_reduce,reduce_scatter,all_gather,all_to_all,all_to_all_v";
   app.add_option("--min-bytes", min_bytes, "smallest message");
   app.add_option("--max-bytes", max_bytes, "largest message");
   app.add_option("--iters", iters, "timed iterations per size");
@@ -132,10 +134,11 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (std::size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
     std::size_t count = bytes / sizeof(float);
-    for (const std::string op : {"all_reduce", "reduce_scatter", "all_gather"}) {
-      if (ops.find(op) == std::string::npos) continue;
+    for (const std::string op : {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_v"}) {
+      if (("," + ops + ",").find("," + op + ",") == std::string::npos) continue;
       // Per-rank element counts: all_reduce count in/out; reduce_scatter count in, count/n out;
-      // all_gather count/n in, count out (count rounded to a multiple of n).
+      // all_gather count/n in, count out; all_to_all(_v) count in/out, blocks of count/n
+      // (count rounded to a multiple of n).
       std::size_t c = count / n * n, part = c / n;
       std::vector<float> in(op == "all_gather" ? part : c), out(op == "reduce_scatter" ? part : c);
       for (std::size_t i = 0; i < in.size(); ++i) in[i] = input(rank, i);
@@ -147,8 +150,10 @@ int main(int argc, char** argv) {
             for (int r = 0; r < n; ++r) want += input(r, i);
           else if (op == "reduce_scatter")
             for (int r = 0; r < n; ++r) want += input(r, rank * part + i);
-          else
+          else if (op == "all_gather")
             want = input(static_cast<int>(i / part), i % part);
+          else  // block i / part comes from that rank's block `rank`
+            want = input(static_cast<int>(i / part), rank * part + i % part);
           if (out[i] != want) ++w;
         }
         return w;
@@ -183,9 +188,27 @@ int main(int argc, char** argv) {
         auto call = [&](Communicator& k) { k.reduce_scatter(in.data(), out.data(), part, DType::F32, ReduceOp::Sum); };
         both(measure, "ptrain_mpi", mpi.get(), mpi_off.get(), call);
         both(measure, "ptrain_gloo", gloo.get(), gloo_off.get(), call);
-      } else {
+      } else if (op == "all_gather") {
         measure("raw_mpi", [&] { MPI_Allgather(in.data(), ip, MPI_FLOAT, out.data(), ip, MPI_FLOAT, mpi->native()); });
         auto call = [&](Communicator& k) { k.all_gather(in.data(), out.data(), part, DType::F32); };
+        both(measure, "ptrain_mpi", mpi.get(), mpi_off.get(), call);
+        both(measure, "ptrain_gloo", gloo.get(), gloo_off.get(), call);
+      } else if (op == "all_to_all") {
+        measure("raw_mpi", [&] { MPI_Alltoall(in.data(), ip, MPI_FLOAT, out.data(), ip, MPI_FLOAT, mpi->native()); });
+        auto call = [&](Communicator& k) { k.all_to_all(in.data(), out.data(), part, DType::F32); };
+        both(measure, "ptrain_mpi", mpi.get(), mpi_off.get(), call);
+        both(measure, "ptrain_gloo", gloo.get(), gloo_off.get(), call);
+      } else {
+        const std::vector<std::size_t> counts(static_cast<std::size_t>(n), part);
+        std::vector<int> icounts(static_cast<std::size_t>(n), ip), displs;
+        for (int r = 0; r < n; ++r) displs.push_back(r * ip);
+        measure("raw_mpi", [&] {
+          MPI_Alltoallv(in.data(), icounts.data(), displs.data(), MPI_FLOAT, out.data(), icounts.data(),
+                        displs.data(), MPI_FLOAT, mpi->native());
+        });
+        auto call = [&](Communicator& k) {
+          k.all_to_all_v(in.data(), counts.data(), out.data(), counts.data(), DType::F32);
+        };
         both(measure, "ptrain_mpi", mpi.get(), mpi_off.get(), call);
         both(measure, "ptrain_gloo", gloo.get(), gloo_off.get(), call);
       }

@@ -14,7 +14,8 @@ contract]). Scanning from the oldest sequence number every rank still holds:
     "never arrived" at #k (it is stuck elsewhere: compute, data, a send/recv,
     another group);
   - ranks that issued #k with another op, count, dtype, reduce op or root
-    "disagree" at #k;
+    "disagree" at #k; for all_to_all_v, whose counts differ by rank, rank i's
+    send_counts[j] must equal rank j's recv_counts[i];
   - when every rank issued #k the same way but some never completed it, #k is
     where the group stopped (a dead peer, a network fault), and the ranks that
     failed it are named with their errors.
@@ -40,11 +41,30 @@ def describe(op):
         extra = ", root %d" % op["root"]
     if name in ("barrier", "split"):
         return name + "()"
+    if name == "all_to_all":
+        return "all_to_all(%s x %d per rank)" % (op["dtype"], op["count"])
+    if name == "all_to_all_v":
+        return "all_to_all_v(%s)" % op["dtype"]
     return "%s(%s x %d%s)" % (name, op["dtype"], op["count"], extra)
 
 
 def signature(op):
-    return (op["op"], op["count"], op["dtype"], op.get("reduce_op", ""), op.get("root", -1))
+    count = None if op["op"] == "all_to_all_v" else op["count"]  # its split sizes differ by rank
+    return (op["op"], count, op["dtype"], op.get("reduce_op", ""), op.get("root", -1))
+
+
+def split_mismatches(have):
+    """For an all_to_all_v every rank issued: the pairs whose sizes differ, as ptrain's error names them."""
+    pairs = []
+    for i, op in sorted(have.items()):
+        for j, sent in enumerate(op.get("send_counts", [])):
+            other = have.get(j)
+            if other is None or i >= len(other.get("recv_counts", [])):
+                continue
+            if sent != other["recv_counts"][i]:
+                pairs.append("rank %d sends %d elements to rank %d, which expects %d" % (
+                    i, sent, j, other["recv_counts"][i]))
+    return pairs
 
 
 def ranks_text(ranks):
@@ -104,6 +124,14 @@ def analyse_group(name, members):
                 "op": "; ".join("%s: %s" % (ranks_text(rs), describe(have[rs[0]])) for _, rs in parts),
                 "text": "group %s: collective #%d differs across ranks: %s" % (
                     name, k, "; ".join("%s called %s" % (ranks_text(rs), describe(have[rs[0]])) for _, rs in parts)),
+            }
+        op0 = next(iter(have.values()))
+        pairs = split_mismatches(have) if op0["op"] == "all_to_all_v" else []
+        if pairs:
+            return {
+                "group": name, "seq": k, "kind": "mismatch", "ranks": sorted(have), "op": describe(op0),
+                "text": "group %s: collective #%d %s: the split sizes differ across ranks: %s" % (
+                    name, k, describe(op0), "; ".join(pairs)),
             }
         unfinished = [r for r, op in have.items() if op["state"] != "completed"]
         if unfinished:

@@ -101,6 +101,74 @@ TEST_CASE("nccl: world-size-1 collectives on device buffers", "[gpu][nccl]") {
   }
 }
 
+// all_to_all(_v) is grouped ncclSend/ncclRecv per peer, here the rank itself: gated as
+// nccl_all_to_all until this case passed on a GPU (Note [The verification gate]).
+TEST_CASE("nccl: all_to_all and all_to_all_v as grouped send/recv", "[gpu][nccl][cuda:nccl_all_to_all]") {
+  INFO("nccl_all_to_all is gated: run with PTRAIN_UNVERIFIED_CUDA=1 (tools/gpu/run.sh does)");
+  REQUIRE(kernels::cuda_kernel_enabled("nccl_all_to_all"));
+  auto comm = nccl_world();
+  const std::int64_t n = 1000;
+  const auto values = iota(static_cast<std::size_t>(n), 1.0f);
+  auto in = Tensor<float>::from(values, {n}).to(Device::cuda(0));
+
+  SECTION("equal blocks, blocking, async and inside a user's group") {
+    auto out = device_nan(n);
+    comm->all_to_all(in, out);
+    CHECK(out.to_vector() == values);
+    auto out2 = device_nan(n);
+    auto w = comm->all_to_all_async(in.data(), out2.data(), static_cast<std::size_t>(n), DType::F32);
+    w->wait();
+    CHECK(w->is_completed());
+    CHECK(out2.to_vector() == values);
+    auto out3 = device_nan(n);
+    comm->group_start();  // nested groups: NCCL launches at the outer group_end()
+    auto g = comm->all_to_all_async(in.data(), out3.data(), static_cast<std::size_t>(n), DType::F32);
+    comm->group_end();
+    g->wait();
+    CHECK(out3.to_vector() == values);
+  }
+  SECTION("variable blocks, an empty exchange, other dtypes") {
+    const std::size_t c = 999;
+    CHECK(comm->exchange_counts({c}) == std::vector<std::size_t>{c});
+    auto out = device_nan(n);
+    comm->all_to_all_v(in.data(), &c, out.data(), &c, DType::F32);
+    auto got = out.to_vector();
+    CHECK(std::vector<float>(got.begin(), got.begin() + 999) == std::vector<float>(values.begin(), values.begin() + 999));
+    CHECK(std::isnan(got[999]));  // past the block: untouched
+    const std::size_t zero = 0;
+    auto untouched = device_nan(n);
+    comm->all_to_all_v(in.data(), &zero, untouched.data(), &zero, DType::F32);
+    for (float v : untouched.to_vector()) CHECK(std::isnan(v));
+    const std::vector<std::int64_t> ids{5, -1, 1LL << 40};
+    auto dids = Tensor<std::int64_t>::from(ids, {3}).to(Device::cuda(0));
+    auto dout = Tensor<std::int64_t>::zeros({3}, Device::cuda(0));
+    comm->all_to_all_v(dids, {3}, dout, {3});
+    CHECK(dout.to_vector() == ids);
+    std::vector<bf16> halves;
+    for (float v : values) halves.push_back(bf16(v));
+    auto b = Tensor<bf16>::from(halves, {n}).to(Device::cuda(0));
+    auto bout = Tensor<bf16>::zeros({n}, Device::cuda(0));
+    comm->all_to_all(b, bout);
+    std::size_t wrong = 0;
+    const auto back = bout.to_vector();
+    for (std::size_t i = 0; i < halves.size(); ++i) wrong += static_cast<float>(back[i]) != static_cast<float>(halves[i]);
+    CHECK(wrong == 0);
+  }
+  SECTION("host buffers are staged; overlapping buffers are refused") {
+    const std::vector<std::int64_t> mine{7, -3, 1LL << 40};
+    std::vector<std::int64_t> got(3, 0);
+    comm->all_to_all(mine.data(), got.data(), 3, DType::I64);
+    CHECK(got == mine);
+    CHECK_THROWS_WITH(comm->all_to_all(in.data(), in.data(), static_cast<std::size_t>(n), DType::F32),
+                      Catch::Contains("[ptrain.comm.all_to_all]") && Catch::Contains("overlap"));
+    const std::size_t one = 1, two = 2;
+    CHECK_THROWS_WITH(comm->all_to_all_v(in.data(), &one, got.data(), &two, DType::F32),
+                      Catch::Contains("send_counts[0] = 1 but recv_counts[0] = 2"));
+    comm->all_to_all(mine.data(), got.data(), 3, DType::I64);  // still usable
+    CHECK(got == mine);
+  }
+}
+
 TEST_CASE("nccl: host buffers are staged through the device", "[gpu][nccl]") {
   auto comm = nccl_world();
   // A scalar, as DDP::average passes it.

@@ -6,11 +6,11 @@
 //     next kernel);
 //   * with Gloo in the build, 2 and 4 ranks of this binary on cuda:0 (init_process_group
 //     picks Gloo, staged, because the ranks outnumber the GPUs): collectives on device
-//     buffers equal the same collectives on host buffers bitwise, and DDP, FSDP (full
-//     shard, shard_grad_op, hybrid), a 2-stage pipeline and tensor parallelism of a GPT
-//     train like one process on the GPU on the global batch (gradient norms and losses
-//     of 3 clipped AdamW steps in double, as tests/dist/parallel/test_engine.cpp and
-//     test_tensor_parallel.cpp check on the CPU).
+//     buffers (all-to-alls included) equal the same collectives on host buffers
+//     bitwise, and DDP, FSDP (full shard, shard_grad_op, hybrid), a 2-stage pipeline
+//     and tensor parallelism of a GPT train like one process on the GPU on the global
+//     batch (gradient norms and losses of 3 clipped AdamW steps in double, as
+//     tests/dist/parallel/test_engine.cpp and test_tensor_parallel.cpp check on the CPU).
 // The ranks run the hidden case [.staged_rank], each with its output in a file that
 // the parent prints when a rank fails.
 
@@ -156,6 +156,27 @@ void check_collectives(dist::Communicator& c) {
       c.broadcast(host.data(), n, DType::F32, P - 1);
       c.broadcast(dev.data(), n, DType::F32, P - 1);
       CHECK(dev.to_vector() == host);
+    }
+    {
+      std::vector<float> host(n * P);
+      auto dev_in = on_gpu(big);
+      auto dev_out = Tensor<float>::empty({static_cast<std::int64_t>(n * P)}, kGpu);
+      c.all_to_all(big.data(), host.data(), n, DType::F32);
+      c.all_to_all_async(dev_in.data(), dev_out.data(), n, DType::F32)->wait();
+      CHECK(dev_out.to_vector() == host);
+      // Variable blocks: rank q gets (r + q) % 3 * n / 2 elements, none from the last rank.
+      std::vector<std::size_t> sc, rc;
+      for (int q = 0; q < P; ++q) {
+        sc.push_back(r == P - 1 ? 0 : static_cast<std::size_t>((r + q) % 3) * n / 2);
+        rc.push_back(q == P - 1 ? 0 : static_cast<std::size_t>((q + r) % 3) * n / 2);
+      }
+      std::size_t rt = 0;
+      for (std::size_t v : rc) rt += v;
+      std::vector<float> vhost(rt);
+      auto vdev = Tensor<float>::empty({static_cast<std::int64_t>(rt)}, kGpu);
+      c.all_to_all_v(big.data(), sc.data(), vhost.data(), rc.data(), DType::F32);
+      c.all_to_all_v(dev_in.data(), sc.data(), vdev.data(), rc.data(), DType::F32);
+      CHECK(vdev.to_vector() == vhost);
     }
     {
       // A ring: every rank sends to the next and receives from the previous.

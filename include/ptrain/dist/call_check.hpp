@@ -23,8 +23,15 @@
 // still overlap with the caller's work; its cost is one small-message latency per
 // collective (docs/communicators.md has the measurements). A rank that never
 // reaches a collective (it left its loop, it waits in a point-to-point call)
-// still surfaces as the timeout of Note [Failure]. NCCL is not covered (its
-// collectives are enqueued on a GPU stream; use DETAIL), nor are send and recv.
+// still surfaces as the timeout of Note [Failure]. An all_to_all_v's row holds
+// its dtype only, since its split sizes differ by rank; once the rows agree, a
+// second 8-byte all-reduce sums every rank's split_checksum(), which is zero
+// when each rank i's send_counts[j] equals rank j's recv_counts[i]. Otherwise
+// (Open MPI would fail the receiver alone with MPI_ERR_TRUNCATE or silently
+// leave a block short, Gloo aborts the process) every rank all-gathers the
+// counts and fails with [ptrain.comm.mismatch] naming the pairs that differ.
+// NCCL is not covered (its collectives are enqueued on a GPU stream; use
+// DETAIL), nor are send and recv.
 // PTRAIN_DISTRIBUTED_DEBUG=OFF turns the check off.
 
 #include <array>
@@ -57,8 +64,12 @@ namespace detail {
 
 using ::ptrain::detail::cat;
 
-enum CallKind : std::int64_t { kAllReduce = 1, kReduceScatter, kAllGather, kBroadcast, kBarrier, kSplit };
+enum CallKind : std::int64_t {
+  kAllReduce = 1, kReduceScatter, kAllGather, kBroadcast, kBarrier, kSplit, kAllToAll, kAllToAllV
+};
 /// kind, count, dtype, reduce op, root: the same on every rank for a correct program.
+/// all_to_all's count is per rank; all_to_all_v's is 0 (its split sizes differ by rank and
+/// are checked pairwise after the row: CallCheck::check_split, CheckedCommunicator).
 using CallRow = std::array<std::int64_t, 5>;
 
 inline CallRow call_row(CallKind kind, std::size_t count = 0, DType dt = DType::I64, std::int64_t op = 0,
@@ -69,6 +80,11 @@ inline CallRow call_row(CallKind kind, std::size_t count = 0, DType dt = DType::
 // "all_reduce(F32 x 1000, sum)": how operations are named in errors.
 inline std::string op_desc(const char* op, std::size_t count, DType dt, const char* extra = nullptr) {
   return cat(op, "(", dtype_name(dt), " x ", count, extra ? ", " : "", extra ? extra : "", ")");
+}
+
+// "all_to_all(F32 x 8 per rank)".
+inline std::string all_to_all_desc(std::size_t count_per_rank, DType dt) {
+  return cat("all_to_all(", dtype_name(dt), " x ", count_per_rank, " per rank)");
 }
 
 inline std::string describe_call(const CallRow& r) {
@@ -83,6 +99,8 @@ inline std::string describe_call(const CallRow& r) {
     case kBroadcast: return op_desc("broadcast", n, dt, cat("root ", r[4]).c_str());
     case kBarrier: return "barrier()";
     case kSplit: return "split()";
+    case kAllToAll: return all_to_all_desc(n, dt);
+    case kAllToAllV: return cat("all_to_all_v(", dtype_name(dt), ")");
   }
   return "?";
 }
@@ -120,14 +138,56 @@ inline std::string mismatch_message(std::int64_t seq, int rank, int size, const 
              after);
 }
 
+/// The split-size checksum of an all_to_all_v on `rank` (Note [Collective fingerprints]):
+/// summed over the ranks (wrapping), zero when every rank i's send_counts[j] equals rank
+/// j's recv_counts[i], and almost surely not otherwise.
+inline std::uint64_t split_checksum(int rank, const std::vector<std::size_t>& send_counts,
+                                    const std::vector<std::size_t>& recv_counts) {
+  auto mix = [](std::uint64_t x) {  // splitmix64's finaliser
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+  };
+  auto term = [&](std::size_t from, std::size_t to, std::size_t count) { return mix(mix(mix(from) ^ to) ^ count); };
+  std::uint64_t sum = 0;
+  const auto me = static_cast<std::size_t>(rank);
+  for (std::size_t j = 0; j < send_counts.size(); ++j) sum += term(me, j, send_counts[j]) - term(j, me, recv_counts[j]);
+  return sum;
+}
+
+/// The [ptrain.comm.mismatch] message of all_to_all_v #seq whose split sizes differ, from
+/// every rank's send and then recv counts (2 n I64 per rank in `all`); "" when they match.
+inline std::string split_mismatch_message(std::int64_t seq, std::size_t n, DType dt,
+                                          const std::vector<std::int64_t>& all, const char* after) {
+  std::string pairs;
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t sent = all[2 * n * i + j], expected = all[2 * n * j + n + i];
+      if (sent != expected && ++wrong <= 4)
+        pairs += cat(wrong > 1 ? "; " : "", "rank ", i, " sends ", sent, " elements to rank ", j, ", which expects ",
+                     expected);
+    }
+  if (wrong == 0) return {};
+  return cat("[ptrain.comm.mismatch] collective #", seq, " all_to_all_v(", dtype_name(dt),
+             "): the split sizes do not match across the ", n, " ranks: ", pairs,
+             wrong > 4 ? cat(" (and ", wrong - 4, " more pairs)") : std::string(),
+             ". Rank i's send_counts[j] must equal rank j's recv_counts[i] (Note [All-to-all layout]; "
+             "exchange_counts() computes recv_counts from the senders' counts); ", after);
+}
+
 /// The default check of Note [Collective fingerprints], one per communicator;
 /// check() runs on its worker thread, before each collective.
 class CallCheck {
+  static constexpr const char* kAborted =
+      "the call was not run, and the communicator is aborted (Note [Failure]). Find the branch that differs between "
+      "ranks (a batch size, an epoch length, a condition on the rank)";
+
  public:
   explicit CallCheck(bool on = collective_checks_mode() != CollectiveChecks::Off) : on_(on) {}
   bool on() const { return on_; }
 
-  /// max2(v): all-reduce (max) two I64 in place across the group; gather(mine, all): all-gather 5 I64 per rank.
+  /// max2(v): all-reduce (max) two I64 in place across the group; gather(mine, n, all): all-gather n I64 per rank.
   template <class Max2, class Gather>
   void check(const CallRow& mine, int rank, int size, Max2&& max2, Gather&& gather) {
     const std::int64_t seq = ++seq_;
@@ -140,11 +200,24 @@ class CallCheck {
     max2(v);
     if (v[0] == hs && v[1] == ~hs) return;
     std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size));
-    gather(mine.data(), all.data());
-    PTRAIN_THROW(CommError, mismatch_message(seq, rank, size, all,
-                                             "the call was not run, and the communicator is aborted (Note "
-                                             "[Failure]). Find the branch that differs between ranks (a batch "
-                                             "size, an epoch length, a condition on the rank)"));
+    gather(mine.data(), mine.size(), all.data());
+    PTRAIN_THROW(CommError, mismatch_message(seq, rank, size, all, kAborted));
+  }
+
+  /// After check() passed for an all_to_all_v: its split sizes across ranks. sum(v):
+  /// all-reduce (wrapping sum) one U64 in place; gather as for check().
+  template <class Sum, class Gather>
+  void check_split(int rank, int size, const std::vector<std::size_t>& send_counts,
+                   const std::vector<std::size_t>& recv_counts, DType dt, Sum&& sum, Gather&& gather) {
+    if (!on_ || size == 1) return;
+    std::uint64_t v = split_checksum(rank, send_counts, recv_counts);
+    sum(&v);
+    if (v == 0) return;
+    const auto n = static_cast<std::size_t>(size);
+    std::vector<std::int64_t> mine(send_counts.begin(), send_counts.end()), all(2 * n * n);
+    mine.insert(mine.end(), recv_counts.begin(), recv_counts.end());
+    gather(mine.data(), mine.size(), all.data());
+    PTRAIN_THROW(CommError, split_mismatch_message(seq_, n, dt, all, kAborted));
   }
 
  private:

@@ -18,7 +18,10 @@
 // DETAIL, MPI and Gloo communicators still run the cheaper check of Note
 // [Collective fingerprints] (dist/call_check.hpp), which aborts the
 // communicator on a mismatch; this wrapper also covers NCCL and leaves the
-// communicator usable.
+// communicator usable. For all_to_all_v, whose split sizes differ by rank, the
+// rows hold the dtype only, and a second all-gather of every rank's send and
+// recv counts checks them pairwise (rank i's send_counts[j] against rank j's
+// recv_counts[i]).
 
 #include <algorithm>
 #include <array>
@@ -65,6 +68,16 @@ class CheckedCommunicator final : public ForwardingCommunicator {
     check(detail::call_row(detail::kBroadcast, count, dt, 0, root));
     return inner_->broadcast_async(buf, count, dt, root);
   }
+  std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank, DType dt) override {
+    check(detail::call_row(detail::kAllToAll, count_per_rank, dt));
+    return inner_->all_to_all_async(send, recv, count_per_rank, dt);
+  }
+  std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                           const std::size_t* recv_counts, DType dt) override {
+    check(detail::call_row(detail::kAllToAllV, 0, dt));
+    check_split_sizes(detail::AllToAllLayout(send_counts, recv_counts, size()), dt);
+    return inner_->all_to_all_v_async(send, send_counts, recv, recv_counts, dt);
+  }
   std::shared_ptr<Work> barrier_async() override {
     check(detail::call_row(detail::kBarrier));
     return inner_->barrier_async();
@@ -91,6 +104,18 @@ class CheckedCommunicator final : public ForwardingCommunicator {
       if (!std::equal(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(mine.size()) * r))
         PTRAIN_THROW(CommError, detail::mismatch_message(seq, rank(), size(), all,
                                                          "the call was not run and the communicator is still usable"));
+  }
+
+  // all_to_all_v, once check() passed: every rank's send and recv counts (2 size() I64
+  // per rank, so the exchange has one size everywhere) all-gathered and compared pairwise.
+  void check_split_sizes(const detail::AllToAllLayout& l, DType dt) {
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<std::int64_t> mine(l.send_counts.begin(), l.send_counts.end()), all(2 * n * n);
+    mine.insert(mine.end(), l.recv_counts.begin(), l.recv_counts.end());
+    inner_->all_gather_async(mine.data(), all.data(), 2 * n, DType::I64)->wait(timeout());
+    const std::string message = detail::split_mismatch_message(
+        seq_, n, dt, all, "the call was not run and the communicator is still usable");
+    if (!message.empty()) PTRAIN_THROW(CommError, message);
   }
 
   std::int64_t seq_ = 0;

@@ -4,10 +4,11 @@
 //
 // Note [Collective order contract]
 // Every rank of a communicator calls its collectives (all_reduce, reduce_scatter,
-// all_gather, broadcast, barrier, split) in the same order, with the same count,
-// dtype, op and root. Backends match operations by their position in that order,
-// so a rank that skips or reorders a call deadlocks or corrupts the group; the
-// timeout below turns such a hang into a CommError.
+// all_gather, broadcast, all_to_all, all_to_all_v, barrier, split) in the same
+// order, with the same count, dtype, op and root (all_to_all_v: matching split
+// sizes, Note [All-to-all layout]). Backends match operations by their position
+// in that order, so a rank that skips or reorders a call deadlocks or corrupts
+// the group; the timeout below turns such a hang into a CommError.
 //
 // Note [Point-to-point order]
 // MPI and Gloo pair a send with a recv by (peer, tag); NCCL has no tags and
@@ -53,6 +54,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "ptrain/core/device.hpp"
 #include "ptrain/core/dtype.hpp"
@@ -423,6 +425,48 @@ inline void divide_by(void* buf, std::size_t n, DType dt, int size) {
   });
 }
 
+// Note [All-to-all layout]
+// all_to_all moves size() blocks of count_per_rank elements: block i of rank r's
+// send goes to rank i and lands in block r of rank i's recv. all_to_all_v does the
+// same with blocks of per-peer sizes: send_counts[i] elements go to rank i and
+// recv_counts[j] elements come from rank j. Blocks lie back to back in rank order,
+// so a block's offset is the sum of the counts before it (there are no separate
+// displacements). Rank i's send_counts[j] must equal rank j's recv_counts[i]; when
+// a receiver does not know its counts, Communicator::exchange_counts() computes
+// them from every rank's send_counts. The count arrays are read before the call
+// returns; the buffers must stay untouched until the Work completes, and send
+// and recv must not overlap (there is no in-place form).
+struct AllToAllLayout {
+  std::vector<std::size_t> send_counts, recv_counts, send_offsets, recv_offsets;  // elements
+  std::size_t send_total = 0, recv_total = 0;
+
+  // Equal blocks (all_to_all) of `count` elements for `n` ranks.
+  static AllToAllLayout equal(std::size_t count, int n) {
+    const std::vector<std::size_t> c(static_cast<std::size_t>(n), count);
+    return AllToAllLayout(c.data(), c.data(), n);
+  }
+  // Blocks of the given sizes (all_to_all_v); `sc` and `rc` hold n entries each.
+  AllToAllLayout(const std::size_t* sc, const std::size_t* rc, int n) {
+    const auto un = static_cast<std::size_t>(n);
+    PTRAIN_CHECK(un == 0 || (sc != nullptr && rc != nullptr), CommError,
+                 "[ptrain.comm.all_to_all] all_to_all_v needs send_counts and recv_counts, one entry per rank (", n,
+                 ")");
+    send_counts.assign(sc, sc + un);
+    recv_counts.assign(rc, rc + un);
+    for (std::size_t i = 0; i < un; ++i) {
+      send_offsets.push_back(send_total);
+      recv_offsets.push_back(recv_total);
+      send_total += send_counts[i];
+      recv_total += recv_counts[i];
+    }
+  }
+};
+
+// "all_to_all_v(F32, send 10, recv 12)": how an all_to_all_v is named in errors.
+inline std::string all_to_all_v_desc(const AllToAllLayout& l, DType dt) {
+  return cat("all_to_all_v(", dtype_name(dt), ", send ", l.send_total, ", recv ", l.recv_total, ")");
+}
+
 }  // namespace detail
 
 /// A group of ranks that run collectives together (MPI communicator, Gloo
@@ -464,6 +508,15 @@ class Communicator {
                                            int tag = 0) = 0;
   /// Receives count elements from peer (!= rank()).
   virtual std::shared_ptr<Work> recv_async(void* buf, std::size_t count, DType dt, int peer, int tag = 0) = 0;
+  /// send and recv hold size()*count_per_rank elements; send's block i goes to rank i,
+  /// recv's block j comes from rank j (Note [All-to-all layout]). No in-place form.
+  virtual std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank,
+                                                 DType dt) = 0;
+  /// send_counts[i] elements of send go to rank i, recv_counts[j] elements of recv come
+  /// from rank j; blocks back to back in rank order, size() counts each, read during the
+  /// call (Note [All-to-all layout]). No in-place form.
+  virtual std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                                   const std::size_t* recv_counts, DType dt) = 0;
   /// Completes when every rank has entered it.
   virtual std::shared_ptr<Work> barrier_async() = 0;
   /// Collective: ranks with equal color form a new group ordered by (key, rank),
@@ -511,6 +564,24 @@ class Communicator {
     recv_async(buf, count, dt, peer, tag)->wait(timeout_);
   }
   void barrier() { barrier_async()->wait(timeout_); }
+  void all_to_all(const void* send, void* recv, std::size_t count_per_rank, DType dt) {
+    all_to_all_async(send, recv, count_per_rank, dt)->wait(timeout_);
+  }
+  void all_to_all_v(const void* send, const std::size_t* send_counts, void* recv, const std::size_t* recv_counts,
+                    DType dt) {
+    all_to_all_v_async(send, send_counts, recv, recv_counts, dt)->wait(timeout_);
+  }
+  /// Collective: the recv_counts of an all_to_all_v from every rank's send_counts
+  /// (size() entries): result[j] = rank j's send_counts[rank()]. One all_to_all of
+  /// one I64 per rank; for receivers that do not know their split sizes.
+  std::vector<std::size_t> exchange_counts(const std::vector<std::size_t>& send_counts) {
+    PTRAIN_CHECK(send_counts.size() == static_cast<std::size_t>(size()), CommError,
+                 "[ptrain.comm.all_to_all] exchange_counts on rank ", rank(), ": ", send_counts.size(),
+                 " send counts for a group of ", size(), " ranks; pass one count per rank");
+    std::vector<std::int64_t> out(send_counts.begin(), send_counts.end()), in(send_counts.size());
+    all_to_all(out.data(), in.data(), 1, DType::I64);
+    return std::vector<std::size_t>(in.begin(), in.end());
+  }
 
 #ifdef PTRAIN_COMM_HAVE_TENSOR
   /// Tensor forms: in place on the tensor's storage (contiguous by design).
@@ -537,6 +608,28 @@ class Communicator {
   template <class T>
   void broadcast(Tensor<T>& t, int root) {
     broadcast(t.data(), static_cast<std::size_t>(t.numel()), dtype_of<T>(), root);
+  }
+  /// in.numel() == out.numel(), a multiple of size() (Note [All-to-all layout]).
+  template <class T>
+  void all_to_all(const Tensor<T>& in, Tensor<T>& out) {
+    const auto n = static_cast<std::size_t>(in.numel()), p = static_cast<std::size_t>(size());
+    check_numel(static_cast<std::size_t>(out.numel()), n, "all_to_all");
+    PTRAIN_CHECK(n % p == 0, ShapeError, "[ptrain.comm.numel] all_to_all: ", n,
+                 " elements do not split into ", p, " equal blocks; use all_to_all_v for unequal ones");
+    all_to_all(in.data(), out.data(), n / p, dtype_of<T>());
+  }
+  /// in.numel() == sum of send_counts, out.numel() == sum of recv_counts, size() counts each.
+  template <class T>
+  void all_to_all_v(const Tensor<T>& in, const std::vector<std::size_t>& send_counts, Tensor<T>& out,
+                    const std::vector<std::size_t>& recv_counts) {
+    const auto p = static_cast<std::size_t>(size());
+    PTRAIN_CHECK(send_counts.size() == p && recv_counts.size() == p, ShapeError,
+                 "[ptrain.comm.numel] all_to_all_v: ", send_counts.size(), " send and ", recv_counts.size(),
+                 " recv counts for a group of ", p, " ranks; pass one count per rank");
+    detail::AllToAllLayout l(send_counts.data(), recv_counts.data(), size());
+    check_numel(static_cast<std::size_t>(in.numel()), l.send_total, "all_to_all_v (input, the sum of send_counts)");
+    check_numel(static_cast<std::size_t>(out.numel()), l.recv_total, "all_to_all_v (output, the sum of recv_counts)");
+    all_to_all_v(in.data(), send_counts.data(), out.data(), recv_counts.data(), dtype_of<T>());
   }
   template <class T>
   void send(const Tensor<T>& t, int peer, int tag = 0) {
@@ -567,6 +660,24 @@ class Communicator {
   void check_root(int root, const char* op) const {
     PTRAIN_CHECK(root >= 0 && root < size(), CommError, "[ptrain.comm.root] ", op, ": root ", root,
                  " is outside this group of ", size(), " ranks");
+  }
+  // The layout of an all_to_all_v call. A group of one checks its sizes here; larger
+  // groups check them across ranks (Note [Collective fingerprints], CheckedCommunicator).
+  detail::AllToAllLayout all_to_all_layout(const std::size_t* send_counts, const std::size_t* recv_counts) const {
+    detail::AllToAllLayout l(send_counts, recv_counts, size());
+    PTRAIN_CHECK(size() != 1 || l.send_counts[0] == l.recv_counts[0], CommError,
+                 "[ptrain.comm.all_to_all] all_to_all_v in a group of one: send_counts[0] = ", l.send_counts[0],
+                 " but recv_counts[0] = ", l.recv_counts[0], "; rank i's send_counts[j] must equal rank j's "
+                 "recv_counts[i] (exchange_counts() computes recv_counts)");
+    return l;
+  }
+  // send and recv of an all-to-all must be different memory (Note [All-to-all layout]).
+  static void check_no_overlap(const void* send, std::size_t send_bytes, const void* recv, std::size_t recv_bytes,
+                               const char* op) {
+    const auto s = reinterpret_cast<std::uintptr_t>(send), r = reinterpret_cast<std::uintptr_t>(recv);
+    PTRAIN_CHECK(send_bytes == 0 || recv_bytes == 0 || s + send_bytes <= r || r + recv_bytes <= s, CommError,
+                 "[ptrain.comm.all_to_all] ", op, ": send and recv overlap; all-to-all has no in-place form, "
+                 "pass a separate output buffer");
   }
   static void check_numel(std::size_t got, std::size_t want, const char* op) {
     PTRAIN_CHECK(got == want, ShapeError, "[ptrain.comm.numel] ", op, ": tensor has ", got,

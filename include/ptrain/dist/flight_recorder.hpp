@@ -11,7 +11,8 @@
 // $PTRAIN_FLIGHT_RECORDER_SIZE): a per-communicator collective sequence number
 // (1, 2, ... in the order of Note [Collective order contract], so entry #k of
 // every rank describes the same collective), or a p2p sequence number for
-// send/recv, the op, count, dtype, reduce op, root or peer, the group size, the
+// send/recv, the op, count, dtype, reduce op, root or peer (all_to_all_v: its
+// send and recv counts per rank; count is what it sends), the group size, the
 // label of the innermost CollectiveLabel scope on the calling thread, and the
 // state: "started" when issued, "completed" once a wait or is_completed() on its
 // Work has seen it finish, "failed" with the error. "completed" is what the
@@ -119,7 +120,8 @@ struct FlightEntry {
   std::int64_t seq = 0;      // collective sequence number, 0 for send/recv
   std::int64_t p2p_seq = 0;  // send/recv sequence number, 0 for collectives
   std::string op;            // "all_reduce", "send", ...
-  std::size_t count = 0;
+  std::size_t count = 0;     // all_to_all: per rank; all_to_all_v: elements sent
+  std::vector<std::size_t> send_counts, recv_counts;  // all_to_all_v's split sizes, else empty
   DType dtype = DType::F32;
   std::string reduce_op;     // "sum" ... for all_reduce / reduce_scatter, else ""
   int root = -1;             // broadcast
@@ -190,6 +192,10 @@ class FlightRecorder {
                           {"label", e.label},   {"state", e.state},     {"start_us", e.start_us},
                           {"end_us", e.end_us}};
       if (!e.error.empty()) j["error"] = e.error;
+      if (e.op == "all_to_all_v") {
+        j["send_counts"] = e.send_counts;
+        j["recv_counts"] = e.recv_counts;
+      }
       ops.push_back(std::move(j));
     }
     return {{"group", group_}, {"rank", rank_}, {"size", size_}, {"backend", backend_},
@@ -439,6 +445,18 @@ class RecordingCommunicator final : public ForwardingCommunicator {
     FlightEntry e = entry("broadcast", "comm.broadcast", count, dt);
     e.root = root;
     return record(std::move(e), [&] { return inner_->broadcast_async(buf, count, dt, root); });
+  }
+  std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank, DType dt) override {
+    return record(entry("all_to_all", "comm.all_to_all", count_per_rank, dt),
+                  [&] { return inner_->all_to_all_async(send, recv, count_per_rank, dt); });
+  }
+  std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                           const std::size_t* recv_counts, DType dt) override {
+    const detail::AllToAllLayout l(send_counts, recv_counts, size());
+    FlightEntry e = entry("all_to_all_v", "comm.all_to_all_v", l.send_total, dt);
+    e.send_counts = l.send_counts;
+    e.recv_counts = l.recv_counts;
+    return record(std::move(e), [&] { return inner_->all_to_all_v_async(send, send_counts, recv, recv_counts, dt); });
   }
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
     FlightEntry e = entry("send", "comm.send", count, dt);

@@ -40,6 +40,13 @@ class ForwardingCommunicator : public Communicator {
   std::shared_ptr<Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
     return inner_->broadcast_async(buf, count, dt, root);
   }
+  std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank, DType dt) override {
+    return inner_->all_to_all_async(send, recv, count_per_rank, dt);
+  }
+  std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                           const std::size_t* recv_counts, DType dt) override {
+    return inner_->all_to_all_v_async(send, send_counts, recv, recv_counts, dt);
+  }
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
     return inner_->send_async(buf, count, dt, peer, tag);
   }

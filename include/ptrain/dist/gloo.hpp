@@ -4,7 +4,7 @@
 // every rank publishes its TCP pair addresses under a per-communicator key
 // prefix and Gloo connects a full mesh.
 //
-// all_reduce, all_gather, broadcast and barrier are Gloo's algorithms;
+// all_reduce, all_gather, broadcast, all_to_all(_v) and barrier are Gloo's algorithms;
 // reduce_scatter is a ring over Gloo's unbound buffers (each rank sends
 // (n-1)/n of the data, the bandwidth optimum) and send/recv are unbound
 // buffer transfers. bf16 reductions run in float and round once per step.
@@ -33,6 +33,8 @@
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
@@ -214,8 +216,20 @@ struct GlooState {
   OpQueue p2p_done;       // waits for posted send/recv transfers, in posting order
   CallCheck check;        // Note [Collective fingerprints]; used on the worker only
 
-  // On the worker, before each collective: the exchange of Note [Collective fingerprints].
-  void verify(const std::string& what, std::chrono::milliseconds timeout, const CallRow& row) {
+  // On the worker, before each collective: the exchange of Note [Collective fingerprints];
+  // `split`: an all_to_all_v's layout, whose sizes are then checked across ranks.
+  void verify(const std::string& what, std::chrono::milliseconds timeout, const CallRow& row,
+              const AllToAllLayout* split = nullptr) {
+    auto gather = [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
+      std::copy(mine, mine + n, all + n * static_cast<std::size_t>(rank));
+      guarded(what, timeout, [&] {
+        gloo::AllgatherOptions o(ctx);
+        o.setOutput(reinterpret_cast<char*>(all), n * sizeof(std::int64_t) * static_cast<std::size_t>(size));
+        o.setTag(tag++);
+        o.setTimeout(timeout);
+        gloo::allgather(o);
+      });
+    };
     check.check(
         row, rank, size,
         [&](std::int64_t* v) {
@@ -229,16 +243,25 @@ struct GlooState {
             gloo::allreduce(o);
           });
         },
-        [&](const std::int64_t* mine, std::int64_t* all) {
-          std::copy(mine, mine + row.size(), all + row.size() * static_cast<std::size_t>(rank));
+        gather);
+    if (split == nullptr) return;
+    check.check_split(
+        rank, size, split->send_counts, split->recv_counts, static_cast<DType>(row[2]),
+        [&](std::uint64_t* v) {
           guarded(what, timeout, [&] {
-            gloo::AllgatherOptions o(ctx);
-            o.setOutput(reinterpret_cast<char*>(all), row.size() * sizeof(std::int64_t) * static_cast<std::size_t>(size));
+            gloo::AllreduceOptions o(ctx);
+            o.setOutput<std::uint64_t>(v, 1);
+            o.setReduceFunction([](void* out, const void* a, const void* b, std::size_t n) {
+              for (std::size_t i = 0; i < n; ++i)
+                static_cast<std::uint64_t*>(out)[i] =
+                    static_cast<const std::uint64_t*>(a)[i] + static_cast<const std::uint64_t*>(b)[i];
+            });
             o.setTag(tag++);
             o.setTimeout(timeout);
-            gloo::allgather(o);
+            gloo::allreduce(o);
           });
-        });
+        },
+        gather);
   }
 
   std::string failed() {
@@ -444,6 +467,63 @@ class GlooCommunicator : public Communicator {
         o.setTag(s->tag++);
         o.setTimeout(t);
         gloo::broadcast(o);
+      });
+    });
+    return w;
+  }
+
+  std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank,
+                                         DType dt) override {
+    detail::check_dtype(dt);
+    const std::size_t bytes = count_per_rank * dtype_size(dt) * static_cast<std::size_t>(s_->size);
+    check_no_overlap(send, bytes, recv, bytes, "all_to_all");
+    auto w = make_work(detail::all_to_all_desc(count_per_rank, dt));
+    const auto row = detail::call_row(detail::kAllToAll, count_per_rank, dt);
+    queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
+      s->verify(what, t, row);
+      if (s->size == 1 || bytes == 0) {
+        if (bytes) std::memcpy(recv, send, bytes);
+        return;
+      }
+      s->guarded(what, t, [&] {
+        gloo::AlltoallOptions o(s->ctx);
+        o.setInput(static_cast<char*>(const_cast<void*>(send)), bytes);
+        o.setOutput(static_cast<char*>(recv), bytes);
+        o.setTag(s->tag++);
+        o.setTimeout(t);
+        gloo::alltoall(o);
+      });
+    });
+    return w;
+  }
+
+  std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                           const std::size_t* recv_counts, DType dt) override {
+    detail::check_dtype(dt);
+    const detail::AllToAllLayout l = all_to_all_layout(send_counts, recv_counts);  // and verify()
+    const std::size_t es = dtype_size(dt);
+    check_no_overlap(send, l.send_total * es, recv, l.recv_total * es, "all_to_all_v");
+    // Gloo's alltoallv takes bytes per rank.
+    std::vector<std::int64_t> send_bytes, recv_bytes;
+    for (int r = 0; r < s_->size; ++r) {
+      send_bytes.push_back(static_cast<std::int64_t>(l.send_counts[r] * es));
+      recv_bytes.push_back(static_cast<std::int64_t>(l.recv_counts[r] * es));
+    }
+    auto w = make_work(detail::all_to_all_v_desc(l, dt));
+    const auto row = detail::call_row(detail::kAllToAllV, 0, dt);
+    queue_.submit(w, [=, s = s_, t = timeout(), what = w->what()] {
+      s->verify(what, t, row, &l);
+      if (s->size == 1) {
+        if (send_bytes[0]) std::memcpy(recv, send, static_cast<std::size_t>(send_bytes[0]));
+        return;
+      }
+      s->guarded(what, t, [&] {
+        gloo::AlltoallvOptions o(s->ctx);
+        o.setInput(static_cast<char*>(const_cast<void*>(send)), send_bytes);
+        o.setOutput(static_cast<char*>(recv), recv_bytes);
+        o.setTag(s->tag++);
+        o.setTimeout(t);
+        gloo::alltoallv(o);
       });
     });
     return w;

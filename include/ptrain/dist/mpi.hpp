@@ -280,6 +280,45 @@ class MpiCommunicator : public Communicator {
     return w;
   }
 
+  std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank,
+                                         DType dt) override {
+    auto type = detail::mpi_type(dt);
+    int n = detail::mpi_count(count_per_rank, "all_to_all");
+    const std::size_t total = count_per_rank * static_cast<std::size_t>(size_);
+    detail::mpi_count(total, "all_to_all");
+    check_no_overlap(send, total * dtype_size(dt), recv, total * dtype_size(dt), "all_to_all");
+    auto w = make_work(detail::all_to_all_desc(count_per_rank, dt));
+    const auto row = detail::call_row(detail::kAllToAll, count_per_rank, dt);
+    queue_.submit(w, [=, this] {
+      verify(row);
+      auto g = detail::MpiRuntime::get().guard();
+      PTRAIN_CHECK_MPI(MPI_Alltoall(send, n, type, recv, n, type, comm_));
+    });
+    return w;
+  }
+
+  std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                           const std::size_t* recv_counts, DType dt) override {
+    auto type = detail::mpi_type(dt);
+    const detail::AllToAllLayout l = all_to_all_layout(send_counts, recv_counts);  // and verify()
+    // MPI_Alltoallv's counts and displacements are int: the totals bound both.
+    detail::mpi_count(l.send_total, "all_to_all_v (elements sent)");
+    detail::mpi_count(l.recv_total, "all_to_all_v (elements received)");
+    check_no_overlap(send, l.send_total * dtype_size(dt), recv, l.recv_total * dtype_size(dt), "all_to_all_v");
+    std::vector<int> ints;  // send counts, send displacements, recv counts, recv displacements
+    for (const auto* v : {&l.send_counts, &l.send_offsets, &l.recv_counts, &l.recv_offsets})
+      ints.insert(ints.end(), v->begin(), v->end());
+    auto w = make_work(detail::all_to_all_v_desc(l, dt));
+    const auto row = detail::call_row(detail::kAllToAllV, 0, dt);
+    queue_.submit(w, [=, this, ints = std::move(ints)] {
+      verify(row, &l);
+      const int* c = ints.data();
+      auto g = detail::MpiRuntime::get().guard();
+      PTRAIN_CHECK_MPI(MPI_Alltoallv(send, c, c + size_, type, recv, c + 2 * size_, c + 3 * size_, type, comm_));
+    });
+    return w;
+  }
+
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
     return p2p(true, const_cast<void*>(buf), count, dt, peer, tag);
   }
@@ -327,20 +366,30 @@ class MpiCommunicator : public Communicator {
     return std::make_shared<detail::QueuedWork>(std::move(what), rank_, -1, timeout());
   }
 
-  // Note [Collective fingerprints]: on the worker, before each collective.
-  void verify(const detail::CallRow& row) {
+  // Note [Collective fingerprints]: on the worker, before each collective; `split`:
+  // an all_to_all_v's layout, whose sizes are then checked across ranks.
+  void verify(const detail::CallRow& row, const detail::AllToAllLayout* split = nullptr) {
     const MPI_Datatype i64 = detail::mpi_type(DType::I64);
+    auto gather = [&](const std::int64_t* mine, std::size_t count, std::int64_t* all) {
+      const int n = static_cast<int>(count);
+      auto g = detail::MpiRuntime::get().guard();
+      PTRAIN_CHECK_MPI(MPI_Allgather(mine, n, i64, all, n, i64, comm_));
+    };
     check_.check(
         row, rank_, size_,
         [&](std::int64_t* v) {
           auto g = detail::MpiRuntime::get().guard();
           PTRAIN_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, v, 2, i64, MPI_MAX, comm_));
         },
-        [&](const std::int64_t* mine, std::int64_t* all) {
-          const int n = static_cast<int>(row.size());
+        gather);
+    if (split == nullptr) return;
+    check_.check_split(
+        rank_, size_, split->send_counts, split->recv_counts, static_cast<DType>(row[2]),
+        [&](std::uint64_t* v) {
           auto g = detail::MpiRuntime::get().guard();
-          PTRAIN_CHECK_MPI(MPI_Allgather(mine, n, i64, all, n, i64, comm_));
-        });
+          PTRAIN_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, v, 1, MPI_UINT64_T, MPI_SUM, comm_));
+        },
+        gather);
   }
 
   std::shared_ptr<Work> p2p(bool is_send, void* buf, std::size_t count, DType dt, int peer, int tag) {

@@ -62,6 +62,7 @@
 #include "ptrain/dist/store_interface.hpp"
 #include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/stream.hpp"
+#include "ptrain/kernels/cuda_unverified.hpp"
 
 namespace ptrain::dist {
 namespace detail {
@@ -227,6 +228,18 @@ class NcclCommunicator : public Communicator {
                            buf, bytes, [&](const void* s, void* r) {
                              PTRAIN_CHECK_NCCL(ncclBroadcast(s, r, count, t, root, comm_, stream_));
                            });
+  }
+
+  /// Grouped ncclSend/ncclRecv per peer (NCCL's all-to-all recipe); gated as "nccl_all_to_all".
+  std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank,
+                                         DType dt) override {
+    return all_to_all_blocks(detail::all_to_all_desc(count_per_rank, dt), send, recv,
+                             detail::AllToAllLayout::equal(count_per_rank, size_), dt);
+  }
+  std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                           const std::size_t* recv_counts, DType dt) override {
+    const detail::AllToAllLayout l = all_to_all_layout(send_counts, recv_counts);
+    return all_to_all_blocks(detail::all_to_all_v_desc(l, dt), send, recv, l, dt);
   }
 
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
@@ -485,6 +498,33 @@ class NcclCommunicator : public Communicator {
       PTRAIN_CHECK_CUDA(cudaStreamSynchronize(stream_));
     }
     return w;
+  }
+
+  // all_to_all(_v): every block a ncclSend or ncclRecv with its peer, itself included,
+  // inside one NCCL group (nested in the caller's group, if one is open: NCCL then
+  // launches at the outer group_end()); empty blocks are skipped on both sides.
+  std::shared_ptr<Work> all_to_all_blocks(std::string what, const void* send, void* recv,
+                                          const detail::AllToAllLayout& l, DType dt) {
+    kernels::check_cuda_verified("nccl_all_to_all");
+    auto t = detail::nccl_type(dt);
+    const std::size_t es = dtype_size(dt);
+    check_no_overlap(send, l.send_total * es, recv, l.recv_total * es, what.c_str());
+    return enqueue_buffers(std::move(what), -1, send, l.send_total * es, recv, l.recv_total * es,
+                           [&](const void* s, void* r) {
+                             PTRAIN_CHECK_NCCL(ncclGroupStart());
+                             ncclResult_t rc = ncclSuccess;
+                             for (int p = 0; p < size_ && detail::nccl_ok(rc); ++p) {
+                               const auto up = static_cast<std::size_t>(p);
+                               if (l.send_counts[up])
+                                 rc = ncclSend(static_cast<const char*>(s) + l.send_offsets[up] * es,
+                                               l.send_counts[up], t, p, comm_, stream_);
+                               if (detail::nccl_ok(rc) && l.recv_counts[up])
+                                 rc = ncclRecv(static_cast<char*>(r) + l.recv_offsets[up] * es, l.recv_counts[up],
+                                               t, p, comm_, stream_);
+                             }
+                             const ncclResult_t end = ncclGroupEnd();  // closes the group even after a failure
+                             PTRAIN_CHECK_NCCL(detail::nccl_ok(rc) ? end : rc);
+                           });
   }
 
   // Note [NCCL watchdog] in dist/nccl_work.hpp.

@@ -42,6 +42,18 @@ class SelfCommunicator : public Communicator {
     detail::check_dtype(dt);
     return done(detail::op_desc("broadcast", count, dt));
   }
+  std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank, DType dt) override {
+    check_no_overlap(send, count_per_rank * dtype_size(dt), recv, count_per_rank * dtype_size(dt), "all_to_all");
+    copy(recv, send, count_per_rank, dt);
+    return done(detail::all_to_all_desc(count_per_rank, dt));
+  }
+  std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                           const std::size_t* recv_counts, DType dt) override {
+    const detail::AllToAllLayout l = all_to_all_layout(send_counts, recv_counts);
+    check_no_overlap(send, l.send_total * dtype_size(dt), recv, l.recv_total * dtype_size(dt), "all_to_all_v");
+    copy(recv, send, l.send_total, dt);
+    return done(detail::all_to_all_v_desc(l, dt));
+  }
   std::shared_ptr<Work> send_async(const void*, std::size_t, DType, int peer, int) override {
     check_peer(peer, "send");  // always throws: a world of one has no peer
     return nullptr;

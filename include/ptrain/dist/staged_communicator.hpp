@@ -295,6 +295,19 @@ class StagedCommunicator final : public ForwardingCommunicator {
       return inner_->broadcast_async(r, count, dt, root);
     });
   }
+  std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank, DType dt) override {
+    const std::size_t b = count_per_rank * dtype_size(dt) * static_cast<std::size_t>(size());
+    return staged(send, b, true, recv, b, true,
+                  [&](const void* s, void* r) { return inner_->all_to_all_async(s, r, count_per_rank, dt); });
+  }
+  std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                           const std::size_t* recv_counts, DType dt) override {
+    const detail::AllToAllLayout l(send_counts, recv_counts, size());
+    return staged(send, l.send_total * dtype_size(dt), true, recv, l.recv_total * dtype_size(dt), true,
+                  [&](const void* s, void* r) {
+                    return inner_->all_to_all_v_async(s, send_counts, r, recv_counts, dt);
+                  });
+  }
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
     return staged(buf, count * dtype_size(dt), true, nullptr, 0, false,
                   [&](const void* s, void*) { return inner_->send_async(s, count, dt, peer, tag); });

@@ -71,6 +71,8 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "moe_gather_backward",
     "moe_combine",
     "moe_combine_backward",
+    // dist/nccl_communicator.hpp: all_to_all and all_to_all_v as grouped ncclSend/ncclRecv
+    "nccl_all_to_all",
 };
 
 /// True when `name` is on the gate's list.

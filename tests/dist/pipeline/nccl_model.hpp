@@ -76,6 +76,14 @@ class NcclModel final : public dist::Communicator {
   std::shared_ptr<dist::Work> broadcast_async(void* buf, std::size_t count, DType dt, int root) override {
     return collective("broadcast", [=, this] { inner_->broadcast(buf, count, dt, root); });
   }
+  std::shared_ptr<dist::Work> all_to_all_async(const void* send, void* recv, std::size_t count, DType dt) override {
+    return collective("all_to_all", [=, this] { inner_->all_to_all(send, recv, count, dt); });
+  }
+  std::shared_ptr<dist::Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
+                                                 const std::size_t* recv_counts, DType dt) override {
+    const std::vector<std::size_t> sc(send_counts, send_counts + size()), rc(recv_counts, recv_counts + size());
+    return collective("all_to_all_v", [=, this] { inner_->all_to_all_v(send, sc.data(), recv, rc.data(), dt); });
+  }
   std::shared_ptr<dist::Work> barrier_async() override {
     return collective("barrier", [this] { inner_->barrier(); });
   }

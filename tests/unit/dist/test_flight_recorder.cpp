@@ -54,6 +54,30 @@ TEST_CASE("flight recorder keeps the last N operations with sequence numbers, st
   CHECK(c.recorder().entries()[2].state == "completed");
 }
 
+TEST_CASE("flight recorder: all-to-alls with their sizes, in the ring and the JSON", "[dist][flight]") {
+  RecordingCommunicator c(std::make_unique<SelfCommunicator>(), "world", 4);
+  std::vector<float> a(8, 1.0f), b(8);
+  c.all_to_all(a.data(), b.data(), 8, DType::F32);
+  const std::size_t send = 5, recv = 5;
+  c.all_to_all_v(a.data(), &send, b.data(), &recv, DType::BF16);
+  auto e = c.recorder().entries();
+  REQUIRE(e.size() == 2);
+  CHECK(e[0].op == "all_to_all");
+  CHECK(e[0].count == 8);  // per rank
+  CHECK(e[0].send_counts.empty());
+  CHECK(e[1].seq == 2);
+  CHECK(e[1].op == "all_to_all_v");
+  CHECK(e[1].count == 5);  // sent
+  CHECK(e[1].dtype == DType::BF16);
+  CHECK(e[1].send_counts == std::vector<std::size_t>{5});
+  CHECK(e[1].recv_counts == std::vector<std::size_t>{5});
+  CHECK(e[1].state == "completed");
+  const nlohmann::json j = c.recorder().to_json();
+  CHECK(j["ops"][1]["send_counts"] == nlohmann::json::array({5}));
+  CHECK(j["ops"][1]["recv_counts"] == nlohmann::json::array({5}));
+  CHECK_FALSE(j["ops"][0].contains("send_counts"));
+}
+
 TEST_CASE("flight recorder: a failed call is recorded as failed", "[dist][flight]") {
   RecordingCommunicator c(std::make_unique<SelfCommunicator>(), "world", 8);
   std::vector<float> a(4);
