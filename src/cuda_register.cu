@@ -10,6 +10,7 @@
 // stores the same pointers again.
 
 #include "ptrain/kernels/cuda/all.cuh"
+#include "ptrain/kernels/cuda/graph.hpp"
 #include "ptrain/kernels/cuda_table.hpp"
 
 namespace {
@@ -117,6 +118,7 @@ CudaKernelTable make_table() {
   t.f32.adamw_update_mixed = &kc::adamw_update_mixed<float>;
   t.bf16_.adamw_update_mixed = &kc::adamw_update_mixed<bf16>;
   t.i32.token_ids = &kc::token_ids<std::int32_t>;
+  kc::fill_graph_calls(t.graph);
   return t;
 }
 

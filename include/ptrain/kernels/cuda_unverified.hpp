@@ -53,6 +53,8 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "fused_classifier",
     "sum_squares_to",
     "adamw_update_ranges",
+    // kernels/cuda/graph.hpp, train/step_graph.hpp: the Trainer's step captured in a CUDA graph
+    "cuda_graph_step",
 };
 
 /// True when `name` is on the gate's list.

@@ -20,6 +20,7 @@
 #include "ptrain/core/device.hpp"
 #include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/stream.hpp"
+#include "ptrain/kernels/cuda_table.hpp"
 
 namespace ptrain::kernels::cuda {
 
@@ -138,10 +139,24 @@ class CudaBackend final : public ::ptrain::detail::DeviceBackend {
     const int device = dst_dev.is_cuda() ? dst_dev.index : src_dev.index;
     DeviceGuard guard(device);
     const cudaStream_t stream = current_stream(device);
+    check_not_capturing(stream, dst_dev.is_cpu() ? "a device-to-host copy (a host read: Tensor::to, to_vector, item)"
+                                                 : "a host-to-device copy (Tensor::to, copy_ from host memory)",
+                        bytes);
     // cudaMemcpyDefault lets unified addressing find the direction; queueing on
     // the current stream orders the copy after the kernels that produced src.
     PTRAIN_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
     PTRAIN_CHECK_CUDA(cudaStreamSynchronize(stream));
+  }
+
+  // Note [CUDA graphs of the step] in train/step_graph.hpp: a copy that waits for the
+  // device cannot be captured; say which operation tried, instead of CUDA's bare error.
+  static void check_not_capturing(cudaStream_t stream, const char* what, std::size_t bytes) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status == cudaStreamCaptureStatusNone) return;
+    const char* in = ::ptrain::kernels::detail::graph_capture_what();
+    PTRAIN_THROW(CudaError, "[ptrain.cuda.graph_host_sync] ", what, " of ", bytes, " bytes inside a captured CUDA "
+                 "graph (", in ? in : "a capture", "): it waits for the device, which a graph cannot; keep the "
+                 "step's values on the device (ops::DeviceLoss, AdamW's max_grad_norm), or turn CUDA graphs off");
   }
 
   void memset_zero(void* dst, Device dev, std::size_t bytes) override {
