@@ -91,7 +91,7 @@ struct Options {
   std::string parallel = "none";
   std::string device = "cpu";
   std::string precision = "fp32";
-  std::string cuda_graphs = "on";  // --cuda-graphs: capture the step in a CUDA graph (one GPU rank)
+  std::string cuda_graphs = "on";  // --cuda-graphs: capture the step in a CUDA graph (--device cuda)
   std::string fsdp_strategy = "full_shard";
   int hybrid_shard_size = 0;  // 0: the launcher's ranks per node
   int stages = 0;             // --parallel pipeline: stages per replica (0: every rank one stage)
@@ -781,10 +781,15 @@ std::string cuda_graph_blocker(const Options& o, parallel::Engine<T>& engine, De
   if (o.cuda_graphs != "on" || !device.is_cuda()) return "not asked for";
   if (!kernels::cuda_kernel_enabled("cuda_graph_step"))
     return "cuda_graph_step is gated (ptrain/kernels/cuda_unverified.hpp; PTRAIN_UNVERIFIED_CUDA=1 runs it)";
-  if (engine.communicator().size() > 1) return "the step's collectives wait on the host (several ranks)";
   if (engine.mode() != parallel::Mode::Local && engine.mode() != parallel::Mode::DDP &&
       engine.mode() != parallel::Mode::FSDP)
     return "the engine computes its loss its own way";
+  if (engine.mode() == parallel::Mode::FSDP && o.grad_clip > 0)
+    return "an FSDP norm spans the shards, which Engine::clip_grad_norm_ sums on the host (--grad-clip 0 captures)";
+  dist::Communicator* dp = engine.data_parallel_group();
+  if (engine.mode() != parallel::Mode::Local &&
+      (!engine.communicator().graph_capturable() || (dp && !dp->graph_capturable())))
+    return "the engine's collectives go through host memory (MPI, Gloo); NCCL's can be captured";
   if (o.dropout > 0) return "dropout draws its masks on the host, which a replay would repeat";
   return {};
 }
@@ -950,14 +955,21 @@ int run(Options opt) {
         return;
       }
       const std::int64_t steps_before = optimizer.steps();
+      std::string failed;
       try {
-        graph = train::CudaStepGraph(device.index);
+        if (!graph.defined()) graph = train::CudaStepGraph(device.index);
         graph.capture("gpt_char's step", body);
       } catch (const Error& e) {
-        plan.turn_off(e.what());
+        failed = e.what();
+      }
+      std::int32_t any_failed = failed.empty() ? 0 : 1;  // every rank keeps its graph, or none does
+      if (world->size() > 1) world->all_reduce(&any_failed, 1, DType::I32, dist::ReduceOp::Max);
+      if (any_failed) {
+        if (failed.empty()) failed = "on another rank";
+        plan.turn_off(failed);
         (void)optimizer.use_device_scalars(false);
         optimizer.set_steps(steps_before);
-        if (lead) std::printf("CUDA graphs off: capturing the step failed: %s\n", e.what());
+        if (lead) std::printf("CUDA graphs off: capturing the step failed: %s\n", failed.c_str());
         return body();
       }
       plan.captured();
@@ -1065,8 +1077,8 @@ int main(int argc, char** argv) {
                "tensor-parallel layers along the sequence (--block a multiple of --tp)");
   app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--cuda-graphs", opt.cuda_graphs, "on: with --device cuda on one rank, keep the loss on the GPU "
-                 "between progress lines and capture the whole step in a CUDA graph after a warm-up step, then "
+  app.add_option("--cuda-graphs", opt.cuda_graphs, "on: with --device cuda (one rank, or ddp/fsdp over NCCL), keep "
+                 "the loss on the GPU between progress lines and capture the whole step in a CUDA graph after a warm-up step, then "
                  "replay it; off: launch every kernel each step")->check(CLI::IsMember({"on", "off"}));
   app.add_option("--precision", opt.precision, "fp32, or bf16: bf16 parameters and activations with fp32 master "
                  "weights")->check(CLI::IsMember({"fp32", "bf16"}));

@@ -42,9 +42,13 @@
 //   runs the step eagerly, with a note in the log. So do dropout (its masks come
 //   from host-side random streams whose offsets a replay would repeat), grad_clip
 //   through Engine::clip_grad_norm_ (a host read of the norm; AdamW's
-//   max_grad_norm clips on the device), an engine whose collectives wait on the
-//   host (several ranks: NCCL's Works are polled on the host; MPI and Gloo stage
-//   through host memory), and a loss that is read on the host.
+//   max_grad_norm clips on the device), an engine whose collectives go through
+//   host memory (MPI, Gloo: Communicator::graph_capturable), and a loss that is
+//   read on the host.
+// - Collectives: NCCL's are captured (Note [NCCL in a CUDA graph] in
+//   dist/nccl_work.hpp: a wait joins the communicator's stream into the capture
+//   instead of polling). Every rank keeps its capture or none does (one host
+//   all-reduce after each capture), so that the ranks' collectives match.
 // - The gate: the captured step is "cuda_graph_step" on kUnverifiedCuda; while
 //   it is gated the Trainer runs eagerly.
 

@@ -403,8 +403,10 @@ class Trainer {
       return "cuda_graph_step is gated (ptrain/kernels/cuda_unverified.hpp; PTRAIN_UNVERIFIED_CUDA=1 runs it)";
     if (!device_loss) return "the loss is read on the host each step (a loss of your own, or a pipeline or "
                              "tensor-parallel engine)";
-    if (engine_.communicator().size() > 1)
-      return "the step's collectives wait on the host (NCCL Works are polled; MPI and Gloo stage through the host)";
+    dist::Communicator* dp = engine_.data_parallel_group();
+    if (engine_.mode() != parallel::Mode::Local &&
+        (!engine_.communicator().graph_capturable() || (dp && !dp->graph_capturable())))
+      return "the engine's collectives go through host memory (MPI, Gloo); NCCL's can be captured";
     if (o_.grad_clip > 0)
       return "grad_clip reads the norm on the host; clip on the device with AdamWOptions::max_grad_norm instead";
     if (!opt_.use_device_scalars(true))
@@ -449,15 +451,22 @@ class Trainer {
                    inputs_.ids.defined() ? inputs_.ids.clone() : Tensor<std::int32_t>(),
                    inputs_.targets.is_ids() ? nn::Targets<T>(inputs_.targets.ids().clone())
                                             : nn::Targets<T>(inputs_.targets.values().clone())};
-        graph_ = CudaStepGraph();  // the previous capture's pool is free before the new one
-        graph_ = CudaStepGraph(d.index);
+        if (!graph_.defined()) graph_ = CudaStepGraph(d.index);  // a capture again reuses its stream's pool
         const std::int64_t steps = opt_.steps();
         opt_.stage_device_scalars();
+        std::string failed;
         try {
           graph_.capture("the Trainer's step", [&] { eager(inputs_); });
         } catch (const Error& e) {
+          failed = e.what();
+        }
+        // Every rank keeps its graph, or none does: their collectives must match.
+        dist::Communicator& comm = engine_.communicator();
+        std::int32_t any_failed = failed.empty() ? 0 : 1;
+        if (comm.size() > 1) comm.all_reduce(&any_failed, 1, DType::I32, dist::ReduceOp::Max);
+        if (any_failed) {
           opt_.set_steps(steps);
-          note_off(std::string("capturing the step failed: ") + e.what());
+          note_off("capturing the step failed: " + (failed.empty() ? std::string("on another rank") : failed));
           eager(to_device(b));
           return;
         }

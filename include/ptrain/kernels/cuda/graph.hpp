@@ -10,9 +10,10 @@
 // (Note [Streams and cached blocks] in core/allocator.hpp), so blocks freed
 // during the capture are reused only by later work of the same capture, and
 // blocks the graph's kernels write are never handed to work on another stream:
-// that is the graph's memory pool. It lives as long as the StepGraph (the stream
-// is destroyed with it; the blocks stay in the allocator's cache, counted as
-// reserved, until empty_cache()). Captures use cudaStreamCaptureModeRelaxed: the
+// that is the graph's memory pool. A capture again on the same StepGraph (a new
+// shape) replaces the graph and reuses the pool; the stream is destroyed with the
+// StepGraph, and its blocks stay in the allocator's cache, counted as reserved,
+// until empty_cache(). Captures use cudaStreamCaptureModeRelaxed: the
 // allocator may call cudaMalloc while capturing (a size the capture stream has
 // not seen), which the stricter modes refuse.
 
