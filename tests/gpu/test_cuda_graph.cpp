@@ -64,19 +64,19 @@ struct Result {
   double lr = 0;
   int captures = 0;
   bool graphs_off = true;
+  std::int64_t live_delta = 0;  // live bytes after the run's objects are gone, less before
 };
 
 // `epochs` epochs of `samples` windows in batches of `batch` on cuda:0, logging every 2 steps.
 template <class T, class Model>
-Result train(Model& model, Dataset<T>& data, bool graphs, std::int64_t batch, int epochs, int grad_accum = 1) {
-  model.to(kGpu);
+void train_on(Model& model, Dataset<T>& data, bool graphs, std::int64_t batch, int epochs, int grad_accum,
+              Result& r) {
   parallel::Local<T> engine(model);
   optim::AdamW<T> opt(engine.parameters(), {.lr = 3e-3, .weight_decay = 0.1});
   train::Trainer<T> trainer(engine, opt, data,
                             {.epochs = epochs, .batch = batch, .grad_accum = grad_accum, .log_every = 2,
                              .cuda_graphs = graphs});
   trainer.schedule = [](std::int64_t s) { return 3e-3 * (1.0 + static_cast<double>(s)) / 8.0; };
-  Result r;
   trainer.on_step = [&](const train::StepInfo& s) {
     if (!std::isnan(s.loss)) r.report_losses.push_back(s.loss);
   };
@@ -87,6 +87,15 @@ Result train(Model& model, Dataset<T>& data, bool graphs, std::int64_t batch, in
   r.reads = trainer.loss_window().reads();
   r.captures = trainer.graph_plan().captures();
   r.graphs_off = trainer.graph_plan().off();
+}
+
+template <class T, class Model>
+Result train(Model& model, Dataset<T>& data, bool graphs, std::int64_t batch, int epochs, int grad_accum = 1) {
+  model.to(kGpu);
+  Result r;
+  const std::int64_t live0 = memory_stats(kGpu).live_bytes;
+  train_on(model, data, graphs, batch, epochs, grad_accum, r);
+  r.live_delta = memory_stats(kGpu).live_bytes - live0;
   return r;
 }
 
@@ -122,6 +131,8 @@ void check_gpt_graph(std::int64_t samples, std::int64_t batch, int epochs, int e
   // One host read of the loss per report (every 2 steps and the last) and one at the end.
   CHECK(graph.reads == (graph.steps + 1) / 2 + 1);
   CHECK(graph.reads == eager.reads);
+  // The allocator's counters: the graph's pool is reserved, never live, once the run ends.
+  CHECK(graph.live_delta == eager.live_delta);
   CHECK(rel_error(graph.params, eager.params) <= (std::is_same_v<T, bf16> ? tol<bf16>() : 1e-5));
   CHECK(rel_error(graph.report_losses, eager.report_losses) <= (std::is_same_v<T, bf16> ? tol<bf16>() : 1e-5));
 }
