@@ -58,6 +58,7 @@
 #include "ptrain/nn/models/llama.hpp"
 #include "ptrain/ops/linear.hpp"
 #include "ptrain/optim/adamw.hpp"
+#include "ptrain/train/step_graph.hpp"
 
 using namespace ptrain;
 namespace kc = ptrain::kernels::cuda;
@@ -80,6 +81,7 @@ struct Options {
   double sample_ms = 20.0;
   int steps = 10, warmup = 3;
   bool fp = true, tf32 = true, bf16 = true, flash = true, epilogues = true;
+  bool graph = false;  // --cuda-graph: the GPT step captured once and replayed (Note [CUDA graphs of the step])
   double peak_tflops = 494.7, peak_tflops_bf16 = 989.4;
   std::string gpu_name;
 };
@@ -533,13 +535,43 @@ void bench_gpt(const Options& o) {
 
   nn::Cache<T> cache, loss_cache;
   double loss = 0;
+  // --cuda-graph: the loss stays on the device (the fused classifier) and AdamW reads
+  // its learning rate and step from device memory, so the step can be captured.
+  ops::DeviceLoss device_loss;
   auto step = [&] {
     flat.zero_grad();
-    loss = loss_fn.forward(model.forward_tokens(x, cache), y, loss_cache);
-    model.backward(loss_fn.backward(loss_cache), cache);
+    if (o.graph) {
+      Tensor<T> logits = model.forward_tokens(x, cache);
+      model.backward(loss_fn.forward_backward(logits, y, device_loss), cache);
+    } else {
+      loss = loss_fn.forward(model.forward_tokens(x, cache), y, loss_cache);
+      model.backward(loss_fn.backward(loss_cache), cache);
+    }
     opt.step();
   };
-  const std::vector<double> times = step_times(o, step);
+  train::CudaStepGraph graph;
+  if (o.graph) {
+    PTRAIN_CHECK(opt.use_device_scalars(true), Error, "gpu_bench --cuda-graph: AdamW's one-launch update is gated; "
+                 "set PTRAIN_UNVERIFIED_CUDA=1");
+    opt.stage_device_scalars();
+    step();  // the eager warm-up step before the capture
+    graph = train::CudaStepGraph(0);
+    opt.stage_device_scalars();
+    graph.capture("gpu_bench's GPT step", step);
+  }
+  auto run_step = [&] {
+    if (!o.graph) return step();
+    opt.stage_device_scalars();
+    graph.launch();
+    opt.count_replayed_step();
+  };
+  const std::vector<double> times = step_times(o, run_step);
+
+  if (o.graph) {  // the last step's loss, read once
+    device_loss.reset();
+    run_step();
+    loss = device_loss.sum();
+  }
   const double ms = bench::median(times);
   const double tokens = static_cast<double>(B * S);
   const double fpt = cfg.flops_per_token(S);
@@ -547,7 +579,8 @@ void bench_gpt(const Options& o) {
   const double peak_gib = static_cast<double>(memory_stats(kGpu).peak_bytes) / (1024.0 * 1024.0 * 1024.0);
   const char* mixed = is_bf16 ? "bf16 parameters, gradients and activations; fp32 master weights and AdamW moments"
                               : "none";
-  emit({{"bench", "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"attention", attention},
+  emit({{"bench", o.graph ? "gpu_gpt_step_graph" : "gpu_gpt_step"}, {"impl", "ptrain"}, {"gpu", o.gpu_name},
+        {"cuda_graph", o.graph}, {"attention", attention},
         {"precision", precision}, {"gemm_epilogues", o.epilogues}, {"layers", cfg.n_layer}, {"heads", cfg.n_head},
         {"embd", cfg.n_embd}, {"block", S}, {"vocab", cfg.vocab_size}, {"batch", B}, {"steps", o.steps},
         {"warmup", o.warmup}, {"mixed_precision", mixed},
@@ -557,9 +590,10 @@ void bench_gpt(const Options& o) {
         {"mflop_per_token", fpt / 1e6}, {"tflops", tflops}, {"peak_tflops", peak},
         {"peak_note", "defaults: H100/H200 SXM dense, 494.7 TF32, 989.4 bf16; pass --peak-tflops(-bf16) for other parts"},
         {"mfu", tflops / peak}, {"peak_mem_GiB", peak_gib}, {"final_loss", loss}});
-  std::fprintf(stderr, "\nGPT step (%lld layers, width %lld, %lld x %lld tokens, %s): %.1f ms median, %.0f tokens/s, "
+  std::fprintf(stderr, "\nGPT step%s (%lld layers, width %lld, %lld x %lld tokens, %s): %.1f ms median, %.0f tokens/s, "
                "%.1f TFLOP/s, MFU %.3f of %.1f, peak memory %.1f GiB, loss %.4f\n",
-               static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd), static_cast<long long>(B),
+               o.graph ? " in a CUDA graph" : "", static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd),
+               static_cast<long long>(B),
                static_cast<long long>(S), precision, ms, 1000.0 * tokens / ms, tflops, tflops / peak, peak, peak_gib,
                loss);
 }
@@ -730,6 +764,8 @@ int main(int argc, char** argv) {
   app.add_flag("--flash,!--no-flash", o.flash, "fused attention in the bf16 GPT step (default on)");
   app.add_flag("--epilogues,!--no-epilogues", o.epilogues,
                "cuBLASLt's fused bias, GELU and bias-gradient epilogues in the GPT steps (default on)");
+  app.add_flag("--cuda-graph", o.graph, "capture the GPT step in a CUDA graph and replay it, the loss kept on the "
+               "device (fused classifier) and AdamW in one launch: gated kernels, so PTRAIN_UNVERIFIED_CUDA=1");
   app.add_option("--peak-tflops-bf16", o.peak_tflops_bf16, "peak for the bf16 MFU; 989.4 = H100/H200 SXM dense");
   CLI11_PARSE(app, argc, argv);
 

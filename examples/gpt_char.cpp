@@ -91,6 +91,7 @@ struct Options {
   std::string parallel = "none";
   std::string device = "cpu";
   std::string precision = "fp32";
+  std::string cuda_graphs = "on";  // --cuda-graphs: capture the step in a CUDA graph (--device cuda)
   std::string fsdp_strategy = "full_shard";
   int hybrid_shard_size = 0;  // 0: the launcher's ranks per node
   int stages = 0;             // --parallel pipeline: stages per replica (0: every rank one stage)
@@ -773,6 +774,26 @@ void print_sample(const Options& o, M& model, const Corpus& corpus) {
 
 }  // namespace
 
+// Why --device cuda --cuda-graphs on cannot capture this run's step (empty: it can;
+// Note [CUDA graphs of the step] in ptrain/train/step_graph.hpp).
+template <class T>
+std::string cuda_graph_blocker(const Options& o, parallel::Engine<T>& engine, Device device) {
+  if (o.cuda_graphs != "on" || !device.is_cuda()) return "not asked for";
+  if (!kernels::cuda_kernel_enabled("cuda_graph_step"))
+    return "cuda_graph_step is gated (ptrain/kernels/cuda_unverified.hpp; PTRAIN_UNVERIFIED_CUDA=1 runs it)";
+  if (engine.mode() != parallel::Mode::Local && engine.mode() != parallel::Mode::DDP &&
+      engine.mode() != parallel::Mode::FSDP)
+    return "the engine computes its loss its own way";
+  if (engine.mode() == parallel::Mode::FSDP && o.grad_clip > 0)
+    return "an FSDP norm spans the shards, which Engine::clip_grad_norm_ sums on the host (--grad-clip 0 captures)";
+  dist::Communicator* dp = engine.data_parallel_group();
+  if (engine.mode() != parallel::Mode::Local &&
+      (!engine.communicator().graph_capturable() || (dp && !dp->graph_capturable())))
+    return "the engine's collectives go through host memory (MPI, Gloo); NCCL's can be captured";
+  if (o.dropout > 0) return "dropout draws its masks on the host, which a replay would repeat";
+  return {};
+}
+
 // The training run in element type T (float, or bf16 with --precision bf16) of
 // the model K describes (Note [gpt_char models]).
 template <class T, class K>
@@ -816,8 +837,19 @@ int run(Options opt) {
     RandomWindows val_windows(corpus.val, opt.block, opt.seed + 1, 0, 1, corpus.vocab_size);
     // The same options and decay filter in every mode: FSDP's local entries carry
     // the parameter names (1-D pieces of them), and the filter decides by name.
-    optim::AdamW<T> optimizer(engine.parameters(), {.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay},
+    // --cuda-graphs (Note [CUDA graphs of the step] in ptrain/train/step_graph.hpp): the
+    // step never waits for the host, so AdamW clips on the device (max_grad_norm: the
+    // same coefficient as clip_grad_norm_) and the loss stays there between progress lines.
+    std::string graphs_off = cuda_graph_blocker(opt, engine, device);
+    const bool graph_loop = graphs_off.empty();
+    optim::AdamW<T> optimizer(engine.parameters(),
+                              {.lr = opt.lr, .beta2 = 0.99, .weight_decay = opt.weight_decay,
+                               .max_grad_norm = graph_loop ? opt.grad_clip : 0.0},
                               K::decay_filter());
+    if (graph_loop && !optimizer.use_device_scalars(true))
+      graphs_off = "AdamW's one-launch update is gated (PTRAIN_UNVERIFIED_CUDA=1 runs it)";
+    if (lead && device.is_cuda() && opt.cuda_graphs == "on" && !graphs_off.empty())
+      std::printf("CUDA graphs off: %s\n", graphs_off.c_str());
     const optim::WarmupCosine schedule{.base_lr = opt.lr, .warmup = opt.warmup, .total = opt.steps,
                                        .min_lr = opt.min_lr};
     TrainState state{0, train_windows, K::dropout_streams(*model), replicas, opt.batch,
@@ -877,9 +909,95 @@ int run(Options opt) {
       obs::Span span("forward_backward", "train");
       return engine.forward_backward(x.to(device), y.to(device), 1.0 / opt.grad_accum);
     };
+    // The step with the loss on the device, captured and replayed once the shapes are fixed.
+    train::LossWindow losses;
+    train::StepGraphPlan plan(1);
+    if (!graphs_off.empty()) plan.turn_off(graphs_off);
+    train::CudaStepGraph graph;
+    std::vector<Tensor<std::int32_t>> gx(static_cast<std::size_t>(opt.grad_accum)), gy(gx.size());  // its inputs
+    if (graph_loop) engine.set_loss(parallel::device_cross_entropy<T>(losses.step()));
+    std::int64_t window_steps = 0;  // steps since the last progress line
+    auto device_step = [&] {
+      for (std::size_t k = 0; k < gx.size(); ++k) {
+        obs::Span span("data", "train");
+        train_windows.next(opt.batch, x, y);
+        if (!gx[k].defined()) {
+          gx[k] = x.to(device);
+          gy[k] = y.to(device);
+        } else {  // into the graph's inputs, without waiting for the device
+          kernels::cuda_graph_calls().upload(gx[k].data(), x.data(), x.numel() * sizeof(std::int32_t), device.index);
+          kernels::cuda_graph_calls().upload(gy[k].data(), y.data(), y.numel() * sizeof(std::int32_t), device.index);
+        }
+      }
+      auto body = [&] {
+        losses.begin_step();
+        engine.zero_grad();
+        for (std::size_t k = 0; k < gx.size(); ++k) {
+          obs::Span span("forward_backward", "train");
+          if (k + 1 < gx.size()) {
+            auto local = engine.no_sync();
+            engine.forward_backward(gx[k], gy[k], 1.0 / opt.grad_accum);
+          } else {
+            engine.forward_backward(gx[k], gy[k], 1.0 / opt.grad_accum);
+          }
+        }
+        engine.step(optimizer);
+        losses.end_step();
+      };
+      train::StepGraphKey key;
+      key.add_shape(gx[0].shape());
+      const auto action = plan.next(key);
+      if (!plan.off()) optimizer.stage_device_scalars();
+      if (action == train::StepGraphPlan::Action::Eager) return body();
+      if (action == train::StepGraphPlan::Action::Replay) {
+        graph.launch();
+        optimizer.count_replayed_step();
+        return;
+      }
+      const std::int64_t steps_before = optimizer.steps();
+      std::string failed;
+      try {
+        if (!graph.defined()) graph = train::CudaStepGraph(device.index);
+        graph.capture("gpt_char's step", body);
+      } catch (const Error& e) {
+        failed = e.what();
+      }
+      std::int32_t any_failed = failed.empty() ? 0 : 1;  // every rank keeps its graph, or none does
+      if (world->size() > 1) world->all_reduce(&any_failed, 1, DType::I32, dist::ReduceOp::Max);
+      if (any_failed) {
+        if (failed.empty()) failed = "on another rank";
+        plan.turn_off(failed);
+        (void)optimizer.use_device_scalars(false);
+        optimizer.set_steps(steps_before);
+        if (lead) std::printf("CUDA graphs off: capturing the step failed: %s\n", failed.c_str());
+        return body();
+      }
+      plan.captured();
+      graph.launch();
+    };
     while (state.step < opt.steps) {
       tracer.step(state.step + 1);
       optimizer.set_lr(schedule(state.step));
+      if (graph_loop) {
+        device_step();
+        ++state.step;
+        ++window_steps;
+        // The loss of the steps since the last line, read once per line (Note [Loss on the device]).
+        const bool report = opt.log_every > 0 && (state.step % opt.log_every == 0 || state.step == opt.steps);
+        const double sum = report ? losses.sum() : 0.0;
+        progress.update(state.step, 1, sum, optimizer.lr(), static_cast<std::int64_t>(tokens_per_step));
+        if (report) {
+          const double mean = engine.average(sum / static_cast<double>(window_steps));
+          losses.reset();
+          window_steps = 0;
+          if (lead)
+            metrics.write({{"step", state.step}, {"loss", mean}, {"lr", optimizer.lr()},
+                           {"data_position", train_windows.position()}});
+        }
+        if (opt.eval_every > 0 && state.step % opt.eval_every == 0 && state.step < opt.steps) validate();
+        if (checkpoints.after_step()) return opt.preempt_exit_code;
+        continue;
+      }
       engine.zero_grad();
       double loss = 0;
       for (int k = 1; k < opt.grad_accum; ++k) {  // all but the last batch add up locally
@@ -900,6 +1018,7 @@ int run(Options opt) {
       if (opt.eval_every > 0 && state.step % opt.eval_every == 0 && state.step < opt.steps) validate();
       if (checkpoints.after_step()) return opt.preempt_exit_code;
     }
+    if (graph_loop) (void)losses.sum();  // a bad target of the last steps surfaces here
     tracer.flush();
     checkpoints.finish();
     validate();
@@ -958,6 +1077,9 @@ int main(int argc, char** argv) {
                "tensor-parallel layers along the sequence (--block a multiple of --tp)");
   app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--cuda-graphs", opt.cuda_graphs, "on: with --device cuda (one rank, or ddp/fsdp over NCCL), keep "
+                 "the loss on the GPU between progress lines and capture the whole step in a CUDA graph after a warm-up step, then "
+                 "replay it; off: launch every kernel each step")->check(CLI::IsMember({"on", "off"}));
   app.add_option("--precision", opt.precision, "fp32, or bf16: bf16 parameters and activations with fp32 master "
                  "weights")->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--fsdp-strategy", opt.fsdp_strategy, "with --parallel fsdp: full_shard (ZeRO-3), shard_grad_op "

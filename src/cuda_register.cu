@@ -10,6 +10,7 @@
 // stores the same pointers again.
 
 #include "ptrain/kernels/cuda/all.cuh"
+#include "ptrain/kernels/cuda/graph.hpp"
 #include "ptrain/kernels/cuda_table.hpp"
 
 namespace {
@@ -132,6 +133,7 @@ CudaKernelTable make_table() {
   t.i32.token_ids = &kc::token_ids<std::int32_t>;
   t.bf16_.flash_tc_forward = &kc::flash_tc_forward<bf16>;
   t.bf16_.flash_tc_backward = &kc::flash_tc_backward<bf16>;
+  kc::fill_graph_calls(t.graph);
   return t;
 }
 

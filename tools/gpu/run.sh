@@ -332,6 +332,12 @@ if want bench; then
     step bench_apart 60 150 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" --only gpt --no-epilogues \
       "${bench_args[@]}"
   fi
+  # The GPT steps captured in a CUDA graph and replayed (gpu_gpt_step_graph beside gpu_gpt_step:
+  # with and without graphs); the loss on the device and AdamW in one launch are gated kernels.
+  if [[ -x $bench_bin ]]; then
+    PTRAIN_UNVERIFIED_CUDA=1 step bench_graph 90 15 "$OUT/gpu_bench.log" "${to_jsonl[@]}" "$bench_bin" --only gpt \
+      --cuda-graph "${bench_args[@]}"
+  fi
 fi
 # The bf16 step at larger batches: an H100 or H200 holds far more than 8 x 1024 tokens.
 if want batch; then

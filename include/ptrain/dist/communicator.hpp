@@ -531,6 +531,10 @@ class Communicator {
   /// True when tensors on `d` can be passed directly: host memory for MPI and
   /// Gloo (Debian's builds are not CUDA-aware), the communicator's own GPU for NCCL.
   virtual bool serves(Device d) const { return d.is_cpu(); }
+  /// Whether operations on device memory can be captured in a CUDA graph (Note [CUDA
+  /// graphs of the step] in train/step_graph.hpp): NCCL's; not MPI's or Gloo's, which go
+  /// through host memory and wait on the host.
+  virtual bool graph_capturable() const { return false; }
   /// Throws CommError unless serves(d); `who` names the caller ("DDP", "FSDP", "Pipeline").
   void check_serves(Device d, const char* who) const {
     PTRAIN_CHECK(serves(d), CommError, "[ptrain.comm.device] ", who, " holds its tensors on ", d.str(), " but the ",

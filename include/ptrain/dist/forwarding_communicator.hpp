@@ -58,6 +58,7 @@ class ForwardingCommunicator : public Communicator {
   void group_start() override { inner_->group_start(); }
   void group_end() override { inner_->group_end(); }
   bool serves(Device d) const override { return inner_->serves(d); }
+  bool graph_capturable() const override { return inner_->graph_capturable(); }
 
  protected:
   /// Takes the inner communicator's timeout. `inner` may be null here so that the

@@ -125,6 +125,7 @@ class NcclCommunicator : public Communicator {
   ncclComm_t native() const { return comm_; }
   /// Tensors on this communicator's GPU (host buffers are staged, for scalars only: Note [Host buffers]).
   bool serves(Device d) const override { return d.is_cuda() && d.index == device_; }
+  bool graph_capturable() const override { return true; }
 
   /// Fuses the send/recv calls until group_end() (needed for rings: NCCL's p2p blocks until matched).
   /// Device buffers only; the Works of grouped calls complete only after group_end() (Note [NCCL groups]).
@@ -403,6 +404,10 @@ class NcclCommunicator : public Communicator {
     check_alive(w->what());
     check_no_other_group(w->what());
     const cudaStream_t user = user_stream_ ? user_stream_ : kernels::cuda::current_stream(device_);
+    // Note [NCCL in a CUDA graph]: the user's stream is capturing.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    PTRAIN_CHECK_CUDA(cudaStreamIsCapturing(user, &capture));
+    if (capture != cudaStreamCaptureStatusNone) w->set_captured(user);
     PTRAIN_CHECK_CUDA(cudaEventRecord(ready_->get(), user));
     PTRAIN_CHECK_CUDA(cudaStreamWaitEvent(stream_, ready_->get(), 0));
     call();
@@ -445,6 +450,7 @@ class NcclCommunicator : public Communicator {
   void record_launched(const std::shared_ptr<detail::NcclWork>& w) {
     PTRAIN_CHECK_CUDA(cudaEventRecord(w->event.get(), stream_));
     w->set_launched();
+    if (w->captured()) return;  // Note [NCCL in a CUDA graph]: nothing runs until a replay
     last_ = w;
     std::lock_guard lock(pending_m_);
     pending_.push_back(w);

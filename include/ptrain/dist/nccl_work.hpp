@@ -18,6 +18,18 @@
 // lock comes within the timeout. The watchdog reads the asynchronous error
 // only when the lock is free: a caller holding it is settling a call, which
 // reads the same state.
+//
+// Note [NCCL in a CUDA graph]
+// NCCL operations can be captured in a CUDA graph (Note [CUDA graphs of the step]
+// in train/step_graph.hpp). An operation enqueued while the caller's stream is
+// capturing runs nothing until the graph is replayed, and its event is a node of
+// the graph, never recorded on the device's timeline: polling it would be
+// meaningless. Such a Work is `captured`: the watchdog never sees it (nor does
+// split()'s wait for the last operation), and waiting for it joins the
+// communicator's stream back into the capture (cudaStreamWaitEvent on the
+// capturing stream), so that the replay orders the work after it behind the
+// collective. A replayed collective has no watchdog deadline of its own: a
+// dead peer is seen by the next eager operation's, or by NCCL's asynchronous error.
 
 #if defined(PTRAIN_NCCL)
 
@@ -68,6 +80,12 @@ class NcclWork : public Work {
   }
   // Seen complete by the watchdog before any abort: a later abort does not make it fail.
   void set_done() { done_ = true; }
+  // Note [NCCL in a CUDA graph]: enqueued while `stream` was capturing.
+  void set_captured(cudaStream_t stream) {
+    captured_ = true;
+    capture_stream_ = stream;
+  }
+  bool captured() const { return captured_; }
   // The group holding the operation failed at group_end(); waits throw `why`.
   void set_failed(std::string why) {
     {
@@ -98,6 +116,11 @@ class NcclWork : public Work {
     }
   }
   bool try_finish() override {
+    if (captured_) {  // Note [NCCL in a CUDA graph]: join the capture instead of polling
+      if (!done_) PTRAIN_CHECK_CUDA(cudaStreamWaitEvent(capture_stream_, event.get(), 0));
+      done_ = true;
+      return true;
+    }
     if (done_) return true;
     if (failed_) {
       std::lock_guard lock(m_);
@@ -129,6 +152,8 @@ class NcclWork : public Work {
   std::chrono::milliseconds timeout_;
   std::chrono::steady_clock::time_point deadline_;
   std::atomic<bool> launched_{false}, done_{false}, failed_{false};
+  bool captured_ = false;
+  cudaStream_t capture_stream_ = nullptr;
   std::mutex m_;
   std::string failure_;
 };

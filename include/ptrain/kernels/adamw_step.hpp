@@ -25,6 +25,11 @@ struct AdamWStep {
   /// of to nearest.
   bool stochastic_rounding = false;
   std::uint64_t seed = 0;
+  /// CUDA graphs (Note [CUDA graphs of the step] in train/step_graph.hpp): when non-null,
+  /// the update reads the learning rate from lr_step[0] and the step from lr_step[1] (a
+  /// whole number), in the buffers' memory, when it runs, instead of lr and step above, so
+  /// that a replayed graph follows the schedule.
+  const double* lr_step = nullptr;
 };
 
 }  // namespace ptrain::kernels

@@ -19,6 +19,7 @@
 // for bf16, token_ids for bf16, everything but token_ids for int32); calling one
 // throws [ptrain.cuda.unsupported].
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -169,12 +170,29 @@ struct CudaKernels {
   void (*moe_combine_backward)(I64, I64, I64, const I32*, const T*, const T*, const T*, T*, T*) = nullptr;
 };
 
+/// Host calls of CUDA graphs (kernels/cuda/graph.hpp), for code that g++ builds without
+/// the toolkit's headers: the Trainer's step graph (train/step_graph.hpp, Note [CUDA
+/// graphs of the step]). A graph is an opaque handle owning its capture stream.
+struct CudaGraphCalls {
+  void* (*create)(int device) = nullptr;          ///< a graph of `device`, empty, with a capture stream of its own
+  void (*begin)(void* graph) = nullptr;           ///< makes the capture stream current and starts capturing on it
+  void (*end)(void* graph) = nullptr;             ///< ends the capture, restores the stream, instantiates
+  void (*abort)(void* graph) noexcept = nullptr;  ///< ends a failed capture (discarded) and restores the stream
+  void (*launch)(void* graph) = nullptr;          ///< replays on the device's current stream
+  void (*destroy)(void* graph) noexcept = nullptr;
+  bool (*capturing)(int device) = nullptr;        ///< whether `device`'s current stream is capturing
+  /// Host -> device copy queued on the current stream without waiting for the device; the
+  /// source may change once it returns (the runtime stages pageable memory).
+  void (*upload)(void* dst, const void* src, std::size_t bytes, int device) = nullptr;
+};
+
 /// Every element type's table. int32 has token_ids only.
 struct CudaKernelTable {
   CudaKernels<float> f32;
   CudaKernels<double> f64;
   CudaKernels<bf16> bf16_;
   CudaKernels<std::int32_t> i32;
+  CudaGraphCalls graph;
 };
 
 namespace detail {
@@ -182,6 +200,13 @@ namespace detail {
 inline const CudaKernelTable*& cuda_kernel_table_slot() {
   static const CudaKernelTable* table = nullptr;
   return table;
+}
+
+/// What the calling thread is capturing into a CUDA graph (null: nothing), named in the
+/// error of an operation that cannot be captured (CudaBackend::copy's host reads).
+inline const char*& graph_capture_what() {
+  thread_local const char* what = nullptr;
+  return what;
 }
 
 [[noreturn]] inline void throw_cuda_unavailable(const char* what) {
@@ -195,6 +220,13 @@ inline const CudaKernelTable*& cuda_kernel_table_slot() {
 /// True when ptrain's CUDA kernels and the cuda:N backend are linked into this program
 /// (the ptrain::cuda target); it says nothing about GPUs being present.
 inline bool cuda_kernels_linked() { return detail::cuda_kernel_table_slot() != nullptr; }
+
+/// The CUDA graph calls (CudaGraphCalls); throws [ptrain.cuda.unavailable] without ptrain::cuda.
+inline const CudaGraphCalls& cuda_graph_calls() {
+  const CudaKernelTable* t = detail::cuda_kernel_table_slot();
+  if (!t) detail::throw_cuda_unavailable("a CUDA graph");
+  return t->graph;
+}
 
 /// The CUDA kernels for element type T; throws [ptrain.cuda.unavailable] when the
 /// program was not linked with ptrain::cuda.

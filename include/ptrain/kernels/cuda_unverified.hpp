@@ -73,6 +73,8 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "moe_combine_backward",
     // dist/nccl_communicator.hpp: all_to_all and all_to_all_v as grouped ncclSend/ncclRecv
     "nccl_all_to_all",
+    // kernels/cuda/graph.hpp, train/step_graph.hpp: the Trainer's step captured in a CUDA graph
+    "cuda_graph_step",
 };
 
 /// True when `name` is on the gate's list.

@@ -44,6 +44,8 @@ class DeviceLoss {
   void add_weight(double w) { weight_ += w; }
   /// The total weight of the losses added since the last reset (one per unweighted loss).
   double weight() const { return weight_; }
+  /// The part of sum() added on the host (add_host), without reading the device.
+  double host_sum() const { return host_; }
 
   /// The weighted sum of the losses added since the last reset. Reads the device (it
   /// waits for the work queued before it); throws ShapeError [ptrain.cross_entropy]

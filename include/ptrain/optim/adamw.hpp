@@ -102,6 +102,21 @@ class AdamW : public Optimizer<T> {
     }
   }
 
+  /// Note [CUDA graphs of the step]: only the one-launch update on a GPU reads its scalars
+  /// from device memory.
+  bool use_device_scalars(bool on) override {
+    if (on && !(this->values_.device().is_cuda() && one_launch())) return false;
+    device_scalars_ = on;
+    return true;
+  }
+  void stage_device_scalars() override {
+    PTRAIN_CHECK(device_scalars_, Error, "[ptrain.optim.graph] stage_device_scalars() before use_device_scalars(true)");
+    const Device d = this->values_.device();
+    if (!lr_step_.defined()) lr_step_ = Tensor<double>::zeros({2}, d);
+    const double v[2] = {this->lr_, static_cast<double>(this->steps_ + 1)};
+    kernels::cuda_graph_calls().upload(lr_step_.data(), v, sizeof v, d.index);
+  }
+
   /// The sum of squares of the gradients that the last step clipped with (max_grad_norm
   /// through the one-launch update; undefined otherwise), one double on the parameters'
   /// device: sqrt of its value is the norm before clipping. Reading it waits for the device.
@@ -138,6 +153,11 @@ class AdamW : public Optimizer<T> {
     s.step = this->steps_;
     s.stochastic_rounding = opt_.stochastic_rounding;
     s.seed = opt_.seed;
+    if (device_scalars_) {
+      PTRAIN_CHECK(lr_step_.defined(), Error, "[ptrain.optim.graph] AdamW with device scalars stepped before "
+                   "stage_device_scalars()");
+      s.lr_step = lr_step_.data();
+    }
     if (opt_.max_grad_norm > 0) {
       if (!grad_sumsq_.defined()) grad_sumsq_ = Tensor<double>::zeros({1}, d);
       ops::sum_squares_into(this->grads_, grad_sumsq_);
@@ -159,6 +179,8 @@ class AdamW : public Optimizer<T> {
   Tensor<std::int64_t> range_ends_;   // ranges_ on the parameters' device, for adamw_update_ranges
   Tensor<std::uint8_t> range_decay_;
   Tensor<double> grad_sumsq_;
+  bool device_scalars_ = false;
+  Tensor<double> lr_step_;  // {lr, step} for AdamWStep::lr_step
 };
 
 }  // namespace ptrain::optim

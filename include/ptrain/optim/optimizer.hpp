@@ -48,6 +48,18 @@ class Optimizer {
   std::int64_t steps() const { return steps_; }
   void set_steps(std::int64_t s) { steps_ = s; }
 
+  /// CUDA graphs of the step (Note [CUDA graphs of the step] in train/step_graph.hpp):
+  /// on, step() reads the learning rate and the step count from device memory, where
+  /// stage_device_scalars() writes them before each captured or replayed step, so that
+  /// a replay follows set_lr(). Returns false when this optimizer cannot (a replay would
+  /// repeat the captured values: the caller must not capture it); off always succeeds.
+  virtual bool use_device_scalars(bool on) { return !on; }
+  /// Writes lr() and steps() + 1 (the step the next update counts) to device memory,
+  /// queued on the current stream without waiting for the device.
+  virtual void stage_device_scalars() {}
+  /// Counts a step that a replayed graph made (step() did not run on the host).
+  void count_replayed_step() { ++steps_; }
+
   /// Per-parameter views of every state buffer, named "<param>.<state>".
   std::vector<std::pair<std::string, Tensor<acc_t<T>>>> state_tensors() {
     std::vector<std::pair<std::string, Tensor<acc_t<T>>>> out;

@@ -126,6 +126,8 @@ double cross_entropy(const Tensor<T>& output, const Targets<T>& targets, Tensor<
 /// step when a step's grad_scales add up to 1, as gradient accumulation's do) and
 /// reset() it there. Evaluation (no dout) computes and returns the loss as
 /// cross_entropy does. `window` must outlive the engine's use of the function.
+/// keep_output: the gradient goes to a copy of the output, which stays as it was (for
+/// a model whose last layer reads its output in backward; one more [rows, classes]).
 ///
 ///   ops::DeviceLoss window;
 ///   engine->set_loss(parallel::device_cross_entropy<bf16>(window));
@@ -133,15 +135,15 @@ double cross_entropy(const Tensor<T>& output, const Targets<T>& targets, Tensor<
 ///   if (step % 100 == 0) { std::printf("loss %.4f\n", engine->average(window.mean())); window.reset(); }
 template <class T>
 LossFn<T> device_cross_entropy(ops::DeviceLoss& window, std::int32_t ignore_index = -100,
-                               double label_smoothing = 0.0) {
-  return [&window, ignore_index, label_smoothing](const Tensor<T>& output, const Targets<T>& targets,
-                                                  Tensor<T>* dout, acc_t<T> scale) {
+                               double label_smoothing = 0.0, bool keep_output = false) {
+  return [&window, ignore_index, label_smoothing, keep_output](const Tensor<T>& output, const Targets<T>& targets,
+                                                               Tensor<T>* dout, acc_t<T> scale) {
     nn::CrossEntropyLoss<T> ce(ignore_index, label_smoothing);
     if (!dout) {
       nn::Cache<T> cache;
       return ce.forward(output, targets, cache);
     }
-    Tensor<T> logits = output;  // the same storage, overwritten with the gradient
+    Tensor<T> logits = keep_output ? output.clone() : output;  // overwritten with the gradient
     *dout = ce.forward_backward(logits, targets, window, scale, static_cast<double>(scale));
     return std::numeric_limits<double>::quiet_NaN();
   };
@@ -233,6 +235,8 @@ class Engine {
 
   /// The loss forward_backward() and eval_loss() use; default cross_entropy.
   void set_loss(LossFn<T> loss) { loss_ = std::move(loss); }
+  /// Whether set_loss() gave a loss other than the default.
+  bool has_loss() const { return static_cast<bool>(loss_); }
 
   /// Call (collectively) after changing parameters() other than through step(),
   /// e.g. after loading a checkpoint (FSDP gathers or drops its full copies).

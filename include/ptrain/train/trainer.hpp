@@ -35,11 +35,16 @@
 // size (Note [Sampler reshape] in ckpt/sampler_state.hpp). On more ranks the
 // steps are smaller than the checkpoint's: the manager knows the run resumed
 // (CheckpointManager::resumed_from), so the new saves replace the old numbering.
+//
+// On a GPU the step's loss stays on the device and is read only where it is
+// reported (Note [Loss on the device] in train/step_graph.hpp), and the whole
+// step is captured in a CUDA graph and replayed (Note [CUDA graphs of the step]).
 
 #include <csignal>
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -59,6 +64,7 @@
 #include "ptrain/parallel/engine.hpp"
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"
+#include "ptrain/train/step_graph.hpp"
 #include "ptrain/train/stragglers.hpp"
 
 namespace ptrain::train {
@@ -81,6 +87,13 @@ struct TrainerOptions {
   bool start_over = false;  ///< when every checkpoint there is corrupt: set them aside and start at step 0 (else refuse)
   int preempt_exit_code = 0;          ///< returned after the checkpoint a signal asked for
   nlohmann::json config = nlohmann::json::object();  ///< the run's settings; a resume with others is refused
+  /// Keep each step's loss on the device, read only for the progress line and metrics, at
+  /// checkpoints and at the end (Note [Loss on the device]). Unset: on when the parameters
+  /// are on a GPU, the engine is Local, DDP or FSDP and its loss is the default cross-entropy.
+  std::optional<bool> device_loss = {};
+  /// Capture the whole step in a CUDA graph and replay it (Note [CUDA graphs of the step]);
+  /// GPU runs with the loss on the device only; turned off, with a note, where it cannot be.
+  bool cuda_graphs = true;
 };
 
 /// What run() ended with.
@@ -103,7 +116,8 @@ inline std::int64_t resumed_step(std::int64_t epoch, std::int64_t steps_per_epoc
 struct StepInfo {
   std::int64_t step;  ///< 1-based, over the whole run
   int epoch;          ///< 1-based
-  double loss;        ///< this rank's mean micro-batch loss
+  double loss;        ///< this rank's mean micro-batch loss; with the loss on the device (Note [Loss on the
+                      ///< device]) NaN, except on steps that log, where it is the mean since the last log
   double lr;
 };
 
@@ -167,6 +181,20 @@ class Trainer {
       return ts;
     };
 
+    const bool device_loss = use_device_loss();
+    auto restore = [this, device_loss](void*) {
+      if (device_loss) engine_.set_loss({});
+      (void)opt_.use_device_scalars(false);
+      graph_ = CudaStepGraph();
+      inputs_ = Batch<T>();
+    };
+    const std::unique_ptr<void, decltype(restore)> restore_guard(this, restore);
+    plan_ = StepGraphPlan(1);
+    if (const std::string why = graph_blocker(device_loss); !why.empty()) {
+      plan_.turn_off(why);
+      if (lead && o_.cuda_graphs && engine_.parameters().values().device().is_cuda())
+        std::printf("CUDA graphs off: %s\n", why.c_str());
+    }
     MetricsWriter metrics = open_metrics(lead, resumed);
     obs::Tracer& tracer = obs::Tracer::get();
     tracer.configure_from_env(engine_.communicator().rank());
@@ -201,17 +229,29 @@ class Trainer {
         const auto idx = sampler.next(o_.batch);
         if (o_.drop_last && static_cast<std::int64_t>(idx.size()) < o_.batch) break;
         std::optional<obs::Span> data_span(std::in_place, "data", "train");
-        const Batch<T> b = to_device(data_.get(idx));
+        // With the loss on the device the batch goes to the device in device_step().
+        const Batch<T> b = device_loss ? data_.get(idx) : to_device(data_.get(idx));
         data_span.reset();
         const double t_data = clock.seconds() - t0;
         if (schedule) opt_.set_lr(schedule(result.step));
-        const double loss = step(b);
+        double loss = device_loss ? 0.0 : step(b);
+        if (device_loss) device_step(b, lead);
         ++result.step;
+        const bool report = o_.log_every > 0 && (result.step % o_.log_every == 0 || result.step == total);
+        // Device loss: 0 for the steps between reports and the window's sum at a report,
+        // so that the progress line and the record below average what they did before.
+        if (device_loss && report) loss = losses_.sum();
         times.add(clock.seconds() - t0, t_data, dist::collective_wait_seconds() - wait0);
         progress.update(result.step, epoch + 1, loss, opt_.lr(), b.rows() * data_world);
-        if (on_step) on_step({result.step, epoch + 1, loss, opt_.lr()});
         window.add(b.rows() * data_world, loss);
-        if (o_.log_every > 0 && (result.step % o_.log_every == 0 || result.step == total)) {
+        if (on_step) {
+          const double step_loss = !device_loss ? loss
+                                   : report     ? window.mean_loss()
+                                                : std::numeric_limits<double>::quiet_NaN();
+          on_step({result.step, epoch + 1, step_loss, opt_.lr()});
+        }
+        if (device_loss && report) losses_.reset();
+        if (report) {
           const double mean = engine_.average(window.mean_loss());  // every rank, same steps
           const double now = clock.seconds();
           nlohmann::json rec = {{"step", result.step}, {"epoch", epoch + 1}, {"loss", mean}, {"lr", opt_.lr()},
@@ -224,6 +264,7 @@ class Trainer {
         }
         if (saver && o_.checkpoint_every > 0 && result.step % o_.checkpoint_every == 0) {
           obs::Span span("checkpoint.save", "ckpt");
+          if (device_loss) (void)losses_.sum();  // a bad target surfaces before the checkpoint
           ckpt::save(*saver, *mgr, result.step, engine_, &opt_, state());  // returns after a copy to host memory
           last_saved = result.step;
         }
@@ -231,6 +272,7 @@ class Trainer {
         // One all-reduce per step: every rank stops at the same step when any got a signal.
         if (preempt && preempt->should_stop(&engine_.communicator())) {
           saver->wait();
+          if (device_loss) (void)losses_.sum();
           ckpt::save(*mgr, result.step, engine_, &opt_, state());
           if (lead) {
             std::printf("signal %d: checkpoint of step %lld committed in %s; exiting\n", preempt->signal(),
@@ -244,6 +286,7 @@ class Trainer {
       }
       if (o_.eval_every == 0 || result.step % o_.eval_every != 0) run_eval(epoch + 1);
     }
+    if (device_loss) (void)losses_.sum();  // the end: a bad target of the last steps surfaces here
     if (saver) {
       saver->wait();
       if (last_saved != result.step) ckpt::save(*mgr, result.step, engine_, &opt_, state());
@@ -252,7 +295,8 @@ class Trainer {
     return result;
   }
 
-  /// One optimizer step on this rank's batch (Note [Trainer steps]); returns the mean micro-batch loss.
+  /// One optimizer step on this rank's batch (Note [Trainer steps]); returns the mean micro-batch
+  /// loss (NaN when the engine's loss keeps it on the device: Note [Loss on the device]).
   double step(const Batch<T>& b) {
     const std::int64_t rows = b.rows();
     const int k = static_cast<int>(std::min<std::int64_t>(o_.grad_accum, rows));
@@ -278,6 +322,12 @@ class Trainer {
     engine_.step(opt_);
     return loss;
   }
+
+  /// The steps' losses on the device since the last report (Note [Loss on the device]).
+  const LossWindow& loss_window() const { return losses_; }
+  /// When graphs are captured and replayed (Note [CUDA graphs of the step]); off() says
+  /// whether the last run() ran eagerly and why_off() why.
+  const StepGraphPlan& graph_plan() const { return plan_; }
 
  private:
   // The leader's metrics writer. Every rank learns whether it opened: a leader
@@ -329,6 +379,133 @@ class Trainer {
                             : engine_.forward_backward(mb.x, mb.targets, scale);
   }
 
+  // Note [Loss on the device]: on where asked, or by default on a GPU for the engines whose
+  // forward_backward runs the whole model's loss on this rank, with the default loss.
+  bool use_device_loss() {
+    const parallel::Mode m = engine_.mode();
+    const bool whole_loss = m == parallel::Mode::Local || m == parallel::Mode::DDP || m == parallel::Mode::FSDP;
+    const bool on = o_.device_loss.value_or(engine_.parameters().values().device().is_cuda() && whole_loss &&
+                                            !engine_.has_loss());
+    if (!on) return false;
+    PTRAIN_CHECK(whole_loss && !engine_.has_loss(), Error, "[ptrain.trainer.device_loss] device_loss needs a "
+                 "Local, DDP or FSDP engine with the default cross-entropy loss (the Trainer sets "
+                 "parallel::device_cross_entropy); leave device_loss unset");
+    // keep_output: the Trainer does not know whether the model's last layer reads its output.
+    engine_.set_loss(parallel::device_cross_entropy<T>(losses_.step(), -100, 0.0, true));
+    losses_.reset();
+    return true;
+  }
+
+  // Why this run cannot capture its step (empty: it can; Note [CUDA graphs of the step]).
+  std::string graph_blocker(bool device_loss) {
+    if (!o_.cuda_graphs || !engine_.parameters().values().device().is_cuda()) return "not asked for";
+    if (!kernels::cuda_kernel_enabled("cuda_graph_step"))
+      return "cuda_graph_step is gated (ptrain/kernels/cuda_unverified.hpp; PTRAIN_UNVERIFIED_CUDA=1 runs it)";
+    if (!device_loss) return "the loss is read on the host each step (a loss of your own, or a pipeline or "
+                             "tensor-parallel engine)";
+    dist::Communicator* dp = engine_.data_parallel_group();
+    if (engine_.mode() != parallel::Mode::Local &&
+        (!engine_.communicator().graph_capturable() || (dp && !dp->graph_capturable())))
+      return "the engine's collectives go through host memory (MPI, Gloo); NCCL's can be captured";
+    if (o_.grad_clip > 0)
+      return "grad_clip reads the norm on the host; clip on the device with AdamWOptions::max_grad_norm instead";
+    if (!opt_.use_device_scalars(true))
+      return "the optimizer takes the learning rate by value (AdamW's one-launch update on a GPU reads it from "
+             "the device)";
+    return {};
+  }
+
+  // The step with the loss on the device: eager, captured or replayed (Note [CUDA graphs of
+  // the step]); `b` is the batch as the data set gave it.
+  void device_step(const Batch<T>& b, bool lead) {
+    auto eager = [&](const Batch<T>& batch) {
+      losses_.begin_step();
+      (void)step(batch);
+      losses_.end_step();
+    };
+    StepGraphKey key;
+    if (b.x.defined()) key.add_shape(b.x.shape());
+    if (b.ids.defined()) key.add_shape(b.ids.shape());
+    key.add_shape(b.targets.shape());
+    key.settings = "grad_accum=" + std::to_string(o_.grad_accum);
+    auto note_off = [&](const std::string& why) {
+      plan_.turn_off(why);
+      (void)opt_.use_device_scalars(false);
+      graph_ = CudaStepGraph();
+      inputs_ = Batch<T>();
+      if (lead) std::printf("CUDA graphs off: %s\n", why.c_str());
+    };
+    switch (plan_.next(key)) {
+      case StepGraphPlan::Action::Eager: {
+        const std::uint64_t draws = random_draws();
+        if (!plan_.off()) opt_.stage_device_scalars();  // a warm-up step: the optimizer reads them already
+        eager(to_device(b));
+        if (!plan_.off() && random_draws() != draws)
+          note_off("the model draws random numbers on the host (dropout), which a replay would repeat");
+        return;
+      }
+      case StepGraphPlan::Action::Capture: {
+        const Device d = engine_.parameters().values().device();
+        inputs_ = to_device(b);
+        inputs_ = {inputs_.x.defined() ? inputs_.x.clone() : Tensor<T>(),
+                   inputs_.ids.defined() ? inputs_.ids.clone() : Tensor<std::int32_t>(),
+                   inputs_.targets.is_ids() ? nn::Targets<T>(inputs_.targets.ids().clone())
+                                            : nn::Targets<T>(inputs_.targets.values().clone())};
+        if (!graph_.defined()) graph_ = CudaStepGraph(d.index);  // a capture again reuses its stream's pool
+        const std::int64_t steps = opt_.steps();
+        opt_.stage_device_scalars();
+        std::string failed;
+        try {
+          graph_.capture("the Trainer's step", [&] { eager(inputs_); });
+        } catch (const Error& e) {
+          failed = e.what();
+        }
+        // Every rank keeps its graph, or none does: their collectives must match.
+        dist::Communicator& comm = engine_.communicator();
+        std::int32_t any_failed = failed.empty() ? 0 : 1;
+        if (comm.size() > 1) comm.all_reduce(&any_failed, 1, DType::I32, dist::ReduceOp::Max);
+        if (any_failed) {
+          opt_.set_steps(steps);
+          note_off("capturing the step failed: " + (failed.empty() ? std::string("on another rank") : failed));
+          eager(to_device(b));
+          return;
+        }
+        plan_.captured();
+        graph_.launch();
+        return;
+      }
+      case StepGraphPlan::Action::Replay:
+        put(inputs_.x, b.x);
+        put(inputs_.ids, b.ids);
+        if (b.targets.is_ids()) put(inputs_.targets.ids(), b.targets.ids());
+        else put(inputs_.targets.values(), b.targets.values());
+        opt_.stage_device_scalars();
+        graph_.launch();
+        opt_.count_replayed_step();
+        return;
+    }
+  }
+
+  // Copies a batch tensor into the graph's input of the same shape: from host memory
+  // without waiting for the device (kernels::CudaGraphCalls::upload).
+  template <class U>
+  static void put(const Tensor<U>& dst, const Tensor<U>& src) {
+    if (!src.defined()) return;
+    if (src.device().is_cpu() && dst.device().is_cuda()) {
+      kernels::cuda_graph_calls().upload(dst.data(), src.data(), static_cast<std::size_t>(src.numel()) * sizeof(U),
+                                         dst.device().index);
+    } else {
+      Tensor<U>(dst).copy_(src);
+    }
+  }
+
+  // The offsets of the model's random streams, summed: a step that moves them draws on the host.
+  std::uint64_t random_draws() {
+    std::uint64_t sum = 0;
+    for (Generator* g : engine_.local_module().random_streams()) sum += g->offset();
+    return sum;
+  }
+
   // Loads the newest good checkpoint (if any); sets the sampler, the epoch and the step.
   bool try_resume(ckpt::CheckpointManager& mgr, DistributedSampler& sampler, bool lead, int& epoch,
                   std::int64_t& step) {
@@ -375,6 +552,10 @@ class Trainer {
   TrainerOptions o_;
   int data_rank_ = 0, data_world_ = 1;
   std::int64_t per_epoch_ = 0;  // steps per epoch
+  LossWindow losses_;           // Note [Loss on the device]
+  StepGraphPlan plan_;          // Note [CUDA graphs of the step]
+  CudaStepGraph graph_;
+  Batch<T> inputs_;             // the graph's static inputs
 };
 
 }  // namespace ptrain::train

@@ -48,8 +48,13 @@ A clip_coefficient(const AdamWStep& s) {
 /// the bf16 rounding of the updated p: to nearest, or stochastic (s.stochastic_rounding).
 template <class T>
 void adamw_update_ranges(std::int64_t n, std::int64_t nranges, const std::int64_t* ends, const std::uint8_t* decay,
-                         acc_t<T>* p, const T* g, acc_t<T>* m, acc_t<T>* v, bf16* param, const AdamWStep& s) {
+                         acc_t<T>* p, const T* g, acc_t<T>* m, acc_t<T>* v, bf16* param, const AdamWStep& step) {
   using A = acc_t<T>;
+  AdamWStep s = step;
+  if (s.lr_step) {
+    s.lr = s.lr_step[0];
+    s.step = static_cast<std::int64_t>(s.lr_step[1]);
+  }
   const A coef = detail::clip_coefficient<A>(s);
   const A lr = static_cast<A>(s.lr), b1 = static_cast<A>(s.beta1), b2 = static_cast<A>(s.beta2),
           eps = static_cast<A>(s.eps);

@@ -38,13 +38,30 @@ struct AdamWScalars {
   double max_norm;
   bool stochastic;
   std::uint64_t seed, step;
+  const double* lr_step;  // AdamWStep::lr_step: the step's scalars from device memory
+  A weight_decay;
 };
+
+// AdamWStep::lr_step: the scalars adamw_update_ranges computes on the host, computed
+// by each thread from the device's learning rate and step, by the same formulas.
+template <class A>
+__device__ void adamw_device_scalars(AdamWScalars<A>& s) {
+  const A lr = static_cast<A>(s.lr_step[0]);
+  const double step = s.lr_step[1];
+  const A bc1 = A(1) - static_cast<A>(pow(static_cast<double>(s.beta1), step));
+  const A bc2 = A(1) - static_cast<A>(pow(static_cast<double>(s.beta2), step));
+  s.step_size = lr / bc1;
+  s.inv_sqrt_bc2 = A(1) / sqrt(bc2);
+  s.decay = A(1) - lr * s.weight_decay;
+  s.step = static_cast<std::uint64_t>(step);
+}
 
 template <class T>
 __global__ void adamw_ranges_kernel(std::int64_t n, std::int64_t nranges, const std::int64_t* ends,
                                     const std::uint8_t* decay_flags, acc_t<T>* p, const T* g, acc_t<T>* m,
                                     acc_t<T>* v, bf16* param, AdamWScalars<acc_t<T>> s) {
   using A = acc_t<T>;
+  if (s.lr_step) adamw_device_scalars(s);
   A coef = A(1);
   if (s.grad_sumsq) {
     const double c = s.max_norm / (sqrt(*s.grad_sumsq) + 1e-6);
@@ -114,7 +131,9 @@ void adamw_update_ranges(std::int64_t n, std::int64_t nranges, const std::int64_
                             s.max_norm,
                             s.stochastic_rounding,
                             s.seed,
-                            static_cast<std::uint64_t>(s.step)};
+                            static_cast<std::uint64_t>(s.step),
+                            s.lr_step,
+                            wd};
   detail::adamw_ranges_kernel<T><<<detail::grid_for(n), detail::kBlock, 0, current_stream()>>>(n, nranges, ends, decay,
                                                                                               p, g, m, v, param, k);
   PTRAIN_CHECK_CUDA_LAUNCH();

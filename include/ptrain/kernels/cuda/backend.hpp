@@ -20,6 +20,7 @@
 #include "ptrain/core/device.hpp"
 #include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/stream.hpp"
+#include "ptrain/kernels/cuda_table.hpp"
 
 namespace ptrain::kernels::cuda {
 
@@ -138,10 +139,38 @@ class CudaBackend final : public ::ptrain::detail::DeviceBackend {
     const int device = dst_dev.is_cuda() ? dst_dev.index : src_dev.index;
     DeviceGuard guard(device);
     const cudaStream_t stream = current_stream(device);
+    if (capturing(stream)) {
+      // A graph's device-to-device copy (Tensor::clone, copy_) is a node that nothing has to
+      // wait for: the capture runs nothing. A copy from or to the host would wait for it.
+      if (dst_dev.is_cuda() && src_dev.is_cuda()) {
+        PTRAIN_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+        return;
+      }
+      throw_capturing(dst_dev.is_cpu() ? "a device-to-host copy (a host read: Tensor::to, to_vector, a loss read)"
+                                       : "a host-to-device copy (Tensor::to, copy_ from host memory)",
+                      bytes);
+    }
     // cudaMemcpyDefault lets unified addressing find the direction; queueing on
     // the current stream orders the copy after the kernels that produced src.
     PTRAIN_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
     PTRAIN_CHECK_CUDA(cudaStreamSynchronize(stream));
+  }
+
+  // Note [CUDA graphs of the step] in train/step_graph.hpp: a copy that waits for the
+  // device cannot be captured; say which operation tried, instead of CUDA's bare error.
+  static bool capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+      (void)cudaGetLastError();  // not an error of the copy; the copy itself reports its own
+      return false;
+    }
+    return status != cudaStreamCaptureStatusNone;
+  }
+  [[noreturn]] static void throw_capturing(const char* what, std::size_t bytes) {
+    const char* in = ::ptrain::kernels::detail::graph_capture_what();
+    PTRAIN_THROW(CudaError, "[ptrain.cuda.graph_host_sync] ", what, " of ", bytes, " bytes inside a captured CUDA "
+                 "graph (", in ? in : "a capture", "): it waits for the device, which a graph cannot; keep the "
+                 "step's values on the device (ops::DeviceLoss, AdamW's max_grad_norm), or turn CUDA graphs off");
   }
 
   void memset_zero(void* dst, Device dev, std::size_t bytes) override {
