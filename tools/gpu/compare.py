@@ -72,7 +72,7 @@ def main():
             print(f"{r['layer']:10} {r['op']:16} {r['m']:6} {r['n']:6} {r['k']:6} {f:9.3f} "
                   f"{r['apart_median_ms']:9.3f} {ratio(f, r['apart_median_ms'])}")
 
-    steps = [r for r in rows if r.get("bench") == "gpu_gpt_step"]
+    steps = [r for r in rows if r.get("bench") in ("gpu_gpt_step", "gpu_gpt_step_graph")]
     if steps:
         def family(r):  # bf16 lines compare with ptrain's bf16 step at the same batch, the others with fp32/tf32
             return ("bf16" if r["precision"].startswith("bf16") else "fp32", r.get("batch"))
@@ -87,6 +87,8 @@ def main():
         for r in steps:
             if r.get("gemm_epilogues") is False:
                 r["precision"] += ",apart"  # --no-epilogues: bias and GELU as kernels of their own
+            if r["bench"] == "gpu_gpt_step_graph":
+                r["precision"] += ",graph"  # captured once, replayed each step
             if r.get("compile", "eager") != "eager":
                 r["precision"] += ",compile"  # torch.compile: PyTorch's best recipe
             print(f"{r['impl']:8} {r['attention']:12} {r['precision']:22} {r.get('batch', 0):5} {r['step_ms_median']:8.1f} "
