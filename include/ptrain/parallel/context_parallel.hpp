@@ -52,11 +52,17 @@
 
 namespace ptrain::parallel {
 
+/// How attention reaches the other ranks' keys and values: passed around a ring, block by
+/// block during the computation (Note [Ring attention]), or gathered at once (Llama 3's).
+enum class KVExchange { Ring, AllGather };
+
 /// The ranks that share one sequence and where each holds its tokens (Note [Context-parallel layout]).
 class ContextParallelGroup {
  public:
   /// comm: the cp ranks, rank = place in the layout (null: a group of one); it must outlive the group.
-  explicit ContextParallelGroup(dist::Communicator* comm) : comm_(comm) {}
+  explicit ContextParallelGroup(dist::Communicator* comm, KVExchange exchange = KVExchange::Ring)
+      : comm_(comm), exchange_(exchange) {}
+  KVExchange exchange() const { return exchange_; }
   int size() const { return comm_ ? comm_->size() : 1; }
   int rank() const { return comm_ ? comm_->rank() : 0; }
   dist::Communicator& communicator() {
@@ -98,17 +104,21 @@ class ContextParallelGroup {
             .copy_(full.view((b * S + chunk_start(rank(), half, c)) * row, {c * row}));
     return out;
   }
+  /// Every rank's `local` one after the other, in rank order (collective over the group).
+  template <class X>
+  Tensor<X> gather_blocks(const Tensor<X>& local) {
+    if (size() == 1) return local;
+    auto all = Tensor<X>::empty({size() * local.numel()}, local.device());
+    communicator().all_gather(local.data(), all.data(), static_cast<std::size_t>(local.numel()), dtype_of<X>());
+    return all;
+  }
   /// The whole [B, S, ...] from every rank's [B, 2c, ...] (collective over the group).
   template <class X>
   Tensor<X> gather(const Tensor<X>& local) {
     PTRAIN_CHECK(local.dim() >= 2 && local.size(1) % 2 == 0, ShapeError, "[ptrain.cp.gather] expected [B, 2c, ...], "
                  "got ", local.shape());
     const std::int64_t B = local.size(0), c = local.size(1) / 2, S = 2 * c * size(), row = local.numel() / (B * 2 * c);
-    Tensor<X> all = local;
-    if (size() > 1) {
-      all = Tensor<X>::empty({size() * local.numel()}, local.device());
-      communicator().all_gather(local.data(), all.data(), static_cast<std::size_t>(local.numel()), dtype_of<X>());
-    }
+    const Tensor<X> all = gather_blocks(local);
     std::vector<std::int64_t> shape(local.shape().begin(), local.shape().end());
     shape[1] = S;
     auto out = Tensor<X>::empty(Shape(shape), local.device());
@@ -122,6 +132,7 @@ class ContextParallelGroup {
 
  private:
   dist::Communicator* comm_;
+  KVExchange exchange_;
 };
 
 /// What ring_attention_backward needs besides q, k and v.
@@ -175,38 +186,74 @@ std::pair<std::shared_ptr<dist::Work>, std::shared_ptr<dist::Work>> pass_on(Cont
 }
 }  // namespace detail
 
+namespace detail {
+// Merges the attention of this rank's queries against the key/value block of rank src
+// (kv: its K then its V, [B, 2c, Hkv, D] each) into y and lse (Note [Ring attention]).
+template <class T>
+void attend_block(const ContextParallelGroup& g, const Tensor<T>& q, const T* kv, std::int64_t Hkv, int src,
+                  const Tensor<std::int32_t>& starts, std::int64_t window, Tensor<T>& y, Tensor<acc_t<T>>& lse) {
+  const std::int64_t B = q.size(0), n2 = q.size(1), c = n2 / 2, H = q.size(2), D = q.size(3), half = B * n2 * Hkv * D;
+  const auto scale = static_cast<acc_t<T>>(1.0 / std::sqrt(static_cast<double>(D)));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (int qh = 0; qh < 2; ++qh)
+      for (int kh = 0; kh < 2; ++kh) {
+        const std::int64_t q0 = g.chunk_start(g.rank(), qh, c), k0 = g.chunk_start(src, kh, c);
+        if (k0 > q0) continue;  // a later chunk: every key is in the queries' future
+        const std::int64_t qrow = b * n2 + qh * c, krow = b * n2 + kh * c;
+        kernels::cpu::ring_attention_block_forward<T>(
+            c, H, Hkv, D, q.data() + qrow * H * D, H * D, q0, starts.defined() ? starts.data() + qrow : nullptr,
+            kv + krow * Hkv * D, kv + half + krow * Hkv * D, Hkv * D, k0, window, scale, y.data() + qrow * H * D,
+            H * D, lse.data() + b * H * n2 + qh * c, n2);
+      }
+}
+// Adds the block of rank src's part of dq to dq and its dk, dv to dkv (K's then V's).
+template <class T>
+void attend_block_backward(const ContextParallelGroup& g, const Tensor<T>& q, const T* kv, std::int64_t Hkv, int src,
+                           const RingSaved<T>& saved, const Tensor<T>& dy, Tensor<T>& dq, T* dkv) {
+  const std::int64_t B = q.size(0), n2 = q.size(1), c = n2 / 2, H = q.size(2), D = q.size(3), half = B * n2 * Hkv * D;
+  const auto scale = static_cast<acc_t<T>>(1.0 / std::sqrt(static_cast<double>(D)));
+  const Tensor<std::int32_t>& starts = saved.starts;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (int qh = 0; qh < 2; ++qh)
+      for (int kh = 0; kh < 2; ++kh) {
+        const std::int64_t q0 = g.chunk_start(g.rank(), qh, c), k0 = g.chunk_start(src, kh, c);
+        if (k0 > q0) continue;
+        const std::int64_t qrow = b * n2 + qh * c, krow = b * n2 + kh * c;
+        kernels::cpu::ring_attention_block_backward<T>(
+            c, H, Hkv, D, q.data() + qrow * H * D, H * D, q0, starts.defined() ? starts.data() + qrow : nullptr,
+            kv + krow * Hkv * D, kv + half + krow * Hkv * D, Hkv * D, k0, saved.window, scale,
+            saved.out.data() + qrow * H * D, H * D, saved.lse.data() + b * H * n2 + qh * c, n2,
+            dy.data() + qrow * H * D, dq.data() + qrow * H * D, dkv + krow * Hkv * D, dkv + half + krow * Hkv * D);
+      }
+}
+template <class T>
+void check_backward_inputs(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+                           const RingSaved<T>& saved, const Tensor<T>& dy) {
+  check_ring_inputs(g, q, k, v, saved.starts);
+  check_shape(dy, q.shape(), "context-parallel attention output gradient");
+  check_shape(saved.out, q.shape(), "saved context-parallel attention output");
+  check_shape(saved.lse, {q.size(0), q.size(2), q.size(1)}, "saved context-parallel attention log-sum-exp");
+}
+}  // namespace detail
+
 /// Causal attention of this rank's queries q [B, 2c, H, D] against the keys and values
-/// k, v [B, 2c, Hkv, D] of every rank of the group (Note [Ring attention]); starts:
-/// int32 [B, 2c] global document starts of the queries (query at position p sees keys
-/// starts .. p), or undefined; window > 0: each query sees its last `window` keys.
-/// Returns y [B, 2c, H, D]; collective over the group.
+/// k, v [B, 2c, Hkv, D] of every rank of the group, passed around the ring (Note [Ring
+/// attention]); starts: int32 [B, 2c] global document starts of the queries (query at
+/// position p sees keys starts .. p), or undefined; window > 0: each query sees its last
+/// `window` keys. Returns y [B, 2c, H, D]; collective over the group.
 template <class T>
 Tensor<T> ring_attention(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                          const Tensor<std::int32_t>& starts, std::int64_t window, RingSaved<T>& saved) {
   detail::check_ring_inputs(g, q, k, v, starts);
   using A = acc_t<T>;
-  const std::int64_t B = q.size(0), n2 = q.size(1), c = n2 / 2, H = q.size(2), Hkv = k.size(2), D = q.size(3);
   const int cp = g.size(), r = g.rank();
-  const auto scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
   auto y = Tensor<T>::zeros(q.shape());
-  auto lse = Tensor<A>::full({B, H, n2}, -std::numeric_limits<A>::infinity());
+  auto lse = Tensor<A>::full({q.size(0), q.size(2), q.size(1)}, -std::numeric_limits<A>::infinity());
   Tensor<T> kv = detail::pack_kv(k, v), next = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>();
-  const std::int64_t kv_half = k.numel();
   for (int s = 0; s < cp; ++s) {
-    const int src = (r - s + cp) % cp;
     std::pair<std::shared_ptr<dist::Work>, std::shared_ptr<dist::Work>> w;
-    if (s + 1 < cp) w = detail::pass_on(g, kv, next, detail::kRingKVTag + s);
-    for (std::int64_t b = 0; b < B; ++b)
-      for (int qh = 0; qh < 2; ++qh)
-        for (int kh = 0; kh < 2; ++kh) {
-          const std::int64_t q0 = g.chunk_start(r, qh, c), k0 = g.chunk_start(src, kh, c);
-          if (k0 > q0) continue;  // a later chunk: every key is in the queries' future
-          const std::int64_t qrow = b * n2 + qh * c, krow = b * n2 + kh * c;
-          kernels::cpu::ring_attention_block_forward<T>(
-              c, H, Hkv, D, q.data() + qrow * H * D, H * D, q0, starts.defined() ? starts.data() + qrow : nullptr,
-              kv.data() + krow * Hkv * D, kv.data() + kv_half + krow * Hkv * D, Hkv * D, k0, window, scale,
-              y.data() + qrow * H * D, H * D, lse.data() + b * H * n2 + qh * c, n2);
-        }
+    if (s + 1 < cp) w = detail::pass_on(g, kv, next, detail::kRingKVTag + s);  // the next block, during this one
+    detail::attend_block(g, q, kv.data(), k.size(2), (r - s + cp) % cp, starts, window, y, lse);
     if (w.first) {
       w.first->wait();
       w.second->wait();
@@ -222,42 +269,21 @@ template <class T>
 void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                              const RingSaved<T>& saved, const Tensor<T>& dy, Tensor<T>& dq, Tensor<T>& dk,
                              Tensor<T>& dv) {
-  detail::check_ring_inputs(g, q, k, v, saved.starts);
-  check_shape(dy, q.shape(), "ring attention output gradient");
-  check_shape(saved.out, q.shape(), "saved ring attention output");
-  using A = acc_t<T>;
-  const std::int64_t B = q.size(0), n2 = q.size(1), c = n2 / 2, H = q.size(2), Hkv = k.size(2), D = q.size(3);
-  check_shape(saved.lse, {B, H, n2}, "saved ring attention log-sum-exp");
+  detail::check_backward_inputs(g, q, k, v, saved, dy);
   const int cp = g.size(), r = g.rank();
-  const auto scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
-  const Tensor<std::int32_t>& starts = saved.starts;
   dq = Tensor<T>::zeros(q.shape());
   Tensor<T> kv = detail::pack_kv(k, v), next = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>();
   Tensor<T> arrived = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>(), part, sending;
-  const std::int64_t kv_half = k.numel();
   std::shared_ptr<dist::Work> sent;  // the previous step's dk/dv partial sum on its way to rank r + 1
   for (int s = 0; s < cp; ++s) {
-    const int src = (r - s + cp) % cp;
     std::pair<std::shared_ptr<dist::Work>, std::shared_ptr<dist::Work>> w;
     if (s + 1 < cp) w = detail::pass_on(g, kv, next, detail::kRingKVTag + s);
-    std::shared_ptr<dist::Work> in;  // block src's dk/dv summed over the ranks before this one
+    std::shared_ptr<dist::Work> in;  // this block's dk/dv summed over the ranks before this one
     if (s > 0)
       in = g.communicator().recv_async(arrived.data(), static_cast<std::size_t>(arrived.numel()), dtype_of<T>(),
                                        (r + cp - 1) % cp, detail::kRingGradTag + s - 1);
     part = Tensor<T>::zeros(kv.shape());
-    for (std::int64_t b = 0; b < B; ++b)
-      for (int qh = 0; qh < 2; ++qh)
-        for (int kh = 0; kh < 2; ++kh) {
-          const std::int64_t q0 = g.chunk_start(r, qh, c), k0 = g.chunk_start(src, kh, c);
-          if (k0 > q0) continue;
-          const std::int64_t qrow = b * n2 + qh * c, krow = b * n2 + kh * c;
-          kernels::cpu::ring_attention_block_backward<T>(
-              c, H, Hkv, D, q.data() + qrow * H * D, H * D, q0, starts.defined() ? starts.data() + qrow : nullptr,
-              kv.data() + krow * Hkv * D, kv.data() + kv_half + krow * Hkv * D, Hkv * D, k0, saved.window, scale,
-              saved.out.data() + qrow * H * D, H * D, saved.lse.data() + b * H * n2 + qh * c, n2,
-              dy.data() + qrow * H * D, dq.data() + qrow * H * D, part.data() + krow * Hkv * D,
-              part.data() + kv_half + krow * Hkv * D);
-        }
+    detail::attend_block_backward(g, q, kv.data(), k.size(2), (r - s + cp) % cp, saved, dy, dq, part.data());
     if (w.first) {
       w.first->wait();
       w.second->wait();
@@ -283,7 +309,70 @@ void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const 
     sent->wait();
   }
   dk = total.view(0, k.shape());
-  dv = total.view(kv_half, v.shape());
+  dv = total.view(k.numel(), v.shape());
+}
+
+/// ring_attention's result with every rank's keys and values gathered at once (one
+/// all-gather, Llama 3's choice) instead of passed around the ring; the blocks are
+/// merged in the ring's order, so the output is the ring's. Holds the whole sequence's
+/// K and V during the call (docs/context_parallel.md, "Ring or all-gather").
+template <class T>
+Tensor<T> allgather_attention(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+                              const Tensor<std::int32_t>& starts, std::int64_t window, RingSaved<T>& saved) {
+  detail::check_ring_inputs(g, q, k, v, starts);
+  using A = acc_t<T>;
+  const int cp = g.size(), r = g.rank();
+  auto y = Tensor<T>::zeros(q.shape());
+  auto lse = Tensor<A>::full({q.size(0), q.size(2), q.size(1)}, -std::numeric_limits<A>::infinity());
+  const Tensor<T> all = g.gather_blocks(detail::pack_kv(k, v));
+  const std::int64_t n = 2 * k.numel();
+  for (int s = 0; s < cp; ++s) {
+    const int src = (r - s + cp) % cp;
+    detail::attend_block(g, q, all.data() + src * n, k.size(2), src, starts, window, y, lse);
+  }
+  saved = {y, lse, starts, window};
+  return y;
+}
+
+/// Gradients of allgather_attention: K and V gathered again, every block's dk and dv
+/// computed here and summed onto their ranks by one reduce-scatter.
+template <class T>
+void allgather_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+                                  const RingSaved<T>& saved, const Tensor<T>& dy, Tensor<T>& dq, Tensor<T>& dk,
+                                  Tensor<T>& dv) {
+  detail::check_backward_inputs(g, q, k, v, saved, dy);
+  const int cp = g.size(), r = g.rank();
+  dq = Tensor<T>::zeros(q.shape());
+  const Tensor<T> all = g.gather_blocks(detail::pack_kv(k, v));
+  const std::int64_t n = 2 * k.numel();
+  auto dall = Tensor<T>::zeros(all.shape());
+  for (int s = 0; s < cp; ++s) {
+    const int src = (r - s + cp) % cp;
+    detail::attend_block_backward(g, q, all.data() + src * n, k.size(2), src, saved, dy, dq, dall.data() + src * n);
+  }
+  Tensor<T> total = dall;
+  if (cp > 1) {
+    total = Tensor<T>::empty({n});
+    g.communicator().reduce_scatter(dall.data(), total.data(), static_cast<std::size_t>(n), dtype_of<T>(),
+                                    dist::ReduceOp::Sum);
+  }
+  dk = total.view(0, k.shape());
+  dv = total.view(k.numel(), v.shape());
+}
+
+/// The group's choice of ring_attention or allgather_attention (ContextParallelGroup::exchange()).
+template <class T>
+Tensor<T> context_attention(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+                            const Tensor<std::int32_t>& starts, std::int64_t window, RingSaved<T>& saved) {
+  return g.exchange() == KVExchange::AllGather ? allgather_attention(g, q, k, v, starts, window, saved)
+                                               : ring_attention(g, q, k, v, starts, window, saved);
+}
+template <class T>
+void context_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+                                const RingSaved<T>& saved, const Tensor<T>& dy, Tensor<T>& dq, Tensor<T>& dk,
+                                Tensor<T>& dv) {
+  if (g.exchange() == KVExchange::AllGather) allgather_attention_backward(g, q, k, v, saved, dy, dq, dk, dv);
+  else ring_attention_backward(g, q, k, v, saved, dy, dq, dk, dv);
 }
 
 }  // namespace ptrain::parallel

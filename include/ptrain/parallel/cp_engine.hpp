@@ -52,11 +52,13 @@ namespace ptrain::parallel {
 /// Context parallelism over cp consecutive ranks; data parallelism over world / cp replicas.
 struct ContextParallelPlan {
   int cp = 1;
+  /// How attention reaches the other ranks' keys and values (docs/context_parallel.md, "Ring or all-gather").
+  KVExchange kv_exchange = KVExchange::Ring;
 };
 
 /// What the layers of a context-parallel model read about the batch they run on (set by the engine).
 struct ContextParallelBatch {
-  explicit ContextParallelBatch(dist::Communicator* cp) : group(cp) {}
+  ContextParallelBatch(dist::Communicator* cp, KVExchange exchange) : group(cp, exchange) {}
   ContextParallelGroup group;
   Tensor<std::int32_t> positions;  ///< [B, 2c] positions of the local tokens (global; restarting at documents)
   Tensor<std::int32_t> starts;     ///< [B, 2c] global document starts of the local tokens, or undefined
@@ -136,7 +138,7 @@ class ContextParallelSelfAttention : public nn::Module<T> {
     auto q = detail::qkv_column(qkv, 0, n_head_, D), k = detail::qkv_column(qkv, 1, n_head_, D),
          v = detail::qkv_column(qkv, 2, n_head_, D);
     RingSaved<T> saved;
-    auto y = ring_attention(batch_->group, q, k, v, Tensor<std::int32_t>(), 0, saved);
+    auto y = context_attention(batch_->group, q, k, v, Tensor<std::int32_t>(), 0, saved);
     cache.tensors = {q, k, v, saved.out};
     cache.stats = {saved.lse};
     return c_proj_->forward(y.reshape({B, n, C}), cache.child(1));
@@ -148,7 +150,7 @@ class ContextParallelSelfAttention : public nn::Module<T> {
     const std::int64_t B = q.size(0), n = q.size(1), C = q.size(2) * q.size(3);
     auto g = c_proj_->backward(dy, cache.child(1)).reshape(q.shape());
     Tensor<T> dq, dk, dv;
-    ring_attention_backward(batch_->group, q, k, v, RingSaved<T>{cache.tensors[3], cache.stats[0], {}, 0}, g, dq, dk,
+    context_attention_backward(batch_->group, q, k, v, RingSaved<T>{cache.tensors[3], cache.stats[0], {}, 0}, g, dq, dk,
                             dv);
     auto dqkv = Tensor<T>::empty({B, n, 3 * C});
     int which = 0;
@@ -190,7 +192,7 @@ class ContextParallelGQA : public nn::Module<T> {
     ops::rotary_(q, rope_, pos);
     ops::rotary_(k, rope_, pos);
     RingSaved<T> saved;
-    auto y = ring_attention(batch_->group, q, k, v, starts, window_, saved);
+    auto y = context_attention(batch_->group, q, k, v, starts, window_, saved);
     cache.tensors = {q, k, v, saved.out};
     cache.stats = {saved.lse};
     cache.indices = {pos, starts};
@@ -203,7 +205,7 @@ class ContextParallelGQA : public nn::Module<T> {
     const std::int64_t B = q.size(0), n = q.size(1);
     auto g = o_->backward(dy, cache.child(3)).reshape(q.shape());
     Tensor<T> dq, dk, dv;
-    ring_attention_backward(batch_->group, q, k, v,
+    context_attention_backward(batch_->group, q, k, v,
                             RingSaved<T>{cache.tensors[3], cache.stats[0], cache.indices[1], window_}, g, dq, dk, dv);
     ops::rotary_backward_(dq, rope_, cache.indices[0]);
     ops::rotary_backward_(dk, rope_, cache.indices[0]);
@@ -281,7 +283,9 @@ class ContextParallel : public Engine<T> {
  private:
   void init(const ContextParallelPlan& plan, const std::string& model, std::int32_t document_token) {
     try {
-      check_same_model(world_, {::ptrain::detail::cat("ContextParallelPlan{.cp = ", plan.cp, "} ", model)});
+      check_same_model(world_, {::ptrain::detail::cat("ContextParallelPlan{.cp = ", plan.cp, ", .kv_exchange = ",
+                                                     plan.kv_exchange == KVExchange::Ring ? "Ring" : "AllGather",
+                                                     "} ", model)});
     } catch (const Error& e) {
       PTRAIN_THROW(Error, "[ptrain.cp.plan] the ranks were given different context-parallel plans or models; pass "
                           "every rank the same ContextParallelPlan and config. ", e.what());
@@ -289,7 +293,7 @@ class ContextParallel : public Engine<T> {
     PTRAIN_CHECK(plan.cp >= 1 && world_.size() % plan.cp == 0, Error, "[ptrain.cp.world] cp = ", plan.cp,
                  " does not divide the world of ", world_.size(), " ranks; launch a multiple of cp processes");
     mesh_ = std::make_unique<Mesh>(world_, MeshShape{.dp = world_.size() / plan.cp, .cp = plan.cp});
-    batch_ = std::make_shared<ContextParallelBatch>(mesh_->context_group());
+    batch_ = std::make_shared<ContextParallelBatch>(mesh_->context_group(), plan.kv_exchange);
     document_token_ = document_token;
   }
 

@@ -1,6 +1,6 @@
 // Context parallelism (parallel/context_parallel.hpp, parallel/cp_engine.hpp): the
-// ring attention alone against the one-process grouped-query attention (forward and
-// backward, GQA, packed documents, a sliding window, chunks of odd length), and GPT
+// ring (and all-gather) attention alone against the one-process grouped-query attention
+// (forward and backward, GQA, packed documents, a sliding window, chunks of odd length), and GPT
 // and Llama trained with the sequence split over cp ranks (cp = the world, and
 // dp 2 x cp 2 on 4 ranks) against one process on the global batch, in double over
 // several AdamW steps. Every rank runs every case in the same order; checks use CHECK
@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <map>
+#include <vector>
 #include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/nn/models/llama.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
@@ -57,20 +58,18 @@ Tensor<std::int32_t> packed_ids(std::int64_t B, std::int64_t S, std::int32_t voc
 
 }  // namespace
 
-TEST_CASE("ring attention equals one process's attention, forward and backward", "[cp]") {
+TEST_CASE("ring and all-gather attention equal one process's attention, forward and backward", "[cp]") {
   auto& comm = world();
-  parallel::ContextParallelGroup g(&comm);
-  const int cp = g.size();
+  const int cp = comm.size();
   struct Case {
     std::int64_t chunk, H, Hkv, D;
     bool documents;
     std::int64_t window;
   };
-  for (const Case& c : {Case{3, 4, 2, 4, false, 0}, Case{5, 2, 1, 6, true, 0}, Case{3, 4, 4, 2, true, 0},
-                        Case{3, 4, 2, 4, false, 4}}) {
+  const std::vector<Case> cases = {{3, 4, 2, 4, false, 0}, {5, 2, 1, 6, true, 0}, {3, 4, 4, 2, true, 0},
+                                   {3, 4, 2, 4, false, 4}};
+  for (const Case& c : cases) {
     const std::int64_t B = 2, S = 2 * cp * c.chunk;
-    INFO("chunk " << c.chunk << ", H " << c.H << ", Hkv " << c.Hkv << ", documents " << c.documents << ", window "
-                  << c.window << ", cp " << cp);
     auto q = randn({B, S, c.H, c.D}, 1), k = randn({B, S, c.Hkv, c.D}, 2), v = randn({B, S, c.Hkv, c.D}, 3),
          dy = randn({B, S, c.H, c.D}, 4);
     Tensor<std::int32_t> starts;
@@ -80,17 +79,23 @@ TEST_CASE("ring attention equals one process's attention, forward and backward",
     auto y_ref = ops::gqa_attention(q, k, v, ref_saved, starts, c.window);
     Tensor<double> dq_ref, dk_ref, dv_ref;
     ops::gqa_attention_backward(q, k, v, ref_saved, dy, dq_ref, dk_ref, dv_ref);
-    // The ring on this rank's slice.
-    parallel::RingSaved<double> saved;
-    auto y = parallel::ring_attention(g, g.shard(q), g.shard(k), g.shard(v),
-                                      starts.defined() ? g.shard(starts) : starts, c.window, saved);
-    Tensor<double> dq, dk, dv;
-    parallel::ring_attention_backward(g, g.shard(q), g.shard(k), g.shard(v), saved, g.shard(dy), dq, dk, dv);
-    CHECK(max_rel_diff(y, g.shard(y_ref)) < kTol);
-    CHECK(max_rel_diff(g.gather(y), y_ref) < kTol);
-    CHECK(max_rel_diff(dq, g.shard(dq_ref)) < kTol);
-    CHECK(max_rel_diff(dk, g.shard(dk_ref)) < kTol);
-    CHECK(max_rel_diff(dv, g.shard(dv_ref)) < kTol);
+    for (auto exchange : {parallel::KVExchange::Ring, parallel::KVExchange::AllGather}) {
+      INFO("chunk " << c.chunk << ", H " << c.H << ", Hkv " << c.Hkv << ", documents " << c.documents
+                    << ", window " << c.window << ", cp " << cp
+                    << (exchange == parallel::KVExchange::Ring ? ", ring" : ", all-gather"));
+      // This rank's slice.
+      parallel::ContextParallelGroup g(&comm, exchange);
+      parallel::RingSaved<double> saved;
+      auto y = parallel::context_attention(g, g.shard(q), g.shard(k), g.shard(v),
+                                           starts.defined() ? g.shard(starts) : starts, c.window, saved);
+      Tensor<double> dq, dk, dv;
+      parallel::context_attention_backward(g, g.shard(q), g.shard(k), g.shard(v), saved, g.shard(dy), dq, dk, dv);
+      CHECK(max_rel_diff(y, g.shard(y_ref)) < kTol);
+      CHECK(max_rel_diff(g.gather(y), y_ref) < kTol);
+      CHECK(max_rel_diff(dq, g.shard(dq_ref)) < kTol);
+      CHECK(max_rel_diff(dk, g.shard(dk_ref)) < kTol);
+      CHECK(max_rel_diff(dv, g.shard(dv_ref)) < kTol);
+    }
   }
 }
 
@@ -193,6 +198,14 @@ TEST_CASE("GPT and Llama with context parallelism train like one process", "[cp]
                           .intermediate_size = 24, .document_token = kDocument};
       check_like_one_process([cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); },
                              parallel::ContextParallelPlan{.cp = cp}, dp, S, 17);
+    }
+    {
+      INFO("Llama with the keys and values all-gathered");
+      nn::LlamaConfig cfg{.vocab_size = 17, .n_layer = 1, .n_head = 4, .n_kv_head = 2, .n_embd = 16,
+                          .intermediate_size = 24, .document_token = kDocument};
+      check_like_one_process([cfg] { Generator g(7); return std::make_shared<nn::Llama<double>>(cfg, g); },
+                             parallel::ContextParallelPlan{.cp = cp, .kv_exchange = parallel::KVExchange::AllGather},
+                             dp, S, 17);
     }
   }
 }
