@@ -4,9 +4,9 @@
 // torchtitan's ring attention). The engine that trains GPT and Llama this way is
 // parallel/cp_engine.hpp; this header holds the layout and the ring.
 //
-//   parallel::ContextParallelGroup g(&mesh.context_group());
+//   parallel::ContextParallelGroup g(mesh.context_group());   // a Mesh with MeshShape::cp
 //   auto local_ids = g.shard(ids);                       // [B, S] -> [B, S / cp]
-//   ops::RingSaved<double> saved;
+//   parallel::RingSaved<double> saved;
 //   auto y = parallel::ring_attention(g, q, k, v, starts, 0, saved);   // local q, k, v
 //   parallel::ring_attention_backward(g, q, k, v, saved, dy, dq, dk, dv);
 //
@@ -33,9 +33,9 @@
 // dk and dv into a fresh buffer, while the partial sum of that block's dk and dv from
 // the ranks before arrives from rank r - 1; it adds the two (arrived + own) and
 // sends the sum on to rank r + 1. After cp steps each block's dk and dv, summed over
-// every rank in ring order, arrive home. Forward traffic per layer and rank: (cp - 1)
-// blocks of K and V, 2 (cp - 1) B (S / cp) Hkv D elements; backward twice that for K
-// and V again plus cp blocks of dK and dV (docs/context_parallel.md).
+// every rank in ring order, arrive home. Traffic per layer and rank: forward (cp - 1)
+// blocks of K and V, 2 (cp - 1) B (S / cp) Hkv D elements; backward those again plus
+// cp blocks of dK and dV, 2 (2 cp - 1) B (S / cp) Hkv D (docs/context_parallel.md).
 
 #include <algorithm>
 #include <cmath>

@@ -96,6 +96,9 @@ class ContextParallelEmbedding : public nn::Module<T> {
     PTRAIN_THROW(ShapeError, "[ptrain.module.tokens] ", describe(), " takes int32 token ids: call forward_tokens()");
   }
   Tensor<T> forward_tokens(const Tensor<std::int32_t>& x, nn::Cache<T>& cache) override {
+    const std::int64_t S = x.dim() == 2 ? x.size(1) * batch_->group.size() : 0;
+    PTRAIN_CHECK(S <= wpe_->num_embeddings(), ShapeError, "[ptrain.embedding.positions] sequence of ", S,
+                 " tokens exceeds block_size ", wpe_->num_embeddings(), "; crop the context to block_size tokens");
     auto ids = ops::token_ids(x, wte_->num_embeddings());
     auto pos = ops::token_ids(batch_->positions, wpe_->num_embeddings());
     auto y = ops::embedding(ids, wte_->weight().value, Tensor<T>());

@@ -104,6 +104,10 @@ TEST_CASE("context parallelism refuses a sequence that does not divide into 2 cp
   parallel::ContextParallelGroup g(&comm);
   const std::int64_t S = 2 * g.size() * 3 + 1;
   CHECK_THROWS_WITH(g.chunk(S), Catch::Contains("[ptrain.cp.length]"));
+  // The positions of this rank's tokens: chunks r and 2 cp - 1 - r of 3 tokens.
+  const auto pos = g.positions(S - 1).to_vector();
+  const int r = g.rank(), last = 2 * g.size() - 1 - r;
+  CHECK(pos == std::vector<std::int32_t>{3 * r, 3 * r + 1, 3 * r + 2, 3 * last, 3 * last + 1, 3 * last + 2});
   nn::LlamaConfig cfg{.vocab_size = 11, .n_layer = 1, .n_head = 2, .n_kv_head = 1, .n_embd = 8,
                       .intermediate_size = 8};
   Generator gen(1);
