@@ -99,6 +99,58 @@ TEST_CASE("ring and all-gather attention equal one process's attention, forward 
   }
 }
 
+TEST_CASE("ring attention in float equals one process's within float rounding", "[cp]") {
+  auto& comm = world();
+  parallel::ContextParallelGroup g(&comm);
+  const std::int64_t B = 2, S = 2 * g.size() * 5, H = 4, Hkv = 2, D = 8;
+  auto as_float = [](const Tensor<double>& t) {
+    auto f = Tensor<float>::empty(t.shape());
+    for (std::int64_t i = 0; i < t.numel(); ++i) f.data()[i] = static_cast<float>(t.data()[i]);
+    return f;
+  };
+  auto rel = [](const Tensor<float>& got, const Tensor<float>& want) {
+    double diff = 0, scale = 1e-30;
+    for (std::int64_t i = 0; i < got.numel(); ++i) {
+      diff = std::max(diff, std::abs(static_cast<double>(got.data()[i]) - want.data()[i]));
+      scale = std::max(scale, std::abs(static_cast<double>(want.data()[i])));
+    }
+    return diff / scale;
+  };
+  auto q = as_float(randn({B, S, H, D}, 11)), k = as_float(randn({B, S, Hkv, D}, 12)),
+       v = as_float(randn({B, S, Hkv, D}, 13)), dy = as_float(randn({B, S, H, D}, 14));
+  const auto starts = nn::document_starts(packed_ids(B, S, 7, 15), kDocument);
+  ops::GqaSaved<float> ref_saved;
+  auto y_ref = ops::gqa_attention(q, k, v, ref_saved, starts);
+  Tensor<float> dq_ref, dk_ref, dv_ref;
+  ops::gqa_attention_backward(q, k, v, ref_saved, dy, dq_ref, dk_ref, dv_ref);
+  parallel::RingSaved<float> saved;
+  auto y = parallel::ring_attention(g, g.shard(q), g.shard(k), g.shard(v), g.shard(starts), 0, saved);
+  Tensor<float> dq, dk, dv;
+  parallel::ring_attention_backward(g, g.shard(q), g.shard(k), g.shard(v), saved, g.shard(dy), dq, dk, dv);
+  constexpr double kFloatTol = 2e-5;  // a float's rounding over sums of ~S terms, not a missing block (~1e-1)
+  CHECK(rel(y, g.shard(y_ref)) < kFloatTol);
+  CHECK(rel(dq, g.shard(dq_ref)) < kFloatTol);
+  CHECK(rel(dk, g.shard(dk_ref)) < kFloatTol);
+  CHECK(rel(dv, g.shard(dv_ref)) < kFloatTol);
+}
+
+TEST_CASE("a dp x cp mesh numbers ranks with the cp ranks of a replica consecutive", "[cp]") {
+  auto& comm = world();
+  const int n = comm.size();
+  std::vector<parallel::MeshShape> shapes = {{.dp = 1, .cp = n}};
+  if (n == 4) shapes.push_back({.dp = 2, .cp = 2});
+  for (const auto& shape : shapes) {
+    parallel::Mesh mesh(comm, shape);
+    CHECK(mesh.cp_rank() == comm.rank() % shape.cp);
+    CHECK(mesh.replica() == comm.rank() / shape.cp);
+    CHECK(mesh.world_rank(mesh.replica(), mesh.stage(), 0, mesh.cp_rank()) == comm.rank());
+    REQUIRE((shape.cp == 1 || mesh.context_group() != nullptr));
+    if (mesh.context_group()) CHECK(mesh.context_group()->rank() == mesh.cp_rank());
+    CHECK(mesh.data_group().size() == shape.dp);
+    CHECK(mesh.tensor_group().size() == 1);
+  }
+}
+
 TEST_CASE("context parallelism refuses a sequence that does not divide into 2 cp chunks", "[cp]") {
   auto& comm = world();
   parallel::ContextParallelGroup g(&comm);
@@ -116,6 +168,12 @@ TEST_CASE("context parallelism refuses a sequence that does not divide into 2 cp
   auto ids = Tensor<std::int32_t>::zeros({1, S});
   CHECK_THROWS_WITH(engine->forward_backward(ids, Tensor<std::int32_t>::zeros({S})),
                     Catch::Contains("[ptrain.cp.length]"));
+  if (comm.size() > 1) {
+    // Rank 0 asks for another cp degree than the others: every rank ends with the reason, none hangs.
+    CHECK_THROWS_WITH(parallel::make_engine<double>(std::make_shared<nn::Llama<double>>(cfg, gen), comm,
+                                                    parallel::ContextParallelPlan{.cp = comm.rank() == 0 ? comm.size() : 1}),
+                      Catch::Contains("[ptrain.cp.plan]"));
+  }
 }
 
 namespace {
