@@ -470,6 +470,8 @@ struct GptEngine {
 //   the model is untied (one weight cannot live on two stages). For the sample
 //   and --export, stages 1.. of replica 0 send their parameters, in the model's
 //   order, into rank 0's copy of the model, on the training device.
+// - cp (--context-parallel): make_engine shares the model's modules (every rank
+//   holds the whole model, as DDP) and splits each sequence over the cp ranks.
 // A model too large for one host builds each rank's units alone instead
 // (FSDP(num_units, nn::gpt_unit, ...), Pipeline(mesh, num_units, nn::gpt_unit, ...)).
 template <class T, class M>
