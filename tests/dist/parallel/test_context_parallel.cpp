@@ -9,6 +9,7 @@
 #include <cmath>
 #include <map>
 #include <vector>
+#include <ptrain/dist/forwarding_communicator.hpp>
 #include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/nn/models/llama.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
@@ -99,6 +100,41 @@ TEST_CASE("ring and all-gather attention equal one process's attention, forward 
   }
 }
 
+// Note [Group teardown]
+// A rank that destroys a group (a split, a mesh, an engine's mesh) closes its
+// connections; one that does so while a slower rank still connects to that group or
+// reads from it ends that rank with a connection error (Gloo). Each case that makes
+// groups ends with a barrier on them or on the world before they go.
+
+namespace {
+// Counts the bytes this rank sends point to point.
+class CountingSends : public dist::ForwardingCommunicator {
+ public:
+  explicit CountingSends(std::unique_ptr<dist::Communicator> c) : ForwardingCommunicator(std::move(c)) {}
+  std::shared_ptr<dist::Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
+    sent += static_cast<std::int64_t>(count * dtype_size(dt));
+    return ForwardingCommunicator::send_async(buf, count, dt, peer, tag);
+  }
+  std::int64_t sent = 0;
+};
+}  // namespace
+
+TEST_CASE("the ring sends the bytes of docs/context_parallel.md's traffic formula", "[cp]") {
+  CountingSends comm(world().split(0, world().rank()));
+  parallel::ContextParallelGroup g(&comm);
+  const std::int64_t cp = g.size(), B = 2, S = 2 * cp * 3, H = 4, Hkv = 2, D = 4, block = B * (S / cp) * Hkv * D * 8;
+  auto q = g.shard(randn({B, S, H, D}, 21)), k = g.shard(randn({B, S, Hkv, D}, 22)),
+       v = g.shard(randn({B, S, Hkv, D}, 23)), dy = g.shard(randn({B, S, H, D}, 24));
+  parallel::RingSaved<double> saved;
+  parallel::ring_attention(g, q, k, v, Tensor<std::int32_t>(), 0, saved);
+  CHECK(comm.sent == 2 * (cp - 1) * block);  // cp - 1 blocks of K and V
+  comm.sent = 0;
+  Tensor<double> dq, dk, dv;
+  parallel::ring_attention_backward(g, q, k, v, saved, dy, dq, dk, dv);
+  CHECK(comm.sent == (cp > 1 ? 2 * (2 * cp - 1) * block : 0));  // those again, and cp blocks of dK and dV
+  comm.barrier();  // Note [Group teardown]
+}
+
 TEST_CASE("ring attention in float equals one process's within float rounding", "[cp]") {
   auto& comm = world();
   parallel::ContextParallelGroup g(&comm);
@@ -148,6 +184,7 @@ TEST_CASE("a dp x cp mesh numbers ranks with the cp ranks of a replica consecuti
     if (mesh.context_group()) CHECK(mesh.context_group()->rank() == mesh.cp_rank());
     CHECK(mesh.data_group().size() == shape.dp);
     CHECK(mesh.tensor_group().size() == 1);
+    comm.barrier();  // Note [Group teardown]
   }
 }
 
@@ -168,6 +205,8 @@ TEST_CASE("context parallelism refuses a sequence that does not divide into 2 cp
   auto ids = Tensor<std::int32_t>::zeros({1, S});
   CHECK_THROWS_WITH(engine->forward_backward(ids, Tensor<std::int32_t>::zeros({S})),
                     Catch::Contains("[ptrain.cp.length]"));
+  comm.barrier();  // Note [Group teardown]
+  engine.reset();
   if (comm.size() > 1) {
     // Rank 0 asks for another cp degree than the others: every rank ends with the reason, none hangs.
     CHECK_THROWS_WITH(parallel::make_engine<double>(std::make_shared<nn::Llama<double>>(cfg, gen), comm,
@@ -235,6 +274,7 @@ void check_like_one_process(MakeModel make, const parallel::Plan<double>& plan, 
     REQUIRE(ref.count(e.name) == 1);
     CHECK(max_rel_diff(e.param->value, ref[e.name]) < kTol);
   }
+  world().barrier();  // Note [Group teardown]
 }
 
 }  // namespace
