@@ -172,9 +172,9 @@ Tensor<T> pack_kv(const Tensor<T>& k, const Tensor<T>& v) {
 }
 
 // Starts sending `kv` to the next rank and receiving the next block into `next` (step s).
+using WorkPair = std::pair<std::shared_ptr<dist::Work>, std::shared_ptr<dist::Work>>;
 template <class T>
-std::pair<std::shared_ptr<dist::Work>, std::shared_ptr<dist::Work>> pass_on(ContextParallelGroup& g, const Tensor<T>& kv,
-                                                                             Tensor<T>& next, int tag) {
+WorkPair pass_on(ContextParallelGroup& g, const Tensor<T>& kv, Tensor<T>& next, int tag) {
   dist::Communicator& comm = g.communicator();
   const int n = g.size(), r = g.rank();
   const auto count = static_cast<std::size_t>(kv.numel());
@@ -251,7 +251,7 @@ Tensor<T> ring_attention(ContextParallelGroup& g, const Tensor<T>& q, const Tens
   auto lse = Tensor<A>::full({q.size(0), q.size(2), q.size(1)}, -std::numeric_limits<A>::infinity());
   Tensor<T> kv = detail::pack_kv(k, v), next = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>();
   for (int s = 0; s < cp; ++s) {
-    std::pair<std::shared_ptr<dist::Work>, std::shared_ptr<dist::Work>> w;
+    detail::WorkPair w;
     if (s + 1 < cp) w = detail::pass_on(g, kv, next, detail::kRingKVTag + s);  // the next block, during this one
     detail::attend_block(g, q, kv.data(), k.size(2), (r - s + cp) % cp, starts, window, y, lse);
     if (w.first) {
@@ -276,7 +276,7 @@ void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const 
   Tensor<T> arrived = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>(), part, sending;
   std::shared_ptr<dist::Work> sent;  // the previous step's dk/dv partial sum on its way to rank r + 1
   for (int s = 0; s < cp; ++s) {
-    std::pair<std::shared_ptr<dist::Work>, std::shared_ptr<dist::Work>> w;
+    detail::WorkPair w;
     if (s + 1 < cp) w = detail::pass_on(g, kv, next, detail::kRingKVTag + s);
     std::shared_ptr<dist::Work> in;  // this block's dk/dv summed over the ranks before this one
     if (s > 0)

@@ -163,7 +163,9 @@ class ContextParallelSelfAttention : public nn::Module<T> {
     cache.clear();
     return dx;
   }
-  std::string describe() const override { return "ContextParallelSelfAttention(heads=" + std::to_string(n_head_) + ")"; }
+  std::string describe() const override {
+    return "ContextParallelSelfAttention(heads=" + std::to_string(n_head_) + ")";
+  }
 
  private:
   std::int64_t n_head_;
@@ -238,7 +240,7 @@ class ContextParallel : public Engine<T> {
     PTRAIN_CHECK(cfg.dropout == 0, Error, "[ptrain.cp.dropout] context parallelism trains without dropout (a slice "
                  "of a sequence would draw other masks); build the GPT with dropout = 0");
     init(plan, full.describe(), -1);
-    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) -> std::shared_ptr<nn::Module<T>> {
+    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
       auto& b = dynamic_cast<nn::TransformerBlock<T>&>(inner);
       return std::make_shared<nn::PreNormBlock<T>>(
           typename nn::PreNormBlock<T>::Part{"ln_1", detail::part_of(owner, b.ln_1())},
@@ -251,7 +253,7 @@ class ContextParallel : public Engine<T> {
   /// Over an nn::Llama that every rank built alike; the engine shares its modules (keep it alive).
   ContextParallel(nn::Llama<T>& full, dist::Communicator& world, ContextParallelPlan plan) : world_(world) {
     init(plan, full.describe(), full.config().document_token);
-    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) -> std::shared_ptr<nn::Module<T>> {
+    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
       auto& b = dynamic_cast<nn::LlamaBlock<T>&>(inner);
       return std::make_shared<nn::PreNormBlock<T>>(
           typename nn::PreNormBlock<T>::Part{"input_layernorm", detail::part_of(owner, b.input_layernorm())},

@@ -53,7 +53,8 @@ Tensor<std::int32_t> packed_ids(std::int64_t B, std::int64_t S, std::int32_t voc
   Generator g(seed);
   auto ids = Tensor<std::int32_t>::empty({B, S});
   for (std::int64_t i = 0; i < B * S; ++i)
-    ids.data()[i] = g.below(5) == 0 ? kDocument : static_cast<std::int32_t>(1 + g.below(static_cast<std::uint64_t>(vocab - 1)));
+    ids.data()[i] =
+        g.below(5) == 0 ? kDocument : static_cast<std::int32_t>(1 + g.below(static_cast<std::uint64_t>(vocab - 1)));
   return ids;
 }
 
@@ -209,8 +210,8 @@ TEST_CASE("context parallelism refuses a sequence that does not divide into 2 cp
   engine.reset();
   if (comm.size() > 1) {
     // Rank 0 asks for another cp degree than the others: every rank ends with the reason, none hangs.
-    CHECK_THROWS_WITH(parallel::make_engine<double>(std::make_shared<nn::Llama<double>>(cfg, gen), comm,
-                                                    parallel::ContextParallelPlan{.cp = comm.rank() == 0 ? comm.size() : 1}),
+    const parallel::ContextParallelPlan mine{.cp = comm.rank() == 0 ? comm.size() : 1};
+    CHECK_THROWS_WITH(parallel::make_engine<double>(std::make_shared<nn::Llama<double>>(cfg, gen), comm, mine),
                       Catch::Contains("[ptrain.cp.plan]"));
   }
 }
@@ -261,8 +262,8 @@ void check_like_one_process(MakeModel make, const parallel::Plan<double>& plan, 
   for (std::int64_t s = 0; s < kSteps; ++s) {
     const Batch b = make_batch(rows, S, vocab, 300 + static_cast<std::uint64_t>(s));
     engine->zero_grad();
-    const double loss =
-        engine->average(engine->forward_backward(b.ids.narrow(r * mine, mine), b.targets.narrow(r * mine * S, mine * S)));
+    const double loss = engine->average(
+        engine->forward_backward(b.ids.narrow(r * mine, mine), b.targets.narrow(r * mine * S, mine * S)));
     engine->step(opt);
     if (dp == 1) CHECK(std::abs(loss - ref_loss[static_cast<std::size_t>(s)]) < kTol);
   }
