@@ -149,8 +149,7 @@ namespace detail {
 constexpr int kRingKVTag = 0x5200, kRingGradTag = 0x5300;
 
 template <class T>
-void check_ring_inputs(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
-                       const Tensor<std::int32_t>& starts) {
+void check_ring_inputs(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, const Tensor<std::int32_t>& starts) {
   PTRAIN_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), Error,
                "[ptrain.cp.device] ring attention runs on the CPU only, got ", q.device().str(),
                "; context parallelism has no CUDA kernels yet (docs/context_parallel.md)");
@@ -160,7 +159,6 @@ void check_ring_inputs(ContextParallelGroup& g, const Tensor<T>& q, const Tensor
                q.shape(), " and ", k.shape());
   check_shape(v, k.shape(), "ring attention v (the shape of k)");
   if (starts.defined()) check_shape(starts, {q.size(0), q.size(1)}, "ring attention document starts");
-  (void)g;
 }
 
 template <class T>
@@ -184,9 +182,7 @@ WorkPair pass_on(ContextParallelGroup& g, const Tensor<T>& kv, Tensor<T>& next, 
   comm.group_end();
   return {s, rv};
 }
-}  // namespace detail
 
-namespace detail {
 // Merges the attention of this rank's queries against the key/value block of rank src
 // (kv: its K then its V, [B, 2c, Hkv, D] each) into y and lse (Note [Ring attention]).
 template <class T>
@@ -227,9 +223,9 @@ void attend_block_backward(const ContextParallelGroup& g, const Tensor<T>& q, co
       }
 }
 template <class T>
-void check_backward_inputs(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+void check_backward_inputs(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                            const RingSaved<T>& saved, const Tensor<T>& dy) {
-  check_ring_inputs(g, q, k, v, saved.starts);
+  check_ring_inputs(q, k, v, saved.starts);
   check_shape(dy, q.shape(), "context-parallel attention output gradient");
   check_shape(saved.out, q.shape(), "saved context-parallel attention output");
   check_shape(saved.lse, {q.size(0), q.size(2), q.size(1)}, "saved context-parallel attention log-sum-exp");
@@ -244,7 +240,7 @@ void check_backward_inputs(ContextParallelGroup& g, const Tensor<T>& q, const Te
 template <class T>
 Tensor<T> ring_attention(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                          const Tensor<std::int32_t>& starts, std::int64_t window, RingSaved<T>& saved) {
-  detail::check_ring_inputs(g, q, k, v, starts);
+  detail::check_ring_inputs(q, k, v, starts);
   using A = acc_t<T>;
   const int cp = g.size(), r = g.rank();
   auto y = Tensor<T>::zeros(q.shape());
@@ -269,7 +265,7 @@ template <class T>
 void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                              const RingSaved<T>& saved, const Tensor<T>& dy, Tensor<T>& dq, Tensor<T>& dk,
                              Tensor<T>& dv) {
-  detail::check_backward_inputs(g, q, k, v, saved, dy);
+  detail::check_backward_inputs(q, k, v, saved, dy);
   const int cp = g.size(), r = g.rank();
   dq = Tensor<T>::zeros(q.shape());
   Tensor<T> kv = detail::pack_kv(k, v), next = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>();
@@ -319,7 +315,7 @@ void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const 
 template <class T>
 Tensor<T> allgather_attention(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                               const Tensor<std::int32_t>& starts, std::int64_t window, RingSaved<T>& saved) {
-  detail::check_ring_inputs(g, q, k, v, starts);
+  detail::check_ring_inputs(q, k, v, starts);
   using A = acc_t<T>;
   const int cp = g.size(), r = g.rank();
   auto y = Tensor<T>::zeros(q.shape());
@@ -340,7 +336,7 @@ template <class T>
 void allgather_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                                   const RingSaved<T>& saved, const Tensor<T>& dy, Tensor<T>& dq, Tensor<T>& dk,
                                   Tensor<T>& dv) {
-  detail::check_backward_inputs(g, q, k, v, saved, dy);
+  detail::check_backward_inputs(q, k, v, saved, dy);
   const int cp = g.size(), r = g.rank();
   dq = Tensor<T>::zeros(q.shape());
   const Tensor<T> all = g.gather_blocks(detail::pack_kv(k, v));
