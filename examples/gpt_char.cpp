@@ -7,6 +7,7 @@
 //   ptrun --nproc-per-node 4 gpt_char --parallel pipeline --stages 2 --micro-batches 4   # 2 replicas x 2 stages
 //   ptrun --nproc-per-node 2 gpt_char --parallel pipeline --virtual-stages 2   # interleaved 1F1B, 2 chunks a stage
 //   mpirun -np 4 build/examples/gpt_char --parallel tp --tp 2   # tensor parallel: 2 replicas x tp 2
+//   mpirun -np 2 build/examples/gpt_char --context-parallel 2  # each sequence split over 2 ranks (ring attention)
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
@@ -97,6 +98,7 @@ struct Options {
   int stages = 0;             // --parallel pipeline: stages per replica (0: every rank one stage)
   int tp = 2;                 // --parallel tp: ranks per tensor-parallel group
   bool sequence_parallel = false;  // --parallel tp: the residual stream cut along the sequence
+  int context_parallel = 0;   // --context-parallel: ranks per sequence (--parallel cp; 0: none)
   int micro_batches = 4;
   std::string schedule = "1f1b";
   int virtual_stages = 1;     // --parallel pipeline: chunks per stage (> 1: the interleaved schedule)
@@ -245,6 +247,8 @@ std::string parallel_layout(const Options& o, int world) {
     return detail::cat("tp ", o.tp, " x pp ", o.stages, " x dp ", world / (o.tp * o.stages), ", m ", o.micro_batches,
                        ", ", schedule_label(o));
   if (o.parallel == "tp") return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp);
+  if (o.parallel == "cp")
+    return "cp " + std::to_string(o.context_parallel) + " x dp " + std::to_string(world / o.context_parallel);
   if (o.parallel != "fsdp") return o.parallel;
   return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
 }
@@ -297,6 +301,16 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 
 // Flags that contradict each other or the world, refused before anything is read.
 void check_parallel_flags(const Options& o, int world) {
+  if (o.parallel == "cp") {
+    const int cp = o.context_parallel;
+    PTRAIN_CHECK(world % cp == 0 && o.block % (2 * cp) == 0, Error, "[gpt_char.cp] --context-parallel ", cp,
+                 " needs a world that it divides (", world, " ranks) and a --block that divides into 2 * ", cp,
+                 " chunks (", o.block, "): launch a multiple of ", cp, " ranks and use a --block that is a multiple "
+                 "of ", 2 * cp);
+    PTRAIN_CHECK(o.dropout == 0 && o.device == "cpu" && o.precision == "fp32", Error, "[gpt_char.cp] "
+                 "--context-parallel trains on the CPU in fp32 without dropout (docs/context_parallel.md); leave out "
+                 "--dropout, --device and --precision");
+  }
   PTRAIN_CHECK(!o.sequence_parallel || (o.parallel == "tp" && o.block % o.tp == 0), Error, "[gpt_char.sp] "
                "--sequence-parallel cuts each sequence of --block ", o.block, " tokens into --tp ", o.tp,
                " slices: use it with --parallel tp and a --block that is a multiple of --tp");
@@ -457,6 +471,8 @@ struct GptEngine {
 //   the model is untied (one weight cannot live on two stages). For the sample
 //   and --export, stages 1.. of replica 0 send their parameters, in the model's
 //   order, into rank 0's copy of the model, on the training device.
+// - cp (--context-parallel): make_engine shares the model's modules (every rank
+//   holds the whole model, as DDP) and splits each sequence over the cp ranks.
 // A model too large for one host builds each rank's units alone instead
 // (FSDP(num_units, nn::gpt_unit, ...), Pipeline(mesh, num_units, nn::gpt_unit, ...)).
 template <class T, class M>
@@ -502,6 +518,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   }
   parallel::Plan<T> plan = parallel::LocalOptions{};
   if (o.parallel == "ddp") plan = parallel::DDPOptions{};
+  if (o.parallel == "cp") plan = parallel::ContextParallelPlan{.cp = o.context_parallel};
   if (o.parallel == "tp")
     plan = parallel::TensorParallelPlan{
         .tp = o.tp, .sequence_parallel = o.sequence_parallel, .pp = std::max(o.stages, 1),
@@ -521,6 +538,8 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
     m.to(device);
   }
   e.engine = parallel::make_engine<T>(model, world, plan);
+  if (auto* cp = dynamic_cast<parallel::ContextParallel<T>*>(e.engine.get()))
+    e.describe = detail::cat("context parallel, cp ", cp->mesh().cp_size(), " x dp ", cp->mesh().dp_size());
   if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(e.engine.get())) {
     // The sample and --export: every rank gathers the full tensors, rank 0 keeps them.
     parallel::Mesh& mesh = tp->mesh();
@@ -1069,12 +1088,15 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"u16", "i32"}));
   train_tokens->needs(val_tokens)->excludes(data);
   val_tokens->needs(train_tokens);
-  app.add_option("--parallel", opt.parallel, "none, ddp, fsdp, pipeline or tp (under mpirun or ptrun)")
-      ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline", "tp"}));
+  app.add_option("--parallel", opt.parallel, "none, ddp, fsdp, pipeline, tp or cp (under mpirun or ptrun)")
+      ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline", "tp", "cp"}));
   app.add_option("--tp", opt.tp, "with --parallel tp: ranks per tensor-parallel group (a divisor of n_head and of "
                  "the world; world / tp replicas)")->check(positive);
   app.add_flag("--sequence-parallel", opt.sequence_parallel, "with --parallel tp: cut the activations between the "
                "tensor-parallel layers along the sequence (--block a multiple of --tp)");
+  app.add_option("--context-parallel", opt.context_parallel, "split each sequence over this many ranks (ring "
+                 "attention; --block a multiple of 2x it; world / it replicas); the same as --parallel cp")
+      ->check(positive);
   app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--cuda-graphs", opt.cuda_graphs, "on: with --device cuda (one rank, or ddp/fsdp over NCCL), keep "
@@ -1140,6 +1162,15 @@ int main(int argc, char** argv) {
                  "files) for transformers' from_pretrained");
   if (const int rc = parse_command_line(app, argc, argv); rc >= 0) return rc;
   if (!apply_run_dir("gpt_char", app, opt.observe, opt.metrics, opt.checkpoint_dir)) return 2;
+  if (opt.context_parallel > 0 || opt.parallel == "cp") {
+    if (opt.parallel != "none" && opt.parallel != "cp") {
+      std::fprintf(stderr, "gpt_char: --context-parallel is its own mode; leave out --parallel %s\n",
+                   opt.parallel.c_str());
+      return 2;
+    }
+    opt.parallel = "cp";
+    if (opt.context_parallel == 0) opt.context_parallel = 2;
+  }
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir (or --run-dir)\n");
     return 2;

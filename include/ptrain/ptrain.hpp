@@ -70,6 +70,8 @@
 #include "ptrain/dist/self_communicator.hpp"
 #include "ptrain/dist/store.hpp"
 
+#include "ptrain/parallel/context_parallel.hpp"
+#include "ptrain/parallel/cp_engine.hpp"
 #include "ptrain/parallel/ddp.hpp"
 #include "ptrain/parallel/engine.hpp"
 #include "ptrain/parallel/fsdp.hpp"

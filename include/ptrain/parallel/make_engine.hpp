@@ -4,7 +4,8 @@
 //
 //   auto world = dist::init_process_group();
 //   parallel::Plan<float> plan = parallel::FSDPOptions{};       // or LocalOptions, DDPOptions, PipelinePlan,
-//                                                               // TensorParallelPlan (nn::GPT, nn::Llama)
+//                                                               // TensorParallelPlan, ContextParallelPlan
+//                                                               // (nn::GPT, nn::Llama)
 //   auto engine = parallel::make_engine<float>(model, *world, plan);
 //
 // `model` is a std::shared_ptr to a model whose forward runs its units() in
@@ -23,6 +24,7 @@
 #include <variant>
 #include <vector>
 
+#include "ptrain/parallel/cp_engine.hpp"
 #include "ptrain/parallel/ddp.hpp"
 #include "ptrain/parallel/fsdp.hpp"
 #include "ptrain/parallel/local.hpp"
@@ -48,7 +50,8 @@ struct PipelinePlan {
 };
 
 template <class T>
-using Plan = std::variant<LocalOptions, DDPOptions, FSDPOptions, PipelinePlan<T>, TensorParallelPlan>;
+using Plan =
+    std::variant<LocalOptions, DDPOptions, FSDPOptions, PipelinePlan<T>, TensorParallelPlan, ContextParallelPlan>;
 
 /// A model that make_engine can cut into units.
 template <class M, class T>
@@ -91,6 +94,17 @@ std::unique_ptr<Engine<T>> make_engine(std::shared_ptr<M> model, dist::Communica
     } else {
       PTRAIN_THROW(Error, "[ptrain.tp.model] tensor parallelism splits the layers of nn::GPT and nn::Llama; ",
                    model->describe(), " has no tensor-parallel form: use DDPOptions or FSDPOptions");
+    }
+  }
+  if (auto* cp = std::get_if<ContextParallelPlan>(&plan)) {
+    // The engine shares the model's modules, so it keeps the model alive.
+    if constexpr (std::is_base_of_v<nn::GPT<T>, M>) {
+      return std::make_unique<detail::Owned<ContextParallel<T>>>(held, static_cast<nn::GPT<T>&>(*model), world, *cp);
+    } else if constexpr (std::is_base_of_v<nn::Llama<T>, M>) {
+      return std::make_unique<detail::Owned<ContextParallel<T>>>(held, static_cast<nn::Llama<T>&>(*model), world, *cp);
+    } else {
+      PTRAIN_THROW(Error, "[ptrain.cp.model] context parallelism splits the attention of nn::GPT and nn::Llama; ",
+                   model->describe(), " has no context-parallel form: use DDPOptions or FSDPOptions");
     }
   }
   const auto units = model->units();

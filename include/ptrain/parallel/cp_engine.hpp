@@ -1,0 +1,380 @@
+#pragma once
+// Context parallelism as an Engine: GPT and Llama with every sequence split over
+// cp ranks (Note [Context-parallel layout] in parallel/context_parallel.hpp), and
+// world / cp data-parallel replicas.
+//
+//   auto engine = parallel::make_engine<double>(llama, *world, parallel::ContextParallelPlan{.cp = 2});
+//   optim::AdamW<double> opt(engine->parameters(), {.lr = 1e-3});
+//   engine->zero_grad();
+//   engine->forward_backward(ids, targets);   // this replica's whole [B, S] batch on each of its cp ranks
+//   engine->step(opt);
+//
+// Note [Context-parallel engine]
+// - Mesh: dp x cp (parallel/mesh.hpp), the cp ranks of a replica consecutive. Every
+//   cp rank of a replica is given the replica's whole batch (ids [B, S], targets
+//   [B * S] or [B, S]) and keeps its 2 chunks of each row; S must divide into 2 cp
+//   chunks ([ptrain.cp.length]).
+// - The model: the same modules as the full model (parameters shared with it, the
+//   same names), except the attention of every block, which runs the ring
+//   (ContextParallelSelfAttention, ContextParallelGQA), and GPT's embedding, which
+//   adds wpe at the tokens' global positions. Norms, MLPs and the head act on the
+//   local tokens as they are. Llama's rotary positions are global, restarting at
+//   each packed document (document_token); document starts are global positions.
+// - The loss is the token-weighted mean cross-entropy over the whole sequence (sum
+//   and count of the non-ignored targets, ignore_index -100, all-reduced over the
+//   cp group); set_loss() does not apply. Each rank's gradient is cp times its
+//   tokens' share, and the gradients are averaged over all dp x cp ranks in one
+//   all-reduce: the sum over a replica's cp ranks, averaged over the replicas (CP
+//   ranks are data-parallel for the weights).
+// - Every rank holds the whole model: clipping needs no reduction, and checkpoints
+//   are DDP's (mode() is Mode::DDP).
+// - Limits: the CPU only; no dropout (GPT's dropout must be 0: a slice of a sequence
+//   would draw other masks than one process); no tensor or pipeline parallelism
+//   in the same engine yet (docs/context_parallel.md).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ptrain/nn/loss.hpp"
+#include "ptrain/nn/models/gpt.hpp"
+#include "ptrain/nn/models/llama.hpp"
+#include "ptrain/nn/recompute.hpp"
+#include "ptrain/parallel/context_parallel.hpp"
+#include "ptrain/parallel/engine.hpp"
+#include "ptrain/parallel/mesh.hpp"
+#include "ptrain/parallel/model_check.hpp"
+#include "ptrain/parallel/pipeline.hpp"
+
+namespace ptrain::parallel {
+
+/// Context parallelism over cp consecutive ranks; data parallelism over world / cp replicas.
+struct ContextParallelPlan {
+  int cp = 1;
+  /// How attention reaches the other ranks' keys and values (docs/context_parallel.md, "Ring or all-gather").
+  KVExchange kv_exchange = KVExchange::Ring;
+};
+
+/// What the layers of a context-parallel model read about the batch they run on (set by the engine).
+struct ContextParallelBatch {
+  ContextParallelBatch(dist::Communicator* cp, KVExchange exchange) : group(cp, exchange) {}
+  ContextParallelGroup group;
+  Tensor<std::int32_t> positions;  ///< [B, 2c] positions of the local tokens (global; restarting at documents)
+  Tensor<std::int32_t> starts;     ///< [B, 2c] global document starts of the local tokens, or undefined
+};
+
+namespace detail {
+// A child of `owner` as a shared_ptr that keeps the owner alive.
+template <class M, class T>
+std::shared_ptr<M> part_of(const std::shared_ptr<nn::Module<T>>& owner, M& m) {
+  return std::shared_ptr<M>(owner, &m);
+}
+// q, k and v [B, n, H, D] out of a packed qkv [B, n, 3 H D], and dqkv back from their gradients.
+template <class T>
+Tensor<T> qkv_column(const Tensor<T>& qkv, std::int64_t which, std::int64_t H, std::int64_t D) {
+  const std::int64_t B = qkv.size(0), n = qkv.size(1), C = H * D;
+  auto out = Tensor<T>::empty({B, n, H, D});
+  kernels::cpu::copy_strided_rows<T>(B * n, C, qkv.data() + which * C, 3 * C, out.data(), C);
+  return out;
+}
+}  // namespace detail
+
+/// GPT's embedding (wte + wpe) at the tokens' global positions: "wte", "wpe" and
+/// "drop" of an nn::TokenPositionEmbedding (dropout must be 0).
+template <class T>
+class ContextParallelEmbedding : public nn::Module<T> {
+ public:
+  ContextParallelEmbedding(const std::shared_ptr<nn::Module<T>>& owner, nn::TokenPositionEmbedding<T>& e,
+                           std::shared_ptr<ContextParallelBatch> batch)
+      : batch_(std::move(batch)) {
+    wte_ = this->register_module("wte", detail::part_of(owner, e.wte()));
+    wpe_ = this->register_module("wpe", detail::part_of(owner, e.wpe()));
+    this->register_module("drop", detail::part_of(owner, e.dropout()));
+  }
+  Tensor<T> forward(const Tensor<T>&, nn::Cache<T>&) override {
+    PTRAIN_THROW(ShapeError, "[ptrain.module.tokens] ", describe(), " takes int32 token ids: call forward_tokens()");
+  }
+  Tensor<T> forward_tokens(const Tensor<std::int32_t>& x, nn::Cache<T>& cache) override {
+    const std::int64_t S = x.dim() == 2 ? x.size(1) * batch_->group.size() : 0;
+    PTRAIN_CHECK(S <= wpe_->num_embeddings(), ShapeError, "[ptrain.embedding.positions] sequence of ", S,
+                 " tokens exceeds block_size ", wpe_->num_embeddings(), "; crop the context to block_size tokens");
+    auto ids = ops::token_ids(x, wte_->num_embeddings());
+    auto pos = ops::token_ids(batch_->positions, wpe_->num_embeddings());
+    auto y = ops::embedding(ids, wte_->weight().value, Tensor<T>());
+    ops::axpy_(acc_t<T>(1), ops::embedding(pos, wpe_->weight().value, Tensor<T>()), y);
+    cache.indices = {ids, pos};
+    return y;
+  }
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.indices.size() == 2, Error, "[ptrain.backward] ContextParallelEmbedding::backward without a "
+                 "forward");
+    ops::embedding_backward(cache.indices[0], dy, wte_->weight().grad, static_cast<Tensor<T>*>(nullptr));
+    ops::embedding_backward(cache.indices[1], dy, wpe_->weight().grad, static_cast<Tensor<T>*>(nullptr));
+    wpe_->weight().mark_grad_ready();
+    wte_->weight().mark_grad_ready();
+    cache.clear();
+    return {};
+  }
+  std::string describe() const override { return "ContextParallelEmbedding(" + wte_->describe() + ")"; }
+
+ private:
+  std::shared_ptr<ContextParallelBatch> batch_;
+  std::shared_ptr<nn::Embedding<T>> wte_, wpe_;
+};
+
+/// GPT's attention with the ring: "c_attn", "c_proj" and "resid_drop" of an
+/// nn::CausalSelfAttention (no dropout).
+template <class T>
+class ContextParallelSelfAttention : public nn::Module<T> {
+ public:
+  ContextParallelSelfAttention(const std::shared_ptr<nn::Module<T>>& owner, nn::CausalSelfAttention<T>& a,
+                               std::shared_ptr<ContextParallelBatch> batch)
+      : n_head_(a.n_head()), batch_(std::move(batch)) {
+    c_attn_ = this->register_module("c_attn", detail::part_of(owner, a.c_attn()));
+    c_proj_ = this->register_module("c_proj", detail::part_of(owner, a.c_proj()));
+    this->register_module("resid_drop", detail::part_of(owner, a.resid_dropout()));
+  }
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    auto qkv = c_attn_->forward(x, cache.child(0));
+    const std::int64_t B = qkv.size(0), n = qkv.size(1), C = qkv.size(2) / 3, D = C / n_head_;
+    auto q = detail::qkv_column(qkv, 0, n_head_, D), k = detail::qkv_column(qkv, 1, n_head_, D),
+         v = detail::qkv_column(qkv, 2, n_head_, D);
+    RingSaved<T> saved;
+    auto y = context_attention(batch_->group, q, k, v, Tensor<std::int32_t>(), 0, saved);
+    cache.tensors = {q, k, v, saved.out};
+    cache.stats = {saved.lse};
+    return c_proj_->forward(y.reshape({B, n, C}), cache.child(1));
+  }
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 4 && cache.stats.size() == 1, Error,
+                 "[ptrain.backward] ContextParallelSelfAttention::backward without a forward");
+    const Tensor<T>&q = cache.tensors[0], &k = cache.tensors[1], &v = cache.tensors[2];
+    const std::int64_t B = q.size(0), n = q.size(1), C = q.size(2) * q.size(3);
+    auto g = c_proj_->backward(dy, cache.child(1)).reshape(q.shape());
+    Tensor<T> dq, dk, dv;
+    context_attention_backward(batch_->group, q, k, v, RingSaved<T>{cache.tensors[3], cache.stats[0], {}, 0}, g, dq, dk,
+                            dv);
+    auto dqkv = Tensor<T>::empty({B, n, 3 * C});
+    int which = 0;
+    for (const Tensor<T>* d : {&dq, &dk, &dv})
+      kernels::cpu::copy_strided_rows<T>(B * n, C, d->data(), C, dqkv.data() + (which++) * C, 3 * C);
+    auto dx = c_attn_->backward(dqkv, cache.child(0));
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override {
+    return "ContextParallelSelfAttention(heads=" + std::to_string(n_head_) + ")";
+  }
+
+ private:
+  std::int64_t n_head_;
+  std::shared_ptr<ContextParallelBatch> batch_;
+  std::shared_ptr<nn::Linear<T>> c_attn_, c_proj_;
+};
+
+/// Llama's grouped-query attention with the ring: "q_proj", "k_proj", "v_proj" and
+/// "o_proj" of an nn::GroupedQueryAttention, rotary at the batch's global positions,
+/// its document masking (global starts) and sliding window.
+template <class T>
+class ContextParallelGQA : public nn::Module<T> {
+ public:
+  ContextParallelGQA(const std::shared_ptr<nn::Module<T>>& owner, nn::GroupedQueryAttention<T>& a,
+                     std::shared_ptr<ContextParallelBatch> batch)
+      : H_(a.n_head()), Hkv_(a.n_kv_head()), D_(a.head_dim()), window_(a.sliding_window()), rope_(a.rotary()),
+        batch_(std::move(batch)) {
+    q_ = this->register_module("q_proj", detail::part_of(owner, a.q_proj()));
+    k_ = this->register_module("k_proj", detail::part_of(owner, a.k_proj()));
+    v_ = this->register_module("v_proj", detail::part_of(owner, a.v_proj()));
+    o_ = this->register_module("o_proj", detail::part_of(owner, a.o_proj()));
+  }
+  Tensor<T> forward(const Tensor<T>& x, nn::Cache<T>& cache) override {
+    const std::int64_t B = x.size(0), n = x.size(1);
+    auto q = q_->forward(x, cache.child(0)).reshape({B, n, H_, D_});
+    auto k = k_->forward(x, cache.child(1)).reshape({B, n, Hkv_, D_});
+    auto v = v_->forward(x, cache.child(2)).reshape({B, n, Hkv_, D_});
+    const Tensor<std::int32_t> pos = batch_->positions, starts = batch_->starts;
+    ops::rotary_(q, rope_, pos);
+    ops::rotary_(k, rope_, pos);
+    RingSaved<T> saved;
+    auto y = context_attention(batch_->group, q, k, v, starts, window_, saved);
+    cache.tensors = {q, k, v, saved.out};
+    cache.stats = {saved.lse};
+    cache.indices = {pos, starts};
+    return o_->forward(y.reshape({B, n, H_ * D_}), cache.child(3));
+  }
+  Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.tensors.size() == 4 && cache.stats.size() == 1 && cache.indices.size() == 2, Error,
+                 "[ptrain.backward] ContextParallelGQA::backward without a forward");
+    const Tensor<T>&q = cache.tensors[0], &k = cache.tensors[1], &v = cache.tensors[2];
+    const std::int64_t B = q.size(0), n = q.size(1);
+    auto g = o_->backward(dy, cache.child(3)).reshape(q.shape());
+    Tensor<T> dq, dk, dv;
+    context_attention_backward(batch_->group, q, k, v,
+                            RingSaved<T>{cache.tensors[3], cache.stats[0], cache.indices[1], window_}, g, dq, dk, dv);
+    ops::rotary_backward_(dq, rope_, cache.indices[0]);
+    ops::rotary_backward_(dk, rope_, cache.indices[0]);
+    auto dx = q_->backward(dq.reshape({B, n, H_ * D_}), cache.child(0));
+    ops::axpy_(acc_t<T>(1), k_->backward(dk.reshape({B, n, Hkv_ * D_}), cache.child(1)), dx);
+    ops::axpy_(acc_t<T>(1), v_->backward(dv.reshape({B, n, Hkv_ * D_}), cache.child(2)), dx);
+    cache.clear();
+    return dx;
+  }
+  std::string describe() const override {
+    return "ContextParallelGQA(heads=" + std::to_string(H_) + ", kv_heads=" + std::to_string(Hkv_) + ")";
+  }
+
+ private:
+  std::int64_t H_, Hkv_, D_, window_;
+  ops::RotaryConfig rope_;
+  std::shared_ptr<ContextParallelBatch> batch_;
+  std::shared_ptr<nn::Linear<T>> q_, k_, v_, o_;
+};
+
+template <class T>
+class ContextParallel : public Engine<T> {
+ public:
+  /// Over an nn::GPT that every rank built alike; the engine shares its modules (keep it alive).
+  ContextParallel(nn::GPT<T>& full, dist::Communicator& world, ContextParallelPlan plan) : world_(world) {
+    const nn::GPTConfig& cfg = full.config();
+    PTRAIN_CHECK(cfg.dropout == 0, Error, "[ptrain.cp.dropout] context parallelism trains without dropout (a slice "
+                 "of a sequence would draw other masks); build the GPT with dropout = 0");
+    init(plan, full.describe(), -1);
+    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
+      auto& b = dynamic_cast<nn::TransformerBlock<T>&>(inner);
+      return std::make_shared<nn::PreNormBlock<T>>(
+          typename nn::PreNormBlock<T>::Part{"ln_1", detail::part_of(owner, b.ln_1())},
+          typename nn::PreNormBlock<T>::Part{"attn", std::make_shared<ContextParallelSelfAttention<T>>(owner, b.attn(),
+                                                                                                        batch_)},
+          typename nn::PreNormBlock<T>::Part{"ln_2", detail::part_of(owner, b.ln_2())},
+          typename nn::PreNormBlock<T>::Part{"mlp", detail::part_of(owner, b.mlp())});
+    });
+  }
+  /// Over an nn::Llama that every rank built alike; the engine shares its modules (keep it alive).
+  ContextParallel(nn::Llama<T>& full, dist::Communicator& world, ContextParallelPlan plan) : world_(world) {
+    init(plan, full.describe(), full.config().document_token);
+    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
+      auto& b = dynamic_cast<nn::LlamaBlock<T>&>(inner);
+      return std::make_shared<nn::PreNormBlock<T>>(
+          typename nn::PreNormBlock<T>::Part{"input_layernorm", detail::part_of(owner, b.input_layernorm())},
+          typename nn::PreNormBlock<T>::Part{"self_attn",
+                                             std::make_shared<ContextParallelGQA<T>>(owner, b.self_attn(), batch_)},
+          typename nn::PreNormBlock<T>::Part{"post_attention_layernorm",
+                                             detail::part_of(owner, b.post_attention_layernorm())},
+          typename nn::PreNormBlock<T>::Part{"mlp", detail::part_of(owner, b.mlp())});
+    });
+  }
+
+  Mode mode() const override { return Mode::DDP; }  // every rank holds the whole model (Note [Context-parallel engine])
+  nn::FlatParameters<T>& parameters() override { return *params_; }
+  nn::Module<T>& local_module() override { return *model_; }
+  dist::Communicator& communicator() override { return world_; }
+  dist::Communicator* data_parallel_group() override { return &mesh_->data_group(); }
+  void zero_grad() override {
+    finish_gradient_sync();
+    params_->zero_grad();
+  }
+  void finish_gradient_sync() override {
+    if (!pending_) return;
+    pending_ = false;
+    if (world_.size() > 1) {
+      dist::CollectiveLabel label("cp.gradients");
+      world_.all_reduce(params_->grads(), dist::ReduceOp::Avg);
+    }
+  }
+  Mesh& mesh() { return *mesh_; }
+  ContextParallelGroup& group() { return batch_->group; }
+
+ private:
+  void init(const ContextParallelPlan& plan, const std::string& model, std::int32_t document_token) {
+    try {
+      check_same_model(world_, {::ptrain::detail::cat("ContextParallelPlan{.cp = ", plan.cp, ", .kv_exchange = ",
+                                                     plan.kv_exchange == KVExchange::Ring ? "Ring" : "AllGather",
+                                                     "} ", model)});
+    } catch (const Error& e) {
+      PTRAIN_THROW(Error, "[ptrain.cp.plan] the ranks were given different context-parallel plans or models; pass "
+                          "every rank the same ContextParallelPlan and config. ", e.what());
+    }
+    PTRAIN_CHECK(plan.cp >= 1 && world_.size() % plan.cp == 0, Error, "[ptrain.cp.world] cp = ", plan.cp,
+                 " does not divide the world of ", world_.size(), " ranks; launch a multiple of cp processes");
+    mesh_ = std::make_unique<Mesh>(world_, MeshShape{.dp = world_.size() / plan.cp, .cp = plan.cp});
+    batch_ = std::make_shared<ContextParallelBatch>(mesh_->context_group(), plan.kv_exchange);
+    document_token_ = document_token;
+  }
+
+  // The local model: the full model's units, each block rebuilt by `block` around its
+  // attention (and wrapped again in Recompute where the full model's was).
+  template <class M, class Block>
+  void build(M& full, Block block) {
+    model_ = std::make_unique<detail::StageModule<T>>();
+    const auto& units = full.units();
+    const auto& names = full.unit_names();
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      std::shared_ptr<nn::Module<T>> unit = units[u];
+      if (u == 0) {
+        if (auto* e = dynamic_cast<nn::TokenPositionEmbedding<T>*>(unit.get()))
+          unit = std::make_shared<ContextParallelEmbedding<T>>(units[u], *e, batch_);
+      } else if (u + 1 < units.size()) {
+        auto* rc = dynamic_cast<nn::Recompute<T>*>(unit.get());
+        unit = block(units[u], rc ? rc->inner() : *unit);
+        if (rc) unit = std::make_shared<nn::Recompute<T>>(unit);
+      }
+      model_->add(names[u], unit);
+    }
+    params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
+    if (world_.size() > 1) world_.broadcast(params_->values(), 0);  // rank 0's values, as DDP
+  }
+
+  double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale, bool training) override {
+    PTRAIN_CHECK(in.ids != nullptr && in.ids->dim() == 2, ShapeError, "[ptrain.cp.input] context parallelism takes "
+                 "int32 token ids [B, S] (forward_backward(ids, targets))");
+    const Tensor<std::int32_t>& ids = *in.ids;
+    const std::int64_t B = ids.size(0), S = ids.size(1);
+    const Tensor<std::int32_t>& all_targets = targets.ids("ContextParallel");
+    PTRAIN_CHECK(all_targets.numel() == B * S, ShapeError, "[ptrain.cp.targets] ", all_targets.shape(),
+                 " targets for ", B, " x ", S, " tokens; give every rank of a replica the whole [B, S] batch");
+    ContextParallelGroup& g = batch_->group;
+    g.chunk(S);  // refuses a length that does not divide
+    auto positions = Tensor<std::int32_t>::empty({B, S});
+    if (document_token_ >= 0) {
+      auto starts = nn::document_starts(ids, document_token_);
+      batch_->starts = g.shard(starts);
+      positions = nn::document_positions(starts);
+    } else {
+      for (std::int64_t i = 0; i < B * S; ++i) positions.data()[i] = static_cast<std::int32_t>(i % S);
+      batch_->starts = Tensor<std::int32_t>();
+    }
+    batch_->positions = g.shard(positions);
+    const auto local_ids = g.shard(ids);
+    const auto local_targets = g.shard(all_targets.reshape({B, S}));
+
+    cache_.clear();
+    Tensor<T> out = model_->forward_tokens(local_ids, cache_);
+    nn::CrossEntropyLoss<T> ce;
+    nn::Cache<T> lc;
+    const double mean = ce.forward(out, Targets<T>(local_targets.reshape({local_targets.numel()})), lc);
+    const auto valid = static_cast<double>(lc.values.at(0));
+    double sums[2] = {valid > 0 ? mean * valid : 0.0, valid};  // the sequence's loss sum and token count
+    if (g.size() > 1) g.communicator().all_reduce(sums, 2, DType::F64, dist::ReduceOp::Sum);
+    if (training) {
+      // d(sum / count) for this rank's tokens, times cp: the gradient all-reduce averages over dp x cp ranks.
+      const double scale = sums[1] > 0 ? grad_scale * valid * g.size() / sums[1] : 0.0;
+      Tensor<T> dout = valid > 0 ? ce.backward(lc, static_cast<acc_t<T>>(scale)) : Tensor<T>::zeros(out.shape());
+      model_->backward(dout, cache_);
+      if (this->syncing()) pending_ = true;
+    }
+    cache_.clear();
+    return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+  }
+
+  dist::Communicator& world_;
+  std::unique_ptr<Mesh> mesh_;
+  std::shared_ptr<ContextParallelBatch> batch_;
+  std::unique_ptr<detail::StageModule<T>> model_;
+  std::unique_ptr<nn::FlatParameters<T>> params_;
+  nn::Cache<T> cache_;
+  std::int32_t document_token_ = -1;
+  bool pending_ = false;
+};
+
+}  // namespace ptrain::parallel
