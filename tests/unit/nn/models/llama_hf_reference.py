@@ -2,6 +2,7 @@
 
 usage: llama_hf_reference.py write OUT_DIR
        llama_hf_reference.py transformers MODEL_DIR IDS_JSON OUT_BIN
+       llama_hf_reference.py mixtral MODEL_DIR IDS_JSON OUT_DIR
 
 write: random weights in Hugging Face's LlamaForCausalLM layout ("model." names,
 "lm_head.weight", [out, in] linear weights; this script's own table of names, not
@@ -17,6 +18,14 @@ loader must produce.
 transformers: logits (float64 file of float32 values) of
 transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR) in float32 on the token
 ids of IDS_JSON ({"ids": [[...], ...]}); the caller puts transformers on PYTHONPATH.
+
+mixtral: MixtralForCausalLM.from_pretrained(MODEL_DIR) in float64 on the ids of
+IDS_JSON, with labels = the ids (transformers' shifted mean cross entropy) and
+output_router_logits=True: OUT_DIR/logits.bin, OUT_DIR/grad/<Hugging Face name>.bin
+(float64, the gradients of out.loss, which adds router_aux_loss_coef * aux_loss) and
+OUT_DIR/result.json: class, loss, aux_loss, coef and grad_aux_diff, the largest
+difference between those gradients and the ones with output_router_logits=False
+(transformers 4.36.2's load_balancing_loss_func is a constant, so 0).
 """
 import json
 import os
@@ -121,9 +130,40 @@ def transformers_logits(model_dir, ids_json, out_bin):
     print(type(model).__name__)
 
 
+def mixtral(model_dir, ids_json, out_dir):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    import transformers
+    from transformers import MixtralForCausalLM
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_default_dtype(torch.float64)  # torch 1.13 builds the float64 mask in the default dtype
+    model = MixtralForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64)
+    model.train()  # no dropout in Mixtral; train() only enables the loss paths
+    ids = torch.tensor(json.load(open(ids_json))["ids"], dtype=torch.int64)
+
+    def run(router_logits):
+        model.zero_grad()
+        out = model(ids, labels=ids, output_router_logits=router_logits)
+        out.loss.backward()
+        return out, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    plain, plain_grads = run(False)
+    out, grads = run(True)
+    os.makedirs(os.path.join(out_dir, "grad"), exist_ok=True)
+    out.logits.detach().numpy().astype("<f8").tofile(os.path.join(out_dir, "logits.bin"))
+    for n, g in grads.items():
+        g.numpy().astype("<f8").tofile(os.path.join(out_dir, "grad", n + ".bin"))
+    diff = max(float((grads[n] - plain_grads[n]).abs().max()) for n in grads)
+    json.dump({"class": type(model).__name__, "loss": float(out.loss), "ce": float(plain.loss),
+               "aux_loss": float(out.aux_loss), "coef": model.config.router_aux_loss_coef,
+               "grad_aux_diff": diff}, open(os.path.join(out_dir, "result.json"), "w"))
+
+
 def main():
     if sys.argv[1] == "transformers":
         return transformers_logits(*sys.argv[2:5])
+    if sys.argv[1] == "mixtral":
+        return mixtral(*sys.argv[2:5])
     out = sys.argv[2]
     rng = np.random.default_rng(7)
     write_folder(os.path.join(out, "f32"), rng, "F32", tied=False, buffers=True)
