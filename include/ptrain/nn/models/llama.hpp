@@ -294,6 +294,15 @@ class Llama : public UnitChain<T> {
            (cfg_.tie_weights ? ", tied)" : ")");
   }
   const LlamaConfig& config() const { return cfg_; }
+  /// The auxiliary losses of the latest forward, with their coefficients: the sum of
+  /// every MoE layer's stats().loss (0 for a dense model). Backward adds their
+  /// gradient; add this value to the cross entropy to report the loss trained.
+  double moe_loss() {
+    double sum = 0;
+    for (auto& b : blocks_)
+      if (b->moe()) sum += b->moe()->stats().loss;
+    return sum;
+  }
   Embedding<T>& embedding() { return *embed_; }
   LlamaBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
   Head& head() { return *head_; }
