@@ -8,6 +8,7 @@
 //   ptrun --nproc-per-node 2 gpt_char --parallel pipeline --virtual-stages 2   # interleaved 1F1B, 2 chunks a stage
 //   mpirun -np 4 build/examples/gpt_char --parallel tp --tp 2   # tensor parallel: 2 replicas x tp 2
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
+//   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --experts 8 --moe-top-k 2   # MoE blocks
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
 // saves every --checkpoint-every steps (in the background), at the end, and when

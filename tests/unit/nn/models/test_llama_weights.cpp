@@ -348,6 +348,12 @@ TEST_CASE("Mixtral folders: config.json both ways, weights back bitwise, what Mi
   REQUIRE(parameter_values(loaded) != parameter_values(model));
   CHECK(ckpt::load_llama_weights(out.string(), loaded).find(std::to_string(n) + " tensors") != std::string::npos);
   CHECK(parameter_values(loaded) == parameter_values(model));
+  // moe_loss: the layers' auxiliary losses of the latest forward, with the coefficient.
+  nn::Cache<float> cache;
+  model.forward_tokens(Tensor<std::int32_t>::from({1, 5, 7, 2, 9, 11}, {1, 6}), cache);
+  const double l0 = model.block(0).moe()->stats().aux_loss, l1 = model.block(1).moe()->stats().aux_loss;
+  CHECK((l0 > 0 && l1 > 0));
+  CHECK(model.moe_loss() == Approx(0.02 * (l0 + l1)).epsilon(1e-12));
   nn::LlamaConfig fewer = cfg;
   fewer.num_experts = 3;
   nn::Llama<float> m3(fewer);
