@@ -25,7 +25,10 @@ output_router_logits=True: OUT_DIR/logits.bin, OUT_DIR/grad/<Hugging Face name>.
 (float64, the gradients of out.loss, which adds router_aux_loss_coef * aux_loss) and
 OUT_DIR/result.json: class, loss, aux_loss, coef and grad_aux_diff, the largest
 difference between those gradients and the ones with output_router_logits=False
-(transformers 4.36.2's load_balancing_loss_func is a constant, so 0).
+(transformers 4.36.2's load_balancing_loss_func is a constant, so 0), and switch: the
+Switch / GShard load-balancing loss of each layer computed here from the router
+logits; OUT_DIR/grad_switch/<name>.bin: the gradients of the cross entropy plus
+router_aux_loss_coef times the sum of those per-layer losses.
 """
 import json
 import os
@@ -149,14 +152,35 @@ def mixtral(model_dir, ids_json, out_dir):
 
     plain, plain_grads = run(False)
     out, grads = run(True)
+    diff = max(float((grads[n] - plain_grads[n]).abs().max()) for n in grads)
+
+    # The Switch / GShard load-balancing loss per layer (docs/moe.md), written here from
+    # the router logits transformers returns: E sum_e f_e P_e, f_e = (tokens choosing e) / N
+    # (a constant), P_e = mean softmax probability; the model's loss adds
+    # coef * the sum over layers to the cross entropy.
+    model.zero_grad()
+    out2 = model(ids, labels=ids, output_router_logits=True)
+    coef = model.config.router_aux_loss_coef
+    E, k = model.config.num_local_experts, model.config.num_experts_per_tok
+    switch = []
+    for logits in out2.router_logits:
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(logits, k, dim=-1).indices
+        f = torch.nn.functional.one_hot(chosen, E).sum(dim=1).double().mean(dim=0)
+        switch.append(E * (f * probs.mean(dim=0)).sum())
+    total = out2.loss - coef * out2.aux_loss + coef * sum(switch)
+    total.backward()
+
     os.makedirs(os.path.join(out_dir, "grad"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "grad_switch"), exist_ok=True)
     out.logits.detach().numpy().astype("<f8").tofile(os.path.join(out_dir, "logits.bin"))
     for n, g in grads.items():
         g.numpy().astype("<f8").tofile(os.path.join(out_dir, "grad", n + ".bin"))
-    diff = max(float((grads[n] - plain_grads[n]).abs().max()) for n in grads)
+    for n, p in model.named_parameters():
+        p.grad.numpy().astype("<f8").tofile(os.path.join(out_dir, "grad_switch", n + ".bin"))
     json.dump({"class": type(model).__name__, "loss": float(out.loss), "ce": float(plain.loss),
-               "aux_loss": float(out.aux_loss), "coef": model.config.router_aux_loss_coef,
-               "grad_aux_diff": diff}, open(os.path.join(out_dir, "result.json"), "w"))
+               "aux_loss": float(out.aux_loss), "coef": coef, "grad_aux_diff": diff,
+               "switch": [float(a) for a in switch]}, open(os.path.join(out_dir, "result.json"), "w"))
 
 
 def main():

@@ -370,7 +370,9 @@ TEST_CASE("Mixtral folders: config.json both ways, weights back bitwise, what Mi
 // router. So the test compares the logits, the cross entropy, and the gradients of
 // transformers' loss (cross entropy + coef * E/k) with ptrain's gradients of the cross
 // entropy (moe_aux_loss_coef 0), and checks that transformers' aux_loss is E/k and its
-// gradients equal those without output_router_logits.
+// gradients equal those without output_router_logits. ptrain's own loss is then checked
+// against the same per-layer loss written in the script on transformers' router logits
+// (its values, and autograd's gradients of cross entropy + coef * their sum).
 TEST_CASE("transformers' MixtralForCausalLM gives ptrain's logits and gradients on a Mixtral folder",
           "[llama][ckpt][transformers][mixtral]") {
   const char* env = std::getenv("PTRAIN_TEST_TOOLS");
@@ -463,6 +465,46 @@ TEST_CASE("transformers' MixtralForCausalLM gives ptrain's logits and gradients 
     worst = std::max(worst, gdiff / std::max(gscale, 1e-3));
   }
   std::printf("mixtral vs transformers: worst relative gradient difference %.2e\n", worst);
+
+  // With ptrain's load-balancing loss (the Switch form per layer, coefficient 0.02): its
+  // value per layer and the gradients against the same loss written in the script on
+  // transformers' router logits and differentiated by autograd.
+  cfg.moe_aux_loss_coef = coef;
+  nn::Llama<double> balanced(cfg);
+  ckpt::load_llama_weights(out.string(), balanced);
+  nn::Cache<double> bc;
+  balanced.forward_tokens(ids, bc);
+  const auto switch_loss = r["switch"].get<std::vector<double>>();
+  REQUIRE(switch_loss.size() == 2);
+  for (std::size_t l = 0; l < 2; ++l) {
+    INFO("layer " << l);
+    CHECK(balanced.block(l).moe()->stats().aux_loss == Approx(switch_loss[l]).epsilon(1e-6));
+  }
+  CHECK(balanced.moe_loss() == Approx(coef * (switch_loss[0] + switch_loss[1])).epsilon(1e-6));
+  balanced.zero_grad();
+  balanced.backward(dlogits, bc);
+  worst = 0;
+  for (auto& p : balanced.named_parameters()) {
+    const std::string hf = ckpt::detail::hf_llama_name(p.name);
+    INFO(hf);
+    const auto gw = read_raw<double>(out / "grad_switch" / (hf + ".bin"));
+    REQUIRE(static_cast<std::int64_t>(gw.size()) == p.param->grad.numel());
+    double gscale = 0, gdiff = 0;
+    for (std::size_t i = 0; i < gw.size(); ++i) {
+      gscale = std::max(gscale, std::abs(gw[i]));
+      gdiff = std::max(gdiff, std::abs(p.param->grad.data()[i] - gw[i]));
+    }
+    CHECK(gdiff <= 1e-5 * std::max(gscale, 1e-3));
+    worst = std::max(worst, gdiff / std::max(gscale, 1e-3));
+    if (p.name.find(".gate.weight") != std::string::npos) {  // the balancing loss moves the routers
+      const auto plain = read_raw<double>(out / "grad" / (hf + ".bin"));
+      double moved = 0;
+      for (std::size_t i = 0; i < gw.size(); ++i) moved = std::max(moved, std::abs(gw[i] - plain[i]));
+      CHECK(moved > 100 * gdiff);
+    }
+  }
+  std::printf("mixtral with the per-layer load-balancing loss vs autograd on transformers' router logits: worst "
+              "relative gradient difference %.2e\n", worst);
   fs::remove_all(dir);
 }
 
