@@ -5,7 +5,8 @@
 // equal; what does not fit is refused by id and changes nothing; and
 // transformers 4.36's AutoModelForCausalLM gives ptrain's logits on a folder
 // ptrain wrote (tools/install-deps.sh --test installs transformers; the test
-// fails without it).
+// fails without it); Mixtral folders: config.json both ways, the experts' tensors,
+// and MixtralForCausalLM's logits and gradients.
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <cmath>
