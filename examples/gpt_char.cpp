@@ -9,6 +9,7 @@
 //   mpirun -np 4 build/examples/gpt_char --parallel tp --tp 2   # tensor parallel: 2 replicas x tp 2
 //   mpirun -np 2 build/examples/gpt_char --context-parallel 2  # each sequence split over 2 ranks (ring attention)
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
+//   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --experts 8 --moe-top-k 2   # MoE blocks
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
 // saves every --checkpoint-every steps (in the background), at the end, and when
@@ -83,7 +84,7 @@ namespace {
 constexpr const char* kFortunesDir = "/usr/share/games/fortunes";
 
 struct Options {
-  std::string model = "gpt";  // gpt or llama
+  std::string model = "gpt";  // gpt, llama or mixtral (a Llama with MoE blocks)
   std::string data;  // empty: the fortunes corpus
   std::vector<std::string> train_tokens, val_tokens;  // token files instead of text (paths or glob patterns)
   std::string token_format = "u16";
@@ -115,6 +116,12 @@ struct Options {
   std::int64_t intermediate = 0;     // --model llama: SwiGLU width (0: 8/3 --embd, rounded up to 32)
   double rope_theta = 10000.0;       // --model llama
   std::int32_t document_token = -1;  // --model llama: a token that starts each packed document
+  std::int64_t experts = 8;          // --model mixtral: experts per MoE layer
+  std::int64_t moe_top_k = 2;        // --model mixtral: experts per token
+  std::int64_t moe_every = 1;        // --model mixtral: every n-th block is an MoE block
+  double capacity_factor = 0;        // --model mixtral: 0 dropless
+  double aux_loss_coef = 0.01;       // --model mixtral: load-balancing loss coefficient
+  double z_loss_coef = 0;            // --model mixtral: router z-loss coefficient
   double dropout = 0.0;
   double lr = 2e-3;
   double min_lr = 2e-4;
@@ -381,6 +388,7 @@ struct GptKind {
     return cost;
   }
   static std::function<bool(const std::string&)> decay_filter() { return nn::gpt_decay_filter(); }
+  static double aux_loss(Model&) { return 0; }
   static std::vector<std::pair<std::string, Generator*>> dropout_streams(Model& m) { return m.generators(); }
   static std::string load(const std::string& path, Model& m) { return ckpt::load_gpt2_weights(path, m); }
   static std::string save_hf(const std::string& folder, Model& m, std::int64_t vocab) {
@@ -406,6 +414,7 @@ struct LlamaKind {
       if (pipelined(o)) c.tie_weights = false;  // its head starts from embed_tokens
       c.document_token = o.document_token;
       c.recompute = o.recompute;
+      if (c.num_experts > 0) set_moe_training(c, o);
       return c;
     }
     c.vocab_size = vocab;
@@ -420,13 +429,32 @@ struct LlamaKind {
     c.tie_weights = !o.untied && !pipelined(o);
     c.document_token = o.document_token;
     c.recompute = o.recompute;
+    if (o.model == "mixtral") {
+      c.num_experts = o.experts;
+      c.top_k = o.moe_top_k;
+      c.moe_every = o.moe_every;
+      set_moe_training(c, o);
+    }
     return c;
   }
-  static nlohmann::json flags(const Config& c, const Options& o) {
-    return {{"model", "llama"}, {"vocab", c.vocab_size}, {"layers", c.n_layer}, {"heads", c.n_head},
-            {"kv-heads", c.n_kv_head}, {"embd", c.n_embd}, {"intermediate", c.intermediate_size},
-            {"rope-theta", c.rope.theta}, {"precision", o.precision}, {"untied", !c.tie_weights}};
+  // The capacity factor and the auxiliary coefficients, which a Hugging Face folder
+  // does not fix. Each forward adds its auxiliary losses' gradient (docs/moe.md): with
+  // --grad-accum M, 1/M of the coefficients makes the step's gradient that of the mean.
+  static void set_moe_training(Config& c, const Options& o) {
+    c.moe_capacity_factor = o.capacity_factor;
+    c.moe_aux_loss_coef = o.aux_loss_coef / o.grad_accum;
+    c.moe_z_loss_coef = o.z_loss_coef / o.grad_accum;
   }
+  static nlohmann::json flags(const Config& c, const Options& o) {
+    nlohmann::json f = {{"model", "llama"}, {"vocab", c.vocab_size}, {"layers", c.n_layer}, {"heads", c.n_head},
+                        {"kv-heads", c.n_kv_head}, {"embd", c.n_embd}, {"intermediate", c.intermediate_size},
+                        {"rope-theta", c.rope.theta}, {"precision", o.precision}, {"untied", !c.tie_weights}};
+    if (c.num_experts > 0)
+      f.update({{"model", "mixtral"}, {"experts", c.num_experts}, {"moe-top-k", c.top_k}, {"moe-every", c.moe_every}});
+    return f;
+  }
+  // The auxiliary losses of the latest forward (their gradients are in backward already).
+  static double aux_loss(Model& m) { return m.moe_loss(); }
   static std::vector<double> unit_costs(const Config& c) {
     const auto C = static_cast<double>(c.n_embd), S = static_cast<double>(c.max_seq_len);
     const auto kv = static_cast<double>(c.n_kv_head * c.head_dim()), F = static_cast<double>(c.intermediate_size);
@@ -926,7 +954,11 @@ int run(Options opt) {
         train_windows.next(opt.batch, x, y);
       }
       obs::Span span("forward_backward", "train");
-      return engine.forward_backward(x.to(device), y.to(device), 1.0 / opt.grad_accum);
+      // The loss trained: the cross entropy plus a mixture of experts' auxiliary losses
+      // (with --grad-accum M their coefficients are already 1/M: their sum over the M
+      // batches is the mean's share).
+      const double ce = engine.forward_backward(x.to(device), y.to(device), 1.0 / opt.grad_accum);
+      return ce + K::aux_loss(*model) * opt.grad_accum;
     };
     // The step with the loss on the device, captured and replayed once the shapes are fixed.
     train::LossWindow losses;
@@ -1031,9 +1063,13 @@ int run(Options opt) {
       }
       ++state.step;
       progress.update(state.step, 1, loss, optimizer.lr(), static_cast<std::int64_t>(tokens_per_step));
-      if (lead)
-        metrics.write({{"step", state.step}, {"loss", loss}, {"lr", optimizer.lr()}, {"grad_norm", norm},
-                       {"data_position", train_windows.position()}});
+      if (lead) {
+        nlohmann::json rec = {{"step", state.step}, {"loss", loss}, {"lr", optimizer.lr()}, {"grad_norm", norm},
+                              {"data_position", train_windows.position()}};
+        // What the model reports of its latest forward on this rank (MoE routing: docs/moe.md).
+        for (const auto& [name, value] : model->named_metrics()) rec[name] = value;
+        metrics.write(rec);
+      }
       if (opt.eval_every > 0 && state.step % opt.eval_every == 0 && state.step < opt.steps) validate();
       if (checkpoints.after_step()) return opt.preempt_exit_code;
     }
@@ -1064,8 +1100,21 @@ int run(Options opt) {
 int main(int argc, char** argv) {
   Options opt;
   CLI::App app{"Train a GPT or a Llama with ptrain on the characters of a text or on token files"};
-  app.add_option("--model", opt.model, "gpt (GPT-2 blocks) or llama (RMSNorm, grouped-query attention with rotary "
-                 "positions, SwiGLU)")->check(CLI::IsMember({"gpt", "llama"}));
+  app.add_option("--model", opt.model, "gpt (GPT-2 blocks), llama (RMSNorm, grouped-query attention with rotary "
+                 "positions, SwiGLU) or mixtral (a llama whose MLPs are mixtures of SwiGLU experts)")
+      ->check(CLI::IsMember({"gpt", "llama", "mixtral"}));
+  auto* experts = app.add_option("--experts", opt.experts, "--model mixtral: experts per MoE layer")->check(positive);
+  auto* moe_top_k = app.add_option("--moe-top-k", opt.moe_top_k, "--model mixtral: experts per token (--top-k is "
+                                   "the sample's)")->check(positive);
+  auto* moe_every = app.add_option("--moe-every", opt.moe_every, "--model mixtral: every n-th block has experts "
+                                   "(1: all)")->check(positive);
+  auto* capacity = app.add_option("--capacity-factor", opt.capacity_factor, "--model mixtral: each expert keeps "
+                                  "ceil(factor * tokens * k / experts) slots, the rest dropped (0: dropless)")
+                       ->check(non_negative);
+  auto* aux_coef = app.add_option("--aux-loss-coef", opt.aux_loss_coef, "--model mixtral: load-balancing loss "
+                                  "coefficient")->check(non_negative);
+  auto* z_coef = app.add_option("--z-loss-coef", opt.z_loss_coef, "--model mixtral: router z-loss coefficient")
+                     ->check(non_negative);
   app.add_option("--kv-heads", opt.n_kv_head, "--model llama: key/value heads, dividing --heads (default: --heads)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--intermediate", opt.intermediate, "--model llama: SwiGLU width (default: 8/3 of --embd, rounded "
@@ -1185,9 +1234,21 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (opt.model == "llama") {
+  const bool moe_flags = experts->count() + moe_top_k->count() + moe_every->count() + capacity->count() +
+                            aux_coef->count() + z_coef->count() > 0;
+  if (moe_flags && opt.model != "mixtral") {
+    std::fprintf(stderr, "gpt_char: --experts, --moe-top-k, --moe-every, --capacity-factor, --aux-loss-coef and "
+                 "--z-loss-coef are for --model mixtral\n");
+    return 2;
+  }
+  if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "tp")) {
+    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp or fsdp (expert and tensor "
+                 "parallelism of MoE blocks are not built in gpt_char)\n");
+    return 2;
+  }
+  if (opt.model == "llama" || opt.model == "mixtral") {
     if (opt.dropout != 0) {
-      std::fprintf(stderr, "gpt_char: --model llama has no dropout (as Llama); leave out --dropout\n");
+      std::fprintf(stderr, "gpt_char: --model %s has no dropout (as Llama); leave out --dropout\n", opt.model.c_str());
       return 2;
     }
     return opt.precision == "bf16" ? run<bf16, LlamaKind<bf16>>(opt) : run<float, LlamaKind<float>>(opt);

@@ -173,6 +173,16 @@ class Module {
     return out;
   }
 
+  /// Scalars this module and its children report about their latest forward call,
+  /// depth-first, each named by its module's path as parameters are (e.g. an MoE
+  /// layer's "layers.1.block_sparse_moe.aux_loss"); empty for most models. The
+  /// Trainer and gpt_char add them to their metrics records (and TensorBoard).
+  std::vector<std::pair<std::string, double>> named_metrics(const std::string& prefix = "") {
+    std::vector<std::pair<std::string, double>> out;
+    collect_metrics(prefix, out);
+    return out;
+  }
+
   /// Parameters this module (or a child) uses without owning them, e.g. an LM
   /// head tied to the token embedding. Wrappers that place or shard parameters
   /// per module (FSDP units, pipeline stages) use this to keep them together.
@@ -205,6 +215,11 @@ class Module {
   }
   /// This module's own random streams, not its children's (see random_streams()).
   virtual void own_random_streams(std::vector<Generator*>& out) { (void)out; }
+  /// This module's own scalars for named_metrics(), each name prefixed by `prefix`.
+  virtual void own_metrics(const std::string& prefix, std::vector<std::pair<std::string, double>>& out) {
+    (void)prefix;
+    (void)out;
+  }
   /// This module's own use of set_replica_sum(); most modules ignore it.
   virtual void use_replica_sum(const ReplicaSum& sum) { (void)sum; }
 
@@ -216,6 +231,10 @@ class Module {
   void collect_buffers(const std::string& prefix, std::vector<NamedBuffer<T>>& out) {
     for (auto& [name, b] : buffers_) out.push_back({prefix + name, b.get()});
     for (auto& [name, child] : children_) child->collect_buffers(name.empty() ? prefix : prefix + name + ".", out);
+  }
+  void collect_metrics(const std::string& prefix, std::vector<std::pair<std::string, double>>& out) {
+    own_metrics(prefix, out);
+    for (auto& [name, child] : children_) child->collect_metrics(name.empty() ? prefix : prefix + name + ".", out);
   }
   void collect_streams(std::vector<Generator*>& out) {
     own_random_streams(out);

@@ -407,6 +407,22 @@ class MoE : public Module<T> {
   SwiGLU<T>* shared_experts() { return shared_.get(); }
   Linear<T>* shared_expert_gate() { return shared_gate_.get(); }
 
+ protected:
+  /// The latest forward's routing for Module::named_metrics(): aux_loss and z_loss
+  /// (before their coefficients), moe_loss (stats().loss), dropped slots,
+  /// load_imbalance (max_load / mean_load) and tokens_per_expert.{e}.
+  void own_metrics(const std::string& prefix, std::vector<std::pair<std::string, double>>& out) override {
+    const MoeStats& s = stats();
+    if (s.tokens_per_expert.empty()) return;  // no forward yet
+    out.insert(out.end(), {{prefix + "aux_loss", s.aux_loss},
+                           {prefix + "z_loss", s.z_loss},
+                           {prefix + "moe_loss", s.loss},
+                           {prefix + "dropped", double(s.dropped)},
+                           {prefix + "load_imbalance", s.mean_load > 0 ? s.max_load / s.mean_load : 0.0}});
+    for (std::size_t e = 0; e < s.tokens_per_expert.size(); ++e)
+      out.emplace_back(prefix + "tokens_per_expert." + std::to_string(e), double(s.tokens_per_expert[e]));
+  }
+
  private:
   MoeConfig cfg_;
   std::shared_ptr<MoeRouter<T>> router_;

@@ -258,6 +258,7 @@ class Trainer {
                                 {"samples_per_s", window.samples_per_s(now)}, {"world_size", data_world}};
           rec.update(straggler_report(engine_.communicator(), times));  // every rank, same steps
           rec.update(memory_fields());
+          for (const auto& [name, value] : engine_.local_module().named_metrics()) rec[name] = value;
           metrics.write(rec);
           window.reset(now);
           times = {};

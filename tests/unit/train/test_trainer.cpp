@@ -13,6 +13,8 @@
 #include <ptrain/data/sampler.hpp>
 #include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/nn/models/mlp.hpp>
+#include <ptrain/nn/moe.hpp>
+#include <ptrain/nn/sequential.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 #include <ptrain/train/trainer.hpp>
@@ -232,6 +234,59 @@ TEST_CASE("Trainer: a resume at any world size ends each epoch on its last step"
             }
           }
   CHECK(cases > 10000);
+}
+
+TEST_CASE("Trainer: a model's named_metrics (an MoE layer's routing) join its records and TensorBoard",
+          "[train][trainer][moe]") {
+  const fs::path dir = fresh_dir("ptrain_trainer_moe_");
+  fs::create_directories(dir);
+  auto data = make_data(kBatch * 3);  // 3 steps
+  Generator g(9);
+  auto model = std::make_shared<nn::Sequential<float>>();
+  const auto moe = model->add(std::make_shared<nn::MoE<float>>(
+      nn::MoeConfig{.n_embd = 5, .num_experts = 3, .top_k = 2, .expert_hidden = 4, .capacity_factor = 0.7,
+                    .aux_loss_coef = 0.1, .z_loss_coef = 0.01},
+      g));
+  model->add(std::make_shared<nn::Linear<float>>(5, 3, true, g));
+  CHECK(model->named_metrics().empty());  // no forward yet
+  dist::SelfCommunicator self;
+  auto engine = parallel::make_engine<float>(model, self, parallel::LocalOptions{});
+  optim::AdamW<float> opt(engine->parameters(), optim::AdamWOptions{.lr = 0.01});
+  const std::string metrics = (dir / "m.jsonl").string();
+  train::Trainer<float> trainer(*engine, opt, data,
+                                {.batch = kBatch, .log_every = 1, .metrics = metrics,
+                                 .tensorboard = (dir / "tb").string()});
+  CHECK(trainer.run().step == 3);
+
+  const auto lines = read_lines(metrics);
+  REQUIRE(!lines.empty());
+  const nlohmann::json& rec = lines.back();  // step 3: the forward that moe->stats() describes
+  REQUIRE(rec.at("step") == 3);
+  const nn::MoeStats& s = moe->stats();
+  const std::string p = "0.";
+  CHECK(rec.at(p + "aux_loss").get<double>() == s.aux_loss);
+  CHECK(rec.at(p + "z_loss").get<double>() == s.z_loss);
+  CHECK(rec.at(p + "moe_loss").get<double>() == s.loss);
+  CHECK(rec.at(p + "moe_loss").get<double>() == Approx(0.1 * s.aux_loss + 0.01 * s.z_loss));
+  CHECK(rec.at(p + "dropped").get<double>() == double(s.dropped));
+  CHECK(s.dropped > 0);  // capacity ceil(0.7 * 4 * 2 / 3) = 2 of 8 slots over 3 experts
+  CHECK(rec.at(p + "load_imbalance").get<double>() == s.max_load / s.mean_load);
+  std::int64_t routed = 0;
+  for (std::size_t e = 0; e < 3; ++e) {
+    CHECK(rec.at(p + "tokens_per_expert." + std::to_string(e)).get<double>() == double(s.tokens_per_expert[e]));
+    routed += s.tokens_per_expert[e];
+  }
+  CHECK(routed == kBatch * 2);
+  CHECK(!rec.contains(p + "tokens_per_expert.3"));
+  // The same names are TensorBoard scalars (the tags are plain bytes in the event records).
+  std::string events;
+  for (const auto& e : fs::directory_iterator(dir / "tb")) {
+    std::ifstream in(e.path(), std::ios::binary);
+    events += std::string((std::istreambuf_iterator<char>(in)), {});
+  }
+  CHECK(events.find("0.load_imbalance") != std::string::npos);
+  CHECK(events.find("0.tokens_per_expert.2") != std::string::npos);
+  fs::remove_all(dir);
 }
 
 }  // namespace test_trainer

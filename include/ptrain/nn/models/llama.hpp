@@ -129,12 +129,13 @@ struct LlamaConfig {
     return 6.0 * matmul + 6.0 * L * 2.0 * static_cast<double>(seq) * H * D;
   }
 
-  /// A Hugging Face config.json of LlamaForCausalLM, MistralForCausalLM or
-  /// Qwen2ForCausalLM; what the layers cannot do is refused by name.
+  /// A Hugging Face config.json of LlamaForCausalLM, MistralForCausalLM,
+  /// MixtralForCausalLM or Qwen2ForCausalLM; what the layers cannot do is refused by name.
   static LlamaConfig from_hf_config(const nlohmann::json& j);
   static LlamaConfig from_hf_config_file(const std::filesystem::path& path);
   /// config.json for LlamaForCausalLM (Qwen2ForCausalLM when q/k/v have biases and
-  /// o_proj has none), which transformers' from_pretrained reads.
+  /// o_proj has none, MistralForCausalLM with a sliding window, MixtralForCausalLM with
+  /// experts: Note [Mixtral configs]), which transformers' from_pretrained reads.
   nlohmann::json to_hf_config() const;
 };
 
@@ -293,6 +294,15 @@ class Llama : public UnitChain<T> {
            (cfg_.tie_weights ? ", tied)" : ")");
   }
   const LlamaConfig& config() const { return cfg_; }
+  /// The auxiliary losses of the latest forward, with their coefficients: the sum of
+  /// every MoE layer's stats().loss (0 for a dense model). Backward adds their
+  /// gradient; add this value to the cross entropy to report the loss trained.
+  double moe_loss() {
+    double sum = 0;
+    for (auto& b : blocks_)
+      if (b->moe()) sum += b->moe()->stats().loss;
+    return sum;
+  }
   Embedding<T>& embedding() { return *embed_; }
   LlamaBlock<T>& block(std::size_t i) { return *blocks_.at(i); }
   Head& head() { return *head_; }
@@ -381,12 +391,61 @@ V hf_require(const nlohmann::json& j, const char* key) {
 }
 }  // namespace detail
 
+// Note [Mixtral configs]
+// MixtralForCausalLM (model_type "mixtral") is nn::Llama with an nn::MoE in every
+// layer: num_local_experts -> num_experts, num_experts_per_tok -> top_k, each
+// expert's SwiGLU intermediate_size wide, no biases, Mistral's sliding_window. Its
+// router is MoeConfig's default (softmax over all experts, top-k, renormalised).
+// router_aux_loss_coef -> moe_aux_loss_coef when output_router_logits is true (the
+// only case in which transformers adds the loss), else 0; written back as the
+// coefficient with output_router_logits = coefficient > 0. What config.json cannot
+// hold is refused when writing (moe_every != 1, shared experts, an expert width other
+// than intermediate_size, biases); the capacity factor and the z-loss coefficient are
+// training settings that Mixtral has no field for: they are not written.
+namespace detail {
+inline nlohmann::json mixtral_hf_config(const LlamaConfig& c) {
+  PTRAIN_CHECK(c.moe_every == 1, Error, "[ptrain.llama.hf_config] moe_every ", c.moe_every,
+               " cannot be written as a Mixtral config.json: Mixtral has a mixture of experts in every layer "
+               "(moe_every 1)");
+  PTRAIN_CHECK(c.moe_shared_size == 0, Error, "[ptrain.llama.hf_config] shared experts (moe_shared_size ",
+               c.moe_shared_size, ") cannot be written as a Mixtral config.json: Mixtral has none");
+  PTRAIN_CHECK(c.moe_intermediate_size == 0 || c.moe_intermediate_size == c.intermediate_size, Error,
+               "[ptrain.llama.hf_config] moe_intermediate_size ", c.moe_intermediate_size,
+               " cannot be written as a Mixtral config.json: its experts are intermediate_size (",
+               c.intermediate_size, ") wide; set moe_intermediate_size to 0");
+  PTRAIN_CHECK(!c.attention_bias && !c.o_proj_bias && !c.mlp_bias, Error,
+               "[ptrain.llama.hf_config] biases cannot be written as a Mixtral config.json: Mixtral has none");
+  PTRAIN_CHECK(!c.rope.llama3_scaling, Error,
+               "[ptrain.llama.hf_config] Llama 3 rope scaling cannot be written as a Mixtral config.json");
+  return {{"architectures", {"MixtralForCausalLM"}},
+          {"model_type", "mixtral"},
+          {"vocab_size", c.vocab_size},
+          {"hidden_size", c.n_embd},
+          {"intermediate_size", c.intermediate_size},
+          {"num_hidden_layers", c.n_layer},
+          {"num_attention_heads", c.n_head},
+          {"num_key_value_heads", c.n_kv_head},
+          {"max_position_embeddings", c.max_seq_len},
+          {"rms_norm_eps", c.rms_norm_eps},
+          {"rope_theta", c.rope.theta},
+          {"tie_word_embeddings", c.tie_weights},
+          {"hidden_act", "silu"},
+          {"initializer_range", c.init_std},
+          {"torch_dtype", "float32"},
+          {"sliding_window", c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json()},
+          {"num_local_experts", c.num_experts},
+          {"num_experts_per_tok", c.top_k},
+          {"router_aux_loss_coef", c.moe_aux_loss_coef},
+          {"output_router_logits", c.moe_aux_loss_coef > 0}};
+}
+}  // namespace detail
+
 inline LlamaConfig LlamaConfig::from_hf_config(const nlohmann::json& j) {
   PTRAIN_CHECK(j.is_object(), Error, "[ptrain.llama.hf_config] config.json must hold a JSON object");
   const std::string type = detail::hf_get<std::string>(j, "model_type", "");
-  PTRAIN_CHECK(type == "llama" || type == "mistral" || type == "qwen2", Error,
+  PTRAIN_CHECK(type == "llama" || type == "mistral" || type == "qwen2" || type == "mixtral", Error,
                "[ptrain.llama.hf_config] model_type \"", type, "\" is not supported; nn::Llama reads llama, "
-               "mistral and qwen2 configs");
+               "mistral, mixtral and qwen2 configs");
   const std::string act = detail::hf_get<std::string>(j, "hidden_act", "silu");
   PTRAIN_CHECK(act == "silu", Error, "[ptrain.llama.hf_config] hidden_act \"", act,
                "\" is not supported; the SwiGLU MLP uses silu");
@@ -413,7 +472,21 @@ inline LlamaConfig LlamaConfig::from_hf_config(const nlohmann::json& j) {
   }
   // Mistral's sliding window: each query sees its last sliding_window keys, itself
   // included, as Hugging Face's mask (Note [Sliding window] in kernels/cpu/gqa_attention.hpp).
-  if (type == "mistral") c.sliding_window = detail::hf_get<std::int64_t>(j, "sliding_window", 0);
+  if (type == "mistral" || type == "mixtral") c.sliding_window = detail::hf_get<std::int64_t>(j, "sliding_window", 0);
+  if (type == "mixtral") {
+    // Note [Mixtral configs]: every layer's MLP is a mixture of experts of
+    // intermediate_size each; softmax over all experts, top-k, renormalised.
+    c.attention_bias = c.o_proj_bias = c.mlp_bias = false;
+    c.num_experts = detail::hf_get<std::int64_t>(j, "num_local_experts", 8);
+    c.top_k = detail::hf_get<std::int64_t>(j, "num_experts_per_tok", 2);
+    c.moe_every = 1;
+    // transformers adds the load-balancing loss only with output_router_logits.
+    if (detail::hf_get<bool>(j, "output_router_logits", false))
+      c.moe_aux_loss_coef = detail::hf_get<double>(j, "router_aux_loss_coef", 0.001);
+    PTRAIN_CHECK(detail::hf_get<double>(j, "router_jitter_noise", 0.0) == 0.0, Error,
+                 "[ptrain.llama.hf_config] router_jitter_noise is not supported (the router has no noise); "
+                 "set it to 0");
+  }
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
     const auto hd = detail::hf_get<std::int64_t>(j, "head_dim", 0);
     PTRAIN_CHECK(c.n_head > 0 && hd * c.n_head == c.n_embd, Error, "[ptrain.llama.hf_config] head_dim ", hd,
@@ -456,8 +529,7 @@ inline LlamaConfig LlamaConfig::from_hf_config_file(const std::filesystem::path&
 }
 
 inline nlohmann::json LlamaConfig::to_hf_config() const {
-  PTRAIN_CHECK(num_experts == 0, Error, "[ptrain.llama.hf_config] a model with mixture-of-experts layers has no "
-               "Llama config.json (Mixtral folders are not built yet, docs/moe.md)");
+  if (num_experts > 0) return detail::mixtral_hf_config(*this);
   const bool qwen2 = attention_bias && !o_proj_bias, mistral = sliding_window > 0;
   nlohmann::json j = {
       {"architectures", {qwen2 ? "Qwen2ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM"}},

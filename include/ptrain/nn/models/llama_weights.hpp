@@ -1,6 +1,6 @@
 #pragma once
 // Pretrained weights for nn::Llama: a Hugging Face Llama-family folder (Llama 2/3,
-// Mistral, Qwen2, SmolLM: model.safetensors, or shards with
+// Mistral, Mixtral, Qwen2, SmolLM: model.safetensors, or shards with
 // model.safetensors.index.json) or a ptrain file with the model's own names, to
 // fine-tune from; and the way back, a folder that transformers'
 // AutoModelForCausalLM.from_pretrained loads. Names keep the ckpt:: namespace
@@ -17,7 +17,8 @@
 //   model.embed_tokens.weight          -> embed_tokens.weight
 //   model.layers.L.<rest>              -> layers.L.<rest>   (input_layernorm.weight,
 //        self_attn.{q,k,v,o}_proj.{weight,bias}, post_attention_layernorm.weight,
-//        mlp.{gate,up,down}_proj.{weight,bias}), every Linear [out, in] as nn::Linear
+//        mlp.{gate,up,down}_proj.{weight,bias}, or Mixtral's block_sparse_moe.gate.weight
+//        and block_sparse_moe.experts.E.{w1,w2,w3}.weight), every Linear [out, in] as nn::Linear
 //   model.norm.weight                  -> head.norm.weight
 //   lm_head.weight                     -> head.lm_head.weight (untied; a tied model uses
 //                                         embed_tokens, an untied model given a file

@@ -2,6 +2,7 @@
 
 usage: llama_hf_reference.py write OUT_DIR
        llama_hf_reference.py transformers MODEL_DIR IDS_JSON OUT_BIN
+       llama_hf_reference.py mixtral MODEL_DIR IDS_JSON OUT_DIR
 
 write: random weights in Hugging Face's LlamaForCausalLM layout ("model." names,
 "lm_head.weight", [out, in] linear weights; this script's own table of names, not
@@ -17,6 +18,17 @@ loader must produce.
 transformers: logits (float64 file of float32 values) of
 transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR) in float32 on the token
 ids of IDS_JSON ({"ids": [[...], ...]}); the caller puts transformers on PYTHONPATH.
+
+mixtral: MixtralForCausalLM.from_pretrained(MODEL_DIR) in float64 on the ids of
+IDS_JSON, with labels = the ids (transformers' shifted mean cross entropy) and
+output_router_logits=True: OUT_DIR/logits.bin, OUT_DIR/grad/<Hugging Face name>.bin
+(float64, the gradients of out.loss, which adds router_aux_loss_coef * aux_loss) and
+OUT_DIR/result.json: class, loss, aux_loss, coef and grad_aux_diff, the largest
+difference between those gradients and the ones with output_router_logits=False
+(transformers 4.36.2's load_balancing_loss_func is a constant, so 0), and switch: the
+Switch / GShard load-balancing loss of each layer computed here from the router
+logits; OUT_DIR/grad_switch/<name>.bin: the gradients of the cross entropy plus
+router_aux_loss_coef times the sum of those per-layer losses.
 """
 import json
 import os
@@ -121,9 +133,61 @@ def transformers_logits(model_dir, ids_json, out_bin):
     print(type(model).__name__)
 
 
+def mixtral(model_dir, ids_json, out_dir):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    import transformers
+    from transformers import MixtralForCausalLM
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_default_dtype(torch.float64)  # torch 1.13 builds the float64 mask in the default dtype
+    model = MixtralForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64)
+    model.train()  # no dropout in Mixtral; train() only enables the loss paths
+    ids = torch.tensor(json.load(open(ids_json))["ids"], dtype=torch.int64)
+
+    def run(router_logits):
+        model.zero_grad()
+        out = model(ids, labels=ids, output_router_logits=router_logits)
+        out.loss.backward()
+        return out, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    plain, plain_grads = run(False)
+    out, grads = run(True)
+    diff = max(float((grads[n] - plain_grads[n]).abs().max()) for n in grads)
+
+    # The Switch / GShard load-balancing loss per layer (docs/moe.md), written here from
+    # the router logits transformers returns: E sum_e f_e P_e, f_e = (tokens choosing e) / N
+    # (a constant), P_e = mean softmax probability; the model's loss adds
+    # coef * the sum over layers to the cross entropy.
+    model.zero_grad()
+    out2 = model(ids, labels=ids, output_router_logits=True)
+    coef = model.config.router_aux_loss_coef
+    E, k = model.config.num_local_experts, model.config.num_experts_per_tok
+    switch = []
+    for logits in out2.router_logits:
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(logits, k, dim=-1).indices
+        f = torch.nn.functional.one_hot(chosen, E).sum(dim=1).double().mean(dim=0)
+        switch.append(E * (f * probs.mean(dim=0)).sum())
+    total = out2.loss - coef * out2.aux_loss + coef * sum(switch)
+    total.backward()
+
+    os.makedirs(os.path.join(out_dir, "grad"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "grad_switch"), exist_ok=True)
+    out.logits.detach().numpy().astype("<f8").tofile(os.path.join(out_dir, "logits.bin"))
+    for n, g in grads.items():
+        g.numpy().astype("<f8").tofile(os.path.join(out_dir, "grad", n + ".bin"))
+    for n, p in model.named_parameters():
+        p.grad.numpy().astype("<f8").tofile(os.path.join(out_dir, "grad_switch", n + ".bin"))
+    json.dump({"class": type(model).__name__, "loss": float(out.loss), "ce": float(plain.loss),
+               "aux_loss": float(out.aux_loss), "coef": coef, "grad_aux_diff": diff,
+               "switch": [float(a) for a in switch]}, open(os.path.join(out_dir, "result.json"), "w"))
+
+
 def main():
     if sys.argv[1] == "transformers":
         return transformers_logits(*sys.argv[2:5])
+    if sys.argv[1] == "mixtral":
+        return mixtral(*sys.argv[2:5])
     out = sys.argv[2]
     rng = np.random.default_rng(7)
     write_folder(os.path.join(out, "f32"), rng, "F32", tied=False, buffers=True)

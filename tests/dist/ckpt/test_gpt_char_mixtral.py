@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""gpt_char --model mixtral end to end: a Llama with mixture-of-experts blocks learns on
+4 data-parallel ranks, reports its routing in the metrics, and goes out to a Hugging Face
+Mixtral folder and back in.
+
+usage: test_gpt_char_mixtral.py GPT_CHAR [MPIRUN]
+
+  learns     4 ranks under DDP (MPIRUN; one process without it) on the fortunes corpus,
+             4 experts, top-2, capacity factor 1.25: the final validation loss is below the
+             unigram entropy, which no model that ignores the context can reach
+  metrics    each step record holds every MoE layer's routing: tokens_per_expert.e summing
+             to the rank's batch x block x k slots, dropped = the slots past the capacity
+             ceil(1.25 x tokens x k / experts) computed here from those counts,
+             load_imbalance = max / mean of the counts, moe_loss = coefficient x aux_loss
+  export     --export-hf writes a MixtralForCausalLM config.json and the experts under
+             Hugging Face's names; --init-from that folder with --steps 0, on one process,
+             validates as the run ended
+  refused    MoE flags without --model mixtral, and --model mixtral under --parallel tp,
+             fail before training, naming the flag"""
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+
+TIMEOUT_S = 240
+BATCH, BLOCK, EXPERTS, TOP_K, CAPACITY, AUX = 8, 32, 4, 2, 1.25, 0.01
+SHAPE = ["--layers", "2", "--embd", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "32",
+         "--block", str(BLOCK)]
+MOE = ["--model", "mixtral", "--experts", str(EXPERTS), "--moe-top-k", str(TOP_K), "--capacity-factor",
+       str(CAPACITY), "--aux-loss-coef", str(AUX)]
+TRAIN = ["--batch", str(BATCH), "--lr", "1e-2", "--warmup", "10", "--eval-every", "0", "--eval-batches", "4",
+         "--log-every", "0", "--sample-tokens", "20", "--seed", "5"]
+
+
+class Failure(Exception):
+    pass
+
+
+def run(argv, what, expect=0):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        raise Failure(f"{what}: no exit within {TIMEOUT_S} s (hang)")
+    if p.returncode != expect:
+        raise Failure(f"{what}: exit code {p.returncode}, expected {expect}\n{p.stdout}\n{p.stderr}")
+    return p.stdout + p.stderr
+
+
+def final(out, what):
+    m = re.search(r"final val_loss ([0-9.]+) nats/char = ([0-9.]+) x unigram entropy", out)
+    if not m:
+        raise Failure(f"{what}: no final line\n{out}")
+    return float(m.group(1)), float(m.group(2))
+
+
+def check_routing(rec):
+    tokens = BATCH * BLOCK  # this rank's tokens per forward
+    capacity = math.ceil(CAPACITY * tokens * TOP_K / EXPERTS)
+    for layer in range(2):
+        p = f"layers.{layer}.block_sparse_moe."
+        counts = [rec.get(f"{p}tokens_per_expert.{e}") for e in range(EXPERTS)]
+        if None in counts or f"{p}tokens_per_expert.{EXPERTS}" in rec:
+            raise Failure(f"metrics: step {rec['step']} lacks {EXPERTS} tokens_per_expert fields of layer {layer}: {rec}")
+        if sum(counts) != tokens * TOP_K:
+            raise Failure(f"metrics: layer {layer} routed {sum(counts)} slots, expected {tokens * TOP_K}: {counts}")
+        dropped = sum(max(0, c - capacity) for c in counts)
+        if rec[p + "dropped"] != dropped:
+            raise Failure(f"metrics: layer {layer} dropped {rec[p + 'dropped']}, expected {dropped} of {counts} "
+                          f"at capacity {capacity}")
+        imbalance = max(counts) / (tokens * TOP_K / EXPERTS)
+        if abs(rec[p + "load_imbalance"] - imbalance) > 1e-12:
+            raise Failure(f"metrics: layer {layer} load_imbalance {rec[p + 'load_imbalance']}, expected {imbalance}")
+        if abs(rec[p + "moe_loss"] - AUX * rec[p + "aux_loss"]) > 1e-9 or not 1.0 <= rec[p + "aux_loss"] < EXPERTS:
+            raise Failure(f"metrics: layer {layer} aux_loss {rec[p + 'aux_loss']}, moe_loss {rec[p + 'moe_loss']}")
+
+
+def safetensors_names(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def main():
+    exe = sys.argv[1]
+    launch = [sys.argv[2], "--oversubscribe", "-np", "4"] if len(sys.argv) > 2 else []
+    work = tempfile.mkdtemp(prefix="ptrain_gpt_char_mixtral_")
+    hf = os.path.join(work, "hf")
+    metrics = os.path.join(work, "m.jsonl")
+    parallel = ["--parallel", "ddp"] if launch else []
+
+    # learns, reports its routing, exports
+    out = run(launch + [exe] + MOE + TRAIN + SHAPE + parallel +
+              ["--steps", "200", "--export-hf", hf, "--metrics", metrics], "training")
+    loss, ratio = final(out, "training")
+    if ratio >= 1.0:
+        raise Failure(f"training: final val_loss {loss} is {ratio} x the unigram entropy; it did not learn\n{out}")
+    with open(metrics) as f:
+        steps = [r for r in map(json.loads, f) if "loss" in r]
+    if len(steps) != 200:
+        raise Failure(f"metrics: {len(steps)} step records, expected 200")
+    for rec in steps:
+        check_routing(rec)
+
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    want = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": EXPERTS,
+            "num_experts_per_tok": TOP_K, "router_aux_loss_coef": AUX, "output_router_logits": True}
+    for key, value in want.items():
+        if config.get(key) != value:
+            raise Failure(f"export: config.json has {key} = {config.get(key)}, expected {value}")
+    names = safetensors_names(os.path.join(hf, "model.safetensors"))
+    for name, shape in [("model.layers.1.block_sparse_moe.gate.weight", [EXPERTS, 32]),
+                        ("model.layers.0.block_sparse_moe.experts.3.w1.weight", [32, 32]),
+                        ("model.layers.1.block_sparse_moe.experts.0.w2.weight", [32, 32])]:
+        if names.get(name) != shape:
+            raise Failure(f"export: {name} has shape {names.get(name)}, expected {shape}; names {sorted(names)}")
+    back = run([exe] + MOE[:2] + MOE[6:8] + TRAIN + ["--steps", "0", "--block", str(BLOCK), "--init-from", hf],
+               "--init-from the exported folder")
+    back_loss, _ = final(back, "--init-from")
+    if abs(back_loss - loss) > 1e-4 * loss:
+        raise Failure(f"export: the folder validates at {back_loss}, the run ended at {loss}\n{back}")
+
+    # refused
+    for argv, flag in [(["--experts", "4"], "--experts"),
+                       (["--model", "mixtral", "--parallel", "tp"], "--parallel")]:
+        err = run([exe] + argv + ["--steps", "1"], f"{argv}", expect=2)
+        if flag not in err:
+            raise Failure(f"refused: {argv} did not name {flag}\n{err}")
+    print(f"mixtral learns on {4 if launch else 1} rank(s): val_loss {loss:.4f} = {ratio:.3f} x unigram entropy; "
+          f"{len(steps)} records with the routing; the Hugging Face folder validates at {back_loss:.4f}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Failure as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
