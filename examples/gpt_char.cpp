@@ -1241,9 +1241,9 @@ int main(int argc, char** argv) {
                  "--z-loss-coef are for --model mixtral\n");
     return 2;
   }
-  if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "tp")) {
-    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp or fsdp (expert and tensor "
-                 "parallelism of MoE blocks are not built in gpt_char)\n");
+  if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "tp" || opt.parallel == "cp")) {
+    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp or fsdp (expert, tensor and "
+                 "context parallelism of MoE blocks are not built in gpt_char)\n");
     return 2;
   }
   if (opt.model == "llama" || opt.model == "mixtral") {
