@@ -560,17 +560,23 @@ class GlooCommunicator : public Communicator {
     std::vector<std::int64_t> all(2 * static_cast<std::size_t>(n));
     all_gather(mine, all.data(), 2, DType::I64);
     int split_id = splits_++;
-    if (color < 0) return nullptr;
-    std::vector<std::pair<std::int64_t, int>> members;  // (key, old rank)
-    for (int r = 0; r < n; ++r)
-      if (all[2 * r] == color) members.emplace_back(all[2 * r + 1], r);
-    std::sort(members.begin(), members.end());
-    int new_rank = 0;
-    for (std::size_t i = 0; i < members.size(); ++i)
-      if (members[i].second == s_->rank) new_rank = static_cast<int>(i);
-    return std::unique_ptr<Communicator>(new GlooCommunicator(
-        s_->store, new_rank, static_cast<int>(members.size()), timeout(), s_->hostname,
-        detail::cat(s_->prefix, "/split", split_id, "/color", color)));
+    std::unique_ptr<Communicator> group;
+    if (color >= 0) {
+      std::vector<std::pair<std::int64_t, int>> members;  // (key, old rank)
+      for (int r = 0; r < n; ++r)
+        if (all[2 * r] == color) members.emplace_back(all[2 * r + 1], r);
+      std::sort(members.begin(), members.end());
+      int new_rank = 0;
+      for (std::size_t i = 0; i < members.size(); ++i)
+        if (members[i].second == s_->rank) new_rank = static_cast<int>(i);
+      group.reset(new GlooCommunicator(s_->store, new_rank, static_cast<int>(members.size()), timeout(),
+                                       s_->hostname, detail::cat(s_->prefix, "/split", split_id, "/color", color)));
+    }
+    // No rank returns while another still connects to the new group: a group destroyed
+    // at once (a short-lived mesh) would otherwise close sockets a slower peer is still
+    // handshaking on, and that peer's connect would fail.
+    barrier();
+    return group;
   }
 
  private:
