@@ -239,21 +239,25 @@ class DDP : public nn::Module<T>, public Engine<T> {
 
   // Dense parameters alike on every rank, experts alike on the ranks that hold the same ones.
   void verify_same_parameters() {
-    std::vector<std::string> dense{::ptrain::detail::cat("DDPOptions{.expert_parallel = ", opt_.expert_parallel, "}")},
-        experts;
+    std::vector<std::string> dense, experts;
+    if (experts_) dense.push_back(::ptrain::detail::cat("DDPOptions{.expert_parallel = ", opt_.expert_parallel, "}"));
     const auto& entries = params_.entries();
     for (std::size_t i = 0; i < entries.size(); ++i)
       (is_expert(i) ? experts : dense)
           .push_back(entries[i].name + " " + entries[i].shape.str() + " " + dtype_name(dtype_of<T>()));
+    if (!experts_) {
+      check_same_model(comm_, dense);
+      return;
+    }
     dense.push_back(::ptrain::detail::cat(experts.size(), " expert tensors"));
     check_same_model(comm_, dense);
-    if (experts_) check_same_model(experts_->expert_data_group(), experts);
+    check_same_model(experts_->expert_data_group(), experts);
   }
 
   // Agrees on the ep degree first (a rank with another ep would split the world
   // differently and hang), then splits the world and shards the MoE layers.
   static std::unique_ptr<ExpertMesh> expert_mesh(nn::Module<T>& module, dist::Communicator& comm, int ep) {
-    if (ep == 1) return nullptr;  // a rank with ep = 1 meets this check in verify_same_parameters()
+    if (ep == 1) return nullptr;  // a rank with ep = 1 meets this check in verify_same_parameters(): parameter #0 differs
     check_same_model(comm, {::ptrain::detail::cat("DDPOptions{.expert_parallel = ", ep, "}")});
     auto mesh = std::make_unique<ExpertMesh>(comm, ep);
     PTRAIN_CHECK(shard_experts(module, *mesh) > 0, Error, "[ptrain.ep.model] expert_parallel = ", ep, " but ",
