@@ -192,7 +192,8 @@ class DDP : public nn::Module<T>, public Engine<T> {
     }
     verify_same_parameters();
     build_buckets();
-    if (opt_.broadcast_parameters && comm_.size() > 1)  // each bucket from rank 0 of its group
+    if (opt_.broadcast_parameters && comm_.size() > 1 && !experts_) comm_.broadcast(params_.values(), 0);
+    if (opt_.broadcast_parameters && experts_)  // each bucket from rank 0 of its group
       for (auto& b : buckets_) {
         Tensor<T> v = params_.values().view(b.begin, {b.end - b.begin});
         if (group(b).size() > 1) group(b).broadcast(v, 0);
