@@ -400,7 +400,8 @@ class MoE : public Module<T> {
     const ops::MoePlan plan = router_->plan(rc);
     Tensor<T> dyp, dw;
     ops::moe_combine_backward(cache.tensors[1], plan.pos, cache.tensors[0], dy2, dyp, dw);
-    const auto dxp = dispatch_ ? dispatch_->backward(*experts_, dyp, cache.child(1)) : experts_->backward(dyp, cache.child(1));
+    const auto dxp =
+        dispatch_ ? dispatch_->backward(*experts_, dyp, cache.child(1)) : experts_->backward(dyp, cache.child(1));
     auto dx = ops::moe_gather_backward(dxp, plan);
     ops::axpy_(1, router_->backward(dw, rc), dx);
     if (shared_) {
@@ -445,8 +446,6 @@ class MoE : public Module<T> {
     experts_ = this->replace_module("experts", std::move(mine));
     dispatch_ = std::move(dispatch);
   }
-  /// Whether the experts run through a dispatch (expert parallelism).
-  bool experts_sharded() const { return dispatch_ != nullptr; }
   SwiGLU<T>* shared_experts() { return shared_.get(); }
   Linear<T>* shared_expert_gate() { return shared_gate_.get(); }
 

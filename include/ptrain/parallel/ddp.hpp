@@ -258,7 +258,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
   // Agrees on the ep degree first (a rank with another ep would split the world
   // differently and hang), then splits the world and shards the MoE layers.
   static std::unique_ptr<ExpertMesh> expert_mesh(nn::Module<T>& module, dist::Communicator& comm, int ep) {
-    if (ep == 1) return nullptr;  // a rank with ep = 1 meets this check in verify_same_parameters(): parameter #0 differs
+    if (ep == 1) return nullptr;  // a rank with ep = 1 meets this check in verify_same_parameters()
     check_same_model(comm, {::ptrain::detail::cat("DDPOptions{.expert_parallel = ", ep, "}")});
     auto mesh = std::make_unique<ExpertMesh>(comm, ep);
     PTRAIN_CHECK(shard_experts(module, *mesh) > 0, Error, "[ptrain.ep.model] expert_parallel = ", ep, " but ",

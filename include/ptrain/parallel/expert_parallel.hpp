@@ -165,9 +165,8 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
     for (std::int64_t b = 0; b < E_; ++b) {
       const std::int64_t n = rows[static_cast<std::size_t>(b)];
       if (n == 0) continue;
-      const std::int64_t from = to_expert_major ? src_at[static_cast<std::size_t>(b)] : exp_at[static_cast<std::size_t>(b)];
-      const std::int64_t to = to_expert_major ? exp_at[static_cast<std::size_t>(b)] : src_at[static_cast<std::size_t>(b)];
-      y.narrow(to, n).copy_(x.narrow(from, n));
+      const std::int64_t src = src_at[static_cast<std::size_t>(b)], exp = exp_at[static_cast<std::size_t>(b)];
+      y.narrow(to_expert_major ? exp : src, n).copy_(x.narrow(to_expert_major ? src : exp, n));
     }
     return y;
   }
