@@ -10,6 +10,8 @@
 //
 // What each mode writes:
 //   Local, DDP   rank 0 writes the whole model (model.safetensors, optimizer.safetensors)
+//   DDP with expert parallelism  rank 0 writes the dense tensors, replica 0 of each
+//                expert-parallel index its experts, under their global names
 //   FSDP         every shard group writes its pieces (ckpt/fsdp_checkpoint.hpp)
 //   Pipeline     replica 0 of each stage writes its stage (ckpt/stage_checkpoint.hpp)
 //   TensorParallel  rank 0 writes the full tensors, gathered over tp (ckpt/tp_checkpoint.hpp)
@@ -23,6 +25,7 @@
 #include "ptrain/ckpt/fsdp_checkpoint.hpp"
 #include "ptrain/ckpt/stage_checkpoint.hpp"
 #include "ptrain/ckpt/tp_checkpoint.hpp"
+#include "ptrain/parallel/ddp.hpp"
 #include "ptrain/parallel/engine.hpp"
 
 namespace ptrain::ckpt {
@@ -35,6 +38,28 @@ inline void check_same_world(const CheckpointManager& mgr, dist::Communicator& w
                "); make the manager with &engine.communicator()");
 }
 
+// DDP with expert parallelism (Note [Expert-parallel layout]): world rank 0's dense
+// tensors and the experts of replica 0 of each expert-parallel index, with their
+// optimizer state ("<param>.<kind>"); every expert keeps its global name.
+template <class T>
+ShardedState expert_parallel_state(parallel::DDP<T>& ddp, optim::Optimizer<T>* opt) {
+  ShardedState s = whole_tensors(ddp.parameters(), opt);
+  std::set<std::string> experts;
+  const auto& entries = ddp.parameters().entries();
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    if (ddp.is_expert(i)) experts.insert(entries[i].name);
+  const bool dense_writer = ddp.communicator().rank() == 0, expert_writer = ddp.expert_mesh()->replica() == 0;
+  auto keep = [&](std::vector<TensorPiece>& pieces, bool state) {
+    std::erase_if(pieces, [&](const TensorPiece& p) {
+      const std::string param = state ? p.name.substr(0, p.name.rfind('.')) : p.name;
+      return !(experts.count(param) ? expert_writer : dense_writer);
+    });
+  };
+  keep(s.model, false);
+  keep(s.optimizer, true);
+  return s;
+}
+
 // Hands this rank's part of a checkpoint of `engine` to `replicated(params, state)`
 // (the whole model, written by rank 0) or `sharded(pieces, state)`.
 template <class T, class Replicated, class Sharded>
@@ -43,8 +68,13 @@ void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Opti
   check_same_world(mgr, engine.communicator());
   switch (engine.mode()) {
     case parallel::Mode::Local:
-    case parallel::Mode::DDP:
       replicated(engine.parameters(), std::move(state));
+      return;
+    case parallel::Mode::DDP:
+      if (auto& ddp = static_cast<parallel::DDP<T>&>(engine); ddp.expert_mesh())
+        sharded(expert_parallel_state(ddp, opt), std::move(state));
+      else
+        replicated(engine.parameters(), std::move(state));
       return;
     case parallel::Mode::FSDP:
       sharded(fsdp_state(static_cast<parallel::FSDP<T>&>(engine), opt), std::move(state));
@@ -93,8 +123,10 @@ TrainerState load_engine(CheckpointManager& mgr, const fs::path& path, parallel:
   check_same_world(mgr, engine.communicator());
   switch (engine.mode()) {
     case parallel::Mode::Local:
-    case parallel::Mode::DDP:
       return mgr.load(path, engine.parameters(), opt);
+    case parallel::Mode::DDP:  // with expert parallelism: this rank's experts of all of them
+      return mgr.load(path, engine.parameters(), opt,
+                      LoadOptions{.partial = static_cast<parallel::DDP<T>&>(engine).expert_mesh() != nullptr});
     case parallel::Mode::FSDP:
       return load_fsdp(path, static_cast<parallel::FSDP<T>&>(engine), opt);
     case parallel::Mode::Pipeline: {

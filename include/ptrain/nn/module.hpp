@@ -213,6 +213,16 @@ class Module {
     children_.emplace_back(name, m);
     return m;
   }
+  /// Replaces the child registered as `name` (its parameters take the new child's).
+  template <class M>
+  std::shared_ptr<M> replace_module(const std::string& name, std::shared_ptr<M> m) {
+    for (auto& c : children_)
+      if (c.first == name) {
+        c.second = m;
+        return m;
+      }
+    PTRAIN_THROW(Error, "[ptrain.module.child] no child named '", name, "' to replace");
+  }
   /// This module's own random streams, not its children's (see random_streams()).
   virtual void own_random_streams(std::vector<Generator*>& out) { (void)out; }
   /// This module's own scalars for named_metrics(), each name prefixed by `prefix`.

@@ -26,7 +26,7 @@
 //   moe.stats().aux_loss;                    // the latest forward's routing statistics
 //
 // Note [The dispatch seam]
-// forward() runs three steps, and expert parallelism will cut between them:
+// forward() runs three steps, and expert parallelism cuts between them:
 //   1. route and permute (token order): the router's plan says where each of a
 //      token's k slots goes; moe_gather copies the token rows into one buffer
 //      grouped by expert, expert e's rows at [offsets[e], offsets[e + 1]).
@@ -38,8 +38,9 @@
 // 1 and 2 (rank r receives the segments of its experts from every rank: split
 // sizes are sums of offsets' segments, exchanged first) and its reverse between
 // 2 and 3; backward mirrors both (dyp out, dxp back). Steps 1 and 3 need only
-// the plan; step 2 needs only its segments' row counts. docs/moe.md gives the
-// traffic per layer.
+// the plan; step 2 needs only its segments' row counts. Step 2 is a MoeDispatch
+// when one is set (MoE::shard_experts; parallel::ExpertParallelDispatch does the
+// all-to-alls); docs/moe.md gives the traffic per layer.
 
 #include <algorithm>
 #include <cmath>
@@ -237,11 +238,14 @@ class MoeExpert : public Module<T> {
 template <class T>
 class MoeExperts : public Module<T> {
  public:
-  MoeExperts(std::int64_t num_experts, std::int64_t n_embd, std::int64_t hidden, Generator& gen = default_generator())
-      : n_embd_(n_embd), hidden_(hidden) {
+  /// Experts first .. first + num_experts - 1 of a layer, named by that global index
+  /// (first > 0: one rank's share under expert parallelism, parallel/expert_parallel.hpp).
+  MoeExperts(std::int64_t num_experts, std::int64_t n_embd, std::int64_t hidden, Generator& gen = default_generator(),
+             std::int64_t first = 0)
+      : n_embd_(n_embd), hidden_(hidden), first_(first) {
     for (std::int64_t e = 0; e < num_experts; ++e)
       experts_.push_back(
-          this->register_module(std::to_string(e), std::make_shared<MoeExpert<T>>(n_embd, hidden, gen)));
+          this->register_module(std::to_string(first + e), std::make_shared<MoeExpert<T>>(n_embd, hidden, gen)));
   }
 
   /// Refused: the experts need their segments (forward_grouped).
@@ -313,6 +317,9 @@ class MoeExperts : public Module<T> {
            ", hidden=" + std::to_string(hidden_) + "))";
   }
   std::int64_t size() const { return static_cast<std::int64_t>(experts_.size()); }
+  /// The global index of expert(0).
+  std::int64_t first() const { return first_; }
+  /// The e-th expert held here (global index first() + e).
   MoeExpert<T>& expert(std::int64_t e) { return *experts_.at(static_cast<std::size_t>(e)); }
 
  private:
@@ -323,8 +330,22 @@ class MoeExperts : public Module<T> {
       if (offsets[e + 1] > offsets[e]) f(*experts_[e], offsets[e], offsets[e + 1] - offsets[e]);
   }
 
-  std::int64_t n_embd_, hidden_;
+  std::int64_t n_embd_, hidden_, first_;
   std::vector<std::shared_ptr<MoeExpert<T>>> experts_;
+};
+
+/// Where the experts run on the grouped rows (Note [The dispatch seam]). Without one,
+/// nn::MoE runs all E experts here; parallel::ExpertParallelDispatch sends each row to
+/// the rank that holds its expert and brings the outputs back.
+template <class T>
+class MoeDispatch {
+ public:
+  virtual ~MoeDispatch() = default;
+  /// xp [M, C] grouped by global expert (offsets [E + 1]) -> the experts' outputs [M, C], same rows.
+  virtual Tensor<T> forward(MoeExperts<T>& local, const Tensor<T>& xp, const std::vector<std::int64_t>& offsets,
+                            Cache<T>& cache) = 0;
+  /// dyp [M, C] -> dxp [M, C]; adds to the local experts' gradients.
+  virtual Tensor<T> backward(MoeExperts<T>& local, const Tensor<T>& dyp, Cache<T>& cache) = 0;
 };
 
 /// The MoE layer: x [..., C] -> y [..., C] (file comment).
@@ -355,7 +376,8 @@ class MoE : public Module<T> {
     const ops::MoePlan plan = router_->plan(rc);
     const auto xp = ops::moe_gather(x2, plan);
     // 2. Run each expert on its segment (expert parallelism: all-to-all before and after).
-    const auto yp = experts_->forward_grouped(xp, plan.offsets, cache.child(1));
+    const auto yp = dispatch_ ? dispatch_->forward(*experts_, xp, plan.offsets, cache.child(1))
+                              : experts_->forward_grouped(xp, plan.offsets, cache.child(1));
     // 3. Combine each token's k outputs, weighted, in token order.
     auto y = ops::moe_combine(yp, plan.pos, w);
     cache.tensors = {w, yp};
@@ -378,7 +400,8 @@ class MoE : public Module<T> {
     const ops::MoePlan plan = router_->plan(rc);
     Tensor<T> dyp, dw;
     ops::moe_combine_backward(cache.tensors[1], plan.pos, cache.tensors[0], dy2, dyp, dw);
-    const auto dxp = experts_->backward(dyp, cache.child(1));
+    const auto dxp =
+        dispatch_ ? dispatch_->backward(*experts_, dyp, cache.child(1)) : experts_->backward(dyp, cache.child(1));
     auto dx = ops::moe_gather_backward(dxp, plan);
     ops::axpy_(1, router_->backward(dw, rc), dx);
     if (shared_) {
@@ -404,6 +427,25 @@ class MoE : public Module<T> {
   const MoeConfig& config() const { return cfg_; }
   MoeRouter<T>& router() { return *router_; }
   MoeExperts<T>& experts() { return *experts_; }
+  /// Keeps only experts [first, first + count) (their values copied, their global names
+  /// kept) and runs the experts through `dispatch` from now on: expert parallelism
+  /// (parallel/expert_parallel.hpp). Before any forward; the gradients start at zero.
+  void shard_experts(std::int64_t first, std::int64_t count, std::shared_ptr<MoeDispatch<T>> dispatch) {
+    PTRAIN_CHECK(experts_->first() == 0 && experts_->size() == cfg_.num_experts && first >= 0 && count > 0 &&
+                     first + count <= cfg_.num_experts && dispatch,
+                 Error, "[ptrain.moe.shard] experts [", first, ", ", first + count, ") of ", cfg_.num_experts,
+                 " cannot be kept: the layer must hold all of them (shard once) and the range must lie inside");
+    Generator scratch(0);  // the values are copied from the full experts
+    auto mine = std::make_shared<MoeExperts<T>>(count, cfg_.n_embd, cfg_.expert_hidden, scratch, first);
+    mine->to(router_->weight().value.device());
+    for (std::int64_t e = 0; e < count; ++e)
+      for (int j = 0; j < 3; ++j) {
+        auto pick = [j](MoeExpert<T>& x) -> Linear<T>& { return j == 0 ? x.w1() : j == 1 ? x.w2() : x.w3(); };
+        pick(mine->expert(e)).weight().value.copy_(pick(experts_->expert(first + e)).weight().value);
+      }
+    experts_ = this->replace_module("experts", std::move(mine));
+    dispatch_ = std::move(dispatch);
+  }
   SwiGLU<T>* shared_experts() { return shared_.get(); }
   Linear<T>* shared_expert_gate() { return shared_gate_.get(); }
 
@@ -427,6 +469,7 @@ class MoE : public Module<T> {
   MoeConfig cfg_;
   std::shared_ptr<MoeRouter<T>> router_;
   std::shared_ptr<MoeExperts<T>> experts_;
+  std::shared_ptr<MoeDispatch<T>> dispatch_;
   std::shared_ptr<SwiGLU<T>> shared_;
   std::shared_ptr<Linear<T>> shared_gate_;
 };

@@ -36,7 +36,13 @@
 // The reduction of a bucket is one collective over a fixed range of a fixed
 // buffer, in a fixed order; with a deterministic backend (MPI, Gloo, NCCL for a
 // fixed size and world) the same run gives bitwise-equal parameters.
+//
+// With DDPOptions::expert_parallel = ep > 1 the MoE layers' experts are split over
+// groups of ep ranks (Note [Expert-parallel layout] in expert_parallel.hpp): buckets
+// never mix dense and expert parameters; an expert bucket is averaged over the ranks
+// that hold the same experts and divided by ep, a dense one averaged over the world.
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -48,6 +54,7 @@
 #include "ptrain/nn/flat_parameters.hpp"
 #include "ptrain/ops/vector.hpp"
 #include "ptrain/parallel/engine.hpp"
+#include "ptrain/parallel/expert_parallel.hpp"
 #include "ptrain/parallel/model_check.hpp"
 
 namespace ptrain::parallel {
@@ -66,6 +73,9 @@ struct DDPOptions {
   /// gradients' own type; or BF16, rounded to bf16 on their device, all-reduced in
   /// bf16 and widened back (half the bytes, ~3 significant digits; a no-op for bf16 models).
   DType reduce_dtype = DType::F32;
+  /// Split the experts of every nn::MoE layer over groups of this many consecutive
+  /// ranks (Note [Expert-parallel layout] in expert_parallel.hpp); 1: every rank holds all.
+  int expert_parallel = 1;
 };
 
 /// Timing of one bucket's all-reduce in the last backward (steady-clock seconds).
@@ -80,14 +90,19 @@ class DDP : public nn::Module<T>, public Engine<T> {
   /// Wraps `module` (which, with `comm`, must outlive the wrapper) and packs its parameters
   /// into flat buffers. Verifies that every rank has the same parameters (names, shapes,
   /// dtype) and broadcasts rank 0's values.
+  /// With opt.expert_parallel > 1 it first keeps only this rank's experts of the module's
+  /// MoE layers (parallel::shard_experts).
   DDP(nn::Module<T>& module, dist::Communicator& comm, DDPOptions opt = {})
-      : owned_params_(std::make_unique<nn::FlatParameters<T>>(module)),
+      : experts_(expert_mesh(module, comm, opt.expert_parallel)),
+        owned_params_(std::make_unique<nn::FlatParameters<T>>(module)),
         module_(module), params_(*owned_params_), comm_(comm), opt_(opt) {
     init();
   }
   /// Wraps `module`, whose parameters `params` packs already; both must outlive the wrapper.
   DDP(nn::Module<T>& module, nn::FlatParameters<T>& params, dist::Communicator& comm, DDPOptions opt = {})
       : module_(module), params_(params), comm_(comm), opt_(opt) {
+    PTRAIN_CHECK(opt.expert_parallel == 1, Error, "[ptrain.ep.engine] expert parallelism shards the module before "
+                 "its parameters are packed: use DDP(module, comm, options) or make_engine");
     init();
   }
   ~DDP() override {
@@ -129,6 +144,10 @@ class DDP : public nn::Module<T>, public Engine<T> {
     for (std::size_t b = next_launch_; b < buckets_.size(); ++b) buckets_[b].ready = buckets_[b].expected;
     launch_ready();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      if (!buckets_[b].work) {
+        scale_experts(buckets_[b]);
+        continue;
+      }
       try {
         obs::Span span("ddp.bucket_wait", "ddp", static_cast<std::int64_t>(b));
         buckets_[b].work->wait(comm_.timeout());
@@ -138,6 +157,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
                      e.what());
       }
       if (compressed()) unpack_bf16(buckets_[b]);
+      scale_experts(buckets_[b]);
       buckets_[b].work.reset();
     }
     in_backward_ = false;
@@ -151,6 +171,10 @@ class DDP : public nn::Module<T>, public Engine<T> {
   }
   /// When each bucket's all-reduce started in the last synchronised backward.
   const std::vector<BucketEvent>& bucket_events() const { return events_; }
+  /// The expert-parallel groups (DDPOptions::expert_parallel > 1), or null.
+  ExpertMesh* expert_mesh() { return experts_.get(); }
+  /// Whether entry i of parameters() is an expert's (distinct on each expert-parallel rank).
+  bool is_expert(std::size_t i) const { return !expert_.empty() && expert_.at(i); }
 
  private:
   void init() {
@@ -159,9 +183,21 @@ class DDP : public nn::Module<T>, public Engine<T> {
     PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || opt_.reduce_dtype == DType::BF16, Error,
                  "[ptrain.ddp.options] reduce_dtype must be F32 (the gradients' own type) or BF16");
     comm_.check_serves(params_.values().device(), "DDP");
+    if (experts_) {
+      std::vector<nn::Parameter<T>*> mine;
+      for (auto* moe : moe_layers(module_))
+        for (auto& p : moe->experts().named_parameters()) mine.push_back(p.param);
+      for (const auto& e : params_.entries())
+        expert_.push_back(std::find(mine.begin(), mine.end(), e.param) != mine.end());
+    }
     verify_same_parameters();
-    if (opt_.broadcast_parameters && comm_.size() > 1) comm_.broadcast(params_.values(), 0);
     build_buckets();
+    if (opt_.broadcast_parameters && comm_.size() > 1 && !experts_) comm_.broadcast(params_.values(), 0);
+    if (opt_.broadcast_parameters && experts_)  // each bucket from rank 0 of its group
+      for (auto& b : buckets_) {
+        Tensor<T> v = params_.values().view(b.begin, {b.end - b.begin});
+        if (group(b).size() > 1) group(b).broadcast(v, 0);
+      }
     install_hooks();
     detail::attach_replica_sum(module_, &comm_);
     buffers_ = module_.named_buffers();
@@ -172,6 +208,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
     int expected = 0;                 // parameters in the bucket
     int ready = 0;                    // announced in this backward
     std::string names;                // for error messages
+    bool expert = false;              // expert parameters: reduced over the expert-data group
     std::shared_ptr<dist::Work> work;
     Tensor<bf16> wire;                // BF16 compression buffer, on the gradients' device
   };
@@ -201,11 +238,34 @@ class DDP : public nn::Module<T>, public Engine<T> {
     }
   }
 
+  // Dense parameters alike on every rank, experts alike on the ranks that hold the same ones.
   void verify_same_parameters() {
-    std::vector<std::string> desc;
-    for (auto& e : params_.entries()) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
-    check_same_model(comm_, desc);
+    std::vector<std::string> dense, experts;
+    if (experts_) dense.push_back(::ptrain::detail::cat("DDPOptions{.expert_parallel = ", opt_.expert_parallel, "}"));
+    const auto& entries = params_.entries();
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      (is_expert(i) ? experts : dense)
+          .push_back(entries[i].name + " " + entries[i].shape.str() + " " + dtype_name(dtype_of<T>()));
+    if (!experts_) {
+      check_same_model(comm_, dense);
+      return;
+    }
+    dense.push_back(::ptrain::detail::cat(experts.size(), " expert tensors"));
+    check_same_model(comm_, dense);
+    check_same_model(experts_->expert_data_group(), experts);
   }
+
+  // Agrees on the ep degree first (a rank with another ep would split the world
+  // differently and hang), then splits the world and shards the MoE layers.
+  static std::unique_ptr<ExpertMesh> expert_mesh(nn::Module<T>& module, dist::Communicator& comm, int ep) {
+    if (ep == 1) return nullptr;  // a rank with ep = 1 meets this check in verify_same_parameters()
+    check_same_model(comm, {::ptrain::detail::cat("DDPOptions{.expert_parallel = ", ep, "}")});
+    auto mesh = std::make_unique<ExpertMesh>(comm, ep);
+    PTRAIN_CHECK(shard_experts(module, *mesh) > 0, Error, "[ptrain.ep.model] expert_parallel = ", ep, " but ",
+                 module.describe(), " has no nn::MoE layer; use expert_parallel = 1");
+    return mesh;
+  }
+  dist::Communicator& group(const Bucket& b) { return b.expert ? experts_->expert_data_group() : comm_; }
 
   // Note [Bucketing]: walk the entries from the last, cut when a bucket is full.
   void build_buckets() {
@@ -219,13 +279,14 @@ class DDP : public nn::Module<T>, public Engine<T> {
     for (std::size_t i = entries.size(); i-- > 0;) {
       const std::int64_t begin = i == 0 ? 0 : entries[i].offset;
       const std::int64_t cap = buckets_.empty() ? opt_.first_bucket_bytes : opt_.bucket_cap_bytes;
-      if (cur.expected > 0 && (end - begin) * elem > cap) {
+      if (cur.expected > 0 && ((end - begin) * elem > cap || cur.expert != is_expert(i))) {
         cur.begin = entries[i + 1].offset;
         buckets_.push_back(std::move(cur));
         cur = Bucket{};
         cur.end = end = buckets_.back().begin;
       }
       entry_bucket_[i] = static_cast<int>(buckets_.size());
+      cur.expert = is_expert(i);
       ++cur.expected;
       cur.names = entries[i].name + (cur.names.empty() ? "" : ", " + cur.names);
     }
@@ -262,21 +323,42 @@ class DDP : public nn::Module<T>, public Engine<T> {
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready == buckets_[next_launch_].expected) {
       Bucket& b = buckets_[next_launch_];
-      dist::CollectiveLabel label("ddp.bucket");
+      dist::CollectiveLabel label(b.expert ? "ddp.expert_bucket" : "ddp.bucket");
       Tensor<T> grad = bucket_grads(b);
       const auto count = static_cast<std::size_t>(grad.numel());
       events_.push_back({static_cast<int>(next_launch_), detail::steady_seconds()});
-      if (compressed()) {
+      dist::Communicator& c = group(b);
+      if (c.size() == 1) {
+        b.work = nullptr;  // experts without replicas: only the 1/ep below
+      } else if (compressed()) {
         pack_bf16(b, grad);
-        b.work = comm_.all_reduce_async(b.wire.data(), b.wire.data(), count, DType::BF16, dist::ReduceOp::Avg);
+        b.work = c.all_reduce_async(b.wire.data(), b.wire.data(), count, DType::BF16, dist::ReduceOp::Avg);
       } else {
-        b.work = comm_.all_reduce_async(grad.data(), grad.data(), count, dtype_of<T>(), dist::ReduceOp::Avg);
+        b.work = c.all_reduce_async(grad.data(), grad.data(), count, dtype_of<T>(), dist::ReduceOp::Avg);
       }
       ++next_launch_;
     }
   }
 
   Tensor<T> bucket_grads(const Bucket& b) { return params_.grads().view(b.begin, {b.end - b.begin}); }
+  // Note [Expert-parallel layout]: the average over the expert-data group, divided by ep.
+  void scale_experts(const Bucket& b) {
+    if (!b.expert) return;
+    Tensor<T> g = bucket_grads(b);
+    ops::scale_(g, static_cast<acc_t<T>>(1.0 / experts_->ep_size()));
+  }
+
+  // Global-norm clipping: experts' squares summed over the expert-parallel group, dense ones once.
+  double sum_over_model(double local) override {
+    if (!experts_) return local;
+    double mine = 0;
+    const auto& entries = params_.entries();
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      if (expert_[i]) mine += ops::sum_squares(entries[i].param->grad);
+    double all = mine;
+    experts_->expert_group().all_reduce(&all, 1, DType::F64, dist::ReduceOp::Sum);
+    return local - mine + all;
+  }
   // BF16 compression: the bucket's gradients rounded into its wire buffer (on
   // their device, so a GPU run never copies them to the host), and back.
   bool compressed() const { return opt_.reduce_dtype == DType::BF16 && !std::is_same_v<T, bf16>; }
@@ -289,6 +371,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
     ops::cast_into(b.wire, grad);
   }
 
+  std::unique_ptr<ExpertMesh> experts_;  // before owned_params_: the module is sharded before it is packed
   std::unique_ptr<nn::FlatParameters<T>> owned_params_;
   nn::Module<T>& module_;
   nn::FlatParameters<T>& params_;
@@ -298,6 +381,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
   Tensor<T> buffer_pack_;
   std::vector<Bucket> buckets_;
   std::vector<int> entry_bucket_;
+  std::vector<char> expert_;  // per entry, with expert parallelism
   std::vector<char> announced_;
   std::vector<BucketEvent> events_;
   std::size_t next_launch_ = 0;

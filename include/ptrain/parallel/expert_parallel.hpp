@@ -1,0 +1,211 @@
+#pragma once
+// Expert parallelism (GShard, Megatron-Core, DeepSpeed-MoE): the E experts of each
+// nn::MoE layer are split over an expert-parallel group of ep ranks, rank e of the
+// group holding experts [e E/ep, (e+1) E/ep); the router, the shared experts and
+// every dense layer stay whole on every rank. Used through DDP:
+//
+//   auto engine = parallel::make_engine<double>(llama, *world, parallel::DDPOptions{.expert_parallel = 2});
+//   engine->forward_backward(my_ids, my_targets);     // every rank its own slice of the global batch
+//
+// Note [Expert-parallel layout]
+// - Mesh: world = dp x ep, ep innermost (world rank r = replica * ep + e), so an
+//   expert-parallel group is ep consecutive ranks (one node first: its all-to-alls
+//   stay on the node's links). expert_group() is those ep ranks (rank = e);
+//   expert_data_group() the dp ranks that hold the same experts (rank = replica).
+// - Data: every world rank trains on its own slice of the global batch (for the
+//   dense part expert parallelism is data parallelism over the whole world).
+// - Forward of an MoE layer (Note [The dispatch seam] in nn/moe.hpp): route and
+//   permute locally; one all_to_all of E int64 row counts (each rank learns how
+//   many rows of each of its experts every rank sends); all_to_all_v of the rows
+//   (source-major: rank s's rows for my experts, by expert); a local regroup into
+//   expert-major order (expert l's rows from rank 0, then rank 1, ...: a fixed
+//   order, so results are deterministic); the local experts' grouped GEMMs; the
+//   reverse regroup and all_to_all_v back; combine locally. Backward sends the
+//   output gradients the same way and the input gradients back (no count exchange:
+//   the forward's counts are cached).
+// - Gradients (DDP): dense parameters, the router included, are averaged over the
+//   world. Expert e's gradient on a rank sums the contributions of the tokens of
+//   its whole expert-parallel group, each scaled by 1/(its rank's tokens) as DDP's
+//   local mean losses are; the true gradient of the global mean is the sum over
+//   all world ranks divided by the world size, so expert gradients are averaged
+//   over expert_data_group() (dp ranks) and divided by ep.
+// - Capacity: each rank applies the layer's rule to its own tokens before dispatch
+//   (capacity = ceil(factor * N_rank * k / E), as Megatron-Core and GShard do); the
+//   drops are those of one process that takes the global batch as one micro-batch
+//   per rank. Dropless, expert parallelism equals one process on the global batch.
+// - Checkpoints keep each expert's global name (experts.{e}.w1.weight): world rank 0
+//   writes the dense tensors, replica 0 of each expert-parallel index its experts
+//   (ckpt/engine_checkpoint.hpp), so any ep (or one process) loads them by name.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "ptrain/dist/communicator.hpp"
+#include "ptrain/dist/flight_recorder.hpp"
+#include "ptrain/nn/moe.hpp"
+
+namespace ptrain::parallel {
+
+/// The groups of a dp x ep world (Note [Expert-parallel layout]).
+class ExpertMesh {
+ public:
+  /// Collective over `world` (which must outlive the mesh); ep must divide its size.
+  ExpertMesh(dist::Communicator& world, int ep) : ep_(ep) {
+    PTRAIN_CHECK(ep >= 1 && world.size() % ep == 0, Error, "[ptrain.ep.world] expert_parallel = ", ep,
+                 " does not divide the world of ", world.size(), " ranks; launch a multiple of ep processes");
+    e_ = world.rank() % ep;
+    replica_ = world.rank() / ep;
+    // Collective over the world, in this order on every rank.
+    experts_ = world.split(replica_, e_);
+    data_ = world.split(e_, replica_);
+    PTRAIN_CHECK(experts_ && data_ && experts_->rank() == e_ && data_->rank() == replica_, CommError,
+                 "[ptrain.ep.split] the communicator split gave unexpected groups on world rank ", world.rank());
+  }
+  int ep_size() const { return ep_; }
+  int dp_size() const { return data_->size(); }
+  /// This rank's index in its expert-parallel group.
+  int ep_rank() const { return e_; }
+  /// Which copy of its experts this rank holds (0 .. dp - 1).
+  int replica() const { return replica_; }
+  /// The ep ranks whose experts together make the layer; rank = ep_rank().
+  dist::Communicator& expert_group() { return *experts_; }
+  /// The ranks that hold the same experts; rank = replica().
+  dist::Communicator& expert_data_group() { return *data_; }
+
+ private:
+  int ep_, e_ = 0, replica_ = 0;
+  std::unique_ptr<dist::Communicator> experts_, data_;
+};
+
+/// Runs an MoE layer's experts over an expert-parallel group (Note [Expert-parallel layout]).
+template <class T>
+class ExpertParallelDispatch : public nn::MoeDispatch<T> {
+ public:
+  /// `group` (ep ranks, which must outlive this) holds `num_experts` experts, num_experts / ep each.
+  ExpertParallelDispatch(dist::Communicator& group, std::int64_t num_experts) : group_(group), E_(num_experts) {}
+
+  Tensor<T> forward(nn::MoeExperts<T>& local, const Tensor<T>& xp, const std::vector<std::int64_t>& offsets,
+                    nn::Cache<T>& cache) override {
+    const int P = group_.size();
+    const std::int64_t L = E_ / P;
+    PTRAIN_CHECK(local.size() == L && static_cast<std::int64_t>(offsets.size()) == E_ + 1, ShapeError,
+                 "[ptrain.ep.dispatch] ", local.size(), " local experts and ", offsets.size(), " offsets for ", E_,
+                 " experts over ", P, " ranks");
+    // send[d * L + l]: my rows for expert l of rank d; recv[s * L + l]: rank s's rows for my expert l.
+    std::vector<std::int64_t> send(static_cast<std::size_t>(E_)), recv(static_cast<std::size_t>(E_));
+    for (std::int64_t e = 0; e < E_; ++e) send[static_cast<std::size_t>(e)] = offsets[e + 1] - offsets[e];
+    {
+      dist::CollectiveLabel label("ep.counts");
+      group_.all_to_all(send.data(), recv.data(), static_cast<std::size_t>(L), DType::I64);
+    }
+    cache.values.assign(send.begin(), send.end());
+    cache.values.insert(cache.values.end(), recv.begin(), recv.end());
+    const auto xl = regroup(exchange(xp, send, recv, "ep.dispatch"), recv, true);
+    std::vector<std::int64_t> loff{0};
+    for (std::int64_t l = 0; l < L; ++l) {
+      std::int64_t rows = 0;
+      for (int s = 0; s < P; ++s) rows += recv[static_cast<std::size_t>(s * L + l)];
+      loff.push_back(loff.back() + rows);
+    }
+    const auto yl = local.forward_grouped(xl, loff, cache.child(0));
+    return exchange(regroup(yl, recv, false), recv, send, "ep.combine");
+  }
+
+  Tensor<T> backward(nn::MoeExperts<T>& local, const Tensor<T>& dyp, nn::Cache<T>& cache) override {
+    PTRAIN_CHECK(cache.values.size() == static_cast<std::size_t>(2 * E_), Error,
+                 "[ptrain.backward] ExpertParallelDispatch::backward without a forward");
+    const std::vector<std::int64_t> send(cache.values.begin(), cache.values.begin() + E_),
+        recv(cache.values.begin() + E_, cache.values.end());
+    const auto dyl = regroup(exchange(dyp, send, recv, "ep.dispatch_grad"), recv, true);
+    const auto dxl = local.backward(dyl, cache.child(0));
+    auto dxp = exchange(regroup(dxl, recv, false), recv, send, "ep.combine_grad");
+    cache.clear();
+    return dxp;
+  }
+
+ private:
+  // all_to_all_v of the rows of x: rows[r * L .. r * L + L) go to (or come from) rank r.
+  Tensor<T> exchange(const Tensor<T>& x, const std::vector<std::int64_t>& out_rows,
+                     const std::vector<std::int64_t>& in_rows, const char* label) {
+    const int P = group_.size();
+    const std::int64_t L = E_ / P, C = x.size(1);
+    std::vector<std::size_t> sc(static_cast<std::size_t>(P), 0), rc(static_cast<std::size_t>(P), 0);
+    std::int64_t total = 0;
+    for (int r = 0; r < P; ++r)
+      for (std::int64_t l = 0; l < L; ++l) {
+        sc[static_cast<std::size_t>(r)] += static_cast<std::size_t>(out_rows[static_cast<std::size_t>(r * L + l)] * C);
+        rc[static_cast<std::size_t>(r)] += static_cast<std::size_t>(in_rows[static_cast<std::size_t>(r * L + l)] * C);
+        total += in_rows[static_cast<std::size_t>(r * L + l)];
+      }
+    auto y = Tensor<T>::empty({total, C}, x.device());
+    dist::CollectiveLabel l(label);
+    group_.all_to_all_v(x, sc, y, rc);
+    return y;
+  }
+
+  // Between source-major order (rank s's rows for my expert l at block s * L + l) and
+  // expert-major order (block l * P + s): block row counts are rows[s * L + l].
+  Tensor<T> regroup(const Tensor<T>& x, const std::vector<std::int64_t>& rows, bool to_expert_major) {
+    const int P = group_.size();
+    const std::int64_t L = E_ / P;
+    std::vector<std::int64_t> src_at(static_cast<std::size_t>(E_)), exp_at(static_cast<std::size_t>(E_));
+    std::int64_t at = 0;
+    for (std::int64_t b = 0; b < E_; ++b) {  // source-major offsets
+      src_at[static_cast<std::size_t>(b)] = at;
+      at += rows[static_cast<std::size_t>(b)];
+    }
+    at = 0;
+    for (std::int64_t l = 0; l < L; ++l)
+      for (int s = 0; s < P; ++s) {
+        exp_at[static_cast<std::size_t>(s * L + l)] = at;
+        at += rows[static_cast<std::size_t>(s * L + l)];
+      }
+    auto y = Tensor<T>::empty(x.shape(), x.device());
+    for (std::int64_t b = 0; b < E_; ++b) {
+      const std::int64_t n = rows[static_cast<std::size_t>(b)];
+      if (n == 0) continue;
+      const std::int64_t src = src_at[static_cast<std::size_t>(b)], exp = exp_at[static_cast<std::size_t>(b)];
+      y.narrow(to_expert_major ? exp : src, n).copy_(x.narrow(to_expert_major ? src : exp, n));
+    }
+    return y;
+  }
+
+  dist::Communicator& group_;
+  std::int64_t E_;
+};
+
+namespace detail {
+template <class T>
+void collect_moe(nn::Module<T>& m, std::vector<nn::MoE<T>*>& out) {
+  if (auto* moe = dynamic_cast<nn::MoE<T>*>(&m)) out.push_back(moe);
+  for (auto& c : m.children()) collect_moe(*c.second, out);
+}
+}  // namespace detail
+
+/// Every nn::MoE layer of `model`, in module order.
+template <class T>
+std::vector<nn::MoE<T>*> moe_layers(nn::Module<T>& model) {
+  std::vector<nn::MoE<T>*> out;
+  detail::collect_moe(model, out);
+  return out;
+}
+
+/// Keeps in every MoE layer of `model` only the experts of this rank's expert-parallel
+/// index and routes their rows over mesh.expert_group() (which must outlive the model).
+/// Every rank must have built the same model. Returns the number of layers sharded.
+template <class T>
+std::size_t shard_experts(nn::Module<T>& model, ExpertMesh& mesh) {
+  const auto layers = moe_layers(model);
+  const int ep = mesh.ep_size();
+  for (nn::MoE<T>* moe : layers) {
+    const std::int64_t E = moe->config().num_experts;
+    PTRAIN_CHECK(E % ep == 0, Error, "[ptrain.ep.experts] expert_parallel = ", ep, " does not divide the ", E,
+                 " experts of ", moe->describe(), "; choose an ep degree that divides num_experts");
+    moe->shard_experts(mesh.ep_rank() * (E / ep), E / ep,
+                       std::make_shared<ExpertParallelDispatch<T>>(mesh.expert_group(), E));
+  }
+  return layers.size();
+}
+
+}  // namespace ptrain::parallel
