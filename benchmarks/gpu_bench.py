@@ -214,6 +214,27 @@ def sdpa_flash():
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
+def step_times(a, step):
+    """GPU time of each of --steps training steps after --warmup untimed ones (the peak memory
+    counter reset after them): the times (ms), the warm-up's wall seconds (compilation
+    included) and the last step's return value."""
+    warm = time.perf_counter()
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - warm
+    torch.cuda.reset_peak_memory_stats()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times, out = [], None
+    for _ in range(a.steps):
+        start.record()
+        out = step()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return times, warm, out
+
+
 def bench_gpt(a, gpu, attention, precision, compiled=False):
     torch.manual_seed(0)
     set_tf32(not a.no_tf32)  # TF32 matmuls for the fp32 parts in every variant, as ptrain's step (--no-tf32)
@@ -245,20 +266,7 @@ def bench_gpt(a, gpu, attention, precision, compiled=False):
         opt.step()
         return loss if compiled else loss.item()  # the eager lines read the loss every step, as ptrain did
 
-    compile_s = time.perf_counter()
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    compile_s = time.perf_counter() - compile_s  # the warm-up steps, compilation included
-    torch.cuda.reset_peak_memory_stats()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(a.steps):
-        start.record()
-        loss = step()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
+    times, compile_s, loss = step_times(a, step)
     set_tf32(False)
     loss = float(loss)
 
@@ -387,20 +395,7 @@ def bench_llama(a, gpu, compiled):
         opt.step()
         return loss
 
-    warm = time.perf_counter()
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    warm = time.perf_counter() - warm
-    torch.cuda.reset_peak_memory_stats()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(a.steps):
-        start.record()
-        loss = step()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
+    times, warm, loss = step_times(a, step)
     ms, tokens, fpt = statistics.median(times), a.llama_batch * a.llama_seq, llama_flops_per_token(a)
     tflops = fpt * tokens / (ms * 1e-3) / 1e12
     peak_gib = torch.cuda.max_memory_allocated() / 2**30

@@ -16,6 +16,7 @@
 #include "ptrain/core/device.hpp"
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/random.hpp"
+#include "ptrain/core/tensor.hpp"
 
 namespace ptrain::testing {
 
@@ -69,6 +70,18 @@ std::vector<double> to_double(const std::vector<T>& v) {
   out.reserve(v.size());
   for (const T& x : v) out.push_back(as_double(x));
   return out;
+}
+
+/// Host values as a GPU tensor of shape s.
+template <class T>
+Tensor<T> gpu(const std::vector<T>& v, const Shape& s) {
+  return Tensor<T>::from(v, s).to(kGpu);
+}
+
+/// The same values in double on the CPU: the reference's input.
+template <class T>
+Tensor<double> ref(const std::vector<T>& v, const Shape& s) {
+  return Tensor<double>::from(to_double(v), s);
 }
 
 /// max |got - ref| / max(max |ref|, floor); infinity when got has a non-finite value

@@ -52,15 +52,6 @@ void require_enabled(Fn kernels::CudaKernels<T>::*fn, const char* name) {
   REQUIRE(kernels::cuda_kernel_usable(fn, name));
 }
 
-template <class T>
-Tensor<T> gpu(const std::vector<T>& v, const Shape& s) {
-  return Tensor<T>::from(v, s).to(kGpu);
-}
-template <class T>
-Tensor<double> ref(const std::vector<T>& v, const Shape& s) {
-  return Tensor<double>::from(to_double(v), s);
-}
-
 double rel(double got, double want) { return std::abs(got - want) / std::max(std::abs(want), 1e-300); }
 
 }  // namespace

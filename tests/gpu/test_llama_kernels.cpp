@@ -38,17 +38,6 @@ using namespace ptrain::testing;
 
 namespace {
 
-template <class T>
-Tensor<T> gpu(const std::vector<T>& v, const Shape& s) {
-  return Tensor<T>::from(v, s).to(kGpu);
-}
-
-/// The same values in double on the CPU.
-template <class T>
-Tensor<double> ref(const std::vector<T>& v, const Shape& s) {
-  return Tensor<double>::from(to_double(v), s);
-}
-
 /// Leaves `count` device blocks of n elements of T, all NaN, at the top of the allocator's
 /// exact-size cache: the next `count` allocations of that size on the current stream get them.
 template <class T>

@@ -24,15 +24,6 @@ using kernels::MoeScore;
 
 namespace {
 
-template <class T>
-Tensor<T> gpu(const std::vector<T>& v, const Shape& s) {
-  return Tensor<T>::from(v, s).to(kGpu);
-}
-template <class T>
-Tensor<double> ref(const std::vector<T>& v, const Shape& s) {
-  return Tensor<double>::from(to_double(v), s);
-}
-
 #define CHECK_NEAR(got, want, T)                                          \
   do {                                                                    \
     INFO("seed " << test_seed());                                         \
