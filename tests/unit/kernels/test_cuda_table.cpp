@@ -6,6 +6,8 @@
 // pass their arguments through unchanged, and refuse missing entries.
 #include <catch2/catch.hpp>
 
+#include "unit/host_backend.hpp"
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -35,17 +37,7 @@ using namespace ptrain;
 
 namespace {
 
-// cuda:N backed by the CPU allocator and memcpy.
-class HostBackend final : public ptrain::detail::DeviceBackend {
- public:
-  Allocator& allocator(int) override { return allocator_for(Device::cpu()); }
-  void copy(void* dst, Device, const void* src, Device, std::size_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
-  }
-  void memset_zero(void* dst, Device, std::size_t bytes) override {
-    if (bytes) std::memset(dst, 0, bytes);
-  }
-};
+using ptrain_test::HostBackend;
 
 struct Calls {
   int gelu = 0, gemm = 0, bias_add = 0, adamw = 0, cast = 0, rms_norm = 0, rotary = 0, vocab_embedding = 0,

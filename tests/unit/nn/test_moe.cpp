@@ -8,6 +8,8 @@
 // The router alone, the experts alone and the whole layer are also checked by
 // finite differences of their own forwards.
 #include <catch2/catch.hpp>
+
+#include "unit/host_backend.hpp"
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -178,16 +180,7 @@ class GroupedExperts : public nn::Module<double> {
 
 // cuda:N backed by host memory, and a kernel table whose float entries are the CPU
 // kernels: the layer on "cuda:0" runs the table's kernels (kernels/cuda_table.hpp).
-class HostBackend final : public ptrain::detail::DeviceBackend {
- public:
-  Allocator& allocator(int) override { return allocator_for(Device::cpu()); }
-  void copy(void* dst, Device, const void* src, Device, std::size_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
-  }
-  void memset_zero(void* dst, Device, std::size_t bytes) override {
-    if (bytes) std::memset(dst, 0, bytes);
-  }
-};
+using ptrain_test::HostBackend;
 
 struct CpuTableAsCuda {
   HostBackend backend;
