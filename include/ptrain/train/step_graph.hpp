@@ -59,6 +59,7 @@
 
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cuda_table.hpp"
+#include "ptrain/kernels/cuda_unverified.hpp"
 #include "ptrain/ops/device_loss.hpp"
 #include "ptrain/ops/vector.hpp"
 
@@ -187,6 +188,7 @@ class CudaStepGraph {
   /// an operation that cannot be captured. On an exception the capture is discarded.
   template <class F>
   void capture(const char* what, F&& body) {
+    kernels::check_cuda_verified("cuda_graph_step");  // Note [The verification gate]: refused until a GPU run passes it
     const auto& calls = kernels::cuda_graph_calls();
     const char*& label = kernels::detail::graph_capture_what();
     calls.begin(g_);
