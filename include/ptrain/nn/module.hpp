@@ -29,16 +29,26 @@
 
 namespace ptrain::nn {
 
-/// A trainable tensor and its gradient (same shape and device).
+/// A tensor and its gradient (same shape and device). A frozen parameter
+/// (requires_grad false) has no gradient: `grad` is empty, modules skip its
+/// gradient in backward, and optimizers, DDP and FSDP keep nothing for it
+/// (Note [Frozen parameters] in nn/flat_parameters.hpp).
 template <class T>
 struct Parameter {
   Tensor<T> value;
   Tensor<T> grad;
+  bool requires_grad = true;
   /// Called by mark_grad_ready(); set by wrappers such as DDP.
   std::function<void(Parameter&)> on_grad_ready;
 
   void mark_grad_ready() {
     if (on_grad_ready) on_grad_ready(*this);
+  }
+  /// Freezes (releases the gradient) or unfreezes (a zero gradient) this parameter.
+  void set_requires_grad(bool on) {
+    if (on && !requires_grad) grad = Tensor<T>::zeros(value.shape(), value.device());
+    if (!on) grad = Tensor<T>();
+    requires_grad = on;
   }
 };
 
@@ -133,13 +143,29 @@ class Module {
     collect_buffers(prefix, out);
     return out;
   }
+  /// The parameters that train (requires_grad), in named_parameters() order.
+  std::vector<NamedParameter<T>> named_trainable_parameters(const std::string& prefix = "") {
+    std::vector<NamedParameter<T>> out;
+    for (auto& p : named_parameters(prefix))
+      if (p.param->requires_grad) out.push_back(p);
+    return out;
+  }
   std::int64_t num_parameters() {
     std::int64_t n = 0;
     for (auto& p : named_parameters()) n += p.param->value.numel();
     return n;
   }
+  std::int64_t num_trainable_parameters() {
+    std::int64_t n = 0;
+    for (auto& p : named_trainable_parameters()) n += p.param->value.numel();
+    return n;
+  }
+  /// Freezes (false) or unfreezes (true) every parameter of this module and its children.
+  void requires_grad_(bool on) {
+    for (auto& p : named_parameters()) p.param->set_requires_grad(on);
+  }
   void zero_grad() {
-    for (auto& p : named_parameters()) p.param->grad.zero_();
+    for (auto& p : named_trainable_parameters()) p.param->grad.zero_();
   }
   /// Training mode (dropout active) or evaluation mode, recursively.
   void train(bool on = true) {
@@ -151,7 +177,7 @@ class Module {
   void to(Device device) {
     for (auto& p : named_parameters()) {
       p.param->value = p.param->value.to(device);
-      p.param->grad = p.param->grad.to(device);
+      if (p.param->requires_grad) p.param->grad = p.param->grad.to(device);
     }
     for (auto& b : named_buffers()) *b.buffer = b.buffer->to(device);
   }
