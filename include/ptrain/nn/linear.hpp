@@ -34,7 +34,10 @@ class Linear : public Module<T> {
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     cache.tensors = {x};
-    return ops::linear(x, weight_->value, bias_ ? bias_->value : Tensor<T>());
+    auto y = ops::linear(x, weight_->value, bias_ ? bias_->value : Tensor<T>());
+    if (adapter_)
+      if (auto delta = adapter_->forward(x, cache.child(0)); delta.defined()) ops::axpy_(acc_t<T>(1), delta, y);
+    return y;
   }
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
@@ -43,9 +46,25 @@ class Linear : public Module<T> {
                                    need_input_grad_);
     weight_->mark_grad_ready();
     if (bias_) bias_->mark_grad_ready();
+    if (adapter_)
+      if (auto ddx = adapter_->backward(dy, cache.child(0)); ddx.defined() && need_input_grad_)
+        ops::axpy_(acc_t<T>(1), ddx, dx);
     cache.clear();
     return dx;
   }
+
+  /// Adds `adapter`'s output to this layer's: y = x W^T + b + adapter(x), and its dx to
+  /// dx (a LoRA update, nn/lora.hpp). It is registered as a child without a name, so its
+  /// parameters are named "<this layer>.<theirs>". An adapter whose forward returns an
+  /// undefined tensor adds nothing (a LoRA merged into the weight); its backward then
+  /// returns an undefined tensor too. Set once, before the model is packed for training.
+  void set_adapter(std::shared_ptr<Module<T>> adapter) {
+    PTRAIN_CHECK(!adapter_ && adapter, Error, "[ptrain.linear.adapter] ", describe(),
+                 adapter_ ? " already has an adapter" : ": the adapter is null");
+    adapter_ = this->register_module("", std::move(adapter));
+  }
+  /// The adapter, or null.
+  Module<T>* adapter() const { return adapter_.get(); }
 
   /// The first layer of a model needs no dx; skipping it saves one GEMM.
   void set_need_input_grad(bool need) { need_input_grad_ = need; }
@@ -62,6 +81,7 @@ class Linear : public Module<T> {
   Parameter<T>* weight_ = nullptr;
   Parameter<T>* bias_ = nullptr;
   bool need_input_grad_ = true;
+  std::shared_ptr<Module<T>> adapter_;
 };
 
 }  // namespace ptrain::nn

@@ -263,6 +263,11 @@ class MoeExperts : public Module<T> {
                  " non-decreasing row offsets from 0");
     PTRAIN_CHECK(xp.dim() == 2 && xp.size(1) == n_embd_ && xp.size(0) == offsets.back(), ShapeError,
                  "[ptrain.moe.experts] input ", xp.shape(), " must be [", offsets.back(), ", ", n_embd_, "]");
+    for (auto& ex : experts_)
+      for (auto* lin : {&ex->w1(), &ex->w2(), &ex->w3()})
+        PTRAIN_CHECK(!lin->adapter(), Error, "[ptrain.lora.moe] routed experts run as grouped GEMMs over their "
+                     "weights, which leave out an adapter (LoRA) on w1, w2 or w3; leave the routed experts out of "
+                     "target_modules");
     const std::int64_t M = xp.size(0);
     auto gate = Tensor<T>::empty({M, hidden_}, xp.device()), up = Tensor<T>::empty({M, hidden_}, xp.device());
     for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {

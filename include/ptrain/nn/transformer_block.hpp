@@ -47,7 +47,7 @@ class FeedForward : public Module<T> {
     drop_ = this->register_module("drop", std::make_shared<Dropout<T>>(dropout, dropout_seed));
   }
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
-    if (!fused_) {
+    if (!fused()) {
       auto h = act_->forward(c_fc_->forward(x, cache.child(0)), cache.child(1));
       return drop_->forward(c_proj_->forward(h, cache.child(2)), cache.child(3));
     }
@@ -64,7 +64,7 @@ class FeedForward : public Module<T> {
     // c_proj's backward, the GELU's and c_fc's bias gradient as one op (fused
     // GEMM epilogues on GPUs), then c_fc's weight gradient and dx.
     auto g = drop_->backward(dy, cache.child(3));
-    if (!fused_) {
+    if (!fused()) {
       auto dx = c_fc_->backward(act_->backward(c_proj_->backward(g, cache.child(2)), cache.child(1)), cache.child(0));
       cache.clear();
       return dx;
@@ -90,6 +90,10 @@ class FeedForward : public Module<T> {
   Dropout<T>& dropout() { return *drop_; }
 
  private:
+  // The fused ops read the projections' weights directly, so an adapter (LoRA) on
+  // either takes the projections' own forward and backward.
+  bool fused() const { return fused_ && !c_fc_->adapter() && !c_proj_->adapter(); }
+
   std::int64_t n_embd_;
   std::shared_ptr<Linear<T>> c_fc_, c_proj_;
   std::shared_ptr<GELU<T>> act_;

@@ -94,14 +94,17 @@ class LMHead : public Module<T> {
 
   Tensor<T> forward(const Tensor<T>& x, Cache<T>& cache) override {
     auto h = norm_->forward(x, cache.child(0));
+    if (!tied_) return lm_head_->forward(h, cache.child(1));  // with its adapter, if any (nn/lora.hpp)
     cache.tensors = {h};
     return ops::linear(h, weight().value, Tensor<T>());
   }
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
-    PTRAIN_CHECK(cache.tensors.size() == 1, Error, "[ptrain.backward] LMHead::backward without a forward");
+    PTRAIN_CHECK(tied_ ? cache.tensors.size() == 1 : !cache.child(1).empty(), Error,
+                 "[ptrain.backward] LMHead::backward without a forward");
     Parameter<T>& w = weight();
-    auto dh = ops::linear_backward(cache.tensors[0], w.value, dy, w.grad, static_cast<Tensor<T>*>(nullptr));
-    if (!tied_) w.mark_grad_ready();  // a tied weight is announced by the embedding (Note [Weight tying])
+    // A tied weight is announced by the embedding (Note [Weight tying]), lm_head's by its backward.
+    auto dh = tied_ ? ops::linear_backward(cache.tensors[0], w.value, dy, w.grad, static_cast<Tensor<T>*>(nullptr))
+                    : lm_head_->backward(dy, cache.child(1));
     auto dx = norm_->backward(dh, cache.child(0));
     cache.clear();
     return dx;
