@@ -37,9 +37,9 @@ packages=(
 test_tools=0
 for arg in "$@"; do
   case "$arg" in
-    --test)  # torchrun; pip for the PyPI tools below; what transformers imports (it is
+    --test)  # torchrun; pip for the PyPI tools below; what transformers and peft import (they are
              # installed with --no-deps, so these come from Debian)
-      packages+=(python3-torch python3-pip python3-packaging python3-fsspec python3-requests)
+      packages+=(python3-torch python3-pip python3-packaging python3-fsspec python3-requests python3-psutil)
       test_tools=1 ;;
     --bench) packages+=(python3-torch libopenblas0-pthread python3-matplotlib) ;;
     *) echo "install-deps: unknown option $arg (use --test or --bench)" >&2; exit 2 ;;
@@ -74,9 +74,9 @@ fi
 
 hf_dir="$tools_dir/transformers"
 hf_tools=(transformers==4.36.2 huggingface-hub==0.20.3 tokenizers==0.15.0 safetensors==0.4.1
-          tqdm==4.66.1 filelock==3.13.1)
-if PYTHONPATH="$hf_dir" /usr/bin/python3 -c "import transformers" 2>/dev/null; then
-  echo "install-deps: transformers is in $hf_dir"
+          tqdm==4.66.1 filelock==3.13.1 peft==0.7.1 accelerate==0.25.0)
+if PYTHONPATH="$hf_dir" /usr/bin/python3 -c "import transformers, peft" 2>/dev/null; then
+  echo "install-deps: transformers and peft are in $hf_dir"
 else
   echo "install-deps: installing ${hf_tools[*]} into $hf_dir"
   $SUDO /usr/bin/python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \

@@ -42,17 +42,22 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "ptrain/nn/lora.hpp"
 #include "ptrain/nn/models/hf_weights.hpp"
 #include "ptrain/nn/models/llama.hpp"
 
 namespace ptrain::ckpt {
 
 namespace detail {
+
+// A LoRA adapter's parameter ("layers.0.self_attn.q_proj.lora_A.weight", nn/lora.hpp).
+inline bool is_lora_name(const std::string& name) { return name.find(".lora_") != std::string::npos; }
 
 // The Hugging Face name of ptrain parameter `name` (Note [Llama names]).
 inline std::string hf_llama_name(const std::string& name) {
@@ -68,7 +73,8 @@ inline std::string hf_llama_name(const std::string& name) {
 /// the model's own names; F32, BF16, F16 or F64 values, converted to T. The model may
 /// live on any device. Returns what was loaded, e.g. "Hugging Face Llama weights, 3
 /// files, 272 tensors (lm_head from embed_tokens)". Throws CheckpointError, and changes
-/// nothing, when the weights do not fit the model.
+/// nothing, when the weights do not fit the model. LoRA adapters (nn/lora.hpp) are not
+/// touched: load the base, then the adapter (load_lora_adapter, nn/models/peft.hpp).
 template <class T>
 std::string load_llama_weights(const std::string& path, nn::Llama<T>& model) {
   const detail::HfTensors r(path, "ptrain.llama_weights");
@@ -87,6 +93,7 @@ std::string load_llama_weights(const std::string& path, nn::Llama<T>& model) {
   std::string note;
   const std::string embed = ours ? "embed_tokens.weight" : "model.embed_tokens.weight";
   for (auto& [name, param] : model.named_parameters()) {
+    if (detail::is_lora_name(name)) continue;  // adapters come from their own folder (nn/models/peft.hpp)
     std::string file_name = ours ? name : detail::hf_llama_name(name);
     if (name == "head.lm_head.weight" && !r.contains(file_name)) {  // untied model, tied file
       file_name = embed;
@@ -124,6 +131,8 @@ std::string load_llama_weights(const std::string& path, nn::Llama<T>& model) {
 /// (Note [Llama names], lm_head.weight only when untied) as F32, in model.safetensors,
 /// or, when max_shard_bytes > 0 and the data is larger, in shards of at most that
 /// many bytes with model.safetensors.index.json (Note [Hugging Face folders]).
+/// A model with LoRA adapters (nn/lora.hpp) is written merged: each adapted weight as
+/// W + (alpha / r) B A, the adapters themselves left out (the model is not changed).
 /// `vocab_size` (0: the model's) keeps the first rows of embed_tokens and lm_head,
 /// dropping a padded vocabulary's extra rows. Returns what was written, e.g.
 /// "29 tensors in 3 files, vocabulary 49152".
@@ -137,11 +146,20 @@ std::string save_llama_weights(const std::string& folder, nn::Llama<T>& model, s
                " ids; pass at most the model's (0 for all of it)");
   PTRAIN_CHECK(max_shard_bytes >= 0, CheckpointError, "[ptrain.llama_weights.shard] max_shard_bytes ",
                max_shard_bytes, " must be >= 0 (0: one model.safetensors)");
+  std::map<std::string, nn::LoraAdapter<T>*> adapters;  // by the adapted weight's name
+  for (const auto& [path, adapter] : nn::lora_adapters(model))
+    if (!adapter->merged()) adapters[path + ".weight"] = adapter;
   std::vector<std::pair<std::string, Tensor<float>>> tensors;
   for (auto& [name, param] : model.named_parameters()) {
+    if (detail::is_lora_name(name)) continue;
     const bool vocab_rows = name == "embed_tokens.weight" || name == "head.lm_head.weight";
     const std::int64_t rows = param->value.dim() == 2 ? param->value.shape()[0] : 1;
-    tensors.emplace_back(detail::hf_llama_name(name), detail::hf_f32(param->value, vocab_rows ? vocab_size : rows));
+    Tensor<T> value = param->value;
+    if (auto it = adapters.find(name); it != adapters.end()) {  // W + scale B A, the model's own weights untouched
+      value = value.clone();
+      it->second->add_to(value, 1);
+    }
+    tensors.emplace_back(detail::hf_llama_name(name), detail::hf_f32(value, vocab_rows ? vocab_size : rows));
   }
   nlohmann::json config = cfg.to_hf_config();
   config["vocab_size"] = vocab_size;
