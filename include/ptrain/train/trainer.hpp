@@ -329,6 +329,8 @@ class Trainer {
   double step(const Batch<T>& b, const std::vector<double>& weights) {
     const std::int64_t rows = b.rows();
     const int k = static_cast<int>(weights.size());
+    PTRAIN_CHECK(k >= 1 && k <= rows, Error, "[ptrain.trainer.weights] ", k, " micro-batch weights for ", rows,
+                 " rows; pass micro_batch_weights(batch)");
     engine_.zero_grad();
     double loss = 0;
     for (int j = 0; j < k; ++j) {
