@@ -187,8 +187,9 @@ inline TokenizedRecord tokenize_chat(const Tokenizer& tok, const ChatRecord& r, 
     for (const char* n : names)
       if (const auto id = tok.token_id(n)) return *id;
     PTRAIN_THROW(DataError, "[ptrain.instruct.template] the ", tok.kind_name(), " tokenizer has no ", *names.begin(),
-                 " (", role, ") that the ", tmpl == ChatTemplate::Llama3 ? "Llama 3" : "plain",
-                 " template needs; use Llama 3's tokenizer for the Llama 3 template, or the plain template");
+                 " (", role, "), which the ", tmpl == ChatTemplate::Llama3 ? "Llama 3" : "plain", " template needs; ",
+                 "the Llama 3 template needs Llama 3's tokenizer (tokenizer.json or original/tokenizer.model), the ",
+                 "plain one a tokenizer with an end-of-text token");
   };
   TokenizedRecord t;
   auto add = [&](const std::vector<std::int32_t>& ids, bool answer) {

@@ -117,6 +117,27 @@ TEST_CASE("Llama 3 and plain templates give the hand-written ids and answer targ
   CHECK(t2.ids == cat({{kBos}, bytes("abcd"), {kEnd}}));
   CHECK(answer_targets(t2) == std::vector<std::int32_t>{kIgnore, 'b', kIgnore, 'd', kEnd, kIgnore});
   fs::remove(tok_path);
+
+  // GPT-2's files (bytes only, <|endoftext|> 256): the plain template starts and ends with
+  // <|endoftext|>; the Llama 3 template has no headers to use and is refused.
+  const fs::path gpt2 = fs::temp_directory_path() / ("ptrain_instruct_gpt2_" + std::to_string(::getpid()));
+  fs::create_directories(gpt2);
+  nlohmann::json vocab;
+  for (unsigned b = 0; b < 256; ++b) {
+    std::string stand_in;
+    detail::append_utf8(stand_in, detail::byte_to_unicode(b));
+    vocab[stand_in] = b;
+  }
+  vocab["<|endoftext|>"] = 256;
+  test::write_file(gpt2 / "vocab.json", vocab.dump());
+  test::write_file(gpt2 / "merges.txt", "#version: 0.2\n");
+  const Tokenizer g = Tokenizer::load(gpt2.string());
+  const TokenizedRecord gp = tokenize_chat(g, r, ChatTemplate::Plain);
+  CHECK(gp.ids == cat({{256}, bytes("HiYo"), {256}}));
+  CHECK(answer_targets(gp) == std::vector<std::int32_t>{kIgnore, kIgnore, 'Y', 'o', 256, kIgnore});
+  CHECK_THAT(error_of([&] { (void)tokenize_chat(g, r, ChatTemplate::Llama3); }),
+             Catch::Contains("[ptrain.instruct.template] the GPT-2 BPE tokenizer has no <|begin_of_text|>"));
+  fs::remove_all(gpt2);
 }
 
 TEST_CASE("Instruction records pack into rows that start with the separator, or pad one per row",
