@@ -204,7 +204,7 @@ TEST_CASE("CUDA graph of the Trainer's step: a data set that masks targets runs 
   CHECK_THAT(gpu.why_off, Catch::Contains("masks targets"));
   CHECK(gpu.captures == 0);
   CHECK(gpu.steps == cpu.steps);
-  CHECK(rel_error(gpu.params, cpu.params) <= 1e-5);
+  CHECK(rel_error(gpu.params, cpu.params) <= 1e-4);  // float on two devices, six AdamW steps
 }
 
 TEST_CASE("CUDA graph: a host read inside a capture is refused, naming the capture", "[cuda:cuda_graph_step]") {
