@@ -245,7 +245,7 @@ class InstructDataset : public Dataset<T> {
     std::size_t used = S;  // tokens in the current row; S: no row open
     for (const auto& r : records) {
       const TokenizedRecord rec = tokenize_chat(tok, r, o.chat_template);
-      std::vector<std::int32_t> targets = answer_targets(rec);
+      const std::vector<std::int32_t> targets = answer_targets(rec);
       std::size_t len = rec.ids.size();
       if (len > S) {
         if (o.overlong == Overlong::Drop) {
