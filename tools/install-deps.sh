@@ -40,6 +40,7 @@ for arg in "$@"; do
     --test)  # torchrun; pip for the PyPI tools below; what transformers and peft import (they are
              # installed with --no-deps, so these come from Debian)
       packages+=(python3-torch python3-pip python3-packaging python3-fsspec python3-requests python3-psutil)
+      packages+=(python3-jinja2)  # renders Meta's Llama 3 chat_template (tests/unit/data/test_instruct.cpp)
       test_tools=1 ;;
     --bench) packages+=(python3-torch libopenblas0-pthread python3-matplotlib) ;;
     *) echo "install-deps: unknown option $arg (use --test or --bench)" >&2; exit 2 ;;

@@ -102,6 +102,7 @@
 #include "ptrain/data/ranked_bpe.hpp"
 #include "ptrain/data/text.hpp"
 #include "ptrain/data/tokenizer.hpp"  // and data/sentencepiece.hpp where the build has SentencePiece
+#include "ptrain/data/instruct.hpp"
 
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"

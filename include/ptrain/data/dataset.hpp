@@ -6,6 +6,7 @@
 //   Batch<float> b = train.get({3, 14, 15});       // b.x [3, 784], b.targets [3]
 //   TensorDataset<float> fit(x, y);               // x [N, 1], y [N, 1] (float values: regression)
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -37,6 +38,10 @@ class Dataset {
   virtual ~Dataset() = default;
   virtual std::int64_t size() const = 0;
   virtual Batch<T> get(const std::vector<std::int64_t>& indices) = 0;
+  /// Whether some targets may be the ignore index -100 (masked prompts, padding): the
+  /// Trainer then weighs each micro-batch by the targets that count (Note [Token-weighted
+  /// loss] in train/trainer.hpp).
+  virtual bool masks_targets() const { return false; }
 };
 
 /// A data set held in memory: row i of `inputs` (features) and of `targets`
@@ -49,6 +54,10 @@ class TensorDataset : public Dataset<T> {
                      inputs_.size(0) == targets_.size(0),
                  ShapeError, "[ptrain.data.dataset] inputs ", inputs_.shape(), " and targets ",
                  targets_.defined() ? targets_.shape() : Shape{}, " need the same number of rows");
+    if (targets_.is_ids()) {
+      const Tensor<std::int32_t> ids = targets_.ids().to(Device::cpu());
+      masks_ = std::find(ids.data(), ids.data() + ids.numel(), -100) != ids.data() + ids.numel();
+    }
   }
   std::int64_t size() const override { return inputs_.size(0); }
   Batch<T> get(const std::vector<std::int64_t>& idx) override {
@@ -57,6 +66,8 @@ class TensorDataset : public Dataset<T> {
     else b.targets = gathered(targets_.values(), idx);
     return b;
   }
+  /// True when a class-id target is -100.
+  bool masks_targets() const override { return masks_; }
 
  private:
   template <class E>
@@ -69,6 +80,7 @@ class TensorDataset : public Dataset<T> {
   }
   Tensor<T> inputs_;
   nn::Targets<T> targets_;
+  bool masks_ = false;
 };
 
 }  // namespace ptrain

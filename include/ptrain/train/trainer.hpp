@@ -36,10 +36,32 @@
 // steps are smaller than the checkpoint's: the manager knows the run resumed
 // (CheckpointManager::resumed_from), so the new saves replace the old numbering.
 //
+// Note [Token-weighted loss]
+// The default loss is the mean cross-entropy over a micro-batch's targets that count
+// (not the ignore index -100). When the data set masks targets (Dataset::masks_targets:
+// instruction data, where only answers count) a step's loss is the mean over every
+// counted target of the global batch, all micro-batches of all data-parallel ranks, as
+// one process over the whole batch computes it: not a mean of micro-batch or rank
+// means, which differ as soon as micro-batches count different numbers of targets.
+// So micro-batch j of a rank, counting n_j targets, gets the weight
+//   w_j = n_j W / N,   N = the sum of n_j over the micro-batches and ranks
+// (one all-reduce of a count per step over the data-parallel group of W ranks), and
+// forward_backward(mb, w_j) adds w_j grad(mean_j) = (W / N) grad(sum of its losses);
+// the engines average the gradients over the W ranks, which leaves grad(sum over all
+// targets) / N. The step's loss, sum_j w_j loss_j, averaged over the ranks
+// (Engine::average, as the metrics record does), is the same token-weighted mean. A
+// step where nothing counts gets weights 0 (loss 0, no gradient). Otherwise, and with
+// a loss of the user's (Engine::set_loss: the Trainer cannot know what it counts) or
+// value targets, micro-batches weigh by their rows, as before. The weights are
+// arguments of the loss kernels, which a captured CUDA graph would keep fixed: a run
+// whose data set masks targets runs eagerly, with one line in the log. Limit: the
+// pipeline engine's own micro-batches are still a mean of means (parallel/pipeline.hpp).
+//
 // On a GPU the step's loss stays on the device and is read only where it is
 // reported (Note [Loss on the device] in train/step_graph.hpp), and the whole
 // step is captured in a CUDA graph and replayed (Note [CUDA graphs of the step]).
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <exception>
@@ -49,6 +71,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "ptrain/ckpt/async_writer.hpp"
 #include "ptrain/ckpt/checkpoint.hpp"
@@ -116,8 +139,9 @@ inline std::int64_t resumed_step(std::int64_t epoch, std::int64_t steps_per_epoc
 struct StepInfo {
   std::int64_t step;  ///< 1-based, over the whole run
   int epoch;          ///< 1-based
-  double loss;        ///< this rank's mean micro-batch loss; with the loss on the device (Note [Loss on the
-                      ///< device]) NaN, except on steps that log, where it is the mean since the last log
+  double loss;        ///< this rank's weighted sum of micro-batch losses (Note [Token-weighted loss]); with the
+                      ///< loss on the device (Note [Loss on the device]) NaN, except on steps that log, where it
+                      ///< is the mean since the last log
   double lr;
 };
 
@@ -184,6 +208,7 @@ class Trainer {
     const bool device_loss = use_device_loss();
     auto restore = [this, device_loss](void*) {
       if (device_loss) engine_.set_loss({});
+      own_loss_ = false;
       (void)opt_.use_device_scalars(false);
       graph_ = CudaStepGraph();
       inputs_ = Batch<T>();
@@ -296,17 +321,22 @@ class Trainer {
     return result;
   }
 
-  /// One optimizer step on this rank's batch (Note [Trainer steps]); returns the mean micro-batch
-  /// loss (NaN when the engine's loss keeps it on the device: Note [Loss on the device]).
-  double step(const Batch<T>& b) {
+  /// One optimizer step on this rank's batch (Note [Trainer steps]); returns the weighted sum of
+  /// the micro-batch losses (Note [Token-weighted loss]; NaN when the engine's loss keeps it on the
+  /// device: Note [Loss on the device]). Collective when the data set masks targets.
+  double step(const Batch<T>& b) { return step(b, micro_batch_weights(b)); }
+  /// step() with the micro-batches' loss weights (micro_batch_weights).
+  double step(const Batch<T>& b, const std::vector<double>& weights) {
     const std::int64_t rows = b.rows();
-    const int k = static_cast<int>(std::min<std::int64_t>(o_.grad_accum, rows));
+    const int k = static_cast<int>(weights.size());
+    PTRAIN_CHECK(k >= 1 && k <= rows, Error, "[ptrain.trainer.weights] ", k, " micro-batch weights for ", rows,
+                 " rows; pass micro_batch_weights(batch)");
     engine_.zero_grad();
     double loss = 0;
     for (int j = 0; j < k; ++j) {
       const std::int64_t begin = rows * j / k, end = rows * (j + 1) / k;
       const Batch<T> mb = b.narrow(begin, end - begin);
-      const double w = static_cast<double>(end - begin) / static_cast<double>(rows);
+      const double w = weights[static_cast<std::size_t>(j)];
       obs::Span span("forward_backward", "train", j);
       if (j + 1 < k) {
         auto guard = engine_.no_sync();
@@ -322,6 +352,36 @@ class Trainer {
     obs::Span span("optimizer_step", "train");
     engine_.step(opt_);
     return loss;
+  }
+
+  /// The loss weight of each of the min(grad_accum, rows) micro-batches of `b`: their share
+  /// of the rows, or of the global batch's counted targets when the data set masks targets
+  /// (Note [Token-weighted loss]; then collective over the data-parallel group).
+  std::vector<double> micro_batch_weights(const Batch<T>& b) {
+    const std::int64_t rows = b.rows();
+    const int k = static_cast<int>(std::min<std::int64_t>(o_.grad_accum, rows));
+    std::vector<double> w(static_cast<std::size_t>(k));
+    const bool count = data_.masks_targets() && b.targets.is_ids() && (!engine_.has_loss() || own_loss_);
+    Tensor<std::int32_t> t;
+    if (count) t = b.targets.ids().device().is_cpu() ? b.targets.ids() : b.targets.ids().to(Device::cpu());
+    const std::int64_t per_row = count ? t.numel() / rows : 0;
+    double total = 0;
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t begin = rows * j / k, end = rows * (j + 1) / k;
+      double& x = w[static_cast<std::size_t>(j)];
+      if (!count) {
+        x = static_cast<double>(end - begin) / static_cast<double>(rows);
+        continue;
+      }
+      const std::int32_t *p = t.data() + begin * per_row, *q = t.data() + end * per_row;
+      x = static_cast<double>((q - p) - std::count(p, q, -100));
+      total += x;
+    }
+    if (!count) return w;
+    if (dist::Communicator* dp = engine_.data_parallel_group(); dp && dp->size() > 1)
+      dp->all_reduce(&total, 1, DType::F64, dist::ReduceOp::Sum);
+    for (double& x : w) x = total > 0 ? x * data_world_ / total : 0.0;
+    return w;
   }
 
   /// The steps' losses on the device since the last report (Note [Loss on the device]).
@@ -393,6 +453,7 @@ class Trainer {
                  "parallel::device_cross_entropy); leave device_loss unset");
     // keep_output: the Trainer does not know whether the model's last layer reads its output.
     engine_.set_loss(parallel::device_cross_entropy<T>(losses_.step(), -100, 0.0, true));
+    own_loss_ = true;
     losses_.reset();
     return true;
   }
@@ -404,6 +465,9 @@ class Trainer {
       return "cuda_graph_step is gated (ptrain/kernels/cuda_unverified.hpp; PTRAIN_UNVERIFIED_CUDA=1 runs it)";
     if (!device_loss) return "the loss is read on the host each step (a loss of your own, or a pipeline or "
                              "tensor-parallel engine)";
+    if (data_.masks_targets())
+      return "the data set masks targets, so each step weighs its micro-batches by the targets that count, "
+             "a scale a captured graph would keep fixed (Note [Token-weighted loss])";
     dist::Communicator* dp = engine_.data_parallel_group();
     if (engine_.mode() != parallel::Mode::Local &&
         (!engine_.communicator().graph_capturable() || (dp && !dp->graph_capturable())))
@@ -419,9 +483,10 @@ class Trainer {
   // The step with the loss on the device: eager, captured or replayed (Note [CUDA graphs of
   // the step]); `b` is the batch as the data set gave it.
   void device_step(const Batch<T>& b, bool lead) {
+    const std::vector<double> weights = micro_batch_weights(b);  // from the host batch: no device read
     auto eager = [&](const Batch<T>& batch) {
       losses_.begin_step();
-      (void)step(batch);
+      (void)step(batch, weights);
       losses_.end_step();
     };
     StepGraphKey key;
@@ -554,6 +619,7 @@ class Trainer {
   int data_rank_ = 0, data_world_ = 1;
   std::int64_t per_epoch_ = 0;  // steps per epoch
   LossWindow losses_;           // Note [Loss on the device]
+  bool own_loss_ = false;       // the engine's loss is the Trainer's device_cross_entropy
   StepGraphPlan plan_;          // Note [CUDA graphs of the step]
   CudaStepGraph graph_;
   Batch<T> inputs_;             // the graph's static inputs

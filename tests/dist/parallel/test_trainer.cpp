@@ -10,10 +10,14 @@
 #include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>
+#include <ptrain/optim/sgd.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 #include <ptrain/train/trainer.hpp>
 
 #include "dist/world.hpp"
+#include "unit/data/instruct_fixtures.hpp"
+#include "unit/raw_files.hpp"
+#include "unit/train/masked_loss.hpp"
 
 namespace test_trainer {
 
@@ -264,6 +268,76 @@ TEST_CASE("Trainer resumed on another world size keeps the schedule", "[trainer]
   }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Note [Token-weighted loss] on W ranks: each rank takes 2 instruction rows whose
+// answers differ in length, in 2 micro-batches; one SGD step of lr 1 under DDP and
+// FSDP moves the parameters by the gradient of the mean over every answer token of
+// the 2 W rows, which one process computes over the whole batch and PyTorch
+// (masked_loss_reference.py) on the same ids and targets; the loss averaged over the
+// ranks is that mean.
+TEST_CASE("Trainer's masked loss on W ranks is the token-weighted mean of one process and of PyTorch",
+          "[trainer][masked]") {
+  auto& comm = world();
+  const int n = comm.size();
+  const std::filesystem::path tok_path = test::tiny_tokenizer("dist_masked");  // one per process (the name holds the pid)
+  const Tokenizer tok = Tokenizer::load(tok_path.string());
+  std::string lines;
+  for (int i = 0; i < 2 * n; ++i)
+    lines += "{\"prompt\": \"q" + std::to_string(i) + "\", \"completion\": \"" + std::string((i * 7) % 11 + 1, 'a' + i % 26) +
+             "\"}\n";
+  const std::filesystem::path file = test::instruct_file("dist_masked", lines);
+  InstructDataset<double> data(file.string(), tok, {.seq_len = 40, .layout = InstructLayout::Padded});
+  REQUIRE(data.size() == 2 * n);
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(2 * n));
+  for (int i = 0; i < 2 * n; ++i) rows[static_cast<std::size_t>(i)] = i;
+  const Batch<double> all = data.get(rows);
+  const std::int64_t V = tok.vocab_size(), D = 3;
+
+  dist::SelfCommunicator self;
+  auto one_model = test::bigram(V, D);
+  auto one = parallel::make_engine<double>(one_model, self, parallel::LocalOptions{});
+  const std::vector<double> before = one->parameters().values().to_vector();
+  one->zero_grad();
+  const double whole = one->forward_backward(all.ids, all.targets.ids(), 1.0);
+  const std::vector<double> want = one->parameters().grads().to_vector();
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_trainer_masked_");
+
+  for (const auto& [name, plan] :
+       std::vector<std::pair<std::string, parallel::Plan<double>>>{{"ddp", parallel::DDPOptions{}},
+                                                                    {"fsdp", parallel::FSDPOptions{}}}) {
+    INFO(name << " on " << n << " ranks");
+    auto engine = parallel::make_engine<double>(test::bigram(V, D), comm, plan);
+    optim::SGD<double> sgd(engine->parameters(), {.lr = 1.0});
+    train::Trainer<double> trainer(*engine, sgd, data, {.batch = 2, .grad_accum = 2, .log_every = 0});
+    const double loss = engine->average(trainer.step(data.get({2 * comm.rank(), 2 * comm.rank() + 1})));
+    CHECK(std::abs(loss - whole) <= 1e-12);
+    // The parameters after the step, gathered through a checkpoint.
+    if (comm.rank() == 0) std::filesystem::remove_all(dir / name);
+    comm.barrier();
+    {
+      ckpt::CheckpointManager mgr(dir / name, &comm);
+      ckpt::save(mgr, 0, *engine, &sgd);
+    }
+    auto back = test::bigram(V, D);
+    nn::FlatParameters<double> p(*back);
+    ckpt::CheckpointManager reader(dir / name);
+    reader.load(reader.latest().path, p);
+    const std::vector<double> after = p.values().to_vector();
+    std::vector<double> step(after.size());
+    for (std::size_t i = 0; i < after.size(); ++i) step[i] = before[i] - after[i];
+    CHECK(test::max_abs_diff(step, want) <= 1e-12);
+  }
+  if (comm.rank() == 0) {
+    REQUIRE(ptrain::testing::torch_available());
+    const test::TorchMaskedLoss torch = test::torch_masked_loss(all.ids, all.targets.ids(), *one_model);
+    CHECK(std::abs(torch.loss - whole) <= 1e-12);
+    CHECK(test::max_abs_diff(torch.grads, want) <= 1e-12);
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+  std::filesystem::remove(file);
+  std::filesystem::remove(tok_path);
 }
 
 }  // namespace test_trainer

@@ -30,4 +30,11 @@ TEST_CASE("TensorDataset refuses inputs and targets of different lengths", "[dat
   CHECK_THROWS_WITH(TensorDataset<float>(x, y), Catch::Contains("[ptrain.data.dataset]"));
 }
 
+TEST_CASE("TensorDataset masks targets when a class id is -100", "[data][dataset]") {
+  auto x = Tensor<float>::zeros({3, 2});
+  CHECK_FALSE(TensorDataset<float>(x, Tensor<std::int32_t>::from(std::vector<std::int32_t>{0, 1, 2}, {3})).masks_targets());
+  CHECK(TensorDataset<float>(x, Tensor<std::int32_t>::from(std::vector<std::int32_t>{0, -100, 2}, {3})).masks_targets());
+  CHECK_FALSE(TensorDataset<float>(x, Tensor<float>::from(std::vector<float>{0, -100, 2}, {3})).masks_targets());
+}
+
 }  // namespace test_dataset

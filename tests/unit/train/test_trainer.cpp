@@ -19,6 +19,10 @@
 #include <ptrain/parallel/make_engine.hpp>
 #include <ptrain/train/trainer.hpp>
 
+#include "unit/data/instruct_fixtures.hpp"
+#include "unit/raw_files.hpp"
+#include "unit/train/masked_loss.hpp"
+
 namespace test_trainer {
 
 using namespace ptrain;
@@ -287,6 +291,48 @@ TEST_CASE("Trainer: a model's named_metrics (an MoE layer's routing) join its re
   CHECK(events.find("0.load_imbalance") != std::string::npos);
   CHECK(events.find("0.tokens_per_expert.2") != std::string::npos);
   fs::remove_all(dir);
+}
+
+// Note [Token-weighted loss]: instruction rows whose answers differ in length, in 2 and
+// in 3 micro-batches, give the loss and gradients of one process over the whole batch
+// (the mean over every answer token), and PyTorch's on the same ids and targets.
+TEST_CASE("Trainer: the masked loss over micro-batches is the token-weighted mean of the whole batch and PyTorch's",
+          "[train][trainer][masked]") {
+  if (!testing::torch_available())
+    FAIL("/usr/bin/python3 cannot import torch: run tools/install-deps.sh --test (it installs python3-torch)");
+  const fs::path tok_path = test::tiny_tokenizer("trainer_masked");
+  const Tokenizer tok = Tokenizer::load(tok_path.string());
+  InstructDataset<double> data(test::instruct_file("trainer_masked").string(), tok,
+                               {.seq_len = 64, .layout = InstructLayout::Padded});
+  REQUIRE(data.size() == 6);
+  const Batch<double> batch = data.get({0, 1, 2, 3, 4, 5});
+  const Tensor<std::int32_t> targets = batch.targets.ids();
+
+  dist::SelfCommunicator self;
+  auto model = test::bigram(tok.vocab_size(), 3);
+  auto engine = parallel::make_engine<double>(model, self, parallel::LocalOptions{});
+  // One process over the whole batch: the mean over its counted targets.
+  engine->zero_grad();
+  const double whole = engine->forward_backward(batch.ids, targets, 1.0);
+  const std::vector<double> want = engine->parameters().grads().to_vector();
+  // The mean of the micro-batch means is another number: the test tells the two apart.
+  const double half = (engine->eval_loss(batch.ids.narrow(0, 3), targets.narrow(0, 3)) +
+                       engine->eval_loss(batch.ids.narrow(3, 3), targets.narrow(3, 3))) / 2;
+  CHECK(std::abs(half - whole) > 1e-3);
+
+  for (int accum : {2, 3}) {
+    INFO(accum << " micro-batches");
+    test::GradRecorder rec(engine->parameters());
+    train::Trainer<double> trainer(*engine, rec, data, {.batch = 6, .grad_accum = accum, .log_every = 0});
+    const double loss = trainer.step(batch);
+    CHECK(std::abs(loss - whole) <= 1e-12);
+    CHECK(test::max_abs_diff(rec.grads, want) <= 1e-12);
+  }
+
+  const test::TorchMaskedLoss torch = test::torch_masked_loss(batch.ids, targets, *model);
+  CHECK(std::abs(torch.loss - whole) <= 1e-12);
+  CHECK(test::max_abs_diff(torch.grads, want) <= 1e-12);
+  fs::remove(tok_path);
 }
 
 }  // namespace test_trainer
