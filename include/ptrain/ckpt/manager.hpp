@@ -255,7 +255,7 @@ class CheckpointManager {
     std::vector<std::pair<std::string, Tensor<T>>> targets;
     std::vector<std::pair<std::string, Tensor<acc_t<T>>>> state;
     std::map<std::string, int> known;
-    for (const auto& e : params.entries()) {
+    for (const auto& e : params.all_entries()) {  // frozen parameters too (Note [Frozen parameters])
       targets.emplace_back(e.name, e.param->value);
       known[e.name] = 1;
     }
@@ -322,7 +322,7 @@ class CheckpointManager {
     job.trainer_json = to_json(state).dump(2);
     if (rank() != 0) return job;
     std::vector<std::pair<std::string, Tensor<T>>> model;
-    for (const auto& e : params.entries()) model.emplace_back(e.name, e.param->value);
+    for (const auto& e : params.all_entries()) model.emplace_back(e.name, e.param->value);
     for (const auto& b : params.buffers()) model.emplace_back(b.name, *b.buffer);
     add_file(job, "model.safetensors", model, copy || !params.values().device().is_cpu(), reuse);
     if (opt) add_file(job, "optimizer.safetensors", opt->state_tensors(), copy || !params.values().device().is_cpu(),

@@ -84,7 +84,7 @@ struct ShardedState {
 template <class T>
 ShardedState whole_tensors(nn::FlatParameters<T>& params, std::type_identity_t<optim::Optimizer<T>>* opt) {
   ShardedState s;
-  for (const auto& e : params.entries()) s.model.push_back(whole(e.name, e.param->value));
+  for (const auto& e : params.all_entries()) s.model.push_back(whole(e.name, e.param->value));
   for (const auto& b : params.buffers()) s.model.push_back(whole(b.name, *b.buffer));
   if (opt) {
     for (const auto& [n, t] : opt->state_tensors()) s.optimizer.push_back(whole(n, t));

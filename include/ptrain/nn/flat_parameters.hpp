@@ -35,17 +35,23 @@ struct FlatEntry {
   std::int64_t numel() const { return shape.numel(); }
 };
 
-/// Throws unless every entry's parameter is still the view into `values` and `grads` it was bound to.
-/// A later module.to() or an assignment to a parameter's value replaces the view with a tensor an
-/// optimizer of the flat buffers never updates; optimizers built on FlatParameters check this every step.
+/// Throws unless every entry's parameter is still the view into `values` and `grads` it was bound to,
+/// and every frozen entry's the view into `frozen_values`. A later module.to() or an assignment to a
+/// parameter's value replaces the view with a tensor an optimizer (or a checkpoint) of the flat buffers
+/// never sees; optimizers built on FlatParameters check this every step.
 template <class T>
-void check_bound(const std::vector<FlatEntry<T>>& entries, const Tensor<T>& values, const Tensor<T>& grads) {
-  for (const auto& e : entries)
-    PTRAIN_CHECK(!e.param || (e.param->value.data() == values.data() + e.offset && e.param->grad.data() == grads.data() + e.offset),
-                 Error, "[ptrain.flat.unbound] parameter ", e.name,
+void check_bound(const std::vector<FlatEntry<T>>& entries, const Tensor<T>& values, const Tensor<T>& grads,
+                 const std::vector<FlatEntry<T>>& frozen = {}, const Tensor<T>& frozen_values = {}) {
+  auto check = [](const FlatEntry<T>& e, bool bound) {
+    PTRAIN_CHECK(!e.param || bound, Error, "[ptrain.flat.unbound] parameter ", e.name,
                  " is no longer a view into the flat parameter buffers, so the optimizer would update a copy "
                  "the model does not use (module.to() or an assignment after FlatParameters was built); move "
                  "the module before building FlatParameters, and change values in place with copy_()");
+  };
+  for (const auto& e : entries)
+    check(e, e.param && e.param->value.data() == values.data() + e.offset &&
+                 e.param->grad.data() == grads.data() + e.offset);
+  for (const auto& e : frozen) check(e, e.param && e.param->value.data() == frozen_values.data() + e.offset);
 }
 
 template <class T>

@@ -293,7 +293,8 @@ class MoeExperts : public Module<T> {
     for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
       auto dhs = dh.narrow(lo, rows);
       ops::matmul_into(dy.narrow(lo, rows), ex.w2().weight().value, dhs);
-      ops::matmul_into(dy.narrow(lo, rows), h.narrow(lo, rows), ex.w2().weight().grad, true, false, 1, 1);
+      if (ex.w2().weight().requires_grad)  // a frozen expert has no gradient (Note [Frozen parameters])
+        ops::matmul_into(dy.narrow(lo, rows), h.narrow(lo, rows), ex.w2().weight().grad, true, false, 1, 1);
     });
     Tensor<T> dgate, dup;
     ops::swiglu_backward(gate, up, dh, dgate, dup);
@@ -303,8 +304,8 @@ class MoeExperts : public Module<T> {
       const auto dg = dgate.narrow(lo, rows), du = dup.narrow(lo, rows), xs = xp.narrow(lo, rows);
       ops::matmul_into(dg, ex.w1().weight().value, dxs);
       ops::matmul_into(du, ex.w3().weight().value, dxs, false, false, 1, 1);
-      ops::matmul_into(dg, xs, ex.w1().weight().grad, true, false, 1, 1);
-      ops::matmul_into(du, xs, ex.w3().weight().grad, true, false, 1, 1);
+      if (ex.w1().weight().requires_grad) ops::matmul_into(dg, xs, ex.w1().weight().grad, true, false, 1, 1);
+      if (ex.w3().weight().requires_grad) ops::matmul_into(du, xs, ex.w3().weight().grad, true, false, 1, 1);
     });
     for (auto& ex : experts_)
       for (auto* lin : {&ex->w1(), &ex->w2(), &ex->w3()}) lin->weight().mark_grad_ready();

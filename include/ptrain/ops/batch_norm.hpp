@@ -100,7 +100,7 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b,
 /// forward (Note [Synchronised batch statistics]).
 template <class T>
 Tensor<T> batch_norm_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& dy,
-                              const BatchNormSaved<T>& saved, Tensor<T>* dw, Tensor<T>* db,
+                              const BatchNormSaved<T>& saved, const Tensor<T>* dw, const Tensor<T>* db,
                               const ReplicaSum& sum_replicas = {}) {
   const std::int64_t n = x.size(0), c = detail::bn_channels(x, "input");
   const std::int64_t hw = x.numel() / (n * c);
@@ -111,11 +111,12 @@ Tensor<T> batch_norm_backward(const Tensor<T>& x, const Tensor<T>& w, const Tens
   auto sums = Tensor<double>::empty({2 * c}, dev);  // sum(dy), sum(dy xhat)
   PTRAIN_DISPATCH(dev, T, batch_norm_backward_reduce, n, c, hw, x.data(), dy.data(), saved.mean.data(),
                   saved.invstd.data(), sums.data());
-  if (dw) {
-    check_shape(*dw, {c}, "batch_norm weight gradient");
-    check_shape(*db, {c}, "batch_norm bias gradient");
-    detail::check_devices("batch_norm_backward", dev, *dw, *db);
-    PTRAIN_DISPATCH(dev, T, batch_norm_param_grads, c, sums.data(), dw->data(), db->data());
+  if (dw && (dw->defined() || db->defined())) {  // undefined: frozen (Note [Frozen parameters])
+    auto gw = detail::grad_or_scratch(*dw, {c}, dev), gb = detail::grad_or_scratch(*db, {c}, dev);
+    check_shape(gw, {c}, "batch_norm weight gradient");
+    check_shape(gb, {c}, "batch_norm bias gradient");
+    detail::check_devices("batch_norm_backward", dev, gw, gb);
+    PTRAIN_DISPATCH(dev, T, batch_norm_param_grads, c, sums.data(), gw.data(), gb.data());
   }
   if (saved.batch_stats && sum_replicas) sum_replicas(sums);
   auto dx = Tensor<T>::empty(x.shape(), dev);

@@ -129,23 +129,27 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b, con
 /// Backward of conv2d: dw += dL/dw, db += dL/db (db may be null), returns dx
 /// (undefined when need_dx is false: a first layer saves the col2im and a GEMM).
 template <class T>
-Tensor<T> conv2d_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& dy, Tensor<T>& dw, Tensor<T>* db,
-                          const Conv2dArgs& a, std::int64_t groups = 1, bool need_dx = true) {
+Tensor<T> conv2d_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& dy, const Tensor<T>& dw,
+                          const Tensor<T>* db, const Conv2dArgs& a, std::int64_t groups = 1, bool need_dx = true) {
+  if (db && !db->defined()) db = nullptr;  // undefined: a frozen parameter's (Note [Frozen parameters])
+  const bool want_dw = dw.defined();
   kernels::Window2d g;
   const detail::ConvDims d = detail::check_conv(x, w, db ? *db : Tensor<T>(), groups, a, g);
   check_shape(dy, {d.n, d.cout, g.ho, g.wo}, "conv2d output gradient");
-  check_shape(dw, w.shape(), "conv2d weight gradient");
-  detail::check_devices("conv2d_backward", x.device(), dy, dw);
+  if (want_dw) check_shape(dw, w.shape(), "conv2d weight gradient");
+  detail::check_devices("conv2d_backward", x.device(), dy);
+  if (want_dw) detail::check_devices("conv2d_backward", x.device(), dw);
   const Device dev = x.device();
-  Tensor<T> col = d.direct ? Tensor<T>() : Tensor<T>::empty({d.c * g.kh * g.kw, d.plane_out}, dev);
-  Tensor<T> dcol = d.direct || !need_dx ? Tensor<T>() : Tensor<T>::empty(col.shape(), dev);
+  const Shape col_shape{d.c * g.kh * g.kw, d.plane_out};
+  Tensor<T> col = d.direct || !want_dw ? Tensor<T>() : Tensor<T>::empty(col_shape, dev);
+  Tensor<T> dcol = d.direct || !need_dx ? Tensor<T>() : Tensor<T>::empty(col_shape, dev);
   Tensor<T> ones = db ? Tensor<T>::full({d.plane_out}, T(1)).to(dev) : Tensor<T>();
   Tensor<T> dx = need_dx ? Tensor<T>::zeros(x.shape(), dev) : Tensor<T>();
   for (std::int64_t s = 0; s < d.n; ++s) {
     const T* xs = x.data() + s * d.c * d.plane_in;
     const T* dys = dy.data() + s * d.cout * d.plane_out;
     const T* cols = xs;
-    if (!d.direct) {
+    if (!d.direct && want_dw) {
       PTRAIN_DISPATCH(dev, T, im2col, d.c, g, xs, col.data());
       cols = col.data();
     }
@@ -153,8 +157,9 @@ Tensor<T> conv2d_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T
     for (std::int64_t gi = 0; gi < groups; ++gi) {
       const T* dyg = dys + gi * d.og * d.plane_out;
       // dW_g += dy_g col_g^T
-      PTRAIN_DISPATCH(dev, T, gemm, false, true, d.og, d.k, d.plane_out, acc_t<T>(1), dyg, d.plane_out,
-                      cols + gi * d.k * d.plane_out, d.plane_out, acc_t<T>(1), dw.data() + gi * d.og * d.k, d.k);
+      if (want_dw)
+        PTRAIN_DISPATCH(dev, T, gemm, false, true, d.og, d.k, d.plane_out, acc_t<T>(1), dyg, d.plane_out,
+                        cols + gi * d.k * d.plane_out, d.plane_out, acc_t<T>(1), dw.data() + gi * d.og * d.k, d.k);
       // dcol_g = W_g^T dy_g
       if (need_dx)
         PTRAIN_DISPATCH(dev, T, gemm, true, false, d.k, d.plane_out, d.og, acc_t<T>(1), w.data() + gi * d.og * d.k,

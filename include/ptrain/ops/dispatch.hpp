@@ -41,6 +41,14 @@ void check_devices(const char* op, Device d, const Ts&... ts) {
   (check_device(op, d, ts.device()), ...);
 }
 
+/// A frozen parameter's gradient is undefined (Note [Frozen parameters] in
+/// nn/flat_parameters.hpp): ops skip it. Kernels that compute a small weight
+/// gradient in the same pass as dx (norms) write it into this zero scratch instead.
+template <class T>
+Tensor<T> grad_or_scratch(const Tensor<T>& grad, const Shape& shape, Device device) {
+  return grad.defined() ? grad : Tensor<T>::zeros(shape, device);
+}
+
 
 /// True for a CUDA device whose table has `fn` for T and whose gate lets it run: an op
 /// then takes `fn` instead of its verified kernel (Note [The verification gate]).

@@ -11,6 +11,8 @@
 // both (see kernels/cuda/embedding.cuh).
 
 #include "ptrain/kernels/cpu/embedding.hpp"
+#include <vector>
+
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {
@@ -57,7 +59,20 @@ Tensor<T> embedding(const Tensor<std::int32_t>& ids, const Tensor<T>& table, con
 
 /// dtable[ids] += dout; dpos[position] += dout when dpos is given.
 template <class T>
-void embedding_backward(const Tensor<std::int32_t>& ids, const Tensor<T>& dout, Tensor<T>& dtable, Tensor<T>* dpos) {
+void embedding_backward(const Tensor<std::int32_t>& ids, const Tensor<T>& dout, const Tensor<T>& dtable_in,
+                        const Tensor<T>* dpos) {
+  if (dpos && !dpos->defined()) dpos = nullptr;
+  if (!dtable_in.defined()) {  // a frozen table (Note [Frozen parameters] in nn/flat_parameters.hpp)
+    if (!dpos) return;
+    // Only the positions train: dpos[s] += dout[b, s] is a lookup backward of the ids 0..seq-1.
+    const std::int64_t seq = ids.dim() >= 1 ? ids.size(-1) : 1;
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(ids.numel()));
+    for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(static_cast<std::int64_t>(i) % seq);
+    embedding_backward(Tensor<std::int32_t>::from(pos, ids.shape()).to(ids.device()), dout, *dpos,
+                       static_cast<const Tensor<T>*>(nullptr));
+    return;
+  }
+  Tensor<T> dtable = dtable_in;
   const std::int64_t dim = dtable.size(1), seq = ids.dim() >= 1 ? ids.size(-1) : 1;
   PTRAIN_CHECK(dout.numel() == ids.numel() * dim, ShapeError, "[ptrain.embedding.backward] output gradient ",
                dout.shape(), " does not match ids ", ids.shape(), " and width ", dim);

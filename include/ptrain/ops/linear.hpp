@@ -81,7 +81,7 @@ namespace detail {
 // `part`, a fresh buffer; false, with db unchanged, off the GPU or where the
 // epilogue does not apply.
 template <class T, class Fused>
-bool add_fused_bias_grad(Tensor<T>& db, Fused&& fused) {
+bool add_fused_bias_grad(Tensor<T> db, Fused&& fused) {
   if (!db.device().is_cuda()) return false;
   auto part = Tensor<T>::empty(db.shape(), db.device());
   if (!fused(part.data())) return false;
@@ -92,31 +92,41 @@ bool add_fused_bias_grad(Tensor<T>& db, Fused&& fused) {
 
 /// Backward of linear: dw += dy^T x, db += column sums of dy, returns dx = dy W
 /// (undefined when need_dx is false, which saves a GEMM for the first layer).
-/// On a GPU the bias gradient comes out of the weight-gradient GEMM where it
-/// can (Note [cuBLASLt epilogues]).
+/// An undefined dw or *db is a frozen parameter's (Note [Frozen parameters] in
+/// nn/flat_parameters.hpp): its GEMM or sum is skipped. On a GPU the bias
+/// gradient comes out of the weight-gradient GEMM where it can (Note [cuBLASLt
+/// epilogues]).
 template <class T>
-Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& dy, Tensor<T>& dw, Tensor<T>* db,
-                          bool need_dx = true) {
+Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& dy, const Tensor<T>& dw,
+                          const Tensor<T>* db, bool need_dx = true) {
+  if (db && !db->defined()) db = nullptr;
   PTRAIN_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), ShapeError, "[ptrain.linear.backward] input ",
                x.shape(), " does not match weight ", w.shape());
   const std::int64_t in = w.size(1), out = w.size(0), rows = rows_of(x, "linear input");
   PTRAIN_CHECK(dy.dim() >= 1 && dy.size(-1) == out && dy.numel() == rows * out, ShapeError,
                "[ptrain.linear.backward] output gradient ", dy.shape(), " does not match input ", x.shape(),
                " and weight ", w.shape());
-  check_shape(dw, w.shape(), "linear weight gradient");
-  detail::check_devices("linear_backward", x.device(), w, dy, dw);
+  const bool want_dw = dw.defined();
+  if (want_dw) {
+    check_shape(dw, w.shape(), "linear weight gradient");
+    detail::check_devices("linear_backward", x.device(), dw);
+  }
+  detail::check_devices("linear_backward", x.device(), w, dy);
   if (db) {
     check_shape(*db, Shape{out}, "linear bias gradient");
     detail::check_devices("linear_backward", x.device(), *db);
   }
   auto dy2 = dy.reshape({rows, out});
   auto x2 = x.reshape({rows, in});
-  const bool fused = db && detail::add_fused_bias_grad(*db, [&](T* part) {
+  const bool fused = want_dw && db && detail::add_fused_bias_grad(*db, [&](T* part) {
     return PTRAIN_DISPATCH(x.device(), T, linear_weight_grad_epilogue, rows, out, in, dy.data(), x2.data(), dw.data(),
                            part);
   });
   if (!fused) {
-    matmul_into(dy2, x2, dw, true, false, 1, 1);
+    if (want_dw) {
+      Tensor<T> dw2 = dw;
+      matmul_into(dy2, x2, dw2, true, false, 1, 1);
+    }
     if (db) PTRAIN_DISPATCH(x.device(), T, bias_grad, rows, out, dy.data(), db->data());
   }
   if (!need_dx) return {};
@@ -129,13 +139,15 @@ Tensor<T> linear_backward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T
 /// Backward of y = gelu(pre) W^T + b down to pre, for an MLP's second layer: as
 /// linear_backward with x = h = gelu(pre) for dw and db, then returns dpre =
 /// gelu'(pre) * (dy W) and adds its column sums to db_pre, the bias gradient of
-/// the layer that produced pre. On a GPU in bf16, dpre and db_pre come out of one
-/// GEMM (Note [cuBLASLt epilogues]).
+/// the layer that produced pre (undefined gradients are frozen parameters', as in
+/// linear_backward). On a GPU in bf16, dpre and db_pre come out of one GEMM (Note
+/// [cuBLASLt epilogues]).
 template <class T>
 Tensor<T> linear_gelu_backward(const Tensor<T>& h, const Tensor<T>& pre, const Tensor<T>& w, const Tensor<T>& dy,
-                               Tensor<T>& dw, Tensor<T>* db, Tensor<T>& db_pre) {
+                               const Tensor<T>& dw, const Tensor<T>* db, const Tensor<T>& db_pre_in) {
   check_shape(pre, h.shape(), "GELU input");
   const std::int64_t in = w.size(1), out = w.size(0), rows = rows_of(h, "linear input");
+  auto db_pre = detail::grad_or_scratch(db_pre_in, Shape{in}, pre.device());
   check_shape(db_pre, Shape{in}, "bias gradient before the GELU");
   detail::check_devices("linear_gelu_backward", h.device(), pre, db_pre);
   linear_backward(h, w, dy, dw, db, false);  // checks the rest before anything is written

@@ -29,11 +29,13 @@ Tensor<T> layer_norm(const Tensor<T>& x, const Tensor<T>& gamma, const Tensor<T>
   return y;
 }
 
-/// Returns dx; accumulates dgamma and dbeta.
+/// Returns dx; accumulates dgamma and dbeta (each undefined when its parameter is frozen).
 template <class T>
 Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, const Tensor<acc_t<T>>& rstd,
-                              const Tensor<T>& gamma, const Tensor<T>& dy, Tensor<T>& dgamma, Tensor<T>& dbeta) {
+                              const Tensor<T>& gamma, const Tensor<T>& dy, const Tensor<T>& dgamma_in,
+                              const Tensor<T>& dbeta_in) {
   const std::int64_t rows = rows_of(x, "layer_norm input"), d = x.size(-1);
+  auto dgamma = detail::grad_or_scratch(dgamma_in, {d}, x.device()), dbeta = detail::grad_or_scratch(dbeta_in, {d}, x.device());
   check_shape(dy, x.shape(), "layer_norm output gradient");
   check_shape(mean, {rows}, "layer_norm mean");
   check_shape(rstd, {rows}, "layer_norm rstd");
@@ -87,13 +89,14 @@ Tensor<T> residual_layer_norm(const Tensor<T>& x, const Tensor<T>& residual, con
 
 /// Backward of residual_layer_norm given its h, mean and rstd: returns dh =
 /// layer_norm_backward(dy) + dresidual (the gradient of both x and residual), accumulates
-/// dgamma and dbeta. On the CPU the bits equal layer_norm_backward followed by
+/// dgamma and dbeta (undefined: frozen). On the CPU the bits equal layer_norm_backward followed by
 /// ops::axpy_(1, dresidual, dh); a CUDA device does both in one kernel (gated).
 template <class T>
 Tensor<T> residual_layer_norm_backward(const Tensor<T>& h, const Tensor<acc_t<T>>& mean, const Tensor<acc_t<T>>& rstd,
                                        const Tensor<T>& gamma, const Tensor<T>& dy, const Tensor<T>& dresidual,
-                                       Tensor<T>& dgamma, Tensor<T>& dbeta) {
+                                       const Tensor<T>& dgamma_in, const Tensor<T>& dbeta_in) {
   const std::int64_t rows = rows_of(h, "residual_layer_norm input"), d = h.size(-1);
+  auto dgamma = detail::grad_or_scratch(dgamma_in, {d}, h.device()), dbeta = detail::grad_or_scratch(dbeta_in, {d}, h.device());
   check_shape(dy, h.shape(), "residual_layer_norm output gradient");
   check_shape(dresidual, h.shape(), "residual_layer_norm residual-stream gradient");
   check_shape(mean, {rows}, "residual_layer_norm mean");
@@ -121,11 +124,12 @@ Tensor<T> rms_norm(const Tensor<T>& x, const Tensor<T>& weight, acc_t<T> eps, Te
   return y;
 }
 
-/// Returns dx; accumulates dweight.
+/// Returns dx; accumulates dweight (undefined: frozen).
 template <class T>
 Tensor<T> rms_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& rstd, const Tensor<T>& weight,
-                            const Tensor<T>& dy, Tensor<T>& dweight) {
+                            const Tensor<T>& dy, const Tensor<T>& dweight_in) {
   const std::int64_t rows = rows_of(x, "rms_norm input"), d = x.size(-1);
+  auto dweight = detail::grad_or_scratch(dweight_in, {d}, x.device());
   check_shape(dy, x.shape(), "rms_norm output gradient");
   check_shape(rstd, {rows}, "rms_norm rstd");
   check_shape(weight, {d}, "rms_norm weight");
@@ -157,12 +161,13 @@ Tensor<T> residual_rms_norm(const Tensor<T>& x, const Tensor<T>& residual, const
 }
 
 /// Backward of residual_rms_norm given its h and rstd: returns dh = rms_norm_backward(dy) +
-/// dresidual (the gradient of both x and residual), accumulates dweight. On the CPU the
-/// bits equal rms_norm_backward followed by ops::axpy_(1, dresidual, dh).
+/// dresidual (the gradient of both x and residual), accumulates dweight (undefined: frozen).
+/// On the CPU the bits equal rms_norm_backward followed by ops::axpy_(1, dresidual, dh).
 template <class T>
 Tensor<T> residual_rms_norm_backward(const Tensor<T>& h, const Tensor<acc_t<T>>& rstd, const Tensor<T>& weight,
-                                     const Tensor<T>& dy, const Tensor<T>& dresidual, Tensor<T>& dweight) {
+                                     const Tensor<T>& dy, const Tensor<T>& dresidual, const Tensor<T>& dweight_in) {
   const std::int64_t rows = rows_of(h, "residual_rms_norm input"), d = h.size(-1);
+  auto dweight = detail::grad_or_scratch(dweight_in, {d}, h.device());
   check_shape(dy, h.shape(), "residual_rms_norm output gradient");
   check_shape(dresidual, h.shape(), "residual_rms_norm residual-stream gradient");
   check_shape(rstd, {rows}, "residual_rms_norm rstd");

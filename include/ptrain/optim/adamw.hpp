@@ -54,7 +54,7 @@ class AdamW : public Optimizer<T> {
  public:
   AdamW(nn::FlatParameters<T>& params, AdamWOptions opt, DecayFilter decay = {})
       : AdamW(params.values(), params.grads(), params.entries(), opt, std::move(decay)) {
-    this->bound_ = true;
+    this->bind(params);
   }
   AdamW(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, AdamWOptions opt,
         DecayFilter decay = {})

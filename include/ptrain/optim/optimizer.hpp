@@ -24,10 +24,11 @@ using DecayFilter = std::function<bool(const std::string& param_name)>;
 template <class T>
 class Optimizer {
  public:
-  /// Optimizes the parameters packed in `params` (which must outlive the optimizer).
+  /// Optimizes the trainable parameters packed in `params` (which must outlive the
+  /// optimizer); frozen ones get no state (Note [Frozen parameters] in nn/flat_parameters.hpp).
   explicit Optimizer(nn::FlatParameters<T>& params, double lr, DecayFilter decay = {})
       : Optimizer(params.values(), params.grads(), params.entries(), lr, std::move(decay)) {
-    bound_ = true;
+    bind(params);
   }
 
   /// Optimizes a flat range given explicitly (FSDP passes its local shard).
@@ -84,7 +85,13 @@ class Optimizer {
 
   /// Called first by step(): the parameters must still be views into the flat buffers.
   void check_bound() const {
-    if (bound_) nn::check_bound(entries_, values_, grads_);
+    if (bound_) nn::check_bound(entries_, values_, grads_, frozen_entries_, frozen_values_);
+  }
+  /// Built on FlatParameters: step() checks that its parameters, frozen ones too, are still its views.
+  void bind(nn::FlatParameters<T>& params) {
+    bound_ = true;
+    frozen_entries_ = params.frozen_entries();
+    frozen_values_ = params.frozen_values();
   }
 
   struct Range {
@@ -102,6 +109,8 @@ class Optimizer {
   double lr_;
   std::int64_t steps_ = 0;
   bool bound_ = false;  // built on FlatParameters: entries_ are views into values_/grads_ (check_bound)
+  std::vector<nn::FlatEntry<T>> frozen_entries_;  // and these into frozen_values_
+  Tensor<T> frozen_values_;
 
  private:
   // Padding after an entry belongs to that entry; the first range starts at 0

@@ -22,7 +22,7 @@ class SGD : public Optimizer<T> {
  public:
   SGD(nn::FlatParameters<T>& params, SGDOptions opt, DecayFilter decay = {})
       : SGD(params.values(), params.grads(), params.entries(), opt, std::move(decay)) {
-    this->bound_ = true;
+    this->bind(params);
   }
   SGD(Tensor<T> values, Tensor<T> grads, std::vector<nn::FlatEntry<T>> entries, SGDOptions opt,
       DecayFilter decay = {})

@@ -126,7 +126,7 @@ inline GradcheckResult check_gradients(nn::Module<double>& m, const Tensor<doubl
     }
   };
   if (options.check_input) check(x, dx, "input");
-  for (auto& p : m.named_parameters()) check(p.param->value, p.param->grad, p.name);
+  for (auto& p : m.named_trainable_parameters()) check(p.param->value, p.param->grad, p.name);
   result.ok = result.failed == 0;
   return result;
 }

@@ -31,6 +31,23 @@ struct TmpDir {
   ~TmpDir() { fs::remove_all(path); }
 };
 
+void train_steps(nn::Module<float>& model, nn::FlatParameters<float>& params, optim::Optimizer<float>& opt,
+                 int steps) {
+  Generator data(99);
+  for (int s = 0; s < steps; ++s) {
+    auto x = Tensor<float>::empty({5, 4});
+    for (std::int64_t i = 0; i < x.numel(); ++i) x.data()[i] = static_cast<float>(data.uniform() - 0.5);
+    auto y = Tensor<std::int32_t>::empty({5});
+    for (std::int64_t i = 0; i < 5; ++i) y.data()[i] = static_cast<std::int32_t>(data.below(3));
+    nn::CrossEntropyLoss<float> ce;
+    nn::Cache<float> c, lc;
+    params.zero_grad();
+    ce.forward(model.forward(x, c), y, lc);
+    model.backward(ce.backward(lc), c);
+    opt.step();
+  }
+}
+
 // A model, its flat parameters and AdamW, trained a few steps so the state is not zero.
 struct Run {
   Generator gen;
@@ -39,21 +56,7 @@ struct Run {
   optim::AdamW<float> opt;
   explicit Run(std::uint64_t seed, std::int64_t hidden = 8)
       : gen(seed), model(4, {hidden}, 3, nn::Activation::ReLU, gen), params(model), opt(params, {.lr = 0.01}) {}
-  void train(int steps) {
-    Generator data(99);
-    for (int s = 0; s < steps; ++s) {
-      auto x = Tensor<float>::empty({5, 4});
-      for (std::int64_t i = 0; i < x.numel(); ++i) x.data()[i] = static_cast<float>(data.uniform() - 0.5);
-      auto y = Tensor<std::int32_t>::empty({5});
-      for (std::int64_t i = 0; i < 5; ++i) y.data()[i] = static_cast<std::int32_t>(data.below(3));
-      nn::CrossEntropyLoss<float> ce;
-      nn::Cache<float> c, lc;
-      params.zero_grad();
-      ce.forward(model.forward(x, c), y, lc);
-      model.backward(ce.backward(lc), c);
-      opt.step();
-    }
-  }
+  void train(int steps) { train_steps(model, params, opt, steps); }
 };
 
 std::vector<float> flat(const Tensor<float>& t) { return t.to_vector(); }
@@ -141,6 +144,50 @@ TEST_CASE("checkpoint round trip restores parameters, optimizer state and traine
   CHECK(r.contains("0.weight"));
   CHECK(r.contains("2.bias"));
   CHECK(r.metadata().at("format") == "pt");
+}
+
+TEST_CASE("frozen parameters are saved and loaded by name, without optimizer state; a resume is exact",
+          "[ckpt][frozen]") {
+  // The first layer frozen (a fine-tuning run's base), the second trains.
+  struct Frozen {
+    Generator gen;
+    nn::MLP<float> model;
+    std::unique_ptr<nn::FlatParameters<float>> params;
+    std::unique_ptr<optim::AdamW<float>> opt;
+    explicit Frozen(std::uint64_t seed) : gen(seed), model(4, {8}, 3, nn::Activation::ReLU, gen) {
+      model[0].requires_grad_(false);
+      params = std::make_unique<nn::FlatParameters<float>>(model);
+      opt = std::make_unique<optim::AdamW<float>>(*params, optim::AdamWOptions{.lr = 0.01});
+    }
+    std::vector<float> all() {
+      std::vector<float> v;
+      for (auto& p : model.named_parameters())
+        for (float x : p.param->value.to_vector()) v.push_back(x);
+      return v;
+    }
+  };
+  TmpDir d;
+  Frozen a(1);
+  const auto base = a.model[0].named_parameters()[0].param->value.to_vector();
+  train_steps(a.model, *a.params, *a.opt, 3);
+  CHECK(a.model[0].named_parameters()[0].param->value.to_vector() == base);
+  ckpt::CheckpointManager mgr(d.path);
+  mgr.save(3, *a.params, a.opt.get(), {});
+  const fs::path p = d.path / "step-00000003";
+  ckpt::SafetensorsReader model_file((p / "model.safetensors").string()), opt_file((p / "optimizer.safetensors").string());
+  for (const char* n : {"0.weight", "0.bias", "2.weight", "2.bias"}) CHECK(model_file.contains(n));
+  CHECK(opt_file.contains("2.weight.exp_avg"));
+  CHECK_FALSE(opt_file.contains("0.weight.exp_avg"));
+  CHECK_FALSE(opt_file.contains("0.bias.exp_avg_sq"));
+
+  Frozen b(2);  // other values, the frozen layer's too
+  REQUIRE(b.all() != a.all());
+  mgr.load(p, *b.params, b.opt.get());
+  CHECK(b.all() == a.all());
+  CHECK(state_of(*b.opt) == state_of(*a.opt));
+  train_steps(a.model, *a.params, *a.opt, 2);
+  train_steps(b.model, *b.params, *b.opt, 2);
+  CHECK(b.all() == a.all());
 }
 
 TEST_CASE("keep_last deletes older checkpoints", "[ckpt]") {

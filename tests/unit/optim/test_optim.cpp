@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <ptrain/nn/linear.hpp>
+#include <ptrain/nn/sequential.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/optim/clip.hpp>
 #include <ptrain/optim/schedule.hpp>
@@ -220,6 +221,74 @@ TEST_CASE("AdamW on bf16 parameters rounds the master copy stochastically", "[op
   Model<float> c(1.0);
   CHECK_THROWS_WITH(optim::AdamW<float>(c.flat, {.stochastic_rounding = true}),
                     Catch::Contains("stochastic_rounding rounds bf16"));
+}
+
+namespace {
+// Two linears, the first frozen; gradients of the second from random_uniform.
+template <class T>
+struct HalfFrozen {
+  Generator gen{22};
+  nn::Sequential<T> model;
+  std::unique_ptr<nn::FlatParameters<T>> flat;
+  HalfFrozen() {
+    model.add(std::make_shared<nn::Linear<T>>(6, 5, true, gen))->requires_grad_(false);
+    model.add(std::make_shared<nn::Linear<T>>(5, 3, true, gen));
+    flat = std::make_unique<nn::FlatParameters<T>>(model);
+    auto& g = flat->grads();
+    std::vector<T> v(static_cast<std::size_t>(g.numel()), T(0.0f));  // the padding stays zero, as in training
+    for (const auto& e : flat->entries())
+      for (std::int64_t i = e.offset; i < e.offset + e.numel(); ++i)
+        v[static_cast<std::size_t>(i)] = T(static_cast<float>(3 * (2 * random_uniform(6, static_cast<std::uint64_t>(i)) - 1)));
+    g.copy_(Tensor<T>::from(v, g.shape()));
+  }
+};
+
+template <class T>
+void check_adamw_skips_frozen(double tol) {
+  HalfFrozen<T> m;
+  const auto p0 = m.flat->values().to_vector(), g0 = m.flat->grads().to_vector();
+  const auto as_float = [](const Tensor<T>& t) {
+    std::vector<float> v;
+    for (auto x : t.to_vector()) v.push_back(static_cast<float>(x));
+    return v;
+  };
+  const auto frozen0 = as_float(m.flat->frozen_values());
+  std::vector<std::string> asked;
+  optim::AdamW<T> opt(*m.flat, {.lr = 0.05, .weight_decay = 0.1, .max_grad_norm = 0.5}, [&](const std::string& n) {
+    asked.push_back(n);
+    return n.find("bias") == std::string::npos;
+  });
+  CHECK(asked == std::vector<std::string>{"1.weight", "1.bias"});  // the decay filter sees trainable names only
+  // State (and for bf16 the fp32 master copy) covers values(): 15 + 3 elements padded to 32, not the frozen 36.
+  CHECK(m.flat->values().numel() == 32);
+  CHECK(opt.flat_state().size() == (std::is_same_v<T, bf16> ? 3u : 2u));
+  for (const auto& [kind, t] : opt.flat_state()) CHECK(t.numel() == 32);
+  for (const auto& [name, t] : opt.state_tensors()) CHECK(name.rfind("1.", 0) == 0);
+  opt.step();
+  std::vector<bool> decay(p0.size(), true);
+  for (const auto& e : m.flat->entries())
+    if (e.name == "1.bias")
+      for (std::int64_t i = 0; i < e.numel(); ++i) decay[static_cast<std::size_t>(e.offset + i)] = false;
+  std::vector<double> pd, gd;
+  for (auto x : p0) pd.push_back(static_cast<double>(static_cast<float>(x)));
+  for (auto x : g0) gd.push_back(static_cast<double>(static_cast<float>(x)));
+  const auto want = naive_adamw(pd, gd, decay, 0.05, 0.1, 0.5);  // the clip's norm is the trainable gradients'
+  const auto got = m.flat->values().to_vector();
+  for (std::size_t i = 0; i < want.size(); ++i) CHECK(static_cast<float>(got[i]) == Approx(want[i]).margin(tol));
+  CHECK(as_float(m.flat->frozen_values()) == frozen0);
+}
+}  // namespace
+
+TEST_CASE("AdamW on FlatParameters with frozen parameters: state, decay, clipping and bf16 masters for the "
+          "trainable ones only", "[optim][adamw][frozen]") {
+  check_adamw_skips_frozen<float>(1e-6);
+  check_adamw_skips_frozen<bf16>(1e-2);  // the bf16 value of the fp32 master
+  // clip_grad_norm_ over grads() is the norm of the trainable gradients.
+  HalfFrozen<double> m;
+  double sq = 0;
+  for (auto& p : m.model.named_trainable_parameters())
+    for (double x : p.param->grad.to_vector()) sq += x * x;
+  CHECK(optim::clip_grad_norm_(m.flat->grads(), 1e9) == Approx(std::sqrt(sq)).epsilon(1e-14));
 }
 
 TEST_CASE("warmup + cosine schedule", "[optim][schedule]") {
