@@ -611,6 +611,10 @@ TEST_CASE("FSDP with frozen parameters holds the bytes of the formula under ever
     if (s == ShardingStrategy::ShardGradOp) formula = 4 * (P + F) + 16 * P / ns;
     if (s == ShardingStrategy::ShardOptimizer) formula = 8 * P + 4 * F + 16 * P / ns;
     if (s == ShardingStrategy::NoShard) formula = 16 * P + 4 * F;
+    if (comm.rank() == 0)
+      std::printf("FSDP with frozen parameters, %d ranks, %-16s P %lld F %lld: %lld bytes per rank\n", comm.size(),
+                  parallel::strategy_name(s), static_cast<long long>(P), static_cast<long long>(F),
+                  static_cast<long long>(bytes));
     INFO(parallel::strategy_name(s) << ": P " << P << ", F " << F << ", " << bytes << " bytes, after a step "
                                     << after_step << ", formula " << formula);
     CHECK(F > 0);

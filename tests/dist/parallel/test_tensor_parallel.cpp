@@ -307,10 +307,10 @@ void check_frozen_tp(dist::Communicator& comm, const parallel::TensorParallelPla
     const auto [ref_loss, ref_norm] = step<T>(ref_e, ref_opt, batch);
     const auto [loss, norm] = step<T>(e, opt, batch);
     CHECK(loss == Approx(ref_loss).epsilon(tol));
-    CHECK(norm == Approx(ref_norm).epsilon(tol));
-    CHECK(norm > kClip);
+    CHECK(norm == Approx(ref_norm).epsilon(tol));  // over the trainable gradients, each once
   }
-  CHECK(max_rel_error(e, ref) < tol);
+  // With pp 2, stage 0 (the embeddings and block 0) holds frozen parameters only.
+  if (!e.parameters().entries().empty()) CHECK(max_rel_error(e, ref) < tol);
   for (std::size_t i = 0; i < frozen.size(); ++i)
     CHECK(parallel::detail::gather_full(frozen[i].param->value, e.frozen_spec(i), e.group()).to_vector() ==
           frozen_before[frozen[i].name]);
