@@ -33,8 +33,8 @@ ShardedState fsdp_state(parallel::FSDP<T>& fsdp, std::type_identity_t<optim::Opt
     for (const auto& b : fsdp.parameters().buffers()) s.model.push_back(whole(b.name, *b.buffer));
   if (!fsdp.writes_checkpoint()) return s;
   for (const auto& p : fsdp.shard_pieces()) {
-    s.model.push_back(piece(p.name, p.shape, p.param_offset, fsdp.parameters().values().view(p.local_offset, {p.numel})));
-    if (opt)
+    s.model.push_back(piece(p.name, p.shape, p.param_offset, fsdp.piece_values(p)));
+    if (opt && !p.frozen)  // a frozen parameter has no optimizer state
       for (const auto& [kind, buf] : opt->flat_state())
         s.optimizer.push_back(piece(p.name + "." + kind, p.shape, p.param_offset, buf.view(p.local_offset, {p.numel})));
   }
@@ -58,17 +58,25 @@ TrainerState load_fsdp(const fs::path& path, parallel::FSDP<T>& fsdp,
                  "' is not a parameter or buffer of the model; the checkpoint is from a different model");
   // Everything is checked before the first copy, so a mismatch leaves the model
   // untouched. Optimizer state is acc_t<T> (F32 beside bf16 parameters).
+  std::set<std::string> trainable;
+  for (const auto& p : fsdp.shard_pieces())
+    if (!p.frozen) trainable.insert(p.name);
   for (const auto& [name, shape] : fsdp.parameter_shapes()) {
     c.check(name, shape, dtype_of<T>());
-    if (opt)
+    if (opt && trainable.count(name))
       for (const auto& entry : opt->flat_state()) c.check(name + "." + entry.first, shape, dtype_of<acc_t<T>>());
   }
   for (const auto& b : fsdp.parameters().buffers()) c.check_matches(b.name, *b.buffer);
   for (const auto& b : fsdp.parameters().buffers()) c.read_into(b.name, *b.buffer);
+  // Frozen parameters (Note [Frozen parameters under FSDP]): whole where the strategy keeps
+  // full parameters, else this rank's pieces; they have no optimizer state.
+  auto whole_frozen = fsdp.whole_frozen();
+  for (auto& [name, value] : whole_frozen) c.read_into(name, value);
   for (const auto& p : fsdp.shard_pieces()) {
-    auto values = fsdp.parameters().values().view(p.local_offset, {p.numel});
+    if (p.frozen && !whole_frozen.empty()) continue;
+    auto values = fsdp.piece_values(p);
     c.read_range(p.name, p.param_offset, values);
-    if (opt)
+    if (opt && !p.frozen)
       for (const auto& [kind, buf] : opt->flat_state()) {
         auto state = buf.view(p.local_offset, {p.numel});
         c.read_range(p.name + "." + kind, p.param_offset, state);

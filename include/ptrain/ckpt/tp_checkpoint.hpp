@@ -48,6 +48,10 @@ TensorParallelSnapshot tp_state(parallel::TensorParallel<T>& engine, std::type_i
         add(snap.state.optimizer, e.name + "." + kind,
             parallel::detail::gather_full(buf.view(e.offset, e.shape), engine.spec(i), engine.group()));
   }
+  const auto& frozen = params.frozen_entries();  // no optimizer state
+  for (std::size_t i = 0; i < frozen.size(); ++i)
+    add(snap.state.model, frozen[i].name,
+        parallel::detail::gather_full(frozen[i].param->value, engine.frozen_spec(i), engine.group()));
   if (writer)
     for (const auto& b : params.buffers()) snap.state.model.push_back(whole(b.name, *b.buffer));
   return snap;
@@ -62,8 +66,10 @@ TrainerState load_tp(const fs::path& path, parallel::TensorParallel<T>& engine,
   Checkpoint c(path);
   auto& params = engine.parameters();
   const auto& entries = params.entries();
+  const auto& frozen = params.frozen_entries();
   std::set<std::string> names;
   for (const auto& e : entries) names.insert(e.name);
+  for (const auto& e : frozen) names.insert(e.name);
   for (const auto& b : params.buffers()) names.insert(b.name);
   // With pp > 1 the checkpoint also holds the other stages' tensors.
   for (const auto& n : c.tensor_names("model"))
@@ -76,14 +82,20 @@ TrainerState load_tp(const fs::path& path, parallel::TensorParallel<T>& engine,
       for (const auto& entry : opt->flat_state())
         c.check(entries[i].name + "." + entry.first, engine.full_shape(i), dtype_of<acc_t<T>>());
   }
+  for (std::size_t i = 0; i < frozen.size(); ++i) c.check(frozen[i].name, engine.frozen_full_shape(i), dtype_of<T>());
   for (const auto& b : params.buffers()) c.check_matches(b.name, *b.buffer);
   const int t = engine.group().rank(), tp = engine.group().size();
-  auto read_shard = [&](const std::string& name, std::size_t i, auto dst) {
+  auto read = [&](const std::string& name, const Shape& shape, const parallel::ShardSpec& spec, auto dst) {
     using E = typename decltype(dst)::value_type;
-    auto full = Tensor<E>::empty(engine.full_shape(i));
+    auto full = Tensor<E>::empty(shape);
     c.read_into(name, full);
-    dst.copy_(parallel::detail::shard_of(full, engine.spec(i), t, tp));
+    dst.copy_(parallel::detail::shard_of(full, spec, t, tp));
   };
+  auto read_shard = [&](const std::string& name, std::size_t i, auto dst) {
+    read(name, engine.full_shape(i), engine.spec(i), dst);
+  };
+  for (std::size_t i = 0; i < frozen.size(); ++i)
+    read(frozen[i].name, engine.frozen_full_shape(i), engine.frozen_spec(i), frozen[i].param->value);
   for (std::size_t i = 0; i < entries.size(); ++i) {
     read_shard(entries[i].name, i, entries[i].param->value);
     if (opt)

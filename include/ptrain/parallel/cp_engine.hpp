@@ -277,7 +277,7 @@ class ContextParallel : public Engine<T> {
   void finish_gradient_sync() override {
     if (!pending_) return;
     pending_ = false;
-    if (world_.size() > 1) {
+    if (world_.size() > 1 && params_->numel() > 0) {  // trainable gradients only
       dist::CollectiveLabel label("cp.gradients");
       world_.all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
@@ -322,7 +322,10 @@ class ContextParallel : public Engine<T> {
       model_->add(names[u], unit);
     }
     params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
-    if (world_.size() > 1) world_.broadcast(params_->values(), 0);  // rank 0's values, as DDP
+    if (world_.size() > 1) {  // rank 0's values, frozen ones too, as DDP
+      if (params_->numel() > 0) world_.broadcast(params_->values(), 0);
+      if (params_->frozen_values().numel() > 0) world_.broadcast(params_->frozen_values(), 0);
+    }
   }
 
   double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale, bool training) override {

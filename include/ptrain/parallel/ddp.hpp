@@ -37,6 +37,13 @@
 // buffer, in a fixed order; with a deterministic backend (MPI, Gloo, NCCL for a
 // fixed size and world) the same run gives bitwise-equal parameters.
 //
+// Note [Frozen parameters under DDP]
+// Frozen parameters (Parameter::requires_grad false) sit in FlatParameters'
+// frozen_values(), outside the gradient buffer: buckets, hooks, the all-reduce
+// and clip_grad_norm_() cover the trainable parameters only, and a frozen
+// parameter keeps no gradient. The initial broadcast sends the frozen values
+// too, so every replica starts, and stays, equal. docs/finetuning.md counts the memory.
+//
 // With DDPOptions::expert_parallel = ep > 1 the MoE layers' experts are split over
 // groups of ep ranks (Note [Expert-parallel layout] in expert_parallel.hpp): buckets
 // never mix dense and expert parameters; an expert bucket is averaged over the ranks
@@ -187,17 +194,13 @@ class DDP : public nn::Module<T>, public Engine<T> {
       std::vector<nn::Parameter<T>*> mine;
       for (auto* moe : moe_layers(module_))
         for (auto& p : moe->experts().named_parameters()) mine.push_back(p.param);
-      for (const auto& e : params_.entries())
-        expert_.push_back(std::find(mine.begin(), mine.end(), e.param) != mine.end());
+      auto is_mine = [&](const nn::FlatEntry<T>& e) { return std::find(mine.begin(), mine.end(), e.param) != mine.end(); };
+      for (const auto& e : params_.entries()) expert_.push_back(is_mine(e));
+      for (const auto& e : params_.frozen_entries()) frozen_expert_.push_back(is_mine(e));
     }
     verify_same_parameters();
     build_buckets();
-    if (opt_.broadcast_parameters && comm_.size() > 1 && !experts_) comm_.broadcast(params_.values(), 0);
-    if (opt_.broadcast_parameters && experts_)  // each bucket from rank 0 of its group
-      for (auto& b : buckets_) {
-        Tensor<T> v = params_.values().view(b.begin, {b.end - b.begin});
-        if (group(b).size() > 1) group(b).broadcast(v, 0);
-      }
+    if (opt_.broadcast_parameters) broadcast_values();
     install_hooks();
     detail::attach_replica_sum(module_, &comm_);
     buffers_ = module_.named_buffers();
@@ -216,6 +219,27 @@ class DDP : public nn::Module<T>, public Engine<T> {
   double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
              bool training) override {
     return this->run_module(*this, in, targets, grad_scale, training);
+  }
+
+  // DDPOptions::broadcast_parameters: rank 0's values to every rank, the frozen ones too
+  // (Note [Frozen parameters] in nn/flat_parameters.hpp), so every replica starts equal.
+  // With expert parallelism each bucket (and frozen tensor) comes from rank 0 of its group.
+  void broadcast_values() {
+    if (!experts_) {
+      if (comm_.size() < 2) return;
+      if (params_.values().numel() > 0) comm_.broadcast(params_.values(), 0);
+      if (params_.frozen_values().numel() > 0) comm_.broadcast(params_.frozen_values(), 0);
+      return;
+    }
+    for (auto& b : buckets_) {
+      Tensor<T> v = params_.values().view(b.begin, {b.end - b.begin});
+      if (group(b).size() > 1) group(b).broadcast(v, 0);
+    }
+    const auto& frozen = params_.frozen_entries();
+    for (std::size_t i = 0; i < frozen.size(); ++i) {
+      dist::Communicator& c = frozen_expert_[i] ? experts_->expert_data_group() : comm_;
+      if (c.size() > 1) c.broadcast(frozen[i].param->value, 0);
+    }
   }
 
   // DDPOptions::broadcast_buffers: rank 0's buffers, packed into one tensor, to every rank.
@@ -246,6 +270,10 @@ class DDP : public nn::Module<T>, public Engine<T> {
     for (std::size_t i = 0; i < entries.size(); ++i)
       (is_expert(i) ? experts : dense)
           .push_back(entries[i].name + " " + entries[i].shape.str() + " " + dtype_name(dtype_of<T>()));
+    const auto& frozen = params_.frozen_entries();
+    for (std::size_t i = 0; i < frozen.size(); ++i)
+      (experts_ && frozen_expert_[i] ? experts : dense)
+          .push_back(frozen[i].name + " " + frozen[i].shape.str() + " " + dtype_name(dtype_of<T>()) + " frozen");
     if (!experts_) {
       check_same_model(comm_, dense);
       return;
@@ -267,12 +295,14 @@ class DDP : public nn::Module<T>, public Engine<T> {
   }
   dist::Communicator& group(const Bucket& b) { return b.expert ? experts_->expert_data_group() : comm_; }
 
-  // Note [Bucketing]: walk the entries from the last, cut when a bucket is full.
+  // Note [Bucketing]: walk the entries from the last, cut when a bucket is full. Only
+  // trainable parameters have entries (and gradients); a wholly frozen model has no bucket.
   void build_buckets() {
     const auto& entries = params_.entries();
     const std::int64_t n = params_.numel();
     const std::int64_t elem = static_cast<std::int64_t>(sizeof(T));
     entry_bucket_.assign(entries.size(), 0);
+    if (entries.empty()) return;
     std::int64_t end = n;
     Bucket cur;
     cur.end = n;
@@ -382,6 +412,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
   std::vector<Bucket> buckets_;
   std::vector<int> entry_bucket_;
   std::vector<char> expert_;  // per entry, with expert parallelism
+  std::vector<char> frozen_expert_;  // per frozen entry, with expert parallelism
   std::vector<char> announced_;
   std::vector<BucketEvent> events_;
   std::size_t next_launch_ = 0;

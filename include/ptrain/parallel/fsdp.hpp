@@ -57,6 +57,20 @@
 // embedding's weight): such a factory is refused. ShardGradOp, ShardOptimizer
 // and NoShard keep the full parameters anyway: their units are built first.
 //
+// Note [Frozen parameters under FSDP]
+// A group's frozen parameters (Parameter::requires_grad false; Note [Frozen
+// parameters] in nn/flat_parameters.hpp) form a second flat buffer beside its
+// trainable one, padded and sharded the same way: rank r keeps elements
+// [r F, (r + 1) F) of it in frozen_values(), outside parameters(), so the
+// optimizer never sees them. They are gathered with the trainable ones for
+// forward and backward (a second all-gather) and released with them, but have no
+// gradient: no gradient buffer, no reduce-scatter, no optimizer state. A group
+// whose parameters are all frozen has no reduction at all. The strategies that
+// keep full parameters (ShardGradOp, ShardOptimizer, NoShard) keep the frozen
+// ones whole and no frozen shard besides: frozen_values() is then the whole
+// frozen buffer. Freeze parameters before wrapping the units. The bytes per rank
+// are in docs/finetuning.md.
+//
 // Note [Accumulation]
 // With sharded gradients (FullShard, ShardGradOp, Hybrid) every backward
 // reduce-scatters into the local shard, which accumulates across backward
@@ -105,6 +119,8 @@ struct ShardPiece {
   std::string name;
   Shape shape;
   std::int64_t param_offset, local_offset, numel;
+  /// A frozen parameter's piece: local_offset indexes FSDP::frozen_values(), not parameters().values().
+  bool frozen = false;
 };
 
 struct FSDPOptions {
@@ -226,10 +242,9 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       auto& grp = groups_[g];
       if (reshard_) {
-        if (grp.gather_work) grp.gather_work->wait(shard_comm_->timeout());
-        grp.gather_work.reset();
+        wait_works(grp);
         if (grp.full.defined()) release(static_cast<int>(g));
-      } else if (shard_size_ > 1) {
+      } else if (shard_size_ > 1 && grp.shard > 0) {
         shard_comm_->all_gather(local_values_.data() + grp.local_offset, grp.full.data(),
                                 static_cast<std::size_t>(grp.shard), dtype_of<T>());
       }
@@ -243,13 +258,33 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     if (full_grads_.defined()) full_grads_.zero_();
   }
 
-  /// The pieces of parameters in parameters() with their place in the whole parameters (for checkpoints).
+  /// The pieces of parameters in parameters() with their place in the whole parameters (for
+  /// checkpoints), then those of frozen parameters in frozen_values() (ShardPiece::frozen).
   const std::vector<ShardPiece>& shard_pieces() const { return shard_pieces_; }
-  /// Name and shape of every parameter, in group order.
+  /// The local part of the frozen parameters (Note [Frozen parameters under FSDP]): this
+  /// rank's shard of them, or all of them where the strategy keeps full parameters.
+  Tensor<T>& frozen_values() { return local_frozen_; }
+  /// The buffer a piece lies in: parameters().values() or, for a frozen piece, frozen_values().
+  Tensor<T> piece_values(const ShardPiece& p) {
+    return (p.frozen ? local_frozen_ : local_values_).view(p.local_offset, {p.numel});
+  }
+  /// Where the strategy keeps full parameters (ShardGradOp, ShardOptimizer, NoShard): every
+  /// frozen parameter whole, by name, as views of frozen_values(), which a checkpoint loads
+  /// whole; empty under FullShard and Hybrid, whose frozen pieces are loaded instead.
+  std::vector<std::pair<std::string, Tensor<T>>> whole_frozen() {
+    std::vector<std::pair<std::string, Tensor<T>>> out;
+    if (reshard_) return out;
+    for (auto& grp : groups_)
+      for (auto& e : grp.frozen_entries) out.emplace_back(e.name, grp.full_frozen.view(e.offset, e.shape));
+    return out;
+  }
+  /// Name and shape of every parameter, trainable and frozen, in group order.
   std::vector<std::pair<std::string, Shape>> parameter_shapes() const {
     std::vector<std::pair<std::string, Shape>> out;
-    for (const auto& grp : groups_)
+    for (const auto& grp : groups_) {
       for (const auto& e : grp.entries) out.emplace_back(e.name, e.shape);
+      for (const auto& e : grp.frozen_entries) out.emplace_back(e.name, e.shape);
+    }
     return out;
   }
   /// Whether this rank's shard goes into sharded checkpoints: replicas (Hybrid,
@@ -262,12 +297,15 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     std::vector<std::pair<std::string, Tensor<T>>> out;
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       auto& grp = groups_[g];
-      Tensor<T> full =
-          grp.full.defined() && !grp.gather_work ? grp.full : Tensor<T>::empty({grp.padded}, local_values_.device());
-      if (!(grp.full.defined() && !grp.gather_work))
-        shard_comm_->all_gather(local_values_.data() + grp.local_offset, full.data(),
-                                static_cast<std::size_t>(grp.shard), dtype_of<T>());
+      const bool gathered = grp.full.defined() && !grp.gather_work && !grp.frozen_gather_work;
+      Tensor<T> full = gathered ? grp.full : Tensor<T>::empty({grp.padded}, local_values_.device());
+      Tensor<T> frozen = gathered ? grp.full_frozen : Tensor<T>::empty({grp.frozen_padded}, local_values_.device());
+      if (!gathered) {
+        gather(local_values_, grp.local_offset, full, grp.shard);
+        gather(local_frozen_, grp.frozen_local_offset, frozen, grp.frozen_shard);
+      }
       for (auto& e : grp.entries) out.emplace_back(e.name, full.view(e.offset, e.shape).clone());
+      for (auto& e : grp.frozen_entries) out.emplace_back(e.name, frozen.view(e.offset, e.shape).clone());
     }
     return out;
   }
@@ -279,6 +317,8 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   /// Elements of group g: unpadded, padded, and per shard.
   std::int64_t group_numel(std::size_t g) const { return groups_.at(g).numel; }
   std::int64_t group_padded(std::size_t g) const { return groups_.at(g).padded; }
+  /// Frozen elements of group g, padded (Note [Frozen parameters under FSDP]).
+  std::int64_t group_frozen_padded(std::size_t g) const { return groups_.at(g).frozen_padded; }
   int shard_size() const { return shard_size_; }
   const std::vector<FSDPEvent>& events() const { return events_; }
   void clear_events() { events_.clear(); }
@@ -328,15 +368,21 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   }
 
   struct Group {
-    std::vector<nn::Parameter<T>*> params;
-    std::vector<nn::FlatEntry<T>> entries;  // offsets inside the group's flat buffer
+    std::vector<nn::Parameter<T>*> params;  // every parameter, trainable and frozen
+    std::vector<nn::FlatEntry<T>> entries;  // trainable: offsets inside the group's flat buffer
     std::int64_t numel = 0, padded = 0, shard = 0;
     std::int64_t local_offset = 0;  // of this rank's shard in local_values_
     std::int64_t full_offset = 0;   // of the group in full_values_/full_grads_ (kept buffers)
+    // Frozen parameters (Note [Frozen parameters under FSDP]): the same, in their own flat
+    // buffer; offsets into local_frozen_ (resharding) or full_frozen_ (kept).
+    std::vector<nn::FlatEntry<T>> frozen_entries;
+    std::int64_t frozen_numel = 0, frozen_padded = 0, frozen_shard = 0;
+    std::int64_t frozen_local_offset = 0, frozen_full_offset = 0;
     int first_unit = 0, last_unit = 0;
-    Tensor<T> full;       // gathered values (always, when not resharding)
-    Tensor<T> full_grad;  // gradients during backward (views of full_grads_ when kept)
-    std::shared_ptr<dist::Work> gather_work;
+    Tensor<T> full;         // gathered values (always, when not resharding)
+    Tensor<T> full_frozen;  // gathered frozen values
+    Tensor<T> full_grad;    // gradients during backward (views of full_grads_ when kept)
+    std::shared_ptr<dist::Work> gather_work, frozen_gather_work;
   };
   // A group's gradient reduction in flight: a reduce-scatter over the shard
   // group, then (Hybrid, NoShard) an all-reduce over the replicas. Both stages
@@ -429,9 +475,11 @@ class FSDP : public nn::Module<T>, public Engine<T> {
 
   static void add_entries(Group& grp, const std::vector<nn::NamedParameter<T>>& owned) {
     for (auto& p : owned) {
-      grp.entries.push_back({p.name, grp.numel, p.param->value.shape(), p.param});
+      const bool trains = p.param->requires_grad;
+      std::int64_t& end = trains ? grp.numel : grp.frozen_numel;
+      (trains ? grp.entries : grp.frozen_entries).push_back({p.name, end, p.param->value.shape(), p.param});
       grp.params.push_back(p.param);
-      grp.numel += p.param->value.numel();
+      end += p.param->value.numel();
     }
   }
 
@@ -459,31 +507,47 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     grp.shard = grp.padded / shard_size_;
     grp.local_offset = local_total();
     grp.full_offset = full_total();
+    grp.frozen_padded = (grp.frozen_numel + shard_size_ - 1) / shard_size_ * shard_size_;
+    grp.frozen_shard = grp.frozen_padded / shard_size_;
+    grp.frozen_local_offset = groups_.empty() ? 0 : groups_.back().frozen_local_offset + groups_.back().frozen_shard;
+    grp.frozen_full_offset = frozen_full_total();
   }
   // Elements of the groups in groups_: the local buffers' and the full buffers' sizes.
   std::int64_t local_total() const { return groups_.empty() ? 0 : groups_.back().local_offset + groups_.back().shard; }
   std::int64_t full_total() const { return groups_.empty() ? 0 : groups_.back().full_offset + groups_.back().padded; }
+  std::int64_t frozen_local_total() const {
+    return groups_.empty() ? 0 : groups_.back().frozen_local_offset + groups_.back().frozen_shard;
+  }
+  std::int64_t frozen_full_total() const {
+    return groups_.empty() ? 0 : groups_.back().frozen_full_offset + groups_.back().frozen_padded;
+  }
 
   // Collective: checks that every rank has the same entries in `groups`.
   void check_same_groups(const std::vector<Group>& groups) {
     std::vector<std::string> desc;
-    for (auto& grp : groups)
+    for (auto& grp : groups) {
       for (auto& e : grp.entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
+      for (auto& e : grp.frozen_entries)
+        desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()) + " frozen");
+    }
     check_same_model(world_, desc);
   }
 
   // Broadcasts rank 0's values of grp through `full` ([padded], on the shard device) and
-  // returns this rank's shard of it (a view of full). The units' gradients are released,
-  // their values too when resharding (else bound to full, which the group keeps), and
-  // the shard's pieces of parameters are recorded.
-  Tensor<T> scatter_group(Group& grp, Tensor<T> full) {
+  // `frozen` ([frozen_padded]) and returns this rank's shards of them (views). The units'
+  // gradients are released, their values too when resharding (else bound to full and
+  // frozen, which the group keeps), and the shards' pieces of parameters are recorded.
+  std::pair<Tensor<T>, Tensor<T>> scatter_group(Group& grp, Tensor<T> full, Tensor<T> frozen) {
     for (auto& e : grp.entries) full.view(e.offset, e.shape).copy_(e.param->value);
-    world_.broadcast(full, 0);
+    for (auto& e : grp.frozen_entries) frozen.view(e.offset, e.shape).copy_(e.param->value);
+    if (grp.padded > 0) world_.broadcast(full, 0);
+    if (grp.frozen_padded > 0) world_.broadcast(frozen, 0);
     for (auto* p : grp.params) p->grad = Tensor<T>();
     if (reshard_) {
       for (auto* p : grp.params) p->value = Tensor<T>();
     } else {
       grp.full = full;
+      grp.full_frozen = frozen;
       bind_values(grp);
     }
     // Local pieces of parameters: the overlap of each entry with this rank's range.
@@ -494,7 +558,15 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       local_entries_.push_back({e.name, grp.local_offset + (b - lo), Shape{en - b}, nullptr});
       shard_pieces_.push_back({e.name, e.shape, b - e.offset, grp.local_offset + (b - lo), en - b});
     }
-    return full.view(lo, {grp.shard});
+    // Frozen pieces index frozen_values(): the shard, or the whole frozen buffer when kept.
+    const std::int64_t flo = static_cast<std::int64_t>(shard_rank_) * grp.frozen_shard, fhi = flo + grp.frozen_shard;
+    const std::int64_t base = reshard_ ? grp.frozen_local_offset - flo : grp.frozen_full_offset;
+    for (auto& e : grp.frozen_entries) {
+      const std::int64_t b = std::max(flo, e.offset), en = std::min(fhi, e.offset + e.numel());
+      if (b >= en) continue;
+      frozen_pieces_.push_back({e.name, e.shape, b - e.offset, base + b, en - b, true});
+    }
+    return {full.view(lo, {grp.shard}), frozen.view(flo, {grp.frozen_shard})};
   }
 
   // Copies rank 0's values into every rank's shard (on the shard device) and releases
@@ -518,10 +590,22 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       local_values_ = Tensor<T>::zeros({local_total()}, dev);
       local_grads_ = Tensor<T>::zeros({local_total()}, dev);
     }
+    // Note [Frozen parameters under FSDP]: a frozen shard, or the whole frozen buffer when kept.
+    local_frozen_ = Tensor<T>::zeros({reshard_ ? frozen_local_total() : frozen_full_total()}, dev);
     for (auto& grp : groups_) {
       auto full = reshard_ ? Tensor<T>::zeros({grp.padded}, dev) : full_values_.view(grp.full_offset, {grp.padded});
-      local_values_.view(grp.local_offset, {grp.shard}).copy_(scatter_group(grp, full));  // in place under NoShard
+      auto frozen = reshard_ ? Tensor<T>::zeros({grp.frozen_padded}, dev)
+                             : local_frozen_.view(grp.frozen_full_offset, {grp.frozen_padded});
+      auto [shard, frozen_shard] = scatter_group(grp, full, frozen);
+      local_values_.view(grp.local_offset, {grp.shard}).copy_(shard);  // in place under NoShard
+      if (reshard_) local_frozen_.view(grp.frozen_local_offset, {grp.frozen_shard}).copy_(frozen_shard);
     }
+    collect_pieces();
+  }
+  // Frozen pieces after the trainable ones (ShardPiece::frozen).
+  void collect_pieces() {
+    shard_pieces_.insert(shard_pieces_.end(), frozen_pieces_.begin(), frozen_pieces_.end());
+    frozen_pieces_.clear();
   }
 
   // Note [FSDP units built one at a time]: builds, shards and releases unit after
@@ -529,7 +613,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   void build_and_shard(std::size_t num_units, const UnitFactory& make_unit) {
     check_unit_names(num_units);
     std::optional<Device> dev;
-    std::vector<Tensor<T>> shards;
+    std::vector<Tensor<T>> shards, frozen_shards;
     for (std::size_t u = 0; u < num_units; ++u) {
       auto unit = make_unit(u);
       PTRAIN_CHECK(unit != nullptr, Error, "[ptrain.fsdp.factory] the unit factory returned no module for "
@@ -555,45 +639,76 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       layout(added.front());
       groups_.push_back(std::move(added.front()));
       auto& grp = groups_.back();
-      shards.push_back(scatter_group(grp, Tensor<T>::zeros({grp.padded}, *dev)).clone());
+      auto [shard, frozen_shard] =
+          scatter_group(grp, Tensor<T>::zeros({grp.padded}, *dev), Tensor<T>::zeros({grp.frozen_padded}, *dev));
+      shards.push_back(shard.clone());
+      frozen_shards.push_back(frozen_shard.clone());
     }
     const Device d = dev.value_or(opt_.device.value_or(Device::cpu()));
     local_values_ = Tensor<T>::zeros({local_total()}, d);
-    for (std::size_t g = 0; g < groups_.size(); ++g)
+    local_frozen_ = Tensor<T>::zeros({frozen_local_total()}, d);
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
       local_values_.view(groups_[g].local_offset, {groups_[g].shard}).copy_(shards[g]);
+      local_frozen_.view(groups_[g].frozen_local_offset, {groups_[g].frozen_shard}).copy_(frozen_shards[g]);
+    }
     shards.clear();  // before the gradients' buffer: at most two shard-sized buffers at once
+    frozen_shards.clear();
     local_grads_ = Tensor<T>::zeros({local_total()}, d);
+    collect_pieces();
   }
 
   void bind_values(Group& grp) {
     for (auto& e : grp.entries) e.param->value = grp.full.view(e.offset, e.shape);
+    for (auto& e : grp.frozen_entries) e.param->value = grp.full_frozen.view(e.offset, e.shape);
   }
 
+  // Gradients of the trainable parameters only (Note [Frozen parameters under FSDP]).
   void bind_grads(Group& grp) {
+    if (grp.numel == 0) return;
     grp.full_grad = keep_full_grads_ ? full_grads_.view(grp.full_offset, {grp.padded})
                                      : Tensor<T>::zeros({grp.padded}, local_values_.device());
     for (auto& e : grp.entries) e.param->grad = grp.full_grad.view(e.offset, e.shape);
+  }
+
+  // Synchronous all-gather of `shard` elements at src[offset] into full (nothing when empty).
+  void gather(Tensor<T>& src, std::int64_t offset, Tensor<T>& full, std::int64_t shard) {
+    if (shard > 0)
+      shard_comm_->all_gather(src.data() + offset, full.data(), static_cast<std::size_t>(shard), dtype_of<T>());
+  }
+  std::shared_ptr<dist::Work> gather_async(Tensor<T>& src, std::int64_t offset, Tensor<T>& full, std::int64_t shard) {
+    if (shard == 0) return nullptr;
+    return shard_comm_->all_gather_async(src.data() + offset, full.data(), static_cast<std::size_t>(shard),
+                                         dtype_of<T>());
   }
 
   void issue_gather(int g) {
     auto& grp = groups_[static_cast<std::size_t>(g)];
     if (grp.full.defined()) return;  // gathered or in flight
     grp.full = Tensor<T>::empty({grp.padded}, local_values_.device());
+    grp.full_frozen = Tensor<T>::empty({grp.frozen_padded}, local_values_.device());
     record("gather", g);
     dist::CollectiveLabel label("fsdp.gather");
-    grp.gather_work = shard_comm_->all_gather_async(local_values_.data() + grp.local_offset, grp.full.data(),
-                                                    static_cast<std::size_t>(grp.shard), dtype_of<T>());
+    grp.gather_work = gather_async(local_values_, grp.local_offset, grp.full, grp.shard);
+    grp.frozen_gather_work = gather_async(local_frozen_, grp.frozen_local_offset, grp.full_frozen, grp.frozen_shard);
+  }
+
+  // Waits for group's gathers in flight; whether there were any.
+  bool wait_works(Group& grp) {
+    bool any = false;
+    for (auto* w : {&grp.gather_work, &grp.frozen_gather_work})
+      if (*w) {
+        (*w)->wait(shard_comm_->timeout());
+        w->reset();
+        any = true;
+      }
+    return any;
   }
 
   void wait_gathered(int g) {
     auto& grp = groups_[static_cast<std::size_t>(g)];
     if (!reshard_) return;
     issue_gather(g);
-    if (grp.gather_work) {
-      grp.gather_work->wait(shard_comm_->timeout());
-      grp.gather_work.reset();
-      bind_values(grp);
-    }
+    if (wait_works(grp)) bind_values(grp);
   }
 
   // Issues the gather of the next group (in direction dir) that is not gathered yet.
@@ -613,11 +728,13 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     auto& grp = groups_[static_cast<std::size_t>(g)];
     for (auto* p : grp.params) p->value = Tensor<T>();
     grp.full = Tensor<T>();
+    grp.full_frozen = Tensor<T>();
   }
 
   // Starts group g's reduction (Note [Prefetch and overlap]); completes the previous one first.
   void reduce_gradients(int g) {
     auto& grp = groups_[static_cast<std::size_t>(g)];
+    if (grp.numel == 0) return;  // every parameter frozen: nothing to reduce
     for (auto* p : grp.params) p->grad = Tensor<T>();
     Tensor<T> grad = grp.full_grad;
     grp.full_grad = Tensor<T>();
@@ -690,6 +807,8 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   std::vector<Group> groups_;
   std::vector<int> unit_group_;
   Tensor<T> local_values_, local_grads_, full_values_, full_grads_;
+  Tensor<T> local_frozen_;  // Note [Frozen parameters under FSDP]
+  std::vector<ShardPiece> frozen_pieces_;  // while sharding; then appended to shard_pieces_
   std::vector<nn::FlatEntry<T>> local_entries_;
   std::unique_ptr<nn::FlatParameters<T>> view_;  // the local buffers as the optimizer's parameters
   std::vector<ShardPiece> shard_pieces_;

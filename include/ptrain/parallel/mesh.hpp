@@ -96,10 +96,12 @@ class Mesh {
   /// The ranks that share this rank's sequences (rank = c), or null when cp = 1.
   dist::Communicator* context_group() { return context_.get(); }
 
-  /// Copies replica 0's parameter values to the other replicas of this stage.
+  /// Copies replica 0's parameter values, trainable and frozen, to the other replicas of this stage.
   template <class T>
   void broadcast_parameters(nn::FlatParameters<T>& params) {
-    if (dp_ > 1) data_->broadcast(params.values(), 0);
+    if (dp_ == 1) return;
+    if (params.values().numel() > 0) data_->broadcast(params.values(), 0);
+    if (params.frozen_values().numel() > 0) data_->broadcast(params.frozen_values(), 0);
   }
   /// Averages gradients over the replicas of this stage (what Pipeline does itself with data_parallel set).
   template <class T>

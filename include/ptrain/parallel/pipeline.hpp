@@ -312,7 +312,9 @@ class Pipeline : public Engine<T> {
 
   /// This stage's units (of all its chunks) in one module; parameter names are "<unit name>.<param>".
   nn::Module<T>& module() { return module_; }
-  bool has_parameters() const override { return !flat_->entries().empty(); }
+  /// Whether this stage holds parameters, trainable or frozen (Note [Frozen parameters] in
+  /// nn/flat_parameters.hpp: a stage of frozen units has parameters but no gradients).
+  bool has_parameters() const override { return !flat_->entries().empty() || !flat_->frozen_entries().empty(); }
   /// The stage's parameters in flat buffers (for the optimizer); empty buffers on a stage without parameters.
   nn::FlatParameters<T>& parameters() override { return *flat_; }
 
@@ -605,7 +607,7 @@ class Pipeline : public Engine<T> {
     // The stage's gradients are final: average them over the replicas while
     // earlier stages still run their backwards.
     if (++backwards_done_ == opt_.micro_batches * opt_.virtual_stages && this->syncing() && opt_.data_parallel &&
-        opt_.data_parallel->size() > 1 && has_parameters())
+        opt_.data_parallel->size() > 1 && flat_->numel() > 0)  // trainable gradients only
       dp_work_ = opt_.data_parallel->all_reduce_async(flat_->grads(), dist::ReduceOp::Avg);
     record(a, t0);
     if (holds_input(a.chunk)) return {};

@@ -39,6 +39,9 @@
 // - The loss is VocabParallelCrossEntropy (with pp = 1, set_loss() replaces it
 //   with a loss that must itself take vocabulary-parallel logits).
 // - Checkpoints (ckpt/tp_checkpoint.hpp) hold full tensors under the full model's names.
+// - Frozen parameters (Parameter::requires_grad false in the full model, set before
+//   the engine is built) stay frozen in their shards: no gradient, no all-reduce, no
+//   optimizer state; checkpoints hold them like the others (docs/finetuning.md).
 // - Device: each unit is built on the device of the full model's unit, or moved to
 //   TensorParallelPlan::device; the vocabulary-parallel pieces and the collectives
 //   run there (docs/tensor_parallel.md, "On the GPU").
@@ -123,7 +126,7 @@ class TensorParallel : public Engine<T> {
     if (!pending_) return;
     pending_ = false;
     sum_partial_gradients();
-    if (!pipe_ && mesh_->dp_size() > 1) {  // a pipeline averages each stage itself
+    if (!pipe_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
       dist::CollectiveLabel label("tp.dp_gradients");
       mesh_->data_group().all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
@@ -142,6 +145,11 @@ class TensorParallel : public Engine<T> {
   /// How entry i of parameters() is cut (Note [Tensor parallel shards]) and its full shape.
   const ShardSpec& spec(std::size_t i) const { return specs_.at(i); }
   Shape full_shape(std::size_t i) const { return detail::full_shape(params_->entries().at(i).shape, specs_.at(i)); }
+  /// The same for frozen entry i (parameters().frozen_entries()).
+  const ShardSpec& frozen_spec(std::size_t i) const { return frozen_specs_.at(i); }
+  Shape frozen_full_shape(std::size_t i) const {
+    return detail::full_shape(params_->frozen_entries().at(i).shape, frozen_specs_.at(i));
+  }
 
  private:
   // What the engine needs of the model it splits.
@@ -207,12 +215,16 @@ class TensorParallel : public Engine<T> {
     }
     std::vector<std::pair<std::string, ShardSpec>> specs;
     detail::collect_shard_specs(local_module(), "", specs);
-    for (const auto& e : parameters().entries()) {
+    auto spec_of = [&](const nn::FlatEntry<T>& e) {
       auto it = std::find_if(specs.begin(), specs.end(), [&](const auto& s) { return s.first == e.name; });
-      specs_.push_back(it == specs.end() ? ShardSpec{} : it->second);
+      return it == specs.end() ? ShardSpec{} : it->second;
+    };
+    for (const auto& e : parameters().entries()) {
+      specs_.push_back(spec_of(e));
       if (specs_.back().partial) partial_.push_back(specs_.size() - 1);
     }
-    mesh_->broadcast_parameters(parameters());  // replica 0's values, as DDP
+    for (const auto& e : parameters().frozen_entries()) frozen_specs_.push_back(spec_of(e));
+    mesh_->broadcast_parameters(parameters());  // replica 0's values, frozen ones too, as DDP
   }
 
   // Every rank must pass the same plan and model: agreed with fixed-size
@@ -299,6 +311,7 @@ class TensorParallel : public Engine<T> {
   std::unique_ptr<Pipeline<T>> pipe_;                  // pp > 1
   nn::FlatParameters<T>* params_ = nullptr;            // own_params_ or the pipeline's
   std::vector<ShardSpec> specs_;
+  std::vector<ShardSpec> frozen_specs_;  // of parameters().frozen_entries()
   std::vector<std::size_t> partial_;  // entries whose gradients are partial sums over tp
   bool pending_ = false;
 };

@@ -96,6 +96,7 @@ void copy_shards(nn::Module<T>& unit, nn::Module<T>& full, TensorParallelGroup& 
     PTRAIN_CHECK(it != src.end(), Error, "[ptrain.tp.model] unit ", u, " of the full model has no parameter ", p.name,
                  "; build the tensor-parallel model from the same model config");
     p.param->value.copy_(shard_of(it->param->value, spec, group.rank(), group.size()));
+    p.param->set_requires_grad(it->param->requires_grad);  // a frozen parameter's shards are frozen
   }
 }
 

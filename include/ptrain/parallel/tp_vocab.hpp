@@ -71,7 +71,16 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     PTRAIN_CHECK(cache.indices.size() == 1, Error, "[ptrain.backward] VocabParallelEmbedding::backward without a forward");
     const auto g = group_.whole(drop_ ? drop_->backward(dy, cache.child(0)) : dy);  // g's backward
-    ops::vocab_parallel_embedding_backward(cache.indices[0], range_.lo, g, wte_->grad, wpe_ ? &wpe_->grad : nullptr);
+    // Frozen parameters get no gradient (Note [Frozen parameters] in nn/flat_parameters.hpp). A
+    // frozen table with trainable positions: a one-row scratch table that no id falls in
+    // (lo = vocab), so that only the positions' gradient is written.
+    Tensor<T>* dpos = wpe_ && wpe_->requires_grad ? &wpe_->grad : nullptr;
+    if (wte_->requires_grad) {
+      ops::vocab_parallel_embedding_backward(cache.indices[0], range_.lo, g, wte_->grad, dpos);
+    } else if (dpos) {
+      auto scratch = Tensor<T>::zeros({1, dim_}, g.device());
+      ops::vocab_parallel_embedding_backward(cache.indices[0], range_.vocab, g, scratch, dpos);
+    }
     if (wpe_) wpe_->mark_grad_ready();
     wte_->mark_grad_ready();
     cache.clear();

@@ -275,6 +275,15 @@ void check_like_one_process(MakeModel make, const parallel::Plan<double>& plan, 
     REQUIRE(ref.count(e.name) == 1);
     CHECK(max_rel_diff(e.param->value, ref[e.name]) < kTol);
   }
+  // Frozen parameters (Note [Frozen parameters] in nn/flat_parameters.hpp): unchanged, bit for bit.
+  REQUIRE(engine->parameters().frozen_entries().size() == ref_params.frozen_entries().size());
+  for (std::size_t i = 0; i < ref_params.frozen_entries().size(); ++i) {
+    const auto& got = engine->parameters().frozen_entries()[i];
+    const auto& want = ref_params.frozen_entries()[i];
+    INFO(got.name);
+    CHECK(got.name == want.name);
+    CHECK(got.param->value.to_vector() == want.param->value.to_vector());
+  }
   world().barrier();  // Note [Group teardown]
 }
 
@@ -294,6 +303,19 @@ TEST_CASE("GPT and Llama with context parallelism train like one process", "[cp]
                         .recompute = true};
       check_like_one_process([cfg] { Generator g(3); return std::make_shared<nn::GPT<double>>(cfg, g); },
                              parallel::ContextParallelPlan{.cp = cp}, dp, S, 13);
+    }
+    {
+      INFO("GPT (tied) with its embeddings and first block frozen");
+      nn::GPTConfig cfg{.vocab_size = 13, .block_size = S, .n_layer = 2, .n_head = 2, .n_embd = 8};
+      check_like_one_process(
+          [cfg] {
+            Generator g(3);
+            auto m = std::make_shared<nn::GPT<double>>(cfg, g);
+            for (auto& p : m->named_parameters())
+              if (p.name.rfind("embed.", 0) == 0 || p.name.rfind("h.0.", 0) == 0) p.param->set_requires_grad(false);
+            return m;
+          },
+          parallel::ContextParallelPlan{.cp = cp}, dp, S, 13);
     }
     {
       INFO("Llama (GQA 4 / 2 heads) on packed documents");

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <ptrain/dist/process_group.hpp>
 
+#include "dist/frozen_model.hpp"
 #include "dist/world.hpp"
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/mlp.hpp>
@@ -353,6 +354,80 @@ TEST_CASE("ranks with different models get a clear error on every rank", "[ddp]"
     CHECK(msg.find("rank 0: 0.weight [8, 6] F32") != std::string::npos);
   }
   CHECK(threw == (comm.size() > 1));
+}
+
+namespace {
+// Note [Frozen parameters under DDP]: testing::frozen_mlp (two of its four layers
+// frozen) under DDP against one process on the global batch, AdamW with weight
+// decay. Ranks other than 0 build the model from another seed, so only the initial
+// broadcast of the frozen values (as of the trainable ones) makes the replicas equal.
+template <class T>
+void check_frozen_matches_single_process(double tol) {
+  auto& comm = world();
+  const int n = comm.size(), r = comm.rank();
+  const std::int64_t B = 6, features = 10, steps = 4;
+  Generator ga(7), gb(7 + static_cast<std::uint64_t>(r));
+  auto ref = testing::frozen_mlp<T>(ga);
+  auto model = testing::frozen_mlp<T>(gb);
+  nn::FlatParameters<T> ref_p(*ref);
+  const auto frozen_before = ref_p.frozen_values().to_vector();
+  parallel::DDP<T> ddp(*model, comm, {.bucket_cap_bytes = 256, .first_bucket_bytes = 64});
+  auto& p = ddp.parameters();
+  const optim::AdamWOptions adam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
+  optim::AdamW<T> ref_opt(ref_p, adam), opt(p, adam);
+  // Buckets cover exactly the trainable gradients; frozen parameters have none and no hook.
+  CHECK(p.entries().size() == 4);
+  CHECK(p.frozen_entries().size() == 4);
+  std::int64_t covered = 0;
+  for (std::size_t b = 0; b < ddp.num_buckets(); ++b) covered += ddp.bucket_range(b).second - ddp.bucket_range(b).first;
+  CHECK(covered == p.numel());
+  for (const auto& e : p.frozen_entries()) {
+    CHECK(!e.param->grad.defined());
+    CHECK(!e.param->on_grad_ready);
+  }
+  nn::CrossEntropyLoss<T> ce;
+  for (std::int64_t s = 0; s < steps; ++s) {
+    auto global = make_batch<T>(n * B, features, 4, 300 + static_cast<std::uint64_t>(s));
+    nn::Cache<T> rc, rlc;
+    ref_p.zero_grad();
+    ce.forward(ref->forward(global.x, rc), global.y, rlc);
+    ref->backward(ce.backward(rlc), rc);
+    const double ref_norm = optim::clip_grad_norm_(ref_p.grads(), 1.0);
+    ref_opt.step();
+    nn::Cache<T> c, lc;
+    ddp.zero_grad();
+    ce.forward(ddp.forward(global.x.narrow(r * B, B), c), global.y.narrow(r * B, B), lc);
+    ddp.backward(ce.backward(lc), c);
+    const double norm = ddp.clip_grad_norm_(1.0);  // over the trainable gradients only
+    CHECK(std::abs(norm - ref_norm) <= tol * ref_norm);
+    ddp.step(opt);
+  }
+  const double diff = rel_error(p.values(), ref_p.values());
+  INFO("frozen MLP, rank " << r << " of " << n << ": relative error " << diff);
+  CHECK(diff <= tol);
+  CHECK(p.frozen_values().to_vector() == frozen_before);  // bit for bit
+}
+}  // namespace
+
+TEST_CASE("DDP with frozen parameters equals one process; frozen values stay bit for bit", "[ddp][frozen]") {
+  check_frozen_matches_single_process<double>(1e-9);
+  check_frozen_matches_single_process<float>(2e-4);
+}
+
+// docs/finetuning.md, "Frozen parameters under DDP, FSDP, pipeline and TP": per rank,
+// 4 (P + P + 2P) + 4F bytes for float AdamW (values, gradients, two moments; frozen values
+// alone), P and F the trainable and frozen elements as FlatParameters pads them.
+TEST_CASE("DDP with frozen parameters holds the bytes of the formula", "[ddp][frozen][memory]") {
+  const auto before = memory_stats().live_bytes;
+  Generator g(3);
+  auto model = testing::frozen_mlp<float>(g);
+  parallel::DDP<float> ddp(*model, world());
+  optim::AdamW<float> opt(ddp.parameters(), {});
+  const auto bytes = memory_stats().live_bytes - before;
+  const std::int64_t P = ddp.parameters().numel(), F = ddp.parameters().frozen_values().numel();
+  INFO("P " << P << ", F " << F << ": " << bytes << " bytes");
+  CHECK(F > 0);
+  CHECK(bytes == 16 * P + 4 * F);
 }
 
 }  // namespace test_ddp

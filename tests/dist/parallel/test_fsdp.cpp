@@ -11,6 +11,7 @@
 #include <ptrain/ckpt/fsdp_checkpoint.hpp>
 #include <ptrain/dist/process_group.hpp>
 
+#include "dist/frozen_model.hpp"
 #include "dist/world.hpp"
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/gpt.hpp>
@@ -484,6 +485,142 @@ TEST_CASE("FSDP global-norm clipping equals clipping the full gradient", "[fsdp]
   comm.all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
   const int replicas = n / options_for(ShardingStrategy::Hybrid).hybrid_shard_size;
   CHECK(std::sqrt(sq / replicas) == Approx(1e-3 * want / (want + 1e-6)).epsilon(1e-4));
+}
+
+namespace {
+// Note [Frozen parameters under FSDP]: testing::frozen_mlp (a wholly frozen unit, a
+// mixed one, trainable ones) under `strategy` against one process on the global batch,
+// AdamW with weight decay and clipping; then a sharded checkpoint of it loads into one
+// process. Frozen values must not move by one bit. Ranks other than 0 build the
+// model from another seed: the sharding broadcasts rank 0's values.
+template <class T>
+void check_frozen_fsdp(ShardingStrategy strategy, double tol, const std::filesystem::path& dir) {
+  auto& comm = world();
+  const int n = comm.size(), r = comm.rank();
+  const std::int64_t B = 3, features = 10, steps = 4;
+  Generator ga(7), gb(7 + static_cast<std::uint64_t>(r));  // FSDP must take rank 0's values, frozen ones too
+  auto ref = testing::frozen_mlp<T>(ga);
+  auto model = testing::frozen_mlp<T>(gb);
+  nn::FlatParameters<T> ref_p(*ref);
+  std::map<std::string, std::vector<T>> frozen_before;
+  for (const auto& e : ref_p.frozen_entries()) frozen_before[e.name] = e.param->value.to_vector();
+  parallel::FSDP<T> fsdp(model->units(), comm, options_for(strategy));
+  const optim::AdamWOptions adam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
+  optim::AdamW<T> ref_opt(ref_p, adam), opt(fsdp.parameters(), adam);
+  nn::CrossEntropyLoss<T> ce;
+  for (std::int64_t s = 0; s < steps; ++s) {
+    Generator gd(300 + static_cast<std::uint64_t>(s));
+    auto x = Tensor<T>::empty({n * B, features});
+    auto y = Tensor<std::int32_t>::empty({n * B});
+    ops::uniform_(x, -1.0, 1.0, gd);
+    for (std::int64_t i = 0; i < n * B; ++i) y.data()[i] = static_cast<std::int32_t>(gd.below(4));
+    nn::Cache<T> rc, rlc;
+    ref_p.zero_grad();
+    ce.forward(ref->forward(x, rc), y, rlc);
+    ref->backward(ce.backward(rlc), rc);
+    const double ref_norm = optim::clip_grad_norm_(ref_p.grads(), 1.0);
+    ref_opt.step();
+    nn::Cache<T> c, lc;
+    fsdp.zero_grad();
+    ce.forward(fsdp.forward(x.narrow(r * B, B), c), y.narrow(r * B, B), lc);
+    fsdp.backward(ce.backward(lc), c);
+    const double norm = fsdp.clip_grad_norm_(1.0);
+    CHECK(std::abs(norm - ref_norm) <= tol * ref_norm);
+    fsdp.step(opt);
+  }
+  std::map<std::string, std::vector<T>> full;
+  for (auto& [name, t] : fsdp.full_parameters()) full[name] = t.to_vector();
+  CHECK(full.size() == 8);
+  std::vector<T> got, want;
+  for (const auto& e : ref_p.entries()) {
+    auto v = e.param->value.to_vector();
+    want.insert(want.end(), v.begin(), v.end());
+    got.insert(got.end(), full[e.name].begin(), full[e.name].end());
+  }
+  const double err = rel_error(got, want);
+  INFO(parallel::strategy_name(strategy) << ", frozen MLP, rank " << r << " of " << n << ": relative error " << err);
+  CHECK(err <= tol);
+  for (const auto& [name, v] : frozen_before) CHECK(full[name] == v);  // bit for bit
+  // A sharded checkpoint keeps the frozen parameters under their names: it loads into one process.
+  ckpt::CheckpointManager mgr(dir / parallel::strategy_name(strategy), &comm);
+  mgr.save_sharded(1, ckpt::fsdp_state(fsdp, &opt), {});
+  ckpt::Checkpoint saved(mgr.latest().path);
+  CHECK(saved.tensor_names("optimizer").size() == 2 * 4);  // two moments of the four trainable tensors
+  Generator gc(99);
+  auto one = testing::frozen_mlp<T>(gc);
+  {
+    nn::FlatParameters<T> one_p(*one);
+    optim::AdamW<T> one_opt(one_p, adam);
+    ckpt::CheckpointManager(dir / parallel::strategy_name(strategy)).load(mgr.latest().path, one_p, &one_opt);
+    for (auto& p : one->named_parameters()) CHECK(p.param->value.to_vector() == full[p.name]);
+  }
+  // And back into FSDP: the same values, trainable and frozen.
+  parallel::FSDP<T> again(one->units(), comm, options_for(strategy));
+  optim::AdamW<T> again_opt(again.parameters(), adam);
+  ckpt::load_fsdp(mgr.latest().path, again, &again_opt);
+  for (auto& [name, t] : again.full_parameters()) CHECK(t.to_vector() == full[name]);
+}
+}  // namespace
+
+TEST_CASE("FSDP with frozen parameters equals one process under every strategy; checkpoints load in one process",
+          "[fsdp][frozen]") {
+  const auto dir = testing::shared_tmp_dir(world(), "ptrain_fsdp_frozen_");
+  for (auto s : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::ShardOptimizer,
+                 ShardingStrategy::NoShard, ShardingStrategy::Hybrid}) {
+    check_frozen_fsdp<double>(s, 1e-9, dir);
+    check_frozen_fsdp<float>(s, 2e-4, dir / "f32");
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// docs/finetuning.md, "Frozen parameters under DDP, FSDP, pipeline and TP": float AdamW,
+// P and F the trainable and frozen elements as FSDP pads them (per group, to a multiple
+// of the shard group Ns). A frozen element costs 4 bytes sharded, or whole where the
+// strategy keeps full parameters, and nothing else: no gradient, no optimizer state.
+TEST_CASE("FSDP with frozen parameters holds the bytes of the formula under every strategy", "[fsdp][frozen][memory]") {
+  auto& comm = world();
+  for (auto s : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::ShardOptimizer,
+                 ShardingStrategy::NoShard, ShardingStrategy::Hybrid}) {
+    const auto before = memory_stats().live_bytes;
+    std::int64_t bytes = 0, after_step = 0, P = 0, F = 0;
+    const int ns = s == ShardingStrategy::NoShard ? 1 : (s == ShardingStrategy::Hybrid ? options_for(s).hybrid_shard_size : comm.size());
+    {
+      Generator g(3);
+      auto model = testing::frozen_mlp<float>(g);
+      parallel::FSDP<float> fsdp(model->units(), comm, options_for(s));
+      optim::AdamW<float> opt(fsdp.parameters(), {});
+      bytes = memory_stats().live_bytes - before;
+      for (std::size_t gi = 0; gi < fsdp.num_groups(); ++gi) {
+        P += fsdp.group_padded(gi);
+        F += fsdp.group_frozen_padded(gi);
+      }
+      auto x = Tensor<float>::full({4, 10}, 0.5f);
+      auto y = Tensor<std::int32_t>::zeros({4});
+      nn::CrossEntropyLoss<float> ce;
+      nn::Cache<float> c, lc;
+      fsdp.zero_grad();
+      ce.forward(fsdp.forward(x, c), y, lc);
+      fsdp.backward(ce.backward(lc), c);
+      fsdp.step(opt);
+      c.clear();
+      lc.clear();
+      after_step = memory_stats().live_bytes - before - static_cast<std::int64_t>(x.nbytes() + y.nbytes());
+    }
+    std::int64_t formula = 4 * (4 * P + F) / ns;  // FullShard, Hybrid, NoShard
+    if (s == ShardingStrategy::ShardGradOp) formula = 4 * (P + F) + 16 * P / ns;
+    if (s == ShardingStrategy::ShardOptimizer) formula = 8 * P + 4 * F + 16 * P / ns;
+    if (s == ShardingStrategy::NoShard) formula = 16 * P + 4 * F;
+    if (comm.rank() == 0)
+      std::printf("FSDP with frozen parameters, %d ranks, %-16s P %lld F %lld: %lld bytes per rank\n", comm.size(),
+                  parallel::strategy_name(s), static_cast<long long>(P), static_cast<long long>(F),
+                  static_cast<long long>(bytes));
+    INFO(parallel::strategy_name(s) << ": P " << P << ", F " << F << ", " << bytes << " bytes, after a step "
+                                    << after_step << ", formula " << formula);
+    CHECK(F > 0);
+    CHECK(bytes == formula);
+    CHECK(after_step == formula);
+  }
 }
 
 }  // namespace test_fsdp

@@ -267,6 +267,98 @@ TEST_CASE("Tensor parallel stages of a pipeline train like one process (tp x pp 
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
+namespace {
+// Fine-tuning's freezing (Note [Frozen parameters] in nn/flat_parameters.hpp): the
+// embeddings, block 0 and the LM head's weight (vocabulary-parallel, column-parallel,
+// row-parallel and replicated shards frozen; ln_f trains beside the frozen head).
+template <class T>
+void freeze_for_finetuning(nn::GPT<T>& m) {
+  for (auto& p : m.named_parameters())
+    if (p.name.rfind("embed.", 0) == 0 || p.name.rfind("h.0.", 0) == 0 || p.name == "head.lm_head.weight")
+      p.param->set_requires_grad(false);
+}
+
+// A GPT with frozen parameters under `plan` against one process (AdamW with weight decay,
+// eps 1e-6 as the other engines' frozen cases, and clipping); frozen shards must not move
+// by one bit; a checkpoint of the engine loads into one process.
+template <class T>
+void check_frozen_tp(dist::Communicator& comm, const parallel::TensorParallelPlan& plan, double tol,
+                     const std::filesystem::path& dir) {
+  const auto cfg = config(false);
+  const optim::AdamWOptions adam{.lr = 0.02, .eps = 1e-6, .weight_decay = 0.1};
+  Generator ga(7), gb(7);
+  nn::GPT<T> ref(cfg, ga), full(cfg, gb);
+  freeze_for_finetuning(ref);
+  freeze_for_finetuning(full);
+  std::map<std::string, std::vector<T>> frozen_before;
+  for (auto& p : ref.named_parameters())
+    if (!p.param->requires_grad) frozen_before[p.name] = p.param->value.to_vector();
+  parallel::Local<T> ref_e(ref);
+  optim::AdamW<T> ref_opt(ref_e.parameters(), adam);
+  parallel::TensorParallel<T> e(full, comm, plan);
+  optim::AdamW<T> opt(e.parameters(), adam);
+  INFO("frozen GPT: tp " << plan.tp << " x pp " << plan.pp << " x dp " << e.mesh().dp_size()
+                         << (plan.sequence_parallel ? ", sp" : "") << ", " << comm.backend());
+  const auto& frozen = e.parameters().frozen_entries();
+  CHECK(!frozen.empty());
+  for (const auto& f : frozen) CHECK(!f.param->grad.defined());
+  for (std::int64_t s = 0; s < kSteps; ++s) {
+    const auto batch = make_batch(100 + static_cast<std::uint64_t>(s), cfg.vocab_size);
+    const auto [ref_loss, ref_norm] = step<T>(ref_e, ref_opt, batch);
+    const auto [loss, norm] = step<T>(e, opt, batch);
+    CHECK(loss == Approx(ref_loss).epsilon(tol));
+    CHECK(norm == Approx(ref_norm).epsilon(tol));  // over the trainable gradients, each once
+  }
+  // With pp 2, stage 0 (the embeddings and block 0) holds frozen parameters only.
+  if (!e.parameters().entries().empty()) CHECK(max_rel_error(e, ref) < tol);
+  for (std::size_t i = 0; i < frozen.size(); ++i)
+    CHECK(parallel::detail::gather_full(frozen[i].param->value, e.frozen_spec(i), e.group()).to_vector() ==
+          frozen_before[frozen[i].name]);
+  // The checkpoint holds the frozen tensors whole: it loads into one process.
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+  comm.barrier();
+  ckpt::CheckpointManager mgr(dir, &comm);
+  ckpt::save(mgr, kSteps, e, &opt, {});
+  comm.barrier();
+  if (comm.rank() == 0) {
+    dist::SelfCommunicator self;
+    Generator gc(1);
+    nn::GPT<T> plain(cfg, gc);
+    freeze_for_finetuning(plain);
+    parallel::Local<T> local(plain);
+    ckpt::CheckpointManager one(dir, &self);
+    ckpt::load(one, one.latest().path, local, nullptr);
+    auto a = plain.named_parameters(), b = ref.named_parameters();
+    double diff = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const auto x = a[i].param->value.to_vector(), y = b[i].param->value.to_vector();
+      if (!a[i].param->requires_grad) CHECK(x == frozen_before[a[i].name]);
+      for (std::size_t j = 0; j < x.size(); ++j) diff = std::max(diff, std::abs(static_cast<double>(x[j]) - y[j]));
+    }
+    CHECK(diff < 10 * tol);
+  }
+  comm.barrier();
+}
+}  // namespace
+
+TEST_CASE("Tensor parallel GPT with frozen parameters trains like one process (tp 2, dp x tp 2 x 2, tp x pp 2 x 2)",
+          "[tp][frozen]") {
+  const int n = world().size();
+  const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_tp_frozen_");
+  if (auto two = first_ranks(2)) {
+    check_frozen_tp<double>(*two, {.tp = 2}, 1e-9, dir);
+    check_frozen_tp<double>(*two, {.tp = 2, .sequence_parallel = true}, 1e-9, dir);
+    check_frozen_tp<float>(*two, {.tp = 2}, 2e-4, dir);
+  }
+  if (n >= 4)
+    if (auto four = first_ranks(4)) {
+      check_frozen_tp<double>(*four, {.tp = 2}, 1e-9, dir);  // dp 2 x tp 2
+      check_frozen_tp<double>(*four, {.tp = 2, .pp = 2, .micro_batches = 2}, 1e-9, dir);
+    }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("make_engine builds a tensor-parallel engine from a GPT", "[tp]") {
   auto two = first_ranks(2);
   if (two) {

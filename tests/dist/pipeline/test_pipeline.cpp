@@ -35,6 +35,7 @@
 #include <ptrain/parallel/mesh.hpp>
 #include <ptrain/parallel/pipeline.hpp>
 
+#include "dist/frozen_model.hpp"
 #include "dist/pipeline/nccl_model.hpp"
 #include "dist/pipeline/pipeline_util.hpp"
 #include "dist/spawn_util.hpp"
@@ -636,6 +637,69 @@ TEST_CASE("dp x pp meshes (2 x 2 on four ranks) equal one process", "[pipeline][
       check_pipeline(mesh.pipeline_group(), &mesh.data_group(), Schedule::Interleaved, 4 % pp == 0 ? 4 : pp,
                      Opt::AdamW, parallel::partition_balanced(param_costs(), 2 * pp), 2);
   }
+}
+
+namespace {
+// testing::frozen_mlp cut into pp stages (units 0 and 1, all frozen, on stage 0), dp
+// replicas, two micro-batches, AdamW with weight decay and clipping, against one
+// process on the global batch. Replicas other than 0 build the model from another
+// seed: Mesh::broadcast_parameters must send the frozen values too. A stage of frozen
+// units has parameters but no gradient to average over the replicas.
+template <class T>
+void check_frozen_pipeline(parallel::Mesh& mesh, double tol) {
+  const int dp = mesh.dp_size(), pp = mesh.pp_size(), replica = mesh.replica();
+  const std::int64_t rows = 4, steps = 4;  // per replica: two micro-batches of two rows
+  Generator ga(7), gb(7 + static_cast<std::uint64_t>(replica));
+  auto ref = testing::frozen_mlp<T>(ga);
+  auto full = testing::frozen_mlp<T>(gb);
+  nn::FlatParameters<T> ref_p(*ref);
+  std::map<std::string, std::vector<T>> frozen_before;
+  for (const auto& e : ref_p.frozen_entries()) frozen_before[e.name] = e.param->value.to_vector();
+  std::vector<std::size_t> cuts;
+  for (int s = 1; s < pp; ++s) cuts.push_back(static_cast<std::size_t>(s) + 1);
+  parallel::Pipeline<T> pipe(mesh, full->units().size(), [&](std::size_t u) { return full->units()[u]; },
+                             parallel::partition_by_cuts(full->units().size(), cuts),
+                             {.schedule = Schedule::OneFOneB, .micro_batches = 2});
+  mesh.broadcast_parameters(pipe.parameters());
+  CHECK(pipe.has_parameters());
+  const optim::AdamWOptions adam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
+  optim::AdamW<T> ref_opt(ref_p, adam), opt(pipe.parameters(), adam);
+  nn::CrossEntropyLoss<T> ce;
+  for (std::int64_t i = 0; i < steps; ++i) {
+    Generator gd(300 + static_cast<std::uint64_t>(i));
+    auto x = Tensor<T>::empty({dp * rows, 10});
+    auto y = Tensor<std::int32_t>::empty({dp * rows});
+    ops::uniform_(x, -1.0, 1.0, gd);
+    for (std::int64_t k = 0; k < dp * rows; ++k) y.data()[k] = static_cast<std::int32_t>(gd.below(4));
+    nn::Cache<T> c, lc;
+    ref_p.zero_grad();
+    const double ref_loss = ce.forward(ref->forward(x, c), y, lc);
+    ref->backward(ce.backward(lc), c);
+    const double ref_norm = optim::clip_grad_norm_(ref_p.grads(), 1.0);
+    ref_opt.step();
+    pipe.zero_grad();
+    const double loss = pipe.forward_backward(x.narrow(replica * rows, rows), y.narrow(replica * rows, rows));
+    const double norm = pipe.clip_grad_norm_(1.0);
+    pipe.step(opt);
+    INFO("stage " << mesh.stage() << " of " << pp << ", replica " << replica << " of " << dp << ", step " << i);
+    CHECK(std::abs(loss - ref_loss) <= tol * std::abs(ref_loss));
+    CHECK(std::abs(norm - ref_norm) <= tol * ref_norm);
+  }
+  const double err = rel_error(pipe.module(), *ref);
+  INFO("frozen MLP, stage " << mesh.stage() << " of " << pp << ", replica " << replica << ": relative error " << err);
+  CHECK(err <= tol);
+  for (auto& p : pipe.module().named_parameters())
+    if (!p.param->requires_grad) CHECK(p.param->value.to_vector() == frozen_before[p.name]);  // bit for bit
+}
+}  // namespace
+
+TEST_CASE("a pipeline with frozen units equals one process (pp 2, dp x pp 2 x 2, pp 3); frozen values stay",
+          "[pipeline][frozen]") {
+  auto& comm = world();
+  const int pp = comm.size() % 2 == 0 ? 2 : comm.size();
+  parallel::Mesh mesh(comm, comm.size() / pp, pp);
+  check_frozen_pipeline<double>(mesh, 1e-9);
+  check_frozen_pipeline<float>(mesh, 2e-4);
 }
 
 // NcclModel (nccl_model.hpp) runs over MPI; under ptrun (Gloo) these cases have nothing to run.
