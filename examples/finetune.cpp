@@ -3,8 +3,8 @@
 // launched ranks, and writes the adapter in PEFT's format or a merged model folder.
 //
 //   build/examples/finetune --model SmolLM-135M --data train.jsonl --out adapter
-//   build/launcher/ptrun --nproc-per-node 2 build/examples/finetune --model M --data train.jsonl \
-//       --parallel fsdp --out adapter --merged merged-model --sample "What is LoRA?"
+//   build/launcher/ptrun --nproc-per-node 2 build/examples/finetune --model M --data train.jsonl
+//       --parallel fsdp --out adapter --merged merged-model --sample "What is LoRA?"   (one line)
 //
 // --model is a folder with config.json, the weights and the tokenizer (tokenizer.json,
 // or Llama 3's tiktoken ranks as tokenizer.model). --data holds {"prompt", "completion"}

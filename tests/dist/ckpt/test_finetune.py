@@ -63,14 +63,16 @@ def answers(model):
         ids = torch.tensor([prompt_ids(prompt)])
         want = byte_ids(answer) + [EOT]
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=len(want), do_sample=False, pad_token_id=EOT)
+            out = model.generate(input_ids=ids, max_new_tokens=len(want), do_sample=False, pad_token_id=EOT)
         right += out[0, ids.shape[1]:].tolist() == want
     return right
 
 
 def run(cmd, expect=0):
     print("+", " ".join(cmd), flush=True)
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500, env=env)
     print(p.stdout, flush=True)
     if p.returncode != expect:
         raise SystemExit("exit status %d, expected %d" % (p.returncode, expect))
@@ -89,7 +91,7 @@ def main():
             for prompt, answer in RECORDS:
                 f.write(json.dumps({"prompt": prompt, "completion": answer}) + "\n")
         common = ["--model", base, "--data", data, "--eval-fraction", "0.2", "--seq-len", "64", "--batch", "2",
-                  "--epochs", "40", "--lr", "1e-2", "--lora-r", "8", "--lora-alpha", "16", "--log-every", "0",
+                  "--epochs", "80", "--lr", "1e-2", "--lora-r", "8", "--lora-alpha", "16", "--log-every", "0",
                   "--check-answers", "8", "--min-answer-accuracy", "1"]
         adapter, merged = os.path.join(work, "adapter"), os.path.join(work, "merged")
         launch = [mpiexec, "--oversubscribe", "-np", "2"] if mpiexec else []
