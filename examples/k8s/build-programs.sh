@@ -22,7 +22,7 @@ fi
 variant=$1 src=$2 build=$3 prefix=$4
 shift 4
 
-programs="fashion_mnist gpt_char tokenize_text ptrun"
+programs="fashion_mnist gpt_char tokenize_text finetune ptrun"
 case "$variant" in
   cpu) cuda="-DPTRAIN_WITH_CUDA=OFF -DPTRAIN_WITH_NCCL=OFF" ;;
   cuda)
