@@ -329,6 +329,20 @@ TEST_CASE("LoRA: frozen, trainable, gradient and optimizer bytes follow the form
       REQUIRE(opt.flat_state().size() == 3);
       for (const auto& [kind, t] : opt.flat_state()) CHECK(t.numel() == A);
       CHECK(memory_stats().live_bytes - before == other + 2 * (F + A + A) + 4 * (3 * A));
+      // A step moves the adapters (their first step only moves B: A's gradient is zero while B is)
+      // and not one bit of the base, and leaves nothing behind.
+      const auto bits = [](const Tensor<bf16>& t) {
+        std::vector<std::uint16_t> v;
+        for (const bf16& x : t.to_vector()) v.push_back(x.bits);
+        return v;
+      };
+      const auto base0 = bits(engine.parameters().frozen_values()), adapters0 = bits(engine.parameters().values());
+      engine.zero_grad();
+      engine.forward_backward(tokens(2, 6, 11, 1), tokens(2, 6, 11, 2));
+      opt.step();
+      CHECK(bits(engine.parameters().frozen_values()) == base0);
+      CHECK(bits(engine.parameters().values()) != adapters0);
+      CHECK(memory_stats().live_bytes - before == other + 2 * (F + A + A) + 4 * (3 * A));
     }
     CHECK(memory_stats().live_bytes == before);
   }
