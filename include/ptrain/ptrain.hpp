@@ -39,6 +39,7 @@
 #include "ptrain/nn/gqa_attention.hpp"
 #include "ptrain/nn/layer_norm.hpp"
 #include "ptrain/nn/linear.hpp"
+#include "ptrain/nn/lora.hpp"
 #include "ptrain/nn/loss.hpp"
 #include "ptrain/nn/models/cnn.hpp"
 #include "ptrain/nn/models/gpt.hpp"

@@ -69,8 +69,9 @@ struct LoraConfig {
 
 /// True when module name `name` is selected by `pattern` (PEFT: equal, or ending in "." + pattern).
 inline bool lora_target_matches(const std::string& name, const std::string& pattern) {
-  return name == pattern || (name.size() > pattern.size() && name.compare(name.size() - pattern.size(), pattern.size(), pattern) == 0 &&
-                             name[name.size() - pattern.size() - 1] == '.');
+  if (name == pattern) return true;
+  const std::string tail = "." + pattern;
+  return name.size() > tail.size() && name.ends_with(tail);
 }
 
 /// The low-rank update of one Linear (Note [LoRA]): x [..., in] -> scale * B(A(dropout(x))) [..., out].

@@ -10,9 +10,9 @@
 // scatter-add is deterministic on both devices and gives the same bits on
 // both (see kernels/cuda/embedding.cuh).
 
-#include "ptrain/kernels/cpu/embedding.hpp"
 #include <vector>
 
+#include "ptrain/kernels/cpu/embedding.hpp"
 #include "ptrain/ops/dispatch.hpp"
 
 namespace ptrain::ops {

@@ -35,7 +35,8 @@ Tensor<T> layer_norm_backward(const Tensor<T>& x, const Tensor<acc_t<T>>& mean, 
                               const Tensor<T>& gamma, const Tensor<T>& dy, const Tensor<T>& dgamma_in,
                               const Tensor<T>& dbeta_in) {
   const std::int64_t rows = rows_of(x, "layer_norm input"), d = x.size(-1);
-  auto dgamma = detail::grad_or_scratch(dgamma_in, {d}, x.device()), dbeta = detail::grad_or_scratch(dbeta_in, {d}, x.device());
+  auto dgamma = detail::grad_or_scratch(dgamma_in, {d}, x.device());
+  auto dbeta = detail::grad_or_scratch(dbeta_in, {d}, x.device());
   check_shape(dy, x.shape(), "layer_norm output gradient");
   check_shape(mean, {rows}, "layer_norm mean");
   check_shape(rstd, {rows}, "layer_norm rstd");
@@ -96,7 +97,8 @@ Tensor<T> residual_layer_norm_backward(const Tensor<T>& h, const Tensor<acc_t<T>
                                        const Tensor<T>& gamma, const Tensor<T>& dy, const Tensor<T>& dresidual,
                                        const Tensor<T>& dgamma_in, const Tensor<T>& dbeta_in) {
   const std::int64_t rows = rows_of(h, "residual_layer_norm input"), d = h.size(-1);
-  auto dgamma = detail::grad_or_scratch(dgamma_in, {d}, h.device()), dbeta = detail::grad_or_scratch(dbeta_in, {d}, h.device());
+  auto dgamma = detail::grad_or_scratch(dgamma_in, {d}, h.device());
+  auto dbeta = detail::grad_or_scratch(dbeta_in, {d}, h.device());
   check_shape(dy, h.shape(), "residual_layer_norm output gradient");
   check_shape(dresidual, h.shape(), "residual_layer_norm residual-stream gradient");
   check_shape(mean, {rows}, "residual_layer_norm mean");

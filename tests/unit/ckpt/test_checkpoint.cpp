@@ -174,7 +174,8 @@ TEST_CASE("frozen parameters are saved and loaded by name, without optimizer sta
   ckpt::CheckpointManager mgr(d.path);
   mgr.save(3, *a.params, a.opt.get(), {});
   const fs::path p = d.path / "step-00000003";
-  ckpt::SafetensorsReader model_file((p / "model.safetensors").string()), opt_file((p / "optimizer.safetensors").string());
+  ckpt::SafetensorsReader model_file((p / "model.safetensors").string());
+  ckpt::SafetensorsReader opt_file((p / "optimizer.safetensors").string());
   for (const char* n : {"0.weight", "0.bias", "2.weight", "2.bias"}) CHECK(model_file.contains(n));
   CHECK(opt_file.contains("2.weight.exp_avg"));
   CHECK_FALSE(opt_file.contains("0.weight.exp_avg"));

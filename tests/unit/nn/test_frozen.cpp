@@ -42,8 +42,8 @@ std::map<std::string, std::vector<double>> values_of(nn::Module<double>& m) {
 // frozen ones' gradients dropped by hand) for `steps` AdamW steps on the same batches;
 // `batch(step, x, y)` gives them. Every loss, gradient and value must agree.
 template <class Input>
-void check_against_reference(const Build& build, const Frozen& frozen, const std::function<void(int, Input&, Tensor<std::int32_t>&)>& batch,
-                             int steps = 3) {
+void check_against_reference(const Build& build, const Frozen& frozen,
+                             const std::function<void(int, Input&, Tensor<std::int32_t>&)>& batch, int steps = 3) {
   auto model = build(), ref = build();
   const auto start = values_of(*model);
   int n_frozen = 0;

@@ -181,20 +181,28 @@ TEST_CASE("LoRA: finite differences through the adapters of a GPT and a Llama", 
   Generator g(12);
   nn::GPT<double> gpt(cfg, g);
   nn::apply_lora(gpt, {.r = 2, .alpha = 4, .target_modules = {"c_attn", "c_proj", "c_fc"}}, g);
-  for (auto& [name, a] : nn::lora_adapters(gpt)) a->lora_B().weight().value.copy_(testing::random_tensor(a->lora_B().weight().value.shape(), 13));
+  for (auto& [name, a] : nn::lora_adapters(gpt)) {  // B = 0 would make A's gradient zero
+    auto& b = a->lora_B().weight().value;
+    b.copy_(testing::random_tensor(b.shape(), 13));
+  }
   testing::check_module_gradients(gpt, ids, false);
   Generator g2(14);
   nn::Llama<double> llama(small_llama(), g2);
   nn::apply_lora(llama, {.r = 2, .alpha = 4, .target_modules = kLlamaTargets}, g2);
-  for (auto& [name, a] : nn::lora_adapters(llama)) a->lora_B().weight().value.copy_(testing::random_tensor(a->lora_B().weight().value.shape(), 15));
+  for (auto& [name, a] : nn::lora_adapters(llama)) {
+    auto& b = a->lora_B().weight().value;
+    b.copy_(testing::random_tensor(b.shape(), 15));
+  }
   testing::check_module_gradients(llama, ids, false, 1e-6);
 }
 
 TEST_CASE("LoRA: bad configurations and targets are refused with what to do", "[nn][lora]") {
   Generator g(4);
   nn::Llama<double> model(small_llama(), g);
-  CHECK_THROWS_WITH(nn::apply_lora(model, {.r = 0, .target_modules = {"q_proj"}}), Catch::Contains("[ptrain.lora.config]"));
-  CHECK_THROWS_WITH(nn::apply_lora(model, {.target_modules = {"q_proj"}, .bias = "all"}), Catch::Contains("bias 'all'"));
+  CHECK_THROWS_WITH(nn::apply_lora(model, {.r = 0, .target_modules = {"q_proj"}}),
+                    Catch::Contains("[ptrain.lora.config]"));
+  CHECK_THROWS_WITH(nn::apply_lora(model, {.target_modules = {"q_proj"}, .bias = "all"}),
+                    Catch::Contains("bias 'all'"));
   CHECK_THROWS_WITH(nn::apply_lora(model, {.dropout = 1.0, .target_modules = {"q_proj"}}), Catch::Contains("dropout"));
   CHECK_THROWS_WITH(nn::apply_lora(model, {}), Catch::Contains("target_modules is empty"));
   CHECK_THROWS_WITH(nn::apply_lora(model, {.target_modules = {"c_attn"}}), Catch::Contains("[ptrain.lora.targets]"));
@@ -320,6 +328,20 @@ TEST_CASE("LoRA: frozen, trainable, gradient and optimizer bytes follow the form
       optim::AdamW<bf16> opt(engine.parameters(), {.lr = 1e-3});
       REQUIRE(opt.flat_state().size() == 3);
       for (const auto& [kind, t] : opt.flat_state()) CHECK(t.numel() == A);
+      CHECK(memory_stats().live_bytes - before == other + 2 * (F + A + A) + 4 * (3 * A));
+      // A step moves the adapters (their first step only moves B: A's gradient is zero while B is)
+      // and not one bit of the base, and leaves nothing behind.
+      const auto bits = [](const Tensor<bf16>& t) {
+        std::vector<std::uint16_t> v;
+        for (const bf16& x : t.to_vector()) v.push_back(x.bits);
+        return v;
+      };
+      const auto base0 = bits(engine.parameters().frozen_values()), adapters0 = bits(engine.parameters().values());
+      engine.zero_grad();
+      engine.forward_backward(tokens(2, 6, 11, 1), tokens(2, 6, 11, 2));
+      opt.step();
+      CHECK(bits(engine.parameters().frozen_values()) == base0);
+      CHECK(bits(engine.parameters().values()) != adapters0);
       CHECK(memory_stats().live_bytes - before == other + 2 * (F + A + A) + 4 * (3 * A));
     }
     CHECK(memory_stats().live_bytes == before);

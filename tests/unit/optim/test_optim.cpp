@@ -237,8 +237,10 @@ struct HalfFrozen {
     auto& g = flat->grads();
     std::vector<T> v(static_cast<std::size_t>(g.numel()), T(0.0f));  // the padding stays zero, as in training
     for (const auto& e : flat->entries())
-      for (std::int64_t i = e.offset; i < e.offset + e.numel(); ++i)
-        v[static_cast<std::size_t>(i)] = T(static_cast<float>(3 * (2 * random_uniform(6, static_cast<std::uint64_t>(i)) - 1)));
+      for (std::int64_t i = e.offset; i < e.offset + e.numel(); ++i) {
+        const double u = random_uniform(6, static_cast<std::uint64_t>(i));
+        v[static_cast<std::size_t>(i)] = T(static_cast<float>(3 * (2 * u - 1)));
+      }
     g.copy_(Tensor<T>::from(v, g.shape()));
   }
 };
