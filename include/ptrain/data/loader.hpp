@@ -136,7 +136,12 @@ class DataLoader {
     if (o_.drop_last && static_cast<std::int64_t>(idx.size()) < o_.batch) return std::nullopt;
     Batch<T> b;
     if (o_.workers == 0) {
-      b = data_.get(idx);
+      try {
+        b = data_.get(idx);
+      } catch (...) {
+        failed_ = std::current_exception();
+        throw;
+      }
       ++taken_;
     } else {
       std::unique_lock<std::mutex> lk(m_);
