@@ -56,15 +56,18 @@
 // so the first batch of an epoch is not prepared ahead; the copy into pinned
 // memory runs on the training thread (a memcpy of the batch).
 
+#include <algorithm>
 #include <array>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
