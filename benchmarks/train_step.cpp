@@ -4,7 +4,8 @@
 //
 // --data: the data path instead (Note [Prefetching loader] in data/loader.hpp), one
 // JSON line per measurement: batches/s of Dataset::get on Fashion-MNIST's IDX images
-// and of the text windows gpt_char reads, the same through the DataLoader, and a
+// and of the text windows gpt_char reads, the same through the DataLoader, the wait in
+// next() while a step leaves the host idle (as a GPU step does), and a
 // Trainer run's data wait and step time per step with the loader off (0 workers)
 // and on, with get() as it is and with --data-latency-us of storage latency added
 // (medians of 5 runs of 3 epochs).
@@ -86,6 +87,28 @@ static int data_bench(const bench::MlpOptions& o, int latency_us, std::int64_t s
     });
     print({{"bench", "data"}, {"what", "loader"}, {"dataset", "idx_images"}, {"cpu", true}, {"batch", o.batch},
            {"workers", workers}, {"prefetch", 4}, {"batches_per_s", rate}});
+  }
+  // The wait in next() when the step leaves the host idle (a GPU step: here a 3 ms sleep),
+  // against get() on the training thread; median and mean of 200 steps.
+  for (int workers : {0, 1}) {
+    DataLoader<float> loader(images, sampler, {.batch = o.batch, .workers = workers, .prefetch = 2});
+    std::vector<double> waits;
+    for (std::uint64_t epoch = 0; waits.size() < 200; ++epoch) {
+      sampler.set_epoch(epoch);
+      loader.start();
+      for (;;) {
+        const double t0 = bench::now_ms();
+        const auto b = loader.next();
+        if (!b) break;
+        waits.push_back(bench::now_ms() - t0);
+        std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      }
+    }
+    double sum = 0;
+    for (double w : waits) sum += w;
+    print({{"bench", "data"}, {"what", "wait_host_idle"}, {"dataset", "idx_images"}, {"cpu", true},
+           {"batch", o.batch}, {"workers", workers}, {"prefetch", 2}, {"step_ms", 3},
+           {"wait_ms_median", bench::median(waits)}, {"wait_ms_mean", sum / static_cast<double>(waits.size())}});
   }
   {  // gpt_char's text windows (RandomWindows::next): 32 windows of 256 tokens from 4M tokens
     Generator g(1);
