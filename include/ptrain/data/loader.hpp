@@ -16,7 +16,10 @@
 // get() of positions [position + k batch, position + (k + 1) batch). Workers
 // claim k = 0, 1, 2, ... in turn, at most `prefetch` ahead of the batch the
 // training thread takes, and put batch k in slot k % prefetch; next() waits for
-// slot k, whatever order the workers finish in. next() also advances the
+// slot k, whatever order the workers finish in. When no worker has claimed batch
+// k yet (they had no CPU: the step kept every core busy), next() claims it and
+// calls get() itself instead of waiting for a worker to be scheduled, so the
+// loader never waits longer than the synchronous loop for want of a free core. next() also advances the
 // sampler by exactly what it hands out (sampler.next(batch)), on the training
 // thread, so the sampler's position is what the training consumed, never what
 // was prefetched: a checkpoint saves it (ckpt::sampler_state) as before, and a
@@ -149,6 +152,13 @@ class DataLoader {
     } else {
       std::unique_lock<std::mutex> lk(m_);
       Slot& s = slots_[static_cast<std::size_t>(k % o_.prefetch)];
+      if (!s.ready && claimed_ == k) {  // no worker has started it: make it here rather than wait for one
+        ++claimed_;
+        lk.unlock();
+        Slot mine = make(idx);
+        lk.lock();
+        s = std::move(mine);
+      }
       ready_.wait(lk, [&] { return s.ready; });
       if (s.error) {
         failed_ = s.error;
@@ -195,17 +205,23 @@ class DataLoader {
       const auto begin = order_.begin() + first_ + k * o_.batch;
       const std::vector<std::int64_t> idx(begin, begin + std::min<std::int64_t>(o_.batch, order_.end() - begin));
       lk.unlock();
-      Slot s;
-      try {
-        s.batch = data_.get(idx);
-      } catch (...) {
-        s.error = std::current_exception();
-      }
-      s.ready = true;
+      Slot s = make(idx);
       lk.lock();
       slots_[static_cast<std::size_t>(k % o_.prefetch)] = std::move(s);
       ready_.notify_all();
     }
+  }
+
+  // get() of one batch, or the exception it threw.
+  Slot make(const std::vector<std::int64_t>& idx) {
+    Slot s;
+    try {
+      s.batch = data_.get(idx);
+    } catch (...) {
+      s.error = std::current_exception();
+    }
+    s.ready = true;
+    return s;
   }
 
   // A side stream and its pinned buffers (Note [Prefetching loader]; kernels/cuda/copy_stream.hpp).
