@@ -333,6 +333,7 @@ TEST_CASE("Trainer: the masked loss over micro-batches is the token-weighted mea
   CHECK(std::abs(torch.loss - whole) <= 1e-12);
   CHECK(test::max_abs_diff(torch.grads, want) <= 1e-12);
   fs::remove(tok_path);
+}
 
 // Note [Prefetching loader]: get() on worker threads, any number of them and any depth,
 // trains exactly as get() on the training thread (loader_workers = 0: the loop before the
