@@ -41,8 +41,8 @@
 // concurrently (read shared state only, or lock), and its result must depend
 // only on the indices (a draw from a shared random generator, for augmentation,
 // would follow the threads' timing: seed a Generator from the indices instead).
-// TensorDataset qualifies (it reads its tensors and allocates the batch; the
-// allocators are thread-safe). The data set must outlive the loader and not
+// TensorDataset and InstructDataset qualify (they read what they built at
+// construction and allocate the batch; the allocators are thread-safe). The data set must outlive the loader and not
 // change while the workers run.
 //
 // On a GPU (`device` = cuda:N; gated as prefetch_copy_stream, see docs/cuda.md),
