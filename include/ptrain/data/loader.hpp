@@ -16,33 +16,34 @@
 // get() of positions [position + k batch, position + (k + 1) batch). Workers
 // claim k = 0, 1, 2, ... in turn, at most `prefetch` ahead of the batch the
 // training thread takes, and put batch k in slot k % prefetch; next() waits for
-// slot k, whatever order the workers finish in. When no worker has claimed batch
-// k yet (they had no CPU: the step kept every core busy), next() claims it and
-// calls get() itself instead of waiting for a worker to be scheduled, so the
-// loader never waits longer than the synchronous loop for want of a free core. next() also advances the
-// sampler by exactly what it hands out (sampler.next(batch)), on the training
-// thread, so the sampler's position is what the training consumed, never what
-// was prefetched: a checkpoint saves it (ckpt::sampler_state) as before, and a
-// run resumed at the same or another world size (Note [Sampler reshape]) calls
-// start() after restore_sampler and continues with the same batches as a loop
-// that calls sampler.next() and get() itself.
+// slot k, whatever order the workers finish in. When no worker has claimed
+// batch k yet (they had no CPU: the step kept every core busy), next() claims it
+// and calls get() itself instead of waiting for a worker to be scheduled, so the
+// loader never waits longer than the synchronous loop for want of a free core.
+// next() also advances the sampler by exactly what it hands out
+// (sampler.next(batch)), on the training thread, so the sampler's position is
+// what the training consumed, never what was prefetched: a checkpoint saves it
+// (ckpt::sampler_state) as before, and a run resumed at the same or another
+// world size (Note [Sampler reshape]) calls start() after restore_sampler and
+// continues with the same batches as a loop that calls sampler.next() and
+// get() itself.
 //
-// An exception thrown by get() in a worker is kept in the batch's slot and
-// rethrown (the same exception object, std::rethrow_exception) by the next()
-// that needed that batch; every later next() rethrows it too, until start().
+// An exception thrown by get() (in a worker or in next()) is kept in the
+// batch's slot and rethrown (the same exception object, std::rethrow_exception)
+// by the next() that needed that batch; every later next() rethrows it too, until start().
 // stop(), start() and the destructor wake the workers and join them; a worker
 // inside get() finishes that call first (get() is not interrupted), so they
 // return after at most one get() per worker. With workers = 0, next() calls
 // get() itself: the synchronous loop.
 //
-// What a Dataset must guarantee (workers >= 1): get() may be called from
-// threads other than the one that built the data set, `workers` of them at the
-// same time, while the training thread runs; so it must be safe to call
-// concurrently (read shared state only, or lock), and its result must depend
-// only on the indices (a draw from a shared random generator, for augmentation,
-// would follow the threads' timing: seed a Generator from the indices instead).
-// TensorDataset and InstructDataset qualify (they read what they built at
-// construction and allocate the batch; the allocators are thread-safe). The data set must outlive the loader and not
+// What a Dataset must guarantee (workers >= 1): get() may be called from the
+// workers and the training thread, several at the same time, while the step
+// runs; so it must be safe to call concurrently (read shared state only, or
+// lock), and its result must depend only on the indices (a draw from a shared
+// random generator, for augmentation, would follow the threads' timing: seed a
+// Generator from the indices instead). TensorDataset and InstructDataset
+// qualify (they read what they built at construction and allocate the batch;
+// the allocators are thread-safe). The data set must outlive the loader and not
 // change while the workers run.
 //
 // On a GPU (`device` = cuda:N; gated as prefetch_copy_stream, see docs/cuda.md),
