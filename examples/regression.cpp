@@ -11,7 +11,8 @@
 
 using namespace ptrain;
 
-// n points evenly spread over [-1, 1] and their targets sin(3x), made on demand.
+// n points evenly spread over [-1, 1] and their targets sin(3x), made on demand
+// (from the index alone, so the Trainer's loader may call get() from several threads).
 class SineData : public Dataset<float> {
  public:
   explicit SineData(std::int64_t n) : n_(n) {}

@@ -11,6 +11,7 @@
 
 #include "ptrain/kernels/cuda/all.cuh"
 #include "ptrain/kernels/cuda/graph.hpp"
+#include "ptrain/kernels/cuda/copy_stream.hpp"
 #include "ptrain/kernels/cuda_table.hpp"
 
 namespace {
@@ -134,6 +135,7 @@ CudaKernelTable make_table() {
   t.bf16_.flash_tc_forward = &kc::flash_tc_forward<bf16>;
   t.bf16_.flash_tc_backward = &kc::flash_tc_backward<bf16>;
   kc::fill_graph_calls(t.graph);
+  kc::fill_copy_stream_calls(t.copy_stream);
   return t;
 }
 

@@ -31,7 +31,10 @@ struct Batch {
   }
 };
 
-/// Samples by index; get() is called with a rank's indices of one step.
+/// Samples by index; get() is called with a rank's indices of one step and returns host
+/// tensors. The Trainer's DataLoader calls get() from worker threads, several at once: it
+/// must be safe to call concurrently and depend only on its indices (Note [Prefetching
+/// loader] in data/loader.hpp); a data set that cannot be runs with loader_workers = 0.
 template <class T>
 class Dataset {
  public:
@@ -46,6 +49,7 @@ class Dataset {
 
 /// A data set held in memory: row i of `inputs` (features) and of `targets`
 /// (int32 class ids or values of T).
+/// get() reads the tensors and allocates the batch: safe from several threads at once.
 template <class T>
 class TensorDataset : public Dataset<T> {
  public:

@@ -186,6 +186,17 @@ struct CudaGraphCalls {
   void (*upload)(void* dst, const void* src, std::size_t bytes, int device) = nullptr;
 };
 
+/// Host calls of the data loader's copy stream (kernels/cuda/copy_stream.hpp, Note
+/// [Prefetching loader] in data/loader.hpp): a side stream and an event per handle.
+/// Gated as prefetch_copy_stream.
+struct CudaCopyStreamCalls {
+  void* (*create)(int device) = nullptr;
+  void (*destroy)(void* s) noexcept = nullptr;  ///< waits for the queued copies first
+  void (*begin)(void* s) = nullptr;   ///< waits for its last copies, makes the side stream current
+  void (*end)(void* s) = nullptr;     ///< restores the previous stream, records the event after the copies
+  std::uintptr_t (*wait)(void* s) = nullptr;  ///< the current stream waits for the event; returns its key
+};
+
 /// Every element type's table. int32 has token_ids only.
 struct CudaKernelTable {
   CudaKernels<float> f32;
@@ -193,6 +204,7 @@ struct CudaKernelTable {
   CudaKernels<bf16> bf16_;
   CudaKernels<std::int32_t> i32;
   CudaGraphCalls graph;
+  CudaCopyStreamCalls copy_stream;
 };
 
 namespace detail {
@@ -226,6 +238,13 @@ inline const CudaGraphCalls& cuda_graph_calls() {
   const CudaKernelTable* t = detail::cuda_kernel_table_slot();
   if (!t) detail::throw_cuda_unavailable("a CUDA graph");
   return t->graph;
+}
+
+/// The data loader's copy-stream calls; throws [ptrain.cuda.unavailable] without ptrain::cuda.
+inline const CudaCopyStreamCalls& cuda_copy_stream_calls() {
+  const CudaKernelTable* t = detail::cuda_kernel_table_slot();
+  if (!t) detail::throw_cuda_unavailable("the data loader's copies to a GPU");
+  return t->copy_stream;
 }
 
 /// The CUDA kernels for element type T; throws [ptrain.cuda.unavailable] when the

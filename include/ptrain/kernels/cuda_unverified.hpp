@@ -75,6 +75,8 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "nccl_all_to_all",
     // kernels/cuda/graph.hpp, train/step_graph.hpp: the Trainer's step captured in a CUDA graph
     "cuda_graph_step",
+    // kernels/cuda/copy_stream.hpp, data/loader.hpp: the loader's copies to the GPU on a side stream
+    "prefetch_copy_stream",
 };
 
 /// True when `name` is on the gate's list.

@@ -4,9 +4,11 @@
 //
 // Note [Straggler report]
 // Each rank sums, over the steps of a report window, its wall time per step,
-// the part spent getting the batch (data wait), and the part its callers spent
-// blocked in waits on collectives (collective wait; counted by the recording
-// communicator of Note [Flight recorder], so 0 unless it is on). At each report
+// the part spent waiting for the batch (data wait: blocked in the prefetching
+// loader's next(), Note [Prefetching loader], and the copy to the device), and
+// the part its callers spent blocked in waits on collectives (collective wait;
+// counted by the recording communicator of Note [Flight recorder], so 0 unless
+// it is on). At each report
 // every rank all-gathers its three means (one small collective, at the same
 // steps on every rank), and the leader writes each rank's step time, the
 // slowest rank, and how much slower it is than the median rank. A rank that is

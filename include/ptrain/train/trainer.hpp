@@ -79,6 +79,7 @@
 #include "ptrain/ckpt/preemption.hpp"
 #include "ptrain/data/batches.hpp"
 #include "ptrain/data/dataset.hpp"
+#include "ptrain/data/loader.hpp"
 #include "ptrain/data/sampler.hpp"
 #include "ptrain/dist/flight_recorder.hpp"
 #include "ptrain/obs/trace.hpp"
@@ -117,6 +118,11 @@ struct TrainerOptions {
   /// Capture the whole step in a CUDA graph and replay it (Note [CUDA graphs of the step]);
   /// GPU runs with the loss on the device only; turned off, with a note, where it cannot be.
   bool cuda_graphs = true;
+  /// Threads that call Dataset::get ahead of the step (Note [Prefetching loader] in
+  /// data/loader.hpp, which says what the Dataset must guarantee); 0: get() on the
+  /// training thread, as the loop did before the loader.
+  int loader_workers = 1;
+  int prefetch = 2;  ///< batches prepared ahead of the step (loader_workers >= 1)
 };
 
 /// What run() ended with.
@@ -156,6 +162,8 @@ class Trainer {
                  ", ", o_.batch, ", ", o_.grad_accum, ")");
     PTRAIN_CHECK(o_.log_every >= 0 && o_.eval_every >= 0 && o_.checkpoint_every >= 0 && o_.grad_clip >= 0, Error,
                  "[ptrain.trainer.options] log_every, eval_every, checkpoint_every and grad_clip must be >= 0");
+    PTRAIN_CHECK(o_.loader_workers >= 0 && o_.prefetch >= 1, Error, "[ptrain.trainer.options] need loader_workers "
+                 ">= 0 and prefetch >= 1 (got ", o_.loader_workers, ", ", o_.prefetch, ")");
     dist::Communicator* dp = engine_.data_parallel_group();
     data_rank_ = dp ? dp->rank() : 0;
     data_world_ = dp ? dp->size() : 1;
@@ -246,16 +254,24 @@ class Trainer {
       }
     };
 
+    // Note [Prefetching loader]: batch k is the sampler's k-th step whatever the workers'
+    // timing, and the sampler advances only by what next() hands out. While the side-stream
+    // copy is gated the batch stays on the host and goes to the device as before.
+    const Device param_dev = engine_.parameters().values().device();
+    const bool copy_ahead = param_dev.is_cuda() && kernels::cuda_kernel_enabled("prefetch_copy_stream");
+    DataLoader<T> loader(data_, sampler, {.batch = o_.batch, .drop_last = o_.drop_last, .workers = o_.loader_workers,
+                                          .prefetch = o_.prefetch, .device = copy_ahead ? param_dev : Device::cpu()});
     for (int epoch = start_epoch; epoch < o_.epochs; ++epoch) {
       if (!(resumed && epoch == start_epoch)) sampler.set_epoch(static_cast<std::uint64_t>(epoch));
+      loader.start();
       while (!sampler.epoch_done()) {
         tracer.step(result.step + 1);
         const double t0 = clock.seconds(), wait0 = dist::collective_wait_seconds();
-        const auto idx = sampler.next(o_.batch);
-        if (o_.drop_last && static_cast<std::int64_t>(idx.size()) < o_.batch) break;
         std::optional<obs::Span> data_span(std::in_place, "data", "train");
+        std::optional<Batch<T>> next = loader.next();  // the data wait: blocked here
+        if (!next) break;                              // a partial last batch with drop_last
         // With the loss on the device the batch goes to the device in device_step().
-        const Batch<T> b = device_loss ? data_.get(idx) : to_device(data_.get(idx));
+        const Batch<T> b = device_loss ? std::move(*next) : to_device(std::move(*next));
         data_span.reset();
         const double t_data = clock.seconds() - t0;
         if (schedule) opt_.set_lr(schedule(result.step));

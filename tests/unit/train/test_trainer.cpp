@@ -335,4 +335,48 @@ TEST_CASE("Trainer: the masked loss over micro-batches is the token-weighted mea
   fs::remove(tok_path);
 }
 
+// Note [Prefetching loader]: get() on worker threads, any number of them and any depth,
+// trains exactly as get() on the training thread (loader_workers = 0: the loop before the
+// loader): the same losses step by step and the same parameters, bit for bit; and the
+// data wait the loop measured is in every metrics record.
+TEST_CASE("Trainer: the prefetching loader trains bit for bit as the synchronous loop", "[train][trainer][loader]") {
+  TensorDataset<float> data = make_data(37);  // 37 = 9 batches of 4 and 1 left: a partial batch
+  struct Result {
+    std::vector<double> losses;
+    std::vector<float> params;
+  };
+  auto train = [&](int workers, int prefetch, bool drop_last, const fs::path& metrics) {
+    Run run(data, {.epochs = 2, .grad_accum = 2, .drop_last = drop_last, .seed = 4, .log_every = 3,
+                   .metrics = metrics.string(), .loader_workers = workers, .prefetch = prefetch});
+    Result r;
+    run.trainer->on_step = [&](const train::StepInfo& s) { r.losses.push_back(s.loss); };
+    run.trainer->run();
+    const Tensor<float> p = run.engine->parameters().values();
+    r.params.assign(p.data(), p.data() + p.numel());
+    return r;
+  };
+  const fs::path dir = fresh_dir("ptrain_trainer_loader_");
+  fs::create_directories(dir);
+  for (const bool drop_last : {false, true}) {
+    const Result sync = train(0, 1, drop_last, dir / "sync.jsonl");
+    REQUIRE(sync.losses.size() == (drop_last ? 18u : 20u));
+    for (const auto& [workers, prefetch] : {std::pair{1, 1}, {1, 2}, {3, 4}}) {
+      CAPTURE(drop_last, workers, prefetch);
+      const fs::path metrics = dir / ("w" + std::to_string(workers) + ".jsonl");
+      const Result got = train(workers, prefetch, drop_last, metrics);
+      REQUIRE(got.losses == sync.losses);
+      REQUIRE(got.params == sync.params);
+      const auto records = read_lines(metrics);
+      REQUIRE(records.size() == (drop_last ? 6u : 7u));  // every 3 steps and the last
+      for (const auto& rec : records) {
+        REQUIRE(rec.contains("data_wait_s"));
+        CHECK(rec["data_wait_s"].get<double>() >= 0);
+        CHECK(rec["data_wait_s"].get<double>() <= rec["step_time_s"].get<double>());
+      }
+    }
+  }
+  REQUIRE_THROWS_WITH(Run(data, {.loader_workers = -1}), Catch::Contains("[ptrain.trainer.options]"));
+  fs::remove_all(dir);
+}
+
 }  // namespace test_trainer
