@@ -509,7 +509,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     grp.full_offset = full_total();
     grp.frozen_padded = (grp.frozen_numel + shard_size_ - 1) / shard_size_ * shard_size_;
     grp.frozen_shard = grp.frozen_padded / shard_size_;
-    grp.frozen_local_offset = groups_.empty() ? 0 : groups_.back().frozen_local_offset + groups_.back().frozen_shard;
+    grp.frozen_local_offset = frozen_local_total();
     grp.frozen_full_offset = frozen_full_total();
   }
   // Elements of the groups in groups_: the local buffers' and the full buffers' sizes.
