@@ -182,6 +182,8 @@ class DDP : public nn::Module<T>, public Engine<T> {
   ExpertMesh* expert_mesh() { return experts_.get(); }
   /// Whether entry i of parameters() is an expert's (distinct on each expert-parallel rank).
   bool is_expert(std::size_t i) const { return !expert_.empty() && expert_.at(i); }
+  /// The same for entry i of parameters().frozen_entries().
+  bool is_frozen_expert(std::size_t i) const { return !frozen_expert_.empty() && frozen_expert_.at(i); }
 
  private:
   void init() {
@@ -237,7 +239,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
     }
     const auto& frozen = params_.frozen_entries();
     for (std::size_t i = 0; i < frozen.size(); ++i) {
-      dist::Communicator& c = frozen_expert_[i] ? experts_->expert_data_group() : comm_;
+      dist::Communicator& c = is_frozen_expert(i) ? experts_->expert_data_group() : comm_;
       if (c.size() > 1) c.broadcast(frozen[i].param->value, 0);
     }
   }
@@ -272,7 +274,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
           .push_back(entries[i].name + " " + entries[i].shape.str() + " " + dtype_name(dtype_of<T>()));
     const auto& frozen = params_.frozen_entries();
     for (std::size_t i = 0; i < frozen.size(); ++i)
-      (experts_ && frozen_expert_[i] ? experts : dense)
+      (is_frozen_expert(i) ? experts : dense)
           .push_back(frozen[i].name + " " + frozen[i].shape.str() + " " + dtype_name(dtype_of<T>()) + " frozen");
     if (!experts_) {
       check_same_model(comm_, dense);
