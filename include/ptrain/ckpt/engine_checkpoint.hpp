@@ -48,6 +48,9 @@ ShardedState expert_parallel_state(parallel::DDP<T>& ddp, optim::Optimizer<T>* o
   const auto& entries = ddp.parameters().entries();
   for (std::size_t i = 0; i < entries.size(); ++i)
     if (ddp.is_expert(i)) experts.insert(entries[i].name);
+  const auto& frozen = ddp.parameters().frozen_entries();  // frozen experts: written like the others
+  for (std::size_t i = 0; i < frozen.size(); ++i)
+    if (ddp.is_frozen_expert(i)) experts.insert(frozen[i].name);
   const bool dense_writer = ddp.communicator().rank() == 0, expert_writer = ddp.expert_mesh()->replica() == 0;
   auto keep = [&](std::vector<TensorPiece>& pieces, bool state) {
     std::erase_if(pieces, [&](const TensorPiece& p) {

@@ -182,6 +182,8 @@ class DDP : public nn::Module<T>, public Engine<T> {
   ExpertMesh* expert_mesh() { return experts_.get(); }
   /// Whether entry i of parameters() is an expert's (distinct on each expert-parallel rank).
   bool is_expert(std::size_t i) const { return !expert_.empty() && expert_.at(i); }
+  /// The same for entry i of parameters().frozen_entries().
+  bool is_frozen_expert(std::size_t i) const { return !frozen_expert_.empty() && frozen_expert_.at(i); }
 
  private:
   void init() {
@@ -194,9 +196,18 @@ class DDP : public nn::Module<T>, public Engine<T> {
       std::vector<nn::Parameter<T>*> mine;
       for (auto* moe : moe_layers(module_))
         for (auto& p : moe->experts().named_parameters()) mine.push_back(p.param);
-      auto is_mine = [&](const nn::FlatEntry<T>& e) { return std::find(mine.begin(), mine.end(), e.param) != mine.end(); };
-      for (const auto& e : params_.entries()) expert_.push_back(is_mine(e));
-      for (const auto& e : params_.frozen_entries()) frozen_expert_.push_back(is_mine(e));
+      auto is_mine = [&](nn::Parameter<T>* p) { return std::find(mine.begin(), mine.end(), p) != mine.end(); };
+      for (const auto& e : params_.entries()) expert_.push_back(is_mine(e.param));
+      for (const auto& e : params_.frozen_entries()) frozen_expert_.push_back(is_mine(e.param));
+      // Note [Bucketing]: whether an expert (trainable or frozen) lies before each trainable entry.
+      bool seen = false;
+      for (auto& p : module_.named_parameters()) {
+        if (p.param->requires_grad) {
+          expert_gap_.push_back(seen);
+          seen = false;
+        }
+        if (is_mine(p.param)) seen = true;
+      }
     }
     verify_same_parameters();
     build_buckets();
@@ -237,7 +248,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
     }
     const auto& frozen = params_.frozen_entries();
     for (std::size_t i = 0; i < frozen.size(); ++i) {
-      dist::Communicator& c = frozen_expert_[i] ? experts_->expert_data_group() : comm_;
+      dist::Communicator& c = is_frozen_expert(i) ? experts_->expert_data_group() : comm_;
       if (c.size() > 1) c.broadcast(frozen[i].param->value, 0);
     }
   }
@@ -272,7 +283,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
           .push_back(entries[i].name + " " + entries[i].shape.str() + " " + dtype_name(dtype_of<T>()));
     const auto& frozen = params_.frozen_entries();
     for (std::size_t i = 0; i < frozen.size(); ++i)
-      (experts_ && frozen_expert_[i] ? experts : dense)
+      (is_frozen_expert(i) ? experts : dense)
           .push_back(frozen[i].name + " " + frozen[i].shape.str() + " " + dtype_name(dtype_of<T>()) + " frozen");
     if (!experts_) {
       check_same_model(comm_, dense);
@@ -297,6 +308,10 @@ class DDP : public nn::Module<T>, public Engine<T> {
 
   // Note [Bucketing]: walk the entries from the last, cut when a bucket is full. Only
   // trainable parameters have entries (and gradients); a wholly frozen model has no bucket.
+  // With expert parallelism a bucket holds dense or expert parameters only, and a dense
+  // bucket never spans a place where experts sit (expert_gap_), trainable or frozen, and
+  // the first bucket of each kind is the small one: the dense buckets are then the same
+  // on every rank even where ranks hold different numbers of trainable experts.
   void build_buckets() {
     const auto& entries = params_.entries();
     const std::int64_t n = params_.numel();
@@ -306,11 +321,14 @@ class DDP : public nn::Module<T>, public Engine<T> {
     std::int64_t end = n;
     Bucket cur;
     cur.end = n;
+    int made[2] = {0, 0};  // dense and expert buckets so far
     for (std::size_t i = entries.size(); i-- > 0;) {
       const std::int64_t begin = i == 0 ? 0 : entries[i].offset;
-      const std::int64_t cap = buckets_.empty() ? opt_.first_bucket_bytes : opt_.bucket_cap_bytes;
-      if (cur.expected > 0 && ((end - begin) * elem > cap || cur.expert != is_expert(i))) {
+      const std::int64_t cap = made[cur.expert] == 0 ? opt_.first_bucket_bytes : opt_.bucket_cap_bytes;
+      if (cur.expected > 0 && ((end - begin) * elem > cap || cur.expert != is_expert(i) ||
+                               (!expert_gap_.empty() && expert_gap_[i + 1]))) {
         cur.begin = entries[i + 1].offset;
+        ++made[cur.expert];
         buckets_.push_back(std::move(cur));
         cur = Bucket{};
         cur.end = end = buckets_.back().begin;
@@ -413,6 +431,7 @@ class DDP : public nn::Module<T>, public Engine<T> {
   std::vector<int> entry_bucket_;
   std::vector<char> expert_;  // per entry, with expert parallelism
   std::vector<char> frozen_expert_;  // per frozen entry, with expert parallelism
+  std::vector<char> expert_gap_;     // per entry: an expert sits between it and the entry before
   std::vector<char> announced_;
   std::vector<BucketEvent> events_;
   std::size_t next_launch_ = 0;

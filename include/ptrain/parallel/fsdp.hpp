@@ -374,7 +374,8 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     std::int64_t local_offset = 0;  // of this rank's shard in local_values_
     std::int64_t full_offset = 0;   // of the group in full_values_/full_grads_ (kept buffers)
     // Frozen parameters (Note [Frozen parameters under FSDP]): the same, in their own flat
-    // buffer; offsets into local_frozen_ (resharding) or full_frozen_ (kept).
+    // buffer; frozen_local_offset places the shard in local_frozen_ when resharding,
+    // frozen_full_offset the whole group in it when the full parameters are kept.
     std::vector<nn::FlatEntry<T>> frozen_entries;
     std::int64_t frozen_numel = 0, frozen_padded = 0, frozen_shard = 0;
     std::int64_t frozen_local_offset = 0, frozen_full_offset = 0;
@@ -509,7 +510,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     grp.full_offset = full_total();
     grp.frozen_padded = (grp.frozen_numel + shard_size_ - 1) / shard_size_ * shard_size_;
     grp.frozen_shard = grp.frozen_padded / shard_size_;
-    grp.frozen_local_offset = groups_.empty() ? 0 : groups_.back().frozen_local_offset + groups_.back().frozen_shard;
+    grp.frozen_local_offset = frozen_local_total();
     grp.frozen_full_offset = frozen_full_total();
   }
   // Elements of the groups in groups_: the local buffers' and the full buffers' sizes.

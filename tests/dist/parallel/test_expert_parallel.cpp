@@ -50,9 +50,17 @@ nn::LlamaConfig config(bool capacity, std::int64_t experts = 4) {
   return c;
 }
 
-std::shared_ptr<nn::Llama<Real>> make_llama(const nn::LlamaConfig& c) {
+// With `freeze`, fine-tuning's freezing (Note [Frozen parameters] in nn/flat_parameters.hpp):
+// the token embedding, layer 0's attention and expert 1 of every MoE layer.
+std::shared_ptr<nn::Llama<Real>> make_llama(const nn::LlamaConfig& c, bool freeze = false) {
   Generator g(11);
-  return std::make_shared<nn::Llama<Real>>(c, g);
+  auto m = std::make_shared<nn::Llama<Real>>(c, g);
+  if (freeze)
+    for (auto& p : m->named_parameters())
+      if (p.name.rfind("embed_tokens.", 0) == 0 || p.name.rfind("layers.0.self_attn.", 0) == 0 ||
+          p.name.find(".experts.1.") != std::string::npos)
+        p.param->set_requires_grad(false);
+  return m;
 }
 
 struct Batch {
@@ -79,13 +87,13 @@ struct Reference {
   std::vector<std::vector<Real>> params;
   std::vector<double> norms;
 };
-Reference reference(nn::LlamaConfig c, int n, std::int64_t steps) {
+Reference reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze = false) {
   const bool per_rank = c.moe_capacity_factor > 0;
   if (per_rank) {
     c.moe_aux_loss_coef /= n;
     c.moe_z_loss_coef /= n;
   }
-  auto model = make_llama(c);
+  auto model = make_llama(c, freeze);
   nn::FlatParameters<Real> params(*model);
   optim::AdamW<Real> opt(params, kAdam);
   Reference out;
@@ -129,16 +137,19 @@ std::int64_t train(parallel::Engine<Real>& engine, optim::AdamW<Real>& opt, std:
 
 // The whole model's parameters through the engine's checkpoint, read back into one process.
 std::vector<Real> whole_parameters(parallel::Engine<Real>& engine, optim::AdamW<Real>& opt,
-                                   const nn::LlamaConfig& c, const std::filesystem::path& where) {
+                                   const nn::LlamaConfig& c, const std::filesystem::path& where,
+                                   bool freeze = false) {
   auto& comm = engine.communicator();
   if (comm.rank() == 0) std::filesystem::remove_all(where);
   comm.barrier();
   ckpt::CheckpointManager mgr(where, &comm);
   ckpt::save(mgr, kSteps, engine, &opt, {});
-  auto whole = make_llama(c);
+  auto whole = make_llama(c, freeze);
   nn::FlatParameters<Real> back(*whole);
+  const auto frozen_before = back.frozen_values().to_vector();
   ckpt::CheckpointManager reader(where);
   reader.load(reader.latest().path, back);
+  CHECK(back.frozen_values().to_vector() == frozen_before);  // frozen experts and layers saved, unchanged
   return back.values().to_vector();
 }
 
@@ -188,6 +199,35 @@ TEST_CASE("Expert-parallel Llama MoE trains like one process", "[ep]") {
       const auto got = whole_parameters(*engine, opt, c, dir / ("ep" + std::to_string(ep)));
       CHECK(rel_diff(got, ref.params.back()) < kTol);
     }
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Frozen parameters, frozen experts among them, under expert parallelism: only trainable
+// gradients are reduced, and the checkpoint holds every frozen tensor (each expert from
+// the rank that holds it), unchanged bit for bit.
+TEST_CASE("Expert-parallel Llama MoE with frozen experts and layers trains like one process", "[ep][frozen]") {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_ep_frozen_");
+  const nn::LlamaConfig c = config(false);
+  const auto ref = reference(c, n, kSteps, true);
+  for (int ep : ep_degrees(n)) {
+    INFO("frozen, ep " << ep << " x dp " << n / ep << ", " << comm.backend());
+    auto engine = parallel::make_engine<Real>(make_llama(c, true), comm,
+                                              parallel::DDPOptions{.first_bucket_bytes = 256, .expert_parallel = ep});
+    auto& ddp = static_cast<parallel::DDP<Real>&>(*engine);
+    std::int64_t frozen_experts = 0;
+    for (std::size_t i = 0; i < ddp.parameters().frozen_entries().size(); ++i) frozen_experts += ddp.is_frozen_expert(i);
+    comm.all_reduce(&frozen_experts, 1, DType::I64, dist::ReduceOp::Sum);
+    CHECK(frozen_experts == 2 * 3 * (n / ep));  // 2 layers x w1, w2, w3, on each replica
+    optim::AdamW<Real> opt(engine->parameters(), kAdam);
+    std::vector<double> norms;
+    train(*engine, opt, 0, kSteps, &norms);
+    for (std::size_t s = 0; s < norms.size(); ++s) CHECK(std::abs(norms[s] - ref.norms[s]) < kTol * ref.norms[s]);
+    const auto got = whole_parameters(*engine, opt, c, dir / ("ep" + std::to_string(ep)), true);
+    CHECK(rel_diff(got, ref.params.back()) < kTol);
   }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);

@@ -494,7 +494,7 @@ namespace {
 // process. Frozen values must not move by one bit. Ranks other than 0 build the
 // model from another seed: the sharding broadcasts rank 0's values.
 template <class T>
-void check_frozen_fsdp(ShardingStrategy strategy, double tol, const std::filesystem::path& dir) {
+void check_frozen_fsdp(ShardingStrategy strategy, double tol, const std::filesystem::path& dir, bool factory = false) {
   auto& comm = world();
   const int n = comm.size(), r = comm.rank();
   const std::int64_t B = 3, features = 10, steps = 4;
@@ -504,7 +504,13 @@ void check_frozen_fsdp(ShardingStrategy strategy, double tol, const std::filesys
   nn::FlatParameters<T> ref_p(*ref);
   std::map<std::string, std::vector<T>> frozen_before;
   for (const auto& e : ref_p.frozen_entries()) frozen_before[e.name] = e.param->value.to_vector();
-  parallel::FSDP<T> fsdp(model->units(), comm, options_for(strategy));
+  // With `factory`, units built one at a time (Note [FSDP units built one at a time]).
+  auto unit = [&](std::size_t u) {
+    Generator gu(7 + static_cast<std::uint64_t>(r));
+    return testing::frozen_mlp<T>(gu)->units()[u];
+  };
+  parallel::FSDP<T> fsdp = factory ? parallel::FSDP<T>(model->units().size(), unit, comm, options_for(strategy))
+                                   : parallel::FSDP<T>(model->units(), comm, options_for(strategy));
   const optim::AdamWOptions adam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
   optim::AdamW<T> ref_opt(ref_p, adam), opt(fsdp.parameters(), adam);
   nn::CrossEntropyLoss<T> ce;
@@ -570,6 +576,7 @@ TEST_CASE("FSDP with frozen parameters equals one process under every strategy; 
     check_frozen_fsdp<double>(s, 1e-9, dir);
     check_frozen_fsdp<float>(s, 2e-4, dir / "f32");
   }
+  check_frozen_fsdp<double>(ShardingStrategy::FullShard, 1e-9, dir / "factory", true);
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
