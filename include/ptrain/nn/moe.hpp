@@ -447,7 +447,10 @@ class MoE : public Module<T> {
     for (std::int64_t e = 0; e < count; ++e)
       for (int j = 0; j < 3; ++j) {
         auto pick = [j](MoeExpert<T>& x) -> Linear<T>& { return j == 0 ? x.w1() : j == 1 ? x.w2() : x.w3(); };
-        pick(mine->expert(e)).weight().value.copy_(pick(experts_->expert(first + e)).weight().value);
+        const Parameter<T>& full = pick(experts_->expert(first + e)).weight();
+        Parameter<T>& kept = pick(mine->expert(e)).weight();
+        kept.value.copy_(full.value);
+        kept.set_requires_grad(full.requires_grad);  // a frozen expert stays frozen
       }
     experts_ = this->replace_module("experts", std::move(mine));
     dispatch_ = std::move(dispatch);

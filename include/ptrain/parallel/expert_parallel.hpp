@@ -39,7 +39,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -204,15 +203,8 @@ std::size_t shard_experts(nn::Module<T>& model, ExpertMesh& mesh) {
     const std::int64_t E = moe->config().num_experts;
     PTRAIN_CHECK(E % ep == 0, Error, "[ptrain.ep.experts] expert_parallel = ", ep, " does not divide the ", E,
                  " experts of ", moe->describe(), "; choose an ep degree that divides num_experts");
-    // Frozen experts stay frozen (Note [Frozen parameters] in nn/flat_parameters.hpp): the kept
-    // experts are new parameters under the same global names.
-    std::set<std::string> frozen;
-    for (auto& p : moe->named_parameters())
-      if (!p.param->requires_grad) frozen.insert(p.name);
     moe->shard_experts(mesh.ep_rank() * (E / ep), E / ep,
                        std::make_shared<ExpertParallelDispatch<T>>(mesh.expert_group(), E));
-    for (auto& p : moe->named_parameters())
-      if (frozen.count(p.name)) p.param->set_requires_grad(false);
   }
   return layers.size();
 }
