@@ -95,18 +95,13 @@ double eval_loss(parallel::Engine<float>& engine, InstructDataset<float>& data, 
     for (std::int64_t i = 0; i < std::max<std::int64_t>(len, 1); ++i) rows.push_back(len ? begin + i : 0);
     const Batch<float> b = data.get(rows);
     nn::Cache<float> cache;
-    const auto logits = module.forward_tokens(b.ids, cache).to(Device::cpu());
-    const std::int64_t V = logits.size(-1), tokens = len ? b.ids.numel() : 0;
-    const std::int32_t* t = b.targets.ids().data();
-    for (std::int64_t i = 0; i < tokens; ++i) {
-      if (t[i] < 0) continue;
-      const float* row = logits.data() + i * V;
-      const double top = *std::max_element(row, row + V);
-      double z = 0;
-      for (std::int64_t v = 0; v < V; ++v) z += std::exp(double(row[v]) - top);
-      sums[0] += top + std::log(z) - row[t[i]];
-      sums[1] += 1;
-    }
+    const auto logits = module.forward_tokens(b.ids, cache);
+    if (!len) continue;
+    Tensor<float> lse;
+    std::int64_t valid = 0;
+    const double mean = ops::cross_entropy(logits, b.targets.ids().to(logits.device()), lse, valid);
+    sums[0] += mean * static_cast<double>(valid);
+    sums[1] += static_cast<double>(valid);
   }
   module.train(true);
   if (dp) dp->all_reduce(sums, 2, DType::F64, dist::ReduceOp::Sum);
