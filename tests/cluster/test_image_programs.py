@@ -3,9 +3,10 @@
 
 No image can be built on this machine (no container daemon, no registry), but
 the CPU variant's build stage is Debian bookworm, as this machine is. So this
-test runs examples/k8s/build-programs.sh cpu exactly as the Dockerfile's
-build-cpu stage does (same script, same CMake options; ccache when present),
-into a temporary prefix, and checks what the runtime stage would get:
+test runs examples/k8s/build-programs.sh cpu as the Dockerfile's build-cpu
+stage does (same script, same CMake options but for -O3, which it leaves out to
+build faster; ccache when present), into a temporary prefix, and checks what
+the runtime stage would get:
 
   1. every program of the image is there, was compiled without
      -march=native, and starts (--help);
@@ -135,7 +136,12 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="ptrain-image-"))
     try:
         PREFIX = work / "opt-ptrain"
-        extra = ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"] if shutil.which("ccache") else []
+        # Release without its -O3: what is checked here (the programs, their flags, the
+        # libraries they load) does not depend on optimisation, and the main build
+        # already compiles the same sources optimised. It takes a third of the time.
+        extra = ["-DCMAKE_CXX_FLAGS_RELEASE=-DNDEBUG"]
+        if shutil.which("ccache"):
+            extra.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
         env = dict(os.environ, JOBS=os.environ.get("JOBS", "2"))
         r = subprocess.run(["sh", str(SCRIPT), "cpu", str(ROOT), str(BUILD), str(PREFIX), *extra], env=env,
                            capture_output=True, text=True)

@@ -34,6 +34,8 @@
 #include "ptrain/ops/gqa_attention.hpp"
 #include "gpu/gpu_util.hpp"
 
+namespace test_flash_tc_attention {
+
 using namespace ptrain;
 using namespace ptrain::testing;
 
@@ -264,3 +266,5 @@ TEST_CASE("tensor-core flash attention declines what it does not take and refuse
   CHECK_THROWS_WITH(forward_kernel()(B, S, 3, 2, 64, p, ld, p, p, ld, true, 1.0f, y.data(), lse.data()),
                     Catch::Contains("[ptrain.cuda.flash_tc]") && Catch::Contains("do not divide"));
 }
+
+}  // namespace test_flash_tc_attention

@@ -25,6 +25,8 @@
 #include "ptrain/ops/gqa_attention.hpp"
 #include "gpu/gpu_util.hpp"
 
+namespace test_gqa_attention {
+
 using namespace ptrain;
 using namespace ptrain::testing;
 
@@ -177,3 +179,5 @@ TEST_CASE("GPT's packed attention in float without dropout takes the grouped-que
   CHECK(rel_err(y.to_vector(), y_ref) < 1e-5);
   CHECK(rel_err(ops::causal_attention_backward(g_qkv, saved, H, g_dy).to_vector(), dqkv_ref) < 1e-5);
 }
+
+}  // namespace test_gqa_attention

@@ -52,13 +52,14 @@ std::vector<double> ref_values(const Tensor<T>& t) {
   return to_double(t.to_vector());
 }
 
-#define CHECK_NEAR(got, want, T)                                  \
-  do {                                                            \
-    INFO("seed " << test_seed());                                 \
-    const double err_ = rel_err((got).to_vector(), ref_values(want)); \
-    INFO(#got << ": relative error " << err_);                    \
-    CHECK(err_ <= tol<T>());                                      \
-  } while (0)
+// got against the reference want within tol<T>(); what names got in the report.
+template <class T, class G, class W>
+void check_near(const char* what, const Tensor<G>& got, const Tensor<W>& want) {
+  INFO("seed " << test_seed());
+  const double err = rel_err(got.to_vector(), ref_values(want));
+  INFO(what << ": relative error " << err);
+  CHECK(err <= tol<T>());
+}
 
 using Dims = std::vector<std::pair<std::int64_t, std::int64_t>>;
 // Short rows (a warp), long ones (512 threads, several elements each), a width that is
@@ -90,12 +91,12 @@ TEMPLATE_TEST_CASE("cuda: rms_norm forward and backward", "[gpu][llama_kernels][
     poison_next<T>(rows * d);
     poison_next<A>(rows);
     const auto y = ops::rms_norm(xg, wg, eps, rstd);
-    CHECK_NEAR(y, y_ref, T);
-    CHECK_NEAR(rstd, rstd_ref, T);
+    check_near<T>("y", y, y_ref);
+    check_near<T>("rstd", rstd, rstd_ref);
     poison_next<T>(rows * d);
     const auto dx = ops::rms_norm_backward(xg, rstd, wg, dyg, dwg);
-    CHECK_NEAR(dx, dx_ref, T);
-    CHECK_NEAR(dwg, dw_ref, T);
+    check_near<T>("dx", dx, dx_ref);
+    check_near<T>("dwg", dwg, dw_ref);
   }
 }
 
@@ -126,13 +127,13 @@ TEMPLATE_TEST_CASE("cuda: residual_rms_norm (residual add fused with the norm), 
     poison_next<T>(rows * d, 2);  // h and y
     poison_next<A>(rows);
     const auto y = ops::residual_rms_norm(xg, rg, wg, eps, h, rstd);
-    CHECK_NEAR(h, h_ref, T);
-    CHECK_NEAR(y, y_ref, T);
-    CHECK_NEAR(rstd, rstd_ref, T);
+    check_near<T>("h", h, h_ref);
+    check_near<T>("y", y, y_ref);
+    check_near<T>("rstd", rstd, rstd_ref);
     poison_next<T>(rows * d);
     const auto dh = ops::residual_rms_norm_backward(h, rstd, wg, dyg, dresg, dwg);
-    CHECK_NEAR(dh, dh_ref, T);
-    CHECK_NEAR(dwg, dw_ref, T);
+    check_near<T>("dh", dh, dh_ref);
+    check_near<T>("dwg", dwg, dw_ref);
   }
 }
 
@@ -171,8 +172,8 @@ TEMPLATE_TEST_CASE("cuda: rotary forward and backward, plain and Llama 3 scaled,
       auto y = gpu(x, shape), dx = gpu(g, shape);
       ops::rotary_(y, c.rope, pos_gpu);
       ops::rotary_backward_(dx, c.rope, pos_gpu);
-      CHECK_NEAR(y, y_ref, T);
-      CHECK_NEAR(dx, dx_ref, T);
+      check_near<T>("y", y, y_ref);
+      check_near<T>("dx", dx, dx_ref);
     }
   }
 }
@@ -192,12 +193,12 @@ TEMPLATE_TEST_CASE("cuda: swiglu forward and backward", "[gpu][llama_kernels][cu
     const auto gg = gpu(gate, shape), ug = gpu(up, shape), dhg = gpu(dh, shape);
     poison_next<T>(n);
     const auto h = ops::swiglu(gg, ug);
-    CHECK_NEAR(h, h_ref, T);
+    check_near<T>("h", h, h_ref);
     Tensor<T> dgate, dup;
     poison_next<T>(n, 2);
     ops::swiglu_backward(gg, ug, dhg, dgate, dup);
-    CHECK_NEAR(dgate, dgate_ref, T);
-    CHECK_NEAR(dup, dup_ref, T);
+    check_near<T>("dgate", dgate, dgate_ref);
+    check_near<T>("dup", dup, dup_ref);
   }
 }
 

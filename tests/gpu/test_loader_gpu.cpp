@@ -22,6 +22,8 @@
 #include "ptrain/parallel/make_engine.hpp"
 #include "ptrain/train/trainer.hpp"
 
+namespace test_loader_gpu {
+
 using namespace ptrain;
 using namespace ptrain::testing;
 
@@ -125,3 +127,5 @@ TEST_CASE("Trainer on cuda:0: the side-stream copy trains as the synchronous cop
   REQUIRE(train(0) == sync);
   REQUIRE(train(2) == sync);
 }
+
+}  // namespace test_loader_gpu

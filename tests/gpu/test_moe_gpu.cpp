@@ -24,13 +24,14 @@ using kernels::MoeScore;
 
 namespace {
 
-#define CHECK_NEAR(got, want, T)                                          \
-  do {                                                                    \
-    INFO("seed " << test_seed());                                         \
-    const double err_ = rel_err((got).to_vector(), (want).to_vector());   \
-    INFO(#got << ": relative error " << err_);                            \
-    CHECK(err_ <= tol<T>());                                              \
-  } while (0)
+// got against the reference want within tol<T>(); what names got in the report.
+template <class T, class G, class W>
+void check_near(const char* what, const Tensor<G>& got, const Tensor<W>& want) {
+  INFO("seed " << test_seed());
+  const double err = rel_err(got.to_vector(), want.to_vector());
+  INFO(what << ": relative error " << err);
+  CHECK(err <= tol<T>());
+}
 
 std::vector<std::int32_t> random_experts(std::int64_t n, std::int64_t k, std::int64_t E) {
   std::vector<std::int32_t> v(static_cast<std::size_t>(n * k));
@@ -54,14 +55,14 @@ TEMPLATE_TEST_CASE("cuda: moe route and its backward", "[gpu][moe_gpu][cuda:moe_
         const auto r_ref = ops::moe_route(ref(logits, {n, E}), k, kind, renorm, 1.5);
         const auto r = ops::moe_route(gpu(logits, {n, E}), k, kind, renorm, 1.5);
         CHECK(r.experts.to_vector() == r_ref.experts.to_vector());
-        CHECK_NEAR(r.weights, r_ref.weights, T);
-        CHECK_NEAR(r.probs, r_ref.probs, T);
-        CHECK_NEAR(r.lse, r_ref.lse, T);
+        check_near<T>("r.weights", r.weights, r_ref.weights);
+        check_near<T>("r.probs", r.probs, r_ref.probs);
+        check_near<T>("r.lse", r.lse, r_ref.lse);
         const auto d_ref = ops::moe_route_backward(ref(logits, {n, E}), r_ref, ref(dw, {n, k}), kind, renorm, 1.5,
                                                    ref(aux, {E}), 0.01);
         const auto d = ops::moe_route_backward(gpu(logits, {n, E}), r, gpu(dw, {n, k}), kind, renorm, 1.5,
                                                gpu(aux, {E}), 0.01);
-        CHECK_NEAR(d, d_ref, T);
+        check_near<T>("d", d, d_ref);
       }
   }
 }
@@ -97,21 +98,21 @@ TEMPLATE_TEST_CASE("cuda: moe gather, combine and their backwards",
       const std::int64_t m = plan.rows();
       const auto x = uniform<T>(n * c, -2, 2), w = uniform<T>(n * k, 0, 1), dy = uniform<T>(n * c, -1, 1);
       const auto yp = uniform<T>(m * c, -2, 2), dxp = uniform<T>(m * c, -1, 1);
-      CHECK_NEAR(ops::moe_gather(gpu(x, {n, c}), plan), ops::moe_gather(ref(x, {n, c}), plan_ref), T);
-      CHECK_NEAR(ops::moe_gather_backward(gpu(dxp, {m, c}), plan),
-                 ops::moe_gather_backward(ref(dxp, {m, c}), plan_ref), T);
-      CHECK_NEAR(ops::moe_combine(gpu(yp, {m, c}), plan.pos, gpu(w, {n, k})),
-                 ops::moe_combine(ref(yp, {m, c}), plan_ref.pos, ref(w, {n, k})), T);
+      check_near<T>("moe_gather", ops::moe_gather(gpu(x, {n, c}), plan), ops::moe_gather(ref(x, {n, c}), plan_ref));
+      check_near<T>("moe_gather_backward", ops::moe_gather_backward(gpu(dxp, {m, c}), plan),
+                    ops::moe_gather_backward(ref(dxp, {m, c}), plan_ref));
+      check_near<T>("moe_combine", ops::moe_combine(gpu(yp, {m, c}), plan.pos, gpu(w, {n, k})),
+                    ops::moe_combine(ref(yp, {m, c}), plan_ref.pos, ref(w, {n, k})));
       Tensor<T> dyp, dw;
       Tensor<double> dyp_ref, dw_ref;
       ops::moe_combine_backward(gpu(yp, {m, c}), plan.pos, gpu(w, {n, k}), gpu(dy, {n, c}), dyp, dw);
       ops::moe_combine_backward(ref(yp, {m, c}), plan_ref.pos, ref(w, {n, k}), ref(dy, {n, c}), dyp_ref, dw_ref);
-      CHECK_NEAR(dyp, dyp_ref, T);
-      CHECK_NEAR(dw, dw_ref, T);
+      check_near<T>("dyp", dyp, dyp_ref);
+      check_near<T>("dw", dw, dw_ref);
       // Without a plan: row t scaled by w[t] (k = 1), as the gated shared expert uses it.
       const auto w1 = uniform<T>(n, 0, 1);
-      CHECK_NEAR(ops::moe_combine(gpu(x, {n, c}), Tensor<std::int32_t>(), gpu(w1, {n, 1})),
-                 ops::moe_combine(ref(x, {n, c}), Tensor<std::int32_t>(), ref(w1, {n, 1})), T);
+      check_near<T>("moe_combine without a plan", ops::moe_combine(gpu(x, {n, c}), Tensor<std::int32_t>(), gpu(w1, {n, 1})),
+                    ops::moe_combine(ref(x, {n, c}), Tensor<std::int32_t>(), ref(w1, {n, 1})));
     }
 }
 

@@ -34,6 +34,8 @@
 #include "gpu/gpu_util.hpp"
 #include "gpu/nccl_world.hpp"
 
+namespace test_nccl {
+
 using namespace ptrain;
 using namespace ptrain::testing;
 
@@ -393,9 +395,13 @@ TEST_CASE("cuda: DDP's bf16 gradient compression rounds on the device", "[gpu][n
   CHECK(p.grads().to_vector() == want);
 }
 
+}  // namespace test_nccl
+
 #else
 
 #include "skip.hpp"
+
+namespace test_nccl {
 
 // CTest runs the [nccl] test cases as a test of their own (gpu_nccl), where this
 // is the only test case selected: it may end the process as skipped.
@@ -403,5 +409,7 @@ TEST_CASE("nccl: not built", "[gpu][nccl]") {
   ptrain::testing::skip_test("ptrain was configured without NCCL (nccl.h and libnccl not found): "
                              "the NCCL tests were not built");
 }
+
+}  // namespace test_nccl
 
 #endif
