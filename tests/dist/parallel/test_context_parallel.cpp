@@ -7,13 +7,17 @@
 // so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <vector>
+#include <ptrain/ckpt/engine_checkpoint.hpp>
 #include <ptrain/dist/forwarding_communicator.hpp>
+#include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/nn/models/llama.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
 #include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/local.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 
 #include "dist/world.hpp"
@@ -379,6 +383,63 @@ TEST_CASE("GPT and Llama with context parallelism train like one process", "[cp]
 
 TEST_CASE("GPT and Llama with context parallelism train like one process in float", "[cp]") {
   check_models<float>(kFloatTol);
+}
+
+// The engine's checkpoints are DDP's (rank 0 writes the whole model under the full
+// model's names), so one saved at cp 2 loads at any cp and dp, and into the plain model.
+TEST_CASE("a checkpoint saved at cp 2 resumes at cp 1, in one process, at cp 4 and at dp 2 x cp 2", "[cp][ckpt]") {
+  const int n = world().size();
+  const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_cp_ckpt_");
+  const auto cfg = llama_config(2);
+  auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
+  const std::int64_t rows = 2, S = 24;  // chunks of 3 tokens at cp 4
+  OneProcess<double> ref(make, rows, S, 17, kSteps);
+  if (auto two = first_ranks(2)) {
+    auto model = make();
+    parallel::ContextParallel<double> e(*model, *two, parallel::ContextParallelPlan{.cp = 2});
+    optim::AdamW<double> opt(e.parameters(), kAdam);
+    for (std::int64_t s = 0; s < kSteps - 1; ++s) train_step(e, opt, rows, S, 17, s);
+    if (two->rank() == 0) std::filesystem::remove_all(dir);
+    two->barrier();
+    ckpt::CheckpointManager mgr(dir, two);
+    ckpt::save(mgr, kSteps - 1, e, &opt, {});
+  }
+  world().barrier();
+  // The last step after loading, in each layout, ends at the uninterrupted run.
+  auto resume = [&](parallel::Engine<double>& e) {
+    optim::AdamW<double> opt(e.parameters(), kAdam);
+    ckpt::CheckpointManager mgr(dir, &e.communicator());
+    const auto state = ckpt::load(mgr, mgr.latest().path, e, &opt);
+    CHECK(state.step == kSteps - 1);
+    CHECK(opt.steps() == kSteps - 1);
+    const double loss = train_step(e, opt, rows, S, 17, kSteps - 1);
+    CHECK(std::abs(loss - ref.loss.back()) < kTol * ref.loss.back());
+    ref.check_parameters(e, kTol);
+  };
+  {
+    INFO("cp 1");
+    dist::SelfCommunicator self;
+    auto model = make();
+    parallel::ContextParallel<double> one(*model, self, parallel::ContextParallelPlan{.cp = 1});
+    resume(one);
+  }
+  {
+    INFO("the plain model in one process (full tensor names)");
+    auto model = make();
+    parallel::Local<double> local(*model);
+    resume(local);
+  }
+  if (n >= 4)
+    if (auto four = first_ranks(4))
+      for (int cp : {4, 2}) {
+        INFO("dp " << 4 / cp << " x cp " << cp);
+        auto model = make();
+        parallel::ContextParallel<double> e(*model, *four, parallel::ContextParallelPlan{.cp = cp});
+        resume(e);
+        four->barrier();  // Note [Group teardown]
+      }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
 }  // namespace test_context_parallel
