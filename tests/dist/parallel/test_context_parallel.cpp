@@ -7,6 +7,7 @@
 // so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <vector>
@@ -440,6 +441,78 @@ TEST_CASE("a checkpoint saved at cp 2 resumes at cp 1, in one process, at cp 4 a
       }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+namespace {
+// Bytes that one context-parallel Llama attention keeps for backward at sequence S over
+// the N ranks of `cp` (docs/context_parallel.md, "Memory per rank"), measured with the
+// allocator's live-byte counter: its output (the layer's result, not kept) left out.
+template <class T>
+std::int64_t attention_bytes(dist::Communicator& cp, parallel::KVExchange exchange, std::int64_t B, std::int64_t S) {
+  const auto cfg = llama_config(1);
+  Generator gen(5);
+  auto model = std::make_shared<nn::Llama<T>>(cfg, gen);
+  auto batch = std::make_shared<parallel::ContextParallelBatch>(&cp, exchange);
+  parallel::ContextParallelGQA<T> attn(model, dynamic_cast<nn::LlamaBlock<T>&>(*model->units()[1]).self_attn(), batch);
+  const auto starts = nn::document_starts(packed_ids(B, S, cfg.vocab_size, 41), kDocument);
+  batch->starts = batch->group.shard(starts);
+  batch->positions = batch->group.shard(nn::document_positions(starts));
+  auto x = Tensor<T>::empty({B, S / cp.size(), cfg.n_embd});
+  ops::normal_(x, T(0), T(1), gen);
+  nn::Cache<T> cache;
+  const std::int64_t before = memory_stats().live_bytes;
+  const auto y = attn.forward(x, cache);
+  return memory_stats().live_bytes - before - static_cast<std::int64_t>(y.nbytes());
+}
+}  // namespace
+
+TEST_CASE("attention keeps the bytes of docs/context_parallel.md's memory formula", "[cp][memory]") {
+  auto& comm = world();
+  dist::SelfCommunicator self;
+  const auto cfg = llama_config(1);
+  const std::int64_t B = 2, S = 2 * comm.size() * 5, H = cfg.n_head, Hkv = cfg.n_kv_head, D = cfg.n_embd / H;
+  for (dist::Communicator* cp : {static_cast<dist::Communicator*>(&self), &comm})
+    for (auto exchange : {parallel::KVExchange::Ring, parallel::KVExchange::AllGather}) {
+      const std::int64_t N = cp->size(), elements = B * S / N * ((2 * H + 2 * Hkv) * D + H);
+      INFO("S " << S << ", cp " << N << (exchange == parallel::KVExchange::Ring ? ", ring" : ", all-gather"));
+      CHECK(attention_bytes<double>(*cp, exchange, B, S) == 8 * elements);
+      CHECK(attention_bytes<float>(*cp, exchange, B, S) == 4 * elements);
+    }
+  comm.barrier();  // Note [Group teardown]
+}
+
+// The allocator has no limit to set: the budget is checked against its peak counter
+// (docs/context_parallel.md, "Memory per rank").
+TEST_CASE("a sequence over one rank's memory budget trains under cp 2 within it", "[cp][memory]") {
+  constexpr std::int64_t kBudget = 1536 * 1024;  // bytes a rank may hold for the whole run
+  const auto cfg = llama_config(2);
+  const std::int64_t rows = 2, S = 256;
+  auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
+  // Peak bytes of building the engine over `cp` and training it two steps; the losses.
+  auto peak = [&](dist::Communicator& cp, std::vector<double>& loss) {
+    const std::int64_t before = memory_stats().live_bytes;
+    reset_peak_memory();
+    {
+      auto model = make();
+      parallel::ContextParallel<double> e(*model, cp, parallel::ContextParallelPlan{.cp = cp.size()});
+      optim::AdamW<double> opt(e.parameters(), kAdam);
+      for (std::int64_t s = 0; s < 2; ++s) loss.push_back(train_step(e, opt, rows, S, cfg.vocab_size, s));
+      cp.barrier();  // Note [Group teardown]
+    }
+    return memory_stats().peak_bytes - before;
+  };
+  if (auto two = first_ranks(2)) {
+    std::vector<double> one_loss, two_loss;
+    dist::SelfCommunicator self;
+    const std::int64_t one_rank = peak(self, one_loss), cp2 = peak(*two, two_loss);
+    if (two->rank() == 0)
+      std::printf("context parallelism, Llama at S = %lld: peak %lld bytes on one rank, %lld per rank at cp 2\n",
+                  static_cast<long long>(S), static_cast<long long>(one_rank), static_cast<long long>(cp2));
+    CHECK(one_rank > kBudget);  // one rank cannot hold the sequence (2.25 MB measured)
+    CHECK(cp2 <= kBudget);      // two ranks can (1.20 MB measured), and train as one would
+    for (std::size_t s = 0; s < one_loss.size(); ++s) CHECK(std::abs(two_loss[s] - one_loss[s]) < kTol * one_loss[s]);
+  }
+  world().barrier();
 }
 
 }  // namespace test_context_parallel
