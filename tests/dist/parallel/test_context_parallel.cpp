@@ -1,10 +1,11 @@
 // Context parallelism (parallel/context_parallel.hpp, parallel/cp_engine.hpp): the
 // ring (and all-gather) attention alone against the one-process grouped-query attention
 // (forward and backward, GQA, packed documents, a sliding window, chunks of odd length), and GPT
-// and Llama trained with the sequence split over cp ranks (cp = the world, and
-// dp 2 x cp 2 on 4 ranks) against one process on the global batch, in double over
-// several AdamW steps. Every rank runs every case in the same order; checks use CHECK
-// so no rank skips collectives.
+// and Llama trained with the sequence split over cp ranks (cp = the world, and the dp x cp
+// layouts the world allows) against one process on the global batch, in double and float
+// over several AdamW steps; checkpoints saved at cp 2 resumed at other layouts; attention's
+// bytes against the memory formula. Every rank runs every case in the same order; checks
+// use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
