@@ -349,6 +349,13 @@ void check_models(double tol) {
                                 parallel::ContextParallelPlan{.cp = cp}, dp, S, 13, tol);
     }
     {
+      INFO("Llama (GQA 4 / 2 heads) on packed documents");
+      const auto cfg = llama_config(2);
+      check_like_one_process<T>([cfg] { Generator g(5); return std::make_shared<nn::Llama<T>>(cfg, g); },
+                                parallel::ContextParallelPlan{.cp = cp}, dp, S, 17, tol);
+    }
+    if (!std::is_same_v<T, double>) continue;  // float: the rounding of the two above is enough
+    {
       INFO("GPT (tied) with its embeddings and first block frozen");
       const auto cfg = gpt_config(S);
       check_like_one_process<T>(
@@ -360,12 +367,6 @@ void check_models(double tol) {
             return m;
           },
           parallel::ContextParallelPlan{.cp = cp}, dp, S, 13, tol);
-    }
-    {
-      INFO("Llama (GQA 4 / 2 heads) on packed documents");
-      const auto cfg = llama_config(2);
-      check_like_one_process<T>([cfg] { Generator g(5); return std::make_shared<nn::Llama<T>>(cfg, g); },
-                                parallel::ContextParallelPlan{.cp = cp}, dp, S, 17, tol);
     }
     {
       INFO("Llama with the keys and values all-gathered");
