@@ -73,9 +73,9 @@ void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Opti
     case parallel::Mode::Local:
       replicated(engine.parameters(), std::move(state));
       return;
-    case parallel::Mode::DDP:
-      if (auto& ddp = static_cast<parallel::DDP<T>&>(engine); ddp.expert_mesh())
-        sharded(expert_parallel_state(ddp, opt), std::move(state));
+    case parallel::Mode::DDP:  // a DDP, or another engine that replicates the whole model (ContextParallel)
+      if (auto* ddp = dynamic_cast<parallel::DDP<T>*>(&engine); ddp && ddp->expert_mesh())
+        sharded(expert_parallel_state(*ddp, opt), std::move(state));
       else
         replicated(engine.parameters(), std::move(state));
       return;
@@ -127,9 +127,10 @@ TrainerState load_engine(CheckpointManager& mgr, const fs::path& path, parallel:
   switch (engine.mode()) {
     case parallel::Mode::Local:
       return mgr.load(path, engine.parameters(), opt);
-    case parallel::Mode::DDP:  // with expert parallelism: this rank's experts of all of them
-      return mgr.load(path, engine.parameters(), opt,
-                      LoadOptions{.partial = static_cast<parallel::DDP<T>&>(engine).expert_mesh() != nullptr});
+    case parallel::Mode::DDP: {  // with expert parallelism: this rank's experts of all of them
+      auto* ddp = dynamic_cast<parallel::DDP<T>*>(&engine);
+      return mgr.load(path, engine.parameters(), opt, LoadOptions{.partial = ddp && ddp->expert_mesh() != nullptr});
+    }
     case parallel::Mode::FSDP:
       return load_fsdp(path, static_cast<parallel::FSDP<T>&>(engine), opt);
     case parallel::Mode::Pipeline: {

@@ -27,7 +27,8 @@
 //   all-reduce: the sum over a replica's cp ranks, averaged over the replicas (CP
 //   ranks are data-parallel for the weights).
 // - Every rank holds the whole model: clipping needs no reduction, and checkpoints
-//   are DDP's (mode() is Mode::DDP).
+//   are DDP's (mode() is Mode::DDP; ckpt/engine_checkpoint.hpp saves and loads the
+//   whole model by name, so a checkpoint resumes at any cp and dp, or in one process).
 // - Limits: the CPU only; no dropout (GPT's dropout must be 0: a slice of a sequence
 //   would draw other masks than one process); no tensor or pipeline parallelism
 //   in the same engine yet (docs/context_parallel.md).

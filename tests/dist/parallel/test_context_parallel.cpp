@@ -1,19 +1,25 @@
 // Context parallelism (parallel/context_parallel.hpp, parallel/cp_engine.hpp): the
 // ring (and all-gather) attention alone against the one-process grouped-query attention
 // (forward and backward, GQA, packed documents, a sliding window, chunks of odd length), and GPT
-// and Llama trained with the sequence split over cp ranks (cp = the world, and
-// dp 2 x cp 2 on 4 ranks) against one process on the global batch, in double over
-// several AdamW steps. Every rank runs every case in the same order; checks use CHECK
-// so no rank skips collectives.
+// and Llama trained with the sequence split over cp ranks (cp = the world, and the dp x cp
+// layouts the world allows) against one process on the global batch, in double and float
+// over several AdamW steps; checkpoints saved at cp 2 resumed at other layouts; attention's
+// bytes against the memory formula. Every rank runs every case in the same order; checks
+// use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <map>
 #include <vector>
+#include <ptrain/ckpt/engine_checkpoint.hpp>
 #include <ptrain/dist/forwarding_communicator.hpp>
+#include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/nn/models/gpt.hpp>
 #include <ptrain/nn/models/llama.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
 #include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/local.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 
 #include "dist/world.hpp"
@@ -31,12 +37,13 @@ namespace {
 constexpr double kTol = 1e-9;
 constexpr std::int32_t kDocument = 0;  // the token that starts each packed document
 
-double max_rel_diff(const Tensor<double>& got, const Tensor<double>& want) {
+template <class T>
+double max_rel_diff(const Tensor<T>& got, const Tensor<T>& want) {
   REQUIRE(got.numel() == want.numel());
   double diff = 0, scale = 1e-300;
   for (std::int64_t i = 0; i < got.numel(); ++i) {
-    diff = std::max(diff, std::abs(got.data()[i] - want.data()[i]));
-    scale = std::max(scale, std::abs(want.data()[i]));
+    diff = std::max(diff, std::abs(static_cast<double>(got.data()[i]) - static_cast<double>(want.data()[i])));
+    scale = std::max(scale, std::abs(static_cast<double>(want.data()[i])));
   }
   return diff / scale;
 }
@@ -56,6 +63,23 @@ Tensor<std::int32_t> packed_ids(std::int64_t B, std::int64_t S, std::int32_t voc
     ids.data()[i] =
         g.below(5) == 0 ? kDocument : static_cast<std::int32_t>(1 + g.below(static_cast<std::uint64_t>(vocab - 1)));
   return ids;
+}
+
+// The (dp, cp) layouts that the world allows: cp = the world, and dp x cp with cp 2 and
+// cp 4 where they divide it (4 ranks: dp 2 x cp 2; 8 ranks: dp 2 x cp 4, dp 4 x cp 2).
+std::vector<std::pair<int, int>> layouts(int n) {
+  std::vector<std::pair<int, int>> out = {{1, n}};
+  for (int cp : {4, 2})
+    if (cp < n && n % cp == 0) out.push_back({n / cp, cp});
+  return out;
+}
+
+// The first n ranks of the world as a group (nullptr on the others); collective.
+dist::Communicator* first_ranks(int n) {
+  static std::map<int, std::unique_ptr<dist::Communicator>> groups;
+  auto& w = world();
+  if (!groups.count(n)) groups[n] = w.split(w.rank() < n ? 0 : -1, w.rank());
+  return groups[n].get();
 }
 
 }  // namespace
@@ -145,14 +169,6 @@ TEST_CASE("ring attention in float equals one process's within float rounding", 
     for (std::int64_t i = 0; i < t.numel(); ++i) f.data()[i] = static_cast<float>(t.data()[i]);
     return f;
   };
-  auto rel = [](const Tensor<float>& got, const Tensor<float>& want) {
-    double diff = 0, scale = 1e-30;
-    for (std::int64_t i = 0; i < got.numel(); ++i) {
-      diff = std::max(diff, std::abs(static_cast<double>(got.data()[i]) - want.data()[i]));
-      scale = std::max(scale, std::abs(static_cast<double>(want.data()[i])));
-    }
-    return diff / scale;
-  };
   auto q = as_float(randn({B, S, H, D}, 11)), k = as_float(randn({B, S, Hkv, D}, 12)),
        v = as_float(randn({B, S, Hkv, D}, 13)), dy = as_float(randn({B, S, H, D}, 14));
   const auto starts = nn::document_starts(packed_ids(B, S, 7, 15), kDocument);
@@ -164,19 +180,17 @@ TEST_CASE("ring attention in float equals one process's within float rounding", 
   auto y = parallel::ring_attention(g, g.shard(q), g.shard(k), g.shard(v), g.shard(starts), 0, saved);
   Tensor<float> dq, dk, dv;
   parallel::ring_attention_backward(g, g.shard(q), g.shard(k), g.shard(v), saved, g.shard(dy), dq, dk, dv);
-  constexpr double kFloatTol = 2e-5;  // a float's rounding over sums of ~S terms, not a missing block (~1e-1)
-  CHECK(rel(y, g.shard(y_ref)) < kFloatTol);
-  CHECK(rel(dq, g.shard(dq_ref)) < kFloatTol);
-  CHECK(rel(dk, g.shard(dk_ref)) < kFloatTol);
-  CHECK(rel(dv, g.shard(dv_ref)) < kFloatTol);
+  constexpr double kAttentionTol = 2e-5;  // a float's rounding over sums of ~S terms, not a missing block (~1e-1)
+  CHECK(max_rel_diff(y, g.shard(y_ref)) < kAttentionTol);
+  CHECK(max_rel_diff(dq, g.shard(dq_ref)) < kAttentionTol);
+  CHECK(max_rel_diff(dk, g.shard(dk_ref)) < kAttentionTol);
+  CHECK(max_rel_diff(dv, g.shard(dv_ref)) < kAttentionTol);
 }
 
 TEST_CASE("a dp x cp mesh numbers ranks with the cp ranks of a replica consecutive", "[cp]") {
   auto& comm = world();
-  const int n = comm.size();
-  std::vector<parallel::MeshShape> shapes = {{.dp = 1, .cp = n}};
-  if (n == 4) shapes.push_back({.dp = 2, .cp = 2});
-  for (const auto& shape : shapes) {
+  for (auto [dp, cp] : layouts(comm.size())) {
+    const parallel::MeshShape shape{.dp = dp, .cp = cp};
     parallel::Mesh mesh(comm, shape);
     CHECK(mesh.cp_rank() == comm.rank() % shape.cp);
     CHECK(mesh.replica() == comm.rank() / shape.cp);
@@ -220,6 +234,10 @@ namespace {
 
 const optim::AdamWOptions kAdam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
 constexpr std::int64_t kSteps = 3;
+// In float, a float's rounding carried through kSteps AdamW steps (~1e-6 relative per
+// step, more where a gradient is near zero); a wrong mask or position moves values by
+// ~1e-2 after one step.
+constexpr double kFloatTol = 2e-4;
 
 struct Batch {
   Tensor<std::int32_t> ids, targets;
@@ -228,111 +246,276 @@ Batch make_batch(std::int64_t rows, std::int64_t S, std::int32_t vocab, std::uin
   Generator g(seed);
   Batch b{packed_ids(rows, S, vocab, seed), Tensor<std::int32_t>::empty({rows * S})};
   for (std::int64_t i = 0; i < rows * S; ++i) b.targets.data()[i] = static_cast<std::int32_t>(g.below(vocab));
-  // An ignored target in each half of the rows (the replicas of dp 2 then count as many tokens, so
-  // that averaging their means gives the global mean): the loss is the mean over the counted tokens.
-  b.targets.data()[1] = b.targets.data()[rows / 2 * S + 4] = -100;
+  // An ignored target in each row (the replicas then count as many tokens, so that averaging
+  // their means gives the global mean): the loss is the mean over the counted tokens.
+  for (std::int64_t r = 0; r < rows; ++r) b.targets.data()[r * S + 1 + r % 4] = -100;
   return b;
+}
+
+// One process trained on the global batches of steps 0 .. steps - 1.
+template <class T>
+struct OneProcess {
+  template <class MakeModel>
+  OneProcess(MakeModel make, std::int64_t rows, std::int64_t S, std::int32_t vocab, std::int64_t steps)
+      : model(make()), params(*model) {
+    optim::AdamW<T> opt(params, kAdam);
+    for (std::int64_t s = 0; s < steps; ++s) {
+      const Batch b = make_batch(rows, S, vocab, 300 + static_cast<std::uint64_t>(s));
+      nn::CrossEntropyLoss<T> ce;
+      nn::Cache<T> c, lc;
+      params.zero_grad();
+      auto logits = model->forward_tokens(b.ids, c);
+      loss.push_back(ce.forward(logits.reshape({-1, logits.size(-1)}), b.targets, lc));
+      model->backward(ce.backward(lc).reshape(logits.shape()), c);
+      opt.step();
+    }
+  }
+  // Every trainable parameter of `e` by name within tol of this model's, and the frozen ones bit for bit.
+  void check_parameters(parallel::Engine<T>& e, double tol) {
+    std::map<std::string, Tensor<T>> ref;
+    for (const auto& p : params.entries()) ref[p.name] = p.param->value;
+    REQUIRE(e.parameters().entries().size() == ref.size());
+    for (const auto& p : e.parameters().entries()) {
+      INFO(p.name);
+      REQUIRE(ref.count(p.name) == 1);
+      CHECK(max_rel_diff(p.param->value, ref[p.name]) < tol);
+    }
+    // Frozen parameters (Note [Frozen parameters] in nn/flat_parameters.hpp): unchanged, bit for bit.
+    REQUIRE(e.parameters().frozen_entries().size() == params.frozen_entries().size());
+    for (std::size_t i = 0; i < params.frozen_entries().size(); ++i) {
+      const auto& got = e.parameters().frozen_entries()[i];
+      const auto& want = params.frozen_entries()[i];
+      INFO(got.name);
+      CHECK(got.name == want.name);
+      CHECK(got.param->value.to_vector() == want.param->value.to_vector());
+    }
+  }
+  std::shared_ptr<nn::Module<T>> model;
+  nn::FlatParameters<T> params;
+  std::vector<double> loss;
+};
+
+// Step s of engine `e` on its replica's rows of the global batch; returns the global mean loss.
+template <class T>
+double train_step(parallel::Engine<T>& e, optim::AdamW<T>& opt, std::int64_t rows, std::int64_t S,
+                  std::int32_t vocab, std::int64_t s) {
+  dist::Communicator* dpg = e.data_parallel_group();
+  const std::int64_t dp = dpg ? dpg->size() : 1, mine = rows / dp, r = dpg ? dpg->rank() : 0;
+  const Batch b = make_batch(rows, S, vocab, 300 + static_cast<std::uint64_t>(s));
+  e.zero_grad();
+  const double loss =
+      e.average(e.forward_backward(b.ids.narrow(r * mine, mine), b.targets.narrow(r * mine * S, mine * S)));
+  e.step(opt);
+  return loss;
 }
 
 // Trains `make()` for kSteps AdamW steps on the global batches: one process, then the
 // engine of `plan` on this replica's rows; compares every parameter by name and the losses.
-template <class MakeModel>
-void check_like_one_process(MakeModel make, const parallel::Plan<double>& plan, int dp, std::int64_t S,
-                            std::int32_t vocab) {
+template <class T, class MakeModel>
+void check_like_one_process(MakeModel make, const parallel::Plan<T>& plan, int dp, std::int64_t S,
+                            std::int32_t vocab, double tol) {
   const std::int64_t rows = 2 * dp;
-  auto ref_model = make();
-  nn::FlatParameters<double> ref_params(*ref_model);
-  optim::AdamW<double> ref_opt(ref_params, kAdam);
-  std::vector<double> ref_loss;
+  OneProcess<T> ref(make, rows, S, vocab, kSteps);
+  auto engine = parallel::make_engine<T>(make(), world(), plan);
+  optim::AdamW<T> opt(engine->parameters(), kAdam);
+  REQUIRE(engine->data_parallel_group()->size() == dp);
   for (std::int64_t s = 0; s < kSteps; ++s) {
-    const Batch b = make_batch(rows, S, vocab, 300 + static_cast<std::uint64_t>(s));
-    nn::CrossEntropyLoss<double> ce;
-    nn::Cache<double> c, lc;
-    ref_params.zero_grad();
-    auto logits = ref_model->forward_tokens(b.ids, c);
-    ref_loss.push_back(ce.forward(logits.reshape({-1, logits.size(-1)}), b.targets, lc));
-    ref_model->backward(ce.backward(lc).reshape(logits.shape()), c);
-    ref_opt.step();
+    const double loss = train_step(*engine, opt, rows, S, vocab, s), want = ref.loss[static_cast<std::size_t>(s)];
+    CHECK(std::abs(loss - want) < tol * want);
   }
-  auto engine = parallel::make_engine<double>(make(), world(), plan);
-  optim::AdamW<double> opt(engine->parameters(), kAdam);
-  dist::Communicator* dpg = engine->data_parallel_group();
-  REQUIRE(dpg->size() == dp);
-  const std::int64_t mine = rows / dp, r = dpg->rank();
-  for (std::int64_t s = 0; s < kSteps; ++s) {
-    const Batch b = make_batch(rows, S, vocab, 300 + static_cast<std::uint64_t>(s));
-    engine->zero_grad();
-    const double loss = engine->average(
-        engine->forward_backward(b.ids.narrow(r * mine, mine), b.targets.narrow(r * mine * S, mine * S)));
-    engine->step(opt);
-    if (dp == 1) CHECK(std::abs(loss - ref_loss[static_cast<std::size_t>(s)]) < kTol);
-  }
-  std::map<std::string, Tensor<double>> ref;
-  for (const auto& e : ref_params.entries()) ref[e.name] = e.param->value;
-  REQUIRE(engine->parameters().entries().size() == ref.size());
-  for (const auto& e : engine->parameters().entries()) {
-    INFO(e.name);
-    REQUIRE(ref.count(e.name) == 1);
-    CHECK(max_rel_diff(e.param->value, ref[e.name]) < kTol);
-  }
-  // Frozen parameters (Note [Frozen parameters] in nn/flat_parameters.hpp): unchanged, bit for bit.
-  REQUIRE(engine->parameters().frozen_entries().size() == ref_params.frozen_entries().size());
-  for (std::size_t i = 0; i < ref_params.frozen_entries().size(); ++i) {
-    const auto& got = engine->parameters().frozen_entries()[i];
-    const auto& want = ref_params.frozen_entries()[i];
-    INFO(got.name);
-    CHECK(got.name == want.name);
-    CHECK(got.param->value.to_vector() == want.param->value.to_vector());
-  }
+  ref.check_parameters(*engine, tol);
   world().barrier();  // Note [Group teardown]
+}
+
+nn::GPTConfig gpt_config(std::int64_t S) {
+  return {.vocab_size = 13, .block_size = S, .n_layer = 2, .n_head = 2, .n_embd = 8};
+}
+nn::LlamaConfig llama_config(std::int64_t layers) {
+  return {.vocab_size = 17, .n_layer = layers, .n_head = 4, .n_kv_head = 2, .n_embd = 16, .intermediate_size = 24,
+          .document_token = kDocument};
+}
+
+// GPT and Llama in T at each layout the world allows, against one process within tol.
+template <class T>
+void check_models(double tol) {
+  for (auto [dp, cp] : layouts(world().size())) {
+    INFO("dp " << dp << " x cp " << cp << (std::is_same_v<T, float> ? ", float" : ", double"));
+    const std::int64_t S = 2 * cp * 3;  // chunks of 3 tokens
+    {
+      INFO("GPT (tied) with recomputed blocks");
+      auto cfg = gpt_config(S);
+      cfg.recompute = true;
+      check_like_one_process<T>([cfg] { Generator g(3); return std::make_shared<nn::GPT<T>>(cfg, g); },
+                                parallel::ContextParallelPlan{.cp = cp}, dp, S, 13, tol);
+    }
+    {
+      INFO("Llama (GQA 4 / 2 heads) on packed documents");
+      const auto cfg = llama_config(2);
+      check_like_one_process<T>([cfg] { Generator g(5); return std::make_shared<nn::Llama<T>>(cfg, g); },
+                                parallel::ContextParallelPlan{.cp = cp}, dp, S, 17, tol);
+    }
+    if (!std::is_same_v<T, double>) continue;  // float: the rounding of the two above is enough
+    {
+      INFO("GPT (tied) with its embeddings and first block frozen");
+      const auto cfg = gpt_config(S);
+      check_like_one_process<T>(
+          [cfg] {
+            Generator g(3);
+            auto m = std::make_shared<nn::GPT<T>>(cfg, g);
+            for (auto& p : m->named_parameters())
+              if (p.name.rfind("embed.", 0) == 0 || p.name.rfind("h.0.", 0) == 0) p.param->set_requires_grad(false);
+            return m;
+          },
+          parallel::ContextParallelPlan{.cp = cp}, dp, S, 13, tol);
+    }
+    {
+      INFO("Llama with the keys and values all-gathered");
+      const auto cfg = llama_config(1);
+      check_like_one_process<T>([cfg] { Generator g(7); return std::make_shared<nn::Llama<T>>(cfg, g); },
+                                parallel::ContextParallelPlan{.cp = cp, .kv_exchange = parallel::KVExchange::AllGather},
+                                dp, S, 17, tol);
+    }
+  }
 }
 
 }  // namespace
 
 TEST_CASE("GPT and Llama with context parallelism train like one process", "[cp]") {
-  auto& comm = world();
-  const int n = comm.size();
-  std::vector<std::pair<int, int>> layouts = {{1, n}};  // (dp, cp)
-  if (n == 4) layouts.push_back({2, 2});
-  for (auto [dp, cp] : layouts) {
-    INFO("dp " << dp << " x cp " << cp);
-    const std::int64_t S = 2 * cp * 3;  // chunks of 3 tokens
-    {
-      INFO("GPT (tied) with recomputed blocks");
-      nn::GPTConfig cfg{.vocab_size = 13, .block_size = S, .n_layer = 2, .n_head = 2, .n_embd = 8,
-                        .recompute = true};
-      check_like_one_process([cfg] { Generator g(3); return std::make_shared<nn::GPT<double>>(cfg, g); },
-                             parallel::ContextParallelPlan{.cp = cp}, dp, S, 13);
-    }
-    {
-      INFO("GPT (tied) with its embeddings and first block frozen");
-      nn::GPTConfig cfg{.vocab_size = 13, .block_size = S, .n_layer = 2, .n_head = 2, .n_embd = 8};
-      check_like_one_process(
-          [cfg] {
-            Generator g(3);
-            auto m = std::make_shared<nn::GPT<double>>(cfg, g);
-            for (auto& p : m->named_parameters())
-              if (p.name.rfind("embed.", 0) == 0 || p.name.rfind("h.0.", 0) == 0) p.param->set_requires_grad(false);
-            return m;
-          },
-          parallel::ContextParallelPlan{.cp = cp}, dp, S, 13);
-    }
-    {
-      INFO("Llama (GQA 4 / 2 heads) on packed documents");
-      nn::LlamaConfig cfg{.vocab_size = 17, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16,
-                          .intermediate_size = 24, .document_token = kDocument};
-      check_like_one_process([cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); },
-                             parallel::ContextParallelPlan{.cp = cp}, dp, S, 17);
-    }
-    {
-      INFO("Llama with the keys and values all-gathered");
-      nn::LlamaConfig cfg{.vocab_size = 17, .n_layer = 1, .n_head = 4, .n_kv_head = 2, .n_embd = 16,
-                          .intermediate_size = 24, .document_token = kDocument};
-      check_like_one_process([cfg] { Generator g(7); return std::make_shared<nn::Llama<double>>(cfg, g); },
-                             parallel::ContextParallelPlan{.cp = cp, .kv_exchange = parallel::KVExchange::AllGather},
-                             dp, S, 17);
-    }
+  check_models<double>(kTol);
+}
+
+TEST_CASE("GPT and Llama with context parallelism train like one process in float", "[cp]") {
+  check_models<float>(kFloatTol);
+}
+
+// The engine's checkpoints are DDP's (rank 0 writes the whole model under the full
+// model's names), so one saved at cp 2 loads at any cp and dp, and into the plain model.
+TEST_CASE("a checkpoint saved at cp 2 resumes at cp 1, in one process, at cp 4 and at dp 2 x cp 2", "[cp][ckpt]") {
+  const int n = world().size();
+  const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_cp_ckpt_");
+  const auto cfg = llama_config(2);
+  auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
+  const std::int64_t rows = 2, S = 24;  // chunks of 3 tokens at cp 4
+  OneProcess<double> ref(make, rows, S, 17, kSteps);
+  if (auto two = first_ranks(2)) {
+    auto model = make();
+    parallel::ContextParallel<double> e(*model, *two, parallel::ContextParallelPlan{.cp = 2});
+    optim::AdamW<double> opt(e.parameters(), kAdam);
+    for (std::int64_t s = 0; s < kSteps - 1; ++s) train_step(e, opt, rows, S, 17, s);
+    if (two->rank() == 0) std::filesystem::remove_all(dir);
+    two->barrier();
+    ckpt::CheckpointManager mgr(dir, two);
+    ckpt::save(mgr, kSteps - 1, e, &opt, {});
   }
+  world().barrier();
+  // The last step after loading, in each layout, ends at the uninterrupted run.
+  auto resume = [&](parallel::Engine<double>& e) {
+    optim::AdamW<double> opt(e.parameters(), kAdam);
+    ckpt::CheckpointManager mgr(dir, &e.communicator());
+    const auto state = ckpt::load(mgr, mgr.latest().path, e, &opt);
+    CHECK(state.step == kSteps - 1);
+    CHECK(opt.steps() == kSteps - 1);
+    const double loss = train_step(e, opt, rows, S, 17, kSteps - 1);
+    CHECK(std::abs(loss - ref.loss.back()) < kTol * ref.loss.back());
+    ref.check_parameters(e, kTol);
+  };
+  {
+    INFO("cp 1");
+    dist::SelfCommunicator self;
+    auto model = make();
+    parallel::ContextParallel<double> one(*model, self, parallel::ContextParallelPlan{.cp = 1});
+    resume(one);
+  }
+  {
+    INFO("the plain model in one process (full tensor names)");
+    auto model = make();
+    parallel::Local<double> local(*model);
+    resume(local);
+  }
+  if (n >= 4)
+    if (auto four = first_ranks(4))
+      for (int cp : {4, 2}) {
+        INFO("dp " << 4 / cp << " x cp " << cp);
+        auto model = make();
+        parallel::ContextParallel<double> e(*model, *four, parallel::ContextParallelPlan{.cp = cp});
+        resume(e);
+        four->barrier();  // Note [Group teardown]
+      }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+namespace {
+// Bytes that one context-parallel Llama attention keeps for backward at sequence S over
+// the N ranks of `cp` (docs/context_parallel.md, "Memory per rank"), measured with the
+// allocator's live-byte counter: its output (the layer's result, not kept) left out.
+template <class T>
+std::int64_t attention_bytes(dist::Communicator& cp, parallel::KVExchange exchange, std::int64_t B, std::int64_t S) {
+  const auto cfg = llama_config(1);
+  Generator gen(5);
+  auto model = std::make_shared<nn::Llama<T>>(cfg, gen);
+  auto batch = std::make_shared<parallel::ContextParallelBatch>(&cp, exchange);
+  parallel::ContextParallelGQA<T> attn(model, dynamic_cast<nn::LlamaBlock<T>&>(*model->units()[1]).self_attn(), batch);
+  const auto starts = nn::document_starts(packed_ids(B, S, cfg.vocab_size, 41), kDocument);
+  batch->starts = batch->group.shard(starts);
+  batch->positions = batch->group.shard(nn::document_positions(starts));
+  auto x = Tensor<T>::empty({B, S / cp.size(), cfg.n_embd});
+  ops::normal_(x, T(0), T(1), gen);
+  nn::Cache<T> cache;
+  const std::int64_t before = memory_stats().live_bytes;
+  const auto y = attn.forward(x, cache);
+  return memory_stats().live_bytes - before - static_cast<std::int64_t>(y.nbytes());
+}
+}  // namespace
+
+TEST_CASE("attention keeps the bytes of docs/context_parallel.md's memory formula", "[cp][memory]") {
+  auto& comm = world();
+  dist::SelfCommunicator self;
+  const auto cfg = llama_config(1);
+  const std::int64_t B = 2, S = 2 * comm.size() * 5, H = cfg.n_head, Hkv = cfg.n_kv_head, D = cfg.n_embd / H;
+  for (dist::Communicator* cp : {static_cast<dist::Communicator*>(&self), &comm})
+    for (auto exchange : {parallel::KVExchange::Ring, parallel::KVExchange::AllGather}) {
+      const std::int64_t N = cp->size(), elements = B * S / N * ((2 * H + 2 * Hkv) * D + H);
+      INFO("S " << S << ", cp " << N << (exchange == parallel::KVExchange::Ring ? ", ring" : ", all-gather"));
+      CHECK(attention_bytes<double>(*cp, exchange, B, S) == 8 * elements);
+      CHECK(attention_bytes<float>(*cp, exchange, B, S) == 4 * elements);
+    }
+  comm.barrier();  // Note [Group teardown]
+}
+
+// One sequence, which data parallelism cannot split: one rank's peak is every rank's
+// in any data-parallel layout. The allocator has no limit to set: the budget is checked
+// against its peak counter (docs/context_parallel.md, "Memory per rank").
+TEST_CASE("a sequence over one rank's memory budget trains under cp 2 within it", "[cp][memory]") {
+  constexpr std::int64_t kBudget = 1536 * 1024;  // bytes a rank may hold for the whole run
+  const auto cfg = llama_config(2);
+  const std::int64_t rows = 1, S = 512;  // one sequence: data parallelism cannot split it
+  auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
+  // Peak bytes of building the engine over `cp` and training it two steps; the losses.
+  auto peak = [&](dist::Communicator& cp, std::vector<double>& loss) {
+    const std::int64_t before = memory_stats().live_bytes;
+    reset_peak_memory();
+    {
+      auto model = make();
+      parallel::ContextParallel<double> e(*model, cp, parallel::ContextParallelPlan{.cp = cp.size()});
+      optim::AdamW<double> opt(e.parameters(), kAdam);
+      for (std::int64_t s = 0; s < 2; ++s) loss.push_back(train_step(e, opt, rows, S, cfg.vocab_size, s));
+      cp.barrier();  // Note [Group teardown]
+    }
+    return memory_stats().peak_bytes - before;
+  };
+  if (auto two = first_ranks(2)) {
+    std::vector<double> one_loss, two_loss;
+    dist::SelfCommunicator self;
+    const std::int64_t one_rank = peak(self, one_loss), cp2 = peak(*two, two_loss);
+    if (two->rank() == 0)
+      std::printf("context parallelism, Llama at S = %lld: peak %lld bytes on one rank, %lld per rank at cp 2\n",
+                  static_cast<long long>(S), static_cast<long long>(one_rank), static_cast<long long>(cp2));
+    CHECK(one_rank > kBudget);  // one rank cannot hold the sequence (2.25 MB measured)
+    CHECK(cp2 <= kBudget);      // two ranks can (1.20 MB measured), and train as one would
+    for (std::size_t s = 0; s < one_loss.size(); ++s) CHECK(std::abs(two_loss[s] - one_loss[s]) < kTol * one_loss[s]);
+  }
+  world().barrier();
 }
 
 }  // namespace test_context_parallel
