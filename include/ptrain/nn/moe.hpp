@@ -182,6 +182,8 @@ class MoeRouter : public Module<T> {
   }
   /// The latest forward call's statistics.
   const MoeStats& stats() const { return stats_; }
+  /// Replaces what stats() reports (MoE::set_stats).
+  void set_stats(MoeStats s) { stats_ = std::move(s); }
   const MoeConfig& config() const { return cfg_; }
   Parameter<T>& weight() { return *weight_; }
 
@@ -455,6 +457,17 @@ class MoE : public Module<T> {
     experts_ = this->replace_module("experts", std::move(mine));
     dispatch_ = std::move(dispatch);
   }
+  /// Undoes shard_experts(): `all` (every expert, first() == 0, its values gathered by the
+  /// caller: parallel::gather_experts) runs here again, without a dispatch.
+  void unshard_experts(std::shared_ptr<MoeExperts<T>> all) {
+    PTRAIN_CHECK(all && all->first() == 0 && all->size() == cfg_.num_experts, Error, "[ptrain.moe.shard] "
+                 "unshard_experts needs all ", cfg_.num_experts, " experts, from expert 0");
+    experts_ = this->replace_module("experts", std::move(all));
+    dispatch_.reset();
+  }
+  /// Replaces what stats() and named_metrics() report of the latest forward (backward does
+  /// not read them): parallel::all_reduce_moe_stats puts the step over all ranks there.
+  void set_stats(MoeStats s) { router_->set_stats(std::move(s)); }
   SwiGLU<T>* shared_experts() { return shared_.get(); }
   Linear<T>* shared_expert_gate() { return shared_gate_.get(); }
 

@@ -37,6 +37,7 @@
 //   writes the dense tensors, replica 0 of each expert-parallel index its experts
 //   (ckpt/engine_checkpoint.hpp), so any ep (or one process) loads them by name.
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -207,6 +208,87 @@ std::size_t shard_experts(nn::Module<T>& model, ExpertMesh& mesh) {
                        std::make_shared<ExpertParallelDispatch<T>>(mesh.expert_group(), E));
   }
   return layers.size();
+}
+
+/// Undoes shard_experts() on world rank 0: each MoE layer of its `model` gets all its
+/// experts back (replica 0 of each expert-parallel index sends its own) and runs them
+/// alone, e.g. to sample or export after training (gpt_char). Collective over `world`,
+/// the mesh's; the other ranks' models stay sharded.
+template <class T>
+void gather_experts(nn::Module<T>& model, ExpertMesh& mesh, dist::Communicator& world) {
+  const bool lead = world.rank() == 0;
+  for (nn::MoE<T>* moe : moe_layers(model)) {
+    const nn::MoeConfig& c = moe->config();
+    const std::int64_t per_rank = c.num_experts / mesh.ep_size();
+    nn::MoeExperts<T>& local = moe->experts();
+    std::shared_ptr<nn::MoeExperts<T>> all;
+    if (lead) {
+      Generator scratch(0);  // every value is overwritten
+      all = std::make_shared<nn::MoeExperts<T>>(c.num_experts, c.n_embd, c.expert_hidden, scratch);
+      all->to(moe->router().weight().value.device());
+    }
+    for (std::int64_t e = 0; e < c.num_experts; ++e) {
+      const int owner = static_cast<int>(e / per_rank);  // world rank of replica 0's expert-parallel index
+      const bool mine = mesh.replica() == 0 && mesh.ep_rank() == owner;
+      if (!lead && !mine) continue;
+      std::vector<nn::NamedParameter<T>> from, to;
+      if (mine) from = local.expert(e - local.first()).named_parameters();
+      if (lead) to = all->expert(e).named_parameters();
+      for (std::size_t j = 0; j < std::max(from.size(), to.size()); ++j) {
+        if (lead && mine) to[j].param->value.copy_(from[j].param->value);
+        else if (lead) world.recv(to[j].param->value, owner);
+        else world.send(from[j].param->value, 0);
+      }
+    }
+    if (lead) moe->unshard_experts(std::move(all));
+  }
+}
+
+/// Makes every MoE layer of `model` report (stats(), Module::named_metrics()) its latest
+/// forward over all ranks of `comm` instead of this rank's: tokens_per_expert, dropped and
+/// capacity summed, max_load and mean_load (so the load imbalance) from the summed counts,
+/// aux_loss, z_loss and loss averaged over the ranks. One all-reduce of E + 6 numbers per
+/// layer; collective over `comm`, whose ranks must hold the same MoE layers (every rank
+/// under Local, DDP with any expert_parallel, FSDP and context parallelism; not pipeline
+/// stages). Backward does not read the statistics, so this may run between steps.
+template <class T>
+void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {
+  const auto layers = moe_layers(model);
+  if (comm.size() == 1 || layers.empty()) return;
+  std::vector<double> v;
+  for (nn::MoE<T>* moe : layers) {
+    const nn::MoeStats& s = moe->stats();
+    const bool ran = !s.tokens_per_expert.empty();
+    for (std::int64_t e = 0; e < moe->config().num_experts; ++e)
+      v.push_back(ran ? double(s.tokens_per_expert[static_cast<std::size_t>(e)]) : 0.0);
+    v.insert(v.end(), {double(s.dropped), double(s.capacity), s.aux_loss, s.z_loss, s.loss, ran ? 1.0 : 0.0});
+  }
+  {
+    dist::CollectiveLabel label("moe.stats");
+    comm.all_reduce(v.data(), v.size(), DType::F64, dist::ReduceOp::Sum);
+  }
+  std::size_t at = 0;
+  for (nn::MoE<T>* moe : layers) {
+    const auto E = static_cast<std::size_t>(moe->config().num_experts);
+    nn::MoeStats s;
+    for (std::size_t e = 0; e < E; ++e) s.tokens_per_expert.push_back(static_cast<std::int64_t>(v[at + e]));
+    at += E;
+    const double ranks = v[at + 5];
+    s.dropped = static_cast<std::int64_t>(v[at]);
+    s.capacity = static_cast<std::int64_t>(v[at + 1]);
+    s.aux_loss = ranks > 0 ? v[at + 2] / ranks : 0.0;
+    s.z_loss = ranks > 0 ? v[at + 3] / ranks : 0.0;
+    s.loss = ranks > 0 ? v[at + 4] / ranks : 0.0;
+    at += 6;
+    if (ranks == 0) s.tokens_per_expert.clear();  // no forward anywhere yet
+    if (!s.tokens_per_expert.empty()) {
+      s.max_load = double(*std::max_element(s.tokens_per_expert.begin(), s.tokens_per_expert.end()));
+      s.mean_load = 0;
+      for (auto n : s.tokens_per_expert) s.mean_load += double(n);
+      s.mean_load /= double(E);
+    }
+    moe->set_stats(std::move(s));
+  }
 }
 
 }  // namespace ptrain::parallel
