@@ -462,6 +462,7 @@ class MoE : public Module<T> {
   void unshard_experts(std::shared_ptr<MoeExperts<T>> all) {
     PTRAIN_CHECK(all && all->first() == 0 && all->size() == cfg_.num_experts, Error, "[ptrain.moe.shard] "
                  "unshard_experts needs all ", cfg_.num_experts, " experts, from expert 0");
+    retired_ = experts_;  // an engine built on the sharded layer still refers to their parameters
     experts_ = this->replace_module("experts", std::move(all));
     dispatch_.reset();
   }
@@ -490,7 +491,7 @@ class MoE : public Module<T> {
  private:
   MoeConfig cfg_;
   std::shared_ptr<MoeRouter<T>> router_;
-  std::shared_ptr<MoeExperts<T>> experts_;
+  std::shared_ptr<MoeExperts<T>> experts_, retired_;  // retired_: the shards before unshard_experts()
   std::shared_ptr<MoeDispatch<T>> dispatch_;
   std::shared_ptr<SwiGLU<T>> shared_;
   std::shared_ptr<Linear<T>> shared_gate_;
