@@ -13,14 +13,17 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <type_traits>
 #include <ptrain/ckpt/engine_checkpoint.hpp>
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/nn/models/llama.hpp>
+#include <ptrain/nn/sequential.hpp>
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/parallel/expert_parallel.hpp>
 #include <ptrain/parallel/make_engine.hpp>
+#include <ptrain/train/trainer.hpp>
 
 #include "dist/world.hpp"
 
@@ -311,6 +314,61 @@ TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][met
 // Frozen parameters, frozen experts among them, under expert parallelism: only trainable
 // gradients are reduced, and the checkpoint holds every frozen tensor (each expert from
 // the rank that holds it), unchanged bit for bit.
+// The Trainer's records carry the routing over all ranks: plain DDP and ep 2 (even worlds),
+// an MoE layer with a capacity over 6 features; the last record's counts add up to every
+// rank's tokens (rank 0 alone routes 1 / n of them) and equal what stats() reports.
+TEST_CASE("Trainer records MoE routing over all ranks", "[ep][metrics]") {
+  auto& comm = world();
+  const int n = comm.size();
+  constexpr std::int64_t kBatch = 4, kFeatures = 6, kSteps = 3;
+  Generator gd(21);
+  auto x = Tensor<Real>::empty({kBatch * n * kSteps, kFeatures});
+  auto y = Tensor<std::int32_t>::empty({kBatch * n * kSteps});
+  for (std::int64_t i = 0; i < x.numel(); ++i) x.data()[i] = gd.uniform() * 2 - 1;
+  for (std::int64_t i = 0; i < y.numel(); ++i) y.data()[i] = static_cast<std::int32_t>(gd.below(3));
+  TensorDataset<Real> data(x, y);
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_ep_trainer_");
+  if (comm.rank() == 0) std::filesystem::create_directories(dir);
+  comm.barrier();
+  std::vector<int> degrees{1};
+  if (n % 2 == 0) degrees.push_back(2);
+  for (int ep : degrees) {
+    INFO("ep " << ep << " x dp " << n / ep << ", " << comm.backend());
+    Generator g(9);
+    auto model = std::make_shared<nn::Sequential<Real>>();
+    const auto moe = model->add(std::make_shared<nn::MoE<Real>>(
+        nn::MoeConfig{.n_embd = kFeatures, .num_experts = 4, .top_k = 2, .expert_hidden = 4, .capacity_factor = 0.7,
+                      .aux_loss_coef = 0.1},
+        g));
+    model->add(std::make_shared<nn::Linear<Real>>(kFeatures, 3, true, g));
+    auto engine = parallel::make_engine<Real>(model, comm, parallel::DDPOptions{.expert_parallel = ep});
+    optim::AdamW<Real> opt(engine->parameters(), kAdam);
+    const std::string metrics = (dir / ("m" + std::to_string(ep) + ".jsonl")).string();
+    train::Trainer<Real> trainer(*engine, opt, data, {.batch = kBatch, .log_every = 1, .metrics = metrics});
+    CHECK(trainer.run().step == kSteps);
+    if (comm.rank() != 0) continue;
+    std::ifstream in(metrics);
+    nlohmann::json rec;
+    for (std::string line; std::getline(in, line);)
+      if (auto j = nlohmann::json::parse(line); j.contains("0.tokens_per_expert.0")) rec = j;
+    REQUIRE(rec.value("step", 0) == kSteps);
+    const nn::MoeStats& s = moe->stats();
+    double total = 0, most = 0;
+    for (std::size_t e = 0; e < 4; ++e) {
+      const double c = rec.at("0.tokens_per_expert." + std::to_string(e)).get<double>();
+      CHECK(c == double(s.tokens_per_expert[e]));
+      total += c;
+      most = std::max(most, c);
+    }
+    CHECK(total == double(kBatch * n * 2));
+    CHECK(rec.at("0.load_imbalance").get<double>() == most / (total / 4));
+    CHECK(rec.at("0.dropped").get<double>() == double(s.dropped));
+    CHECK(rec.at("0.aux_loss").get<double>() == s.aux_loss);
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("Expert-parallel Llama MoE with frozen experts and layers trains like one process", "[ep][frozen]") {
   auto& comm = world();
   const int n = comm.size();
