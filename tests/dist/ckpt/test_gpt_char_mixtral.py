@@ -16,8 +16,10 @@ usage: test_gpt_char_mixtral.py GPT_CHAR [MPIRUN]
   export     --export-hf writes a MixtralForCausalLM config.json and the experts under
              Hugging Face's names; --init-from that folder with --steps 0, on one process,
              validates as the run ended
-  ep resume  (4 ranks) --expert-parallel 2 (ep 2 x dp 2) checkpoints at step 3 of 5; resumed from
-             there at ep 1 (plain DDP), steps 4 and 5 have the ep 2 run's losses (1e-4 relative)
+  ep resume  (4 ranks, dropless: plain DDP applies a capacity to each rank's tokens, expert
+             parallelism to the global batch) --expert-parallel 2 (ep 2 x dp 2) checkpoints at
+             step 3 of 5; resumed from there at ep 1 (plain DDP), steps 4 and 5 have the ep 2
+             run's losses (1e-4 relative)
   refused    MoE flags without --model mixtral, --model mixtral under --parallel tp, and
              --expert-parallel without --parallel ddp or not dividing the world, fail before
              training, naming the flag"""
@@ -97,11 +99,12 @@ def check_ep_resume(exe, launch, work):
     """A checkpoint of ep 2 x dp 2 resumed at ep 1 (plain DDP) on the same 4 ranks continues with
     the losses of the uninterrupted ep 2 run."""
     steps = ["--steps", "5", "--checkpoint-every", "3"]
+    dropless = MOE[:MOE.index("--capacity-factor")] + MOE[MOE.index("--capacity-factor") + 2:]
     ref, res = os.path.join(work, "ep2"), os.path.join(work, "ep1")
-    run(launch + [exe] + MOE + TRAIN + SHAPE + steps + ["--parallel", "ddp", "--expert-parallel", "2",
+    run(launch + [exe] + dropless + TRAIN + SHAPE + steps + ["--parallel", "ddp", "--expert-parallel", "2",
         "--checkpoint-dir", ref, "--metrics", ref + ".jsonl"], "ep 2 with checkpoints")
     shutil.copytree(os.path.join(ref, "step-00000003"), os.path.join(res, "step-00000003"))
-    out = run(launch + [exe] + MOE + TRAIN + SHAPE + steps + ["--parallel", "ddp", "--checkpoint-dir", res,
+    out = run(launch + [exe] + dropless + TRAIN + SHAPE + steps + ["--parallel", "ddp", "--checkpoint-dir", res,
               "--resume", "--metrics", res + ".jsonl"], "ep 1 resuming ep 2's step 3")
     if "resumed from" not in out:
         raise Failure(f"ep resume: the ep 1 run did not resume\n{out}")

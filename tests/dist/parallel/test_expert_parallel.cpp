@@ -1,15 +1,16 @@
 // Expert parallelism (parallel/expert_parallel.hpp) through DDP: a Llama whose blocks
 // are mixtures of experts, its experts split over ep ranks (and dp = world / ep copies
 // of each split), trained a few AdamW steps in double (and in float), against one process:
-// - dropless: one process on the global batch in one call;
-// - with a capacity factor (and the auxiliary losses, and shared experts): one process
-//   that takes the global batch as one micro-batch per rank (each rank applies the
-//   capacity to its own tokens, Note [Expert-parallel layout]), the loss and the
-//   auxiliary coefficients divided by the world size as DDP's average does.
+// - dropless, with the load-balancing loss (computed on each rank's tokens): one process
+//   that takes the global batch as one micro-batch per rank, the loss and the auxiliary
+//   coefficients divided by the world size as DDP's average does;
+// - with a capacity factor (and shared experts), without the load-balancing loss: one
+//   process on the global batch in one call (the capacity rule over the global batch,
+//   Note [Expert-parallel layout]).
 // A checkpoint written at ep 2 is loaded at ep 1 (plain DDP) and at ep 4 (on 4 ranks)
 // and trained one more step. The routing statistics all-reduced over the ranks equal one
-// process's on the global batch, and gather_experts gives rank 0 the whole trained model. Every rank runs every case in the same order; checks use
-// CHECK so no rank skips collectives.
+// process's on the global batch, and gather_experts gives rank 0 the whole trained model.
+// Every rank runs every case in the same order; checks use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <filesystem>
@@ -52,9 +53,10 @@ nn::LlamaConfig config(bool capacity, std::int64_t experts = 4) {
   c.moe_intermediate_size = 12;
   c.moe_z_loss_coef = 1e-2;
   if (capacity) {
-    c.moe_capacity_factor = 0.75;  // 24 tokens per rank: 9 slots per expert of 12 on average
-    c.moe_aux_loss_coef = 0.05;
+    c.moe_capacity_factor = 0.75;  // each expert keeps 9 of 12 slots on average (24 tokens per rank)
     c.moe_shared_size = 8;
+  } else {
+    c.moe_aux_loss_coef = 0.05;
   }
   return c;
 }
@@ -91,8 +93,9 @@ Batch rows_of(const Batch& b, std::int64_t first, std::int64_t rows) {
 std::uint64_t seed_of(std::int64_t step) { return 300 + static_cast<std::uint64_t>(step); }
 
 // One process: `steps` AdamW steps on the global batches of a world of n; the batch in
-// one call (dropless) or one call per rank's rows with the loss and the auxiliary
-// coefficients divided by n (capacity). The parameters after each step and the gradients' norms.
+// one call, or, with the load-balancing loss (a product of means over each rank's tokens),
+// one call per rank's rows with the loss and the auxiliary coefficients divided by n.
+// The parameters after each step and the gradients' norms.
 template <class T = Real>
 struct Reference {
   std::vector<std::vector<T>> params;
@@ -100,7 +103,7 @@ struct Reference {
 };
 template <class T = Real>
 Reference<T> reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze = false) {
-  const bool per_rank = c.moe_capacity_factor > 0;
+  const bool per_rank = c.moe_aux_loss_coef > 0;
   if (per_rank) {
     c.moe_aux_loss_coef /= n;
     c.moe_z_loss_coef /= n;
@@ -243,20 +246,21 @@ TEST_CASE("Expert-parallel Llama MoE trains like one process in float", "[ep][fl
 }
 
 // The routing statistics after all_reduce_moe_stats describe the step over all ranks, as
-// one process sees it: dropless, the counts (and so the imbalance) of one process on the
-// global batch, exactly; with a capacity (each rank applies it to its own tokens), the
-// drops summed over one process's per-rank micro-batches and the auxiliary losses their
-// mean. Plain data parallelism (ep 1) and every ep degree that divides the world.
+// one process sees it: the counts (and so the imbalance) and the drops of one process on
+// the global batch in one call (dropless, and with a capacity under expert parallelism,
+// whose rule is the global batch's), exactly; plain DDP applies the capacity to each rank's
+// tokens: then one process taking one micro-batch per rank. The auxiliary losses (each
+// rank's, on its own tokens) are the mean over those micro-batches. Plain data parallelism
+// (ep 1) and every ep degree that divides the world.
 TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][metrics]") {
   auto& comm = world();
   const int n = comm.size();
   const Batch global = make_batch(kRowsPerRank * n, seed_of(0));
   for (bool capacity : {false, true}) {
     const nn::LlamaConfig c = config(capacity);
-    // One process: the global batch in one forward (dropless) or one per rank's rows.
-    const int calls = capacity ? n : 1;
-    std::vector<nn::MoeStats> want(2);
-    {
+    // One process: the global batch in one forward (calls 1) or one per rank's rows (calls n).
+    auto one_process = [&](int calls) {
+      std::vector<nn::MoeStats> want(2);
       auto model = make_llama(c);
       for (int r = 0; r < calls; ++r) {
         const Batch b = rows_of(global, r * (kRowsPerRank * n / calls), kRowsPerRank * n / calls);
@@ -274,7 +278,11 @@ TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][met
           w.loss += s.loss / calls;
         }
       }
-    }
+      return want;
+    };
+    const auto whole = one_process(1), per_rank = one_process(n);
+    if (capacity && n > 1)  // the two rules drop different slots here (so the checks below tell them apart)
+      CHECK((whole[0].dropped != per_rank[0].dropped || whole[1].dropped != per_rank[1].dropped));
     std::vector<int> degrees{1};
     for (int ep : ep_degrees(n)) degrees.push_back(ep);
     for (int ep : degrees) {
@@ -286,6 +294,8 @@ TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][met
       std::map<std::string, double> got;
       for (const auto& [name, value] : engine->local_module().named_metrics()) got[name] = value;
       const auto layers = parallel::moe_layers(engine->local_module());
+      // Which drops: the global batch's rule under ep > 1, each rank's under plain DDP.
+      const auto& want = capacity && ep == 1 ? per_rank : whole;
       for (std::size_t l = 0; l < 2; ++l) {
         const std::string p = "layers." + std::to_string(l) + ".block_sparse_moe.";
         const auto& w = want[l];
@@ -299,10 +309,11 @@ TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][met
         CHECK(got.at(p + "load_imbalance") == Approx(double(most) / (double(total) / 4)).epsilon(1e-15));
         CHECK(got.at(p + "dropped") == double(w.dropped));
         CHECK((w.dropped > 0) == capacity);
-        CHECK(got.at(p + "z_loss") == Approx(w.z_loss).epsilon(1e-12));
-        if (capacity) {  // per-rank means of a product (the dropless reference is one call)
-          CHECK(got.at(p + "aux_loss") == Approx(w.aux_loss).epsilon(1e-12));
-          CHECK(got.at(p + "moe_loss") == Approx(w.loss).epsilon(1e-12));
+        CHECK(got.at(p + "z_loss") == Approx(w.z_loss).epsilon(1e-12));  // a mean over tokens: any split
+        // Means of products over each rank's tokens; layer 1's routing follows layer 0's drops.
+        if (!capacity || ep == 1) {
+          CHECK(got.at(p + "aux_loss") == Approx(per_rank[l].aux_loss).epsilon(1e-12));
+          CHECK(got.at(p + "moe_loss") == Approx(per_rank[l].loss).epsilon(1e-12));
         }
         CHECK(layers[l]->stats().mean_load == double(total) / 4);
       }
