@@ -328,12 +328,13 @@ void gather_experts(nn::Module<T>& model, ExpertMesh& mesh, dist::Communicator& 
 }
 
 /// Makes every MoE layer of `model` report (stats(), Module::named_metrics()) its latest
-/// forward over all ranks of `comm` instead of this rank's: tokens_per_expert, dropped and
-/// capacity summed, max_load and mean_load (so the load imbalance) from the summed counts,
-/// aux_loss, z_loss and loss averaged over the ranks. One all-reduce of E + 6 numbers per
-/// layer; collective over `comm`, whose ranks must hold the same MoE layers (every rank
-/// under Local, DDP with any expert_parallel, FSDP and context parallelism; not pipeline
-/// stages). Backward does not read the statistics, so this may run between steps.
+/// forward over all ranks of `comm` instead of this rank's: tokens_per_expert and dropped
+/// summed, max_load and mean_load (so the load imbalance) from the summed counts, aux_loss,
+/// z_loss and loss averaged over the ranks (capacity stays this rank's). One all-reduce of
+/// E + 5 numbers per layer; collective over `comm`, whose ranks must hold the same MoE
+/// layers (every rank under Local, DDP with any expert_parallel, FSDP and context
+/// parallelism; not pipeline stages). Backward does not read the statistics, so this may
+/// run between steps.
 template <class T>
 void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {
   const auto layers = moe_layers(model);
@@ -344,7 +345,7 @@ void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {
     const bool ran = !s.tokens_per_expert.empty();
     for (std::int64_t e = 0; e < moe->config().num_experts; ++e)
       v.push_back(ran ? double(s.tokens_per_expert[static_cast<std::size_t>(e)]) : 0.0);
-    v.insert(v.end(), {double(s.dropped), double(s.capacity), s.aux_loss, s.z_loss, s.loss, ran ? 1.0 : 0.0});
+    v.insert(v.end(), {double(s.dropped), s.aux_loss, s.z_loss, s.loss, ran ? 1.0 : 0.0});
   }
   {
     dist::CollectiveLabel label("moe.stats");
@@ -354,15 +355,15 @@ void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {
   for (nn::MoE<T>* moe : layers) {
     const auto E = static_cast<std::size_t>(moe->config().num_experts);
     nn::MoeStats s;
+    s.capacity = moe->stats().capacity;
     for (std::size_t e = 0; e < E; ++e) s.tokens_per_expert.push_back(static_cast<std::int64_t>(v[at + e]));
     at += E;
-    const double ranks = v[at + 5];
+    const double ranks = v[at + 4];
     s.dropped = static_cast<std::int64_t>(v[at]);
-    s.capacity = static_cast<std::int64_t>(v[at + 1]);
-    s.aux_loss = ranks > 0 ? v[at + 2] / ranks : 0.0;
-    s.z_loss = ranks > 0 ? v[at + 3] / ranks : 0.0;
-    s.loss = ranks > 0 ? v[at + 4] / ranks : 0.0;
-    at += 6;
+    s.aux_loss = ranks > 0 ? v[at + 1] / ranks : 0.0;
+    s.z_loss = ranks > 0 ? v[at + 2] / ranks : 0.0;
+    s.loss = ranks > 0 ? v[at + 3] / ranks : 0.0;
+    at += 5;
     if (ranks == 0) s.tokens_per_expert.clear();  // no forward anywhere yet
     if (!s.tokens_per_expert.empty()) {
       s.max_load = double(*std::max_element(s.tokens_per_expert.begin(), s.tokens_per_expert.end()));

@@ -36,9 +36,9 @@ using ptrain::testing::world;
 namespace {
 
 // Double, as test_llama_engine.cpp: the ranks add gradients in another order than one
-// process, which AdamW amplifies to ~1e-13 relative in double (float: ~1e-6, the issue's
-// bound is 2e-4); a lost token, a wrong expert or a missing 1/ep moves the parameters by
-// more than 1e-3.
+// process, which AdamW amplifies to ~1e-13 relative in double (float is held to the
+// issue's bound, 2e-4); a lost token, a wrong expert or a missing 1/ep moves the parameters
+// by more than 1e-3.
 using Real = double;
 template <class T>
 constexpr double kTol = std::is_same_v<T, double> ? 1e-9 : 2e-4;
