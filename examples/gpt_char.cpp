@@ -10,6 +10,7 @@
 //   mpirun -np 2 build/examples/gpt_char --context-parallel 2  # each sequence split over 2 ranks (ring attention)
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --experts 8 --moe-top-k 2   # MoE blocks
+//   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --expert-parallel 2   # ep 2 x dp 2
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
 // saves every --checkpoint-every steps (in the background), at the end, and when
@@ -122,6 +123,7 @@ struct Options {
   double capacity_factor = 0;        // --model mixtral: 0 dropless
   double aux_loss_coef = 0.01;       // --model mixtral: load-balancing loss coefficient
   double z_loss_coef = 0;            // --model mixtral: router z-loss coefficient
+  int expert_parallel = 1;           // --model mixtral --parallel ddp: ranks that split each layer's experts
   double dropout = 0.0;
   double lr = 2e-3;
   double min_lr = 2e-4;
@@ -256,6 +258,8 @@ std::string parallel_layout(const Options& o, int world) {
   if (o.parallel == "tp") return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp);
   if (o.parallel == "cp")
     return "cp " + std::to_string(o.context_parallel) + " x dp " + std::to_string(world / o.context_parallel);
+  if (o.parallel == "ddp" && o.expert_parallel > 1)
+    return "ddp, ep " + std::to_string(o.expert_parallel) + " x dp " + std::to_string(world / o.expert_parallel);
   if (o.parallel != "fsdp") return o.parallel;
   return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
 }
@@ -308,6 +312,14 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 
 // Flags that contradict each other or the world, refused before anything is read.
 void check_parallel_flags(const Options& o, int world) {
+  if (o.expert_parallel > 1) {
+    PTRAIN_CHECK(o.model == "mixtral" && o.parallel == "ddp", Error, "[gpt_char.ep] --expert-parallel ",
+                 o.expert_parallel, " splits the experts of --model mixtral under --parallel ddp (got --model ",
+                 o.model, " --parallel ", o.parallel, "); add --model mixtral --parallel ddp or leave it out");
+    PTRAIN_CHECK(world % o.expert_parallel == 0 && o.experts % o.expert_parallel == 0, Error, "[gpt_char.ep] "
+                 "--expert-parallel ", o.expert_parallel, " must divide the world (", world, " ranks) and --experts (",
+                 o.experts, "): launch a multiple of it and choose a divisor of --experts");
+  }
   if (o.parallel == "cp") {
     const int cp = o.context_parallel;
     PTRAIN_CHECK(world % cp == 0 && o.block % (2 * cp) == 0, Error, "[gpt_char.cp] --context-parallel ", cp,
@@ -545,7 +557,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
     return e;
   }
   parallel::Plan<T> plan = parallel::LocalOptions{};
-  if (o.parallel == "ddp") plan = parallel::DDPOptions{};
+  if (o.parallel == "ddp") plan = parallel::DDPOptions{.expert_parallel = o.expert_parallel};
   if (o.parallel == "cp") plan = parallel::ContextParallelPlan{.cp = o.context_parallel};
   if (o.parallel == "tp")
     plan = parallel::TensorParallelPlan{
@@ -566,6 +578,12 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
     m.to(device);
   }
   e.engine = parallel::make_engine<T>(model, world, plan);
+  if (auto* ddp = dynamic_cast<parallel::DDP<T>*>(e.engine.get()); ddp && ddp->expert_mesh()) {
+    // The sample and --export: rank 0's model gets every expert back.
+    parallel::ExpertMesh& mesh = *ddp->expert_mesh();
+    e.describe = detail::cat("expert parallel, ep ", mesh.ep_size(), " x dp ", mesh.dp_size());
+    e.gather = [&m, &mesh, &world] { parallel::gather_experts(m, mesh, world); };
+  }
   if (auto* cp = dynamic_cast<parallel::ContextParallel<T>*>(e.engine.get()))
     e.describe = detail::cat("context parallel, cp ", cp->mesh().cp_size(), " x dp ", cp->mesh().dp_size());
   if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(e.engine.get())) {
@@ -1063,10 +1081,12 @@ int run(Options opt) {
       }
       ++state.step;
       progress.update(state.step, 1, loss, optimizer.lr(), static_cast<std::int64_t>(tokens_per_step));
+      if (!opt.metrics.empty() || !opt.observe.tensorboard_dir.empty())
+        parallel::all_reduce_moe_stats(*model, *world);  // the MoE routing over all ranks (docs/moe.md)
       if (lead) {
         nlohmann::json rec = {{"step", state.step}, {"loss", loss}, {"lr", optimizer.lr()}, {"grad_norm", norm},
                               {"data_position", train_windows.position()}};
-        // What the model reports of its latest forward on this rank (MoE routing: docs/moe.md).
+        // What the model reports of its latest forward (MoE routing: every rank's, summed above).
         for (const auto& [name, value] : model->named_metrics()) rec[name] = value;
         metrics.write(rec);
       }
@@ -1115,6 +1135,9 @@ int main(int argc, char** argv) {
                                   "coefficient")->check(non_negative);
   auto* z_coef = app.add_option("--z-loss-coef", opt.z_loss_coef, "--model mixtral: router z-loss coefficient")
                      ->check(non_negative);
+  app.add_option("--expert-parallel", opt.expert_parallel, "--model mixtral --parallel ddp: split each MoE layer's "
+                 "experts over this many ranks (a divisor of the world and of --experts; world / it replicas)")
+      ->check(positive);
   app.add_option("--kv-heads", opt.n_kv_head, "--model llama: key/value heads, dividing --heads (default: --heads)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--intermediate", opt.intermediate, "--model llama: SwiGLU width (default: 8/3 of --embd, rounded "
@@ -1242,8 +1265,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "tp" || opt.parallel == "cp")) {
-    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp or fsdp (expert, tensor and "
-                 "context parallelism of MoE blocks are not built in gpt_char)\n");
+    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp (--expert-parallel N splits "
+                 "the experts) or fsdp (tensor, context and pipeline parallelism of MoE blocks are not built in "
+                 "gpt_char)\n");
     return 2;
   }
   if (opt.model == "llama" || opt.model == "mixtral") {

@@ -118,7 +118,7 @@ class MoeRouter : public Module<T> {
     auto logits = ops::linear(x, weight_->value, Tensor<T>());
     auto r = ops::moe_route(logits, k, cfg_.score, cfg_.renormalize, cfg_.routed_scale);
     const std::int64_t capacity =
-        cfg_.capacity_factor > 0
+        cfg_.capacity_factor > 0 && plan_capacity_
             ? static_cast<std::int64_t>(std::ceil(cfg_.capacity_factor * static_cast<double>(N * k) / double(E)))
             : 0;
     auto plan = ops::moe_permute_plan(r.experts, E, capacity);
@@ -182,6 +182,11 @@ class MoeRouter : public Module<T> {
   }
   /// The latest forward call's statistics.
   const MoeStats& stats() const { return stats_; }
+  /// Replaces what stats() reports (MoE::set_stats).
+  void set_stats(MoeStats s) { stats_ = std::move(s); }
+  /// false: plan every slot (dropless) whatever the capacity factor; a dispatch that
+  /// applies the capacity itself (MoeDispatch::applies_capacity) drops instead.
+  void set_plan_capacity(bool on) { plan_capacity_ = on; }
   const MoeConfig& config() const { return cfg_; }
   Parameter<T>& weight() { return *weight_; }
 
@@ -195,6 +200,7 @@ class MoeRouter : public Module<T> {
   MoeConfig cfg_;
   Parameter<T>* weight_ = nullptr;
   MoeStats stats_;
+  bool plan_capacity_ = true;
 };
 
 /// One routed expert: Mixtral's MixtralBlockSparseTop2MLP, w2(silu(w1 x) * w3 x), no biases.
@@ -352,6 +358,14 @@ class MoeDispatch {
                             Cache<T>& cache) = 0;
   /// dyp [M, C] -> dxp [M, C]; adds to the local experts' gradients.
   virtual Tensor<T> backward(MoeExperts<T>& local, const Tensor<T>& dyp, Cache<T>& cache) = 0;
+  /// Whether forward applies the layer's capacity itself (over several ranks): the layer
+  /// then plans every slot and a dropped slot's output row comes back zero, with no
+  /// gradient to the router through it (its weight's gradient is dy . 0).
+  virtual bool applies_capacity() const { return false; }
+  /// With applies_capacity(): the latest forward's capacity per expert and the slots it
+  /// dropped at this rank's experts (the layer's stats() report them).
+  virtual std::int64_t capacity() const { return 0; }
+  virtual std::int64_t dropped() const { return 0; }
 };
 
 /// The MoE layer: x [..., C] -> y [..., C] (file comment).
@@ -384,6 +398,12 @@ class MoE : public Module<T> {
     // 2. Run each expert on its segment (expert parallelism: all-to-all before and after).
     const auto yp = dispatch_ ? dispatch_->forward(*experts_, xp, plan.offsets, cache.child(1))
                               : experts_->forward_grouped(xp, plan.offsets, cache.child(1));
+    if (dispatch_ && dispatch_->applies_capacity()) {  // the drops happened at the experts' ranks
+      MoeStats s = router_->stats();
+      s.capacity = dispatch_->capacity();
+      s.dropped = dispatch_->dropped();
+      router_->set_stats(std::move(s));
+    }
     // 3. Combine each token's k outputs, weighted, in token order.
     auto y = ops::moe_combine(yp, plan.pos, w);
     cache.tensors = {w, yp};
@@ -454,7 +474,21 @@ class MoE : public Module<T> {
       }
     experts_ = this->replace_module("experts", std::move(mine));
     dispatch_ = std::move(dispatch);
+    router_->set_plan_capacity(!dispatch_->applies_capacity());
   }
+  /// Undoes shard_experts(): `all` (every expert, first() == 0, its values gathered by the
+  /// caller: parallel::gather_experts) runs here again, without a dispatch.
+  void unshard_experts(std::shared_ptr<MoeExperts<T>> all) {
+    PTRAIN_CHECK(all && all->first() == 0 && all->size() == cfg_.num_experts, Error, "[ptrain.moe.shard] "
+                 "unshard_experts needs all ", cfg_.num_experts, " experts, from expert 0");
+    retired_ = experts_;  // an engine built on the sharded layer still refers to their parameters
+    experts_ = this->replace_module("experts", std::move(all));
+    dispatch_.reset();
+    router_->set_plan_capacity(true);
+  }
+  /// Replaces what stats() and named_metrics() report of the latest forward (backward does
+  /// not read them): parallel::all_reduce_moe_stats puts the step over all ranks there.
+  void set_stats(MoeStats s) { router_->set_stats(std::move(s)); }
   SwiGLU<T>* shared_experts() { return shared_.get(); }
   Linear<T>* shared_expert_gate() { return shared_gate_.get(); }
 
@@ -477,7 +511,7 @@ class MoE : public Module<T> {
  private:
   MoeConfig cfg_;
   std::shared_ptr<MoeRouter<T>> router_;
-  std::shared_ptr<MoeExperts<T>> experts_;
+  std::shared_ptr<MoeExperts<T>> experts_, retired_;  // retired_: the shards before unshard_experts()
   std::shared_ptr<MoeDispatch<T>> dispatch_;
   std::shared_ptr<SwiGLU<T>> shared_;
   std::shared_ptr<Linear<T>> shared_gate_;

@@ -29,14 +29,20 @@
 //   local mean losses are; the true gradient of the global mean is the sum over
 //   all world ranks divided by the world size, so expert gradients are averaged
 //   over expert_data_group() (dp ranks) and divided by ep.
-// - Capacity: each rank applies the layer's rule to its own tokens before dispatch
-//   (capacity = ceil(factor * N_rank * k / E), as Megatron-Core and GShard do); the
-//   drops are those of one process that takes the global batch as one micro-batch
-//   per rank. Dropless, expert parallelism equals one process on the global batch.
+// - Capacity: one process's rule over the global batch (capacity = ceil(factor * S * k / E)
+//   for the S tokens of the world; each expert keeps its first slots in world-rank, then
+//   token order). Ranks plan dropless and send every slot; an expert's rank keeps the
+//   first rows that arrive (source ranks in order) up to the capacity less what the
+//   replicas before its own sent to that expert (a sum over the group and an all-gather
+//   over the replicas per forward) and returns zeros for the rest. So, dropless or not,
+//   expert parallelism equals one process on the global batch; the load-balancing loss
+//   stays each rank's (one process taking one micro-batch per rank).
 // - Checkpoints keep each expert's global name (experts.{e}.w1.weight): world rank 0
 //   writes the dense tensors, replica 0 of each expert-parallel index its experts
 //   (ckpt/engine_checkpoint.hpp), so any ep (or one process) loads them by name.
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -84,7 +90,17 @@ template <class T>
 class ExpertParallelDispatch : public nn::MoeDispatch<T> {
  public:
   /// `group` (ep ranks, which must outlive this) holds `num_experts` experts, num_experts / ep each.
-  ExpertParallelDispatch(dist::Communicator& group, std::int64_t num_experts) : group_(group), E_(num_experts) {}
+  /// capacity_factor > 0: one process's capacity rule over the global batch (Note [Expert-parallel
+  /// layout]), with `replicas` (the dp ranks holding the same experts, rank = replica; must outlive this).
+  ExpertParallelDispatch(dist::Communicator& group, std::int64_t num_experts, double capacity_factor = 0,
+                         dist::Communicator* replicas = nullptr)
+      : group_(group), replicas_(replicas), E_(num_experts), factor_(capacity_factor) {
+    PTRAIN_CHECK(factor_ <= 0 || replicas_, Error, "[ptrain.ep.dispatch] a capacity factor needs the replicas' group");
+  }
+
+  bool applies_capacity() const override { return factor_ > 0; }
+  std::int64_t capacity() const override { return capacity_; }
+  std::int64_t dropped() const override { return dropped_; }
 
   Tensor<T> forward(nn::MoeExperts<T>& local, const Tensor<T>& xp, const std::vector<std::int64_t>& offsets,
                     nn::Cache<T>& cache) override {
@@ -100,32 +116,95 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
       dist::CollectiveLabel label("ep.counts");
       group_.all_to_all(send.data(), recv.data(), static_cast<std::size_t>(L), DType::I64);
     }
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(L), 0);  // my experts' rows, from every rank
+    for (std::int64_t l = 0; l < L; ++l)
+      for (int s = 0; s < P; ++s) rows[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(s * L + l)];
+    const std::vector<std::int64_t> keep = factor_ > 0 ? budgets(send, rows) : rows;
     cache.values.assign(send.begin(), send.end());
     cache.values.insert(cache.values.end(), recv.begin(), recv.end());
+    cache.values.insert(cache.values.end(), keep.begin(), keep.end());
     const auto xl = regroup(exchange(xp, send, recv, "ep.dispatch"), recv, true);
-    std::vector<std::int64_t> loff{0};
-    for (std::int64_t l = 0; l < L; ++l) {
-      std::int64_t rows = 0;
-      for (int s = 0; s < P; ++s) rows += recv[static_cast<std::size_t>(s * L + l)];
-      loff.push_back(loff.back() + rows);
-    }
-    const auto yl = local.forward_grouped(xl, loff, cache.child(0));
+    std::vector<std::int64_t> koff{0};
+    for (auto n : keep) koff.push_back(koff.back() + n);
+    const auto yl = widen(local.forward_grouped(narrow(xl, rows, keep), koff, cache.child(0)), rows, keep);
     return exchange(regroup(yl, recv, false), recv, send, "ep.combine");
   }
 
   Tensor<T> backward(nn::MoeExperts<T>& local, const Tensor<T>& dyp, nn::Cache<T>& cache) override {
-    PTRAIN_CHECK(cache.values.size() == static_cast<std::size_t>(2 * E_), Error,
+    const std::int64_t L = E_ / group_.size();
+    PTRAIN_CHECK(cache.values.size() == static_cast<std::size_t>(2 * E_ + L), Error,
                  "[ptrain.backward] ExpertParallelDispatch::backward without a forward");
     const std::vector<std::int64_t> send(cache.values.begin(), cache.values.begin() + E_),
-        recv(cache.values.begin() + E_, cache.values.end());
+        recv(cache.values.begin() + E_, cache.values.begin() + 2 * E_),
+        keep(cache.values.begin() + 2 * E_, cache.values.end());
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(L), 0);
+    for (std::int64_t l = 0; l < L; ++l)
+      for (int s = 0; s < group_.size(); ++s)
+        rows[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(s * L + l)];
     const auto dyl = regroup(exchange(dyp, send, recv, "ep.dispatch_grad"), recv, true);
-    const auto dxl = local.backward(dyl, cache.child(0));
+    const auto dxl = widen(local.backward(narrow(dyl, rows, keep), cache.child(0)), rows, keep);
     auto dxp = exchange(regroup(dxl, recv, false), recv, send, "ep.combine_grad");
     cache.clear();
     return dxp;
   }
 
  private:
+  // One process's capacity over the global batch: capacity = ceil(factor * S / E) for the S
+  // slots of every rank, and each expert keeps its first `capacity` slots in world-rank order
+  // (replica-major, so replicas before mine use prefix[l] of expert l's budget; within my
+  // replica the rows arrive in rank order). Returns how many of its rows each of my experts
+  // keeps. Two small collectives: a sum over my group and an all-gather over the replicas.
+  std::vector<std::int64_t> budgets(const std::vector<std::int64_t>& send, const std::vector<std::int64_t>& rows) {
+    const auto L = static_cast<std::int64_t>(rows.size());
+    std::vector<std::int64_t> mine{0};  // my group's slots, then my experts' rows
+    for (auto n : send) mine[0] += n;
+    {
+      dist::CollectiveLabel label("ep.capacity");
+      group_.all_reduce(mine.data(), 1, DType::I64, dist::ReduceOp::Sum);
+    }
+    mine.insert(mine.end(), rows.begin(), rows.end());
+    const int R = replicas_->size();
+    std::vector<std::int64_t> all(static_cast<std::size_t>(R * (L + 1)));
+    {
+      dist::CollectiveLabel label("ep.capacity");
+      replicas_->all_gather(mine.data(), all.data(), mine.size(), DType::I64);
+    }
+    std::int64_t slots = 0;
+    for (int r = 0; r < R; ++r) slots += all[static_cast<std::size_t>(r * (L + 1))];
+    capacity_ = static_cast<std::int64_t>(std::ceil(factor_ * static_cast<double>(slots) / double(E_)));
+    std::vector<std::int64_t> keep(static_cast<std::size_t>(L));
+    dropped_ = 0;
+    for (std::int64_t l = 0; l < L; ++l) {
+      std::int64_t before = 0;
+      for (int r = 0; r < replicas_->rank(); ++r) before += all[static_cast<std::size_t>(r * (L + 1) + 1 + l)];
+      const std::int64_t n = rows[static_cast<std::size_t>(l)];
+      keep[static_cast<std::size_t>(l)] = std::clamp<std::int64_t>(capacity_ - before, 0, n);
+      dropped_ += n - keep[static_cast<std::size_t>(l)];
+    }
+    return keep;
+  }
+
+  // The first keep[l] of expert l's rows[l] rows of x (expert-major), and back: the kept rows
+  // in place, zeros for the dropped ones. x itself when nothing is dropped.
+  Tensor<T> narrow(const Tensor<T>& x, const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& keep) {
+    if (rows == keep) return x;
+    std::int64_t total = 0;
+    for (auto n : keep) total += n;
+    auto y = Tensor<T>::empty({total, x.size(1)}, x.device());
+    for (std::int64_t l = 0, from = 0, to = 0; l < std::int64_t(rows.size()); from += rows[l], to += keep[l], ++l)
+      if (keep[l] > 0) y.narrow(to, keep[l]).copy_(x.narrow(from, keep[l]));
+    return y;
+  }
+  Tensor<T> widen(const Tensor<T>& x, const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& keep) {
+    if (rows == keep) return x;
+    std::int64_t total = 0;
+    for (auto n : rows) total += n;
+    auto y = Tensor<T>::zeros({total, x.size(1)}, x.device());
+    for (std::int64_t l = 0, from = 0, to = 0; l < std::int64_t(rows.size()); from += keep[l], to += rows[l], ++l)
+      if (keep[l] > 0) y.narrow(to, keep[l]).copy_(x.narrow(from, keep[l]));
+    return y;
+  }
+
   // all_to_all_v of the rows of x: rows[r * L .. r * L + L) go to (or come from) rank r.
   Tensor<T> exchange(const Tensor<T>& x, const std::vector<std::int64_t>& out_rows,
                      const std::vector<std::int64_t>& in_rows, const char* label) {
@@ -173,7 +252,10 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
   }
 
   dist::Communicator& group_;
+  dist::Communicator* replicas_;
   std::int64_t E_;
+  double factor_;
+  std::int64_t capacity_ = 0, dropped_ = 0;
 };
 
 namespace detail {
@@ -204,9 +286,93 @@ std::size_t shard_experts(nn::Module<T>& model, ExpertMesh& mesh) {
     PTRAIN_CHECK(E % ep == 0, Error, "[ptrain.ep.experts] expert_parallel = ", ep, " does not divide the ", E,
                  " experts of ", moe->describe(), "; choose an ep degree that divides num_experts");
     moe->shard_experts(mesh.ep_rank() * (E / ep), E / ep,
-                       std::make_shared<ExpertParallelDispatch<T>>(mesh.expert_group(), E));
+                       std::make_shared<ExpertParallelDispatch<T>>(mesh.expert_group(), E,
+                                                                   moe->config().capacity_factor,
+                                                                   &mesh.expert_data_group()));
   }
   return layers.size();
+}
+
+/// Undoes shard_experts() on world rank 0: each MoE layer of its `model` gets all its
+/// experts back (replica 0 of each expert-parallel index sends its own) and runs them
+/// alone, e.g. to sample or export after training (gpt_char). Collective over `world`,
+/// the mesh's; the other ranks' models stay sharded.
+template <class T>
+void gather_experts(nn::Module<T>& model, ExpertMesh& mesh, dist::Communicator& world) {
+  const bool lead = world.rank() == 0;
+  for (nn::MoE<T>* moe : moe_layers(model)) {
+    const nn::MoeConfig& c = moe->config();
+    const std::int64_t per_rank = c.num_experts / mesh.ep_size();
+    nn::MoeExperts<T>& local = moe->experts();
+    std::shared_ptr<nn::MoeExperts<T>> all;
+    if (lead) {
+      Generator scratch(0);  // every value is overwritten
+      all = std::make_shared<nn::MoeExperts<T>>(c.num_experts, c.n_embd, c.expert_hidden, scratch);
+      all->to(moe->router().weight().value.device());
+    }
+    for (std::int64_t e = 0; e < c.num_experts; ++e) {
+      const int owner = static_cast<int>(e / per_rank);  // world rank of replica 0's expert-parallel index
+      const bool mine = mesh.replica() == 0 && mesh.ep_rank() == owner;
+      if (!lead && !mine) continue;
+      std::vector<nn::NamedParameter<T>> from, to;
+      if (mine) from = local.expert(e - local.first()).named_parameters();
+      if (lead) to = all->expert(e).named_parameters();
+      for (std::size_t j = 0; j < std::max(from.size(), to.size()); ++j) {
+        if (lead && mine) to[j].param->value.copy_(from[j].param->value);
+        else if (lead) world.recv(to[j].param->value, owner);
+        else world.send(from[j].param->value, 0);
+      }
+    }
+    if (lead) moe->unshard_experts(std::move(all));
+  }
+}
+
+/// Makes every MoE layer of `model` report (stats(), Module::named_metrics()) its latest
+/// forward over all ranks of `comm` instead of this rank's: tokens_per_expert and dropped
+/// summed, max_load and mean_load (so the load imbalance) from the summed counts, aux_loss,
+/// z_loss and loss averaged over the ranks (capacity stays this rank's). One all-reduce of
+/// E + 5 numbers per layer; collective over `comm`, whose ranks must hold the same MoE
+/// layers (every rank under Local, DDP with any expert_parallel, FSDP and context
+/// parallelism; not pipeline stages). Backward does not read the statistics, so this may
+/// run between steps.
+template <class T>
+void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {
+  const auto layers = moe_layers(model);
+  if (comm.size() == 1 || layers.empty()) return;
+  std::vector<double> v;
+  for (nn::MoE<T>* moe : layers) {
+    const nn::MoeStats& s = moe->stats();
+    const bool ran = !s.tokens_per_expert.empty();
+    for (std::int64_t e = 0; e < moe->config().num_experts; ++e)
+      v.push_back(ran ? double(s.tokens_per_expert[static_cast<std::size_t>(e)]) : 0.0);
+    v.insert(v.end(), {double(s.dropped), s.aux_loss, s.z_loss, s.loss, ran ? 1.0 : 0.0});
+  }
+  {
+    dist::CollectiveLabel label("moe.stats");
+    comm.all_reduce(v.data(), v.size(), DType::F64, dist::ReduceOp::Sum);
+  }
+  std::size_t at = 0;
+  for (nn::MoE<T>* moe : layers) {
+    const auto E = static_cast<std::size_t>(moe->config().num_experts);
+    nn::MoeStats s;
+    s.capacity = moe->stats().capacity;
+    for (std::size_t e = 0; e < E; ++e) s.tokens_per_expert.push_back(static_cast<std::int64_t>(v[at + e]));
+    at += E;
+    const double ranks = v[at + 4];
+    s.dropped = static_cast<std::int64_t>(v[at]);
+    s.aux_loss = ranks > 0 ? v[at + 1] / ranks : 0.0;
+    s.z_loss = ranks > 0 ? v[at + 2] / ranks : 0.0;
+    s.loss = ranks > 0 ? v[at + 3] / ranks : 0.0;
+    at += 5;
+    if (ranks == 0) s.tokens_per_expert.clear();  // no forward anywhere yet
+    if (!s.tokens_per_expert.empty()) {
+      s.max_load = double(*std::max_element(s.tokens_per_expert.begin(), s.tokens_per_expert.end()));
+      s.mean_load = 0;
+      for (auto n : s.tokens_per_expert) s.mean_load += double(n);
+      s.mean_load /= double(E);
+    }
+    moe->set_stats(std::move(s));
+  }
 }
 
 }  // namespace ptrain::parallel

@@ -86,6 +86,7 @@
 #include "ptrain/optim/optimizer.hpp"
 #include "ptrain/optim/schedule.hpp"
 #include "ptrain/parallel/engine.hpp"
+#include "ptrain/parallel/expert_parallel.hpp"
 #include "ptrain/train/metrics.hpp"
 #include "ptrain/train/progress.hpp"
 #include "ptrain/train/step_graph.hpp"
@@ -299,6 +300,9 @@ class Trainer {
                                 {"samples_per_s", window.samples_per_s(now)}, {"world_size", data_world}};
           rec.update(straggler_report(engine_.communicator(), times));  // every rank, same steps
           rec.update(memory_fields());
+          // MoE routing over every rank's latest forward (pipeline stages hold different layers).
+          if (engine_.mode() != parallel::Mode::Pipeline)
+            parallel::all_reduce_moe_stats(engine_.local_module(), engine_.communicator());  // every rank
           for (const auto& [name, value] : engine_.local_module().named_metrics()) rec[name] = value;
           metrics.write(rec);
           window.reset(now);

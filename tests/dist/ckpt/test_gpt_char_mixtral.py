@@ -8,19 +8,26 @@ usage: test_gpt_char_mixtral.py GPT_CHAR [MPIRUN]
   learns     4 ranks under DDP (MPIRUN; one process without it) on the fortunes corpus,
              4 experts, top-2, capacity factor 1.25: the final validation loss is below the
              unigram entropy, which no model that ignores the context can reach
-  metrics    each step record holds every MoE layer's routing: tokens_per_expert.e summing
-             to the rank's batch x block x k slots, dropped = the slots past the capacity
-             ceil(1.25 x tokens x k / experts) computed here from those counts,
-             load_imbalance = max / mean of the counts, moe_loss = coefficient x aux_loss
+  metrics    each step record holds every MoE layer's routing over all ranks: tokens_per_expert.e
+             summing to ranks x batch x block x k slots, dropped between the bounds that the
+             per-rank capacity ceil(1.25 x tokens x k / experts) and those summed counts give
+             (exact on one process), load_imbalance = max / mean of the counts, moe_loss =
+             coefficient x aux_loss
   export     --export-hf writes a MixtralForCausalLM config.json and the experts under
              Hugging Face's names; --init-from that folder with --steps 0, on one process,
              validates as the run ended
-  refused    MoE flags without --model mixtral, and --model mixtral under --parallel tp,
-             fail before training, naming the flag"""
+  ep resume  (4 ranks, dropless: plain DDP applies a capacity to each rank's tokens, expert
+             parallelism to the global batch) --expert-parallel 2 (ep 2 x dp 2) checkpoints at
+             step 3 of 5; resumed from there at ep 1 (plain DDP), steps 4 and 5 have the ep 2
+             run's losses (1e-4 relative)
+  refused    MoE flags without --model mixtral, --model mixtral under --parallel tp, and
+             --expert-parallel without --parallel ddp or not dividing the world, fail before
+             training, naming the flag"""
 import json
 import math
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -59,25 +66,52 @@ def final(out, what):
     return float(m.group(1)), float(m.group(2))
 
 
-def check_routing(rec):
-    tokens = BATCH * BLOCK  # this rank's tokens per forward
-    capacity = math.ceil(CAPACITY * tokens * TOP_K / EXPERTS)
+def check_routing(rec, ranks):
+    tokens = BATCH * BLOCK  # each rank's tokens per forward
+    capacity = math.ceil(CAPACITY * tokens * TOP_K / EXPERTS)  # each rank's, per expert
     for layer in range(2):
         p = f"layers.{layer}.block_sparse_moe."
         counts = [rec.get(f"{p}tokens_per_expert.{e}") for e in range(EXPERTS)]
         if None in counts or f"{p}tokens_per_expert.{EXPERTS}" in rec:
             raise Failure(f"metrics: step {rec['step']} lacks {EXPERTS} tokens_per_expert fields of layer {layer}: {rec}")
-        if sum(counts) != tokens * TOP_K:
-            raise Failure(f"metrics: layer {layer} routed {sum(counts)} slots, expected {tokens * TOP_K}: {counts}")
-        dropped = sum(max(0, c - capacity) for c in counts)
-        if rec[p + "dropped"] != dropped:
-            raise Failure(f"metrics: layer {layer} dropped {rec[p + 'dropped']}, expected {dropped} of {counts} "
-                          f"at capacity {capacity}")
-        imbalance = max(counts) / (tokens * TOP_K / EXPERTS)
+        if sum(counts) != ranks * tokens * TOP_K:
+            raise Failure(f"metrics: layer {layer} routed {sum(counts)} slots, expected {ranks * tokens * TOP_K}: "
+                          f"{counts}")
+        # Every rank keeps at most `capacity` slots of an expert, and one that drops keeps that many.
+        least = sum(max(0, c - ranks * capacity) for c in counts)
+        most = sum(max(0, c - capacity) for c in counts)
+        if not least <= rec[p + "dropped"] <= most:
+            raise Failure(f"metrics: layer {layer} dropped {rec[p + 'dropped']}, expected {least} .. {most} of "
+                          f"{counts} at capacity {capacity} on each of {ranks} ranks")
+        imbalance = max(counts) / (ranks * tokens * TOP_K / EXPERTS)
         if abs(rec[p + "load_imbalance"] - imbalance) > 1e-12:
             raise Failure(f"metrics: layer {layer} load_imbalance {rec[p + 'load_imbalance']}, expected {imbalance}")
         if abs(rec[p + "moe_loss"] - AUX * rec[p + "aux_loss"]) > 1e-9 or not 1.0 <= rec[p + "aux_loss"] < EXPERTS:
             raise Failure(f"metrics: layer {layer} aux_loss {rec[p + 'aux_loss']}, moe_loss {rec[p + 'moe_loss']}")
+
+
+def step_losses(path):
+    with open(path) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def check_ep_resume(exe, launch, work):
+    """A checkpoint of ep 2 x dp 2 resumed at ep 1 (plain DDP) on the same 4 ranks continues with
+    the losses of the uninterrupted ep 2 run."""
+    steps = ["--steps", "5", "--checkpoint-every", "3"]
+    dropless = MOE[:MOE.index("--capacity-factor")] + MOE[MOE.index("--capacity-factor") + 2:]
+    ref, res = os.path.join(work, "ep2"), os.path.join(work, "ep1")
+    run(launch + [exe] + dropless + TRAIN + SHAPE + steps + ["--parallel", "ddp", "--expert-parallel", "2",
+        "--checkpoint-dir", ref, "--metrics", ref + ".jsonl"], "ep 2 with checkpoints")
+    shutil.copytree(os.path.join(ref, "step-00000003"), os.path.join(res, "step-00000003"))
+    out = run(launch + [exe] + dropless + TRAIN + SHAPE + steps + ["--parallel", "ddp", "--checkpoint-dir", res,
+              "--resume", "--metrics", res + ".jsonl"], "ep 1 resuming ep 2's step 3")
+    if "resumed from" not in out:
+        raise Failure(f"ep resume: the ep 1 run did not resume\n{out}")
+    want, got = step_losses(ref + ".jsonl"), step_losses(res + ".jsonl")
+    for step in (4, 5):
+        if step not in got or abs(got[step] - want[step]) > 1e-4 * want[step]:
+            raise Failure(f"ep resume: step {step} loss {got.get(step)} at ep 1, {want[step]} at ep 2")
 
 
 def safetensors_names(path):
@@ -106,7 +140,7 @@ def main():
     if len(steps) != 200:
         raise Failure(f"metrics: {len(steps)} step records, expected 200")
     for rec in steps:
-        check_routing(rec)
+        check_routing(rec, 4 if launch else 1)
 
     with open(os.path.join(hf, "config.json")) as f:
         config = json.load(f)
@@ -127,12 +161,23 @@ def main():
     if abs(back_loss - loss) > 1e-4 * loss:
         raise Failure(f"export: the folder validates at {back_loss}, the run ended at {loss}\n{back}")
 
+    if launch:
+        check_ep_resume(exe, launch, work)
+
     # refused
     for argv, flag in [(["--experts", "4"], "--experts"),
                        (["--model", "mixtral", "--parallel", "tp"], "--parallel")]:
         err = run([exe] + argv + ["--steps", "1"], f"{argv}", expect=2)
         if flag not in err:
             raise Failure(f"refused: {argv} did not name {flag}\n{err}")
+    refusals = [([exe, "--model", "mixtral", "--parallel", "none", "--expert-parallel", "2"], "--parallel none")]
+    if launch:
+        refusals.append((launch + [exe, "--model", "mixtral", "--parallel", "ddp", "--expert-parallel", "3"],
+                         "world (4 ranks)"))
+    for argv, says in refusals:
+        err = run(argv + SHAPE + ["--steps", "1"], f"{argv}", expect=1)
+        if "[gpt_char.ep]" not in err or says not in err:
+            raise Failure(f"refused: {argv} did not fail with [gpt_char.ep] naming {says}\n{err}")
     print(f"mixtral learns on {4 if launch else 1} rank(s): val_loss {loss:.4f} = {ratio:.3f} x unigram entropy; "
           f"{len(steps)} records with the routing; the Hugging Face folder validates at {back_loss:.4f}")
 
