@@ -19,6 +19,7 @@
 #include <ptrain/nn/models/llama.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
 #include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/fsdp.hpp>
 #include <ptrain/parallel/local.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 
@@ -274,6 +275,17 @@ struct OneProcess {
   void check_parameters(parallel::Engine<T>& e, double tol) {
     std::map<std::string, Tensor<T>> ref;
     for (const auto& p : params.entries()) ref[p.name] = p.param->value;
+    if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(&e.local_module())) {  // gathered (collective), by name
+      for (const auto& p : params.frozen_entries()) ref[p.name] = p.param->value;
+      const auto full = fsdp->full_parameters();
+      REQUIRE(full.size() == ref.size());
+      for (const auto& [name, value] : full) {
+        INFO(name);
+        REQUIRE(ref.count(name) == 1);
+        CHECK(max_rel_diff(value, ref[name]) < tol);
+      }
+      return;
+    }
     REQUIRE(e.parameters().entries().size() == ref.size());
     for (const auto& p : e.parameters().entries()) {
       INFO(p.name);
@@ -336,23 +348,27 @@ nn::LlamaConfig llama_config(std::int64_t layers) {
 }
 
 // GPT and Llama in T at each layout the world allows, against one process within tol.
+// The parameters, gradients and AdamW state sharded over the dp x cp ranks too (fsdp).
 template <class T>
 void check_models(double tol) {
   for (auto [dp, cp] : layouts(world().size())) {
     INFO("dp " << dp << " x cp " << cp << (std::is_same_v<T, float> ? ", float" : ", double"));
     const std::int64_t S = 2 * cp * 3;  // chunks of 3 tokens
-    {
-      INFO("GPT (tied) with recomputed blocks");
-      auto cfg = gpt_config(S);
-      cfg.recompute = true;
-      check_like_one_process<T>([cfg] { Generator g(3); return std::make_shared<nn::GPT<T>>(cfg, g); },
-                                parallel::ContextParallelPlan{.cp = cp}, dp, S, 13, tol);
-    }
-    {
-      INFO("Llama (GQA 4 / 2 heads) on packed documents");
-      const auto cfg = llama_config(2);
-      check_like_one_process<T>([cfg] { Generator g(5); return std::make_shared<nn::Llama<T>>(cfg, g); },
-                                parallel::ContextParallelPlan{.cp = cp}, dp, S, 17, tol);
+    for (bool fsdp : {false, true}) {
+      INFO((fsdp ? "with FSDP over the dp x cp ranks" : "replicated"));
+      {
+        INFO("GPT (tied) with recomputed blocks");
+        auto cfg = gpt_config(S);
+        cfg.recompute = true;
+        check_like_one_process<T>([cfg] { Generator g(3); return std::make_shared<nn::GPT<T>>(cfg, g); },
+                                  parallel::ContextParallelPlan{.cp = cp, .fsdp = fsdp}, dp, S, 13, tol);
+      }
+      {
+        INFO("Llama (GQA 4 / 2 heads) on packed documents");
+        const auto cfg = llama_config(2);
+        check_like_one_process<T>([cfg] { Generator g(5); return std::make_shared<nn::Llama<T>>(cfg, g); },
+                                  parallel::ContextParallelPlan{.cp = cp, .fsdp = fsdp}, dp, S, 17, tol);
+      }
     }
     if (!std::is_same_v<T, double>) continue;  // float: the rounding of the two above is enough
     {
