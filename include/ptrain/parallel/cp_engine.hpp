@@ -29,8 +29,8 @@
 // - Every rank holds the whole model: clipping needs no reduction, and checkpoints
 //   are DDP's (mode() is Mode::DDP; ckpt/engine_checkpoint.hpp saves and loads the
 //   whole model by name, so a checkpoint resumes at any cp and dp, or in one process).
-// - Unless ContextParallelPlan::fsdp: since every rank of the dp x cp mesh holds the
-//   same weights, they are sharded over all of them (torchtitan's FSDP over dp x cp):
+// - With ContextParallelPlan::fsdp, since every rank of the dp x cp mesh holds the
+//   same weights, they are sharded over all of them instead (torchtitan's FSDP over dp x cp):
 //   the engine hands its units (the rebuilt blocks, whose attention runs the ring) to
 //   an FSDP (FullShard over the world, unit_names the full model's), which gathers a
 //   unit's parameters before it runs and reduce-scatters its gradients (averaged over
@@ -38,6 +38,7 @@
 //   and local_module() are the FSDP's, mode() is Mode::FSDP: clipping sums over the
 //   world, checkpoints are FSDP's sharded ones under the full tensor names
 //   (engine_checkpoint.hpp finds the FSDP as local_module()), loadable at any layout.
+//   Inside no_sync() each backward still reduce-scatters (FSDP's Note [Accumulation]).
 // - Limits: the CPU only; no dropout (GPT's dropout must be 0: a slice of a sequence
 //   would draw other masks than one process); no tensor or pipeline parallelism
 //   in the same engine yet (docs/context_parallel.md).
@@ -254,7 +255,7 @@ class ContextParallel : public Engine<T> {
     PTRAIN_CHECK(cfg.dropout == 0, Error, "[ptrain.cp.dropout] context parallelism trains without dropout (a slice "
                  "of a sequence would draw other masks); build the GPT with dropout = 0");
     init(plan, full.describe(), -1);
-    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
+    build(full, plan.fsdp, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
       auto& b = dynamic_cast<nn::TransformerBlock<T>&>(inner);
       return std::make_shared<nn::PreNormBlock<T>>(
           typename nn::PreNormBlock<T>::Part{"ln_1", detail::part_of(owner, b.ln_1())},
@@ -267,7 +268,7 @@ class ContextParallel : public Engine<T> {
   /// Over an nn::Llama that every rank built alike; the engine shares its modules (keep it alive).
   ContextParallel(nn::Llama<T>& full, dist::Communicator& world, ContextParallelPlan plan) : world_(world) {
     init(plan, full.describe(), full.config().document_token);
-    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
+    build(full, plan.fsdp, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
       auto& b = dynamic_cast<nn::LlamaBlock<T>&>(inner);
       return std::make_shared<nn::PreNormBlock<T>>(
           typename nn::PreNormBlock<T>::Part{"input_layernorm", detail::part_of(owner, b.input_layernorm())},
@@ -320,13 +321,13 @@ class ContextParallel : public Engine<T> {
     mesh_ = std::make_unique<Mesh>(world_, MeshShape{.dp = world_.size() / plan.cp, .cp = plan.cp});
     batch_ = std::make_shared<ContextParallelBatch>(mesh_->context_group(), plan.kv_exchange);
     document_token_ = document_token;
-    fsdp_plan_ = plan.fsdp;
   }
 
   // The local model: the full model's units, each block rebuilt by `block` around its
-  // attention (and wrapped again in Recompute where the full model's was).
+  // attention (and wrapped again in Recompute where the full model's was); with
+  // `fsdp` sharded by an FSDP over the world, else replicated.
   template <class M, class Block>
-  void build(M& full, Block block) {
+  void build(M& full, bool fsdp, Block block) {
     model_ = std::make_unique<detail::StageModule<T>>();
     const auto& units = full.units();
     const auto& names = full.unit_names();
@@ -344,7 +345,7 @@ class ContextParallel : public Engine<T> {
       model_->add(names[u], unit);
       local_units.push_back(unit);
     }
-    if (fsdp_plan_) {  // shards rank 0's values over the world and releases the full tensors
+    if (fsdp) {  // shards rank 0's values over the world and releases the full tensors
       fsdp_ = std::make_unique<FSDP<T>>(std::move(local_units), world_, FSDPOptions{.unit_names = names});
       return;
     }
@@ -394,7 +395,7 @@ class ContextParallel : public Engine<T> {
     double sums[2] = {valid > 0 ? mean * valid : 0.0, valid};  // the sequence's loss sum and token count
     if (g.size() > 1) g.communicator().all_reduce(sums, 2, DType::F64, dist::ReduceOp::Sum);
     if (training) {
-      // d(sum / count) for this rank's tokens, times cp: the gradient all-reduce averages over dp x cp ranks.
+      // d(sum / count) for this rank's tokens, times cp: the gradient reduction averages over dp x cp ranks.
       const double scale = sums[1] > 0 ? grad_scale * valid * g.size() / sums[1] : 0.0;
       Tensor<T> dout = valid > 0 ? ce.backward(lc, static_cast<acc_t<T>>(scale)) : Tensor<T>::zeros(out.shape());
       model.backward(dout, cache_);
@@ -410,7 +411,6 @@ class ContextParallel : public Engine<T> {
   std::unique_ptr<detail::StageModule<T>> model_;
   std::unique_ptr<nn::FlatParameters<T>> params_;  // without FSDP
   std::unique_ptr<FSDP<T>> fsdp_;                  // with FSDP
-  bool fsdp_plan_ = false;
   nn::Cache<T> cache_;
   std::int32_t document_token_ = -1;
   bool pending_ = false;

@@ -3,8 +3,9 @@
 // (forward and backward, GQA, packed documents, a sliding window, chunks of odd length), and GPT
 // and Llama trained with the sequence split over cp ranks (cp = the world, and the dp x cp
 // layouts the world allows) against one process on the global batch, in double and float
-// over several AdamW steps; checkpoints saved at cp 2 resumed at other layouts; attention's
-// bytes against the memory formula. Every rank runs every case in the same order; checks
+// over several AdamW steps, replicated and with FSDP over the dp x cp ranks; checkpoints
+// saved at cp 2 resumed at other layouts; attention's bytes against the memory formula, and
+// FSDP's 1/world of the parameters, gradients and optimizer state. Every rank runs every case in the same order; checks
 // use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
