@@ -588,3 +588,32 @@ TEST_CASE("with FSDP a rank keeps 1/world of the replicated engine's parameters,
 }
 
 }  // namespace test_context_parallel
+
+namespace test_context_parallel {
+
+// clip_grad_norm_ with FSDP sums the shards' squares over the world: the norm of the
+// whole gradient, as the replicated engine (which holds all of it) computes it.
+TEST_CASE("with FSDP clip_grad_norm_ clips by the whole gradient's norm", "[cp]") {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto cfg = llama_config(2);
+  const std::int64_t S = 4 * n;
+  const Batch b = make_batch(1, S, cfg.vocab_size, 300);
+  auto norm = [&](bool fsdp) {
+    Generator g(5);
+    auto model = std::make_shared<nn::Llama<double>>(cfg, g);
+    parallel::ContextParallel<double> e(*model, comm, parallel::ContextParallelPlan{.cp = n, .fsdp = fsdp});
+    e.zero_grad();
+    e.forward_backward(b.ids, b.targets);
+    const double before = e.clip_grad_norm_(1e-3), after = e.clip_grad_norm_(1e9);
+    const double want = before * 1e-3 / (before + 1e-6);  // clipped to max_norm, as torch's clip_grad_norm_
+    CHECK(std::abs(after - want) < kTol * want);
+    comm.barrier();  // Note [Group teardown]
+    return before;
+  };
+  const double replicated = norm(false), sharded = norm(true);
+  CHECK(replicated > 1e-2);
+  CHECK(std::abs(sharded - replicated) < kTol * replicated);
+}
+
+}  // namespace test_context_parallel
