@@ -8,6 +8,7 @@
 //   ptrun --nproc-per-node 2 gpt_char --parallel pipeline --virtual-stages 2   # interleaved 1F1B, 2 chunks a stage
 //   mpirun -np 4 build/examples/gpt_char --parallel tp --tp 2   # tensor parallel: 2 replicas x tp 2
 //   mpirun -np 2 build/examples/gpt_char --context-parallel 2  # each sequence split over 2 ranks (ring attention)
+//   mpirun -np 4 build/examples/gpt_char --context-parallel 2 --parallel fsdp  # and the weights sharded over all 4
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --experts 8 --moe-top-k 2   # MoE blocks
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --expert-parallel 2   # ep 2 x dp 2
@@ -101,6 +102,7 @@ struct Options {
   int tp = 2;                 // --parallel tp: ranks per tensor-parallel group
   bool sequence_parallel = false;  // --parallel tp: the residual stream cut along the sequence
   int context_parallel = 0;   // --context-parallel: ranks per sequence (--parallel cp; 0: none)
+  bool cp_fsdp = false;       // --context-parallel with --parallel fsdp: FSDP over the dp x cp ranks
   int micro_batches = 4;
   std::string schedule = "1f1b";
   int virtual_stages = 1;     // --parallel pipeline: chunks per stage (> 1: the interleaved schedule)
@@ -257,7 +259,8 @@ std::string parallel_layout(const Options& o, int world) {
                        ", ", schedule_label(o));
   if (o.parallel == "tp") return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp);
   if (o.parallel == "cp")
-    return "cp " + std::to_string(o.context_parallel) + " x dp " + std::to_string(world / o.context_parallel);
+    return "cp " + std::to_string(o.context_parallel) + " x dp " + std::to_string(world / o.context_parallel) +
+           (o.cp_fsdp ? " with fsdp" : "");
   if (o.parallel == "ddp" && o.expert_parallel > 1)
     return "ddp, ep " + std::to_string(o.expert_parallel) + " x dp " + std::to_string(world / o.expert_parallel);
   if (o.parallel != "fsdp") return o.parallel;
@@ -558,7 +561,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   }
   parallel::Plan<T> plan = parallel::LocalOptions{};
   if (o.parallel == "ddp") plan = parallel::DDPOptions{.expert_parallel = o.expert_parallel};
-  if (o.parallel == "cp") plan = parallel::ContextParallelPlan{.cp = o.context_parallel};
+  if (o.parallel == "cp") plan = parallel::ContextParallelPlan{.cp = o.context_parallel, .fsdp = o.cp_fsdp};
   if (o.parallel == "tp")
     plan = parallel::TensorParallelPlan{
         .tp = o.tp, .sequence_parallel = o.sequence_parallel, .pp = std::max(o.stages, 1),
@@ -615,9 +618,9 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
       }
     };
   }
-  if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(e.engine.get())) {
-    e.describe = detail::cat(fsdp->describe(), " over ", world.size(), " rank(s) (shard groups of ",
-                             fsdp->shard_size(), ")");
+  if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(&e.engine->local_module())) {  // also cp's (--parallel fsdp)
+    e.describe = detail::cat(e.describe.empty() ? "" : e.describe + ", ", fsdp->describe(), " over ", world.size(),
+                             " rank(s) (shard groups of ", fsdp->shard_size(), ")");
     e.gather = [&m, fsdp, lead] {
       auto full = fsdp->full_parameters();
       if (!lead) return;
@@ -1167,7 +1170,8 @@ int main(int argc, char** argv) {
   app.add_flag("--sequence-parallel", opt.sequence_parallel, "with --parallel tp: cut the activations between the "
                "tensor-parallel layers along the sequence (--block a multiple of --tp)");
   app.add_option("--context-parallel", opt.context_parallel, "split each sequence over this many ranks (ring "
-                 "attention; --block a multiple of 2x it; world / it replicas); the same as --parallel cp")
+                 "attention; --block a multiple of 2x it; world / it replicas); the same as --parallel cp; "
+                 "with --parallel fsdp the weights are sharded over all the ranks")
       ->check(positive);
   app.add_option("--device", opt.device, "cpu, or cuda: the GPU of LOCAL_RANK, NCCL between ranks (gpt_char_cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
@@ -1235,9 +1239,12 @@ int main(int argc, char** argv) {
   if (const int rc = parse_command_line(app, argc, argv); rc >= 0) return rc;
   if (!apply_run_dir("gpt_char", app, opt.observe, opt.metrics, opt.checkpoint_dir)) return 2;
   if (opt.context_parallel > 0 || opt.parallel == "cp") {
-    if (opt.parallel != "none" && opt.parallel != "cp") {
-      std::fprintf(stderr, "gpt_char: --context-parallel is its own mode; leave out --parallel %s\n",
-                   opt.parallel.c_str());
+    opt.cp_fsdp = opt.parallel == "fsdp";  // FSDP (full_shard) over the dp x cp ranks
+    if ((opt.parallel != "none" && opt.parallel != "cp" && !opt.cp_fsdp) ||
+        (opt.cp_fsdp && opt.fsdp_strategy != "full_shard")) {
+      std::fprintf(stderr, "gpt_char: --context-parallel is its own mode, with --parallel fsdp (full_shard) or "
+                   "alone; leave out --parallel %s --fsdp-strategy %s\n", opt.parallel.c_str(),
+                   opt.fsdp_strategy.c_str());
       return 2;
     }
     opt.parallel = "cp";

@@ -12,7 +12,8 @@
 //   Local, DDP   rank 0 writes the whole model (model.safetensors, optimizer.safetensors)
 //   DDP with expert parallelism  rank 0 writes the dense tensors, replica 0 of each
 //                expert-parallel index its experts, under their global names
-//   FSDP         every shard group writes its pieces (ckpt/fsdp_checkpoint.hpp)
+//   FSDP         every shard group writes its pieces (ckpt/fsdp_checkpoint.hpp); also a
+//                context-parallel engine with ContextParallelPlan::fsdp
 //   Pipeline     replica 0 of each stage writes its stage (ckpt/stage_checkpoint.hpp)
 //   TensorParallel  rank 0 writes the full tensors, gathered over tp (ckpt/tp_checkpoint.hpp)
 // Loading reads the tensors (or the ranges of them) that this rank holds, from
@@ -63,6 +64,16 @@ ShardedState expert_parallel_state(parallel::DDP<T>& ddp, optim::Optimizer<T>* o
   return s;
 }
 
+// The FSDP of a Mode::FSDP engine, its local_module(): the FSDP itself, or the one a
+// context-parallel engine with ContextParallelPlan::fsdp runs its units in.
+template <class T>
+parallel::FSDP<T>& fsdp_of(parallel::Engine<T>& engine) {
+  auto* f = dynamic_cast<parallel::FSDP<T>*>(&engine.local_module());
+  PTRAIN_CHECK(f != nullptr, CheckpointError, "[ptrain.ckpt.mode] an engine of Mode::FSDP whose local_module() is "
+               "not an FSDP; make local_module() return the FSDP that holds the shards");
+  return *f;
+}
+
 // Hands this rank's part of a checkpoint of `engine` to `replicated(params, state)`
 // (the whole model, written by rank 0) or `sharded(pieces, state)`.
 template <class T, class Replicated, class Sharded>
@@ -80,7 +91,7 @@ void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Opti
         replicated(engine.parameters(), std::move(state));
       return;
     case parallel::Mode::FSDP:
-      sharded(fsdp_state(static_cast<parallel::FSDP<T>&>(engine), opt), std::move(state));
+      sharded(fsdp_state(fsdp_of(engine), opt), std::move(state));
       return;
     case parallel::Mode::Pipeline: {
       StageSnapshot snap =
@@ -132,7 +143,7 @@ TrainerState load_engine(CheckpointManager& mgr, const fs::path& path, parallel:
       return mgr.load(path, engine.parameters(), opt, LoadOptions{.partial = ddp && ddp->expert_mesh() != nullptr});
     }
     case parallel::Mode::FSDP:
-      return load_fsdp(path, static_cast<parallel::FSDP<T>&>(engine), opt);
+      return load_fsdp(path, fsdp_of(engine), opt);
     case parallel::Mode::Pipeline: {
       auto& pipe = static_cast<parallel::Pipeline<T>&>(engine);
       if (same_pipeline_layout(saved_pipeline_layout(Checkpoint(path, false).trainer_state()), pipe))

@@ -29,6 +29,16 @@
 // - Every rank holds the whole model: clipping needs no reduction, and checkpoints
 //   are DDP's (mode() is Mode::DDP; ckpt/engine_checkpoint.hpp saves and loads the
 //   whole model by name, so a checkpoint resumes at any cp and dp, or in one process).
+// - With ContextParallelPlan::fsdp, since every rank of the dp x cp mesh holds the
+//   same weights, they are sharded over all of them instead (torchtitan's FSDP over dp x cp):
+//   the engine hands its units (the rebuilt blocks, whose attention runs the ring) to
+//   an FSDP (FullShard over the world, unit_names the full model's), which gathers a
+//   unit's parameters before it runs and reduce-scatters its gradients (averaged over
+//   the world, as the all-reduce above) into this rank's 1/world shard. parameters()
+//   and local_module() are the FSDP's, mode() is Mode::FSDP: clipping sums over the
+//   world, checkpoints are FSDP's sharded ones under the full tensor names
+//   (engine_checkpoint.hpp finds the FSDP as local_module()), loadable at any layout.
+//   Inside no_sync() each backward still reduce-scatters (FSDP's Note [Accumulation]).
 // - Limits: the CPU only; no dropout (GPT's dropout must be 0: a slice of a sequence
 //   would draw other masks than one process); no tensor or pipeline parallelism
 //   in the same engine yet (docs/context_parallel.md).
@@ -44,6 +54,7 @@
 #include "ptrain/nn/recompute.hpp"
 #include "ptrain/parallel/context_parallel.hpp"
 #include "ptrain/parallel/engine.hpp"
+#include "ptrain/parallel/fsdp.hpp"
 #include "ptrain/parallel/mesh.hpp"
 #include "ptrain/parallel/model_check.hpp"
 #include "ptrain/parallel/pipeline.hpp"
@@ -55,6 +66,9 @@ struct ContextParallelPlan {
   int cp = 1;
   /// How attention reaches the other ranks' keys and values (docs/context_parallel.md, "Ring or all-gather").
   KVExchange kv_exchange = KVExchange::Ring;
+  /// Shard the parameters, gradients and optimizer state over all dp x cp ranks (FSDP
+  /// FullShard over the world) instead of replicating them (Note [Context-parallel engine]).
+  bool fsdp = false;
 };
 
 /// What the layers of a context-parallel model read about the batch they run on (set by the engine).
@@ -241,7 +255,7 @@ class ContextParallel : public Engine<T> {
     PTRAIN_CHECK(cfg.dropout == 0, Error, "[ptrain.cp.dropout] context parallelism trains without dropout (a slice "
                  "of a sequence would draw other masks); build the GPT with dropout = 0");
     init(plan, full.describe(), -1);
-    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
+    build(full, plan.fsdp, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
       auto& b = dynamic_cast<nn::TransformerBlock<T>&>(inner);
       return std::make_shared<nn::PreNormBlock<T>>(
           typename nn::PreNormBlock<T>::Part{"ln_1", detail::part_of(owner, b.ln_1())},
@@ -254,7 +268,7 @@ class ContextParallel : public Engine<T> {
   /// Over an nn::Llama that every rank built alike; the engine shares its modules (keep it alive).
   ContextParallel(nn::Llama<T>& full, dist::Communicator& world, ContextParallelPlan plan) : world_(world) {
     init(plan, full.describe(), full.config().document_token);
-    build(full, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
+    build(full, plan.fsdp, [&](const std::shared_ptr<nn::Module<T>>& owner, nn::Module<T>& inner) {
       auto& b = dynamic_cast<nn::LlamaBlock<T>&>(inner);
       return std::make_shared<nn::PreNormBlock<T>>(
           typename nn::PreNormBlock<T>::Part{"input_layernorm", detail::part_of(owner, b.input_layernorm())},
@@ -266,22 +280,28 @@ class ContextParallel : public Engine<T> {
     });
   }
 
-  Mode mode() const override { return Mode::DDP; }  // every rank holds the whole model (Note [Context-parallel engine])
-  nn::FlatParameters<T>& parameters() override { return *params_; }
-  nn::Module<T>& local_module() override { return *model_; }
+  // Every rank holds the whole model, or its shard (Note [Context-parallel engine]).
+  Mode mode() const override { return fsdp_ ? Mode::FSDP : Mode::DDP; }
+  nn::FlatParameters<T>& parameters() override { return fsdp_ ? fsdp_->parameters() : *params_; }
+  nn::Module<T>& local_module() override { return fsdp_ ? static_cast<nn::Module<T>&>(*fsdp_) : *model_; }
   dist::Communicator& communicator() override { return world_; }
   dist::Communicator* data_parallel_group() override { return &mesh_->data_group(); }
   void zero_grad() override {
     finish_gradient_sync();
-    params_->zero_grad();
+    if (fsdp_) fsdp_->zero_grad();
+    else params_->zero_grad();
   }
   void finish_gradient_sync() override {
+    if (fsdp_) fsdp_->finish_gradient_sync();
     if (!pending_) return;
     pending_ = false;
     if (world_.size() > 1 && params_->numel() > 0) {  // trainable gradients only
       dist::CollectiveLabel label("cp.gradients");
       world_.all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
+  }
+  void parameters_changed() override {
+    if (fsdp_) fsdp_->parameters_changed();
   }
   Mesh& mesh() { return *mesh_; }
   ContextParallelGroup& group() { return batch_->group; }
@@ -291,7 +311,7 @@ class ContextParallel : public Engine<T> {
     try {
       check_same_model(world_, {::ptrain::detail::cat("ContextParallelPlan{.cp = ", plan.cp, ", .kv_exchange = ",
                                                      plan.kv_exchange == KVExchange::Ring ? "Ring" : "AllGather",
-                                                     "} ", model)});
+                                                     ", .fsdp = ", plan.fsdp, "} ", model)});
     } catch (const Error& e) {
       PTRAIN_THROW(Error, "[ptrain.cp.plan] the ranks were given different context-parallel plans or models; pass "
                           "every rank the same ContextParallelPlan and config. ", e.what());
@@ -304,12 +324,14 @@ class ContextParallel : public Engine<T> {
   }
 
   // The local model: the full model's units, each block rebuilt by `block` around its
-  // attention (and wrapped again in Recompute where the full model's was).
+  // attention (and wrapped again in Recompute where the full model's was); with
+  // `fsdp` sharded by an FSDP over the world, else replicated.
   template <class M, class Block>
-  void build(M& full, Block block) {
+  void build(M& full, bool fsdp, Block block) {
     model_ = std::make_unique<detail::StageModule<T>>();
     const auto& units = full.units();
     const auto& names = full.unit_names();
+    std::vector<std::shared_ptr<nn::Module<T>>> local_units;
     for (std::size_t u = 0; u < units.size(); ++u) {
       std::shared_ptr<nn::Module<T>> unit = units[u];
       if (u == 0) {
@@ -321,12 +343,23 @@ class ContextParallel : public Engine<T> {
         if (rc) unit = std::make_shared<nn::Recompute<T>>(unit);
       }
       model_->add(names[u], unit);
+      local_units.push_back(unit);
+    }
+    if (fsdp) {  // shards rank 0's values over the world and releases the full tensors
+      fsdp_ = std::make_unique<FSDP<T>>(std::move(local_units), world_, FSDPOptions{.unit_names = names});
+      return;
     }
     params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
     if (world_.size() > 1) {  // rank 0's values, frozen ones too, as DDP
       if (params_->numel() > 0) world_.broadcast(params_->values(), 0);
       if (params_->frozen_values().numel() > 0) world_.broadcast(params_->frozen_values(), 0);
     }
+  }
+
+  // Under FSDP the shards of all the world's ranks together hold every gradient once.
+  double sum_over_model(double sq) override {
+    if (fsdp_ && world_.size() > 1) world_.all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
+    return sq;
   }
 
   double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale, bool training) override {
@@ -353,7 +386,8 @@ class ContextParallel : public Engine<T> {
     const auto local_targets = g.shard(all_targets.reshape({B, S}));
 
     cache_.clear();
-    Tensor<T> out = model_->forward_tokens(local_ids, cache_);
+    nn::Module<T>& model = local_module();
+    Tensor<T> out = model.forward_tokens(local_ids, cache_);
     nn::CrossEntropyLoss<T> ce;
     nn::Cache<T> lc;
     const double mean = ce.forward(out, Targets<T>(local_targets.reshape({local_targets.numel()})), lc);
@@ -361,11 +395,11 @@ class ContextParallel : public Engine<T> {
     double sums[2] = {valid > 0 ? mean * valid : 0.0, valid};  // the sequence's loss sum and token count
     if (g.size() > 1) g.communicator().all_reduce(sums, 2, DType::F64, dist::ReduceOp::Sum);
     if (training) {
-      // d(sum / count) for this rank's tokens, times cp: the gradient all-reduce averages over dp x cp ranks.
+      // d(sum / count) for this rank's tokens, times cp: the gradient reduction averages over dp x cp ranks.
       const double scale = sums[1] > 0 ? grad_scale * valid * g.size() / sums[1] : 0.0;
       Tensor<T> dout = valid > 0 ? ce.backward(lc, static_cast<acc_t<T>>(scale)) : Tensor<T>::zeros(out.shape());
-      model_->backward(dout, cache_);
-      if (this->syncing()) pending_ = true;
+      model.backward(dout, cache_);
+      if (this->syncing() && !fsdp_) pending_ = true;
     }
     cache_.clear();
     return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
@@ -375,7 +409,8 @@ class ContextParallel : public Engine<T> {
   std::unique_ptr<Mesh> mesh_;
   std::shared_ptr<ContextParallelBatch> batch_;
   std::unique_ptr<detail::StageModule<T>> model_;
-  std::unique_ptr<nn::FlatParameters<T>> params_;
+  std::unique_ptr<nn::FlatParameters<T>> params_;  // without FSDP
+  std::unique_ptr<FSDP<T>> fsdp_;                  // with FSDP
   nn::Cache<T> cache_;
   std::int32_t document_token_ = -1;
   bool pending_ = false;

@@ -3,8 +3,9 @@
 // (forward and backward, GQA, packed documents, a sliding window, chunks of odd length), and GPT
 // and Llama trained with the sequence split over cp ranks (cp = the world, and the dp x cp
 // layouts the world allows) against one process on the global batch, in double and float
-// over several AdamW steps; checkpoints saved at cp 2 resumed at other layouts; attention's
-// bytes against the memory formula. Every rank runs every case in the same order; checks
+// over several AdamW steps, replicated and with FSDP over the dp x cp ranks; checkpoints
+// saved at cp 2 resumed at other layouts; attention's bytes against the memory formula, and
+// FSDP's 1/world of the parameters, gradients and optimizer state. Every rank runs every case in the same order; checks
 // use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -19,6 +20,7 @@
 #include <ptrain/nn/models/llama.hpp>
 #include <ptrain/ops/gqa_attention.hpp>
 #include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/fsdp.hpp>
 #include <ptrain/parallel/local.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 
@@ -274,6 +276,17 @@ struct OneProcess {
   void check_parameters(parallel::Engine<T>& e, double tol) {
     std::map<std::string, Tensor<T>> ref;
     for (const auto& p : params.entries()) ref[p.name] = p.param->value;
+    if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(&e.local_module())) {  // gathered (collective), by name
+      for (const auto& p : params.frozen_entries()) ref[p.name] = p.param->value;
+      const auto full = fsdp->full_parameters();
+      REQUIRE(full.size() == ref.size());
+      for (const auto& [name, value] : full) {
+        INFO(name);
+        REQUIRE(ref.count(name) == 1);
+        CHECK(max_rel_diff(value, ref[name]) < tol);
+      }
+      return;
+    }
     REQUIRE(e.parameters().entries().size() == ref.size());
     for (const auto& p : e.parameters().entries()) {
       INFO(p.name);
@@ -336,23 +349,27 @@ nn::LlamaConfig llama_config(std::int64_t layers) {
 }
 
 // GPT and Llama in T at each layout the world allows, against one process within tol.
+// The parameters, gradients and AdamW state sharded over the dp x cp ranks too (fsdp).
 template <class T>
 void check_models(double tol) {
   for (auto [dp, cp] : layouts(world().size())) {
     INFO("dp " << dp << " x cp " << cp << (std::is_same_v<T, float> ? ", float" : ", double"));
     const std::int64_t S = 2 * cp * 3;  // chunks of 3 tokens
-    {
-      INFO("GPT (tied) with recomputed blocks");
-      auto cfg = gpt_config(S);
-      cfg.recompute = true;
-      check_like_one_process<T>([cfg] { Generator g(3); return std::make_shared<nn::GPT<T>>(cfg, g); },
-                                parallel::ContextParallelPlan{.cp = cp}, dp, S, 13, tol);
-    }
-    {
-      INFO("Llama (GQA 4 / 2 heads) on packed documents");
-      const auto cfg = llama_config(2);
-      check_like_one_process<T>([cfg] { Generator g(5); return std::make_shared<nn::Llama<T>>(cfg, g); },
-                                parallel::ContextParallelPlan{.cp = cp}, dp, S, 17, tol);
+    for (bool fsdp : {false, true}) {
+      INFO((fsdp ? "with FSDP over the dp x cp ranks" : "replicated"));
+      {
+        INFO("GPT (tied) with recomputed blocks");
+        auto cfg = gpt_config(S);
+        cfg.recompute = true;
+        check_like_one_process<T>([cfg] { Generator g(3); return std::make_shared<nn::GPT<T>>(cfg, g); },
+                                  parallel::ContextParallelPlan{.cp = cp, .fsdp = fsdp}, dp, S, 13, tol);
+      }
+      {
+        INFO("Llama (GQA 4 / 2 heads) on packed documents");
+        const auto cfg = llama_config(2);
+        check_like_one_process<T>([cfg] { Generator g(5); return std::make_shared<nn::Llama<T>>(cfg, g); },
+                                  parallel::ContextParallelPlan{.cp = cp, .fsdp = fsdp}, dp, S, 17, tol);
+      }
     }
     if (!std::is_same_v<T, double>) continue;  // float: the rounding of the two above is enough
     {
@@ -389,60 +406,66 @@ TEST_CASE("GPT and Llama with context parallelism train like one process in floa
 }
 
 // The engine's checkpoints are DDP's (rank 0 writes the whole model under the full
-// model's names), so one saved at cp 2 loads at any cp and dp, and into the plain model.
+// model's names), or with FSDP, FSDP's sharded ones under the same names, so one saved
+// at cp 2 (with and without FSDP) loads at any cp and dp, with or without FSDP, and into
+// the plain model.
 TEST_CASE("a checkpoint saved at cp 2 resumes at cp 1, in one process, at cp 4 and at dp 2 x cp 2", "[cp][ckpt]") {
-  const int n = world().size();
-  const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_cp_ckpt_");
-  const auto cfg = llama_config(2);
-  auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
-  const std::int64_t rows = 2, S = 24;  // chunks of 3 tokens at cp 4
-  OneProcess<double> ref(make, rows, S, 17, kSteps);
-  if (auto two = first_ranks(2)) {
-    auto model = make();
-    parallel::ContextParallel<double> e(*model, *two, parallel::ContextParallelPlan{.cp = 2});
-    optim::AdamW<double> opt(e.parameters(), kAdam);
-    for (std::int64_t s = 0; s < kSteps - 1; ++s) train_step(e, opt, rows, S, 17, s);
-    if (two->rank() == 0) std::filesystem::remove_all(dir);
-    two->barrier();
-    ckpt::CheckpointManager mgr(dir, two);
-    ckpt::save(mgr, kSteps - 1, e, &opt, {});
+  for (bool saved_fsdp : {false, true}) {
+    INFO((saved_fsdp ? "saved with FSDP" : "saved replicated"));
+    const int n = world().size();
+    const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_cp_ckpt_");
+    const auto cfg = llama_config(2);
+    auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
+    const std::int64_t rows = 2, S = 24;  // chunks of 3 tokens at cp 4
+    OneProcess<double> ref(make, rows, S, 17, kSteps);
+    if (auto two = first_ranks(2)) {
+      auto model = make();
+      parallel::ContextParallel<double> e(*model, *two, parallel::ContextParallelPlan{.cp = 2, .fsdp = saved_fsdp});
+      optim::AdamW<double> opt(e.parameters(), kAdam);
+      for (std::int64_t s = 0; s < kSteps - 1; ++s) train_step(e, opt, rows, S, 17, s);
+      if (two->rank() == 0) std::filesystem::remove_all(dir);
+      two->barrier();
+      ckpt::CheckpointManager mgr(dir, two);
+      ckpt::save(mgr, kSteps - 1, e, &opt, {});
+    }
+    world().barrier();
+    // The last step after loading, in each layout, ends at the uninterrupted run.
+    auto resume = [&](parallel::Engine<double>& e) {
+      optim::AdamW<double> opt(e.parameters(), kAdam);
+      ckpt::CheckpointManager mgr(dir, &e.communicator());
+      const auto state = ckpt::load(mgr, mgr.latest().path, e, &opt);
+      CHECK(state.step == kSteps - 1);
+      CHECK(opt.steps() == kSteps - 1);
+      const double loss = train_step(e, opt, rows, S, 17, kSteps - 1);
+      CHECK(std::abs(loss - ref.loss.back()) < kTol * ref.loss.back());
+      ref.check_parameters(e, kTol);
+    };
+    {
+      INFO("cp 1");
+      dist::SelfCommunicator self;
+      auto model = make();
+      parallel::ContextParallel<double> one(*model, self, parallel::ContextParallelPlan{.cp = 1});
+      resume(one);
+    }
+    {
+      INFO("the plain model in one process (full tensor names)");
+      auto model = make();
+      parallel::Local<double> local(*model);
+      resume(local);
+    }
+    if (n >= 4)
+      if (auto four = first_ranks(4))
+        for (int cp : {4, 2})
+          for (bool fsdp : {false, true}) {
+            INFO("dp " << 4 / cp << " x cp " << cp << (fsdp ? " with FSDP" : ""));
+            auto model = make();
+            parallel::ContextParallel<double> e(*model, *four, parallel::ContextParallelPlan{.cp = cp, .fsdp = fsdp});
+            resume(e);
+            four->barrier();  // Note [Group teardown]
+          }
+    world().barrier();
+    if (world().rank() == 0) std::filesystem::remove_all(dir);
   }
-  world().barrier();
-  // The last step after loading, in each layout, ends at the uninterrupted run.
-  auto resume = [&](parallel::Engine<double>& e) {
-    optim::AdamW<double> opt(e.parameters(), kAdam);
-    ckpt::CheckpointManager mgr(dir, &e.communicator());
-    const auto state = ckpt::load(mgr, mgr.latest().path, e, &opt);
-    CHECK(state.step == kSteps - 1);
-    CHECK(opt.steps() == kSteps - 1);
-    const double loss = train_step(e, opt, rows, S, 17, kSteps - 1);
-    CHECK(std::abs(loss - ref.loss.back()) < kTol * ref.loss.back());
-    ref.check_parameters(e, kTol);
-  };
-  {
-    INFO("cp 1");
-    dist::SelfCommunicator self;
-    auto model = make();
-    parallel::ContextParallel<double> one(*model, self, parallel::ContextParallelPlan{.cp = 1});
-    resume(one);
-  }
-  {
-    INFO("the plain model in one process (full tensor names)");
-    auto model = make();
-    parallel::Local<double> local(*model);
-    resume(local);
-  }
-  if (n >= 4)
-    if (auto four = first_ranks(4))
-      for (int cp : {4, 2}) {
-        INFO("dp " << 4 / cp << " x cp " << cp);
-        auto model = make();
-        parallel::ContextParallel<double> e(*model, *four, parallel::ContextParallelPlan{.cp = cp});
-        resume(e);
-        four->barrier();  // Note [Group teardown]
-      }
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
 namespace {
@@ -516,6 +539,81 @@ TEST_CASE("a sequence over one rank's memory budget trains under cp 2 within it"
     for (std::size_t s = 0; s < one_loss.size(); ++s) CHECK(std::abs(two_loss[s] - one_loss[s]) < kTol * one_loss[s]);
   }
   world().barrier();
+}
+
+}  // namespace test_context_parallel
+
+namespace test_context_parallel {
+
+// With FSDP every rank keeps 1/world of the parameters, gradients and AdamW state that
+// each rank of the replicated engine keeps (allocator live bytes after a step; the
+// groups' padding to a multiple of the world aside).
+TEST_CASE("with FSDP a rank keeps 1/world of the replicated engine's parameters, gradients and state",
+          "[cp][memory]") {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto cfg = llama_config(2);
+  const std::int64_t S = 4 * n;
+  std::size_t groups = 0;
+  auto kept = [&](bool fsdp, std::int64_t& numel) {
+    const std::int64_t before = memory_stats().live_bytes;
+    Generator g(5);
+    auto model = std::make_shared<nn::Llama<double>>(cfg, g);
+    std::int64_t bytes = 0;
+    {
+      parallel::ContextParallel<double> e(*model, comm, parallel::ContextParallelPlan{.cp = n, .fsdp = fsdp});
+      optim::AdamW<double> opt(e.parameters(), kAdam);
+      train_step(e, opt, 1, S, cfg.vocab_size, 0);
+      numel = e.parameters().numel();
+      if (auto* f = dynamic_cast<parallel::FSDP<double>*>(&e.local_module())) groups = f->num_groups();
+      bytes = memory_stats().live_bytes - before;
+      comm.barrier();  // Note [Group teardown]
+    }
+    return bytes;
+  };
+  std::int64_t whole = 0, shard = 0;
+  const std::int64_t replicated = kept(false, whole), sharded = kept(true, shard);
+  if (comm.rank() == 0)
+    std::printf("context parallelism at cp %d: %lld bytes kept per rank replicated, %lld with FSDP\n", n,
+                static_cast<long long>(replicated), static_cast<long long>(sharded));
+  // Parameters, gradients and AdamW's two moments: 4 doubles per element; besides them
+  // the same few bytes in both (32 measured: the model's buffers).
+  const std::int64_t other = replicated - 4 * 8 * whole;
+  CHECK(other >= 0);
+  CHECK(other < 8 * whole / 100);
+  CHECK(sharded - 4 * 8 * shard == other);
+  CHECK(shard * n >= whole);
+  CHECK(shard * n < whole + static_cast<std::int64_t>(groups) * n);  // each group padded by less than n
+  comm.barrier();
+}
+
+}  // namespace test_context_parallel
+
+namespace test_context_parallel {
+
+// clip_grad_norm_ with FSDP sums the shards' squares over the world: the norm of the
+// whole gradient, as the replicated engine (which holds all of it) computes it.
+TEST_CASE("with FSDP clip_grad_norm_ clips by the whole gradient's norm", "[cp]") {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto cfg = llama_config(2);
+  const std::int64_t S = 4 * n;
+  const Batch b = make_batch(1, S, cfg.vocab_size, 300);
+  auto norm = [&](bool fsdp) {
+    Generator g(5);
+    auto model = std::make_shared<nn::Llama<double>>(cfg, g);
+    parallel::ContextParallel<double> e(*model, comm, parallel::ContextParallelPlan{.cp = n, .fsdp = fsdp});
+    e.zero_grad();
+    e.forward_backward(b.ids, b.targets);
+    const double before = e.clip_grad_norm_(1e-3), after = e.clip_grad_norm_(1e9);
+    const double want = before * 1e-3 / (before + 1e-6);  // clipped to max_norm, as torch's clip_grad_norm_
+    CHECK(std::abs(after - want) < kTol * want);
+    comm.barrier();  // Note [Group teardown]
+    return before;
+  };
+  const double replicated = norm(false), sharded = norm(true);
+  CHECK(replicated > 1e-2);
+  CHECK(std::abs(sharded - replicated) < kTol * replicated);
 }
 
 }  // namespace test_context_parallel
