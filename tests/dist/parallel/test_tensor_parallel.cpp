@@ -330,8 +330,8 @@ void check_frozen_tp(dist::Communicator& comm, const parallel::TensorParallelPla
   optim::AdamW<T> opt(e.parameters(), adam);
   INFO("frozen GPT: tp " << plan.tp << " x pp " << plan.pp << " x dp " << e.mesh().dp_size()
                          << (plan.sequence_parallel ? ", sp" : "") << ", " << comm.backend());
-  const auto& frozen = e.parameters().frozen_entries();
-  CHECK(!frozen.empty());
+  const auto& frozen = e.parameters().frozen_entries();  // under FSDP in fsdp()->frozen_values()
+  CHECK(frozen.empty() == plan.fsdp.has_value());
   for (const auto& f : frozen) CHECK(!f.param->grad.defined());
   for (std::int64_t s = 0; s < kSteps; ++s) {
     const auto batch = make_batch(100 + static_cast<std::uint64_t>(s), cfg.vocab_size);
@@ -345,6 +345,9 @@ void check_frozen_tp(dist::Communicator& comm, const parallel::TensorParallelPla
   for (std::size_t i = 0; i < frozen.size(); ++i)
     CHECK(parallel::detail::gather_full(frozen[i].param->value, e.frozen_spec(i), e.group()).to_vector() ==
           frozen_before[frozen[i].name]);
+  if (plan.fsdp)
+    for (const auto& [name, value] : full_parameters(e))
+      if (frozen_before.count(name)) CHECK(value.to_vector() == frozen_before[name]);
   // The checkpoint holds the frozen tensors whole: it loads into one process.
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
   comm.barrier();
@@ -372,7 +375,7 @@ void check_frozen_tp(dist::Communicator& comm, const parallel::TensorParallelPla
 }
 }  // namespace
 
-TEST_CASE("Tensor parallel GPT with frozen parameters trains like one process (tp 2, dp x tp 2 x 2, tp x pp 2 x 2)",
+TEST_CASE("Tensor parallel GPT with frozen parameters trains like one process (tp 2, dp x tp 2 x 2, tp x pp 2 x 2, FSDP x TP)",
           "[tp][frozen]") {
   const int n = world().size();
   const auto dir = ptrain::testing::shared_tmp_dir(world(), "ptrain_tp_frozen_");
@@ -385,6 +388,7 @@ TEST_CASE("Tensor parallel GPT with frozen parameters trains like one process (t
     if (auto four = first_ranks(4)) {
       check_frozen_tp<double>(*four, {.tp = 2}, 1e-9, dir);  // dp 2 x tp 2
       check_frozen_tp<double>(*four, {.tp = 2, .pp = 2, .micro_batches = 2}, 1e-9, dir);
+      check_frozen_tp<double>(*four, {.tp = 2, .fsdp = parallel::FSDPOptions{}}, 1e-9, dir);  // FSDP x TP
     }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
