@@ -189,7 +189,8 @@ class TensorParallel : public Engine<T> {
     return it == all_specs_.end() ? ShardSpec{} : it->second;
   }
   TensorParallelGroup& group() { return *group_; }
-  /// How entry i of parameters() is cut (without FSDP; under it see spec_of()) (Note [Tensor parallel shards]) and its full shape.
+  /// How entry i of parameters() is cut (Note [Tensor parallel shards]) and its full shape;
+  /// under FSDP x TP, whose entries are pieces of parameters, use spec_of(name) instead.
   const ShardSpec& spec(std::size_t i) const { return specs_.at(i); }
   Shape full_shape(std::size_t i) const { return detail::full_shape(params_->entries().at(i).shape, specs_.at(i)); }
   /// The same for frozen entry i (parameters().frozen_entries()).
