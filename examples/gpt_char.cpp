@@ -321,9 +321,9 @@ void check_parallel_flags(const Options& o, int world) {
                  "--context-parallel trains on the CPU in fp32 without dropout (docs/context_parallel.md); leave out "
                  "--dropout, --device and --precision");
   }
-  PTRAIN_CHECK(!o.sequence_parallel || (o.parallel == "tp" && o.block % o.tp == 0), Error, "[gpt_char.sp] "
-               "--sequence-parallel cuts each sequence of --block ", o.block, " tokens into --tp ", o.tp,
-               " slices: use it with --parallel tp and a --block that is a multiple of --tp");
+  PTRAIN_CHECK(!o.sequence_parallel || ((o.parallel == "tp" || o.fsdp_tp) && o.block % o.tp == 0), Error,
+               "[gpt_char.sp] --sequence-parallel cuts each sequence of --block ", o.block, " tokens into --tp ", o.tp,
+               " slices: use it with --parallel tp (or fsdp with --tp) and a --block that is a multiple of --tp");
   if (!pipelined(o)) return;
   const int pp = o.parallel == "tp" ? o.stages : o.stages > 0 ? o.stages : world;
   PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
@@ -565,7 +565,9 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
                     parallel::ShardingStrategy::Hybrid})
       if (o.fsdp_strategy == parallel::strategy_name(st)) fo.strategy = st;
     plan = fo;
-    if (o.fsdp_tp) plan = parallel::TensorParallelPlan{.tp = o.tp, .device = device, .fsdp = fo};  // FSDP x TP
+    if (o.fsdp_tp)  // FSDP x TP
+      plan = parallel::TensorParallelPlan{.tp = o.tp, .sequence_parallel = o.sequence_parallel, .device = device,
+                                          .fsdp = fo};
   } else if (!device.is_cpu()) {
     m.to(device);
   }

@@ -59,10 +59,13 @@
 // - clip_grad_norm_: each rank's pieces are summed per kind (tp-sharded,
 //   replicated) over FSDP's shard group first, whose pieces hold every gradient of
 //   a tp rank once; then as above (replicated pieces are equal on every tp rank).
+// - Sequence parallelism: the norms' partial gradients are summed over tp after
+//   FSDP's reduction (a sum, so after the dp average alike), piece by piece: every
+//   tp rank's shards have the same shapes (vocabulary padding included), so FSDP
+//   lays out and cuts the groups alike on the tp ranks of one dp rank, and their
+//   pieces of a norm cover the same elements.
 // - Not offered: pp > 1 ([ptrain.tp.fsdp_pipeline]; the pipeline averages each
-//   stage's replicas itself) and sequence parallelism
-//   ([ptrain.tp.fsdp_sequence_parallel]: the norms' partial gradients would have
-//   to be summed over tp inside FSDP's reduction).
+//   stage's replicas itself).
 // - Checkpoints (ckpt/tp_checkpoint.hpp) gather the pieces over FSDP's shard group,
 //   then over tp: the same full tensors under the same names as without FSDP, so
 //   they load into one process, into TP alone and back.
@@ -152,16 +155,16 @@ class TensorParallel : public Engine<T> {
   dist::Communicator& communicator() override { return world_; }
   dist::Communicator* data_parallel_group() override { return &mesh_->data_group(); }
   void zero_grad() override {
-    if (fsdp_) return fsdp_->zero_grad();
     finish_gradient_sync();
-    parameters().zero_grad();
+    if (fsdp_) fsdp_->zero_grad();
+    else parameters().zero_grad();
   }
   void finish_gradient_sync() override {
-    if (fsdp_) return fsdp_->finish_gradient_sync();
+    if (fsdp_) fsdp_->finish_gradient_sync();  // the dp reduce-scatters, before the tp sum of partial pieces
     if (!pending_) return;
     pending_ = false;
     sum_partial_gradients();
-    if (!pipe_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
+    if (!pipe_ && !fsdp_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
       dist::CollectiveLabel label("tp.dp_gradients");
       mesh_->data_group().all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
@@ -305,8 +308,6 @@ class TensorParallel : public Engine<T> {
     PTRAIN_CHECK(!plan.fsdp || plan.pp == 1, Error, "[ptrain.tp.fsdp_pipeline] FSDP x TP runs without a pipeline, "
                  "but the plan has pp = ", plan.pp, "; set pp = 1, or drop TensorParallelPlan::fsdp (the replicas "
                  "of a pipeline all-reduce their gradients)");
-    PTRAIN_CHECK(!plan.fsdp || !plan.sequence_parallel, Error, "[ptrain.tp.fsdp_sequence_parallel] FSDP x TP does "
-                 "not offer sequence parallelism yet; set sequence_parallel = false, or drop TensorParallelPlan::fsdp");
     PTRAIN_CHECK(plan.unit_costs.empty() || plan.unit_costs.size() == m.names.size(), Error, "[ptrain.tp.costs] ",
                  plan.unit_costs.size(), " unit costs for ", m.names.size(), " units");
   }
@@ -316,9 +317,8 @@ class TensorParallel : public Engine<T> {
     if (fsdp_) {
       std::optional<decltype(fsdp_->no_sync())> local;  // FSDP's strategies decide what no_sync() skips
       if (!this->syncing()) local.emplace(fsdp_->no_sync());
-      return this->run_module(*fsdp_, in, targets, grad_scale, training);
-    }
-    if (pipe_) {
+      l = this->run_module(*fsdp_, in, targets, grad_scale, training);
+    } else if (pipe_) {
       std::optional<decltype(pipe_->no_sync())> local;  // the pipeline skips its dp average as this engine does
       if (!this->syncing()) local.emplace(pipe_->no_sync());
       if (!training) l = in.ids ? pipe_->eval_loss(*in.ids, targets) : pipe_->eval_loss(*in.x, targets);
@@ -331,25 +331,30 @@ class TensorParallel : public Engine<T> {
     return l;
   }
 
-  // Note [Sequence parallelism]: the norms' gradients, summed over the tp group in one all-reduce.
+  // The gradient of entry i of parameters() (under FSDP a piece of a parameter).
+  Tensor<T> grad(std::size_t i) {
+    const auto& e = parameters().entries()[i];
+    return parameters().grads().view(e.offset, e.shape);
+  }
+
+  // Note [Sequence parallelism]: the norms' gradients, summed over the tp group in one
+  // all-reduce; under FSDP x TP their pieces, which lie alike on every tp rank (Note [FSDP x TP]).
   void sum_partial_gradients() {
     if (partial_.empty()) return;
     const auto& entries = parameters().entries();
     std::int64_t n = 0;
-    for (std::size_t i : partial_) n += entries[i].param->grad.numel();
+    for (std::size_t i : partial_) n += entries[i].numel();
     auto buf = Tensor<T>::empty({n}, parameters().grads().device());
     std::int64_t at = 0;
     for (std::size_t i : partial_) {
-      const Tensor<T>& g = entries[i].param->grad;
-      buf.view(at, {g.numel()}).copy_(g);
-      at += g.numel();
+      buf.view(at, {entries[i].numel()}).copy_(grad(i));
+      at += entries[i].numel();
     }
     group_->all_reduce(buf);
     at = 0;
     for (std::size_t i : partial_) {
-      Tensor<T>& g = entries[i].param->grad;
-      g.copy_(buf.view(at, {g.numel()}));
-      at += g.numel();
+      grad(i).copy_(buf.view(at, {entries[i].numel()}));
+      at += entries[i].numel();
     }
   }
 
@@ -359,10 +364,7 @@ class TensorParallel : public Engine<T> {
   double sum_over_model(double) override {
     double sq[2] = {0, 0};  // sharded, replicated
     const auto& entries = parameters().entries();
-    for (std::size_t i = 0; i < entries.size(); ++i)
-      sq[specs_[i].sharded() ? 0 : 1] +=
-          ops::sum_squares(fsdp_ ? parameters().grads().view(entries[i].offset, entries[i].shape)
-                                 : entries[i].param->grad);
+    for (std::size_t i = 0; i < entries.size(); ++i) sq[specs_[i].sharded() ? 0 : 1] += ops::sum_squares(grad(i));
     if (dist::Communicator* s = fsdp_ ? fsdp_->shard_group() : nullptr; s && s->size() > 1)
       s->all_reduce(sq, 2, DType::F64, dist::ReduceOp::Sum);
     if (group_->size() > 1) group_->communicator().all_reduce(&sq[0], 1, DType::F64, dist::ReduceOp::Sum);

@@ -4,7 +4,9 @@
 // trained alone on the global batch; a checkpoint saved at tp = 2 resumes at
 // tp = 1 and 4; mismatched plans end every rank with an error; the bytes handed to
 // collectives match the Megatron count; a block's activations match the memory
-// formula of docs/tensor_parallel.md on the allocator's counters.
+// formula of docs/tensor_parallel.md on the allocator's counters; FSDP x TP (dp 2 x
+// tp 2, each tp shard sharded over the replicas) trains like one process, keeps 1/dp
+// of TP alone's bytes, and its checkpoints load into one process and TP alone.
 // Each case runs on a sub-world of the ranks it needs (the others wait), so the
 // binary runs under any world size.
 #include <catch2/catch.hpp>
@@ -549,13 +551,10 @@ TEST_CASE("Bad tensor-parallel plans end every rank with the reason", "[tp][erro
     three_heads.n_embd = 6;
     CHECK_THROWS_WITH(parallel::TensorParallel<float>(three_heads, *two, parallel::TensorParallelPlan{.tp = 2}),
                       Catch::Contains("[ptrain.tp.heads]"));
-    // FSDP x TP has no pipeline and no sequence parallelism (Note [FSDP x TP]).
+    // FSDP x TP has no pipeline (Note [FSDP x TP]).
     CHECK_THROWS_WITH(parallel::TensorParallel<float>(config(false), *two,
                                                       parallel::TensorParallelPlan{.tp = 1, .pp = 2, .fsdp = parallel::FSDPOptions{}}),
                       Catch::Contains("[ptrain.tp.fsdp_pipeline]"));
-    CHECK_THROWS_WITH(parallel::TensorParallel<float>(cfg, *two, parallel::TensorParallelPlan{
-                                                                     .tp = 2, .sequence_parallel = true, .fsdp = parallel::FSDPOptions{}}),
-                      Catch::Contains("[ptrain.tp.fsdp_sequence_parallel]"));
     // A target outside the vocabulary is refused on every rank (each checks all targets).
     parallel::TensorParallel<float> e(cfg, *two, parallel::TensorParallelPlan{.tp = 2});
     auto b = make_batch(3, cfg.vocab_size);
@@ -570,11 +569,12 @@ TEST_CASE("Bad tensor-parallel plans end every rank with the reason", "[tp][erro
 // same sums as the plain dp 2 x tp 2 layout, and 2e-4 bounds AdamW's amplification
 // of their last bits over 3 steps on this model (measured: GPT 2.3e-5, Llama 1.3e-6).
 constexpr double kFloatAdamTol = 2e-4;
-parallel::TensorParallelPlan fsdp_plan(parallel::ShardingStrategy s = parallel::ShardingStrategy::FullShard) {
-  return {.tp = 2, .fsdp = parallel::FSDPOptions{.strategy = s}};
+parallel::TensorParallelPlan fsdp_plan(parallel::ShardingStrategy s = parallel::ShardingStrategy::FullShard,
+                                       bool sp = false) {
+  return {.tp = 2, .sequence_parallel = sp, .fsdp = parallel::FSDPOptions{.strategy = s}};
 }
 
-TEST_CASE("FSDP x TP trains GPT and Llama like one process (dp 2 x tp 2)", "[tp][fsdp]") {
+TEST_CASE("FSDP x TP trains GPT and Llama like one process (dp 2 x tp 2, SP off and on)", "[tp][fsdp]") {
   if (world().size() >= 4)
     if (auto four = first_ranks(4)) {
       for (bool tied : {true, false}) {
@@ -582,6 +582,10 @@ TEST_CASE("FSDP x TP trains GPT and Llama like one process (dp 2 x tp 2)", "[tp]
         check_against_reference<float>(*four, fsdp_plan(), tied, kFloatAdamTol);
         check_against_reference<double, nn::Llama>(*four, fsdp_plan(), tied, 1e-9);
         check_against_reference<float, nn::Llama>(*four, fsdp_plan(), tied, kFloatAdamTol);
+        // Sequence parallelism: the norms' partial gradients summed over tp after FSDP's reduction.
+        check_against_reference<double>(*four, fsdp_plan(parallel::ShardingStrategy::FullShard, true), tied, 1e-9);
+        check_against_reference<double, nn::Llama>(*four, fsdp_plan(parallel::ShardingStrategy::FullShard, true), tied,
+                                                   1e-9);
       }
       // The other strategies only see the data-parallel group.
       for (auto s : {parallel::ShardingStrategy::ShardGradOp, parallel::ShardingStrategy::ShardOptimizer,
