@@ -66,10 +66,6 @@ std::set<std::string> frozen_names(parallel::TensorParallel<T>& engine) {
   return out;
 }
 
-}  // namespace detail
-
-namespace detail {
-
 // load_tp() under FSDP x TP: each rank reads the full tensors, cuts its tp shard
 // and keeps its FSDP pieces of it (strategies that keep full frozen parameters load them whole).
 template <class T>
