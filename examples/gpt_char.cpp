@@ -7,6 +7,7 @@
 //   ptrun --nproc-per-node 4 gpt_char --parallel pipeline --stages 2 --micro-batches 4   # 2 replicas x 2 stages
 //   ptrun --nproc-per-node 2 gpt_char --parallel pipeline --virtual-stages 2   # interleaved 1F1B, 2 chunks a stage
 //   mpirun -np 4 build/examples/gpt_char --parallel tp --tp 2   # tensor parallel: 2 replicas x tp 2
+//   mpirun -np 4 build/examples/gpt_char --parallel fsdp --tp 2 # FSDP x TP: each tp shard sharded over the 2 replicas
 //   mpirun -np 2 build/examples/gpt_char --context-parallel 2  # each sequence split over 2 ranks (ring attention)
 //   mpirun -np 4 build/examples/gpt_char --context-parallel 2 --parallel fsdp  # and the weights sharded over all 4
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
@@ -101,6 +102,7 @@ struct Options {
   int stages = 0;             // --parallel pipeline: stages per replica (0: every rank one stage)
   int tp = 2;                 // --parallel tp: ranks per tensor-parallel group
   bool sequence_parallel = false;  // --parallel tp: the residual stream cut along the sequence
+  bool fsdp_tp = false;       // --parallel fsdp with --tp: each tp shard sharded over the replicas (FSDP x TP)
   int context_parallel = 0;   // --context-parallel: ranks per sequence (--parallel cp; 0: none)
   bool cp_fsdp = false;       // --context-parallel with --parallel fsdp: FSDP over the dp x cp ranks
   int micro_batches = 4;
@@ -264,6 +266,7 @@ std::string parallel_layout(const Options& o, int world) {
   if (o.parallel == "ddp" && o.expert_parallel > 1)
     return "ddp, ep " + std::to_string(o.expert_parallel) + " x dp " + std::to_string(world / o.expert_parallel);
   if (o.parallel != "fsdp") return o.parallel;
+  if (o.fsdp_tp) return detail::cat("fsdp ", o.fsdp_strategy, " x tp ", o.tp, " (dp ", world / o.tp, ")");
   return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
 }
 
@@ -333,9 +336,9 @@ void check_parallel_flags(const Options& o, int world) {
                  "--context-parallel trains on the CPU in fp32 without dropout (docs/context_parallel.md); leave out "
                  "--dropout, --device and --precision");
   }
-  PTRAIN_CHECK(!o.sequence_parallel || (o.parallel == "tp" && o.block % o.tp == 0), Error, "[gpt_char.sp] "
-               "--sequence-parallel cuts each sequence of --block ", o.block, " tokens into --tp ", o.tp,
-               " slices: use it with --parallel tp and a --block that is a multiple of --tp");
+  PTRAIN_CHECK(!o.sequence_parallel || ((o.parallel == "tp" || o.fsdp_tp) && o.block % o.tp == 0), Error,
+               "[gpt_char.sp] --sequence-parallel cuts each sequence of --block ", o.block, " tokens into --tp ", o.tp,
+               " slices: use it with --parallel tp (or fsdp with --tp) and a --block that is a multiple of --tp");
   if (!pipelined(o)) return;
   const int pp = o.parallel == "tp" ? o.stages : o.stages > 0 ? o.stages : world;
   PTRAIN_CHECK(world % pp == 0, Error, "[gpt_char.stages] --stages ", pp, " does not divide the ", world,
@@ -387,7 +390,7 @@ struct GptKind {
     return {.vocab_size = vocab, .block_size = o.block, .n_layer = o.n_layer, .n_head = o.n_head,
             .n_embd = o.n_embd, .dropout = o.dropout, .tie_weights = !o.untied && !pipelined(o),
             // The tp ranks of a replica share their (replicated) dropout masks.
-            .dropout_seed = o.seed + static_cast<std::uint64_t>(o.parallel == "tp" ? rank / o.tp : rank),
+            .dropout_seed = o.seed + static_cast<std::uint64_t>(o.parallel == "tp" || o.fsdp_tp ? rank / o.tp : rank),
             .recompute = o.recompute};
   }
   static nlohmann::json flags(const Config& c, const Options& o) {
@@ -577,6 +580,9 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
                     parallel::ShardingStrategy::Hybrid})
       if (o.fsdp_strategy == parallel::strategy_name(st)) fo.strategy = st;
     plan = fo;
+    if (o.fsdp_tp)  // FSDP x TP
+      plan = parallel::TensorParallelPlan{.tp = o.tp, .sequence_parallel = o.sequence_parallel, .device = device,
+                                          .fsdp = fo};
   } else if (!device.is_cpu()) {
     m.to(device);
   }
@@ -594,14 +600,20 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
     parallel::Mesh& mesh = tp->mesh();
     e.describe = detail::cat("tensor parallel, tp ", mesh.tp_size(), " x pp ", mesh.pp_size(), " x dp ",
                              mesh.dp_size(), o.sequence_parallel ? ", sequence parallel" : "",
+                             tp->fsdp() ? ", fsdp " + o.fsdp_strategy + " over dp" : "",
                              tp->pipeline() ? " (units " + tp->pipeline()->partition().str() + ")" : "");
     // Every rank gathers its stage's full tensors over its tp group; tp rank 0 of
     // each stage of replica 0 sends them to world rank 0, unit by unit in the model's order.
     e.gather = [&m, tp, &mesh, lead] {
       const auto& entries = tp->parameters().entries();
       std::map<std::string, Tensor<T>> full;
-      for (std::size_t i = 0; i < entries.size(); ++i)
-        full[entries[i].name] = parallel::detail::gather_full(entries[i].param->value, tp->spec(i), tp->group());
+      if (auto* f = tp->fsdp()) {  // FSDP x TP: the tp shards gathered over dp first
+        for (auto& [name, shard] : f->full_parameters())
+          full[name] = parallel::detail::gather_full(shard, tp->spec_of(name), tp->group());
+      } else {
+        for (std::size_t i = 0; i < entries.size(); ++i)
+          full[entries[i].name] = parallel::detail::gather_full(entries[i].param->value, tp->spec(i), tp->group());
+      }
       if (mesh.replica() != 0 || mesh.tp_rank() != 0) return;
       dist::Communicator& stages = mesh.pipeline_group();
       const auto names = m.unit_names();
@@ -1166,7 +1178,8 @@ int main(int argc, char** argv) {
   app.add_option("--parallel", opt.parallel, "none, ddp, fsdp, pipeline, tp or cp (under mpirun or ptrun)")
       ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline", "tp", "cp"}));
   app.add_option("--tp", opt.tp, "with --parallel tp: ranks per tensor-parallel group (a divisor of n_head and of "
-                 "the world; world / tp replicas)")->check(positive);
+                 "the world; world / tp replicas); with --parallel fsdp: FSDP x TP, each tp shard sharded over "
+                 "the replicas")->check(positive);
   app.add_flag("--sequence-parallel", opt.sequence_parallel, "with --parallel tp: cut the activations between the "
                "tensor-parallel layers along the sequence (--block a multiple of --tp)");
   app.add_option("--context-parallel", opt.context_parallel, "split each sequence over this many ranks (ring "
@@ -1249,6 +1262,11 @@ int main(int argc, char** argv) {
     }
     opt.parallel = "cp";
     if (opt.context_parallel == 0) opt.context_parallel = 2;
+  }
+  opt.fsdp_tp = opt.parallel == "fsdp" && app.count("--tp") > 0;  // FSDP x TP (docs/tensor_parallel.md)
+  if (opt.fsdp_tp && (opt.model == "mixtral" || opt.stages > 1)) {
+    std::fprintf(stderr, "gpt_char: --parallel fsdp --tp (FSDP x TP) runs GPT and Llama without --stages\n");
+    return 2;
   }
   if (opt.resume && opt.checkpoint_dir.empty()) {
     std::fprintf(stderr, "gpt_char: --resume needs --checkpoint-dir (or --run-dir)\n");

@@ -320,6 +320,8 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   /// Frozen elements of group g, padded (Note [Frozen parameters under FSDP]).
   std::int64_t group_frozen_padded(std::size_t g) const { return groups_.at(g).frozen_padded; }
   int shard_size() const { return shard_size_; }
+  /// The ranks whose shards together hold the model once (null under NoShard).
+  dist::Communicator* shard_group() { return shard_comm_; }
   const std::vector<FSDPEvent>& events() const { return events_; }
   void clear_events() { events_.clear(); }
 

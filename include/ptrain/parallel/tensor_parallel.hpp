@@ -45,6 +45,33 @@
 // - Device: each unit is built on the device of the full model's unit, or moved to
 //   TensorParallelPlan::device; the vocabulary-parallel pieces and the collectives
 //   run there (docs/tensor_parallel.md, "On the GPU").
+//
+// Note [FSDP x TP]
+// TensorParallelPlan::fsdp (pp = 1) replaces the replicas' all-reduce by PyTorch's
+// 2-D layout: the tensor-parallel units (one per unit of the full model, named as
+// its units) are handed to an FSDP engine (parallel/fsdp.hpp) over data_group(),
+// so each tp shard is sharded again over the dp ranks that hold it; parameters()
+// is then FSDP's local shard (pieces named by the full parameter names) and
+// parameters + gradients + optimizer state shrink by dp under FullShard. Forward
+// gathers a unit's tp shard over dp, the unit runs its tp collectives, backward
+// reduce-scatters its gradients over dp: dp and tp communicate in different groups,
+// so they nest. Every FSDP strategy works, since each only sees the dp group.
+// - clip_grad_norm_: each rank's pieces are summed per kind (tp-sharded,
+//   replicated) over FSDP's shard group first, whose pieces hold every gradient of
+//   a tp rank once; then as above (replicated pieces are equal on every tp rank).
+// - Sequence parallelism: the norms' partial gradients are summed over tp after
+//   FSDP's reduction (a sum, so after the dp average alike), piece by piece: every
+//   tp rank's shards have the same shapes (vocabulary padding included), so FSDP
+//   lays out and cuts the groups alike on the tp ranks of one dp rank, and their
+//   pieces of a norm cover the same elements.
+// - Not offered: pp > 1 ([ptrain.tp.fsdp_pipeline]; the pipeline averages each
+//   stage's replicas itself).
+// - Checkpoints (ckpt/tp_checkpoint.hpp) gather the pieces over FSDP's shard group,
+//   then over tp: the same full tensors under the same names as without FSDP, so
+//   they load into one process, into TP alone and back.
+// - The units are built whole (every tp shard of the model at once) before FSDP
+//   shards them, as FSDP(units, comm) does; a tied head shares its group with the
+//   embedding (Note [FSDP units and groups]).
 
 #include <functional>
 #include <memory>
@@ -53,6 +80,7 @@
 #include <vector>
 
 #include "ptrain/parallel/engine.hpp"
+#include "ptrain/parallel/fsdp.hpp"
 #include "ptrain/parallel/mesh.hpp"
 #include "ptrain/parallel/model_check.hpp"
 #include "ptrain/parallel/pipeline.hpp"
@@ -81,6 +109,11 @@ struct TensorParallelPlan {
   /// for cuda:N); unset: the device of the model's parameters (the CPU for a model
   /// built from its config). With a device, the full model may stay on the host.
   std::optional<Device> device = std::nullopt;
+  /// Data parallelism over the replicas (Note [FSDP x TP]): unset, each replica holds the
+  /// whole tensor-parallel shard and the gradients are all-reduced (DDP); set, each
+  /// tensor-parallel unit is sharded again over data_parallel_group() by an FSDP engine
+  /// with these options (pp = 1; unit_names and device are the engine's).
+  std::optional<FSDPOptions> fsdp = std::nullopt;
 };
 
 template <class T>
@@ -115,24 +148,34 @@ class TensorParallel : public Engine<T> {
 
   Mode mode() const override { return Mode::TensorParallel; }
   nn::FlatParameters<T>& parameters() override { return *params_; }
-  nn::Module<T>& local_module() override { return pipe_ ? pipe_->module() : *model_; }
+  nn::Module<T>& local_module() override {
+    if (fsdp_) return *fsdp_;
+    return pipe_ ? pipe_->module() : *model_;
+  }
   dist::Communicator& communicator() override { return world_; }
   dist::Communicator* data_parallel_group() override { return &mesh_->data_group(); }
   void zero_grad() override {
     finish_gradient_sync();
-    parameters().zero_grad();
+    if (fsdp_) fsdp_->zero_grad();
+    else parameters().zero_grad();
   }
   void finish_gradient_sync() override {
+    if (fsdp_) fsdp_->finish_gradient_sync();  // the dp reduce-scatters, before the tp sum of partial pieces
     if (!pending_) return;
     pending_ = false;
     sum_partial_gradients();
-    if (!pipe_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
+    if (!pipe_ && !fsdp_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
       dist::CollectiveLabel label("tp.dp_gradients");
       mesh_->data_group().all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
   }
 
-  /// The whole tensor-parallel model, its units named as the full model's (pp = 1).
+  void parameters_changed() override {
+    if (fsdp_) fsdp_->parameters_changed();
+  }
+
+  /// The whole tensor-parallel model, its units named as the full model's (pp = 1);
+  /// under FSDP its parameters are bound only while gathered.
   nn::UnitChain<T>& model() {
     PTRAIN_CHECK(model_ != nullptr, Error, "[ptrain.tp.model] with pp = ", mesh_->pp_size(), " each rank holds one "
                  "stage's units: use local_module() or pipeline()");
@@ -141,8 +184,16 @@ class TensorParallel : public Engine<T> {
   /// This rank's pipeline stage (pp > 1), or null.
   Pipeline<T>* pipeline() { return pipe_.get(); }
   Mesh& mesh() { return *mesh_; }
+  /// The FSDP engine over the data-parallel group (TensorParallelPlan::fsdp), or null.
+  FSDP<T>* fsdp() { return fsdp_.get(); }
+  /// How the parameter of that full name is cut over tp (any parameter, trainable or frozen).
+  ShardSpec spec_of(const std::string& name) const {
+    auto it = std::find_if(all_specs_.begin(), all_specs_.end(), [&](const auto& s) { return s.first == name; });
+    return it == all_specs_.end() ? ShardSpec{} : it->second;
+  }
   TensorParallelGroup& group() { return *group_; }
-  /// How entry i of parameters() is cut (Note [Tensor parallel shards]) and its full shape.
+  /// How entry i of parameters() is cut (Note [Tensor parallel shards]) and its full shape;
+  /// under FSDP x TP, whose entries are pieces of parameters, use spec_of(name) instead.
   const ShardSpec& spec(std::size_t i) const { return specs_.at(i); }
   Shape full_shape(std::size_t i) const { return detail::full_shape(params_->entries().at(i).shape, specs_.at(i)); }
   /// The same for frozen entry i (parameters().frozen_entries()).
@@ -194,8 +245,17 @@ class TensorParallel : public Engine<T> {
         if (auto* e = dynamic_cast<VocabParallelEmbedding<T>*>(unit.get())) wte = &e->wte();
         model_->add(m.names[u], std::move(unit));
       }
-      own_params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
-      params_ = own_params_.get();
+      if (plan.fsdp) {
+        // Note [FSDP x TP]: the tensor-parallel units, sharded again over the replicas.
+        FSDPOptions opt = *plan.fsdp;
+        opt.unit_names = model_->unit_names();
+        opt.device = plan.device;
+        fsdp_ = std::make_unique<FSDP<T>>(model_->units(), mesh_->data_group(), opt);
+        params_ = &fsdp_->parameters();
+      } else {
+        own_params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
+        params_ = own_params_.get();
+      }
       this->set_loss(loss);
     } else {
       const std::vector<double> costs = plan.unit_costs.empty() ? std::vector<double>(m.names.size(), 1.0)
@@ -213,18 +273,14 @@ class TensorParallel : public Engine<T> {
                              .unit_names = m.names, .loss = loss});
       params_ = &pipe_->parameters();
     }
-    std::vector<std::pair<std::string, ShardSpec>> specs;
-    detail::collect_shard_specs(local_module(), "", specs);
-    auto spec_of = [&](const nn::FlatEntry<T>& e) {
-      auto it = std::find_if(specs.begin(), specs.end(), [&](const auto& s) { return s.first == e.name; });
-      return it == specs.end() ? ShardSpec{} : it->second;
-    };
-    for (const auto& e : parameters().entries()) {
-      specs_.push_back(spec_of(e));
+    detail::collect_shard_specs(pipe_ ? pipe_->module() : *model_, "", all_specs_);
+    for (const auto& e : parameters().entries()) {  // under FSDP: this rank's pieces, by name
+      specs_.push_back(spec_of(e.name));
       if (specs_.back().partial) partial_.push_back(specs_.size() - 1);
     }
-    for (const auto& e : parameters().frozen_entries()) frozen_specs_.push_back(spec_of(e));
-    mesh_->broadcast_parameters(parameters());  // replica 0's values, frozen ones too, as DDP
+    for (const auto& e : parameters().frozen_entries()) frozen_specs_.push_back(spec_of(e.name));
+    // Replica 0's values, frozen ones too, as DDP (FSDP broadcasts its own over the replicas).
+    if (!fsdp_) mesh_->broadcast_parameters(parameters());
   }
 
   // Every rank must pass the same plan and model: agreed with fixed-size
@@ -234,7 +290,7 @@ class TensorParallel : public Engine<T> {
     const std::string desc = ::ptrain::detail::cat(
         "TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ", plan.sequence_parallel ? "true" : "false",
         ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, ", .virtual_stages = ", plan.virtual_stages,
-        "} ", m.describe);
+        ", .fsdp = ", plan.fsdp ? strategy_name(plan.fsdp->strategy) : "none", "} ", m.describe);
     try {
       check_same_model(world_, {desc});
     } catch (const Error& e) {
@@ -249,13 +305,20 @@ class TensorParallel : public Engine<T> {
     PTRAIN_CHECK(plan.pp == 1 || !m.tied, Error, "[ptrain.tp.tied] pp = ", plan.pp, " puts the embedding and the "
                  "head of a tied model on different stages, which cannot share their weight; build the model with "
                  "tie_weights = false");
+    PTRAIN_CHECK(!plan.fsdp || plan.pp == 1, Error, "[ptrain.tp.fsdp_pipeline] FSDP x TP runs without a pipeline, "
+                 "but the plan has pp = ", plan.pp, "; set pp = 1, or drop TensorParallelPlan::fsdp (the replicas "
+                 "of a pipeline all-reduce their gradients)");
     PTRAIN_CHECK(plan.unit_costs.empty() || plan.unit_costs.size() == m.names.size(), Error, "[ptrain.tp.costs] ",
                  plan.unit_costs.size(), " unit costs for ", m.names.size(), " units");
   }
 
   double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale, bool training) override {
     double l;
-    if (pipe_) {
+    if (fsdp_) {
+      std::optional<decltype(fsdp_->no_sync())> local;  // FSDP's strategies decide what no_sync() skips
+      if (!this->syncing()) local.emplace(fsdp_->no_sync());
+      l = this->run_module(*fsdp_, in, targets, grad_scale, training);
+    } else if (pipe_) {
       std::optional<decltype(pipe_->no_sync())> local;  // the pipeline skips its dp average as this engine does
       if (!this->syncing()) local.emplace(pipe_->no_sync());
       if (!training) l = in.ids ? pipe_->eval_loss(*in.ids, targets) : pipe_->eval_loss(*in.x, targets);
@@ -268,35 +331,42 @@ class TensorParallel : public Engine<T> {
     return l;
   }
 
-  // Note [Sequence parallelism]: the norms' gradients, summed over the tp group in one all-reduce.
+  // The gradient of entry i of parameters() (under FSDP a piece of a parameter).
+  Tensor<T> grad(std::size_t i) {
+    const auto& e = parameters().entries()[i];
+    return parameters().grads().view(e.offset, e.shape);
+  }
+
+  // Note [Sequence parallelism]: the norms' gradients, summed over the tp group in one
+  // all-reduce; under FSDP x TP their pieces, which lie alike on every tp rank (Note [FSDP x TP]).
   void sum_partial_gradients() {
     if (partial_.empty()) return;
     const auto& entries = parameters().entries();
     std::int64_t n = 0;
-    for (std::size_t i : partial_) n += entries[i].param->grad.numel();
+    for (std::size_t i : partial_) n += entries[i].numel();
     auto buf = Tensor<T>::empty({n}, parameters().grads().device());
     std::int64_t at = 0;
     for (std::size_t i : partial_) {
-      const Tensor<T>& g = entries[i].param->grad;
-      buf.view(at, {g.numel()}).copy_(g);
-      at += g.numel();
+      buf.view(at, {entries[i].numel()}).copy_(grad(i));
+      at += entries[i].numel();
     }
     group_->all_reduce(buf);
     at = 0;
     for (std::size_t i : partial_) {
-      Tensor<T>& g = entries[i].param->grad;
-      g.copy_(buf.view(at, {g.numel()}));
-      at += g.numel();
+      grad(i).copy_(buf.view(at, {entries[i].numel()}));
+      at += entries[i].numel();
     }
   }
 
   // Note [Tensor-parallel engine]: sharded squares summed over tp, replicated ones
-  // once, then the stages' sums added.
+  // once, then the stages' sums added; under FSDP both first summed over the FSDP
+  // shard group, whose pieces hold each gradient of a tp rank once (Note [FSDP x TP]).
   double sum_over_model(double) override {
     double sq[2] = {0, 0};  // sharded, replicated
     const auto& entries = parameters().entries();
-    for (std::size_t i = 0; i < entries.size(); ++i)
-      sq[specs_[i].sharded() ? 0 : 1] += ops::sum_squares(entries[i].param->grad);
+    for (std::size_t i = 0; i < entries.size(); ++i) sq[specs_[i].sharded() ? 0 : 1] += ops::sum_squares(grad(i));
+    if (dist::Communicator* s = fsdp_ ? fsdp_->shard_group() : nullptr; s && s->size() > 1)
+      s->all_reduce(sq, 2, DType::F64, dist::ReduceOp::Sum);
     if (group_->size() > 1) group_->communicator().all_reduce(&sq[0], 1, DType::F64, dist::ReduceOp::Sum);
     double total = sq[0] + sq[1];
     if (mesh_->pp_size() > 1) mesh_->pipeline_group().all_reduce(&total, 1, DType::F64, dist::ReduceOp::Sum);
@@ -313,7 +383,9 @@ class TensorParallel : public Engine<T> {
   std::vector<ShardSpec> specs_;
   std::vector<ShardSpec> frozen_specs_;  // of parameters().frozen_entries()
   std::vector<std::size_t> partial_;  // entries whose gradients are partial sums over tp
+  std::vector<std::pair<std::string, ShardSpec>> all_specs_;  // every sharded or partial parameter, by name
   bool pending_ = false;
+  std::unique_ptr<FSDP<T>> fsdp_;  // pp = 1 with TensorParallelPlan::fsdp; destroyed before what it refers to
 };
 
 }  // namespace ptrain::parallel
