@@ -1254,9 +1254,9 @@ int main(int argc, char** argv) {
   if (opt.context_parallel > 0 || opt.parallel == "cp") {
     opt.cp_fsdp = opt.parallel == "fsdp";  // FSDP (full_shard) over the dp x cp ranks
     if ((opt.parallel != "none" && opt.parallel != "cp" && !opt.cp_fsdp) ||
-        (opt.cp_fsdp && opt.fsdp_strategy != "full_shard")) {
+        (opt.cp_fsdp && opt.fsdp_strategy != "full_shard") || app.count("--tp") > 0) {
       std::fprintf(stderr, "gpt_char: --context-parallel is its own mode, with --parallel fsdp (full_shard) or "
-                   "alone; leave out --parallel %s --fsdp-strategy %s\n", opt.parallel.c_str(),
+                   "alone, without --tp; leave out --parallel %s --fsdp-strategy %s\n", opt.parallel.c_str(),
                    opt.fsdp_strategy.c_str());
       return 2;
     }
