@@ -126,7 +126,7 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
     const auto xl = regroup(exchange(xp, send, recv, "ep.dispatch"), recv, true);
     std::vector<std::int64_t> koff{0};
     for (auto n : keep) koff.push_back(koff.back() + n);
-    const auto yl = widen(local.forward_grouped(narrow(xl, rows, keep), koff, cache.child(0)), rows, keep);
+    const auto yl = resegment(local.forward_grouped(resegment(xl, rows, keep), koff, cache.child(0)), keep, rows);
     return exchange(regroup(yl, recv, false), recv, send, "ep.combine");
   }
 
@@ -142,7 +142,7 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
       for (int s = 0; s < group_.size(); ++s)
         rows[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(s * L + l)];
     const auto dyl = regroup(exchange(dyp, send, recv, "ep.dispatch_grad"), recv, true);
-    const auto dxl = widen(local.backward(narrow(dyl, rows, keep), cache.child(0)), rows, keep);
+    const auto dxl = resegment(local.backward(resegment(dyl, rows, keep), cache.child(0)), keep, rows);
     auto dxp = exchange(regroup(dxl, recv, false), recv, send, "ep.combine_grad");
     cache.clear();
     return dxp;
@@ -184,24 +184,19 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
     return keep;
   }
 
-  // The first keep[l] of expert l's rows[l] rows of x (expert-major), and back: the kept rows
-  // in place, zeros for the dropped ones. x itself when nothing is dropped.
-  Tensor<T> narrow(const Tensor<T>& x, const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& keep) {
-    if (rows == keep) return x;
+  // x's segments of from[l] rows (expert-major) as segments of to[l] rows: each keeps its
+  // first min(from[l], to[l]) rows, the rest are zero. Before the experts (rows -> keep) it
+  // drops the slots past the capacity; after them (keep -> rows) those slots come back zero.
+  // x itself when nothing is dropped.
+  static Tensor<T> resegment(const Tensor<T>& x, const std::vector<std::int64_t>& from,
+                             const std::vector<std::int64_t>& to) {
+    if (from == to) return x;
     std::int64_t total = 0;
-    for (auto n : keep) total += n;
-    auto y = Tensor<T>::empty({total, x.size(1)}, x.device());
-    for (std::int64_t l = 0, from = 0, to = 0; l < std::int64_t(rows.size()); from += rows[l], to += keep[l], ++l)
-      if (keep[l] > 0) y.narrow(to, keep[l]).copy_(x.narrow(from, keep[l]));
-    return y;
-  }
-  Tensor<T> widen(const Tensor<T>& x, const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& keep) {
-    if (rows == keep) return x;
-    std::int64_t total = 0;
-    for (auto n : rows) total += n;
+    for (auto n : to) total += n;
     auto y = Tensor<T>::zeros({total, x.size(1)}, x.device());
-    for (std::int64_t l = 0, from = 0, to = 0; l < std::int64_t(rows.size()); from += keep[l], to += rows[l], ++l)
-      if (keep[l] > 0) y.narrow(to, keep[l]).copy_(x.narrow(from, keep[l]));
+    std::int64_t src = 0, dst = 0;
+    for (std::size_t l = 0; l < to.size(); src += from[l], dst += to[l], ++l)
+      if (const auto n = std::min(from[l], to[l]); n > 0) y.narrow(dst, n).copy_(x.narrow(src, n));
     return y;
   }
 
