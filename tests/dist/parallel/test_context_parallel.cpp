@@ -246,12 +246,12 @@ struct Batch {
 };
 Batch make_batch(std::int64_t rows, std::int64_t S, std::int32_t vocab, std::uint64_t seed) {
   Generator g(seed);
-  Batch b{packed_ids(rows, S, vocab, seed), Tensor<std::int32_t>::empty({rows * S})};
-  for (std::int64_t i = 0; i < rows * S; ++i) b.targets.data()[i] = static_cast<std::int32_t>(g.below(vocab));
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(rows * S));
+  for (auto& t : targets) t = static_cast<std::int32_t>(g.below(vocab));
   // An ignored target in each row (the replicas then count as many tokens, so that averaging
   // their means gives the global mean): the loss is the mean over the counted tokens.
-  for (std::int64_t r = 0; r < rows; ++r) b.targets.data()[r * S + 1 + r % 4] = -100;
-  return b;
+  for (std::int64_t r = 0; r < rows; ++r) targets[static_cast<std::size_t>(r * S + 1 + r % 4)] = -100;
+  return {packed_ids(rows, S, vocab, seed), Tensor<std::int32_t>::from(targets, {rows * S})};
 }
 
 // One process trained on the global batches of steps 0 .. steps - 1.
