@@ -629,8 +629,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
         }
       }
     };
-  }
-  if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(&e.engine->local_module())) {  // also cp's (--parallel fsdp)
+  } else if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(&e.engine->local_module())) {  // also cp's (--parallel fsdp)
     e.describe = detail::cat(e.describe.empty() ? "" : e.describe + ", ", fsdp->describe(), " over ", world.size(),
                              " rank(s) (shard groups of ", fsdp->shard_size(), ")");
     e.gather = [&m, fsdp, lead] {
