@@ -97,6 +97,7 @@ void fill_floating(CudaKernels<T>& k) {
   k.moe_gather_backward = &kc::moe_gather_backward<T>;
   k.moe_combine = &kc::moe_combine<T>;
   k.moe_combine_backward = &kc::moe_combine_backward<T>;
+  k.grouped_gemm = &kc::grouped_gemm<T>;
 }
 
 // float and double: the forms bf16 has not (token ids, the plain optimizer

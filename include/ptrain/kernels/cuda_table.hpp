@@ -168,6 +168,10 @@ struct CudaKernels {
   void (*moe_gather_backward)(I64, I64, I64, const I32*, const T*, T*) = nullptr;
   void (*moe_combine)(I64, I64, I64, const I32*, const T*, const T*, T*) = nullptr;
   void (*moe_combine_backward)(I64, I64, I64, const I32*, const T*, const T*, const T*, T*, T*) = nullptr;
+  // moe.cuh: the experts' grouped GEMM, one cuBLAS call for all groups (gated; the ops run
+  // one gemm per group while it is)
+  void (*grouped_gemm)(bool, bool, I64, const I64*, const I64*, const I64*, A, const T* const*, I64, const T* const*,
+                       I64, A, T* const*, I64) = nullptr;
 };
 
 /// Host calls of CUDA graphs (kernels/cuda/graph.hpp), for code that g++ builds without

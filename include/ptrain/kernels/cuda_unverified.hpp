@@ -77,6 +77,8 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "cuda_graph_step",
     // kernels/cuda/copy_stream.hpp, data/loader.hpp: the loader's copies to the GPU on a side stream
     "prefetch_copy_stream",
+    // moe.cuh: the experts' grouped GEMM (cublasGemmGroupedBatchedEx, cublasDgemmGroupedBatched)
+    "grouped_gemm",
 };
 
 /// True when `name` is on the gate's list.

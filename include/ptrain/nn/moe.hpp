@@ -31,7 +31,7 @@
 //      token's k slots goes; moe_gather copies the token rows into one buffer
 //      grouped by expert, expert e's rows at [offsets[e], offsets[e + 1]).
 //   2. run experts (expert order): MoeExperts::forward_grouped runs each
-//      expert's SwiGLU on its segment (one GEMM per expert and projection).
+//      expert's SwiGLU on its segment (one grouped GEMM per projection).
 //   3. combine (token order): moe_combine sums each token's k expert outputs,
 //      weighted, in slot order.
 // With experts spread over an expert-parallel group, an all-to-all goes between
@@ -240,7 +240,8 @@ class MoeExpert : public Module<T> {
 
 /// The E routed experts, run on tokens grouped by expert (Note [The dispatch seam]):
 /// forward_grouped(xp, offsets) runs expert e on rows [offsets[e], offsets[e + 1]) of xp,
-/// one GEMM per expert and projection; one SwiGLU product over all rows.
+/// one grouped GEMM for all experts per projection (ops::grouped_matmul_into); one SwiGLU
+/// product over all rows.
 template <class T>
 class MoeExperts : public Module<T> {
  public:
@@ -276,17 +277,11 @@ class MoeExperts : public Module<T> {
                      "target_modules");
     const std::int64_t M = xp.size(0);
     auto gate = Tensor<T>::empty({M, hidden_}, xp.device()), up = Tensor<T>::empty({M, hidden_}, xp.device());
-    for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
-      auto g = gate.narrow(lo, rows), u = up.narrow(lo, rows);
-      ops::matmul_into(xp.narrow(lo, rows), ex.w1().weight().value, g, false, true);
-      ops::matmul_into(xp.narrow(lo, rows), ex.w3().weight().value, u, false, true);
-    });
+    ops::grouped_matmul_into(xp, weights(0), offsets, gate, true);
+    ops::grouped_matmul_into(xp, weights(2), offsets, up, true);
     const auto h = ops::swiglu(gate, up);
     auto y = Tensor<T>::empty({M, n_embd_}, xp.device());
-    for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
-      auto ys = y.narrow(lo, rows);
-      ops::matmul_into(h.narrow(lo, rows), ex.w2().weight().value, ys, false, true);
-    });
+    ops::grouped_matmul_into(h, weights(1), offsets, y, true);
     cache.tensors = {xp, gate, up};  // h is recomputed in backward
     cache.values.assign(offsets.begin(), offsets.end());
     return y;
@@ -301,23 +296,15 @@ class MoeExperts : public Module<T> {
     const std::int64_t M = xp.size(0);
     const auto h = ops::swiglu(gate, up);
     auto dh = Tensor<T>::empty({M, hidden_}, xp.device());
-    for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
-      auto dhs = dh.narrow(lo, rows);
-      ops::matmul_into(dy.narrow(lo, rows), ex.w2().weight().value, dhs);
-      if (ex.w2().weight().requires_grad)  // a frozen expert has no gradient (Note [Frozen parameters])
-        ops::matmul_into(dy.narrow(lo, rows), h.narrow(lo, rows), ex.w2().weight().grad, true, false, 1, 1);
-    });
+    ops::grouped_matmul_into(dy, weights(1), offsets, dh, false);
+    ops::grouped_matmul_weight_grad(dy, h, offsets, weights(1, true));
     Tensor<T> dgate, dup;
     ops::swiglu_backward(gate, up, dh, dgate, dup);
     auto dx = Tensor<T>::empty({M, n_embd_}, xp.device());
-    for_segments(offsets, [&](MoeExpert<T>& ex, std::int64_t lo, std::int64_t rows) {
-      auto dxs = dx.narrow(lo, rows);
-      const auto dg = dgate.narrow(lo, rows), du = dup.narrow(lo, rows), xs = xp.narrow(lo, rows);
-      ops::matmul_into(dg, ex.w1().weight().value, dxs);
-      ops::matmul_into(du, ex.w3().weight().value, dxs, false, false, 1, 1);
-      if (ex.w1().weight().requires_grad) ops::matmul_into(dg, xs, ex.w1().weight().grad, true, false, 1, 1);
-      if (ex.w3().weight().requires_grad) ops::matmul_into(du, xs, ex.w3().weight().grad, true, false, 1, 1);
-    });
+    ops::grouped_matmul_into(dgate, weights(0), offsets, dx, false);
+    ops::grouped_matmul_into(dup, weights(2), offsets, dx, false, 1, 1);
+    ops::grouped_matmul_weight_grad(dgate, xp, offsets, weights(0, true));
+    ops::grouped_matmul_weight_grad(dup, xp, offsets, weights(2, true));
     for (auto& ex : experts_)
       for (auto* lin : {&ex->w1(), &ex->w2(), &ex->w3()}) lin->weight().mark_grad_ready();
     cache.clear();
@@ -335,11 +322,15 @@ class MoeExperts : public Module<T> {
   MoeExpert<T>& expert(std::int64_t e) { return *experts_.at(static_cast<std::size_t>(e)); }
 
  private:
-  // f(expert, first row, rows) for every expert with rows; experts without tokens are skipped.
-  template <class F>
-  void for_segments(const std::vector<std::int64_t>& offsets, F&& f) {
-    for (std::size_t e = 0; e < experts_.size(); ++e)
-      if (offsets[e + 1] > offsets[e]) f(*experts_[e], offsets[e], offsets[e + 1] - offsets[e]);
+  // Every expert's w1 (j = 0), w2 (1) or w3 (2) weight, or with `grads` its gradient
+  // (undefined for a frozen weight, which the grouped GEMM skips: Note [Frozen parameters]).
+  std::vector<Tensor<T>> weights(int j, bool grads = false) {
+    std::vector<Tensor<T>> out;
+    for (auto& ex : experts_) {
+      const Parameter<T>& p = (j == 0 ? ex->w1() : j == 1 ? ex->w2() : ex->w3()).weight();
+      out.push_back(!grads ? p.value : p.requires_grad ? p.grad : Tensor<T>());
+    }
+    return out;
   }
 
   std::int64_t n_embd_, hidden_, first_;

@@ -3,10 +3,12 @@
 // (ops::moe_route, moe_route_backward), the permutation of token slots into
 // expert-grouped order (moe_permute_plan), the gather of token rows into that
 // order (moe_gather, moe_gather_backward) and the weighted combine back into
-// token order (moe_combine, moe_combine_backward). nn::MoE (nn/moe.hpp) strings
-// them together; docs/moe.md has the formulas. Tokens are the rows of [N, C]
+// token order (moe_combine, moe_combine_backward), and the experts' GEMMs on the
+// expert-grouped rows (grouped_matmul_into, grouped_matmul_weight_grad). nn::MoE
+// (nn/moe.hpp) strings them together; docs/moe.md has the formulas. Tokens are the rows of [N, C]
 // tensors; a token's k slots are the rows of [N, k] tensors.
 
+#include <algorithm>
 #include <cstdint>
 #include <numeric>
 #include <vector>
@@ -172,6 +174,99 @@ void moe_combine_backward(const Tensor<T>& yp, const Tensor<std::int32_t>& pos, 
   if (n > 0)
     PTRAIN_DISPATCH(yp.device(), T, moe_combine_backward, n, k, c, pos.defined() ? pos.data() : nullptr, w.data(),
                     yp.data(), dy.data(), dyp.data(), dw.data());
+}
+
+namespace detail {
+// offsets [experts + 1], non-decreasing from 0 to rows.
+inline void check_expert_offsets(const std::vector<std::int64_t>& offsets, std::size_t experts, std::int64_t rows) {
+  PTRAIN_CHECK(offsets.size() == experts + 1 && offsets.front() == 0 && offsets.back() == rows &&
+                   std::is_sorted(offsets.begin(), offsets.end()),
+               ShapeError, "[ptrain.moe.grouped_gemm] offsets must be ", experts + 1, " non-decreasing row offsets "
+               "from 0 to the ", rows, " rows, one more than the ", experts, " weights");
+}
+
+// The groups of one grouped GEMM (kernels::cpu::grouped_gemm), run on a device by the kernel
+// table's grouped_gemm where the gate lets it, else by one verified gemm per group (Note
+// [The verification gate]).
+template <class T>
+struct GemmGroups {
+  std::vector<std::int64_t> m, n, k;
+  std::vector<const T*> a, b;
+  std::vector<T*> c;
+
+  void add(std::int64_t mg, std::int64_t ng, std::int64_t kg, const T* ag, const T* bg, T* cg) {
+    m.push_back(mg);
+    n.push_back(ng);
+    k.push_back(kg);
+    a.push_back(ag);
+    b.push_back(bg);
+    c.push_back(cg);
+  }
+  void run(Device d, bool trans_a, bool trans_b, acc_t<T> alpha, std::int64_t lda, std::int64_t ldb, acc_t<T> beta,
+           std::int64_t ldc) const {
+    if (c.empty()) return;
+    if (d.is_cuda() && !use_cuda_kernel(d, &kernels::CudaKernels<T>::grouped_gemm, "grouped_gemm")) {
+      for (std::size_t g = 0; g < c.size(); ++g)
+        PTRAIN_DISPATCH(d, T, gemm, trans_a, trans_b, m[g], n[g], k[g], alpha, a[g], lda, b[g], ldb, beta, c[g], ldc);
+      return;
+    }
+    PTRAIN_DISPATCH(d, T, grouped_gemm, trans_a, trans_b, static_cast<std::int64_t>(c.size()), m.data(), n.data(),
+                    k.data(), alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+  }
+};
+}  // namespace detail
+
+/// The experts' GEMM on rows grouped by expert, as one grouped GEMM: for every expert e with
+/// rows [lo, hi) = [offsets[e], offsets[e + 1]),
+///   y[lo:hi] = alpha x[lo:hi] op(w[e]) + beta y[lo:hi],
+/// op(w) = w^T when trans_w (w[e] [N, K], a Linear's weight: the forward x W^T), else w
+/// (w[e] [K, N]: the input gradient dy W). x [M, K], y [M, N], offsets [E + 1] from 0 to M for
+/// the E = w.size() weights; an expert without rows is skipped.
+template <class T>
+void grouped_matmul_into(const Tensor<T>& x, const std::vector<Tensor<T>>& w, const std::vector<std::int64_t>& offsets,
+                         Tensor<T>& y, bool trans_w, acc_t<T> alpha = 1, acc_t<T> beta = 0) {
+  PTRAIN_CHECK(!w.empty() && x.dim() == 2 && y.dim() == 2 && w[0].dim() == 2, ShapeError,
+               "[ptrain.moe.grouped_gemm] needs 2-D x and y and at least one 2-D weight, got x ", x.shape(), ", y ",
+               y.shape(), " and ", w.size(), " weights");
+  const std::int64_t M = x.size(0), K = x.size(1), N = trans_w ? w[0].size(0) : w[0].size(1);
+  const Shape ws = trans_w ? Shape{N, K} : Shape{K, N};
+  check_shape(y, Shape{M, N}, "grouped GEMM output");
+  detail::check_devices("grouped_matmul_into", x.device(), y);
+  for (const auto& we : w) {
+    check_shape(we, ws, "grouped GEMM weight");
+    detail::check_devices("grouped_matmul_into", x.device(), we);
+  }
+  detail::check_expert_offsets(offsets, w.size(), M);
+  detail::GemmGroups<T> groups;
+  for (std::size_t e = 0; e < w.size(); ++e)
+    if (const std::int64_t lo = offsets[e], rows = offsets[e + 1] - lo; rows > 0)
+      groups.add(rows, N, K, x.data() + lo * K, w[e].data(), y.data() + lo * N);
+  groups.run(x.device(), false, trans_w, alpha, K, trans_w ? K : N, beta, N);
+}
+
+/// The experts' weight gradients on rows grouped by expert, as one grouped GEMM: for every
+/// expert e with rows [lo, hi) = [offsets[e], offsets[e + 1]) and a defined dw[e]
+/// (undefined: a frozen weight, skipped),
+///   dw[e] = alpha dy[lo:hi]^T x[lo:hi] + beta dw[e],
+/// dy [M, N], x [M, K], dw[e] [N, K]. An expert without rows gets dw[e] = beta dw[e] (left
+/// alone when beta = 1, the accumulation of gradients).
+template <class T>
+void grouped_matmul_weight_grad(const Tensor<T>& dy, const Tensor<T>& x, const std::vector<std::int64_t>& offsets,
+                                const std::vector<Tensor<T>>& dw, acc_t<T> alpha = 1, acc_t<T> beta = 1) {
+  PTRAIN_CHECK(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0), ShapeError, "[ptrain.moe.grouped_gemm] "
+               "needs 2-D dy and x with the same rows, got ", dy.shape(), " and ", x.shape());
+  const std::int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
+  detail::check_devices("grouped_matmul_weight_grad", dy.device(), x);
+  detail::check_expert_offsets(offsets, dw.size(), M);
+  detail::GemmGroups<T> groups;
+  for (std::size_t e = 0; e < dw.size(); ++e) {
+    if (!dw[e].defined()) continue;
+    check_shape(dw[e], Shape{N, K}, "grouped GEMM weight gradient");
+    detail::check_devices("grouped_matmul_weight_grad", dy.device(), dw[e]);
+    const std::int64_t lo = offsets[e], rows = offsets[e + 1] - lo;
+    if (rows > 0 || beta != acc_t<T>(1)) groups.add(N, K, rows, dy.data() + lo * N, x.data() + lo * K, dw[e].data());
+  }
+  groups.run(dy.device(), true, false, alpha, N, K, beta, K);
 }
 
 }  // namespace ptrain::ops

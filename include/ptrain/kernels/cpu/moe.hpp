@@ -18,6 +18,8 @@
 
 #include "ptrain/core/dtype.hpp"
 #include "ptrain/core/error.hpp"
+#include "ptrain/kernels/cpu/bf16.hpp"  // gemm for bf16, which grouped_gemm calls
+#include "ptrain/kernels/cpu/gemm.hpp"
 #include "ptrain/kernels/moe_math.hpp"
 
 namespace ptrain::kernels::cpu {
@@ -137,6 +139,20 @@ void moe_combine_backward(std::int64_t n, std::int64_t k, std::int64_t c, const 
       }
       dw[s] = T(dot);
     }
+}
+
+/// The grouped GEMM: for each group g < groups, C_g = alpha op(A_g) op(B_g) + beta C_g, as gemm()
+/// with sizes m[g], n[g], k[g], the operands at a[g], b[g], c[g] and the leading dimensions
+/// shared by all groups. The sizes and the pointer arrays are host arrays (on a GPU the
+/// pointers point into device memory). A group with m or n = 0 is a no-op and one with k = 0
+/// gives C_g = beta C_g. Here one gemm per group, in group order: the same calls, so the
+/// same bits, as a loop of gemm() (ops::grouped_matmul_into has the expert-segment forms).
+template <class T>
+void grouped_gemm(bool trans_a, bool trans_b, std::int64_t groups, const std::int64_t* m, const std::int64_t* n,
+                  const std::int64_t* k, acc_t<T> alpha, const T* const* a, std::int64_t lda, const T* const* b,
+                  std::int64_t ldb, acc_t<T> beta, T* const* c, std::int64_t ldc) {
+  for (std::int64_t g = 0; g < groups; ++g)
+    gemm(trans_a, trans_b, m[g], n[g], k[g], alpha, a[g], lda, b[g], ldb, beta, c[g], ldc);
 }
 
 }  // namespace ptrain::kernels::cpu

@@ -11,17 +11,35 @@
 // integer atomic adds, exact in any order. Every floating-point sum has a fixed
 // order and no atomics: a token's k slots in order j (gather backward, combine),
 // a warp's shuffle tree over the columns (the weights' gradient).
+//
+// Note [The grouped GEMM]
+// grouped_gemm runs the experts' GEMMs of one projection (expert e on its rows, or
+// the backward's dX and dW forms) as one cuBLAS call instead of one per expert:
+// cublasGemmGroupedBatchedEx for float (FP32, or TF32 after set_tf32(true), as
+// gemm()) and bf16 (fp32 accumulation, as gemm_bf16), cublasDgemmGroupedBatched for
+// double. Each non-empty problem is its own group of one, since the row counts
+// differ; groups without rows are left out and those with k = 0 (C = beta C) go
+// through gemm(). The sizes, scalars and leading dimensions are host arrays; the
+// operand pointers must be a device array, so each call copies its 3G pointers to
+// a stream-ordered block of the caching allocator with one cudaMemcpyAsync from
+// host memory (a few hundred bytes; the runtime stages them, so the host array may
+// go once the call returns). Host-to-device copies from pageable memory cannot be
+// captured into a CUDA graph; neither can the MoE layer, which reads its routing
+// counts back every forward (ops::moe_permute_plan).
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_runtime.h>
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/device.cuh"
 #include "ptrain/kernels/cuda/embedding.cuh"  // iota_kernel
+#include "ptrain/kernels/cuda/gemm.cuh"
 #include "ptrain/kernels/cuda/reduce.cuh"
 #include "ptrain/kernels/moe_math.hpp"
 
@@ -259,6 +277,70 @@ void moe_combine_backward(std::int64_t n, std::int64_t k, std::int64_t c, const 
   detail::moe_combine_dw_kernel<T><<<detail::grid_for(n * k * 32), detail::kBlock, 0, stream>>>(n, k, c, pos, yp, dy,
                                                                                                  dw);
   PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
+/// kernels::cpu::grouped_gemm on device data (host arrays of sizes and of device pointers):
+/// the groups with m, n, k > 0 as one grouped cuBLAS GEMM (Note [The grouped GEMM]).
+template <class T>
+void grouped_gemm(bool trans_a, bool trans_b, std::int64_t groups, const std::int64_t* m, const std::int64_t* n,
+                  const std::int64_t* k, acc_t<T> alpha, const T* const* a, std::int64_t lda, const T* const* b,
+                  std::int64_t ldb, acc_t<T> beta, T* const* c, std::int64_t ldc) {
+  detail::check_element_type<T>();
+  PTRAIN_CHECK(lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX, ShapeError, "[ptrain.cuda.gemm] leading dimensions ",
+               lda, ", ", ldb, ", ", ldc, " exceed cuBLAS's 32-bit limit; split the GEMM");
+  // Column-major (gemm.cuh's header comment): C_g^T = op(B_g)^T op(A_g)^T, sizes (n, m, k).
+  std::vector<int> cm, cn, ck;
+  std::vector<std::int64_t> live;
+  for (std::int64_t g = 0; g < groups; ++g) {
+    if (m[g] == 0 || n[g] == 0) continue;
+    if (k[g] == 0) {
+      gemm<T>(trans_a, trans_b, m[g], n[g], 0, alpha, a[g], lda, b[g], ldb, beta, c[g], ldc);
+      continue;
+    }
+    PTRAIN_CHECK(m[g] <= INT_MAX && n[g] <= INT_MAX && k[g] <= INT_MAX, ShapeError, "[ptrain.cuda.gemm] group ", g,
+                 " sizes m=", m[g], " n=", n[g], " k=", k[g], " exceed cuBLAS's 32-bit limit; split the GEMM");
+    cm.push_back(static_cast<int>(n[g]));
+    cn.push_back(static_cast<int>(m[g]));
+    ck.push_back(static_cast<int>(k[g]));
+    live.push_back(g);
+  }
+  if (live.empty()) return;
+  const auto G = live.size();
+  std::vector<const void*> ptrs(3 * G);  // B_g of every group, then A_g, then C_g
+  for (std::size_t i = 0; i < G; ++i) {
+    const auto g = static_cast<std::size_t>(live[i]);
+    ptrs[i] = b[g];
+    ptrs[G + i] = a[g];
+    ptrs[2 * G + i] = c[g];
+  }
+  const int device = current_device();
+  const cudaStream_t stream = current_stream(device);
+  auto table = Tensor<std::uint8_t>::empty(Shape{static_cast<std::int64_t>(ptrs.size() * sizeof(void*))},
+                                           Device::cuda(device));
+  PTRAIN_CHECK_CUDA(cudaMemcpyAsync(table.data(), ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
+                                    stream));
+  void** dev = reinterpret_cast<void**>(table.data());  // device memory: cuBLAS reads the pointers there
+  const detail::CublasCall call = detail::cublas_call(device);
+  const std::vector<cublasOperation_t> op_b(G, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N),
+      op_a(G, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
+  const std::vector<int> ld_b(G, static_cast<int>(ldb)), ld_a(G, static_cast<int>(lda)),
+      ld_c(G, static_cast<int>(ldc)), size(G, 1);
+  const std::vector<acc_t<T>> alphas(G, alpha), betas(G, beta);
+  const int count = static_cast<int>(G);
+  if constexpr (std::is_same_v<T, double>) {
+    double** d = reinterpret_cast<double**>(dev);
+    PTRAIN_CHECK_CUBLAS(cublasDgemmGroupedBatched(call.handle, op_b.data(), op_a.data(), cm.data(), cn.data(),
+                                                  ck.data(), alphas.data(), d, ld_b.data(), d + G, ld_a.data(),
+                                                  betas.data(), d + 2 * G, ld_c.data(), count, size.data()));
+  } else {
+    const cudaDataType_t type = std::is_same_v<T, bf16> ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasComputeType_t compute =
+        std::is_same_v<T, float> && tf32_enabled() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    PTRAIN_CHECK_CUBLAS(cublasGemmGroupedBatchedEx(call.handle, op_b.data(), op_a.data(), cm.data(), cn.data(),
+                                                   ck.data(), alphas.data(), dev, type, ld_b.data(), dev + G, type,
+                                                   ld_a.data(), betas.data(), dev + 2 * G,
+                                                   type, ld_c.data(), count, size.data(), compute));
+  }
 }
 
 }  // namespace ptrain::kernels::cuda
