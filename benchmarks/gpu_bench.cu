@@ -32,6 +32,9 @@
 //              TFLOP/s on the causal half of the products. Then the
 //              tensor-core kernels (flash_tc_attention.cuh, backend
 //              "ptrain_flash_tc"), causal and not, on the same shapes.
+//   moe        the experts' GEMMs of one projection in bf16 (forward, input and
+//              weight gradients), one grouped cuBLAS call against one GEMM per
+//              expert, 8 and 64 experts (no PyTorch twin).
 //
 // A section that throws (out of memory, say) prints a "gpu_error" line and the
 // others still run; the exit code is then 1.
@@ -739,12 +742,85 @@ void bench_attention_tc(const Options& o) {
 
 }  // namespace
 
+// ------------------------------------------------------------------- MoE ----
+
+// The experts' GEMMs of one projection (Note [The grouped GEMM] in kernels/cuda/moe.cuh)
+// in bf16, as one grouped cuBLAS call (grouped_gemm) and as one gemm per expert (what
+// ops::grouped_matmul_into runs while grouped_gemm is gated), on 8192 tokens of width 2048:
+// Mixtral-like (8 experts of width 5632, top 2) and fine-grained (64 experts of width 1408,
+// top 6, DeepSeek-V2-Lite's shape). Expert e gets a share of the slots proportional to
+// 1 + (7 e mod 5), so the segments differ in length as routed ones do.
+void bench_moe(const Options& o) {
+  struct Shape3 {
+    const char* name;
+    std::int64_t E, F, top_k;
+  };
+  const std::int64_t tokens = 8192, C = 2048;
+  for (const Shape3& s : {Shape3{"moe_8x5632", 8, 5632, 2}, Shape3{"moe_64x1408", 64, 1408, 6}}) {
+    const std::int64_t M = tokens * s.top_k, E = s.E, F = s.F;
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(E));
+    std::int64_t share = 0, left = M;
+    for (std::int64_t e = 0; e < E; ++e) share += 1 + (7 * e) % 5;
+    for (std::int64_t e = 0; e < E; ++e)
+      left -= rows[static_cast<std::size_t>(e)] = e + 1 < E ? M * (1 + (7 * e) % 5) / share : left;
+    const auto x = to_bf16(uniform({M, C}, -1, 1, 1)), w = to_bf16(uniform({E, F, C}, -0.05f, 0.05f, 2));
+    const auto dy = to_bf16(uniform({M, F}, -1, 1, 3));
+    auto y = Tensor<bf16>::empty({M, F}, kGpu), dx = Tensor<bf16>::empty({M, C}, kGpu);
+    auto dw = Tensor<bf16>::empty({E, F, C}, kGpu);
+    struct Op {
+      const char* name;
+      bool ta, tb;
+      std::int64_t lda, ldb, ldc;
+    };
+    for (const Op& op : {Op{"fwd", false, true, C, C, F}, Op{"bwd_data", false, false, F, C, C},
+                         Op{"bwd_weight", true, false, F, C, C}}) {
+      // Group e's sizes and operands (Op's products: y = x W^T, dx = dy W, dW = dy^T x).
+      std::vector<std::int64_t> m, n, k;
+      std::vector<const bf16*> a, b;
+      std::vector<bf16*> c;
+      std::int64_t lo = 0;
+      for (std::int64_t e = 0; e < E; ++e) {
+        const std::int64_t r = rows[static_cast<std::size_t>(e)];
+        const bf16* we = w.data() + e * F * C;
+        if (std::string(op.name) == "fwd") {
+          m.push_back(r), n.push_back(F), k.push_back(C);
+          a.push_back(x.data() + lo * C), b.push_back(we), c.push_back(y.data() + lo * F);
+        } else if (!op.ta) {
+          m.push_back(r), n.push_back(C), k.push_back(F);
+          a.push_back(dy.data() + lo * F), b.push_back(we), c.push_back(dx.data() + lo * C);
+        } else {
+          m.push_back(F), n.push_back(C), k.push_back(r);
+          a.push_back(dy.data() + lo * F), b.push_back(x.data() + lo * C), c.push_back(dw.data() + e * F * C);
+        }
+        lo += r;
+      }
+      const Timing grouped = time_gpu(o, [&] {
+        kc::grouped_gemm<bf16>(op.ta, op.tb, E, m.data(), n.data(), k.data(), 1.0f, a.data(), op.lda, b.data(),
+                               op.ldb, 0.0f, c.data(), op.ldc);
+      });
+      const Timing loop = time_gpu(o, [&] {
+        for (std::size_t g = 0; g < c.size(); ++g)
+          kc::gemm<bf16>(op.ta, op.tb, m[g], n[g], k[g], 1.0f, a[g], op.lda, b[g], op.ldb, 0.0f, c[g], op.ldc);
+      });
+      const double flops = 2.0 * static_cast<double>(M) * static_cast<double>(C) * static_cast<double>(F);
+      const double tf_grouped = flops / (grouped.median_ms * 1e-3) / 1e12;
+      const double tf_loop = flops / (loop.median_ms * 1e-3) / 1e12;
+      emit({{"bench", "gpu_moe_gemm"}, {"impl", "ptrain"}, {"gpu", o.gpu_name}, {"layer", s.name}, {"op", op.name},
+            {"experts", E}, {"rows", M}, {"n_embd", C}, {"expert_hidden", F}, {"precision", "bf16"},
+            {"grouped_median_ms", grouped.median_ms}, {"loop_median_ms", loop.median_ms},
+            {"grouped_tflops", tf_grouped}, {"loop_tflops", tf_loop}, {"samples", o.samples}});
+      std::fprintf(stderr, "%-12s %-10s grouped %8.3f ms %7.1f TFLOP/s, per expert %8.3f ms %7.1f TFLOP/s\n",
+                   s.name, op.name, grouped.median_ms, tf_grouped, loop.median_ms, tf_loop);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"ptrain GPU benchmarks: GEMM, memory-bound kernels, GPT step (cuda:0)"};
   Options o;
-  std::vector<std::string> only{"gemm", "bandwidth", "gpt", "llama", "attention"};
+  std::vector<std::string> only{"gemm", "bandwidth", "gpt", "llama", "attention", "moe"};
   app.add_option("--only", only, "sections to run")
-      ->check(CLI::IsMember({"gemm", "bandwidth", "gpt", "llama", "attention"}));
+      ->check(CLI::IsMember({"gemm", "bandwidth", "gpt", "llama", "attention", "moe"}));
   app.add_option("--layers", o.cfg.n_layer, "transformer blocks");
   app.add_option("--heads", o.cfg.n_head, "attention heads");
   app.add_option("--embd", o.cfg.n_embd, "embedding width (GEMM and kernel shapes follow it)");
@@ -810,5 +886,6 @@ int main(int argc, char** argv) {
   if (wanted("llama")) section("llama", bench_llama);
   if (wanted("attention")) section("attention", bench_attention);
   if (wanted("attention")) section("attention_tc", bench_attention_tc);
+  if (wanted("moe")) section("moe", bench_moe);
   return failed ? 1 : 0;
 }

@@ -6,7 +6,8 @@
 // element type, so the reference sees exactly what the kernel reads; the routing
 // (which experts, the permutation) compares exactly, since both devices compare
 // the same logits. Bounds: tol<T>() (gpu_util.hpp) for the kernels; the layer in
-// float within 1e-4 (sums in another order through three GEMMs).
+// float within 1e-4 (sums in another order through three GEMMs). With the gate open
+// the layer's expert GEMMs are grouped_gemm's (ops::grouped_matmul_into).
 #include <catch2/catch.hpp>
 
 #include <array>
@@ -116,9 +117,56 @@ TEMPLATE_TEST_CASE("cuda: moe gather, combine and their backwards",
     }
 }
 
+TEMPLATE_TEST_CASE("cuda: the experts' grouped GEMM, segments of 0, 1 and many rows",
+                   "[gpu][moe_gpu][cuda:grouped_gemm]", float, double, bf16) {
+  using T = TestType;
+  using A = acc_t<T>;
+  // While gated the op runs one verified gemm per expert instead: this test needs the gate open.
+  REQUIRE(kernels::cuda_kernel_enabled("grouped_gemm"));
+  std::vector<std::int64_t> offsets{0};
+  for (std::int64_t rows : {0, 1, 37, 0, 300, 5}) offsets.push_back(offsets.back() + rows);
+  const std::int64_t E = 6, M = offsets.back(), K = 64, N = 96;
+  const auto x = uniform<T>(M * K, -1, 1), dy = uniform<T>(M * N, -1, 1), y0 = uniform<T>(M * N, -1, 1);
+  for (bool trans_w : {true, false}) {
+    const Shape ws = trans_w ? Shape{N, K} : Shape{K, N};
+    std::vector<Tensor<T>> w;
+    std::vector<Tensor<double>> w_ref;
+    for (std::int64_t e = 0; e < E; ++e) {
+      const auto v = uniform<T>(N * K, -1, 1);
+      w.push_back(gpu(v, ws));
+      w_ref.push_back(ref(v, ws));
+    }
+    for (double beta : {0.0, 1.0}) {
+      INFO("trans_w " << trans_w << " beta " << beta);
+      auto y = gpu(y0, {M, N});
+      auto y_ref = ref(y0, {M, N});
+      ops::grouped_matmul_into(gpu(x, {M, K}), w, offsets, y, trans_w, A(0.5), A(beta));
+      ops::grouped_matmul_into(ref(x, {M, K}), w_ref, offsets, y_ref, trans_w, 0.5, beta);
+      check_near<T>("y", y, y_ref);
+    }
+  }
+  // Weight gradients, accumulated (beta 1): expert 2 frozen (undefined); experts 0 and 3
+  // have no rows and keep their bits.
+  std::vector<Tensor<T>> dw;
+  std::vector<Tensor<double>> dw_ref;
+  std::vector<std::vector<T>> dw0;
+  for (std::int64_t e = 0; e < E; ++e) {
+    dw0.push_back(uniform<T>(N * K, -1, 1));
+    dw.push_back(e == 2 ? Tensor<T>() : gpu(dw0.back(), {N, K}));
+    dw_ref.push_back(e == 2 ? Tensor<double>() : ref(dw0.back(), {N, K}));
+  }
+  ops::grouped_matmul_weight_grad(gpu(dy, {M, N}), gpu(x, {M, K}), offsets, dw);
+  ops::grouped_matmul_weight_grad(ref(dy, {M, N}), ref(x, {M, K}), offsets, dw_ref);
+  for (std::size_t e : {1, 4, 5}) {
+    INFO("expert " << e);
+    check_near<T>("dw", dw[e], dw_ref[e]);
+  }
+  for (std::size_t e : {0, 3}) CHECK(to_double(dw[e].to_vector()) == to_double(dw0[e]));
+}
+
 TEST_CASE("cuda: an MoE layer on the GPU equals the CPU's",
           "[gpu][moe_gpu][cuda:moe_route][cuda:moe_route_backward][cuda:moe_permute_plan][cuda:moe_gather]"
-          "[cuda:moe_gather_backward][cuda:moe_combine][cuda:moe_combine_backward]") {
+          "[cuda:moe_gather_backward][cuda:moe_combine][cuda:moe_combine_backward][cuda:grouped_gemm]") {
   for (double capacity : {0.0, 0.8}) {
     INFO("capacity factor " << capacity);
     nn::MoeConfig c;

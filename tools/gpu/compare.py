@@ -72,6 +72,16 @@ def main():
             print(f"{r['layer']:10} {r['op']:16} {r['m']:6} {r['n']:6} {r['k']:6} {f:9.3f} "
                   f"{r['apart_median_ms']:9.3f} {ratio(f, r['apart_median_ms'])}")
 
+    moe = [r for r in rows if r.get("bench") == "gpu_moe_gemm"]
+    if moe:
+        print("\nMoE experts' GEMMs, bf16: one grouped cuBLAS call against one GEMM per expert "
+              "(ptrain only; ratio = grouped / per expert)")
+        print(f"{'layer':12} {'op':10} {'grouped_ms':>10} {'TFLOP/s':>8} {'loop_ms':>9} {'TFLOP/s':>8} {'ratio':>6}")
+        for r in moe:
+            print(f"{r['layer']:12} {r['op']:10} {r['grouped_median_ms']:10.3f} {r['grouped_tflops']:8.1f} "
+                  f"{r['loop_median_ms']:9.3f} {r['loop_tflops']:8.1f} "
+                  f"{ratio(r['grouped_median_ms'], r['loop_median_ms'])}")
+
     steps = [r for r in rows if r.get("bench") in ("gpu_gpt_step", "gpu_gpt_step_graph")]
     if steps:
         def family(r):  # bf16 lines compare with ptrain's bf16 step at the same batch, the others with fp32/tf32

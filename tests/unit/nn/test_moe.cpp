@@ -17,6 +17,8 @@
 #include <functional>
 #include <optional>
 #include <numeric>
+#include <type_traits>
+#include <utility>
 #include <ptrain/nn/flat_parameters.hpp>
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/llama.hpp>
@@ -260,6 +262,169 @@ TEST_CASE("moe: on a cuda device the layer runs the kernel table's MoE kernels, 
   for (std::size_t i = 0; i < pc.size(); ++i) {
     INFO(pc[i].name);
     CHECK(pg[i].param->grad.to_vector() == pc[i].param->grad.to_vector());
+  }
+}
+
+namespace {
+// The grouped GEMMs' reference: a triple loop in double over each expert's rows.
+// y[lo:hi] = alpha x[lo:hi] op(w[e]) + beta y[lo:hi], op(w) = w^T when trans_w.
+std::vector<double> naive_grouped(const std::vector<double>& x, const std::vector<std::vector<double>>& w,
+                                  const std::vector<std::int64_t>& offsets, std::vector<double> y, std::int64_t K,
+                                  std::int64_t N, bool trans_w, double alpha, double beta) {
+  for (std::size_t e = 0; e < w.size(); ++e)
+    for (std::int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+      for (std::int64_t j = 0; j < N; ++j) {
+        double acc = 0;
+        for (std::int64_t i = 0; i < K; ++i)
+          acc += x[std::size_t(r * K + i)] * w[e][std::size_t(trans_w ? j * K + i : i * N + j)];
+        y[std::size_t(r * N + j)] = alpha * acc + beta * y[std::size_t(r * N + j)];
+      }
+  return y;
+}
+
+// dw = alpha dy[lo:hi]^T x[lo:hi] + beta dw, dy [M, N], x [M, K], dw [N, K].
+std::vector<double> naive_weight_grad(const std::vector<double>& dy, const std::vector<double>& x, std::int64_t lo,
+                                      std::int64_t hi, std::vector<double> dw, std::int64_t N, std::int64_t K,
+                                      double alpha, double beta) {
+  for (std::int64_t j = 0; j < N; ++j)
+    for (std::int64_t i = 0; i < K; ++i) {
+      double acc = 0;
+      for (std::int64_t r = lo; r < hi; ++r) acc += dy[std::size_t(r * N + j)] * x[std::size_t(r * K + i)];
+      dw[std::size_t(j * K + i)] = alpha * acc + beta * dw[std::size_t(j * K + i)];
+    }
+  return dw;
+}
+
+std::vector<double> as_double(const std::vector<double>& v) { return v; }
+std::vector<double> as_double(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+// The largest |got - want| over max(1, |want|).
+template <class G>
+double max_rel_diff(const std::vector<G>& got, const std::vector<double>& want) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    worst = std::max(worst, std::abs(double(got[i]) - want[i]) / std::max(1.0, std::abs(want[i])));
+  return worst;
+}
+
+int g_grouped_calls = 0;
+// The CPU's grouped_gemm, counted: which path the op took on the fake cuda:0.
+void counted_grouped_gemm(bool ta, bool tb, std::int64_t groups, const std::int64_t* m, const std::int64_t* n,
+                          const std::int64_t* k, float alpha, const float* const* a, std::int64_t lda,
+                          const float* const* b, std::int64_t ldb, float beta, float* const* c, std::int64_t ldc) {
+  ++g_grouped_calls;
+  kernels::cpu::grouped_gemm<float>(ta, tb, groups, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("moe: the grouped GEMM against a loop in double, segments of 0, 1 and many rows", "[moe]", float,
+                   double) {
+  using T = TestType;
+  const double tol = std::is_same_v<T, float> ? 1e-5 : 1e-13;
+  const std::int64_t K = 7, N = 5;
+  // Experts 0 and 3 without rows, expert 1 with one, the others with many.
+  const std::vector<std::int64_t> offsets{0, 0, 1, 12, 12, 40};
+  const std::int64_t M = offsets.back(), E = 5;
+  auto values = [](std::int64_t n, std::uint64_t seed) {
+    std::vector<T> v;
+    for (double d : random_tensor({n}, seed).to_vector()) v.push_back(static_cast<T>(d));
+    return v;
+  };
+  const auto xv = values(M * K, 1), dyv = values(M * N, 2), y0 = values(M * N, 3);
+  for (bool trans_w : {true, false}) {
+    INFO("trans_w " << trans_w);
+    std::vector<Tensor<T>> w;
+    std::vector<std::vector<double>> wd;
+    for (std::int64_t e = 0; e < E; ++e) {
+      const auto v = values(N * K, 10 + std::uint64_t(e));
+      w.push_back(Tensor<T>::from(v, trans_w ? Shape{N, K} : Shape{K, N}));
+      wd.push_back(as_double(v));
+    }
+    for (auto [alpha, beta] : std::vector<std::pair<double, double>>{{1, 0}, {0.5, 1}, {-2, 0.25}}) {
+      INFO("alpha " << alpha << " beta " << beta);
+      auto y = Tensor<T>::from(y0, {M, N});
+      ops::grouped_matmul_into(Tensor<T>::from(xv, {M, K}), w, offsets, y, trans_w, static_cast<T>(alpha),
+                               static_cast<T>(beta));
+      CHECK(max_rel_diff(y.to_vector(), naive_grouped(as_double(xv), wd, offsets, as_double(y0), K, N, trans_w,
+                                                      alpha, beta)) <= tol);
+    }
+  }
+  // Weight gradients: expert 2 frozen (undefined, untouched); an expert without rows keeps
+  // its gradient when beta = 1 and is scaled by beta otherwise.
+  for (double beta : {1.0, 0.5}) {
+    INFO("beta " << beta);
+    std::vector<Tensor<T>> dw;
+    std::vector<std::vector<T>> dw0;
+    for (std::int64_t e = 0; e < E; ++e) {
+      dw0.push_back(values(N * K, 20 + std::uint64_t(e)));
+      dw.push_back(e == 2 ? Tensor<T>() : Tensor<T>::from(dw0.back(), {N, K}));
+    }
+    ops::grouped_matmul_weight_grad(Tensor<T>::from(dyv, {M, N}), Tensor<T>::from(xv, {M, K}), offsets, dw, T(1.5),
+                                    static_cast<T>(beta));
+    for (std::int64_t e = 0; e < E; ++e) {
+      if (e == 2) continue;
+      INFO("expert " << e);
+      CHECK(max_rel_diff(dw[std::size_t(e)].to_vector(),
+                         naive_weight_grad(as_double(dyv), as_double(xv), offsets[std::size_t(e)],
+                                           offsets[std::size_t(e) + 1], as_double(dw0[std::size_t(e)]), N, K, 1.5,
+                                           beta)) <= tol);
+    }
+    if (beta == 1.0) CHECK(dw[0].to_vector() == dw0[0]);  // no rows, beta 1: the same bits
+  }
+  // The kernel alone: a group with m = 0 is a no-op, one with k = 0 gives C = beta C.
+  std::vector<T> c0{1, 2, 3, 4}, c1{5, 6, 7, 8};
+  const std::int64_t m[] = {0, 2}, n[] = {2, 2}, k[] = {3, 0};
+  const T* a[] = {nullptr, nullptr};
+  T* c[] = {c0.data(), c1.data()};
+  kernels::cpu::grouped_gemm<T>(false, false, 2, m, n, k, T(1), a, 3, a, 2, T(0.5), c, 2);
+  CHECK(c0 == std::vector<T>{1, 2, 3, 4});
+  CHECK(c1 == std::vector<T>{2.5, 3, 3.5, 4});
+}
+
+TEST_CASE("moe: the grouped GEMM's bad shapes and offsets", "[moe]") {
+  const auto x = random_tensor({6, 4}, 1);
+  auto y = Tensor<double>::zeros({6, 3});
+  const std::vector<Tensor<double>> w{random_tensor({3, 4}, 2), random_tensor({3, 4}, 3)};
+  CHECK_THROWS_WITH(ops::grouped_matmul_into(x, w, {0, 2, 5}, y, true), Contains("[ptrain.moe.grouped_gemm]"));
+  CHECK_THROWS_WITH(ops::grouped_matmul_into(x, w, {0, 4, 2, 6}, y, true), Contains("[ptrain.moe.grouped_gemm]"));
+  CHECK_THROWS_WITH(ops::grouped_matmul_into(x, w, {0, 4, 6}, y, false), Contains("grouped GEMM"));
+  CHECK_THROWS_WITH(ops::grouped_matmul_into(x, {w[0], random_tensor({3, 5}, 4)}, {0, 4, 6}, y, true),
+                    Contains("grouped GEMM weight"));
+  std::vector<Tensor<double>> dw{Tensor<double>::zeros({3, 4}), Tensor<double>::zeros({4, 3})};
+  CHECK_THROWS_WITH(ops::grouped_matmul_weight_grad(y, x, {0, 4, 6}, dw), Contains("grouped GEMM weight gradient"));
+  CHECK_THROWS_WITH(ops::grouped_matmul_weight_grad(y, x, {1, 4, 6}, dw), Contains("[ptrain.moe.grouped_gemm]"));
+}
+
+TEST_CASE("moe: on a cuda device the grouped GEMM runs one gemm per expert while grouped_gemm is gated", "[moe]") {
+  const std::int64_t K = 6, N = 4;
+  const std::vector<std::int64_t> offsets{0, 3, 3, 4, 9};
+  std::vector<Tensor<float>> w;
+  for (std::uint64_t e = 0; e < 4; ++e) {
+    std::vector<float> v;
+    for (double d : random_tensor({N, K}, 30 + e).to_vector()) v.push_back(float(d));
+    w.push_back(Tensor<float>::from(v, {N, K}));
+  }
+  std::vector<float> xv;
+  for (double d : random_tensor({9, K}, 40).to_vector()) xv.push_back(float(d));
+  const auto x = Tensor<float>::from(xv, {9, K});
+  auto y_ref = Tensor<float>::empty({9, N});
+  ops::grouped_matmul_into(x, w, offsets, y_ref, true);
+
+  CpuTableAsCuda fake;
+  fake.table.f32.grouped_gemm = &counted_grouped_gemm;
+  const Device d = Device::cuda(0);
+  std::vector<Tensor<float>> wd;
+  for (auto& t : w) wd.push_back(t.to(d));
+  for (bool allowed : {false, true}) {
+    INFO("PTRAIN_UNVERIFIED_CUDA " << allowed);
+    if (allowed) ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
+    else ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+    g_grouped_calls = 0;
+    auto y = Tensor<float>::empty({9, N}, d);
+    ops::grouped_matmul_into(x.to(d), wd, offsets, y, true);
+    CHECK(g_grouped_calls == (allowed ? 1 : 0));
+    CHECK(y.to_vector() == y_ref.to_vector());  // the same gemm calls either way: the same bits
   }
 }
 
