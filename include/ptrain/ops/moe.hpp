@@ -5,8 +5,8 @@
 // order (moe_gather, moe_gather_backward) and the weighted combine back into
 // token order (moe_combine, moe_combine_backward), and the experts' GEMMs on the
 // expert-grouped rows (grouped_matmul_into, grouped_matmul_weight_grad). nn::MoE
-// (nn/moe.hpp) strings them together; docs/moe.md has the formulas. Tokens are the rows of [N, C]
-// tensors; a token's k slots are the rows of [N, k] tensors.
+// (nn/moe.hpp) strings them together; docs/moe.md has the formulas. Tokens are the
+// rows of [N, C] tensors; a token's k slots are the rows of [N, k] tensors.
 
 #include <algorithm>
 #include <cstdint>
