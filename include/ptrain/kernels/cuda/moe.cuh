@@ -18,8 +18,11 @@
 // cublasGemmGroupedBatchedEx for float (FP32, or TF32 after set_tf32(true), as
 // gemm()) and bf16 (fp32 accumulation, as gemm_bf16), cublasDgemmGroupedBatched for
 // double. Each non-empty problem is its own group of one, since the row counts
-// differ; groups without rows are left out and those with k = 0 (C = beta C) go
-// through gemm(). The sizes, scalars and leading dimensions are host arrays; the
+// differ; groups without rows are left out, and those with k = 0 (C = beta C) go
+// through gemm(), as do, for bf16 and TF32, groups with an operand off a 16-byte
+// boundary (cuBLAS's documentation asks 16 bytes of such pointers, or rules on the
+// row lengths, and reports a misaligned access otherwise; rows of an odd width and
+// views into flat parameter buffers can be off). The sizes, scalars and leading dimensions are host arrays; the
 // operand pointers must be a device array, so each call copies its 3G pointers to
 // a stream-ordered block of the caching allocator with one cudaMemcpyAsync from
 // host memory (a few hundred bytes; the runtime stages them, so the host array may
@@ -291,10 +294,12 @@ void grouped_gemm(bool trans_a, bool trans_b, std::int64_t groups, const std::in
   // Column-major (gemm.cuh's header comment): C_g^T = op(B_g)^T op(A_g)^T, sizes (n, m, k).
   std::vector<int> cm, cn, ck;
   std::vector<std::int64_t> live;
+  const bool vector_loads = std::is_same_v<T, bf16> || (std::is_same_v<T, float> && tf32_enabled());
+  auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   for (std::int64_t g = 0; g < groups; ++g) {
     if (m[g] == 0 || n[g] == 0) continue;
-    if (k[g] == 0) {
-      gemm<T>(trans_a, trans_b, m[g], n[g], 0, alpha, a[g], lda, b[g], ldb, beta, c[g], ldc);
+    if (k[g] == 0 || (vector_loads && !(aligned(a[g]) && aligned(b[g]) && aligned(c[g])))) {
+      gemm<T>(trans_a, trans_b, m[g], n[g], k[g], alpha, a[g], lda, b[g], ldb, beta, c[g], ldc);
       continue;
     }
     PTRAIN_CHECK(m[g] <= INT_MAX && n[g] <= INT_MAX && k[g] <= INT_MAX, ShapeError, "[ptrain.cuda.gemm] group ", g,
