@@ -454,7 +454,7 @@ def bench_attention(a, gpu):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=["gemm", "bandwidth", "gpt", "llama", "attention"],
+    p.add_argument("--only", nargs="+", choices=["gemm", "bandwidth", "gpt", "llama", "attention", "moe"],
                    default=["gemm", "bandwidth", "gpt", "llama", "attention"])
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)
