@@ -740,8 +740,6 @@ void bench_attention_tc(const Options& o) {
   }
 }
 
-}  // namespace
-
 // ------------------------------------------------------------------- MoE ----
 
 // The experts' GEMMs of one projection (Note [The grouped GEMM] in kernels/cuda/moe.cuh)
@@ -782,7 +780,7 @@ void bench_moe(const Options& o) {
       for (std::int64_t e = 0; e < E; ++e) {
         const std::int64_t r = rows[static_cast<std::size_t>(e)];
         const bf16* we = w.data() + e * F * C;
-        if (std::string(op.name) == "fwd") {
+        if (op.tb) {
           m.push_back(r), n.push_back(F), k.push_back(C);
           a.push_back(x.data() + lo * C), b.push_back(we), c.push_back(y.data() + lo * F);
         } else if (!op.ta) {
@@ -814,6 +812,8 @@ void bench_moe(const Options& o) {
     }
   }
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ptrain GPU benchmarks: GEMM, memory-bound kernels, GPT step (cuda:0)"};
