@@ -98,6 +98,11 @@ void fill_floating(CudaKernels<T>& k) {
   k.moe_combine = &kc::moe_combine<T>;
   k.moe_combine_backward = &kc::moe_combine_backward<T>;
   k.grouped_gemm = &kc::grouped_gemm<T>;
+  if constexpr (!std::is_same_v<T, double>) {  // float and bf16 kernels only
+    k.ring_attention_block_forward = &kc::ring_attention_block_forward<T>;
+    k.ring_attention_block_backward = &kc::ring_attention_block_backward<T>;
+  }
+  k.copy_strided_rows = &kc::copy_strided_rows<T>;
 }
 
 // float and double: the forms bf16 has not (token ids, the plain optimizer

@@ -172,6 +172,12 @@ struct CudaKernels {
   // one gemm per group while it is)
   void (*grouped_gemm)(bool, bool, I64, const I64*, const I64*, const I64*, A, const T* const*, I64, const T* const*,
                        I64, A, T* const*, I64) = nullptr;
+  // ring_attention.cuh: context parallelism's blocks (float and bf16) and strided row copies
+  void (*ring_attention_block_forward)(I64, I64, I64, I64, const T*, I64, I64, const I32*, const T*, const T*, I64,
+                                       I64, I64, A, T*, I64, A*, I64) = nullptr;
+  void (*ring_attention_block_backward)(I64, I64, I64, I64, const T*, I64, I64, const I32*, const T*, const T*, I64,
+                                        I64, I64, A, const T*, I64, const A*, I64, const T*, T*, T*, T*) = nullptr;
+  void (*copy_strided_rows)(I64, I64, const T*, I64, T*, I64) = nullptr;
 };
 
 /// Host calls of CUDA graphs (kernels/cuda/graph.hpp), for code that g++ builds without

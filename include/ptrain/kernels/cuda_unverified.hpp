@@ -79,6 +79,10 @@ inline constexpr std::initializer_list<const char*> kUnverifiedCuda = {
     "prefetch_copy_stream",
     // moe.cuh: the experts' grouped GEMM (cublasGemmGroupedBatchedEx, cublasDgemmGroupedBatched)
     "grouped_gemm",
+    // ring_attention.cuh: context parallelism's ring attention blocks
+    "ring_attention_block_forward",
+    "ring_attention_block_backward",
+    "copy_strided_rows",
 };
 
 /// True when `name` is on the gate's list.

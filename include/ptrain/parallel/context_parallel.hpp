@@ -48,6 +48,7 @@
 #include "ptrain/core/tensor.hpp"
 #include "ptrain/dist/communicator.hpp"
 #include "ptrain/kernels/cpu/ring_attention.hpp"
+#include "ptrain/ops/dispatch.hpp"
 #include "ptrain/ops/vector.hpp"
 
 namespace ptrain::parallel {
@@ -148,11 +149,15 @@ namespace detail {
 // Tags of the ring's transfers: a step's key/value block and its dk/dv partial sums.
 constexpr int kRingKVTag = 0x5200, kRingGradTag = 0x5300;
 
+// Ring attention runs on q's device: the CPU kernels, or on cuda:N the kernel table's
+// (kernels/cuda/ring_attention.cuh, gated); the group's communicator must move tensors
+// of that device (NCCL for cuda:N).
 template <class T>
-void check_ring_inputs(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v, const Tensor<std::int32_t>& starts) {
-  PTRAIN_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), Error,
-               "[ptrain.cp.device] ring attention runs on the CPU only, got ", q.device().str(),
-               "; context parallelism has no CUDA kernels yet (docs/context_parallel.md)");
+void check_ring_inputs(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+                       const Tensor<std::int32_t>& starts) {
+  ops::detail::check_devices("ring attention", q.device(), k, v);
+  if (starts.defined()) ops::detail::check_devices("ring attention (document starts)", q.device(), starts);
+  if (g.size() > 1) g.communicator().check_serves(q.device(), "context parallelism");
   PTRAIN_CHECK(q.dim() == 4 && q.size(1) % 2 == 0 && k.dim() == 4 && k.size(0) == q.size(0) &&
                    k.size(1) == q.size(1) && k.size(3) == q.size(3) && k.size(2) > 0 && q.size(2) % k.size(2) == 0,
                ShapeError, "[ptrain.cp.ring] q must be [B, 2c, H, D] and k [B, 2c, Hkv, D] with Hkv dividing H, got ",
@@ -163,7 +168,7 @@ void check_ring_inputs(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& 
 
 template <class T>
 Tensor<T> pack_kv(const Tensor<T>& k, const Tensor<T>& v) {
-  auto kv = Tensor<T>::empty({2 * k.numel()});
+  auto kv = Tensor<T>::empty({2 * k.numel()}, k.device());
   kv.view(0, {k.numel()}).copy_(k.reshape({k.numel()}));
   kv.view(k.numel(), {v.numel()}).copy_(v.reshape({v.numel()}));
   return kv;
@@ -196,10 +201,10 @@ void attend_block(const ContextParallelGroup& g, const Tensor<T>& q, const T* kv
         const std::int64_t q0 = g.chunk_start(g.rank(), qh, c), k0 = g.chunk_start(src, kh, c);
         if (k0 > q0) continue;  // a later chunk: every key is in the queries' future
         const std::int64_t qrow = b * n2 + qh * c, krow = b * n2 + kh * c;
-        kernels::cpu::ring_attention_block_forward<T>(
-            c, H, Hkv, D, q.data() + qrow * H * D, H * D, q0, starts.defined() ? starts.data() + qrow : nullptr,
-            kv + krow * Hkv * D, kv + half + krow * Hkv * D, Hkv * D, k0, window, scale, y.data() + qrow * H * D,
-            H * D, lse.data() + b * H * n2 + qh * c, n2);
+        PTRAIN_DISPATCH(
+            q.device(), T, ring_attention_block_forward, c, H, Hkv, D, q.data() + qrow * H * D, H * D, q0,
+            starts.defined() ? starts.data() + qrow : nullptr, kv + krow * Hkv * D, kv + half + krow * Hkv * D,
+            Hkv * D, k0, window, scale, y.data() + qrow * H * D, H * D, lse.data() + b * H * n2 + qh * c, n2);
       }
 }
 // Adds the block of rank src's part of dq to dq and its dk, dv to dkv (K's then V's).
@@ -215,20 +220,29 @@ void attend_block_backward(const ContextParallelGroup& g, const Tensor<T>& q, co
         const std::int64_t q0 = g.chunk_start(g.rank(), qh, c), k0 = g.chunk_start(src, kh, c);
         if (k0 > q0) continue;
         const std::int64_t qrow = b * n2 + qh * c, krow = b * n2 + kh * c;
-        kernels::cpu::ring_attention_block_backward<T>(
-            c, H, Hkv, D, q.data() + qrow * H * D, H * D, q0, starts.defined() ? starts.data() + qrow : nullptr,
-            kv + krow * Hkv * D, kv + half + krow * Hkv * D, Hkv * D, k0, saved.window, scale,
-            saved.out.data() + qrow * H * D, H * D, saved.lse.data() + b * H * n2 + qh * c, n2,
-            dy.data() + qrow * H * D, dq.data() + qrow * H * D, dkv + krow * Hkv * D, dkv + half + krow * Hkv * D);
+        PTRAIN_DISPATCH(
+            q.device(), T, ring_attention_block_backward, c, H, Hkv, D, q.data() + qrow * H * D, H * D, q0,
+            starts.defined() ? starts.data() + qrow : nullptr, kv + krow * Hkv * D, kv + half + krow * Hkv * D,
+            Hkv * D, k0, saved.window, scale, saved.out.data() + qrow * H * D, H * D,
+            saved.lse.data() + b * H * n2 + qh * c, n2, dy.data() + qrow * H * D, dq.data() + qrow * H * D,
+            dkv + krow * Hkv * D, dkv + half + krow * Hkv * D);
       }
 }
 template <class T>
-void check_backward_inputs(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+void check_backward_inputs(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                            const RingSaved<T>& saved, const Tensor<T>& dy) {
-  check_ring_inputs(q, k, v, saved.starts);
+  check_ring_inputs(g, q, k, v, saved.starts);
+  ops::detail::check_devices("ring attention backward", q.device(), dy, saved.out, saved.lse);
   check_shape(dy, q.shape(), "context-parallel attention output gradient");
   check_shape(saved.out, q.shape(), "saved context-parallel attention output");
   check_shape(saved.lse, {q.size(0), q.size(2), q.size(1)}, "saved context-parallel attention log-sum-exp");
+}
+
+// The running log-sum-exp before any block: -inf, [B, H, 2c] on `dev`.
+template <class A>
+Tensor<A> empty_lse(const Shape& shape, Device dev) {
+  auto lse = Tensor<A>::full(shape, -std::numeric_limits<A>::infinity());
+  return dev.is_cpu() ? lse : lse.to(dev);
 }
 }  // namespace detail
 
@@ -240,12 +254,12 @@ void check_backward_inputs(const Tensor<T>& q, const Tensor<T>& k, const Tensor<
 template <class T>
 Tensor<T> ring_attention(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                          const Tensor<std::int32_t>& starts, std::int64_t window, RingSaved<T>& saved) {
-  detail::check_ring_inputs(q, k, v, starts);
+  detail::check_ring_inputs(g, q, k, v, starts);
   using A = acc_t<T>;
   const int cp = g.size(), r = g.rank();
-  auto y = Tensor<T>::zeros(q.shape());
-  auto lse = Tensor<A>::full({q.size(0), q.size(2), q.size(1)}, -std::numeric_limits<A>::infinity());
-  Tensor<T> kv = detail::pack_kv(k, v), next = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>();
+  auto y = Tensor<T>::zeros(q.shape(), q.device());
+  auto lse = detail::empty_lse<A>({q.size(0), q.size(2), q.size(1)}, q.device());
+  Tensor<T> kv = detail::pack_kv(k, v), next = cp > 1 ? Tensor<T>::empty(kv.shape(), kv.device()) : Tensor<T>();
   for (int s = 0; s < cp; ++s) {
     detail::WorkPair w;
     if (s + 1 < cp) w = detail::pass_on(g, kv, next, detail::kRingKVTag + s);  // the next block, during this one
@@ -265,11 +279,11 @@ template <class T>
 void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                              const RingSaved<T>& saved, const Tensor<T>& dy, Tensor<T>& dq, Tensor<T>& dk,
                              Tensor<T>& dv) {
-  detail::check_backward_inputs(q, k, v, saved, dy);
+  detail::check_backward_inputs(g, q, k, v, saved, dy);
   const int cp = g.size(), r = g.rank();
-  dq = Tensor<T>::zeros(q.shape());
-  Tensor<T> kv = detail::pack_kv(k, v), next = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>();
-  Tensor<T> arrived = cp > 1 ? Tensor<T>::empty(kv.shape()) : Tensor<T>(), part, sending;
+  dq = Tensor<T>::zeros(q.shape(), q.device());
+  Tensor<T> kv = detail::pack_kv(k, v), next = cp > 1 ? Tensor<T>::empty(kv.shape(), kv.device()) : Tensor<T>();
+  Tensor<T> arrived = cp > 1 ? Tensor<T>::empty(kv.shape(), kv.device()) : Tensor<T>(), part, sending;
   std::shared_ptr<dist::Work> sent;  // the previous step's dk/dv partial sum on its way to rank r + 1
   for (int s = 0; s < cp; ++s) {
     detail::WorkPair w;
@@ -278,7 +292,7 @@ void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const 
     if (s > 0)
       in = g.communicator().recv_async(arrived.data(), static_cast<std::size_t>(arrived.numel()), dtype_of<T>(),
                                        (r + cp - 1) % cp, detail::kRingGradTag + s - 1);
-    part = Tensor<T>::zeros(kv.shape());
+    part = Tensor<T>::zeros(kv.shape(), kv.device());
     detail::attend_block_backward(g, q, kv.data(), k.size(2), (r - s + cp) % cp, saved, dy, dq, part.data());
     if (w.first) {
       w.first->wait();
@@ -299,7 +313,7 @@ void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const 
   Tensor<T> total = part;  // cp == 1: this rank's block is the whole sequence
   if (cp > 1) {
     // The own block comes home from rank r - 1 after its last step.
-    total = Tensor<T>::empty(kv.shape());
+    total = Tensor<T>::empty(kv.shape(), kv.device());
     g.communicator().recv(total.data(), static_cast<std::size_t>(total.numel()), dtype_of<T>(), (r + cp - 1) % cp,
                           detail::kRingGradTag + cp - 1);
     sent->wait();
@@ -315,11 +329,11 @@ void ring_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const 
 template <class T>
 Tensor<T> allgather_attention(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                               const Tensor<std::int32_t>& starts, std::int64_t window, RingSaved<T>& saved) {
-  detail::check_ring_inputs(q, k, v, starts);
+  detail::check_ring_inputs(g, q, k, v, starts);
   using A = acc_t<T>;
   const int cp = g.size(), r = g.rank();
-  auto y = Tensor<T>::zeros(q.shape());
-  auto lse = Tensor<A>::full({q.size(0), q.size(2), q.size(1)}, -std::numeric_limits<A>::infinity());
+  auto y = Tensor<T>::zeros(q.shape(), q.device());
+  auto lse = detail::empty_lse<A>({q.size(0), q.size(2), q.size(1)}, q.device());
   const Tensor<T> all = g.gather_blocks(detail::pack_kv(k, v));
   const std::int64_t n = 2 * k.numel();
   for (int s = 0; s < cp; ++s) {
@@ -336,19 +350,19 @@ template <class T>
 void allgather_attention_backward(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                                   const RingSaved<T>& saved, const Tensor<T>& dy, Tensor<T>& dq, Tensor<T>& dk,
                                   Tensor<T>& dv) {
-  detail::check_backward_inputs(q, k, v, saved, dy);
+  detail::check_backward_inputs(g, q, k, v, saved, dy);
   const int cp = g.size(), r = g.rank();
-  dq = Tensor<T>::zeros(q.shape());
+  dq = Tensor<T>::zeros(q.shape(), q.device());
   const Tensor<T> all = g.gather_blocks(detail::pack_kv(k, v));
   const std::int64_t n = 2 * k.numel();
-  auto dall = Tensor<T>::zeros(all.shape());
+  auto dall = Tensor<T>::zeros(all.shape(), all.device());
   for (int s = 0; s < cp; ++s) {
     const int src = (r - s + cp) % cp;
     detail::attend_block_backward(g, q, all.data() + src * n, k.size(2), src, saved, dy, dq, dall.data() + src * n);
   }
   Tensor<T> total = dall;
   if (cp > 1) {
-    total = Tensor<T>::empty({n});
+    total = Tensor<T>::empty({n}, all.device());
     g.communicator().reduce_scatter(dall.data(), total.data(), static_cast<std::size_t>(n), dtype_of<T>(),
                                     dist::ReduceOp::Sum);
   }

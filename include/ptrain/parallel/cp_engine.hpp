@@ -328,6 +328,10 @@ class ContextParallel : public Engine<T> {
   // `fsdp` sharded by an FSDP over the world, else replicated.
   template <class M, class Block>
   void build(M& full, bool fsdp, Block block) {
+    for (auto& p : full.named_parameters())
+      PTRAIN_CHECK(p.param->value.device().is_cpu(), Error, "[ptrain.cp.device] the context-parallel engine runs "
+                   "on the CPU only, but ", p.name, " is on ", p.param->value.device().str(), "; move the model to "
+                   "the CPU (ring attention alone runs on CUDA tensors: docs/context_parallel.md)");
     model_ = std::make_unique<detail::StageModule<T>>();
     const auto& units = full.units();
     const auto& names = full.unit_names();

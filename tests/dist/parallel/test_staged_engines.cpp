@@ -1,4 +1,4 @@
-// DDP, FSDP and the pipeline on "device" tensors over a StagedCommunicator
+// DDP, FSDP, the pipeline and context parallelism's ring attention on "device" tensors over a StagedCommunicator
 // (dist/staged_communicator.hpp), without a GPU: a stand-in cuda:0 whose memory
 // is host memory the communicator must still stage (the backend says it is not
 // host memory) and whose kernel table holds the CPU kernels. The same engine on
@@ -21,6 +21,9 @@
 #include <ptrain/dist/staged_communicator.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>
+#include <ptrain/dist/self_communicator.hpp>
+#include <ptrain/parallel/context_parallel.hpp>
+#include <ptrain/parallel/cp_engine.hpp>
 #include <ptrain/parallel/make_engine.hpp>
 
 #include "dist/host_blocks.hpp"
@@ -79,6 +82,8 @@ void fill_with_cpu_kernels(kernels::CudaKernels<T>& k) {
   k.cross_entropy_forward = &kc::cross_entropy_forward<T>;
   k.cross_entropy_backward = &kc::cross_entropy_backward<T>;
   k.adamw_update = &kc::adamw_update<T>;
+  k.ring_attention_block_forward = &kc::ring_attention_block_forward<T>;
+  k.ring_attention_block_backward = &kc::ring_attention_block_backward<T>;
 }
 
 // Installs the stand-in backend and table for a scope, with the verification gate
@@ -167,6 +172,70 @@ TEST_CASE("Engines on staged device tensors equal the same engines on CPU tensor
   // The plain world refuses the same device model, naming the staged way out.
   CHECK_THROWS_WITH(parallel::make_engine<Real>(make_mlp(kGpu), comm, parallel::Plan<Real>{parallel::DDPOptions{}}),
                     Catch::Contains("[ptrain.comm.device]") && Catch::Contains("staged through host memory"));
+}
+
+TEST_CASE("ring and all-gather attention on staged device tensors equal the CPU's bit for bit", "[staged][cp]") {
+  auto& comm = world();
+  const int n = comm.size(), r = comm.rank();
+  const std::int64_t B = 2, S = 2 * n * 3, H = 4, Hkv = 2, D = 4, window = 5;
+  auto random = [](const Shape& shape, std::uint64_t seed) {
+    Generator g(seed);
+    auto t = Tensor<Real>::empty(shape);
+    for (std::int64_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<Real>(g.uniform() * 2 - 1);
+    return t;
+  };
+  // Documents start at 0 and S / 2 - 1 of every row (global positions).
+  auto starts_full = Tensor<std::int32_t>::empty({B, S});
+  for (std::int64_t i = 0; i < B * S; ++i)
+    starts_full.data()[i] = i % S < S / 2 - 1 ? 0 : static_cast<std::int32_t>(S / 2 - 1);
+  FakeCuda fake;
+  dist::StagedCommunicator staged(comm.split(0, r), kGpu);
+  for (auto exchange : {parallel::KVExchange::Ring, parallel::KVExchange::AllGather}) {
+    INFO((exchange == parallel::KVExchange::Ring ? "ring" : "all-gather") << " on " << n << " ranks, "
+                                                                          << comm.backend());
+    parallel::ContextParallelGroup cpu_g(&comm, exchange), dev_g(&staged, exchange);
+    const auto q = cpu_g.shard(random({B, S, H, D}, 1)), k = cpu_g.shard(random({B, S, Hkv, D}, 2)),
+               v = cpu_g.shard(random({B, S, Hkv, D}, 3)), dy = cpu_g.shard(random({B, S, H, D}, 4));
+    const auto starts = cpu_g.shard(starts_full);
+    parallel::RingSaved<Real> cs, ds;
+    const auto y_cpu = parallel::context_attention(cpu_g, q, k, v, starts, window, cs);
+    Tensor<Real> dq_cpu, dk_cpu, dv_cpu;
+    parallel::context_attention_backward(cpu_g, q, k, v, cs, dy, dq_cpu, dk_cpu, dv_cpu);
+    const auto gq = q.to(kGpu), gk = k.to(kGpu), gv = v.to(kGpu), gdy = dy.to(kGpu);
+    const auto y = parallel::context_attention(dev_g, gq, gk, gv, starts.to(kGpu), window, ds);
+    Tensor<Real> dq, dk, dv;
+    parallel::context_attention_backward(dev_g, gq, gk, gv, ds, gdy, dq, dk, dv);
+    CHECK(y.device() == kGpu);
+    CHECK(ds.lse.device() == kGpu);
+    CHECK(dk.device() == kGpu);
+    CHECK(y.to_vector() == y_cpu.to_vector());
+    CHECK(ds.lse.to_vector() == cs.lse.to_vector());
+    CHECK(dq.to_vector() == dq_cpu.to_vector());
+    CHECK(dk.to_vector() == dk_cpu.to_vector());
+    CHECK(dv.to_vector() == dv_cpu.to_vector());
+    comm.barrier();  // every rank is done with this exchange's transfers before the next one's
+  }
+  // The blocks of device tensors come from the kernel table: without its entry the call
+  // is refused (a group of one, so that no transfer is left open).
+  fake.table.f64.ring_attention_block_forward = nullptr;
+  parallel::ContextParallelGroup one(nullptr);
+  parallel::RingSaved<Real> saved;
+  const auto t = Tensor<Real>::zeros({B, 6, H, D}, kGpu), kv = Tensor<Real>::zeros({B, 6, Hkv, D}, kGpu);
+  CHECK_THROWS_WITH(parallel::ring_attention(one, t, kv, kv, Tensor<std::int32_t>(), 0, saved),
+                    Catch::Contains("[ptrain.cuda.unsupported] ring_attention_block_forward"));
+  // A communicator that cannot move device memory refuses device tensors.
+  if (n > 1) {
+    parallel::ContextParallelGroup plain(&comm);
+    CHECK_THROWS_WITH(parallel::ring_attention(plain, t, kv, kv, Tensor<std::int32_t>(), 0, saved),
+                      Catch::Contains("[ptrain.comm.device]"));
+  }
+  // The engine around it stays on the CPU and says so.
+  dist::SelfCommunicator self;
+  Generator g(5);
+  nn::GPT<Real> gpt({.vocab_size = 13, .block_size = 12, .n_layer = 1, .n_head = 2, .n_embd = 8}, g);
+  gpt.to(kGpu);
+  CHECK_THROWS_WITH(parallel::ContextParallel<Real>(gpt, self, parallel::ContextParallelPlan{.cp = 1}),
+                    Catch::Contains("[ptrain.cp.device]"));
 }
 
 }  // namespace test_staged_engines

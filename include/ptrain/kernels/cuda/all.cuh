@@ -28,6 +28,7 @@
 //   fused_classifier.cuh  fused_classifier (cross-entropy loss and dlogits in place, loss kept on the device)
 //   adamw_ranges.cuh      adamw_update_ranges (AdamW over a flat buffer in one launch), sum_squares_to
 //   moe.cuh          mixture of experts: moe_route(+backward), moe_permute_plan, moe_gather(+backward), moe_combine(+backward)
+//   ring_attention.cuh  context parallelism's ring attention blocks (+backward), copy_strided_rows
 
 #include "ptrain/kernels/cuda/check.hpp"
 #include "ptrain/kernels/cuda/stream.hpp"
@@ -56,3 +57,4 @@
 #include "ptrain/kernels/cuda/fused_classifier.cuh"
 #include "ptrain/kernels/cuda/adamw_ranges.cuh"
 #include "ptrain/kernels/cuda/moe.cuh"
+#include "ptrain/kernels/cuda/ring_attention.cuh"

@@ -29,6 +29,10 @@
 //             dv += P^T dy and dk += dS^T q. No atomics: the same bits every run.
 //   decode    the forward with a query offset: s queries at positions
 //             n - s .. n - 1 against the n cached keys, window respected.
+//   ring      the same kernels with any query offset q_off (query i at key
+//             position q_off + i, keys past Skv - 1 clipped) and document starts
+//             given in positions start_off ahead of the keys': context
+//             parallelism's blocks (ring_attention.cuh, Note [CUDA ring attention blocks]).
 // A straightforward kernel (no tensor cores): correctness and determinism first.
 
 #include <cuda_runtime.h>
@@ -58,18 +62,22 @@ struct Args {
   std::int64_t B, Sq, Skv, q_off, H, Hkv, D, ldq, ldkv, window;
   const std::int32_t* starts;  // [B, Sq] or null
   float scale;
+  std::int64_t start_off = 0;  // starts[...] - start_off is a key index
 };
 
-// Keys lo .. hi that query i (of row b) sees; hi = q_off + i is its position.
+// Keys lo .. hi that query i (of row b) sees: pos = q_off + i is its position among the
+// keys, hi = min(pos, Skv - 1); lo > hi when it sees none.
 __device__ __forceinline__ void key_range(const Args& a, std::int64_t b, std::int64_t i, std::int64_t& lo,
                                           std::int64_t& hi) {
-  hi = a.q_off + i;
+  const std::int64_t pos = a.q_off + i;
+  hi = pos < a.Skv - 1 ? pos : a.Skv - 1;
   lo = 0;
   if (a.starts) {
-    lo = a.starts[b * a.Sq + i];
-    lo = lo < 0 ? 0 : (lo > hi ? hi : lo);
+    lo = a.starts[b * a.Sq + i] - a.start_off;
+    lo = lo > pos ? pos : lo;
   }
-  if (a.window > 0 && hi - a.window + 1 > lo) lo = hi - a.window + 1;
+  lo = lo < 0 ? 0 : lo;  // (pos < 0: lo = 0 > hi, no key)
+  if (a.window > 0 && pos - a.window + 1 > lo) lo = pos - a.window + 1;
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -265,17 +273,19 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a, const T* q, cons
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.y) * kRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::int64_t j = j0 + warp;
-  const bool valid = j < S;
+  const bool valid = j < a.Skv;
   for (int d = lane; d < D; d += 32) {
-    Kr[warp * D + d] = valid ? static_cast<float>(k[(b * S + j) * a.ldkv + g * D + d]) * a.scale : 0.0f;
-    Vr[warp * D + d] = valid ? static_cast<float>(v[(b * S + j) * a.ldkv + g * D + d]) : 0.0f;
+    Kr[warp * D + d] = valid ? static_cast<float>(k[(b * a.Skv + j) * a.ldkv + g * D + d]) * a.scale : 0.0f;
+    Vr[warp * D + d] = valid ? static_cast<float>(v[(b * a.Skv + j) * a.ldkv + g * D + d]) : 0.0f;
   }
-  // Queries that can see keys j0 .. j0 + kRows - 1: i >= j0 (causal), i < last key + window.
-  const std::int64_t qe = a.window > 0 ? min(S, j0 + kRows - 1 + a.window) : S;
+  // Queries that can see keys j0 .. j0 + kRows - 1: q_off + i >= j0 (causal), q_off + i <
+  // last key + window.
+  const std::int64_t qs = j0 - a.q_off > 0 ? j0 - a.q_off : 0;
+  const std::int64_t qe = a.window > 0 ? min(S, j0 + kRows - 1 + a.window - a.q_off) : S;
   float ak[4] = {0.0f, 0.0f, 0.0f, 0.0f}, av[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
     const std::int64_t bh = b * a.H + h;
-    for (std::int64_t q0 = j0; q0 < qe; q0 += kTile) {
+    for (std::int64_t q0 = qs; q0 < qe; q0 += kTile) {
       __syncthreads();  // every warp is done with the previous tile (and Kr, Vr are written)
       load_rows(Qt, LK, q + b * S * a.ldq + h * D, q0, qe, a.ldq, D);
       load_rows(dYt, LK, dy + b * S * a.H * D + h * D, q0, qe, a.H * D, D);
@@ -312,8 +322,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a, const T* q, cons
     }
   }
   if (!valid) return;
-  T* dkr = dk + (b * S + j) * a.ldkv + g * D;
-  T* dvr = dv + (b * S + j) * a.ldkv + g * D;
+  T* dkr = dk + (b * a.Skv + j) * a.ldkv + g * D;
+  T* dvr = dv + (b * a.Skv + j) * a.ldkv + g * D;
 #pragma unroll
   for (int c = 0; c < 4; ++c)
     if (lane + 32 * c < D) {
@@ -347,6 +357,26 @@ void launch_forward(const Args& a, const T* q, const T* k, const T* v, T* y, flo
   PTRAIN_CHECK_CUDA_LAUNCH();
 }
 
+// dq (q's strides, every element of the H heads), dk and dv (k's strides, every element)
+// from y, lse [B, H, Sq] and dy [B, Sq, H*D].
+template <class T>
+void launch_backward(const Args& a, const T* q, const T* k, const T* v, const T* y, const float* lse, const T* dy,
+                     T* dq, T* dk, T* dv) {
+  const int device = current_device();
+  const cudaStream_t stream = current_stream(device);
+  const std::int64_t rows = a.B * a.H * a.Sq;
+  auto dvec = Tensor<float>::empty({rows}, Device::cuda(device));
+  rowdot_kernel<T><<<detail::grid_for(rows * 32), detail::kBlock, 0, stream>>>(rows, a.Sq, a.H, a.D, dy, y,
+                                                                                dvec.data());
+  PTRAIN_CHECK_CUDA_LAUNCH();
+  dq_kernel<T><<<dim3(static_cast<unsigned>(a.B * a.H), static_cast<unsigned>((a.Sq + kRows - 1) / kRows)), kThreads,
+                 backward_smem(a.D), stream>>>(a, q, k, v, lse, dvec.data(), dy, dq);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+  dkdv_kernel<T><<<dim3(static_cast<unsigned>(a.B * a.Hkv), static_cast<unsigned>((a.Skv + kRows - 1) / kRows)),
+                   kThreads, backward_smem(a.D), stream>>>(a, q, k, v, lse, dvec.data(), dy, dk, dv);
+  PTRAIN_CHECK_CUDA_LAUNCH();
+}
+
 }  // namespace gqa
 }  // namespace detail
 
@@ -370,23 +400,10 @@ void gqa_flash_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int
                         std::int64_t ldq, const T* k, const T* v, std::int64_t ldkv, const std::int32_t* starts,
                         std::int64_t window, const T* y, const acc_t<T>* lse, const T* dy, acc_t<T> scale, T* dq,
                         T* dk, T* dv) {
-  using namespace detail::gqa;
-  check_case<T>(B, S, H, Hkv, D);
+  detail::gqa::check_case<T>(B, S, H, Hkv, D);
   if (B <= 0 || S <= 0 || H <= 0) return;
-  const Args a{B, S, S, 0, H, Hkv, D, ldq, ldkv, window, starts, static_cast<float>(scale)};
-  const int device = current_device();
-  const cudaStream_t stream = current_stream(device);
-  const std::int64_t rows = B * H * S;
-  auto dvec = Tensor<float>::empty({rows}, Device::cuda(device));
-  rowdot_kernel<T><<<detail::grid_for(rows * 32), detail::kBlock, 0, stream>>>(rows, S, H, D, dy, y, dvec.data());
-  PTRAIN_CHECK_CUDA_LAUNCH();
-  const unsigned tiles = static_cast<unsigned>((S + kRows - 1) / kRows);
-  dq_kernel<T><<<dim3(static_cast<unsigned>(B * H), tiles), kThreads, backward_smem(D), stream>>>(
-      a, q, k, v, lse, dvec.data(), dy, dq);
-  PTRAIN_CHECK_CUDA_LAUNCH();
-  dkdv_kernel<T><<<dim3(static_cast<unsigned>(B * Hkv), tiles), kThreads, backward_smem(D), stream>>>(
-      a, q, k, v, lse, dvec.data(), dy, dk, dv);
-  PTRAIN_CHECK_CUDA_LAUNCH();
+  const detail::gqa::Args a{B, S, S, 0, H, Hkv, D, ldq, ldkv, window, starts, static_cast<float>(scale)};
+  detail::gqa::launch_backward(a, q, k, v, y, lse, dy, dq, dk, dv);
 }
 
 /// KV-cache decode: y [s, H*D] for s queries q [s, H*D] at positions n - s .. n - 1
