@@ -27,7 +27,8 @@
 // starts after a query chunk is skipped, one before it is a full block, the same
 // chunk is the diagonal block; document starts (global positions) and a sliding
 // window mask inside blocks. The order of the merges is fixed (step, then query
-// chunk, then key chunk), so the result is deterministic.
+// chunk, then key chunk), so the result is deterministic. On cuda:N tensors every
+// buffer of the ring lives on that device and the blocks are the kernel table's.
 // Backward, cp steps: the key/value blocks go round again (the same transfers as the
 // forward); each step adds the block's dq to the local dq and computes the block's
 // dk and dv into a fresh buffer, while the partial sum of that block's dk and dv from
@@ -151,7 +152,7 @@ constexpr int kRingKVTag = 0x5200, kRingGradTag = 0x5300;
 
 // Ring attention runs on q's device: the CPU kernels, or on cuda:N the kernel table's
 // (kernels/cuda/ring_attention.cuh, gated); the group's communicator must move tensors
-// of that device (NCCL for cuda:N).
+// of that device (NCCL, or MPI and Gloo through dist::StagedCommunicator).
 template <class T>
 void check_ring_inputs(ContextParallelGroup& g, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                        const Tensor<std::int32_t>& starts) {

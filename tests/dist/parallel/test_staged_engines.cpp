@@ -1,11 +1,11 @@
-// DDP, FSDP, the pipeline and context parallelism's ring attention on "device" tensors over a StagedCommunicator
-// (dist/staged_communicator.hpp), without a GPU: a stand-in cuda:0 whose memory
-// is host memory the communicator must still stage (the backend says it is not
-// host memory) and whose kernel table holds the CPU kernels. The same engine on
-// CPU tensors over the plain world runs the same kernels and the same host
-// collectives, so every gradient norm and every parameter must come out the same
-// bits: staging may move bytes, never change them. tests/gpu/test_staged.cpp runs
-// these engines on a real GPU.
+// DDP, FSDP, the pipeline and context parallelism's ring attention on "device"
+// tensors over a StagedCommunicator (dist/staged_communicator.hpp), without a GPU:
+// a stand-in cuda:0 whose memory is host memory the communicator must still stage
+// (the backend says it is not host memory) and whose kernel table holds the CPU
+// kernels. The same engine (or ring) on CPU tensors over the plain world runs the
+// same kernels and the same host collectives, so every gradient norm, parameter and
+// attention output must come out the same bits: staging may move bytes, never change
+// them. tests/gpu/test_staged.cpp runs these engines on a real GPU.
 
 #include <catch2/catch.hpp>
 
@@ -18,10 +18,10 @@
 #include <string>
 
 #include <ptrain/dist/process_group.hpp>
+#include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/dist/staged_communicator.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/optim/adamw.hpp>
-#include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/parallel/context_parallel.hpp>
 #include <ptrain/parallel/cp_engine.hpp>
 #include <ptrain/parallel/make_engine.hpp>

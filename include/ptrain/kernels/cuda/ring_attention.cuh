@@ -80,8 +80,8 @@ void add_rows(std::int64_t rows, std::int64_t width, const T* src, std::int64_t 
 // The gqa kernels' arguments for a block: n queries at q0 .., n keys at k0 ...
 template <class T>
 gqa::Args block_args(std::int64_t n, std::int64_t H, std::int64_t Hkv, std::int64_t D, std::int64_t ldq,
-                            std::int64_t q0, const std::int32_t* starts, std::int64_t ldkv, std::int64_t k0,
-                            std::int64_t window, float scale) {
+                     std::int64_t q0, const std::int32_t* starts, std::int64_t ldkv, std::int64_t k0,
+                     std::int64_t window, float scale) {
   gqa::check_case<T>(1, n, H, Hkv, D);
   return gqa::Args{1, n, n, q0 - k0, H, Hkv, D, ldq, ldkv, window, starts, scale, k0};
 }
