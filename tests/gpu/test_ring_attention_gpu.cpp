@@ -130,7 +130,8 @@ void check_block(const Block& c) {
   // Backward from the merged state (rounded to T, as the ring keeps it): the kernels add
   // to dq, dk and dv, which start as random values; padding columns must stay as they are.
   std::vector<T> y_in(yd.size());
-  for (std::size_t e = 0; e < yd.size(); ++e) y_in[e] = std::isnan(yd[e]) ? static_cast<T>(0.0f) : static_cast<T>(yd[e]);
+  for (std::size_t e = 0; e < yd.size(); ++e)
+    y_in[e] = std::isnan(yd[e]) ? static_cast<T>(0.0f) : static_cast<T>(yd[e]);
   std::vector<A> lse_in(lsed.begin(), lsed.end());
   const auto dyv = uniform<T>(n * ldy, -1, 1), dq0 = uniform<T>(n * ldq, -0.25, 0.25),
              dk0 = uniform<T>(n * ldkv, -0.25, 0.25), dv0 = uniform<T>(n * ldkv, -0.25, 0.25);
