@@ -39,9 +39,29 @@
 //   world, checkpoints are FSDP's sharded ones under the full tensor names
 //   (engine_checkpoint.hpp finds the FSDP as local_module()), loadable at any layout.
 //   Inside no_sync() each backward still reduce-scatters (FSDP's Note [Accumulation]).
+// - With tensor parallelism, "With tensor parallelism" below: TensorParallelPlan::cp, in
+//   the TensorParallel engine (parallel/tensor_parallel.hpp), not in this one.
 // - Limits: the CPU only; no dropout (GPT's dropout must be 0: a slice of a sequence
-//   would draw other masks than one process); no tensor or pipeline parallelism
-//   in the same engine yet (docs/context_parallel.md).
+//   would draw other masks than one process); no pipeline parallelism (docs/context_parallel.md).
+//
+// With tensor parallelism (Megatron-Core's cp inside tp):
+//   auto engine = parallel::make_engine<double>(llama, *world, parallel::TensorParallelPlan{.tp = 2, .cp = 2});
+// - A field of the tensor-parallel plan, since the weights are tp shards and the TP engine
+//   already owns what shards need (vocabulary-parallel embedding, head and loss, clipping,
+//   full-tensor checkpoints, FSDP x TP); cp adds the attention, the positions, the batch
+//   slicing, the whole-sequence loss and a replica axis.
+// - Mesh dp x cp x tp, tp innermost. Each tp rank holds its heads; its blocks are rebuilt
+//   (detail::context_parallel_tp_unit) with ContextParallelSelfAttention or
+//   ContextParallelGQA on those heads, the ring over context_group() (the cp ranks with
+//   the same t); GPT's VocabParallelEmbedding adds wpe at global positions. The projections
+//   keep their f and g over tp (for Llama the block's ColumnParallelRegion applies f).
+// - The loss: detail::context_parallel_run with the vocabulary-parallel cross-entropy
+//   (its sum and count all-reduced over cp). Gradients: each tp shard's averaged over
+//   Mesh::data_context_group() (dp x cp ranks with the same t), or reduce-scattered over
+//   it by FSDP x TP's FSDP. Clipping and checkpoints are the TP engine's (sharded squares
+//   summed over tp; full tensors written by cp rank 0 and tp rank 0 of replica 0).
+// - Refused: pp > 1 ([ptrain.cp.pipeline]), sequence parallelism
+//   ([ptrain.cp.sequence_parallel]), GPT dropout ([ptrain.cp.dropout]).
 
 #include <cstdint>
 #include <memory>

@@ -42,6 +42,10 @@
 // - Frozen parameters (Parameter::requires_grad false in the full model, set before
 //   the engine is built) stay frozen in their shards: no gradient, no all-reduce, no
 //   optimizer state; checkpoints hold them like the others (docs/finetuning.md).
+// - Context parallelism (TensorParallelPlan::cp, pp = 1): the mesh is dp x cp x tp and
+//   every sequence is split over the cp ranks with the same t (Note [Context-parallel
+//   engine] in parallel/cp_engine.hpp, "With tensor parallelism"); the replicas of a
+//   shard, for the gradients, FSDP and the initial broadcast, are then the dp x cp ranks.
 // - Device: each unit is built on the device of the full model's unit, or moved to
 //   TensorParallelPlan::device; the vocabulary-parallel pieces and the collectives
 //   run there (docs/tensor_parallel.md, "On the GPU").
