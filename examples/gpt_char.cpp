@@ -611,7 +611,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
                                                 : detail::cat("tensor parallel, tp ", mesh.tp_size(), " x pp ",
                                                               mesh.pp_size()),
                              " x dp ", mesh.dp_size(), o.sequence_parallel ? ", sequence parallel" : "",
-                             tp->fsdp() ? ", fsdp " + o.fsdp_strategy + " over dp" : "",
+                             tp->fsdp() ? ", fsdp " + o.fsdp_strategy + (mesh.cp_size() > 1 ? " over dp x cp" : " over dp") : "",
                              tp->pipeline() ? " (units " + tp->pipeline()->partition().str() + ")" : "");
     // Every rank gathers its stage's full tensors over its tp group; tp rank 0 of
     // each stage of replica 0 sends them to world rank 0, unit by unit in the model's order.
