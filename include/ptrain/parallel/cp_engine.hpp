@@ -327,7 +327,13 @@ std::shared_ptr<nn::Module<T>> context_parallel_tp_unit(const std::shared_ptr<nn
                                                         const std::shared_ptr<ContextParallelBatch>& batch) {
   using Part = typename nn::PreNormBlock<T>::Part;
   if (auto* e = dynamic_cast<VocabParallelEmbedding<T>*>(unit.get())) {
-    e->set_positions([b = batch.get()] { return b->positions; });  // the engine holds the batch
+    if (const std::int64_t block = e->block_size(); block > 0)  // GPT's; the engine holds the batch
+      e->set_positions([b = batch.get(), block] {
+        const std::int64_t S = b->positions.size(1) * b->group.size();
+        PTRAIN_CHECK(S <= block, ShapeError, "[ptrain.embedding.positions] sequence of ", S,
+                     " tokens exceeds block_size ", block, "; crop the context to block_size tokens");
+        return b->positions;
+      });
     return unit;
   }
   auto* rc = dynamic_cast<nn::Recompute<T>*>(unit.get());

@@ -98,6 +98,8 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
     return {{weight_name_, ShardSpec{0, 1, range_.vocab}}};
   }
   nn::Parameter<T>& wte() { return *wte_; }
+  /// GPT's positions (wpe's rows), 0 for a token table alone.
+  std::int64_t block_size() const { return block_size_; }
   /// GPT's positions under context parallelism (parallel/cp_engine.hpp): `positions()`
   /// gives each token's position [B, S] in its whole sequence at every forward, instead of 0..S-1.
   void set_positions(std::function<Tensor<std::int32_t>()> positions) { positions_ = std::move(positions); }

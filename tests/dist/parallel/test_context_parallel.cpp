@@ -776,6 +776,13 @@ TEST_CASE("context parallelism inside tensor parallelism refuses what it does no
   CHECK_THROWS_WITH(parallel::make_engine<double>(llama, comm, parallel::TensorParallelPlan{.cp = n + 1}),
                     Catch::Contains("[ptrain.tp.world]"));
   auto cfg = gpt_config(8);
+  if (n % 2 == 0) {  // a whole sequence longer than block_size, each rank's slice shorter
+    auto e = parallel::make_engine<double>(std::make_shared<nn::GPT<double>>(cfg, gen), comm,
+                                           parallel::TensorParallelPlan{.cp = 2});
+    CHECK_THROWS_WITH(e->forward_backward(Tensor<std::int32_t>::zeros({1, 12}), Tensor<std::int32_t>::zeros({12})),
+                      Catch::Contains("[ptrain.embedding.positions]"));
+    comm.barrier();  // Note [Group teardown]
+  }
   cfg.dropout = 0.1;
   CHECK_THROWS_WITH(parallel::make_engine<double>(std::make_shared<nn::GPT<double>>(cfg, gen), comm,
                                                   parallel::TensorParallelPlan{.cp = 2}),
