@@ -10,7 +10,7 @@
 //   mpirun -np 4 build/examples/gpt_char --parallel fsdp --tp 2 # FSDP x TP: each tp shard sharded over the 2 replicas
 //   mpirun -np 2 build/examples/gpt_char --context-parallel 2  # each sequence split over 2 ranks (ring attention)
 //   mpirun -np 4 build/examples/gpt_char --context-parallel 2 --parallel fsdp  # and the weights sharded over all 4
-//   mpirun -np 4 build/examples/gpt_char --context-parallel 2 --tp 2  # cp 2 inside tp 2: each tp rank's heads run the ring
+//   mpirun -np 4 build/examples/gpt_char --context-parallel 2 --tp 2  # cp 2 inside tp 2 (each tp rank's heads: a ring)
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --experts 8 --moe-top-k 2   # MoE blocks
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --expert-parallel 2   # ep 2 x dp 2
@@ -606,12 +606,11 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(e.engine.get())) {
     // The sample and --export: every rank gathers the full tensors, rank 0 keeps them.
     parallel::Mesh& mesh = tp->mesh();
-    e.describe = detail::cat(mesh.cp_size() > 1 ? detail::cat("context parallel, cp ", mesh.cp_size(), " x tp ",
-                                                              mesh.tp_size())
-                                                : detail::cat("tensor parallel, tp ", mesh.tp_size(), " x pp ",
-                                                              mesh.pp_size()),
-                             " x dp ", mesh.dp_size(), o.sequence_parallel ? ", sequence parallel" : "",
-                             tp->fsdp() ? ", fsdp " + o.fsdp_strategy + (mesh.cp_size() > 1 ? " over dp x cp" : " over dp") : "",
+    const bool cp = mesh.cp_size() > 1;  // --context-parallel with --tp
+    e.describe = detail::cat(cp ? detail::cat("context parallel, cp ", mesh.cp_size(), " x ") : "tensor parallel, ",
+                             "tp ", mesh.tp_size(), cp ? "" : detail::cat(" x pp ", mesh.pp_size()), " x dp ",
+                             mesh.dp_size(), o.sequence_parallel ? ", sequence parallel" : "",
+                             tp->fsdp() ? ", fsdp " + o.fsdp_strategy + (cp ? " over dp x cp" : " over dp") : "",
                              tp->pipeline() ? " (units " + tp->pipeline()->partition().str() + ")" : "");
     // Every rank gathers its stage's full tensors over its tp group; tp rank 0 of
     // each stage of replica 0 sends them to world rank 0, unit by unit in the model's order.

@@ -332,7 +332,8 @@ class TensorParallel : public Engine<T> {
     }
     PTRAIN_CHECK(plan.tp >= 1 && plan.pp >= 1 && plan.cp >= 1 && world_.size() % (plan.tp * plan.cp * plan.pp) == 0,
                  Error, "[ptrain.tp.world] tp = ", plan.tp, " x cp = ", plan.cp, " x pp = ", plan.pp,
-                 " does not divide the world of ", world_.size(), " ranks; launch a multiple of tp * cp * pp processes");
+                 " does not divide the world of ", world_.size(), " ranks; launch a multiple of tp * cp * pp "
+                 "processes");
     PTRAIN_CHECK(m.heads % plan.tp == 0, Error, "[ptrain.tp.heads] tp = ", plan.tp, " does not divide the ", m.heads,
                  " heads of ", m.describe, " (key/value heads for Llama); choose a tp degree that divides them");
     PTRAIN_CHECK(plan.pp == 1 || !m.tied, Error, "[ptrain.tp.tied] pp = ", plan.pp, " puts the embedding and the "

@@ -56,7 +56,8 @@ class TensorParallelLlamaBlock : public nn::PreNormBlock<T>, public ShardedModul
     norm_1_ = std::make_shared<nn::RMSNorm<T>>(C, c.rms_norm_eps);
     norm_2_ = std::make_shared<nn::RMSNorm<T>>(C, c.rms_norm_eps);
     mlp_ = std::make_shared<ColumnParallelRegion<T>>(group, mlp);
-    this->set_parts({"input_layernorm", norm_1_}, {"self_attn", std::make_shared<ColumnParallelRegion<T>>(group, attn_)},
+    this->set_parts({"input_layernorm", norm_1_},
+                    {"self_attn", std::make_shared<ColumnParallelRegion<T>>(group, attn_)},
                     {"post_attention_layernorm", norm_2_}, {"mlp", mlp_});
   }
   std::vector<std::pair<std::string, ShardSpec>> shard_specs() const override {

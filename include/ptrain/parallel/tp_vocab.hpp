@@ -115,7 +115,8 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
     // The rows this rank owns (zeros elsewhere), and tp rank 0 adds the positions.
     auto out = ops::vocab_parallel_embedding(ids, range_.lo, wte_->value,
                                              wpe_ && !global && group_.rank() == 0 ? wpe_->value : Tensor<T>());
-    const auto pos = global ? ops::token_ids(positions_().to(wpe_->value.device()), block_size_) : Tensor<std::int32_t>();
+    const auto pos =
+        global ? ops::token_ids(positions_().to(wpe_->value.device()), block_size_) : Tensor<std::int32_t>();
     if (global && group_.rank() == 0) ops::axpy_(acc_t<T>(1), ops::embedding(pos, wpe_->value, Tensor<T>()), out);
     out = group_.sum_partials(out);  // g: the owner's row plus rank 0's position, on every rank (for its tokens)
     cache.indices = {ids};

@@ -10,8 +10,8 @@
 // FSDP, against one process, and its checkpoints in one process and another layout. Every rank
 // runs every case in the same order; checks use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
-#include <cmath>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -642,9 +642,18 @@ namespace {
 // allows: cp 2 x tp 2 (x dp 2 at 8 ranks) and cp 4 x tp 2 at 8; cp 2 alone in the
 // tensor-parallel engine at 2 ranks.
 std::vector<std::array<int, 3>> cp_tp_layouts(int n) {
-  if (n % 4 == 0) return n == 8 ? std::vector<std::array<int, 3>>{{2, 2, 2}, {1, 4, 2}} : std::vector<std::array<int, 3>>{{n / 4, 2, 2}};
+  if (n == 8) return {{2, 2, 2}, {1, 4, 2}};
+  if (n % 4 == 0) return {{n / 4, 2, 2}};
   if (n == 2) return {{1, 2, 1}};
   return {};
+}
+
+// TensorParallelPlan{.tp, .cp}, with FSDP over the dp x cp ranks of each tp shard when `fsdp`.
+parallel::TensorParallelPlan cp_tp_plan(int tp, int cp, bool fsdp,
+                                        parallel::KVExchange kv = parallel::KVExchange::Ring) {
+  parallel::TensorParallelPlan plan{.tp = tp, .cp = cp, .kv_exchange = kv};
+  if (fsdp) plan.fsdp = parallel::FSDPOptions{};
+  return plan;
 }
 
 // GPT (tied, recomputed blocks) and Llama (GQA, packed documents) in T at each layout,
@@ -656,17 +665,15 @@ void check_cp_tp(double tol) {
     for (bool fsdp : {false, true}) {
       INFO("dp " << dp << " x cp " << cp << " x tp " << tp << (fsdp ? ", FSDP" : "")
                  << (std::is_same_v<T, float> ? ", float" : ", double"));
-      const auto f = fsdp ? std::optional<parallel::FSDPOptions>(parallel::FSDPOptions{}) : std::nullopt;
       auto gpt = gpt_config(S);
       gpt.recompute = true;
       check_like_one_process<T>([gpt] { Generator g(3); return std::make_shared<nn::GPT<T>>(gpt, g); },
-                                parallel::TensorParallelPlan{.tp = tp, .fsdp = f, .cp = cp}, dp, S, 13, tol);
+                                cp_tp_plan(tp, cp, fsdp), dp, S, 13, tol);
       const auto llama = llama_config(2);
-      check_like_one_process<T>([llama] { Generator g(5); return std::make_shared<nn::Llama<T>>(llama, g); },
-                                parallel::TensorParallelPlan{.tp = tp, .fsdp = f, .cp = cp,
-                                                             .kv_exchange = fsdp ? parallel::KVExchange::AllGather
-                                                                                 : parallel::KVExchange::Ring},
-                                dp, S, 17, tol);
+      check_like_one_process<T>(
+          [llama] { Generator g(5); return std::make_shared<nn::Llama<T>>(llama, g); },
+          cp_tp_plan(tp, cp, fsdp, fsdp ? parallel::KVExchange::AllGather : parallel::KVExchange::Ring), dp, S, 17,
+          tol);
     }
   }
 }
@@ -695,11 +702,7 @@ TEST_CASE("with tensor parallelism clip_grad_norm_ clips by one process's gradie
       ce.forward(logits.reshape({-1, logits.size(-1)}), b.targets, lc);
       model->backward(ce.backward(lc).reshape(logits.shape()), c);
       const double want = std::sqrt(ops::sum_squares(params.grads()));
-      auto e = parallel::make_engine<double>(
-          make(), world(),
-          parallel::TensorParallelPlan{
-              .tp = tp, .fsdp = fsdp ? std::optional<parallel::FSDPOptions>(parallel::FSDPOptions{}) : std::nullopt,
-              .cp = cp});
+      auto e = parallel::make_engine<double>(make(), world(), cp_tp_plan(tp, cp, fsdp));
       const std::int64_t r = e->data_parallel_group()->rank();
       e->zero_grad();
       e->forward_backward(b.ids.narrow(2 * r, 2), b.targets.narrow(2 * r * S, 2 * S));
@@ -722,13 +725,8 @@ TEST_CASE("a cp 2 x tp 2 checkpoint resumes in one process and with FSDP toggled
       auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
       const std::int64_t rows = 2, S = 12;
       OneProcess<double> ref(make, rows, S, 17, kSteps);
-      auto plan = [](bool fsdp) {
-        return parallel::TensorParallelPlan{
-            .tp = 2, .fsdp = fsdp ? std::optional<parallel::FSDPOptions>(parallel::FSDPOptions{}) : std::nullopt,
-            .cp = 2};
-      };
       {
-        auto e = parallel::make_engine<double>(make(), *four, plan(saved_fsdp));
+        auto e = parallel::make_engine<double>(make(), *four, cp_tp_plan(2, 2, saved_fsdp));
         optim::AdamW<double> opt(e->parameters(), kAdam);
         for (std::int64_t s = 0; s < kSteps - 1; ++s) train_step(*e, opt, rows, S, 17, s);
         if (four->rank() == 0) std::filesystem::remove_all(dir);
@@ -753,7 +751,7 @@ TEST_CASE("a cp 2 x tp 2 checkpoint resumes in one process and with FSDP toggled
       }
       {
         INFO("cp 2 x tp 2, FSDP toggled");
-        auto e = parallel::make_engine<double>(make(), *four, plan(!saved_fsdp));
+        auto e = parallel::make_engine<double>(make(), *four, cp_tp_plan(2, 2, !saved_fsdp));
         resume(*e);
         four->barrier();  // Note [Group teardown]
       }
