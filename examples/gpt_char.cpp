@@ -10,6 +10,7 @@
 //   mpirun -np 4 build/examples/gpt_char --parallel fsdp --tp 2 # FSDP x TP: each tp shard sharded over the 2 replicas
 //   mpirun -np 2 build/examples/gpt_char --context-parallel 2  # each sequence split over 2 ranks (ring attention)
 //   mpirun -np 4 build/examples/gpt_char --context-parallel 2 --parallel fsdp  # and the weights sharded over all 4
+//   mpirun -np 4 build/examples/gpt_char --context-parallel 2 --tp 2  # cp 2 inside tp 2 (each tp rank's heads: a ring)
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --experts 8 --moe-top-k 2   # MoE blocks
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --expert-parallel 2   # ep 2 x dp 2
@@ -105,6 +106,7 @@ struct Options {
   bool fsdp_tp = false;       // --parallel fsdp with --tp: each tp shard sharded over the replicas (FSDP x TP)
   int context_parallel = 0;   // --context-parallel: ranks per sequence (--parallel cp; 0: none)
   bool cp_fsdp = false;       // --context-parallel with --parallel fsdp: FSDP over the dp x cp ranks
+  bool cp_tp = false;         // --context-parallel with --tp: context parallelism inside tensor parallelism
   int micro_batches = 4;
   std::string schedule = "1f1b";
   int virtual_stages = 1;     // --parallel pipeline: chunks per stage (> 1: the interleaved schedule)
@@ -260,9 +262,11 @@ std::string parallel_layout(const Options& o, int world) {
     return detail::cat("tp ", o.tp, " x pp ", o.stages, " x dp ", world / (o.tp * o.stages), ", m ", o.micro_batches,
                        ", ", schedule_label(o));
   if (o.parallel == "tp") return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp);
-  if (o.parallel == "cp")
-    return "cp " + std::to_string(o.context_parallel) + " x dp " + std::to_string(world / o.context_parallel) +
-           (o.cp_fsdp ? " with fsdp" : "");
+  if (o.parallel == "cp") {
+    const int tp = o.cp_tp ? o.tp : 1;
+    return "cp " + std::to_string(o.context_parallel) + (o.cp_tp ? " x tp " + std::to_string(tp) : "") + " x dp " +
+           std::to_string(world / (o.context_parallel * tp)) + (o.cp_fsdp ? " with fsdp" : "");
+  }
   if (o.parallel == "ddp" && o.expert_parallel > 1)
     return "ddp, ep " + std::to_string(o.expert_parallel) + " x dp " + std::to_string(world / o.expert_parallel);
   if (o.parallel != "fsdp") return o.parallel;
@@ -327,11 +331,11 @@ void check_parallel_flags(const Options& o, int world) {
                  o.experts, "): launch a multiple of it and choose a divisor of --experts");
   }
   if (o.parallel == "cp") {
-    const int cp = o.context_parallel;
-    PTRAIN_CHECK(world % cp == 0 && o.block % (2 * cp) == 0, Error, "[gpt_char.cp] --context-parallel ", cp,
-                 " needs a world that it divides (", world, " ranks) and a --block that divides into 2 * ", cp,
-                 " chunks (", o.block, "): launch a multiple of ", cp, " ranks and use a --block that is a multiple "
-                 "of ", 2 * cp);
+    const int cp = o.context_parallel, ranks = cp * (o.cp_tp ? o.tp : 1);  // per replica
+    PTRAIN_CHECK(world % ranks == 0 && o.block % (2 * cp) == 0, Error, "[gpt_char.cp] --context-parallel ", cp,
+                 o.cp_tp ? detail::cat(" x --tp ", o.tp) : "", " needs a world that it divides (", world,
+                 " ranks) and a --block that divides into 2 * ", cp, " chunks (", o.block, "): launch a multiple of ",
+                 ranks, " ranks and use a --block that is a multiple of ", 2 * cp);
     PTRAIN_CHECK(o.dropout == 0 && o.device == "cpu" && o.precision == "fp32", Error, "[gpt_char.cp] "
                  "--context-parallel trains on the CPU in fp32 without dropout (docs/context_parallel.md); leave out "
                  "--dropout, --device and --precision");
@@ -565,6 +569,10 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   parallel::Plan<T> plan = parallel::LocalOptions{};
   if (o.parallel == "ddp") plan = parallel::DDPOptions{.expert_parallel = o.expert_parallel};
   if (o.parallel == "cp") plan = parallel::ContextParallelPlan{.cp = o.context_parallel, .fsdp = o.cp_fsdp};
+  if (o.parallel == "cp" && o.cp_tp)  // context parallelism inside tensor parallelism (docs/context_parallel.md)
+    plan = parallel::TensorParallelPlan{
+        .tp = o.tp, .fsdp = o.cp_fsdp ? std::optional<parallel::FSDPOptions>(parallel::FSDPOptions{}) : std::nullopt,
+        .cp = o.context_parallel};
   if (o.parallel == "tp")
     plan = parallel::TensorParallelPlan{
         .tp = o.tp, .sequence_parallel = o.sequence_parallel, .pp = std::max(o.stages, 1),
@@ -598,9 +606,11 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(e.engine.get())) {
     // The sample and --export: every rank gathers the full tensors, rank 0 keeps them.
     parallel::Mesh& mesh = tp->mesh();
-    e.describe = detail::cat("tensor parallel, tp ", mesh.tp_size(), " x pp ", mesh.pp_size(), " x dp ",
+    const bool cp = mesh.cp_size() > 1;  // --context-parallel with --tp
+    e.describe = detail::cat(cp ? detail::cat("context parallel, cp ", mesh.cp_size(), " x ") : "tensor parallel, ",
+                             "tp ", mesh.tp_size(), cp ? "" : detail::cat(" x pp ", mesh.pp_size()), " x dp ",
                              mesh.dp_size(), o.sequence_parallel ? ", sequence parallel" : "",
-                             tp->fsdp() ? ", fsdp " + o.fsdp_strategy + " over dp" : "",
+                             tp->fsdp() ? ", fsdp " + o.fsdp_strategy + (cp ? " over dp x cp" : " over dp") : "",
                              tp->pipeline() ? " (units " + tp->pipeline()->partition().str() + ")" : "");
     // Every rank gathers its stage's full tensors over its tp group; tp rank 0 of
     // each stage of replica 0 sends them to world rank 0, unit by unit in the model's order.
@@ -614,7 +624,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
         for (std::size_t i = 0; i < entries.size(); ++i)
           full[entries[i].name] = parallel::detail::gather_full(entries[i].param->value, tp->spec(i), tp->group());
       }
-      if (mesh.replica() != 0 || mesh.tp_rank() != 0) return;
+      if (mesh.replica() != 0 || mesh.cp_rank() != 0 || mesh.tp_rank() != 0) return;
       dist::Communicator& stages = mesh.pipeline_group();
       const auto names = m.unit_names();
       for (std::size_t u = 0; u < names.size(); ++u) {
@@ -1178,7 +1188,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "ddp", "fsdp", "pipeline", "tp", "cp"}));
   app.add_option("--tp", opt.tp, "with --parallel tp: ranks per tensor-parallel group (a divisor of n_head and of "
                  "the world; world / tp replicas); with --parallel fsdp: FSDP x TP, each tp shard sharded over "
-                 "the replicas")->check(positive);
+                 "the replicas; with --context-parallel: the tp ranks of each slice of the sequence")->check(positive);
   app.add_flag("--sequence-parallel", opt.sequence_parallel, "with --parallel tp: cut the activations between the "
                "tensor-parallel layers along the sequence (--block a multiple of --tp)");
   app.add_option("--context-parallel", opt.context_parallel, "split each sequence over this many ranks (ring "
@@ -1253,12 +1263,13 @@ int main(int argc, char** argv) {
   if (opt.context_parallel > 0 || opt.parallel == "cp") {
     opt.cp_fsdp = opt.parallel == "fsdp";  // FSDP (full_shard) over the dp x cp ranks
     if ((opt.parallel != "none" && opt.parallel != "cp" && !opt.cp_fsdp) ||
-        (opt.cp_fsdp && opt.fsdp_strategy != "full_shard") || app.count("--tp") > 0) {
-      std::fprintf(stderr, "gpt_char: --context-parallel is its own mode, with --parallel fsdp (full_shard) or "
-                   "alone, without --tp; leave out --parallel %s --fsdp-strategy %s\n", opt.parallel.c_str(),
+        (opt.cp_fsdp && opt.fsdp_strategy != "full_shard")) {
+      std::fprintf(stderr, "gpt_char: --context-parallel is its own mode, with --parallel fsdp (full_shard), --tp, "
+                   "both or alone; leave out --parallel %s --fsdp-strategy %s\n", opt.parallel.c_str(),
                    opt.fsdp_strategy.c_str());
       return 2;
     }
+    opt.cp_tp = app.count("--tp") > 0;  // inside tensor parallelism
     opt.parallel = "cp";
     if (opt.context_parallel == 0) opt.context_parallel = 2;
   }

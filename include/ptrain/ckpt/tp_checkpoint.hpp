@@ -124,13 +124,13 @@ TrainerState load_fsdp_tp(Checkpoint& c, parallel::TensorParallel<T>& engine, op
 }  // namespace detail
 
 /// The full tensors of this rank's stage (and of opt's state, "<param>.<kind>") on
-/// tp rank 0 of replica 0 for save_sharded(); other ranks' parts are empty.
+/// tp rank 0 (and cp rank 0) of replica 0 for save_sharded(); other ranks' parts are empty.
 /// Collective over the tp groups.
 template <class T>
 TensorParallelSnapshot tp_state(parallel::TensorParallel<T>& engine, std::type_identity_t<optim::Optimizer<T>>* opt) {
   TensorParallelSnapshot snap;
   if (opt) snap.state.record(*opt);
-  const bool writer = engine.mesh().replica() == 0 && engine.mesh().tp_rank() == 0;
+  const bool writer = engine.mesh().replica() == 0 && engine.mesh().cp_rank() == 0 && engine.mesh().tp_rank() == 0;
   auto add = [&](std::vector<TensorPiece>& out, const std::string& name, auto full) {
     if (!writer) return;
     auto held = std::make_shared<decltype(full)>(std::move(full));

@@ -39,9 +39,29 @@
 //   world, checkpoints are FSDP's sharded ones under the full tensor names
 //   (engine_checkpoint.hpp finds the FSDP as local_module()), loadable at any layout.
 //   Inside no_sync() each backward still reduce-scatters (FSDP's Note [Accumulation]).
+// - With tensor parallelism, "With tensor parallelism" below: TensorParallelPlan::cp, in
+//   the TensorParallel engine (parallel/tensor_parallel.hpp), not in this one.
 // - Limits: the CPU only; no dropout (GPT's dropout must be 0: a slice of a sequence
-//   would draw other masks than one process); no tensor or pipeline parallelism
-//   in the same engine yet (docs/context_parallel.md).
+//   would draw other masks than one process); no pipeline parallelism (docs/context_parallel.md).
+//
+// With tensor parallelism (Megatron-Core's cp inside tp):
+//   auto engine = parallel::make_engine<double>(llama, *world, parallel::TensorParallelPlan{.tp = 2, .cp = 2});
+// - A field of the tensor-parallel plan, since the weights are tp shards and the TP engine
+//   already owns what shards need (vocabulary-parallel embedding, head and loss, clipping,
+//   full-tensor checkpoints, FSDP x TP); cp adds the attention, the positions, the batch
+//   slicing, the whole-sequence loss and a replica axis.
+// - Mesh dp x cp x tp, tp innermost. Each tp rank holds its heads; its blocks are rebuilt
+//   (detail::context_parallel_tp_unit) with ContextParallelSelfAttention or
+//   ContextParallelGQA on those heads, the ring over context_group() (the cp ranks with
+//   the same t); GPT's VocabParallelEmbedding adds wpe at global positions. The projections
+//   keep their f and g over tp (for Llama the block's ColumnParallelRegion applies f).
+// - The loss: detail::context_parallel_run with the vocabulary-parallel cross-entropy
+//   (its sum and count all-reduced over cp). Gradients: each tp shard's averaged over
+//   Mesh::data_context_group() (dp x cp ranks with the same t), or reduce-scattered over
+//   it by FSDP x TP's FSDP. Clipping and checkpoints are the TP engine's (sharded squares
+//   summed over tp; full tensors written by cp rank 0 and tp rank 0 of replica 0).
+// - Refused: pp > 1 ([ptrain.cp.pipeline]), sequence parallelism
+//   ([ptrain.cp.sequence_parallel]), GPT dropout ([ptrain.cp.dropout]).
 
 #include <cstdint>
 #include <memory>
@@ -58,6 +78,8 @@
 #include "ptrain/parallel/mesh.hpp"
 #include "ptrain/parallel/model_check.hpp"
 #include "ptrain/parallel/pipeline.hpp"
+#include "ptrain/parallel/tp_gpt.hpp"
+#include "ptrain/parallel/tp_llama.hpp"
 
 namespace ptrain::parallel {
 
@@ -246,6 +268,97 @@ class ContextParallelGQA : public nn::Module<T> {
   std::shared_ptr<nn::Linear<T>> q_, k_, v_, o_;
 };
 
+namespace detail {
+// One batch of a context-parallel model (Note [Context-parallel engine]): this rank's 2
+// chunks of each row of the replica's ids [B, S] and targets through `model`, the loss
+// (nn::CrossEntropyLoss, or VocabParallelCrossEntropy under tensor parallelism) summed and
+// counted over the whole sequences, and backward with cp times this rank's share.
+// Returns the mean loss over the sequences' counted tokens; collective over the cp group.
+template <class T, class Loss>
+double context_parallel_run(ContextParallelBatch& batch, std::int32_t document_token, nn::Module<T>& model,
+                            Loss& loss, const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
+                            bool training) {
+  PTRAIN_CHECK(in.ids != nullptr && in.ids->dim() == 2, ShapeError, "[ptrain.cp.input] context parallelism takes "
+               "int32 token ids [B, S] (forward_backward(ids, targets))");
+  const Tensor<std::int32_t>& ids = *in.ids;
+  const std::int64_t B = ids.size(0), S = ids.size(1);
+  const Tensor<std::int32_t>& all_targets = targets.ids("ContextParallel");
+  PTRAIN_CHECK(all_targets.numel() == B * S, ShapeError, "[ptrain.cp.targets] ", all_targets.shape(),
+               " targets for ", B, " x ", S, " tokens; give every rank of a replica the whole [B, S] batch");
+  ContextParallelGroup& g = batch.group;
+  g.chunk(S);  // refuses a length that does not divide
+  auto positions = Tensor<std::int32_t>::empty({B, S});
+  if (document_token >= 0) {
+    auto starts = nn::document_starts(ids, document_token);
+    batch.starts = g.shard(starts);
+    positions = nn::document_positions(starts);
+  } else {
+    for (std::int64_t i = 0; i < B * S; ++i) positions.data()[i] = static_cast<std::int32_t>(i % S);
+    batch.starts = Tensor<std::int32_t>();
+  }
+  batch.positions = g.shard(positions);
+  const auto local_ids = g.shard(ids);
+  const auto local_targets = g.shard(all_targets.reshape({B, S}));
+
+  nn::Cache<T> cache, lc;
+  Tensor<T> out = model.forward_tokens(local_ids, cache);
+  const double mean = loss.forward(out, Targets<T>(local_targets.reshape({local_targets.numel()})), lc);
+  const auto valid = static_cast<double>(lc.values.at(0));
+  double sums[2] = {valid > 0 ? mean * valid : 0.0, valid};  // the sequences' loss sum and token count
+  if (g.size() > 1) g.communicator().all_reduce(sums, 2, DType::F64, dist::ReduceOp::Sum);
+  if (training) {
+    // d(sum / count) for this rank's tokens, times cp: the gradient reduction averages over dp x cp ranks.
+    const double scale = sums[1] > 0 ? grad_scale * valid * g.size() / sums[1] : 0.0;
+    Tensor<T> dout = valid > 0 ? loss.backward(lc, static_cast<acc_t<T>>(scale)) : Tensor<T>::zeros(out.shape());
+    model.backward(dout, cache);
+  }
+  return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+}
+
+// Unit `unit` of a tensor-parallel GPT or Llama (parallel/tp_gpt.hpp, tp_llama.hpp) with
+// the sequence split over the batch's cp group (Note [Context-parallel engine], "With
+// tensor parallelism"): GPT's embedding adds wpe at the global positions; each block is
+// rebuilt around its parts with its attention (this rank's heads) running the ring, and
+// wrapped again in Recompute where it was; the head as it is. The parts stay the unit's
+// (the result keeps it alive), under the same names.
+template <class T>
+std::shared_ptr<nn::Module<T>> context_parallel_tp_unit(const std::shared_ptr<nn::Module<T>>& unit,
+                                                        TensorParallelGroup& group,
+                                                        const std::shared_ptr<ContextParallelBatch>& batch) {
+  using Part = typename nn::PreNormBlock<T>::Part;
+  if (auto* e = dynamic_cast<VocabParallelEmbedding<T>*>(unit.get())) {
+    if (const std::int64_t block = e->block_size(); block > 0)  // GPT's; the engine holds the batch
+      e->set_positions([b = batch.get(), block] {
+        const std::int64_t S = b->positions.size(1) * b->group.size();
+        PTRAIN_CHECK(S <= block, ShapeError, "[ptrain.embedding.positions] sequence of ", S,
+                     " tokens exceeds block_size ", block, "; crop the context to block_size tokens");
+        return b->positions;
+      });
+    return unit;
+  }
+  auto* rc = dynamic_cast<nn::Recompute<T>*>(unit.get());
+  nn::Module<T>& inner = rc ? rc->inner() : *unit;
+  std::shared_ptr<nn::Module<T>> block;
+  if (auto* b = dynamic_cast<TensorParallelBlock<T>*>(&inner)) {
+    block = std::make_shared<nn::PreNormBlock<T>>(
+        Part{"ln_1", part_of(unit, b->ln_1())},
+        Part{"attn", std::make_shared<ContextParallelSelfAttention<T>>(unit, b->attn(), batch)},
+        Part{"ln_2", part_of(unit, b->ln_2())}, Part{"mlp", part_of(unit, b->mlp())});
+  } else if (auto* b = dynamic_cast<TensorParallelLlamaBlock<T>*>(&inner)) {
+    // The q, k and v projections read their input with f outside: the region applies it.
+    auto attn = std::make_shared<ContextParallelGQA<T>>(unit, b->self_attn(), batch);
+    block = std::make_shared<nn::PreNormBlock<T>>(
+        Part{"input_layernorm", part_of(unit, b->input_layernorm())},
+        Part{"self_attn", std::make_shared<ColumnParallelRegion<T>>(group, attn)},
+        Part{"post_attention_layernorm", part_of(unit, b->post_attention_layernorm())},
+        Part{"mlp", part_of(unit, b->mlp())});
+  } else {
+    return unit;  // the head
+  }
+  return rc ? std::make_shared<nn::Recompute<T>>(block) : block;
+}
+}  // namespace detail
+
 template <class T>
 class ContextParallel : public Engine<T> {
  public:
@@ -367,46 +480,11 @@ class ContextParallel : public Engine<T> {
   }
 
   double run(const BatchInput<T>& in, const Targets<T>& targets, double grad_scale, bool training) override {
-    PTRAIN_CHECK(in.ids != nullptr && in.ids->dim() == 2, ShapeError, "[ptrain.cp.input] context parallelism takes "
-                 "int32 token ids [B, S] (forward_backward(ids, targets))");
-    const Tensor<std::int32_t>& ids = *in.ids;
-    const std::int64_t B = ids.size(0), S = ids.size(1);
-    const Tensor<std::int32_t>& all_targets = targets.ids("ContextParallel");
-    PTRAIN_CHECK(all_targets.numel() == B * S, ShapeError, "[ptrain.cp.targets] ", all_targets.shape(),
-                 " targets for ", B, " x ", S, " tokens; give every rank of a replica the whole [B, S] batch");
-    ContextParallelGroup& g = batch_->group;
-    g.chunk(S);  // refuses a length that does not divide
-    auto positions = Tensor<std::int32_t>::empty({B, S});
-    if (document_token_ >= 0) {
-      auto starts = nn::document_starts(ids, document_token_);
-      batch_->starts = g.shard(starts);
-      positions = nn::document_positions(starts);
-    } else {
-      for (std::int64_t i = 0; i < B * S; ++i) positions.data()[i] = static_cast<std::int32_t>(i % S);
-      batch_->starts = Tensor<std::int32_t>();
-    }
-    batch_->positions = g.shard(positions);
-    const auto local_ids = g.shard(ids);
-    const auto local_targets = g.shard(all_targets.reshape({B, S}));
-
-    cache_.clear();
-    nn::Module<T>& model = local_module();
-    Tensor<T> out = model.forward_tokens(local_ids, cache_);
     nn::CrossEntropyLoss<T> ce;
-    nn::Cache<T> lc;
-    const double mean = ce.forward(out, Targets<T>(local_targets.reshape({local_targets.numel()})), lc);
-    const auto valid = static_cast<double>(lc.values.at(0));
-    double sums[2] = {valid > 0 ? mean * valid : 0.0, valid};  // the sequence's loss sum and token count
-    if (g.size() > 1) g.communicator().all_reduce(sums, 2, DType::F64, dist::ReduceOp::Sum);
-    if (training) {
-      // d(sum / count) for this rank's tokens, times cp: the gradient reduction averages over dp x cp ranks.
-      const double scale = sums[1] > 0 ? grad_scale * valid * g.size() / sums[1] : 0.0;
-      Tensor<T> dout = valid > 0 ? ce.backward(lc, static_cast<acc_t<T>>(scale)) : Tensor<T>::zeros(out.shape());
-      model.backward(dout, cache_);
-      if (this->syncing() && !fsdp_) pending_ = true;
-    }
-    cache_.clear();
-    return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+    const double l = detail::context_parallel_run(*batch_, document_token_, local_module(), ce, in, targets,
+                                                  grad_scale, training);
+    if (training && this->syncing() && !fsdp_) pending_ = true;
+    return l;
   }
 
   dist::Communicator& world_;
@@ -415,7 +493,6 @@ class ContextParallel : public Engine<T> {
   std::unique_ptr<detail::StageModule<T>> model_;
   std::unique_ptr<nn::FlatParameters<T>> params_;  // without FSDP
   std::unique_ptr<FSDP<T>> fsdp_;                  // with FSDP
-  nn::Cache<T> cache_;
   std::int32_t document_token_ = -1;
   bool pending_ = false;
 };

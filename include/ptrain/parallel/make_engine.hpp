@@ -5,7 +5,8 @@
 //   auto world = dist::init_process_group();
 //   parallel::Plan<float> plan = parallel::FSDPOptions{};       // or LocalOptions, DDPOptions, PipelinePlan,
 //                                                               // TensorParallelPlan, ContextParallelPlan
-//                                                               // (nn::GPT, nn::Llama);
+//                                                               // (nn::GPT, nn::Llama; TensorParallelPlan{.cp}
+//                                                               // runs context parallelism inside tp);
 //                                                               // DDPOptions{.expert_parallel = ep} splits MoE experts
 //   auto engine = parallel::make_engine<float>(model, *world, plan);
 //

@@ -14,6 +14,8 @@
 //   context_group():  the cp ranks of my stage with my t, ordered by c (cp > 1)
 //   pipeline_group(): the pp ranks of my replica with my c and t, ordered by stage
 //   data_group():     the dp ranks that hold my stage, slice and shard, ordered by replica
+//   data_context_group(): the dp x cp ranks of my stage with my t, which hold the same
+//                     weights (ordered by replica, then c; the data group when cp = 1)
 //
 //   parallel::Mesh mesh(world, /*dp=*/2, /*pp=*/2);
 //   parallel::Pipeline<float> pipe(mesh.pipeline_group(), n_units, make_unit, part,
@@ -62,8 +64,12 @@ class Mesh {
     data_ = world.split((stage_ * cp_ + c_) * tp_ + t_, replica_);
     tensor_ = world.split((replica_ * pp_ + stage_) * cp_ + c_, t_);
     if (cp_ > 1) context_ = world.split((replica_ * pp_ + stage_) * tp_ + t_, c_);
+    if (cp_ > 1) data_context_ = world.split(stage_ * tp_ + t_, replica_ * cp_ + c_);
     PTRAIN_CHECK(pipeline_ && data_ && pipeline_->rank() == stage_ && data_->rank() == replica_ &&
-                 tensor_ && tensor_->rank() == t_ && (cp_ == 1 || (context_ && context_->rank() == c_)), CommError,
+                 tensor_ && tensor_->rank() == t_ &&
+                     (cp_ == 1 || (context_ && context_->rank() == c_ && data_context_ &&
+                                   data_context_->rank() == replica_ * cp_ + c_)),
+                 CommError,
                  "[ptrain.mesh.split] the communicator split gave unexpected groups on world rank ", world.rank());
   }
   Mesh(const Mesh&) = delete;
@@ -95,6 +101,9 @@ class Mesh {
   dist::Communicator& data_group() { return *data_; }
   /// The ranks that share this rank's sequences (rank = c), or null when cp = 1.
   dist::Communicator* context_group() { return context_.get(); }
+  /// The dp x cp ranks of this stage with this rank's t: they hold the same weights (rank =
+  /// replica * cp + c); the data group when cp = 1.
+  dist::Communicator& data_context_group() { return data_context_ ? *data_context_ : *data_; }
 
   /// Copies replica 0's parameter values, trainable and frozen, to the other replicas of this stage.
   template <class T>
@@ -112,7 +121,7 @@ class Mesh {
  private:
   dist::Communicator& world_;
   int dp_, pp_, tp_, cp_, replica_ = 0, stage_ = 0, t_ = 0, c_ = 0;
-  std::unique_ptr<dist::Communicator> pipeline_, data_, tensor_, context_;
+  std::unique_ptr<dist::Communicator> pipeline_, data_, tensor_, context_, data_context_;
 };
 
 }  // namespace ptrain::parallel

@@ -42,6 +42,10 @@
 // - Frozen parameters (Parameter::requires_grad false in the full model, set before
 //   the engine is built) stay frozen in their shards: no gradient, no all-reduce, no
 //   optimizer state; checkpoints hold them like the others (docs/finetuning.md).
+// - Context parallelism (TensorParallelPlan::cp, pp = 1): the mesh is dp x cp x tp and
+//   every sequence is split over the cp ranks with the same t (Note [Context-parallel
+//   engine] in parallel/cp_engine.hpp, "With tensor parallelism"); the replicas of a
+//   shard, for the gradients, FSDP and the initial broadcast, are then the dp x cp ranks.
 // - Device: each unit is built on the device of the full model's unit, or moved to
 //   TensorParallelPlan::device; the vocabulary-parallel pieces and the collectives
 //   run there (docs/tensor_parallel.md, "On the GPU").
@@ -79,6 +83,7 @@
 #include <string>
 #include <vector>
 
+#include "ptrain/parallel/cp_engine.hpp"
 #include "ptrain/parallel/engine.hpp"
 #include "ptrain/parallel/fsdp.hpp"
 #include "ptrain/parallel/mesh.hpp"
@@ -114,6 +119,12 @@ struct TensorParallelPlan {
   /// tensor-parallel unit is sharded again over data_parallel_group() by an FSDP engine
   /// with these options (pp = 1; unit_names and device are the engine's).
   std::optional<FSDPOptions> fsdp = std::nullopt;
+  /// Context parallelism inside each tp rank (pp = 1; Note [Context-parallel engine], "With
+  /// tensor parallelism"): every sequence split over cp ranks that hold the same heads, whose
+  /// attention runs the ring over the mesh's context_group(); the replicas are world / (tp * cp).
+  int cp = 1;
+  /// With cp > 1: how attention reaches the other cp ranks' keys and values.
+  KVExchange kv_exchange = KVExchange::Ring;
 };
 
 template <class T>
@@ -139,7 +150,7 @@ class TensorParallel : public Engine<T> {
   TensorParallel(nn::Llama<T>& full, dist::Communicator& world, TensorParallelPlan plan) : world_(world) {
     const nn::LlamaConfig cfg = full.config();
     init({.describe = full.describe(), .names = full.unit_names(), .heads = cfg.n_kv_head, .vocab = cfg.vocab_size,
-          .tied = cfg.tie_weights,
+          .tied = cfg.tie_weights, .document_token = cfg.document_token,
           .unit = [cfg, &full](std::size_t u, TensorParallelGroup& g, nn::Parameter<T>* tied) {
             return detail::tensor_parallel_llama_unit<T>(cfg, u, g, full.units()[u], tied);
           }},
@@ -164,9 +175,10 @@ class TensorParallel : public Engine<T> {
     if (!pending_) return;
     pending_ = false;
     sum_partial_gradients();
-    if (!pipe_ && !fsdp_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
+    // A pipeline averages each stage itself; with cp the cp ranks are replicas for the weights.
+    if (!pipe_ && !fsdp_ && replicas().size() > 1 && params_->numel() > 0) {
       dist::CollectiveLabel label("tp.dp_gradients");
-      mesh_->data_group().all_reduce(params_->grads(), dist::ReduceOp::Avg);
+      replicas().all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
   }
 
@@ -209,6 +221,8 @@ class TensorParallel : public Engine<T> {
     std::vector<std::string> names;      // its units
     std::int64_t heads, vocab;           // heads that tp must divide (key/value heads for Llama)
     bool tied;                           // the head uses the embedding's weight
+    std::int32_t document_token = -1;    // the token that starts a packed document (Llama), or -1
+    double dropout = 0;                  // GPT's
     /// Unit u in tensor-parallel form with this rank's shards (tied: the embedding's weight shard).
     std::function<std::shared_ptr<nn::Module<T>>(std::size_t u, TensorParallelGroup&, nn::Parameter<T>* tied)> unit;
   };
@@ -217,6 +231,7 @@ class TensorParallel : public Engine<T> {
                                               cfg.n_layer, ", heads ", cfg.n_head, ", embd ", cfg.n_embd,
                                               cfg.tie_weights ? ", tied)" : ")"),
             .names = nn::gpt_unit_names(cfg), .heads = cfg.n_head, .vocab = cfg.vocab_size, .tied = cfg.tie_weights,
+            .dropout = cfg.dropout,
             .unit = [cfg, full](std::size_t u, TensorParallelGroup& g, nn::Parameter<T>* tied) {
               return detail::tensor_parallel_gpt_unit<T>(cfg, u, g, full(u), tied);
             }};
@@ -224,9 +239,12 @@ class TensorParallel : public Engine<T> {
 
   void init(const Model& m, const TensorParallelPlan& plan) {
     check_plan(m, plan);
-    mesh_ = std::make_unique<Mesh>(
-        world_, MeshShape{.dp = world_.size() / (plan.tp * plan.pp), .tp = plan.tp, .pp = plan.pp});
+    mesh_ = std::make_unique<Mesh>(world_, MeshShape{.dp = world_.size() / (plan.tp * plan.cp * plan.pp),
+                                                     .tp = plan.tp, .pp = plan.pp, .cp = plan.cp});
     group_ = std::make_unique<TensorParallelGroup>(mesh_->tensor_group(), plan.sequence_parallel);
+    vocab_ = m.vocab;
+    document_token_ = m.document_token;
+    if (plan.cp > 1) batch_ = std::make_shared<ContextParallelBatch>(mesh_->context_group(), plan.kv_exchange);
     const std::int64_t vocab = m.vocab;
     TensorParallelGroup* g = group_.get();
     LossFn<T> loss = [g, vocab](const Tensor<T>& out, const Targets<T>& targets, Tensor<T>* dout, acc_t<T> scale) {
@@ -243,6 +261,7 @@ class TensorParallel : public Engine<T> {
         auto unit = m.unit(u, *group_, m.tied ? wte : nullptr);
         if (plan.device) unit->to(*plan.device);  // before the tied head borrows the embedding's weight
         if (auto* e = dynamic_cast<VocabParallelEmbedding<T>*>(unit.get())) wte = &e->wte();
+        if (batch_) unit = detail::context_parallel_tp_unit(unit, *group_, batch_);
         model_->add(m.names[u], std::move(unit));
       }
       if (plan.fsdp) {
@@ -250,7 +269,7 @@ class TensorParallel : public Engine<T> {
         FSDPOptions opt = *plan.fsdp;
         opt.unit_names = model_->unit_names();
         opt.device = plan.device;
-        fsdp_ = std::make_unique<FSDP<T>>(model_->units(), mesh_->data_group(), opt);
+        fsdp_ = std::make_unique<FSDP<T>>(model_->units(), mesh_->data_context_group(), opt);
         params_ = &fsdp_->parameters();
       } else {
         own_params_ = std::make_unique<nn::FlatParameters<T>>(*model_);
@@ -280,7 +299,11 @@ class TensorParallel : public Engine<T> {
     }
     for (const auto& e : parameters().frozen_entries()) frozen_specs_.push_back(spec_of(e.name));
     // Replica 0's values, frozen ones too, as DDP (FSDP broadcasts its own over the replicas).
-    if (!fsdp_) mesh_->broadcast_parameters(parameters());
+    if (!fsdp_ && pipe_) mesh_->broadcast_parameters(parameters());
+    if (!fsdp_ && !pipe_ && replicas().size() > 1) {
+      if (parameters().numel() > 0) replicas().broadcast(parameters().values(), 0);
+      if (parameters().frozen_values().numel() > 0) replicas().broadcast(parameters().frozen_values(), 0);
+    }
   }
 
   // Every rank must pass the same plan and model: agreed with fixed-size
@@ -290,16 +313,27 @@ class TensorParallel : public Engine<T> {
     const std::string desc = ::ptrain::detail::cat(
         "TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ", plan.sequence_parallel ? "true" : "false",
         ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, ", .virtual_stages = ", plan.virtual_stages,
-        ", .fsdp = ", plan.fsdp ? strategy_name(plan.fsdp->strategy) : "none", "} ", m.describe);
+        ", .fsdp = ", plan.fsdp ? strategy_name(plan.fsdp->strategy) : "none", ", .cp = ", plan.cp,
+        ", .kv_exchange = ", plan.kv_exchange == KVExchange::Ring ? "Ring" : "AllGather", "} ", m.describe);
     try {
       check_same_model(world_, {desc});
     } catch (const Error& e) {
       PTRAIN_THROW(Error, "[ptrain.tp.plan] the ranks were given different tensor-parallel plans or models; pass "
                           "every rank the same TensorParallelPlan and config. ", e.what());
     }
-    PTRAIN_CHECK(plan.tp >= 1 && plan.pp >= 1 && world_.size() % (plan.tp * plan.pp) == 0, Error,
-                 "[ptrain.tp.world] tp = ", plan.tp, " x pp = ", plan.pp, " does not divide the world of ",
-                 world_.size(), " ranks; launch a multiple of tp * pp processes");
+    if (plan.cp > 1) {  // Note [Context-parallel engine], "With tensor parallelism"
+      PTRAIN_CHECK(plan.pp == 1, Error, "[ptrain.cp.pipeline] context parallelism with tensor parallelism runs "
+                   "without a pipeline, but the plan has pp = ", plan.pp, "; set pp = 1 or cp = 1");
+      PTRAIN_CHECK(!plan.sequence_parallel, Error, "[ptrain.cp.sequence_parallel] sequence parallelism and context "
+                   "parallelism both cut the sequence and are not combined; drop sequence_parallel (cp already "
+                   "divides the activations by cp)");
+      PTRAIN_CHECK(m.dropout == 0, Error, "[ptrain.cp.dropout] context parallelism trains without dropout (a slice "
+                   "of a sequence would draw other masks); build the GPT with dropout = 0");
+    }
+    PTRAIN_CHECK(plan.tp >= 1 && plan.pp >= 1 && plan.cp >= 1 && world_.size() % (plan.tp * plan.cp * plan.pp) == 0,
+                 Error, "[ptrain.tp.world] tp = ", plan.tp, " x cp = ", plan.cp, " x pp = ", plan.pp,
+                 " does not divide the world of ", world_.size(), " ranks; launch a multiple of tp * cp * pp "
+                 "processes");
     PTRAIN_CHECK(m.heads % plan.tp == 0, Error, "[ptrain.tp.heads] tp = ", plan.tp, " does not divide the ", m.heads,
                  " heads of ", m.describe, " (key/value heads for Llama); choose a tp degree that divides them");
     PTRAIN_CHECK(plan.pp == 1 || !m.tied, Error, "[ptrain.tp.tied] pp = ", plan.pp, " puts the embedding and the "
@@ -317,7 +351,7 @@ class TensorParallel : public Engine<T> {
     if (fsdp_) {
       std::optional<decltype(fsdp_->no_sync())> local;  // FSDP's strategies decide what no_sync() skips
       if (!this->syncing()) local.emplace(fsdp_->no_sync());
-      l = this->run_module(*fsdp_, in, targets, grad_scale, training);
+      l = run_unit_chain(*fsdp_, in, targets, grad_scale, training);
     } else if (pipe_) {
       std::optional<decltype(pipe_->no_sync())> local;  // the pipeline skips its dp average as this engine does
       if (!this->syncing()) local.emplace(pipe_->no_sync());
@@ -325,11 +359,22 @@ class TensorParallel : public Engine<T> {
       else l = in.ids ? pipe_->forward_backward(*in.ids, targets, grad_scale)
                       : pipe_->forward_backward(*in.x, targets, grad_scale);
     } else {
-      l = this->run_module(*model_, in, targets, grad_scale, training);
+      l = run_unit_chain(*model_, in, targets, grad_scale, training);
     }
     if (training && this->syncing()) pending_ = true;  // finished by finish_gradient_sync()
     return l;
   }
+
+  // pp = 1: the model (or its FSDP), with cp > 1 on this rank's slice of the sequences
+  // and the loss over the whole sequences (set_loss() does not apply then).
+  double run_unit_chain(nn::Module<T>& m, const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
+                        bool training) {
+    if (!batch_) return this->run_module(m, in, targets, grad_scale, training);
+    VocabParallelCrossEntropy<T> ce(*group_, vocab_);
+    return detail::context_parallel_run(*batch_, document_token_, m, ce, in, targets, grad_scale, training);
+  }
+  // The ranks that hold this rank's weights (pp = 1): the dp x cp ranks with its tp index.
+  dist::Communicator& replicas() { return mesh_->data_context_group(); }
 
   // The gradient of entry i of parameters() (under FSDP a piece of a parameter).
   Tensor<T> grad(std::size_t i) {
@@ -385,6 +430,9 @@ class TensorParallel : public Engine<T> {
   std::vector<std::size_t> partial_;  // entries whose gradients are partial sums over tp
   std::vector<std::pair<std::string, ShardSpec>> all_specs_;  // every sharded or partial parameter, by name
   bool pending_ = false;
+  std::int64_t vocab_ = 0;
+  std::int32_t document_token_ = -1;
+  std::shared_ptr<ContextParallelBatch> batch_;  // cp > 1
   std::unique_ptr<FSDP<T>> fsdp_;  // pp = 1 with TensorParallelPlan::fsdp; destroyed before what it refers to
 };
 

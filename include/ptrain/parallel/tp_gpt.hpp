@@ -64,6 +64,8 @@ class TensorParallelBlock : public nn::PreNormBlock<T>, public ShardedModule {
   std::string describe() const override {
     return "TensorParallelBlock(" + std::to_string(n_embd_) + ", heads=" + std::to_string(n_head_) + ")";
   }
+  nn::LayerNorm<T>& ln_1() { return *ln_1_; }
+  nn::LayerNorm<T>& ln_2() { return *ln_2_; }
   nn::CausalSelfAttention<T>& attn() { return *attn_; }
   nn::FeedForward<T>& mlp() { return *mlp_; }
 

@@ -44,19 +44,21 @@ class TensorParallelLlamaBlock : public nn::PreNormBlock<T>, public ShardedModul
       l->set_f_outside(true);  // ColumnParallelRegion applies f once for the layers that share the input
       return l;
     };
-    auto attn = std::make_shared<nn::GroupedQueryAttention<T>>(
+    attn_ = std::make_shared<nn::GroupedQueryAttention<T>>(
         C, c.n_head / tp, c.n_kv_head / tp, D, c.rope, column(c.n_head * D, c.attention_bias),
         column(c.n_kv_head * D, c.attention_bias), column(c.n_kv_head * D, c.attention_bias),
         std::make_shared<RowParallelLinear<T>>(group, c.n_head * D, C, c.o_proj_bias, scratch));
-    attn->set_document_token(c.document_token);
-    attn->set_sliding_window(c.sliding_window);
+    attn_->set_document_token(c.document_token);
+    attn_->set_sliding_window(c.sliding_window);
     auto mlp = std::make_shared<nn::SwiGLU<T>>(
         C, c.intermediate_size / tp, column(c.intermediate_size, c.mlp_bias), column(c.intermediate_size, c.mlp_bias),
         std::make_shared<RowParallelLinear<T>>(group, c.intermediate_size, C, c.mlp_bias, scratch));
     norm_1_ = std::make_shared<nn::RMSNorm<T>>(C, c.rms_norm_eps);
     norm_2_ = std::make_shared<nn::RMSNorm<T>>(C, c.rms_norm_eps);
-    this->set_parts({"input_layernorm", norm_1_}, {"self_attn", std::make_shared<ColumnParallelRegion<T>>(group, attn)},
-                    {"post_attention_layernorm", norm_2_}, {"mlp", std::make_shared<ColumnParallelRegion<T>>(group, mlp)});
+    mlp_ = std::make_shared<ColumnParallelRegion<T>>(group, mlp);
+    this->set_parts({"input_layernorm", norm_1_},
+                    {"self_attn", std::make_shared<ColumnParallelRegion<T>>(group, attn_)},
+                    {"post_attention_layernorm", norm_2_}, {"mlp", mlp_});
   }
   std::vector<std::pair<std::string, ShardSpec>> shard_specs() const override {
     auto specs = detail::sequence_norm_specs(group_, "input_layernorm", *norm_1_);
@@ -64,10 +66,17 @@ class TensorParallelLlamaBlock : public nn::PreNormBlock<T>, public ShardedModul
     return specs;
   }
   std::string describe() const override { return "TensorParallelLlamaBlock(tp=" + std::to_string(group_.size()) + ")"; }
+  nn::RMSNorm<T>& input_layernorm() { return *norm_1_; }
+  /// The attention of this rank's heads (its q, k, v projections with f outside: the block applies f).
+  nn::GroupedQueryAttention<T>& self_attn() { return *attn_; }
+  nn::RMSNorm<T>& post_attention_layernorm() { return *norm_2_; }
+  ColumnParallelRegion<T>& mlp() { return *mlp_; }
 
  private:
   TensorParallelGroup& group_;
   std::shared_ptr<nn::RMSNorm<T>> norm_1_, norm_2_;
+  std::shared_ptr<nn::GroupedQueryAttention<T>> attn_;
+  std::shared_ptr<ColumnParallelRegion<T>> mlp_;
 };
 
 namespace detail {

@@ -12,6 +12,7 @@
 // (the CPU with MPI or Gloo, a GPU with NCCL).
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <type_traits>
 
@@ -69,12 +70,15 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
   }
   /// Adds this rank's rows of the wte gradient and the (replicated) wpe gradient; announces both.
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
-    PTRAIN_CHECK(cache.indices.size() == 1, Error, "[ptrain.backward] VocabParallelEmbedding::backward without a forward");
+    PTRAIN_CHECK(!cache.indices.empty(), Error, "[ptrain.backward] VocabParallelEmbedding::backward without a forward");
     const auto g = group_.whole(drop_ ? drop_->backward(dy, cache.child(0)) : dy);  // g's backward
     // Frozen parameters get no gradient (Note [Frozen parameters] in nn/flat_parameters.hpp). A
     // frozen table with trainable positions: a one-row scratch table that no id falls in
     // (lo = vocab), so that only the positions' gradient is written.
-    Tensor<T>* dpos = wpe_ && wpe_->requires_grad ? &wpe_->grad : nullptr;
+    const bool global = cache.indices.size() == 2;  // positions from set_positions()
+    Tensor<T>* dpos = wpe_ && wpe_->requires_grad && !global ? &wpe_->grad : nullptr;
+    if (global && wpe_->requires_grad)
+      ops::embedding_backward(cache.indices[1], g, wpe_->grad, static_cast<Tensor<T>*>(nullptr));
     if (wte_->requires_grad) {
       ops::vocab_parallel_embedding_backward(cache.indices[0], range_.lo, g, wte_->grad, dpos);
     } else if (dpos) {
@@ -94,18 +98,29 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
     return {{weight_name_, ShardSpec{0, 1, range_.vocab}}};
   }
   nn::Parameter<T>& wte() { return *wte_; }
+  /// GPT's positions (wpe's rows), 0 for a token table alone.
+  std::int64_t block_size() const { return block_size_; }
+  /// GPT's positions under context parallelism (parallel/cp_engine.hpp): `positions()`
+  /// gives each token's position [B, S] in its whole sequence at every forward, instead of 0..S-1.
+  void set_positions(std::function<Tensor<std::int32_t>()> positions) { positions_ = std::move(positions); }
 
  private:
   Tensor<T> lookup(Tensor<std::int32_t> ids, nn::Cache<T>& cache) {
     PTRAIN_CHECK(ids.dim() == 2, ShapeError, "[ptrain.embedding.input] expected token ids [batch, seq], got ",
                  ids.shape());
-    PTRAIN_CHECK(!wpe_ || ids.size(1) <= block_size_, ShapeError, "[ptrain.embedding.positions] sequence of ", ids.size(1),
-                 " tokens exceeds block_size ", block_size_, "; crop the context to the last block_size tokens");
+    const bool global = wpe_ && positions_;
+    PTRAIN_CHECK(!wpe_ || global || ids.size(1) <= block_size_, ShapeError, "[ptrain.embedding.positions] sequence "
+                 "of ", ids.size(1), " tokens exceeds block_size ", block_size_, "; crop the context to the last "
+                 "block_size tokens");
     // The rows this rank owns (zeros elsewhere), and tp rank 0 adds the positions.
     auto out = ops::vocab_parallel_embedding(ids, range_.lo, wte_->value,
-                                             wpe_ && group_.rank() == 0 ? wpe_->value : Tensor<T>());
+                                             wpe_ && !global && group_.rank() == 0 ? wpe_->value : Tensor<T>());
+    const auto pos =
+        global ? ops::token_ids(positions_().to(wpe_->value.device()), block_size_) : Tensor<std::int32_t>();
+    if (global && group_.rank() == 0) ops::axpy_(acc_t<T>(1), ops::embedding(pos, wpe_->value, Tensor<T>()), out);
     out = group_.sum_partials(out);  // g: the owner's row plus rank 0's position, on every rank (for its tokens)
     cache.indices = {ids};
+    if (global) cache.indices.push_back(pos);
     return drop_ ? drop_->forward(out, cache.child(0)) : out;
   }
 
@@ -116,6 +131,7 @@ class VocabParallelEmbedding : public nn::Module<T>, public ShardedModule {
   nn::Parameter<T>* wte_;
   nn::Parameter<T>* wpe_ = nullptr;
   std::shared_ptr<nn::Dropout<T>> drop_;
+  std::function<Tensor<std::int32_t>()> positions_;
 };
 
 /// The last unit (nn::LMHead) with the output projection split by vocabulary rows:

@@ -5,9 +5,12 @@
 // layouts the world allows) against one process on the global batch, in double and float
 // over several AdamW steps, replicated and with FSDP over the dp x cp ranks; checkpoints
 // saved at cp 2 resumed at other layouts; attention's bytes against the memory formula, and
-// FSDP's 1/world of the parameters, gradients and optimizer state. Every rank runs every case in the same order; checks
-// use CHECK so no rank skips collectives.
+// FSDP's 1/world of the parameters, gradients and optimizer state; context parallelism inside
+// tensor parallelism (TensorParallelPlan::cp: cp 2 x tp 2, dp 2 x cp 2 x tp 2), with and without
+// FSDP, against one process, and its checkpoints in one process and another layout. Every rank
+// runs every case in the same order; checks use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -276,6 +279,20 @@ struct OneProcess {
   void check_parameters(parallel::Engine<T>& e, double tol) {
     std::map<std::string, Tensor<T>> ref;
     for (const auto& p : params.entries()) ref[p.name] = p.param->value;
+    if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(&e)) {  // gathered over FSDP and tp (collective), by name
+      std::vector<std::pair<std::string, Tensor<T>>> full;
+      if (auto* f = tp->fsdp())
+        for (auto& [name, shard] : f->full_parameters()) full.emplace_back(name, shard);
+      else
+        for (const auto& p : e.parameters().entries()) full.emplace_back(p.name, p.param->value);
+      REQUIRE(full.size() == ref.size());
+      for (const auto& [name, shard] : full) {
+        INFO(name);
+        REQUIRE(ref.count(name) == 1);
+        CHECK(max_rel_diff(parallel::detail::gather_full(shard, tp->spec_of(name), tp->group()), ref[name]) < tol);
+      }
+      return;
+    }
     if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(&e.local_module())) {  // gathered (collective), by name
       for (const auto& p : params.frozen_entries()) ref[p.name] = p.param->value;
       const auto full = fsdp->full_parameters();
@@ -614,6 +631,161 @@ TEST_CASE("with FSDP clip_grad_norm_ clips by the whole gradient's norm", "[cp]"
   const double replicated = norm(false), sharded = norm(true);
   CHECK(replicated > 1e-2);
   CHECK(std::abs(sharded - replicated) < kTol * replicated);
+}
+
+}  // namespace test_context_parallel
+
+namespace test_context_parallel {
+
+namespace {
+// The (dp, cp, tp) layouts of context parallelism inside tensor parallelism that the world
+// allows: cp 2 x tp 2 (x dp 2 at 8 ranks) and cp 4 x tp 2 at 8; cp 2 alone in the
+// tensor-parallel engine at 2 ranks.
+std::vector<std::array<int, 3>> cp_tp_layouts(int n) {
+  if (n == 8) return {{2, 2, 2}, {1, 4, 2}};
+  if (n % 4 == 0) return {{n / 4, 2, 2}};
+  if (n == 2) return {{1, 2, 1}};
+  return {};
+}
+
+// TensorParallelPlan{.tp, .cp}, with FSDP over the dp x cp ranks of each tp shard when `fsdp`.
+parallel::TensorParallelPlan cp_tp_plan(int tp, int cp, bool fsdp,
+                                        parallel::KVExchange kv = parallel::KVExchange::Ring) {
+  parallel::TensorParallelPlan plan{.tp = tp, .cp = cp, .kv_exchange = kv};
+  if (fsdp) plan.fsdp = parallel::FSDPOptions{};
+  return plan;
+}
+
+// GPT (tied, recomputed blocks) and Llama (GQA, packed documents) in T at each layout,
+// replicated and with FSDP over the dp x cp ranks of each tp shard, against one process.
+template <class T>
+void check_cp_tp(double tol) {
+  for (auto [dp, cp, tp] : cp_tp_layouts(world().size())) {
+    const std::int64_t S = 2 * cp * 3;  // chunks of 3 tokens
+    for (bool fsdp : {false, true}) {
+      INFO("dp " << dp << " x cp " << cp << " x tp " << tp << (fsdp ? ", FSDP" : "")
+                 << (std::is_same_v<T, float> ? ", float" : ", double"));
+      auto gpt = gpt_config(S);
+      gpt.recompute = true;
+      check_like_one_process<T>([gpt] { Generator g(3); return std::make_shared<nn::GPT<T>>(gpt, g); },
+                                cp_tp_plan(tp, cp, fsdp), dp, S, 13, tol);
+      const auto llama = llama_config(2);
+      check_like_one_process<T>(
+          [llama] { Generator g(5); return std::make_shared<nn::Llama<T>>(llama, g); },
+          cp_tp_plan(tp, cp, fsdp, fsdp ? parallel::KVExchange::AllGather : parallel::KVExchange::Ring), dp, S, 17,
+          tol);
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("GPT and Llama with context parallelism inside tensor parallelism train like one process", "[cp]") {
+  check_cp_tp<double>(kTol);
+  check_cp_tp<float>(kFloatTol);
+}
+
+// clip_grad_norm_ sums the squares of tp-sharded gradients over tp (and of FSDP's pieces
+// over the dp x cp ranks): the norm of one process's gradient on the global batch.
+TEST_CASE("with tensor parallelism clip_grad_norm_ clips by one process's gradient norm", "[cp]") {
+  const auto cfg = llama_config(2);
+  auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
+  for (auto [dp, cp, tp] : cp_tp_layouts(world().size()))
+    for (bool fsdp : {false, true}) {
+      INFO("dp " << dp << " x cp " << cp << " x tp " << tp << (fsdp ? ", FSDP" : ""));
+      const std::int64_t rows = 2 * dp, S = 2 * cp * 3;
+      const Batch b = make_batch(rows, S, cfg.vocab_size, 300);
+      auto model = make();
+      nn::FlatParameters<double> params(*model);
+      nn::CrossEntropyLoss<double> ce;
+      nn::Cache<double> c, lc;
+      auto logits = model->forward_tokens(b.ids, c);
+      ce.forward(logits.reshape({-1, logits.size(-1)}), b.targets, lc);
+      model->backward(ce.backward(lc).reshape(logits.shape()), c);
+      const double want = std::sqrt(ops::sum_squares(params.grads()));
+      auto e = parallel::make_engine<double>(make(), world(), cp_tp_plan(tp, cp, fsdp));
+      const std::int64_t r = e->data_parallel_group()->rank();
+      e->zero_grad();
+      e->forward_backward(b.ids.narrow(2 * r, 2), b.targets.narrow(2 * r * S, 2 * S));
+      const double got = e->clip_grad_norm_(1e9);
+      CHECK(want > 1e-2);
+      CHECK(std::abs(got - want) < kTol * want);
+      world().barrier();  // Note [Group teardown]
+    }
+}
+
+// TensorParallelPlan::cp writes the TP engine's checkpoints (full tensors under the full
+// names, by cp rank 0 and tp rank 0 of replica 0): they load into one process and into
+// cp 2 x tp 2 with FSDP (or without, when saved with it).
+TEST_CASE("a cp 2 x tp 2 checkpoint resumes in one process and with FSDP toggled", "[cp][ckpt]") {
+  if (auto four = world().size() >= 4 ? first_ranks(4) : nullptr)
+    for (bool saved_fsdp : {false, true}) {
+      INFO((saved_fsdp ? "saved with FSDP" : "saved replicated"));
+      const auto dir = ptrain::testing::shared_tmp_dir(*four, "ptrain_cp_tp_ckpt_");
+      const auto cfg = llama_config(2);
+      auto make = [cfg] { Generator g(5); return std::make_shared<nn::Llama<double>>(cfg, g); };
+      const std::int64_t rows = 2, S = 12;
+      OneProcess<double> ref(make, rows, S, 17, kSteps);
+      {
+        auto e = parallel::make_engine<double>(make(), *four, cp_tp_plan(2, 2, saved_fsdp));
+        optim::AdamW<double> opt(e->parameters(), kAdam);
+        for (std::int64_t s = 0; s < kSteps - 1; ++s) train_step(*e, opt, rows, S, 17, s);
+        if (four->rank() == 0) std::filesystem::remove_all(dir);
+        four->barrier();
+        ckpt::CheckpointManager mgr(dir, four);
+        ckpt::save(mgr, kSteps - 1, *e, &opt, {});
+        four->barrier();  // Note [Group teardown]
+      }
+      auto resume = [&](parallel::Engine<double>& e) {
+        optim::AdamW<double> opt(e.parameters(), kAdam);
+        ckpt::CheckpointManager mgr(dir, &e.communicator());
+        CHECK(ckpt::load(mgr, mgr.latest().path, e, &opt).step == kSteps - 1);
+        const double loss = train_step(e, opt, rows, S, 17, kSteps - 1);
+        CHECK(std::abs(loss - ref.loss.back()) < kTol * ref.loss.back());
+        ref.check_parameters(e, kTol);
+      };
+      {
+        INFO("the plain model in one process (full tensor names)");
+        auto model = make();
+        parallel::Local<double> local(*model);
+        resume(local);
+      }
+      {
+        INFO("cp 2 x tp 2, FSDP toggled");
+        auto e = parallel::make_engine<double>(make(), *four, cp_tp_plan(2, 2, !saved_fsdp));
+        resume(*e);
+        four->barrier();  // Note [Group teardown]
+      }
+      if (four->rank() == 0) std::filesystem::remove_all(dir);
+    }
+  world().barrier();
+}
+
+// Bad TensorParallelPlan::cp combinations end every rank with the reason.
+TEST_CASE("context parallelism inside tensor parallelism refuses what it does not combine", "[cp][errors]") {
+  auto& comm = world();
+  const int n = comm.size();
+  Generator gen(1);
+  auto llama = std::make_shared<nn::Llama<double>>(llama_config(1), gen);
+  CHECK_THROWS_WITH(parallel::make_engine<double>(llama, comm, parallel::TensorParallelPlan{.pp = 2, .cp = 2}),
+                    Catch::Contains("[ptrain.cp.pipeline]"));
+  CHECK_THROWS_WITH(
+      parallel::make_engine<double>(llama, comm, parallel::TensorParallelPlan{.sequence_parallel = true, .cp = 2}),
+      Catch::Contains("[ptrain.cp.sequence_parallel]"));
+  CHECK_THROWS_WITH(parallel::make_engine<double>(llama, comm, parallel::TensorParallelPlan{.cp = n + 1}),
+                    Catch::Contains("[ptrain.tp.world]"));
+  auto cfg = gpt_config(8);
+  if (n % 2 == 0) {  // a whole sequence longer than block_size, each rank's slice shorter
+    auto e = parallel::make_engine<double>(std::make_shared<nn::GPT<double>>(cfg, gen), comm,
+                                           parallel::TensorParallelPlan{.cp = 2});
+    CHECK_THROWS_WITH(e->forward_backward(Tensor<std::int32_t>::zeros({1, 12}), Tensor<std::int32_t>::zeros({12})),
+                      Catch::Contains("[ptrain.embedding.positions]"));
+    comm.barrier();  // Note [Group teardown]
+  }
+  cfg.dropout = 0.1;
+  CHECK_THROWS_WITH(parallel::make_engine<double>(std::make_shared<nn::GPT<double>>(cfg, gen), comm,
+                                                  parallel::TensorParallelPlan{.cp = 2}),
+                    Catch::Contains("[ptrain.cp.dropout]"));
+  comm.barrier();
 }
 
 }  // namespace test_context_parallel
