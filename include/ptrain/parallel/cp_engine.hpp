@@ -326,6 +326,10 @@ std::shared_ptr<nn::Module<T>> context_parallel_tp_unit(const std::shared_ptr<nn
                                                         TensorParallelGroup& group,
                                                         const std::shared_ptr<ContextParallelBatch>& batch) {
   using Part = typename nn::PreNormBlock<T>::Part;
+  for (auto& p : unit->named_parameters())
+    PTRAIN_CHECK(p.param->value.device().is_cpu(), Error, "[ptrain.cp.device] context parallelism runs on the CPU "
+                 "only, but ", p.name, " is on ", p.param->value.device().str(), "; leave TensorParallelPlan::device "
+                 "unset and keep the model on the CPU, or set cp = 1 (docs/context_parallel.md)");
   if (auto* e = dynamic_cast<VocabParallelEmbedding<T>*>(unit.get())) {
     if (const std::int64_t block = e->block_size(); block > 0)  // GPT's; the engine holds the batch
       e->set_positions([b = batch.get(), block] {
