@@ -90,8 +90,10 @@ inline std::string op_desc(const char* op, std::size_t count, DType dt, const ch
 }
 
 // "all_to_all(F32 x 8 per rank)".
+// Built without a stream: an ostringstream took 0.5 us of a blocking call's 0.7 us of
+// overhead (Note [Inline blocking calls]).
 inline std::string all_to_all_desc(std::size_t count_per_rank, DType dt) {
-  return cat("all_to_all(", dtype_name(dt), " x ", count_per_rank, " per rank)");
+  return std::string("all_to_all(") + dtype_name(dt) + " x " + std::to_string(count_per_rank) + " per rank)";
 }
 
 inline std::string describe_call(const CallRow& r) {

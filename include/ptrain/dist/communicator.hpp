@@ -505,7 +505,8 @@ struct AllToAllLayout {
 
 // "all_to_all_v(F32, send 10, recv 12)": how an all_to_all_v is named in errors.
 inline std::string all_to_all_v_desc(const AllToAllLayout& l, DType dt) {
-  return cat("all_to_all_v(", dtype_name(dt), ", send ", l.send_total, ", recv ", l.recv_total, ")");
+  return std::string("all_to_all_v(") + dtype_name(dt) + ", send " + std::to_string(l.send_total) + ", recv " +
+         std::to_string(l.recv_total) + ")";  // no stream: all_to_all_desc
 }
 
 }  // namespace detail
