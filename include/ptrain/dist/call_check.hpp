@@ -34,8 +34,8 @@
 // the receiver alone with MPI_ERR_TRUNCATE or silently leave a block short, Gloo
 // aborts the process), every rank all-gathers the counts and fails with
 // [ptrain.comm.mismatch] naming the pairs that differ. (Until 2026-11-29 the
-// checksum took a second exchange; folding it saved an all_to_all_v one
-// small-message latency, 0.25 ms or more on Gloo.)
+// checksum took a second exchange, one more small-message latency per
+// all_to_all_v: a Gloo round trip, about 1.3 us on MPI here.)
 // NCCL is not covered (its collectives are enqueued on a GPU stream; use
 // DETAIL), nor are send and recv.
 // PTRAIN_DISTRIBUTED_DEBUG=OFF turns the check off.
@@ -185,7 +185,7 @@ inline std::string split_mismatch_message(std::int64_t seq, std::size_t n, DType
              "exchange_counts() computes recv_counts from the senders' counts); ", after);
 }
 
-/// CallCheck::check_once's reduction over `n` triples of I64: out = (max, max, wrapping sum)
+/// CallCheck::check's reduction over `n` triples of I64: out = (max, max, wrapping sum)
 /// of a and b, element by element (out may alias a or b).
 inline void reduce_check_triples(std::int64_t* out, const std::int64_t* a, const std::int64_t* b, std::size_t n) {
   for (std::size_t i = 0; i < 3 * n; i += 3) {
@@ -196,7 +196,7 @@ inline void reduce_check_triples(std::int64_t* out, const std::int64_t* a, const
 }
 
 /// The default check of Note [Collective fingerprints], one per communicator;
-/// check() runs on its worker thread, before each collective.
+/// check() runs before each collective, on the thread that runs it.
 class CallCheck {
   static constexpr const char* kAborted =
       "the call was not run, and the communicator is aborted (Note [Failure]). Find the branch that differs between "
@@ -212,7 +212,7 @@ class CallCheck {
   /// Throws [ptrain.comm.mismatch] on every rank when the calls or the split sizes differ.
   template <class Reduce3, class Gather>
   void check(const CallRow& mine, int rank, int size, const std::vector<std::size_t>* send_counts,
-                  const std::vector<std::size_t>* recv_counts, Reduce3&& reduce3, Gather&& gather) {
+             const std::vector<std::size_t>* recv_counts, Reduce3&& reduce3, Gather&& gather) {
     const std::int64_t seq = ++seq_;
     if (!on_ || size == 1) return;
     const std::int64_t h = fingerprint(mine);
@@ -232,7 +232,7 @@ class CallCheck {
     return static_cast<std::int64_t>(h);
   }
 
-  // The exchanges above disagreed: every rank gathers the calls (five I64 each) and throws.
+  // The exchange disagreed: every rank gathers the calls (five I64 each) and throws.
   template <class Gather>
   [[noreturn]] void calls_differ(std::int64_t seq, const CallRow& mine, int rank, int size, Gather& gather) {
     std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size));
@@ -250,7 +250,7 @@ class CallCheck {
   }
 
   bool on_;
-  std::int64_t seq_ = 0;  // collectives seen, on the worker thread
+  std::int64_t seq_ = 0;  // collectives seen (by the thread running them, one at a time)
 };
 
 }  // namespace detail
