@@ -11,29 +11,36 @@
 // another order) would hand MPI or Gloo buffers of different sizes: Open MPI
 // then reads past a buffer and dies of SIGSEGV, Gloo aborts the process from its
 // I/O thread. So, by default, each MPI or Gloo collective is preceded on the
-// communicator's worker thread (Note [Async execution]) by a 16-byte
-// all-reduce (max) of a 64-bit hash h of the call and of its complement ~h: one
-// max yields both the largest and the smallest h. When they are equal, every
-// rank called the same thing and the collective runs. Otherwise every rank
+// thread that runs it (the communicator's worker, Note [Async execution], or for
+// MPI's blocking all-to-alls the caller's, Note [Inline blocking calls]) by one
+// 24-byte all-reduce of three 64-bit integers: a hash h of the call and its
+// complement ~h, both reduced by max (one max yields both the largest and the
+// smallest h), and a split checksum reduced by wrapping sum, all in one
+// user-defined reduction (reduce_check_triples). When the largest and smallest
+// h equal this rank's, every rank called the same thing. Otherwise every rank
 // learns it from the same exchange, all-gathers the calls themselves (five
 // integers per rank; this exchange has the same size everywhere, so it cannot
 // mismatch), and fails the operation with [ptrain.comm.mismatch] naming what
 // each rank called; the mismatched collective never starts and the communicator
-// is aborted (Note [Failure]). The exchange runs on the worker, so *_async calls
-// still overlap with the caller's work; its cost is one small-message latency per
-// collective (docs/communicators.md has the measurements). A rank that never
-// reaches a collective (it left its loop, it waits in a point-to-point call)
-// still surfaces as the timeout of Note [Failure]. An all_to_all_v's row holds
-// its dtype only, since its split sizes differ by rank; once the rows agree, a
-// second 8-byte all-reduce sums every rank's split_checksum(), which is zero
-// when each rank i's send_counts[j] equals rank j's recv_counts[i]. Otherwise
-// (Open MPI would fail the receiver alone with MPI_ERR_TRUNCATE or silently
-// leave a block short, Gloo aborts the process) every rank all-gathers the
-// counts and fails with [ptrain.comm.mismatch] naming the pairs that differ.
+// is aborted (Note [Failure]). The exchange runs with the collective, so *_async
+// calls still overlap with the caller's work; its cost is one small-message
+// latency per collective (docs/communicators.md has the measurements). A rank
+// that never reaches a collective (it left its loop, it waits in a point-to-point
+// call) still surfaces as the timeout of Note [Failure]. An all_to_all_v's row
+// holds its dtype only, since its split sizes differ by rank; its third integer is
+// this rank's split_checksum(), whose sum over the ranks is zero when each rank
+// i's send_counts[j] equals rank j's recv_counts[i] (every other collective puts
+// 0 there). When the rows agree and that sum is not zero (Open MPI would fail
+// the receiver alone with MPI_ERR_TRUNCATE or silently leave a block short, Gloo
+// aborts the process), every rank all-gathers the counts and fails with
+// [ptrain.comm.mismatch] naming the pairs that differ. (Until 2026-11-29 the
+// checksum took a second exchange, one more small-message latency per
+// all_to_all_v: a Gloo round trip, about 1.3 us on MPI here.)
 // NCCL is not covered (its collectives are enqueued on a GPU stream; use
 // DETAIL), nor are send and recv.
 // PTRAIN_DISTRIBUTED_DEBUG=OFF turns the check off.
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdlib>
@@ -83,8 +90,10 @@ inline std::string op_desc(const char* op, std::size_t count, DType dt, const ch
 }
 
 // "all_to_all(F32 x 8 per rank)".
+// Built without a stream: an ostringstream took 0.5 us of a blocking call's 0.7 us of
+// overhead (Note [Inline blocking calls]).
 inline std::string all_to_all_desc(std::size_t count_per_rank, DType dt) {
-  return cat("all_to_all(", dtype_name(dt), " x ", count_per_rank, " per rank)");
+  return std::string("all_to_all(") + dtype_name(dt) + " x " + std::to_string(count_per_rank) + " per rank)";
 }
 
 inline std::string describe_call(const CallRow& r) {
@@ -176,8 +185,18 @@ inline std::string split_mismatch_message(std::int64_t seq, std::size_t n, DType
              "exchange_counts() computes recv_counts from the senders' counts); ", after);
 }
 
+/// CallCheck::check's reduction over `n` triples of I64: out = (max, max, wrapping sum)
+/// of a and b, element by element (out may alias a or b).
+inline void reduce_check_triples(std::int64_t* out, const std::int64_t* a, const std::int64_t* b, std::size_t n) {
+  for (std::size_t i = 0; i < 3 * n; i += 3) {
+    out[i] = std::max(a[i], b[i]);
+    out[i + 1] = std::max(a[i + 1], b[i + 1]);
+    out[i + 2] = static_cast<std::int64_t>(static_cast<std::uint64_t>(a[i + 2]) + static_cast<std::uint64_t>(b[i + 2]));
+  }
+}
+
 /// The default check of Note [Collective fingerprints], one per communicator;
-/// check() runs on its worker thread, before each collective.
+/// check() runs before each collective, on the thread that runs it.
 class CallCheck {
   static constexpr const char* kAborted =
       "the call was not run, and the communicator is aborted (Note [Failure]). Find the branch that differs between "
@@ -187,32 +206,42 @@ class CallCheck {
   explicit CallCheck(bool on = collective_checks_mode() != CollectiveChecks::Off) : on_(on) {}
   bool on() const { return on_; }
 
-  /// max2(v): all-reduce (max) two I64 in place across the group; gather(mine, n, all): all-gather n I64 per rank.
-  template <class Max2, class Gather>
-  void check(const CallRow& mine, int rank, int size, Max2&& max2, Gather&& gather) {
+  /// The check before a collective, `mine` its row: for an all_to_all_v (`send_counts` and
+  /// `recv_counts` non-null) its split sizes as well. reduce3(v): all-reduce three I64 in place
+  /// across the group by reduce_check_triples; gather(mine, n, all): all-gather n I64 per rank.
+  /// Throws [ptrain.comm.mismatch] on every rank when the calls or the split sizes differ.
+  template <class Reduce3, class Gather>
+  void check(const CallRow& mine, int rank, int size, const std::vector<std::size_t>* send_counts,
+             const std::vector<std::size_t>* recv_counts, Reduce3&& reduce3, Gather&& gather) {
     const std::int64_t seq = ++seq_;
     if (!on_ || size == 1) return;
-    std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the row's bytes
-    for (std::int64_t f : mine)
+    const std::int64_t h = fingerprint(mine);
+    const std::uint64_t split = send_counts ? split_checksum(rank, *send_counts, *recv_counts) : 0;
+    std::int64_t v[3] = {h, ~h, static_cast<std::int64_t>(split)};
+    reduce3(v);
+    if (v[0] != h || v[1] != ~h) calls_differ(seq, mine, rank, size, gather);
+    if (send_counts && v[2] != 0) splits_differ(size, *send_counts, *recv_counts, static_cast<DType>(mine[2]), gather);
+  }
+
+ private:
+  // FNV-1a over the row's bytes.
+  static std::int64_t fingerprint(const CallRow& row) {
+    std::uint64_t h = 0xcbf29ce484222325ull;
+    for (std::int64_t f : row)
       for (int b = 0; b < 8; ++b) h = (h ^ ((static_cast<std::uint64_t>(f) >> (8 * b)) & 0xff)) * 0x100000001b3ull;
-    const auto hs = static_cast<std::int64_t>(h);
-    std::int64_t v[2] = {hs, ~hs};
-    max2(v);
-    if (v[0] == hs && v[1] == ~hs) return;
+    return static_cast<std::int64_t>(h);
+  }
+
+  // The exchange disagreed: every rank gathers the calls (five I64 each) and throws.
+  template <class Gather>
+  [[noreturn]] void calls_differ(std::int64_t seq, const CallRow& mine, int rank, int size, Gather& gather) {
     std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size));
     gather(mine.data(), mine.size(), all.data());
     PTRAIN_THROW(CommError, mismatch_message(seq, rank, size, all, kAborted));
   }
-
-  /// After check() passed for an all_to_all_v: its split sizes across ranks. sum(v):
-  /// all-reduce (wrapping sum) one U64 in place; gather as for check().
-  template <class Sum, class Gather>
-  void check_split(int rank, int size, const std::vector<std::size_t>& send_counts,
-                   const std::vector<std::size_t>& recv_counts, DType dt, Sum&& sum, Gather&& gather) {
-    if (!on_ || size == 1) return;
-    std::uint64_t v = split_checksum(rank, send_counts, recv_counts);
-    sum(&v);
-    if (v == 0) return;
+  template <class Gather>
+  [[noreturn]] void splits_differ(int size, const std::vector<std::size_t>& send_counts,
+                                  const std::vector<std::size_t>& recv_counts, DType dt, Gather& gather) {
     const auto n = static_cast<std::size_t>(size);
     std::vector<std::int64_t> mine(send_counts.begin(), send_counts.end()), all(2 * n * n);
     mine.insert(mine.end(), recv_counts.begin(), recv_counts.end());
@@ -220,9 +249,8 @@ class CallCheck {
     PTRAIN_THROW(CommError, split_mismatch_message(seq_, n, dt, all, kAborted));
   }
 
- private:
   bool on_;
-  std::int64_t seq_ = 0;  // collectives seen, on the worker thread
+  std::int64_t seq_ = 0;  // collectives seen (by the thread running them, one at a time)
 };
 
 }  // namespace detail

@@ -27,7 +27,9 @@
 // backward goes on and waits on the Work before the optimizer step. Buffers must
 // stay alive and untouched until the Work completes. Send/recv are *started* in
 // order on the worker and finish asynchronously, so a ring where every rank
-// first sends and then receives does not deadlock.
+// first sends and then receives does not deadlock. MPI's blocking all-to-alls
+// skip the hand-off when the worker is idle and run on the caller's thread, still
+// one operation at a time in call order (Note [Inline blocking calls], dist/mpi.hpp).
 //
 // Note [Failure]
 // Every wait is bounded by a timeout (PTRAIN_COMM_TIMEOUT_S, default 300 s; the first
@@ -219,10 +221,15 @@ class Work {
   }
 
   /// Throws the timeout CommError for the wait() in progress.
-  [[noreturn]] void throw_timeout() const {
-    auto timeout = wait_timeout_.load();
-    PTRAIN_THROW(CommError, "[ptrain.comm.timeout] ", what_, " on rank ", rank_,
-                 peer_ >= 0 ? detail::cat(" with peer ", peer_) : std::string(), " did not complete within ",
+  [[noreturn]] void throw_timeout() const { throw_timeout(what_, rank_, peer_, wait_timeout_.load()); }
+
+ public:
+  /// The [ptrain.comm.timeout] CommError of operation `what` on `rank` (peer -1: none);
+  /// also thrown by a backend that waits on the caller's thread (Note [Inline blocking calls]).
+  [[noreturn]] static void throw_timeout(const std::string& what, int rank, int peer,
+                                         std::chrono::milliseconds timeout) {
+    PTRAIN_THROW(CommError, "[ptrain.comm.timeout] ", what, " on rank ", rank,
+                 peer >= 0 ? detail::cat(" with peer ", peer) : std::string(), " did not complete within ",
                  timeout.count(), " ms; a peer may have died or ranks called collectives in different "
                  "orders (see Note [Collective order contract]; PTRAIN_DISTRIBUTED_DEBUG=DETAIL names the call that differs); "
                  "raise PTRAIN_COMM_TIMEOUT_S if the work is just slow");
@@ -284,6 +291,28 @@ class OpQueue {
   }
   ~OpQueue() { shutdown(std::chrono::hours(24 * 365)); }
 
+  // Runs fn on the calling thread when nothing is queued or running (Note [Inline blocking
+  // calls]) and completes `work` as the worker would; the worker starts nothing meanwhile.
+  // False (fn not run) when the queue is busy or shutting down: submit() it instead.
+  bool run_inline(Work& work, const std::function<void()>& fn) {
+    {
+      std::lock_guard lock(state_->m);
+      if (state_->stop || state_->busy || !state_->tasks.empty()) return false;
+      state_->busy = true;
+    }
+    execute(*state_, work, fn);
+    bool queued = false;
+    {
+      std::lock_guard lock(state_->m);
+      state_->busy = false;
+      queued = !state_->tasks.empty();
+    }
+    // Another thread queued work meanwhile. Only then: waking the idle worker for nothing
+    // costs a context switch (about 5 us on a 2-core VM, as much as the hand-off saved).
+    if (queued) state_->cv.notify_one();
+    return true;
+  }
+
   // Queues fn; its exception (or success) completes `work`.
   void submit(std::shared_ptr<Work> work, std::function<void()> fn) {
     {
@@ -315,40 +344,52 @@ class OpQueue {
     std::condition_variable cv, cv_idle;
     std::deque<Task> tasks;
     bool stop = false, exited = false;
+    bool busy = false;  // a task runs, on the worker or inline
     std::string aborted;
   };
+
+  // Runs one task (or fails it fast when the queue is aborted) and completes its Work.
+  static void execute(State& s, Work& work, const std::function<void()>& fn) {
+    std::string aborted;
+    {
+      std::lock_guard lock(s.m);
+      aborted = s.aborted;
+    }
+    std::exception_ptr err;
+    if (!aborted.empty()) {
+      err = std::make_exception_ptr(CommError(detail::cat("[ptrain.comm.aborted] ", work.what(),
+                                                          " not run: the communicator failed earlier: ", aborted,
+                                                          "; create a new process group to continue")));
+    } else {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        err = std::current_exception();
+        std::lock_guard lock(s.m);
+        if (s.aborted.empty()) s.aborted = e.what();
+      } catch (...) {
+        err = std::current_exception();
+        std::lock_guard lock(s.m);
+        if (s.aborted.empty()) s.aborted = "unknown exception";
+      }
+    }
+    work.complete_queued(std::move(err));
+  }
 
   static void run(State& s) {
     for (;;) {
       Task t;
-      std::string aborted;
       {
         std::unique_lock lock(s.m);
-        s.cv.wait(lock, [&] { return s.stop || !s.tasks.empty(); });
+        s.cv.wait(lock, [&] { return !s.busy && (s.stop || !s.tasks.empty()); });
         if (s.tasks.empty()) break;
         t = std::move(s.tasks.front());
         s.tasks.pop_front();
-        aborted = s.aborted;
+        s.busy = true;
       }
-      std::exception_ptr err;
-      if (!aborted.empty()) {
-        err = std::make_exception_ptr(CommError(detail::cat("[ptrain.comm.aborted] ", t.work->what(),
-                                                    " not run: the communicator failed earlier: ", aborted,
-                                                    "; create a new process group to continue")));
-      } else {
-        try {
-          t.fn();
-        } catch (const std::exception& e) {
-          err = std::current_exception();
-          std::lock_guard lock(s.m);
-          if (s.aborted.empty()) s.aborted = e.what();
-        } catch (...) {
-          err = std::current_exception();
-          std::lock_guard lock(s.m);
-          if (s.aborted.empty()) s.aborted = "unknown exception";
-        }
-      }
-      t.work->complete_queued(std::move(err));
+      execute(s, *t.work, t.fn);
+      std::lock_guard lock(s.m);
+      s.busy = false;
     }
     std::lock_guard lock(s.m);
     s.exited = true;
@@ -464,7 +505,8 @@ struct AllToAllLayout {
 
 // "all_to_all_v(F32, send 10, recv 12)": how an all_to_all_v is named in errors.
 inline std::string all_to_all_v_desc(const AllToAllLayout& l, DType dt) {
-  return cat("all_to_all_v(", dtype_name(dt), ", send ", l.send_total, ", recv ", l.recv_total, ")");
+  return std::string("all_to_all_v(") + dtype_name(dt) + ", send " + std::to_string(l.send_total) + ", recv " +
+         std::to_string(l.recv_total) + ")";  // no stream: all_to_all_desc
 }
 
 }  // namespace detail
@@ -569,11 +611,11 @@ class Communicator {
   }
   void barrier() { barrier_async()->wait(timeout_); }
   void all_to_all(const void* send, void* recv, std::size_t count_per_rank, DType dt) {
-    all_to_all_async(send, recv, count_per_rank, dt)->wait(timeout_);
+    all_to_all_blocking(send, recv, count_per_rank, dt);
   }
   void all_to_all_v(const void* send, const std::size_t* send_counts, void* recv, const std::size_t* recv_counts,
                     DType dt) {
-    all_to_all_v_async(send, send_counts, recv, recv_counts, dt)->wait(timeout_);
+    all_to_all_v_blocking(send, send_counts, recv, recv_counts, dt);
   }
   /// Collective: the recv_counts of an all_to_all_v from every rank's send_counts
   /// (size() entries): result[j] = rank j's send_counts[rank()]. One all_to_all of
@@ -647,6 +689,17 @@ class Communicator {
 
  protected:
   explicit Communicator(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+
+  /// What the blocking all_to_all and all_to_all_v run: the async form, then wait(timeout()).
+  /// MPI overrides them to run on the caller's thread when its queue is idle (Note [Inline
+  /// blocking calls] in dist/mpi.hpp); wrappers keep these, so their async overrides still apply.
+  virtual void all_to_all_blocking(const void* send, void* recv, std::size_t count_per_rank, DType dt) {
+    all_to_all_async(send, recv, count_per_rank, dt)->wait(timeout_);
+  }
+  virtual void all_to_all_v_blocking(const void* send, const std::size_t* send_counts, void* recv,
+                                     const std::size_t* recv_counts, DType dt) {
+    all_to_all_v_async(send, send_counts, recv, recv_counts, dt)->wait(timeout_);
+  }
 
   // Argument checks shared by backends; they run on the caller's thread so a
   // bad call throws at once instead of aborting the communicator.

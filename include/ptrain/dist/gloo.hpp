@@ -217,51 +217,37 @@ struct GlooState {
   CallCheck check;        // Note [Collective fingerprints]; used on the worker only
 
   // On the worker, before each collective: the exchange of Note [Collective fingerprints];
-  // `split`: an all_to_all_v's layout, whose sizes are then checked across ranks.
+  // `split`: an all_to_all_v's layout, whose sizes the same exchange checks.
   void verify(const std::string& what, std::chrono::milliseconds timeout, const CallRow& row,
               const AllToAllLayout* split = nullptr) {
-    auto gather = [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
-      std::copy(mine, mine + n, all + n * static_cast<std::size_t>(rank));
-      guarded(what, timeout, [&] {
-        gloo::AllgatherOptions o(ctx);
-        o.setOutput(reinterpret_cast<char*>(all), n * sizeof(std::int64_t) * static_cast<std::size_t>(size));
-        o.setTag(tag++);
-        o.setTimeout(timeout);
-        gloo::allgather(o);
-      });
+    struct Triple {  // one Gloo element, so that no algorithm splits it
+      std::int64_t v[3];
     };
     check.check(
-        row, rank, size,
+        row, rank, size, split ? &split->send_counts : nullptr, split ? &split->recv_counts : nullptr,
         [&](std::int64_t* v) {
-          static const gloo::AllreduceOptions::Func max_fn = gloo_reduce_fn(DType::I64, ReduceOp::Max);
           guarded(what, timeout, [&] {
             gloo::AllreduceOptions o(ctx);
-            o.setOutput<std::int64_t>(v, 2);
-            o.setReduceFunction(max_fn);
-            o.setTag(tag++);
-            o.setTimeout(timeout);
-            gloo::allreduce(o);
-          });
-        },
-        gather);
-    if (split == nullptr) return;
-    check.check_split(
-        rank, size, split->send_counts, split->recv_counts, static_cast<DType>(row[2]),
-        [&](std::uint64_t* v) {
-          guarded(what, timeout, [&] {
-            gloo::AllreduceOptions o(ctx);
-            o.setOutput<std::uint64_t>(v, 1);
+            o.setOutput<Triple>(reinterpret_cast<Triple*>(v), 1);
             o.setReduceFunction([](void* out, const void* a, const void* b, std::size_t n) {
-              for (std::size_t i = 0; i < n; ++i)
-                static_cast<std::uint64_t*>(out)[i] =
-                    static_cast<const std::uint64_t*>(a)[i] + static_cast<const std::uint64_t*>(b)[i];
+              reduce_check_triples(static_cast<std::int64_t*>(out), static_cast<const std::int64_t*>(a),
+                                   static_cast<const std::int64_t*>(b), n);
             });
             o.setTag(tag++);
             o.setTimeout(timeout);
             gloo::allreduce(o);
           });
         },
-        gather);
+        [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
+          std::copy(mine, mine + n, all + n * static_cast<std::size_t>(rank));
+          guarded(what, timeout, [&] {
+            gloo::AllgatherOptions o(ctx);
+            o.setOutput(reinterpret_cast<char*>(all), n * sizeof(std::int64_t) * static_cast<std::size_t>(size));
+            o.setTag(tag++);
+            o.setTimeout(timeout);
+            gloo::allgather(o);
+          });
+        });
   }
 
   std::string failed() {

@@ -9,6 +9,22 @@
 // library grants only SERIALIZED, one process-wide mutex serialises calls, and
 // ranks must then interleave operations on different communicators in the
 // same order.
+//
+// Note [Inline blocking calls]
+// The blocking all_to_all and all_to_all_v (and exchange_counts) run on the
+// caller's thread when the communicator's worker has nothing queued or running
+// (OpQueue::run_inline); otherwise they queue like the async forms. The worker
+// starts nothing while an inline operation runs, so operations still run one at
+// a time in call order (Note [Async execution]). Handing a 1 MiB all-to-all to
+// the worker and waking the caller again cost 5-10 us of a 45 us operation at 2
+// ranks (docs/communicators.md). Inline, the operation waits with MPI_Test until
+// the communicator's timeout, then throws [ptrain.comm.timeout] and aborts the
+// communicator (Note [Failure]); MPI cannot cancel a collective, so its request
+// and the MPI communicator are leaked. The worker waits with MPI_Wait, its
+// caller's wait() holding the timeout. Both paths use the nonblocking MPI calls,
+// as do the checks before every collective: MPI never matches a blocking
+// collective with a nonblocking one, and one rank may run a call inline while
+// another runs it on its worker.
 
 #ifdef PTRAIN_MPI
 
@@ -56,6 +72,12 @@ void mpi_bf16_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
   reduce_into(a, a, static_cast<const bf16*>(in), static_cast<std::size_t>(*len), Op);
 }
 
+// The reduction of the collective check's exchange (CallCheck::check).
+inline void mpi_check_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* b = static_cast<std::int64_t*>(inout);
+  reduce_check_triples(b, static_cast<const std::int64_t*>(in), b, static_cast<std::size_t>(*len));
+}
+
 // Process-wide MPI state. Construction initialises MPI if needed; the
 // destructor (at exit) finalises it only if ptrain initialised it.
 class MpiRuntime {
@@ -70,6 +92,9 @@ class MpiRuntime {
   }
   int thread_level() const { return level_; }
   MPI_Datatype bf16_type() const { return bf16_type_; }
+  // Three I64 reduced by mpi_check_reduce: the collective check's exchange.
+  MPI_Datatype check_type() const { return check_type_; }
+  MPI_Op check_op() const { return check_op_; }
   MPI_Op bf16_op(ReduceOp op) const {
     return op == ReduceOp::Min ? bf16_min_ : op == ReduceOp::Max ? bf16_max_ : bf16_sum_;
   }
@@ -81,7 +106,9 @@ class MpiRuntime {
     MPI_Op_free(&bf16_sum_);
     MPI_Op_free(&bf16_min_);
     MPI_Op_free(&bf16_max_);
+    MPI_Op_free(&check_op_);
     MPI_Type_free(&bf16_type_);
+    MPI_Type_free(&check_type_);
     if (owned_) MPI_Finalize();
   }
 
@@ -110,6 +137,9 @@ class MpiRuntime {
     PTRAIN_CHECK_MPI(MPI_Op_create(&mpi_bf16_reduce<ReduceOp::Sum>, 1, &bf16_sum_));
     PTRAIN_CHECK_MPI(MPI_Op_create(&mpi_bf16_reduce<ReduceOp::Min>, 1, &bf16_min_));
     PTRAIN_CHECK_MPI(MPI_Op_create(&mpi_bf16_reduce<ReduceOp::Max>, 1, &bf16_max_));
+    PTRAIN_CHECK_MPI(MPI_Type_contiguous(3, MPI_INT64_T, &check_type_));
+    PTRAIN_CHECK_MPI(MPI_Type_commit(&check_type_));
+    PTRAIN_CHECK_MPI(MPI_Op_create(&mpi_check_reduce, 1, &check_op_));
   }
 
   int level_ = 0;
@@ -117,6 +147,8 @@ class MpiRuntime {
   std::mutex m_;
   MPI_Datatype bf16_type_ = MPI_DATATYPE_NULL;
   MPI_Op bf16_sum_ = MPI_OP_NULL, bf16_min_ = MPI_OP_NULL, bf16_max_ = MPI_OP_NULL;
+  MPI_Datatype check_type_ = MPI_DATATYPE_NULL;
+  MPI_Op check_op_ = MPI_OP_NULL;
 };
 
 inline MPI_Datatype mpi_type(DType dt) {
@@ -176,6 +208,15 @@ class MpiP2PWork : public Work {
   }
 };
 
+// Where an MpiCommunicator's operation waits for its MPI requests (Note [Inline blocking
+// calls]): on the worker (work == nullptr) as long as they take, since the caller's wait()
+// times out instead; on the caller's thread until `deadline`, then [ptrain.comm.timeout].
+struct MpiWaiting {
+  const Work* work = nullptr;
+  std::chrono::steady_clock::time_point deadline{};
+  std::chrono::milliseconds timeout{0};
+};
+
 }  // namespace detail
 
 /// Communicator over an MPI communicator (default: a duplicate of MPI_COMM_WORLD).
@@ -194,7 +235,7 @@ class MpiCommunicator : public Communicator {
   ~MpiCommunicator() override {
     // A worker stuck in a blocking MPI call past the timeout is detached and
     // the handle leaked rather than freed under it (Note [Failure]).
-    if (queue_.shutdown(timeout()) && comm_ != MPI_COMM_NULL) {
+    if (queue_.shutdown(timeout()) && !stuck_ && comm_ != MPI_COMM_NULL) {
       auto g = detail::MpiRuntime::get().guard();
       int fin = 0;
       MPI_Finalized(&fin);
@@ -282,41 +323,12 @@ class MpiCommunicator : public Communicator {
 
   std::shared_ptr<Work> all_to_all_async(const void* send, void* recv, std::size_t count_per_rank,
                                          DType dt) override {
-    auto type = detail::mpi_type(dt);
-    int n = detail::mpi_count(count_per_rank, "all_to_all");
-    const std::size_t total = count_per_rank * static_cast<std::size_t>(size_);
-    detail::mpi_count(total, "all_to_all");
-    check_no_overlap(send, total * dtype_size(dt), recv, total * dtype_size(dt), "all_to_all");
-    auto w = make_work(detail::all_to_all_desc(count_per_rank, dt));
-    const auto row = detail::call_row(detail::kAllToAll, count_per_rank, dt);
-    queue_.submit(w, [=, this] {
-      verify(row);
-      auto g = detail::MpiRuntime::get().guard();
-      PTRAIN_CHECK_MPI(MPI_Alltoall(send, n, type, recv, n, type, comm_));
-    });
-    return w;
+    return all_to_all_op(send, recv, count_per_rank, dt, false);
   }
 
   std::shared_ptr<Work> all_to_all_v_async(const void* send, const std::size_t* send_counts, void* recv,
                                            const std::size_t* recv_counts, DType dt) override {
-    auto type = detail::mpi_type(dt);
-    const detail::AllToAllLayout l = all_to_all_layout(send_counts, recv_counts);  // and verify()
-    // MPI_Alltoallv's counts and displacements are int: the totals bound both.
-    detail::mpi_count(l.send_total, "all_to_all_v (elements sent)");
-    detail::mpi_count(l.recv_total, "all_to_all_v (elements received)");
-    check_no_overlap(send, l.send_total * dtype_size(dt), recv, l.recv_total * dtype_size(dt), "all_to_all_v");
-    std::vector<int> ints;  // send counts, send displacements, recv counts, recv displacements
-    for (const auto* v : {&l.send_counts, &l.send_offsets, &l.recv_counts, &l.recv_offsets})
-      ints.insert(ints.end(), v->begin(), v->end());
-    auto w = make_work(detail::all_to_all_v_desc(l, dt));
-    const auto row = detail::call_row(detail::kAllToAllV, 0, dt);
-    queue_.submit(w, [=, this, ints = std::move(ints)] {
-      verify(row, &l);
-      const int* c = ints.data();
-      auto g = detail::MpiRuntime::get().guard();
-      PTRAIN_CHECK_MPI(MPI_Alltoallv(send, c, c + size_, type, recv, c + 2 * size_, c + 3 * size_, type, comm_));
-    });
-    return w;
+    return all_to_all_v_op(send, send_counts, recv, recv_counts, dt, false);
   }
 
   std::shared_ptr<Work> send_async(const void* buf, std::size_t count, DType dt, int peer, int tag) override {
@@ -350,8 +362,97 @@ class MpiCommunicator : public Communicator {
     return std::unique_ptr<Communicator>(new MpiCommunicator(AdoptTag{}, out, timeout()));
   }
 
+ protected:
+  // Note [Inline blocking calls]: run on this thread when the worker is idle.
+  void all_to_all_blocking(const void* send, void* recv, std::size_t count_per_rank, DType dt) override {
+    all_to_all_op(send, recv, count_per_rank, dt, true)->wait(timeout());
+  }
+  void all_to_all_v_blocking(const void* send, const std::size_t* send_counts, void* recv,
+                             const std::size_t* recv_counts, DType dt) override {
+    all_to_all_v_op(send, send_counts, recv, recv_counts, dt, true)->wait(timeout());
+  }
+
  private:
   struct AdoptTag {};
+
+  // Runs `op` on the worker in submission order, or, when `blocking` and nothing is queued
+  // or running, on this thread (Note [Inline blocking calls]).
+  void run(const std::shared_ptr<Work>& w, bool blocking, std::function<void(const detail::MpiWaiting&)> op) {
+    if (blocking) {
+      const detail::MpiWaiting here{w.get(), std::chrono::steady_clock::now() + timeout(), timeout()};
+      if (queue_.run_inline(*w, [&] { op(here); })) return;
+    }
+    queue_.submit(w, [op = std::move(op)] { op(detail::MpiWaiting{}); });
+  }
+
+  // Completes the nonblocking MPI operation that `post` starts (an MPI_I* call on its request).
+  template <class Post>
+  void complete(const detail::MpiWaiting& how, Post&& post) {
+    MPI_Request q = MPI_REQUEST_NULL;
+    if (how.work == nullptr) {
+      auto g = detail::MpiRuntime::get().guard();
+      post(&q);
+      PTRAIN_CHECK_MPI(MPI_Wait(&q, MPI_STATUS_IGNORE));
+      return;
+    }
+    {
+      auto g = detail::MpiRuntime::get().guard();
+      post(&q);
+    }
+    for (;;) {
+      int done = 0;
+      {
+        auto g = detail::MpiRuntime::get().guard();
+        PTRAIN_CHECK_MPI(MPI_Test(&q, &done, MPI_STATUS_IGNORE));
+      }
+      if (done) return;
+      if (std::chrono::steady_clock::now() >= how.deadline) {
+        // MPI cannot cancel a collective: the request stays pending, so the handle is leaked.
+        stuck_ = true;
+        Work::throw_timeout(how.work->what(), rank_, -1, how.timeout);
+      }
+    }
+  }
+
+  std::shared_ptr<Work> all_to_all_op(const void* send, void* recv, std::size_t count_per_rank, DType dt,
+                                      bool blocking) {
+    auto type = detail::mpi_type(dt);
+    int n = detail::mpi_count(count_per_rank, "all_to_all");
+    const std::size_t total = count_per_rank * static_cast<std::size_t>(size_);
+    detail::mpi_count(total, "all_to_all");
+    check_no_overlap(send, total * dtype_size(dt), recv, total * dtype_size(dt), "all_to_all");
+    auto w = make_work(detail::all_to_all_desc(count_per_rank, dt));
+    const auto row = detail::call_row(detail::kAllToAll, count_per_rank, dt);
+    run(w, blocking, [=, this](const detail::MpiWaiting& how) {
+      verify(row, nullptr, how);
+      complete(how, [&](MPI_Request* q) { PTRAIN_CHECK_MPI(MPI_Ialltoall(send, n, type, recv, n, type, comm_, q)); });
+    });
+    return w;
+  }
+
+  std::shared_ptr<Work> all_to_all_v_op(const void* send, const std::size_t* send_counts, void* recv,
+                                        const std::size_t* recv_counts, DType dt, bool blocking) {
+    auto type = detail::mpi_type(dt);
+    auto l = std::make_shared<const detail::AllToAllLayout>(all_to_all_layout(send_counts, recv_counts));
+    // MPI_Alltoallv's counts and displacements are int: the totals bound both.
+    detail::mpi_count(l->send_total, "all_to_all_v (elements sent)");
+    detail::mpi_count(l->recv_total, "all_to_all_v (elements received)");
+    check_no_overlap(send, l->send_total * dtype_size(dt), recv, l->recv_total * dtype_size(dt), "all_to_all_v");
+    auto ints = std::make_shared<std::vector<int>>();  // send counts, send displacements, recv counts, recv displacements
+    for (const auto* v : {&l->send_counts, &l->send_offsets, &l->recv_counts, &l->recv_offsets})
+      ints->insert(ints->end(), v->begin(), v->end());
+    auto w = make_work(detail::all_to_all_v_desc(*l, dt));
+    const auto row = detail::call_row(detail::kAllToAllV, 0, dt);
+    run(w, blocking, [=, this](const detail::MpiWaiting& how) {
+      verify(row, l.get(), how);
+      const int* c = ints->data();
+      complete(how, [&](MPI_Request* q) {
+        PTRAIN_CHECK_MPI(MPI_Ialltoallv(send, c, c + size_, type, recv, c + 2 * size_, c + 3 * size_, type, comm_, q));
+      });
+    });
+    return w;
+  }
+
   MpiCommunicator(AdoptTag, MPI_Comm comm, std::chrono::milliseconds timeout) : Communicator(timeout) { adopt(comm); }
 
   void adopt(MPI_Comm comm) {
@@ -366,30 +467,25 @@ class MpiCommunicator : public Communicator {
     return std::make_shared<detail::QueuedWork>(std::move(what), rank_, -1, timeout());
   }
 
-  // Note [Collective fingerprints]: on the worker, before each collective; `split`:
-  // an all_to_all_v's layout, whose sizes are then checked across ranks.
-  void verify(const detail::CallRow& row, const detail::AllToAllLayout* split = nullptr) {
+  // Note [Collective fingerprints]: before each collective, one exchange (CallCheck::check);
+  // `split`: an all_to_all_v's layout, whose sizes that exchange checks as well. `how`: where
+  // it waits (Note [Inline blocking calls]); nonblocking calls everywhere, since MPI does not
+  // match a blocking collective with a nonblocking one.
+  void verify(const detail::CallRow& row, const detail::AllToAllLayout* split = nullptr,
+              const detail::MpiWaiting& how = {}) {
     const MPI_Datatype i64 = detail::mpi_type(DType::I64);
-    auto gather = [&](const std::int64_t* mine, std::size_t count, std::int64_t* all) {
-      const int n = static_cast<int>(count);
-      auto g = detail::MpiRuntime::get().guard();
-      PTRAIN_CHECK_MPI(MPI_Allgather(mine, n, i64, all, n, i64, comm_));
-    };
+    const auto& rt = detail::MpiRuntime::get();
     check_.check(
-        row, rank_, size_,
+        row, rank_, size_, split ? &split->send_counts : nullptr, split ? &split->recv_counts : nullptr,
         [&](std::int64_t* v) {
-          auto g = detail::MpiRuntime::get().guard();
-          PTRAIN_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, v, 2, i64, MPI_MAX, comm_));
+          complete(how, [&](MPI_Request* q) {
+            PTRAIN_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, v, 1, rt.check_type(), rt.check_op(), comm_, q));
+          });
         },
-        gather);
-    if (split == nullptr) return;
-    check_.check_split(
-        rank_, size_, split->send_counts, split->recv_counts, static_cast<DType>(row[2]),
-        [&](std::uint64_t* v) {
-          auto g = detail::MpiRuntime::get().guard();
-          PTRAIN_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, v, 1, MPI_UINT64_T, MPI_SUM, comm_));
-        },
-        gather);
+        [&](const std::int64_t* mine, std::size_t count, std::int64_t* all) {
+          const int n = static_cast<int>(count);
+          complete(how, [&](MPI_Request* q) { PTRAIN_CHECK_MPI(MPI_Iallgather(mine, n, i64, all, n, i64, comm_, q)); });
+        });
   }
 
   std::shared_ptr<Work> p2p(bool is_send, void* buf, std::size_t count, DType dt, int peer, int tag) {
@@ -409,7 +505,8 @@ class MpiCommunicator : public Communicator {
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
-  detail::CallCheck check_;  // used on the worker only
+  detail::CallCheck check_;  // used by the running operation only (worker or inline)
+  std::atomic<bool> stuck_{false};  // an inline operation timed out with its request pending
   detail::OpQueue queue_;
 };
 

@@ -7,6 +7,7 @@
 // (Gloo, also with DETAIL and through the flight recorder) and as a world of one.
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -166,6 +167,53 @@ TEST_CASE("comm: async all-to-alls overlap with other collectives and finish in 
     CHECK(wrong_received(recvs[static_cast<std::size_t>(salt)], plans[static_cast<std::size_t>(salt)], r, salt) == 0);
   }
   CHECK(sum[999] == static_cast<double>(P * (P + 1) / 2));
+}
+
+// MPI runs a blocking all-to-all on the caller's thread when its worker is idle (Note
+// [Inline blocking calls]); behind queued operations it must still wait its turn.
+TEST_CASE("comm: a blocking all-to-all runs after the async operations queued before it", "[dist][comm][all_to_all]") {
+  Communicator& c = world();
+  const int P = c.size(), r = c.rank();
+  const Plan pv = plan(r, P, 1), pe = equal_plan(513, P);
+  for (int round = 0; round < 3; ++round) {
+    INFO("round " << round);
+    std::vector<double> sum(200'000, static_cast<double>(r + 1));
+    Buf sv = send_buffer(DType::F64, pv, r, 1), dv(DType::F64, pv.recv_total);
+    Buf se = send_buffer(DType::F64, pe, r, 2), de(DType::F64, pe.recv_total);
+    auto reduce = c.all_reduce_async(sum.data(), sum.data(), sum.size(), DType::F64, ReduceOp::Sum);
+    auto v = c.all_to_all_v_async(sv.data(), pv.send_counts.data(), dv.data(), pv.recv_counts.data(), DType::F64);
+    if (round == 1) c.all_to_all(se.data(), de.data(), 513, DType::F64);
+    else c.all_to_all_v(se.data(), pe.send_counts.data(), de.data(), pe.recv_counts.data(), DType::F64);
+    // Both ran before the blocking call returned (the worker runs in submission order).
+    CHECK(reduce->is_completed());
+    CHECK(v->is_completed());
+    CHECK(wrong_received(de, pe, r, 2) == 0);
+    reduce->wait();
+    v->wait();
+    CHECK(wrong_received(dv, pv, r, 1) == 0);
+    CHECK(sum.back() == static_cast<double>(P * (P + 1) / 2));
+  }
+}
+
+TEST_CASE("comm: a blocking MPI all-to-all that a peer never joins times out on the caller's thread",
+          "[dist][comm][all_to_all]") {
+  Communicator& w = world();
+  const int P = w.size(), r = w.rank();
+  if (w.backend() != "mpi" || P == 1) return;
+  auto g = plain_group();
+  g->set_timeout(std::chrono::milliseconds(300));
+  std::vector<float> a(2 * static_cast<std::size_t>(P), 1.0f), b(a.size(), 0.0f);
+  if (r == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(g->all_to_all(a.data(), b.data(), 2, DType::F32),
+                      Contains("[ptrain.comm.timeout] all_to_all(F32 x 2 per rank) on rank 0") &&
+                          Contains("300 ms"));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
+    // It timed out inside the operation, not in a wait on a worker still stuck in it: the
+    // group is aborted and the next call fails at once.
+    CHECK_THROWS_WITH(g->all_to_all(a.data(), b.data(), 2, DType::F32), Contains("[ptrain.comm.aborted]"));
+  }
+  w.barrier();
 }
 
 TEST_CASE("comm: all-to-all Tensor forms", "[dist][comm][all_to_all]") {
