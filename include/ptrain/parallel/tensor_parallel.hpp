@@ -72,10 +72,15 @@
 // - The units are built whole (every tp shard of the model at once) before FSDP
 //   shards them, as FSDP(units, comm) does; a tied head shares its group with the
 //   embedding (Note [FSDP units and groups]).
+//
+// A Llama with mixture-of-experts blocks runs each MoE layer on 1/tp of the tokens per
+// tp rank, its experts split over TensorParallelPlan::expert_parallel ranks (Note
+// [Expert parallelism x TP] in tp_moe.hpp: layout, gradients, clipping, checkpoints).
 
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -114,6 +119,10 @@ struct TensorParallelPlan {
   /// tensor-parallel unit is sharded again over data_parallel_group() by an FSDP engine
   /// with these options (pp = 1; unit_names and device are the engine's).
   std::optional<FSDPOptions> fsdp = std::nullopt;
+  /// For a model with nn::MoE layers: split their experts over groups of this many
+  /// consecutive ranks (Note [Expert parallelism x TP] in tp_moe.hpp); 1: every rank
+  /// holds every expert. ep must divide the world and the experts.
+  int expert_parallel = 1;
 };
 
 template <class T>
@@ -139,9 +148,9 @@ class TensorParallel : public Engine<T> {
   TensorParallel(nn::Llama<T>& full, dist::Communicator& world, TensorParallelPlan plan) : world_(world) {
     const nn::LlamaConfig cfg = full.config();
     init({.describe = full.describe(), .names = full.unit_names(), .heads = cfg.n_kv_head, .vocab = cfg.vocab_size,
-          .tied = cfg.tie_weights,
-          .unit = [cfg, &full](std::size_t u, TensorParallelGroup& g, nn::Parameter<T>* tied) {
-            return detail::tensor_parallel_llama_unit<T>(cfg, u, g, full.units()[u], tied);
+          .tied = cfg.tie_weights, .moe = cfg.num_experts > 0,
+          .unit = [this, cfg, &full](std::size_t u, TensorParallelGroup& g, nn::Parameter<T>* tied) {
+            return detail::tensor_parallel_llama_unit<T>(cfg, u, g, full.units()[u], tied, experts_.get());
           }},
          plan);
   }
@@ -164,7 +173,15 @@ class TensorParallel : public Engine<T> {
     if (!pending_) return;
     pending_ = false;
     sum_partial_gradients();
-    if (!pipe_ && !fsdp_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
+    if (experts_) {  // Note [Expert parallelism x TP]: dense runs over dp, expert runs over the expert replicas
+      dist::CollectiveLabel label("tp.dp_gradients");
+      const double scale = double(mesh_->tp_size()) / experts_->ep_size();
+      for_runs(params_->entries(), expert_, params_->grads(), [&](Tensor<T> g, bool expert) {
+        dist::Communicator& c = expert ? experts_->expert_data_group() : mesh_->data_group();
+        if (c.size() > 1) c.all_reduce(g, dist::ReduceOp::Avg);
+        if (expert && scale != 1) ops::scale_(g, static_cast<acc_t<T>>(scale));
+      });
+    } else if (!pipe_ && !fsdp_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
       dist::CollectiveLabel label("tp.dp_gradients");
       mesh_->data_group().all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
@@ -186,6 +203,11 @@ class TensorParallel : public Engine<T> {
   Mesh& mesh() { return *mesh_; }
   /// The FSDP engine over the data-parallel group (TensorParallelPlan::fsdp), or null.
   FSDP<T>* fsdp() { return fsdp_.get(); }
+  /// The expert-parallel groups of a model with MoE layers, or null.
+  ExpertMesh* expert_mesh() { return experts_.get(); }
+  /// Whether entry i of parameters() (frozen entry i) is an expert's.
+  bool is_expert(std::size_t i) const { return !expert_.empty() && expert_.at(i); }
+  bool is_frozen_expert(std::size_t i) const { return !frozen_expert_.empty() && frozen_expert_.at(i); }
   /// How the parameter of that full name is cut over tp (any parameter, trainable or frozen).
   ShardSpec spec_of(const std::string& name) const {
     auto it = std::find_if(all_specs_.begin(), all_specs_.end(), [&](const auto& s) { return s.first == name; });
@@ -209,6 +231,7 @@ class TensorParallel : public Engine<T> {
     std::vector<std::string> names;      // its units
     std::int64_t heads, vocab;           // heads that tp must divide (key/value heads for Llama)
     bool tied;                           // the head uses the embedding's weight
+    bool moe = false;                    // has nn::MoE layers (Note [Expert parallelism x TP])
     /// Unit u in tensor-parallel form with this rank's shards (tied: the embedding's weight shard).
     std::function<std::shared_ptr<nn::Module<T>>(std::size_t u, TensorParallelGroup&, nn::Parameter<T>* tied)> unit;
   };
@@ -227,6 +250,7 @@ class TensorParallel : public Engine<T> {
     mesh_ = std::make_unique<Mesh>(
         world_, MeshShape{.dp = world_.size() / (plan.tp * plan.pp), .tp = plan.tp, .pp = plan.pp});
     group_ = std::make_unique<TensorParallelGroup>(mesh_->tensor_group(), plan.sequence_parallel);
+    if (m.moe) experts_ = std::make_unique<ExpertMesh>(world_, plan.expert_parallel);
     const std::int64_t vocab = m.vocab;
     TensorParallelGroup* g = group_.get();
     LossFn<T> loss = [g, vocab](const Tensor<T>& out, const Targets<T>& targets, Tensor<T>* dout, acc_t<T> scale) {
@@ -279,8 +303,35 @@ class TensorParallel : public Engine<T> {
       if (specs_.back().partial) partial_.push_back(specs_.size() - 1);
     }
     for (const auto& e : parameters().frozen_entries()) frozen_specs_.push_back(spec_of(e.name));
-    // Replica 0's values, frozen ones too, as DDP (FSDP broadcasts its own over the replicas).
-    if (!fsdp_) mesh_->broadcast_parameters(parameters());
+    if (experts_) {
+      std::set<const nn::Parameter<T>*> mine;
+      for (auto* moe : moe_layers(*model_))
+        for (auto& p : moe->experts().named_parameters()) mine.insert(p.param);
+      for (const auto& e : parameters().entries()) expert_.push_back(mine.count(e.param));
+      for (const auto& e : parameters().frozen_entries()) frozen_expert_.push_back(mine.count(e.param));
+      // Replica 0's dense values over dp, expert replica 0's experts over the expert replicas.
+      auto broadcast = [&](Tensor<T> v, bool expert) {
+        dist::Communicator& c = expert ? experts_->expert_data_group() : mesh_->data_group();
+        if (c.size() > 1) c.broadcast(v, 0);
+      };
+      for_runs(parameters().entries(), expert_, parameters().values(), broadcast);
+      for_runs(parameters().frozen_entries(), frozen_expert_, parameters().frozen_values(), broadcast);
+    } else if (!fsdp_) {
+      // Replica 0's values, frozen ones too, as DDP (FSDP broadcasts its own over the replicas).
+      mesh_->broadcast_parameters(parameters());
+    }
+  }
+
+  // fn(view of `flat`, expert) for each run of consecutive entries of one kind (dense or expert).
+  template <class Entries, class Fn>
+  static void for_runs(const Entries& entries, const std::vector<char>& expert, const Tensor<T>& flat, Fn&& fn) {
+    for (std::size_t i = 0; i < entries.size();) {
+      std::size_t j = i + 1;
+      while (j < entries.size() && expert[j] == expert[i]) ++j;
+      const std::int64_t begin = entries[i].offset, end = entries[j - 1].offset + entries[j - 1].numel();
+      fn(flat.view(begin, {end - begin}), expert[i] != 0);
+      i = j;
+    }
   }
 
   // Every rank must pass the same plan and model: agreed with fixed-size
@@ -290,7 +341,8 @@ class TensorParallel : public Engine<T> {
     const std::string desc = ::ptrain::detail::cat(
         "TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ", plan.sequence_parallel ? "true" : "false",
         ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, ", .virtual_stages = ", plan.virtual_stages,
-        ", .fsdp = ", plan.fsdp ? strategy_name(plan.fsdp->strategy) : "none", "} ", m.describe);
+        ", .fsdp = ", plan.fsdp ? strategy_name(plan.fsdp->strategy) : "none", ", .expert_parallel = ",
+        plan.expert_parallel, "} ", m.describe);
     try {
       check_same_model(world_, {desc});
     } catch (const Error& e) {
@@ -308,6 +360,12 @@ class TensorParallel : public Engine<T> {
     PTRAIN_CHECK(!plan.fsdp || plan.pp == 1, Error, "[ptrain.tp.fsdp_pipeline] FSDP x TP runs without a pipeline, "
                  "but the plan has pp = ", plan.pp, "; set pp = 1, or drop TensorParallelPlan::fsdp (the replicas "
                  "of a pipeline all-reduce their gradients)");
+    PTRAIN_CHECK(m.moe || plan.expert_parallel == 1, Error, "[ptrain.ep.model] expert_parallel = ",
+                 plan.expert_parallel, " but ", m.describe, " has no mixture-of-experts layer; use expert_parallel = 1");
+    PTRAIN_CHECK(!m.moe || (plan.pp == 1 && !plan.sequence_parallel && !plan.fsdp), Error, "[ptrain.tp.moe] tensor "
+                 "parallelism of ", m.describe, " (mixture-of-experts layers) runs without pipeline stages, sequence "
+                 "parallelism and FSDP x TP (Note [Expert parallelism x TP]); set pp = 1, sequence_parallel = false "
+                 "and no fsdp, or use DDPOptions{.expert_parallel}");
     PTRAIN_CHECK(plan.unit_costs.empty() || plan.unit_costs.size() == m.names.size(), Error, "[ptrain.tp.costs] ",
                  plan.unit_costs.size(), " unit costs for ", m.names.size(), " units");
   }
@@ -362,13 +420,16 @@ class TensorParallel : public Engine<T> {
   // once, then the stages' sums added; under FSDP both first summed over the FSDP
   // shard group, whose pieces hold each gradient of a tp rank once (Note [FSDP x TP]).
   double sum_over_model(double) override {
-    double sq[2] = {0, 0};  // sharded, replicated
+    double sq[3] = {0, 0, 0};  // sharded, replicated, experts (Note [Expert parallelism x TP])
     const auto& entries = parameters().entries();
-    for (std::size_t i = 0; i < entries.size(); ++i) sq[specs_[i].sharded() ? 0 : 1] += ops::sum_squares(grad(i));
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      sq[is_expert(i) ? 2 : specs_[i].sharded() ? 0 : 1] += ops::sum_squares(grad(i));
+    if (experts_ && experts_->ep_size() > 1)
+      experts_->expert_group().all_reduce(&sq[2], 1, DType::F64, dist::ReduceOp::Sum);
     if (dist::Communicator* s = fsdp_ ? fsdp_->shard_group() : nullptr; s && s->size() > 1)
       s->all_reduce(sq, 2, DType::F64, dist::ReduceOp::Sum);
     if (group_->size() > 1) group_->communicator().all_reduce(&sq[0], 1, DType::F64, dist::ReduceOp::Sum);
-    double total = sq[0] + sq[1];
+    double total = sq[0] + sq[1] + sq[2];
     if (mesh_->pp_size() > 1) mesh_->pipeline_group().all_reduce(&total, 1, DType::F64, dist::ReduceOp::Sum);
     return total;
   }
@@ -376,6 +437,7 @@ class TensorParallel : public Engine<T> {
   dist::Communicator& world_;
   std::unique_ptr<Mesh> mesh_;
   std::unique_ptr<TensorParallelGroup> group_;
+  std::unique_ptr<ExpertMesh> experts_;  // a model with MoE layers (the units' dispatches refer to its groups)
   std::unique_ptr<detail::StageModule<T>> model_;     // pp = 1
   std::unique_ptr<nn::FlatParameters<T>> own_params_;  // pp = 1
   std::unique_ptr<Pipeline<T>> pipe_;                  // pp > 1
@@ -386,6 +448,7 @@ class TensorParallel : public Engine<T> {
   std::vector<std::pair<std::string, ShardSpec>> all_specs_;  // every sharded or partial parameter, by name
   bool pending_ = false;
   std::unique_ptr<FSDP<T>> fsdp_;  // pp = 1 with TensorParallelPlan::fsdp; destroyed before what it refers to
+  std::vector<char> expert_, frozen_expert_;  // per (frozen) entry, with experts_
 };
 
 }  // namespace ptrain::parallel
