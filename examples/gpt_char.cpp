@@ -1304,10 +1304,11 @@ int main(int argc, char** argv) {
                  "--z-loss-coef are for --model mixtral\n");
     return 2;
   }
-  if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "tp" || opt.parallel == "cp")) {
-    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp (--expert-parallel N splits "
-                 "the experts) or fsdp (tensor, context and pipeline parallelism of MoE blocks are not built in "
-                 "gpt_char)\n");
+  if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "cp" || opt.fsdp_tp ||
+                                  (opt.parallel == "tp" && (opt.stages > 1 || opt.sequence_parallel)))) {
+    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp, tp (--expert-parallel N splits "
+                 "the experts; tp without --stages and --sequence-parallel) or fsdp without --tp (context and "
+                 "pipeline parallelism of MoE blocks are not built in gpt_char)\n");
     return 2;
   }
   if (opt.model == "llama" || opt.model == "mixtral") {

@@ -203,7 +203,8 @@ TrainerState load_tp(const fs::path& path, parallel::TensorParallel<T>& engine,
   for (const auto& b : params.buffers()) names.insert(b.name);
   // With pp > 1 the checkpoint also holds the other stages' tensors, with experts the other ranks' experts.
   for (const auto& n : c.tensor_names("model"))
-    PTRAIN_CHECK(engine.mesh().pp_size() > 1 || names.count(n) || (engine.expert_mesh() && n.find(".experts.") != n.npos),
+    PTRAIN_CHECK(engine.mesh().pp_size() > 1 || names.count(n) ||
+                     (engine.expert_mesh() && n.find(".experts.") != n.npos),
                  CheckpointError, "[ptrain.ckpt.unexpected] ",
                  path.string(), ": tensor '", n, "' is not a parameter or buffer of the model; the checkpoint is "
                  "from a different model");

@@ -7,6 +7,9 @@
 //   auto engine = parallel::make_engine<double>(llama, *world, parallel::DDPOptions{.expert_parallel = 2});
 //   engine->forward_backward(my_ids, my_targets);     // every rank its own slice of the global batch
 //
+// and through tensor parallelism, TensorParallelPlan{.tp = 2, .expert_parallel = 2}, on the
+// same ExpertMesh (Note [Expert parallelism x TP] in parallel/tp_moe.hpp).
+//
 // Note [Expert-parallel layout]
 // - Mesh: world = dp x ep, ep innermost (world rank r = replica * ep + e), so an
 //   expert-parallel group is ep consecutive ranks (one node first: its all-to-alls

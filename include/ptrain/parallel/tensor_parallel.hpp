@@ -181,7 +181,7 @@ class TensorParallel : public Engine<T> {
         if (c.size() > 1) c.all_reduce(g, dist::ReduceOp::Avg);
         if (expert && scale != 1) ops::scale_(g, static_cast<acc_t<T>>(scale));
       });
-    } else if (!pipe_ && !fsdp_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages each stage itself
+    } else if (!pipe_ && !fsdp_ && mesh_->dp_size() > 1 && params_->numel() > 0) {  // a pipeline averages itself
       dist::CollectiveLabel label("tp.dp_gradients");
       mesh_->data_group().all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
@@ -361,7 +361,8 @@ class TensorParallel : public Engine<T> {
                  "but the plan has pp = ", plan.pp, "; set pp = 1, or drop TensorParallelPlan::fsdp (the replicas "
                  "of a pipeline all-reduce their gradients)");
     PTRAIN_CHECK(m.moe || plan.expert_parallel == 1, Error, "[ptrain.ep.model] expert_parallel = ",
-                 plan.expert_parallel, " but ", m.describe, " has no mixture-of-experts layer; use expert_parallel = 1");
+                 plan.expert_parallel, " but ", m.describe, " has no mixture-of-experts layer; use "
+                 "expert_parallel = 1");
     PTRAIN_CHECK(!m.moe || (plan.pp == 1 && !plan.sequence_parallel && !plan.fsdp), Error, "[ptrain.tp.moe] tensor "
                  "parallelism of ", m.describe, " (mixture-of-experts layers) runs without pipeline stages, sequence "
                  "parallelism and FSDP x TP (Note [Expert parallelism x TP]); set pp = 1, sequence_parallel = false "

@@ -44,8 +44,9 @@ class TensorParallelLlamaBlock : public nn::PreNormBlock<T>, public ShardedModul
     const int tp = group.size();
     PTRAIN_CHECK(c.n_kv_head % tp == 0, Error, "[ptrain.tp.heads] tp = ", tp, " does not divide the ", c.n_kv_head,
                  " key/value heads (of ", c.n_head, " query heads); choose a tp degree that divides n_kv_head");
-    PTRAIN_CHECK(c.is_moe_layer(layer) || c.intermediate_size % tp == 0, Error, "[ptrain.tp.divide] tp = ", tp, " does not divide the MLP "
-                 "width ", c.intermediate_size, "; choose a tp degree that divides intermediate_size");
+    PTRAIN_CHECK(c.is_moe_layer(layer) || c.intermediate_size % tp == 0, Error, "[ptrain.tp.divide] tp = ", tp,
+                 " does not divide the MLP width ", c.intermediate_size, "; choose a tp degree that divides "
+                 "intermediate_size");
     const std::int64_t D = c.head_dim(), C = c.n_embd;
     Generator scratch(0);  // the values are copied in from the full model
     auto column = [&](std::int64_t out, bool bias) {

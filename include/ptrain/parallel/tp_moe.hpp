@@ -40,8 +40,10 @@
 // - Not offered ([ptrain.tp.moe]): sequence parallelism (its slices are not contiguous
 //   in the global token order), pipeline stages and FSDP x TP.
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ptrain/dist/flight_recorder.hpp"
@@ -56,7 +58,8 @@ template <class T>
 class TensorParallelMoE : public nn::Module<T>, public ShardedModule {
  public:
   /// `moe` (its experts may be sharded over an expert-parallel group: parallel::shard_experts).
-  TensorParallelMoE(TensorParallelGroup& group, std::shared_ptr<nn::MoE<T>> moe) : group_(group), moe_(std::move(moe)) {
+  TensorParallelMoE(TensorParallelGroup& group, std::shared_ptr<nn::MoE<T>> moe)
+      : group_(group), moe_(std::move(moe)) {
     this->register_module("", moe_);
     moe_->set_aux_loss_scale(1.0 / group.size());
   }
@@ -80,7 +83,9 @@ class TensorParallelMoE : public nn::Module<T>, public ShardedModule {
       if (p.name.rfind("experts.", 0) != 0) out.emplace_back(p.name, ShardSpec{.partial = true});
     return out;
   }
-  std::string describe() const override { return "TensorParallelMoE(tp=" + std::to_string(group_.size()) + ", " + moe_->describe() + ")"; }
+  std::string describe() const override {
+    return "TensorParallelMoE(tp=" + std::to_string(group_.size()) + ", " + moe_->describe() + ")";
+  }
   nn::MoE<T>& moe() { return *moe_; }
 
  private:
