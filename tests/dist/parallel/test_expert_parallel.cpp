@@ -10,6 +10,8 @@
 // A checkpoint written at ep 2 is loaded at ep 1 (plain DDP) and at ep 4 (on 4 ranks)
 // and trained one more step. The routing statistics all-reduced over the ranks equal one
 // process's on the global batch, and gather_experts gives rank 0 the whole trained model.
+// With tensor parallelism (tp 2 x ep 1, 2 and 4) the same model trains like the same one
+// process, and its checkpoints load into one process and at another ep.
 // Every rank runs every case in the same order; checks use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -257,12 +259,13 @@ void tensor_parallel_trains_like_one_process(const char* tmp_prefix) {
     std::vector<int> eps{2, 1};
     if (n % 4 == 0) eps.push_back(4);
     for (int ep : eps) {
-      INFO((capacity ? "capacity" : "dropless") << ", tp 2 x ep " << ep << " x dp " << n / 2 << ", "
-                                                << comm.backend() << (std::is_same_v<T, float> ? ", float" : ", double"));
+      INFO((capacity ? "capacity" : "dropless") << ", tp 2 x ep " << ep << " on " << n << " ranks, "
+                                                << comm.backend() << (std::is_same_v<T, float> ? ", float" : ""));
       const parallel::TensorParallelPlan plan{.tp = 2, .expert_parallel = ep};
       auto engine = parallel::make_engine<T>(make_llama<T>(c), comm, plan);
       auto& tp = static_cast<parallel::TensorParallel<T>&>(*engine);
-      CHECK(parallel::moe_layers(engine->local_module())[1]->experts().first() == tp.expert_mesh()->ep_rank() * (4 / ep));
+      CHECK(parallel::moe_layers(engine->local_module())[1]->experts().first() ==
+            tp.expert_mesh()->ep_rank() * (4 / ep));
       optim::AdamW<T> opt(engine->parameters(), kAdam);
       std::vector<double> norms;
       std::int64_t dropped = train(*engine, opt, 0, kSteps, &norms);
@@ -272,8 +275,8 @@ void tensor_parallel_trains_like_one_process(const char* tmp_prefix) {
       const auto saved = dir / ("tp2_ep" + std::to_string(ep));
       CHECK(rel_diff(whole_parameters(*engine, opt, c, saved), ref.params[kSteps - 1]) < kTol<T>);
       // Resumed at tp 2 x another ep degree for one more step.
-      auto resumed = parallel::make_engine<T>(make_llama<T>(c), comm,
-                                              parallel::TensorParallelPlan{.tp = 2, .expert_parallel = ep == 2 ? 1 : 2});
+      const parallel::TensorParallelPlan other{.tp = 2, .expert_parallel = ep == 2 ? 1 : 2};
+      auto resumed = parallel::make_engine<T>(make_llama<T>(c), comm, other);
       optim::AdamW<T> opt2(resumed->parameters(), kAdam);
       ckpt::CheckpointManager mgr(saved, &comm);
       ckpt::load(mgr, mgr.latest().path, *resumed, &opt2);
