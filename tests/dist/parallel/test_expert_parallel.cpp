@@ -245,7 +245,8 @@ void trains_like_one_process(const char* tmp_prefix) {
 // Expert parallelism with tensor parallelism (Note [Expert parallelism x TP] in
 // parallel/tp_moe.hpp): tp 2 x ep 2 (dp 2 on 4 ranks: the expert-parallel groups are the
 // tp groups), tp 2 x ep 4 (one group over dp and tp) and tp 2 x ep 1, against the same
-// one process as DDP: each world rank routes its own slice of the global batch. The
+// one process as DDP: each world rank routes its own slice of the global batch; dropless,
+// with a capacity, and with a dense (tensor-parallel) MLP in layer 0 (moe_every 2). The
 // checkpoint loads into one process and resumes, one more step, at another ep degree.
 template <class T>
 void tensor_parallel_trains_like_one_process(const char* tmp_prefix) {
@@ -253,18 +254,21 @@ void tensor_parallel_trains_like_one_process(const char* tmp_prefix) {
   const int n = comm.size();
   if (n % 2 != 0) return;  // every rank returns alike
   const auto dir = ptrain::testing::shared_tmp_dir(comm, tmp_prefix);
-  for (bool capacity : {false, true}) {
-    const nn::LlamaConfig c = config(capacity);
+  for (int kind : {0, 1, 2}) {  // dropless, capacity, dropless with a dense layer 0
+    const bool capacity = kind == 1;
+    nn::LlamaConfig c = config(capacity);
+    if (kind == 2) c.moe_every = 2;
     const auto ref = reference<T>(c, n, kSteps + 1);
     std::vector<int> eps{2, 1};
     if (n % 4 == 0) eps.push_back(4);
     for (int ep : eps) {
-      INFO((capacity ? "capacity" : "dropless") << ", tp 2 x ep " << ep << " on " << n << " ranks, "
+      INFO((capacity ? "capacity" : "dropless") << ", moe_every " << c.moe_every << ", tp 2 x ep " << ep << " on "
+                                                << n << " ranks, "
                                                 << comm.backend() << (std::is_same_v<T, float> ? ", float" : ""));
       const parallel::TensorParallelPlan plan{.tp = 2, .expert_parallel = ep};
       auto engine = parallel::make_engine<T>(make_llama<T>(c), comm, plan);
       auto& tp = static_cast<parallel::TensorParallel<T>&>(*engine);
-      CHECK(parallel::moe_layers(engine->local_module())[1]->experts().first() ==
+      CHECK(parallel::moe_layers(engine->local_module()).back()->experts().first() ==
             tp.expert_mesh()->ep_rank() * (4 / ep));
       optim::AdamW<T> opt(engine->parameters(), kAdam);
       std::vector<double> norms;
