@@ -330,8 +330,9 @@ void gather_experts(nn::Module<T>& model, ExpertMesh& mesh, dist::Communicator& 
 /// summed, max_load and mean_load (so the load imbalance) from the summed counts, aux_loss,
 /// z_loss and loss averaged over the ranks (capacity stays this rank's). One all-reduce of
 /// E + 5 numbers per layer; collective over `comm`, whose ranks must hold the same MoE
-/// layers (every rank under Local, DDP with any expert_parallel, FSDP and context
-/// parallelism; not pipeline stages). Backward does not read the statistics, so this may
+/// layers (every rank under Local, DDP with any expert_parallel, FSDP, context
+/// parallelism and tensor parallelism, where each tp rank routes its own slice; not
+/// pipeline stages). Backward does not read the statistics, so this may
 /// run between steps.
 template <class T>
 void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {
