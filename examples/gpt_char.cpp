@@ -639,9 +639,11 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
             mesh.world().recv(p.param->value, static_cast<int>(expert / (E / em->ep_size())));
           } else if (lead && s == 0) {
             p.param->value.copy_(full.at(name));
+          } else if (lead) {
+            stages.recv(p.param->value, s);
+          } else {
+            stages.send(full.at(name), 0);
           }
-          else if (lead) stages.recv(p.param->value, s);
-          else stages.send(full.at(name), 0);
         }
       }
     };
