@@ -14,6 +14,7 @@
 //   ptrun --nproc-per-node 2 gpt_char --parallel ddp --batch 8 --grad-accum 4   # 64 sequences per step
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --experts 8 --moe-top-k 2   # MoE blocks
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --expert-parallel 2   # ep 2 x dp 2
+//   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel tp --tp 2 --expert-parallel 2   # tp 2 x dp 2, ep 2
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
 // saves every --checkpoint-every steps (in the background), at the end, and when
@@ -129,7 +130,7 @@ struct Options {
   double capacity_factor = 0;        // --model mixtral: 0 dropless
   double aux_loss_coef = 0.01;       // --model mixtral: load-balancing loss coefficient
   double z_loss_coef = 0;            // --model mixtral: router z-loss coefficient
-  int expert_parallel = 1;           // --model mixtral --parallel ddp: ranks that split each layer's experts
+  int expert_parallel = 1;           // --model mixtral --parallel ddp or tp: ranks that split each layer's experts
   double dropout = 0.0;
   double lr = 2e-3;
   double min_lr = 2e-4;
@@ -261,7 +262,9 @@ std::string parallel_layout(const Options& o, int world) {
   if (o.parallel == "tp" && o.stages > 1)
     return detail::cat("tp ", o.tp, " x pp ", o.stages, " x dp ", world / (o.tp * o.stages), ", m ", o.micro_batches,
                        ", ", schedule_label(o));
-  if (o.parallel == "tp") return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp);
+  if (o.parallel == "tp")
+    return "tp " + std::to_string(o.tp) + " x dp " + std::to_string(world / o.tp) +
+           (o.expert_parallel > 1 ? ", ep " + std::to_string(o.expert_parallel) : "");
   if (o.parallel == "cp") {
     const int tp = o.cp_tp ? o.tp : 1;
     return "cp " + std::to_string(o.context_parallel) + (o.cp_tp ? " x tp " + std::to_string(tp) : "") + " x dp " +
@@ -323,9 +326,10 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 // Flags that contradict each other or the world, refused before anything is read.
 void check_parallel_flags(const Options& o, int world) {
   if (o.expert_parallel > 1) {
-    PTRAIN_CHECK(o.model == "mixtral" && o.parallel == "ddp", Error, "[gpt_char.ep] --expert-parallel ",
-                 o.expert_parallel, " splits the experts of --model mixtral under --parallel ddp (got --model ",
-                 o.model, " --parallel ", o.parallel, "); add --model mixtral --parallel ddp or leave it out");
+    PTRAIN_CHECK(o.model == "mixtral" && (o.parallel == "ddp" || (o.parallel == "tp" && o.stages <= 1)), Error,
+                 "[gpt_char.ep] --expert-parallel ", o.expert_parallel, " splits the experts of --model mixtral "
+                 "under --parallel ddp or tp without --stages (got --model ", o.model, " --parallel ", o.parallel,
+                 "); add --model mixtral --parallel ddp (or tp) or leave it out");
     PTRAIN_CHECK(world % o.expert_parallel == 0 && o.experts % o.expert_parallel == 0, Error, "[gpt_char.ep] "
                  "--expert-parallel ", o.expert_parallel, " must divide the world (", world, " ranks) and --experts (",
                  o.experts, "): launch a multiple of it and choose a divisor of --experts");
@@ -578,7 +582,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
         .tp = o.tp, .sequence_parallel = o.sequence_parallel, .pp = std::max(o.stages, 1),
         .micro_batches = o.stages > 1 ? o.micro_batches : 1,
         .schedule = o.schedule == "gpipe" ? parallel::Schedule::GPipe : parallel::Schedule::OneFOneB,
-        .virtual_stages = o.virtual_stages, .unit_costs = unit_costs};
+        .virtual_stages = o.virtual_stages, .unit_costs = unit_costs, .expert_parallel = o.expert_parallel};
   if (o.parallel == "fsdp") {
     if (o.fsdp_strategy == "hybrid" && o.hybrid_shard_size == 0)
       o.hybrid_shard_size = dist::detect_launch_env().local_world_size;
@@ -611,10 +615,13 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
                              "tp ", mesh.tp_size(), cp ? "" : detail::cat(" x pp ", mesh.pp_size()), " x dp ",
                              mesh.dp_size(), o.sequence_parallel ? ", sequence parallel" : "",
                              tp->fsdp() ? ", fsdp " + o.fsdp_strategy + (cp ? " over dp x cp" : " over dp") : "",
-                             tp->pipeline() ? " (units " + tp->pipeline()->partition().str() + ")" : "");
+                             tp->pipeline() ? " (units " + tp->pipeline()->partition().str() + ")" : "",
+                             tp->expert_mesh() ? detail::cat(", ep ", tp->expert_mesh()->ep_size()) : "");
     // Every rank gathers its stage's full tensors over its tp group; tp rank 0 of
     // each stage of replica 0 sends them to world rank 0, unit by unit in the model's order.
-    e.gather = [&m, tp, &mesh, lead] {
+    // With MoE layers world ranks 0 .. ep-1 hold every expert once (Note [Expert parallelism x
+    // TP]): they send the experts rank 0 lacks, in the model's order.
+    e.gather = [&m, tp, &mesh, lead, E = o.experts] {
       const auto& entries = tp->parameters().entries();
       std::map<std::string, Tensor<T>> full;
       if (auto* f = tp->fsdp()) {  // FSDP x TP: the tp shards gathered over dp first
@@ -624,6 +631,10 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
         for (std::size_t i = 0; i < entries.size(); ++i)
           full[entries[i].name] = parallel::detail::gather_full(entries[i].param->value, tp->spec(i), tp->group());
       }
+      parallel::ExpertMesh* em = tp->expert_mesh();
+      if (em && em->replica() == 0 && !lead)
+        for (std::size_t i = 0; i < entries.size(); ++i)
+          if (tp->is_expert(i)) mesh.world().send(entries[i].param->value, 0);
       if (mesh.replica() != 0 || mesh.cp_rank() != 0 || mesh.tp_rank() != 0) return;
       dist::Communicator& stages = mesh.pipeline_group();
       const auto names = m.unit_names();
@@ -633,9 +644,16 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
         if (!lead && stages.rank() != s) continue;
         for (auto& p : m.units()[u]->named_parameters()) {
           const std::string name = names[u] + "." + p.name;
-          if (lead && s == 0) p.param->value.copy_(full.at(name));
-          else if (lead) stages.recv(p.param->value, s);
-          else stages.send(full.at(name), 0);
+          if (lead && s == 0 && em && !full.count(name)) {  // another rank's expert
+            const std::int64_t expert = std::stoll(name.substr(name.find(".experts.") + 9));
+            mesh.world().recv(p.param->value, static_cast<int>(expert / (E / em->ep_size())));
+          } else if (lead && s == 0) {
+            p.param->value.copy_(full.at(name));
+          } else if (lead) {
+            stages.recv(p.param->value, s);
+          } else {
+            stages.send(full.at(name), 0);
+          }
         }
       }
     };
@@ -1299,10 +1317,11 @@ int main(int argc, char** argv) {
                  "--z-loss-coef are for --model mixtral\n");
     return 2;
   }
-  if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "tp" || opt.parallel == "cp")) {
-    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp (--expert-parallel N splits "
-                 "the experts) or fsdp (tensor, context and pipeline parallelism of MoE blocks are not built in "
-                 "gpt_char)\n");
+  if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "cp" || opt.fsdp_tp ||
+                                  (opt.parallel == "tp" && (opt.stages > 1 || opt.sequence_parallel)))) {
+    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp, tp (--expert-parallel N splits "
+                 "the experts; tp without --stages and --sequence-parallel) or fsdp without --tp (context and "
+                 "pipeline parallelism of MoE blocks are not built in gpt_char)\n");
     return 2;
   }
   if (opt.model == "llama" || opt.model == "mixtral") {

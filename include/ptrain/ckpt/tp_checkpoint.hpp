@@ -12,6 +12,9 @@
 // Under FSDP x TP (Note [FSDP x TP]) save first gathers each rank's FSDP pieces
 // into its tp shards over FSDP's shard group (one all-reduce per buffer), and
 // load copies its pieces out of its tp shard: the files are the same.
+// With MoE layers (Note [Expert parallelism x TP]) replica 0 of each expert-parallel
+// index (world ranks 0 .. ep-1) writes its experts under their global names, and load
+// keeps the experts this rank holds.
 
 #include <map>
 #include <set>
@@ -131,8 +134,9 @@ TensorParallelSnapshot tp_state(parallel::TensorParallel<T>& engine, std::type_i
   TensorParallelSnapshot snap;
   if (opt) snap.state.record(*opt);
   const bool writer = engine.mesh().replica() == 0 && engine.mesh().cp_rank() == 0 && engine.mesh().tp_rank() == 0;
-  auto add = [&](std::vector<TensorPiece>& out, const std::string& name, auto full) {
-    if (!writer) return;
+  const bool expert_writer = engine.expert_mesh() && engine.expert_mesh()->replica() == 0;
+  auto add = [&](std::vector<TensorPiece>& out, const std::string& name, auto full, bool expert = false) {
+    if (!(expert ? expert_writer : writer)) return;
     auto held = std::make_shared<decltype(full)>(std::move(full));
     snap.keep.push_back(held);
     out.push_back(whole(name, *held));
@@ -164,16 +168,19 @@ TensorParallelSnapshot tp_state(parallel::TensorParallel<T>& engine, std::type_i
   const auto& entries = params.entries();
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const auto& e = entries[i];
-    add(snap.state.model, e.name, parallel::detail::gather_full(e.param->value, engine.spec(i), engine.group()));
+    add(snap.state.model, e.name, parallel::detail::gather_full(e.param->value, engine.spec(i), engine.group()),
+        engine.is_expert(i));
     if (opt)
       for (const auto& [kind, buf] : opt->flat_state())
         add(snap.state.optimizer, e.name + "." + kind,
-            parallel::detail::gather_full(buf.view(e.offset, e.shape), engine.spec(i), engine.group()));
+            parallel::detail::gather_full(buf.view(e.offset, e.shape), engine.spec(i), engine.group()),
+            engine.is_expert(i));
   }
   const auto& frozen = params.frozen_entries();  // no optimizer state
   for (std::size_t i = 0; i < frozen.size(); ++i)
     add(snap.state.model, frozen[i].name,
-        parallel::detail::gather_full(frozen[i].param->value, engine.frozen_spec(i), engine.group()));
+        parallel::detail::gather_full(frozen[i].param->value, engine.frozen_spec(i), engine.group()),
+        engine.is_frozen_expert(i));
   if (writer)
     for (const auto& b : params.buffers()) snap.state.model.push_back(whole(b.name, *b.buffer));
   return snap;
@@ -194,9 +201,11 @@ TrainerState load_tp(const fs::path& path, parallel::TensorParallel<T>& engine,
   for (const auto& e : entries) names.insert(e.name);
   for (const auto& e : frozen) names.insert(e.name);
   for (const auto& b : params.buffers()) names.insert(b.name);
-  // With pp > 1 the checkpoint also holds the other stages' tensors.
+  // With pp > 1 the checkpoint also holds the other stages' tensors, with experts the other ranks' experts.
   for (const auto& n : c.tensor_names("model"))
-    PTRAIN_CHECK(engine.mesh().pp_size() > 1 || names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ",
+    PTRAIN_CHECK(engine.mesh().pp_size() > 1 || names.count(n) ||
+                     (engine.expert_mesh() && n.find(".experts.") != n.npos),
+                 CheckpointError, "[ptrain.ckpt.unexpected] ",
                  path.string(), ": tensor '", n, "' is not a parameter or buffer of the model; the checkpoint is "
                  "from a different model");
   for (std::size_t i = 0; i < entries.size(); ++i) {

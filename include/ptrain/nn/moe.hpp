@@ -158,11 +158,12 @@ class MoeRouter : public Module<T> {
     if (cfg_.aux_loss_coef != 0) {
       std::vector<A> g;
       for (std::int64_t e = 0; e < E; ++e)
-        g.push_back(static_cast<A>(cfg_.aux_loss_coef * double(E) * double(p.routed[e]) / (double(N) * double(N))));
+        g.push_back(static_cast<A>(loss_scale_ * cfg_.aux_loss_coef * double(E) * double(p.routed[e]) /
+                                   (double(N) * double(N))));
       aux_grad = Tensor<A>::from(g, {E}).to(x.device());
     }
     auto dlogits = ops::moe_route_backward(cache.tensors[1], r, dweights, cfg_.score, cfg_.renormalize,
-                                           cfg_.routed_scale, aux_grad, cfg_.z_loss_coef / double(N));
+                                           cfg_.routed_scale, aux_grad, loss_scale_ * cfg_.z_loss_coef / double(N));
     auto dx = ops::linear_backward(x, weight_->value, dlogits, weight_->grad, static_cast<Tensor<T>*>(nullptr));
     weight_->mark_grad_ready();
     cache.clear();
@@ -187,6 +188,8 @@ class MoeRouter : public Module<T> {
   /// false: plan every slot (dropless) whatever the capacity factor; a dispatch that
   /// applies the capacity itself (MoeDispatch::applies_capacity) drops instead.
   void set_plan_capacity(bool on) { plan_capacity_ = on; }
+  /// Multiplies the auxiliary losses' gradients (not stats()): MoE::set_aux_loss_scale.
+  void set_loss_scale(double s) { loss_scale_ = s; }
   const MoeConfig& config() const { return cfg_; }
   Parameter<T>& weight() { return *weight_; }
 
@@ -201,6 +204,7 @@ class MoeRouter : public Module<T> {
   Parameter<T>* weight_ = nullptr;
   MoeStats stats_;
   bool plan_capacity_ = true;
+  double loss_scale_ = 1;
 };
 
 /// One routed expert: Mixtral's MixtralBlockSparseTop2MLP, w2(silu(w1 x) * w3 x), no biases.
@@ -480,6 +484,11 @@ class MoE : public Module<T> {
   /// Replaces what stats() and named_metrics() report of the latest forward (backward does
   /// not read them): parallel::all_reduce_moe_stats puts the step over all ranks there.
   void set_stats(MoeStats s) { router_->set_stats(std::move(s)); }
+  /// Backward differentiates s times the auxiliary losses (stats() still reports them
+  /// unscaled): a layer that routes 1/tp of its replica's tokens under tensor parallelism
+  /// takes 1/tp, so the replica's losses are the mean over its tp slices
+  /// (parallel/tp_moe.hpp).
+  void set_aux_loss_scale(double s) { router_->set_loss_scale(s); }
   SwiGLU<T>* shared_experts() { return shared_.get(); }
   Linear<T>* shared_expert_gate() { return shared_gate_.get(); }
 

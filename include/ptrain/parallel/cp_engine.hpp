@@ -355,7 +355,7 @@ std::shared_ptr<nn::Module<T>> context_parallel_tp_unit(const std::shared_ptr<nn
         Part{"input_layernorm", part_of(unit, b->input_layernorm())},
         Part{"self_attn", std::make_shared<ColumnParallelRegion<T>>(group, attn)},
         Part{"post_attention_layernorm", part_of(unit, b->post_attention_layernorm())},
-        Part{"mlp", part_of(unit, b->mlp())});
+        Part{b->ffn().name, part_of(unit, *b->ffn().module)});
   } else {
     return unit;  // the head
   }

@@ -7,6 +7,9 @@
 //   auto engine = parallel::make_engine<double>(llama, *world, parallel::DDPOptions{.expert_parallel = 2});
 //   engine->forward_backward(my_ids, my_targets);     // every rank its own slice of the global batch
 //
+// and through tensor parallelism, TensorParallelPlan{.tp = 2, .expert_parallel = 2}, on the
+// same ExpertMesh (Note [Expert parallelism x TP] in parallel/tp_moe.hpp).
+//
 // Note [Expert-parallel layout]
 // - Mesh: world = dp x ep, ep innermost (world rank r = replica * ep + e), so an
 //   expert-parallel group is ep consecutive ranks (one node first: its all-to-alls
@@ -327,8 +330,9 @@ void gather_experts(nn::Module<T>& model, ExpertMesh& mesh, dist::Communicator& 
 /// summed, max_load and mean_load (so the load imbalance) from the summed counts, aux_loss,
 /// z_loss and loss averaged over the ranks (capacity stays this rank's). One all-reduce of
 /// E + 5 numbers per layer; collective over `comm`, whose ranks must hold the same MoE
-/// layers (every rank under Local, DDP with any expert_parallel, FSDP and context
-/// parallelism; not pipeline stages). Backward does not read the statistics, so this may
+/// layers (every rank under Local, DDP with any expert_parallel, FSDP, context
+/// parallelism and tensor parallelism, where each tp rank routes its own slice; not
+/// pipeline stages). Backward does not read the statistics, so this may
 /// run between steps.
 template <class T>
 void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {

@@ -76,10 +76,15 @@
 // - The units are built whole (every tp shard of the model at once) before FSDP
 //   shards them, as FSDP(units, comm) does; a tied head shares its group with the
 //   embedding (Note [FSDP units and groups]).
+//
+// A Llama with mixture-of-experts blocks runs each MoE layer on 1/tp of the tokens per
+// tp rank, its experts split over TensorParallelPlan::expert_parallel ranks (Note
+// [Expert parallelism x TP] in tp_moe.hpp: layout, gradients, clipping, checkpoints).
 
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -125,6 +130,10 @@ struct TensorParallelPlan {
   int cp = 1;
   /// With cp > 1: how attention reaches the other cp ranks' keys and values.
   KVExchange kv_exchange = KVExchange::Ring;
+  /// For a model with nn::MoE layers: split their experts over groups of this many
+  /// consecutive ranks (Note [Expert parallelism x TP] in tp_moe.hpp); 1: every rank
+  /// holds every expert. ep must divide the world and the experts.
+  int expert_parallel = 1;
 };
 
 template <class T>
@@ -150,9 +159,9 @@ class TensorParallel : public Engine<T> {
   TensorParallel(nn::Llama<T>& full, dist::Communicator& world, TensorParallelPlan plan) : world_(world) {
     const nn::LlamaConfig cfg = full.config();
     init({.describe = full.describe(), .names = full.unit_names(), .heads = cfg.n_kv_head, .vocab = cfg.vocab_size,
-          .tied = cfg.tie_weights, .document_token = cfg.document_token,
-          .unit = [cfg, &full](std::size_t u, TensorParallelGroup& g, nn::Parameter<T>* tied) {
-            return detail::tensor_parallel_llama_unit<T>(cfg, u, g, full.units()[u], tied);
+          .tied = cfg.tie_weights, .document_token = cfg.document_token, .moe = cfg.num_experts > 0,
+          .unit = [this, cfg, &full](std::size_t u, TensorParallelGroup& g, nn::Parameter<T>* tied) {
+            return detail::tensor_parallel_llama_unit<T>(cfg, u, g, full.units()[u], tied, experts_.get());
           }},
          plan);
   }
@@ -175,8 +184,16 @@ class TensorParallel : public Engine<T> {
     if (!pending_) return;
     pending_ = false;
     sum_partial_gradients();
-    // A pipeline averages each stage itself; with cp the cp ranks are replicas for the weights.
-    if (!pipe_ && !fsdp_ && replicas().size() > 1 && params_->numel() > 0) {
+    if (experts_) {  // Note [Expert parallelism x TP]: dense runs over the replicas, expert runs over the expert replicas
+      dist::CollectiveLabel label("tp.dp_gradients");
+      const double scale = double(mesh_->tp_size()) / experts_->ep_size();
+      for_runs(params_->entries(), expert_, params_->grads(), [&](Tensor<T> g, bool expert) {
+        dist::Communicator& c = expert ? experts_->expert_data_group() : replicas();
+        if (c.size() > 1) c.all_reduce(g, dist::ReduceOp::Avg);
+        if (expert && scale != 1) ops::scale_(g, static_cast<acc_t<T>>(scale));
+      });
+    } else if (!pipe_ && !fsdp_ && replicas().size() > 1 && params_->numel() > 0) {
+      // A pipeline averages each stage itself; with cp the cp ranks are replicas for the weights.
       dist::CollectiveLabel label("tp.dp_gradients");
       replicas().all_reduce(params_->grads(), dist::ReduceOp::Avg);
     }
@@ -198,6 +215,11 @@ class TensorParallel : public Engine<T> {
   Mesh& mesh() { return *mesh_; }
   /// The FSDP engine over the data-parallel group (TensorParallelPlan::fsdp), or null.
   FSDP<T>* fsdp() { return fsdp_.get(); }
+  /// The expert-parallel groups of a model with MoE layers, or null.
+  ExpertMesh* expert_mesh() { return experts_.get(); }
+  /// Whether entry i of parameters() (frozen entry i) is an expert's.
+  bool is_expert(std::size_t i) const { return !expert_.empty() && expert_.at(i); }
+  bool is_frozen_expert(std::size_t i) const { return !frozen_expert_.empty() && frozen_expert_.at(i); }
   /// How the parameter of that full name is cut over tp (any parameter, trainable or frozen).
   ShardSpec spec_of(const std::string& name) const {
     auto it = std::find_if(all_specs_.begin(), all_specs_.end(), [&](const auto& s) { return s.first == name; });
@@ -223,6 +245,7 @@ class TensorParallel : public Engine<T> {
     bool tied;                           // the head uses the embedding's weight
     std::int32_t document_token = -1;    // the token that starts a packed document (Llama), or -1
     double dropout = 0;                  // GPT's
+    bool moe = false;                    // has nn::MoE layers (Note [Expert parallelism x TP])
     /// Unit u in tensor-parallel form with this rank's shards (tied: the embedding's weight shard).
     std::function<std::shared_ptr<nn::Module<T>>(std::size_t u, TensorParallelGroup&, nn::Parameter<T>* tied)> unit;
   };
@@ -245,6 +268,7 @@ class TensorParallel : public Engine<T> {
     vocab_ = m.vocab;
     document_token_ = m.document_token;
     if (plan.cp > 1) batch_ = std::make_shared<ContextParallelBatch>(mesh_->context_group(), plan.kv_exchange);
+    if (m.moe) experts_ = std::make_unique<ExpertMesh>(world_, plan.expert_parallel);
     const std::int64_t vocab = m.vocab;
     TensorParallelGroup* g = group_.get();
     LossFn<T> loss = [g, vocab](const Tensor<T>& out, const Targets<T>& targets, Tensor<T>* dout, acc_t<T> scale) {
@@ -298,11 +322,37 @@ class TensorParallel : public Engine<T> {
       if (specs_.back().partial) partial_.push_back(specs_.size() - 1);
     }
     for (const auto& e : parameters().frozen_entries()) frozen_specs_.push_back(spec_of(e.name));
-    // Replica 0's values, frozen ones too, as DDP (FSDP broadcasts its own over the replicas).
-    if (!fsdp_ && pipe_) mesh_->broadcast_parameters(parameters());
-    if (!fsdp_ && !pipe_ && replicas().size() > 1) {
+    if (experts_) {
+      std::set<const nn::Parameter<T>*> mine;
+      for (auto* moe : moe_layers(*model_))
+        for (auto& p : moe->experts().named_parameters()) mine.insert(p.param);
+      for (const auto& e : parameters().entries()) expert_.push_back(mine.count(e.param));
+      for (const auto& e : parameters().frozen_entries()) frozen_expert_.push_back(mine.count(e.param));
+      // Replica 0's dense values over the replicas, expert replica 0's experts over the expert replicas.
+      auto broadcast = [&](Tensor<T> v, bool expert) {
+        dist::Communicator& c = expert ? experts_->expert_data_group() : replicas();
+        if (c.size() > 1) c.broadcast(v, 0);
+      };
+      for_runs(parameters().entries(), expert_, parameters().values(), broadcast);
+      for_runs(parameters().frozen_entries(), frozen_expert_, parameters().frozen_values(), broadcast);
+    } else if (!fsdp_ && pipe_) {
+      // Replica 0's values, frozen ones too, as DDP (FSDP broadcasts its own over the replicas).
+      mesh_->broadcast_parameters(parameters());
+    } else if (!fsdp_ && replicas().size() > 1) {
       if (parameters().numel() > 0) replicas().broadcast(parameters().values(), 0);
       if (parameters().frozen_values().numel() > 0) replicas().broadcast(parameters().frozen_values(), 0);
+    }
+  }
+
+  // fn(view of `flat`, expert) for each run of consecutive entries of one kind (dense or expert).
+  template <class Entries, class Fn>
+  static void for_runs(const Entries& entries, const std::vector<char>& expert, const Tensor<T>& flat, Fn&& fn) {
+    for (std::size_t i = 0; i < entries.size();) {
+      std::size_t j = i + 1;
+      while (j < entries.size() && expert[j] == expert[i]) ++j;
+      const std::int64_t begin = entries[i].offset, end = entries[j - 1].offset + entries[j - 1].numel();
+      fn(flat.view(begin, {end - begin}), expert[i] != 0);
+      i = j;
     }
   }
 
@@ -314,7 +364,8 @@ class TensorParallel : public Engine<T> {
         "TensorParallelPlan{.tp = ", plan.tp, ", .sequence_parallel = ", plan.sequence_parallel ? "true" : "false",
         ", .pp = ", plan.pp, ", .micro_batches = ", plan.micro_batches, ", .virtual_stages = ", plan.virtual_stages,
         ", .fsdp = ", plan.fsdp ? strategy_name(plan.fsdp->strategy) : "none", ", .cp = ", plan.cp,
-        ", .kv_exchange = ", plan.kv_exchange == KVExchange::Ring ? "Ring" : "AllGather", "} ", m.describe);
+        ", .kv_exchange = ", plan.kv_exchange == KVExchange::Ring ? "Ring" : "AllGather", ", .expert_parallel = ",
+        plan.expert_parallel, "} ", m.describe);
     try {
       check_same_model(world_, {desc});
     } catch (const Error& e) {
@@ -342,6 +393,13 @@ class TensorParallel : public Engine<T> {
     PTRAIN_CHECK(!plan.fsdp || plan.pp == 1, Error, "[ptrain.tp.fsdp_pipeline] FSDP x TP runs without a pipeline, "
                  "but the plan has pp = ", plan.pp, "; set pp = 1, or drop TensorParallelPlan::fsdp (the replicas "
                  "of a pipeline all-reduce their gradients)");
+    PTRAIN_CHECK(m.moe || plan.expert_parallel == 1, Error, "[ptrain.ep.model] expert_parallel = ",
+                 plan.expert_parallel, " but ", m.describe, " has no mixture-of-experts layer; use "
+                 "expert_parallel = 1");
+    PTRAIN_CHECK(!m.moe || (plan.pp == 1 && !plan.sequence_parallel && !plan.fsdp && plan.cp == 1), Error,
+                 "[ptrain.tp.moe] tensor parallelism of ", m.describe, " (mixture-of-experts layers) runs without "
+                 "pipeline stages, sequence parallelism, FSDP x TP and context parallelism (Note [Expert parallelism "
+                 "x TP]); set pp = 1, sequence_parallel = false, no fsdp and cp = 1, or use DDPOptions{.expert_parallel}");
     PTRAIN_CHECK(plan.unit_costs.empty() || plan.unit_costs.size() == m.names.size(), Error, "[ptrain.tp.costs] ",
                  plan.unit_costs.size(), " unit costs for ", m.names.size(), " units");
   }
@@ -407,13 +465,16 @@ class TensorParallel : public Engine<T> {
   // once, then the stages' sums added; under FSDP both first summed over the FSDP
   // shard group, whose pieces hold each gradient of a tp rank once (Note [FSDP x TP]).
   double sum_over_model(double) override {
-    double sq[2] = {0, 0};  // sharded, replicated
+    double sq[3] = {0, 0, 0};  // sharded, replicated, experts (Note [Expert parallelism x TP])
     const auto& entries = parameters().entries();
-    for (std::size_t i = 0; i < entries.size(); ++i) sq[specs_[i].sharded() ? 0 : 1] += ops::sum_squares(grad(i));
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      sq[is_expert(i) ? 2 : specs_[i].sharded() ? 0 : 1] += ops::sum_squares(grad(i));
+    if (experts_ && experts_->ep_size() > 1)
+      experts_->expert_group().all_reduce(&sq[2], 1, DType::F64, dist::ReduceOp::Sum);
     if (dist::Communicator* s = fsdp_ ? fsdp_->shard_group() : nullptr; s && s->size() > 1)
       s->all_reduce(sq, 2, DType::F64, dist::ReduceOp::Sum);
     if (group_->size() > 1) group_->communicator().all_reduce(&sq[0], 1, DType::F64, dist::ReduceOp::Sum);
-    double total = sq[0] + sq[1];
+    double total = sq[0] + sq[1] + sq[2];
     if (mesh_->pp_size() > 1) mesh_->pipeline_group().all_reduce(&total, 1, DType::F64, dist::ReduceOp::Sum);
     return total;
   }
@@ -421,6 +482,7 @@ class TensorParallel : public Engine<T> {
   dist::Communicator& world_;
   std::unique_ptr<Mesh> mesh_;
   std::unique_ptr<TensorParallelGroup> group_;
+  std::unique_ptr<ExpertMesh> experts_;  // a model with MoE layers (the units' dispatches refer to its groups)
   std::unique_ptr<detail::StageModule<T>> model_;     // pp = 1
   std::unique_ptr<nn::FlatParameters<T>> own_params_;  // pp = 1
   std::unique_ptr<Pipeline<T>> pipe_;                  // pp > 1
@@ -434,6 +496,7 @@ class TensorParallel : public Engine<T> {
   std::int32_t document_token_ = -1;
   std::shared_ptr<ContextParallelBatch> batch_;  // cp > 1
   std::unique_ptr<FSDP<T>> fsdp_;  // pp = 1 with TensorParallelPlan::fsdp; destroyed before what it refers to
+  std::vector<char> expert_, frozen_expert_;  // per (frozen) entry, with experts_
 };
 
 }  // namespace ptrain::parallel

@@ -10,6 +10,8 @@
 // A checkpoint written at ep 2 is loaded at ep 1 (plain DDP) and at ep 4 (on 4 ranks)
 // and trained one more step. The routing statistics all-reduced over the ranks equal one
 // process's on the global batch, and gather_experts gives rank 0 the whole trained model.
+// With tensor parallelism (tp 2 x ep 1, 2 and 4) the same model trains like the same one
+// process, and its checkpoints load into one process and at another ep.
 // Every rank runs every case in the same order; checks use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -24,6 +26,7 @@
 #include <ptrain/optim/adamw.hpp>
 #include <ptrain/parallel/expert_parallel.hpp>
 #include <ptrain/parallel/make_engine.hpp>
+#include <ptrain/parallel/tensor_parallel.hpp>
 #include <ptrain/train/trainer.hpp>
 
 #include "dist/world.hpp"
@@ -134,13 +137,16 @@ Reference<T> reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze
 // Steps [from, to) of the engine on this rank's rows of the global batches; returns the
 // token slots the MoE layers dropped on this rank. Each step's gradient norm (clipping
 // at a bound it never reaches) goes to *norms.
+// (Tensor parallelism: the rows of this rank's replica, the same on its tp ranks.)
 template <class T>
 std::int64_t train(parallel::Engine<T>& engine, optim::AdamW<T>& opt, std::int64_t from, std::int64_t to,
                    std::vector<double>* norms = nullptr) {
-  const int n = engine.communicator().size(), r = engine.communicator().rank();
+  const int n = engine.communicator().size();
+  dist::Communicator* dp = engine.data_parallel_group();
+  const std::int64_t rows = kRowsPerRank * n / (dp ? dp->size() : 1), r = dp ? dp->rank() : 0;
   std::int64_t dropped = 0;
   for (std::int64_t s = from; s < to; ++s) {
-    const Batch mine = rows_of(make_batch(kRowsPerRank * n, seed_of(s)), r * kRowsPerRank, kRowsPerRank);
+    const Batch mine = rows_of(make_batch(kRowsPerRank * n, seed_of(s)), r * rows, rows);
     engine.zero_grad();
     engine.forward_backward(mine.ids, mine.targets);
     const double norm = engine.clip_grad_norm_(1e9);
@@ -234,6 +240,63 @@ void trains_like_one_process(const char* tmp_prefix) {
   }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Expert parallelism with tensor parallelism (Note [Expert parallelism x TP] in
+// parallel/tp_moe.hpp): tp 2 x ep 2 (dp 2 on 4 ranks: the expert-parallel groups are the
+// tp groups), tp 2 x ep 4 (one group over dp and tp) and tp 2 x ep 1, against the same
+// one process as DDP: each world rank routes its own slice of the global batch; dropless,
+// with a capacity, and with a dense (tensor-parallel) MLP in layer 0 (moe_every 2). The
+// checkpoint loads into one process and resumes, one more step, at another ep degree.
+template <class T>
+void tensor_parallel_trains_like_one_process(const char* tmp_prefix) {
+  auto& comm = world();
+  const int n = comm.size();
+  if (n % 2 != 0) return;  // every rank returns alike
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, tmp_prefix);
+  for (int kind : {0, 1, 2}) {  // dropless, capacity, dropless with a dense layer 0
+    const bool capacity = kind == 1;
+    nn::LlamaConfig c = config(capacity);
+    if (kind == 2) c.moe_every = 2;
+    const auto ref = reference<T>(c, n, kSteps + 1);
+    std::vector<int> eps{2, 1};
+    if (n % 4 == 0) eps.push_back(4);
+    for (int ep : eps) {
+      INFO((capacity ? "capacity" : "dropless") << ", moe_every " << c.moe_every << ", tp 2 x ep " << ep << " on "
+                                                << n << " ranks, "
+                                                << comm.backend() << (std::is_same_v<T, float> ? ", float" : ""));
+      const parallel::TensorParallelPlan plan{.tp = 2, .expert_parallel = ep};
+      auto engine = parallel::make_engine<T>(make_llama<T>(c), comm, plan);
+      auto& tp = static_cast<parallel::TensorParallel<T>&>(*engine);
+      CHECK(parallel::moe_layers(engine->local_module()).back()->experts().first() ==
+            tp.expert_mesh()->ep_rank() * (4 / ep));
+      optim::AdamW<T> opt(engine->parameters(), kAdam);
+      std::vector<double> norms;
+      std::int64_t dropped = train(*engine, opt, 0, kSteps, &norms);
+      comm.all_reduce(&dropped, 1, DType::I64, dist::ReduceOp::Sum);
+      CHECK((dropped > 0) == capacity);
+      for (std::size_t s = 0; s < norms.size(); ++s) CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<T> * ref.norms[s]);
+      const auto saved = dir / ("tp2_ep" + std::to_string(ep));
+      CHECK(rel_diff(whole_parameters(*engine, opt, c, saved), ref.params[kSteps - 1]) < kTol<T>);
+      // Resumed at tp 2 x another ep degree for one more step.
+      const parallel::TensorParallelPlan other{.tp = 2, .expert_parallel = ep == 2 ? 1 : 2};
+      auto resumed = parallel::make_engine<T>(make_llama<T>(c), comm, other);
+      optim::AdamW<T> opt2(resumed->parameters(), kAdam);
+      ckpt::CheckpointManager mgr(saved, &comm);
+      ckpt::load(mgr, mgr.latest().path, *resumed, &opt2);
+      CHECK(opt2.steps() == kSteps);
+      train(*resumed, opt2, kSteps, kSteps + 1);
+      CHECK(rel_diff(whole_parameters(*resumed, opt2, c, dir / ("resumed" + std::to_string(ep))), ref.params[kSteps]) <
+            kTol<T>);
+    }
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("Expert parallelism with tensor parallelism trains like one process", "[ep][tp]") {
+  tensor_parallel_trains_like_one_process<double>("ptrain_ep_tp_");
+  tensor_parallel_trains_like_one_process<float>("ptrain_ep_tp_float_");
 }
 
 TEST_CASE("Expert-parallel Llama MoE trains like one process", "[ep]") {
@@ -464,6 +527,25 @@ TEST_CASE("Expert parallelism refuses bad plans on every rank", "[ep]") {
   if (n % 2 == 0)
     CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(dense), comm, parallel::DDPOptions{.expert_parallel = 2}),
                       Contains("[ptrain.ep.model]"));
+  // With tensor parallelism: the same, and what TP does not combine with MoE layers.
+  if (n % 2 == 0) {
+    auto tp = [&](const nn::LlamaConfig& c, parallel::TensorParallelPlan plan) {
+      return parallel::make_engine<Real>(make_llama(c), comm, plan);
+    };
+    CHECK_THROWS_WITH(tp(dense, {.tp = 2, .expert_parallel = 2}), Contains("[ptrain.ep.model]"));
+    CHECK_THROWS_WITH(tp(config(false, 3), {.tp = 2, .expert_parallel = 2}), Contains("[ptrain.ep.experts]"));
+    CHECK_THROWS_WITH(tp(config(false), {.tp = 2, .expert_parallel = 3}), Contains("[ptrain.ep.world]"));
+    CHECK_THROWS_WITH(tp(config(false), {.tp = 2, .sequence_parallel = true, .expert_parallel = 2}),
+                      Contains("[ptrain.tp.moe]"));
+    CHECK_THROWS_WITH(tp(config(false), {.tp = 2, .fsdp = parallel::FSDPOptions{}}), Contains("[ptrain.tp.moe]"));
+    CHECK_THROWS_WITH(tp(config(false), {.tp = 2, .expert_parallel = comm.rank() == 0 ? 2 : 1}),
+                      Contains("[ptrain.tp.plan]"));
+    // 7 tokens do not split over the 2 tp ranks (every rank holds the same batch shape).
+    auto engine = tp(config(false), {.tp = 2, .expert_parallel = 2});
+    const Batch b = make_batch(1, 5);
+    CHECK_THROWS_WITH(engine->forward_backward(b.ids.view(0, {1, 7}), b.targets.view(0, {7})),
+                      Contains("[ptrain.tp.moe_tokens]"));
+  }
   comm.barrier();
 }
 
