@@ -41,8 +41,16 @@
 //   Inside no_sync() each backward still reduce-scatters (FSDP's Note [Accumulation]).
 // - With tensor parallelism, "With tensor parallelism" below: TensorParallelPlan::cp, in
 //   the TensorParallel engine (parallel/tensor_parallel.hpp), not in this one.
-// - Limits: the CPU only; no dropout (GPT's dropout must be 0: a slice of a sequence
-//   would draw other masks than one process); no pipeline parallelism (docs/context_parallel.md).
+// - Devices: the engine runs where the model is (ContextParallelBatch::device, the
+//   parameters' device). The ids and targets may be on the host or that device; the
+//   positions and document starts are built on the host from a host copy of the ids,
+//   and this rank's slices of ids, targets, positions and starts go to the device. GPT's
+//   qkv split and join dispatch to the table's copy_strided_rows; the loss's sum and
+//   count are host doubles (NCCL stages them). The communicator must serve the device
+//   (checked when built: [ptrain.comm.device]). On CUDA the ring's kernels are gated, so
+//   the engine is too ([ptrain.cuda.unverified] unless PTRAIN_UNVERIFIED_CUDA=1).
+// - Limits: no dropout (GPT's dropout must be 0: a slice of a sequence would draw other
+//   masks than one process); no pipeline parallelism (docs/context_parallel.md).
 //
 // With tensor parallelism (Megatron-Core's cp inside tp):
 //   auto engine = parallel::make_engine<double>(llama, *world, parallel::TensorParallelPlan{.tp = 2, .cp = 2});
