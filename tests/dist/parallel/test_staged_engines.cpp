@@ -16,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <variant>
 
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/dist/self_communicator.hpp>
@@ -85,6 +86,12 @@ void fill_with_cpu_kernels(kernels::CudaKernels<T>& k) {
   k.residual_layer_norm_backward = &kc::residual_layer_norm_backward<T>;
   k.residual_rms_norm_forward = &kc::residual_rms_norm_forward<T>;
   k.residual_rms_norm_backward = &kc::residual_rms_norm_backward<T>;
+  k.vocab_parallel_embedding_forward = &kc::vocab_parallel_embedding_forward<T>;
+  k.vocab_parallel_embedding_backward = &kc::vocab_parallel_embedding_backward<T>;
+  k.vocab_parallel_row_max = &kc::vocab_parallel_row_max<T>;
+  k.vocab_parallel_row_sums = &kc::vocab_parallel_row_sums<T>;
+  k.vocab_parallel_loss = &kc::vocab_parallel_loss<T>;
+  k.vocab_parallel_loss_backward = &kc::vocab_parallel_loss_backward<T>;
   k.gemm = &kc::gemm<T>;
   k.linear_epilogue = &kc::linear_epilogue<T>;
   k.linear_weight_grad_epilogue = &kc::linear_weight_grad_epilogue<T>;
@@ -254,12 +261,18 @@ namespace {
 
 constexpr std::int32_t kDocument = 1;  // Llama's document token
 
-// kSteps clipped AdamW steps of the context-parallel engine of `plan` over `model` on `comm`,
+template <class M>
+std::shared_ptr<M> on(std::shared_ptr<M> m, Device d) {
+  m->to(d);
+  return m;
+}
+
+// kSteps clipped AdamW steps of the engine of `plan` (context parallelism) over `model` on `comm`,
 // each replica on its 2 rows of a random global batch (ids and targets on d, some targets
 // ignored, a document token in every row); the losses and norms, then the parameters.
 template <class M>
 std::pair<std::vector<double>, std::vector<Real>> train_cp(const std::shared_ptr<M>& model, dist::Communicator& comm,
-                                                           parallel::ContextParallelPlan plan, Device d,
+                                                           const parallel::Plan<Real>& plan, Device d,
                                                            std::int32_t vocab, std::int64_t S) {
   auto e = parallel::make_engine<Real>(model, comm, plan);
   CHECK(e->parameters().values().device() == d);
@@ -289,38 +302,43 @@ TEST_CASE("the context-parallel engine on staged device tensors equals it on CPU
           "[staged][cp]") {
   auto& comm = world();
   const int n = comm.size(), r = comm.rank();
-  std::vector<parallel::ContextParallelPlan> plans = {{.cp = n}, {.cp = n, .fsdp = true}};
-  if (n == 4) plans.push_back({.cp = 2});  // dp 2 x cp 2
+  using CP = parallel::ContextParallelPlan;
+  using TP = parallel::TensorParallelPlan;
+  struct Case {
+    std::string name;
+    int cp;
+    parallel::Plan<Real> cpu, dev;  // the engine on the CPU, on the device (the same but TP's .device)
+  };
+  std::vector<Case> cases = {{"cp all", n, CP{.cp = n}, CP{.cp = n}},
+                             {"cp all, FSDP", n, CP{.cp = n, .fsdp = true}, CP{.cp = n, .fsdp = true}}};
+  if (n == 4) cases.push_back({"dp 2 x cp 2", 2, CP{.cp = 2}, CP{.cp = 2}});
+  if (n % 2 == 0)  // inside tensor parallelism: tp n / 2 x cp 2, the shards moved to the device by the plan
+    cases.push_back({"cp 2 x tp n / 2", 2, TP{.tp = n / 2, .cp = 2}, TP{.tp = n / 2, .device = kGpu, .cp = 2}});
   FakeCuda fake;
   dist::StagedCommunicator staged(comm.split(0, r), kGpu);
-  for (const auto& plan : plans) {
-    const std::int64_t S = 2 * plan.cp * 3;
-    const nn::GPTConfig gpt{.vocab_size = 13, .block_size = S, .n_layer = 2, .n_head = 2, .n_embd = 8};
-    const nn::LlamaConfig llama{.vocab_size = 17, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16,
-                                .intermediate_size = 24, .document_token = kDocument};
-    auto make_gpt = [&](Device d) { Generator g(3); auto m = std::make_shared<nn::GPT<Real>>(gpt, g); m->to(d); return m; };
-    auto make_llama = [&](Device d) {
-      Generator g(5);
-      auto m = std::make_shared<nn::Llama<Real>>(llama, g);
-      m->to(d);
-      return m;
-    };
-    INFO("cp " << plan.cp << " x dp " << n / plan.cp << (plan.fsdp ? ", FSDP" : "") << ", " << comm.backend());
-    {
-      INFO("GPT");
-      const auto want = train_cp(make_gpt(Device::cpu()), comm, plan, Device::cpu(), 13, S);
+  for (const auto& c : cases) {
+    INFO(c.name << " on " << n << " ranks, " << comm.backend());
+    const std::int64_t S = 2 * c.cp * 3;
+    // The model on d: the engine's device, or the CPU where the plan moves the shards.
+    const Device built = std::holds_alternative<TP>(c.dev) ? Device::cpu() : kGpu;
+    auto compare = [&](auto make, std::int32_t vocab) {
+      const auto want = train_cp(make(Device::cpu()), comm, c.cpu, Device::cpu(), vocab, S);
       const long copies = gpu().to_host;
-      const auto got = train_cp(make_gpt(kGpu), staged, plan, kGpu, 13, S);
+      const auto got = train_cp(make(built), staged, c.dev, kGpu, vocab, S);
       CHECK(got.first == want.first);
       CHECK(got.second == want.second);
       CHECK(gpu().to_host > copies);
+    };
+    const nn::GPTConfig gpt{.vocab_size = 13, .block_size = S, .n_layer = 2, .n_head = 2, .n_embd = 8};
+    const nn::LlamaConfig llama{.vocab_size = 17, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16,
+                                .intermediate_size = 24, .document_token = kDocument};
+    {
+      INFO("GPT");
+      compare([&](Device d) { Generator g(3); return on(std::make_shared<nn::GPT<Real>>(gpt, g), d); }, 13);
     }
     {
       INFO("Llama on packed documents");
-      const auto want = train_cp(make_llama(Device::cpu()), comm, plan, Device::cpu(), 17, S);
-      const auto got = train_cp(make_llama(kGpu), staged, plan, kGpu, 17, S);
-      CHECK(got.first == want.first);
-      CHECK(got.second == want.second);
+      compare([&](Device d) { Generator g(5); return on(std::make_shared<nn::Llama<Real>>(llama, g), d); }, 17);
     }
   }
   // The copies of the packed qkv come from the kernel table, like the ring's blocks (a group of one).
