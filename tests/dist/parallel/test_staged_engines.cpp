@@ -1,6 +1,6 @@
-// DDP, FSDP, the pipeline and context parallelism's ring attention on "device"
-// tensors over a StagedCommunicator (dist/staged_communicator.hpp), without a GPU:
-// a stand-in cuda:0 whose memory is host memory the communicator must still stage
+// DDP, FSDP, the pipeline, context parallelism's ring attention and the context-parallel
+// engine (alone and inside tensor parallelism) on "device" tensors over a
+// StagedCommunicator (dist/staged_communicator.hpp), without a GPU: a stand-in cuda:0 whose memory is host memory the communicator must still stage
 // (the backend says it is not host memory) and whose kernel table holds the CPU
 // kernels. The same engine (or ring) on CPU tensors over the plain world runs the
 // same kernels and the same host collectives, so every gradient norm, parameter and
