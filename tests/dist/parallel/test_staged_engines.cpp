@@ -1,11 +1,12 @@
 // DDP, FSDP, the pipeline, context parallelism's ring attention and the context-parallel
 // engine (alone and inside tensor parallelism) on "device" tensors over a
-// StagedCommunicator (dist/staged_communicator.hpp), without a GPU: a stand-in cuda:0 whose memory is host memory the communicator must still stage
-// (the backend says it is not host memory) and whose kernel table holds the CPU
-// kernels. The same engine (or ring) on CPU tensors over the plain world runs the
-// same kernels and the same host collectives, so every gradient norm, parameter and
-// attention output must come out the same bits: staging may move bytes, never change
-// them. tests/gpu/test_staged.cpp runs these engines on a real GPU.
+// StagedCommunicator (dist/staged_communicator.hpp), without a GPU: a stand-in cuda:0
+// whose memory is host memory the communicator must still stage (the backend says it
+// is not host memory) and whose kernel table holds the CPU kernels. The same engine (or
+// ring) on CPU tensors over the plain world runs the same kernels and the same host
+// collectives, so every gradient norm, loss, parameter and attention output must come
+// out the same bits: staging may move bytes, never change them. tests/gpu/test_staged.cpp
+// runs these engines on a real GPU.
 
 #include <catch2/catch.hpp>
 
