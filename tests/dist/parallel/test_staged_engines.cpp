@@ -354,7 +354,7 @@ TEST_CASE("the context-parallel engine on staged device tensors equals it on CPU
   CHECK_THROWS_WITH(one.forward_backward(ids, targets),
                     Catch::Contains("[ptrain.cuda.unsupported] copy_strided_rows"));
   fake.table.f64.copy_strided_rows = &kernels::cpu::copy_strided_rows<Real>;
-  // The engine on a device is gated by the ring's kernels.
+  // The engine on a device is gated with its kernels (the ring's, copy_strided_rows).
   ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
   CHECK_THROWS_WITH(one.forward_backward(ids, targets), Catch::Contains("[ptrain.cuda.unverified]"));
   ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
