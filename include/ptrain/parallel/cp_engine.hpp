@@ -41,8 +41,16 @@
 //   Inside no_sync() each backward still reduce-scatters (FSDP's Note [Accumulation]).
 // - With tensor parallelism, "With tensor parallelism" below: TensorParallelPlan::cp, in
 //   the TensorParallel engine (parallel/tensor_parallel.hpp), not in this one.
-// - Limits: the CPU only; no dropout (GPT's dropout must be 0: a slice of a sequence
-//   would draw other masks than one process); no pipeline parallelism (docs/context_parallel.md).
+// - Devices: the engine runs where the model is (ContextParallelBatch::device, the
+//   parameters' device). The ids and targets may be on the host or that device; the
+//   positions and document starts are built on the host from a host copy of the ids,
+//   and this rank's slices of ids, targets, positions and starts go to the device. GPT's
+//   qkv split and join dispatch to the table's copy_strided_rows; the loss's sum and
+//   count are host doubles (NCCL stages them). The communicator must serve the device
+//   (checked when built: [ptrain.comm.device]). On CUDA the ring's kernels are gated, so
+//   the engine is too ([ptrain.cuda.unverified] unless PTRAIN_UNVERIFIED_CUDA=1).
+// - Limits: no dropout (GPT's dropout must be 0: a slice of a sequence would draw other
+//   masks than one process); no pipeline parallelism (docs/context_parallel.md).
 //
 // With tensor parallelism (Megatron-Core's cp inside tp):
 //   auto engine = parallel::make_engine<double>(llama, *world, parallel::TensorParallelPlan{.tp = 2, .cp = 2});
@@ -99,6 +107,7 @@ struct ContextParallelBatch {
   ContextParallelGroup group;
   Tensor<std::int32_t> positions;  ///< [B, 2c] positions of the local tokens (global; restarting at documents)
   Tensor<std::int32_t> starts;     ///< [B, 2c] global document starts of the local tokens, or undefined
+  Device device = Device::cpu();   ///< the model's: where the local ids, targets, positions and starts go
 };
 
 namespace detail {
@@ -107,13 +116,32 @@ template <class M, class T>
 std::shared_ptr<M> part_of(const std::shared_ptr<nn::Module<T>>& owner, M& m) {
   return std::shared_ptr<M>(owner, &m);
 }
-// q, k and v [B, n, H, D] out of a packed qkv [B, n, 3 H D], and dqkv back from their gradients.
+// q, k and v [B, n, H, D] out of a packed qkv [B, n, 3 H D] (on its device).
 template <class T>
 Tensor<T> qkv_column(const Tensor<T>& qkv, std::int64_t which, std::int64_t H, std::int64_t D) {
   const std::int64_t B = qkv.size(0), n = qkv.size(1), C = H * D;
-  auto out = Tensor<T>::empty({B, n, H, D});
-  kernels::cpu::copy_strided_rows<T>(B * n, C, qkv.data() + which * C, 3 * C, out.data(), C);
+  auto out = Tensor<T>::empty({B, n, H, D}, qkv.device());
+  PTRAIN_DISPATCH(qkv.device(), T, copy_strided_rows, B * n, C, qkv.data() + which * C, 3 * C, out.data(), C);
   return out;
+}
+// dqkv [B, n, 3 H D] from the gradients of q, k and v [B, n, H, D].
+template <class T>
+Tensor<T> qkv_join(const Tensor<T>& dq, const Tensor<T>& dk, const Tensor<T>& dv) {
+  const std::int64_t B = dq.size(0), n = dq.size(1), C = dq.size(2) * dq.size(3);
+  auto dqkv = Tensor<T>::empty({B, n, 3 * C}, dq.device());
+  int which = 0;
+  for (const Tensor<T>* d : {&dq, &dk, &dv})
+    PTRAIN_DISPATCH(dq.device(), T, copy_strided_rows, B * n, C, d->data(), C, dqkv.data() + (which++) * C, 3 * C);
+  return dqkv;
+}
+// The device of m's parameters (the CPU without any); with more than one rank in the batch's
+// group, its communicator must move that device's memory.
+template <class T>
+Device context_parallel_device(nn::Module<T>& m, ContextParallelBatch& batch) {
+  const auto params = m.named_parameters();
+  const Device d = params.empty() ? Device::cpu() : params.front().param->value.device();
+  if (batch.group.size() > 1) batch.group.communicator().check_serves(d, "context parallelism");
+  return d;
 }
 }  // namespace detail
 
@@ -187,16 +215,11 @@ class ContextParallelSelfAttention : public nn::Module<T> {
     PTRAIN_CHECK(cache.tensors.size() == 4 && cache.stats.size() == 1, Error,
                  "[ptrain.backward] ContextParallelSelfAttention::backward without a forward");
     const Tensor<T>&q = cache.tensors[0], &k = cache.tensors[1], &v = cache.tensors[2];
-    const std::int64_t B = q.size(0), n = q.size(1), C = q.size(2) * q.size(3);
     auto g = c_proj_->backward(dy, cache.child(1)).reshape(q.shape());
     Tensor<T> dq, dk, dv;
     context_attention_backward(batch_->group, q, k, v, RingSaved<T>{cache.tensors[3], cache.stats[0], {}, 0}, g, dq, dk,
                             dv);
-    auto dqkv = Tensor<T>::empty({B, n, 3 * C});
-    int which = 0;
-    for (const Tensor<T>* d : {&dq, &dk, &dv})
-      kernels::cpu::copy_strided_rows<T>(B * n, C, d->data(), C, dqkv.data() + (which++) * C, 3 * C);
-    auto dx = c_attn_->backward(dqkv, cache.child(0));
+    auto dx = c_attn_->backward(detail::qkv_join(dq, dk, dv), cache.child(0));
     cache.clear();
     return dx;
   }
@@ -273,16 +296,22 @@ namespace detail {
 // chunks of each row of the replica's ids [B, S] and targets through `model`, the loss
 // (nn::CrossEntropyLoss, or VocabParallelCrossEntropy under tensor parallelism) summed and
 // counted over the whole sequences, and backward with cp times this rank's share.
-// Returns the mean loss over the sequences' counted tokens; collective over the cp group.
+// The ids and targets may be on the CPU or the model's device: the positions and document
+// starts are built from them on the host, and this rank's slices of all four go to
+// batch.device. Returns the mean loss over the sequences' counted tokens; collective over
+// the cp group.
 template <class T, class Loss>
 double context_parallel_run(ContextParallelBatch& batch, std::int32_t document_token, nn::Module<T>& model,
                             Loss& loss, const BatchInput<T>& in, const Targets<T>& targets, double grad_scale,
                             bool training) {
   PTRAIN_CHECK(in.ids != nullptr && in.ids->dim() == 2, ShapeError, "[ptrain.cp.input] context parallelism takes "
                "int32 token ids [B, S] (forward_backward(ids, targets))");
-  const Tensor<std::int32_t>& ids = *in.ids;
+  auto on_host = [](const Tensor<std::int32_t>& t) { return t.device().is_cpu() ? t : t.to(Device::cpu()); };
+  const Device dev = batch.device;
+  auto on_device = [dev](const Tensor<std::int32_t>& t) { return dev.is_cpu() ? t : t.to(dev); };
+  const Tensor<std::int32_t> ids = on_host(*in.ids);
   const std::int64_t B = ids.size(0), S = ids.size(1);
-  const Tensor<std::int32_t>& all_targets = targets.ids("ContextParallel");
+  const Tensor<std::int32_t> all_targets = on_host(targets.ids("ContextParallel"));
   PTRAIN_CHECK(all_targets.numel() == B * S, ShapeError, "[ptrain.cp.targets] ", all_targets.shape(),
                " targets for ", B, " x ", S, " tokens; give every rank of a replica the whole [B, S] batch");
   ContextParallelGroup& g = batch.group;
@@ -290,15 +319,15 @@ double context_parallel_run(ContextParallelBatch& batch, std::int32_t document_t
   auto positions = Tensor<std::int32_t>::empty({B, S});
   if (document_token >= 0) {
     auto starts = nn::document_starts(ids, document_token);
-    batch.starts = g.shard(starts);
+    batch.starts = on_device(g.shard(starts));
     positions = nn::document_positions(starts);
   } else {
     for (std::int64_t i = 0; i < B * S; ++i) positions.data()[i] = static_cast<std::int32_t>(i % S);
     batch.starts = Tensor<std::int32_t>();
   }
-  batch.positions = g.shard(positions);
-  const auto local_ids = g.shard(ids);
-  const auto local_targets = g.shard(all_targets.reshape({B, S}));
+  batch.positions = on_device(g.shard(positions));
+  const auto local_ids = on_device(g.shard(ids));
+  const auto local_targets = on_device(g.shard(all_targets.reshape({B, S})));
 
   nn::Cache<T> cache, lc;
   Tensor<T> out = model.forward_tokens(local_ids, cache);
@@ -309,7 +338,8 @@ double context_parallel_run(ContextParallelBatch& batch, std::int32_t document_t
   if (training) {
     // d(sum / count) for this rank's tokens, times cp: the gradient reduction averages over dp x cp ranks.
     const double scale = sums[1] > 0 ? grad_scale * valid * g.size() / sums[1] : 0.0;
-    Tensor<T> dout = valid > 0 ? loss.backward(lc, static_cast<acc_t<T>>(scale)) : Tensor<T>::zeros(out.shape());
+    Tensor<T> dout = valid > 0 ? loss.backward(lc, static_cast<acc_t<T>>(scale))
+                             : Tensor<T>::zeros(out.shape(), out.device());
     model.backward(dout, cache);
   }
   return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
@@ -326,10 +356,7 @@ std::shared_ptr<nn::Module<T>> context_parallel_tp_unit(const std::shared_ptr<nn
                                                         TensorParallelGroup& group,
                                                         const std::shared_ptr<ContextParallelBatch>& batch) {
   using Part = typename nn::PreNormBlock<T>::Part;
-  for (auto& p : unit->named_parameters())
-    PTRAIN_CHECK(p.param->value.device().is_cpu(), Error, "[ptrain.cp.device] context parallelism runs on the CPU "
-                 "only, but ", p.name, " is on ", p.param->value.device().str(), "; leave TensorParallelPlan::device "
-                 "unset and keep the model on the CPU, or set cp = 1 (docs/context_parallel.md)");
+  batch->device = context_parallel_device(*unit, *batch);
   if (auto* e = dynamic_cast<VocabParallelEmbedding<T>*>(unit.get())) {
     if (const std::int64_t block = e->block_size(); block > 0)  // GPT's; the engine holds the batch
       e->set_positions([b = batch.get(), block] {
@@ -445,10 +472,8 @@ class ContextParallel : public Engine<T> {
   // `fsdp` sharded by an FSDP over the world, else replicated.
   template <class M, class Block>
   void build(M& full, bool fsdp, Block block) {
-    for (auto& p : full.named_parameters())
-      PTRAIN_CHECK(p.param->value.device().is_cpu(), Error, "[ptrain.cp.device] the context-parallel engine runs "
-                   "on the CPU only, but ", p.name, " is on ", p.param->value.device().str(), "; move the model to "
-                   "the CPU (ring attention alone runs on CUDA tensors: docs/context_parallel.md)");
+    batch_->device = detail::context_parallel_device(full, *batch_);
+    if (world_.size() > 1) world_.check_serves(batch_->device, "the context-parallel engine's gradients");
     model_ = std::make_unique<detail::StageModule<T>>();
     const auto& units = full.units();
     const auto& names = full.unit_names();

@@ -1,11 +1,12 @@
-// DDP, FSDP, the pipeline and context parallelism's ring attention on "device"
-// tensors over a StagedCommunicator (dist/staged_communicator.hpp), without a GPU:
-// a stand-in cuda:0 whose memory is host memory the communicator must still stage
-// (the backend says it is not host memory) and whose kernel table holds the CPU
-// kernels. The same engine (or ring) on CPU tensors over the plain world runs the
-// same kernels and the same host collectives, so every gradient norm, parameter and
-// attention output must come out the same bits: staging may move bytes, never change
-// them. tests/gpu/test_staged.cpp runs these engines on a real GPU.
+// DDP, FSDP, the pipeline, context parallelism's ring attention and the context-parallel
+// engine (alone and inside tensor parallelism) on "device" tensors over a
+// StagedCommunicator (dist/staged_communicator.hpp), without a GPU: a stand-in cuda:0
+// whose memory is host memory the communicator must still stage (the backend says it
+// is not host memory) and whose kernel table holds the CPU kernels. The same engine (or
+// ring) on CPU tensors over the plain world runs the same kernels and the same host
+// collectives, so every gradient norm, loss, parameter and attention output must come
+// out the same bits: staging may move bytes, never change them. tests/gpu/test_staged.cpp
+// runs these engines on a real GPU.
 
 #include <catch2/catch.hpp>
 
@@ -16,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <variant>
 
 #include <ptrain/dist/process_group.hpp>
 #include <ptrain/dist/self_communicator.hpp>
@@ -63,10 +65,34 @@ HostGpu& gpu() {
   return *g;
 }
 
-// The CPU kernels as the CUDA table of double (the kernels these engines reach).
+// The CPU kernels as the CUDA table of double (the kernels these engines, GPT and Llama reach).
 template <class T>
 void fill_with_cpu_kernels(kernels::CudaKernels<T>& k) {
   namespace kc = kernels::cpu;
+  k.token_ids = &kc::token_ids<T>;
+  k.embedding_forward = &kc::embedding_forward<T>;
+  k.embedding_backward = &kc::embedding_backward<T>;
+  k.layer_norm_forward = &kc::layer_norm_forward<T>;
+  k.layer_norm_backward = &kc::layer_norm_backward<T>;
+  k.rms_norm_forward = &kc::rms_norm_forward<T>;
+  k.rms_norm_backward = &kc::rms_norm_backward<T>;
+  k.gelu_forward = &kc::gelu_forward<T>;
+  k.gelu_backward = &kc::gelu_backward<T>;
+  k.swiglu_forward = &kc::swiglu_forward<T>;
+  k.swiglu_backward = &kc::swiglu_backward<T>;
+  k.rotary_apply = &kc::rotary_apply<T>;
+  k.copy_strided_rows = &kc::copy_strided_rows<T>;
+  k.linear_dgelu_epilogue = &kc::linear_dgelu_epilogue<T>;
+  k.residual_layer_norm_forward = &kc::residual_layer_norm_forward<T>;
+  k.residual_layer_norm_backward = &kc::residual_layer_norm_backward<T>;
+  k.residual_rms_norm_forward = &kc::residual_rms_norm_forward<T>;
+  k.residual_rms_norm_backward = &kc::residual_rms_norm_backward<T>;
+  k.vocab_parallel_embedding_forward = &kc::vocab_parallel_embedding_forward<T>;
+  k.vocab_parallel_embedding_backward = &kc::vocab_parallel_embedding_backward<T>;
+  k.vocab_parallel_row_max = &kc::vocab_parallel_row_max<T>;
+  k.vocab_parallel_row_sums = &kc::vocab_parallel_row_sums<T>;
+  k.vocab_parallel_loss = &kc::vocab_parallel_loss<T>;
+  k.vocab_parallel_loss_backward = &kc::vocab_parallel_loss_backward<T>;
   k.gemm = &kc::gemm<T>;
   k.linear_epilogue = &kc::linear_epilogue<T>;
   k.linear_weight_grad_epilogue = &kc::linear_weight_grad_epilogue<T>;
@@ -93,6 +119,7 @@ struct FakeCuda {
   std::optional<std::string> gate;
   FakeCuda() {
     fill_with_cpu_kernels(table.f64);
+    table.i32.token_ids = &kernels::cpu::token_ids<std::int32_t>;
     if (const char* v = std::getenv("PTRAIN_UNVERIFIED_CUDA")) gate = v;
     ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
     kernels::detail::cuda_kernel_table_slot() = &table;
@@ -229,13 +256,112 @@ TEST_CASE("ring and all-gather attention on staged device tensors equal the CPU'
     CHECK_THROWS_WITH(parallel::ring_attention(plain, t, kv, kv, Tensor<std::int32_t>(), 0, saved),
                       Catch::Contains("[ptrain.comm.device]"));
   }
-  // The engine around it stays on the CPU and says so.
+}
+
+namespace {
+
+constexpr std::int32_t kDocument = 1;  // Llama's document token
+
+template <class M>
+std::shared_ptr<M> on(std::shared_ptr<M> m, Device d) {
+  m->to(d);
+  return m;
+}
+
+// kSteps clipped AdamW steps of the engine of `plan` (context parallelism) over `model` on `comm`,
+// each replica on its 2 rows of a random global batch (ids and targets on d, some targets
+// ignored, a document token in every row); the losses and norms, then the parameters.
+template <class M>
+std::pair<std::vector<double>, std::vector<Real>> train_cp(const std::shared_ptr<M>& model, dist::Communicator& comm,
+                                                           const parallel::Plan<Real>& plan, Device d,
+                                                           std::int32_t vocab, std::int64_t S) {
+  auto e = parallel::make_engine<Real>(model, comm, plan);
+  CHECK(e->parameters().values().device() == d);
+  optim::AdamW<Real> opt(e->parameters(), kAdam);
+  const int replica = e->data_parallel_group()->rank();
+  std::vector<double> seen;
+  for (std::int64_t s = 0; s < kSteps; ++s) {
+    Generator g(400 + static_cast<std::uint64_t>(s) * 10 + static_cast<std::uint64_t>(replica));
+    auto ids = Tensor<std::int32_t>::empty({2, S}), targets = Tensor<std::int32_t>::empty({2 * S});
+    for (std::int64_t i = 0; i < 2 * S; ++i) {
+      ids.data()[i] = i % S == S / 2 ? kDocument : static_cast<std::int32_t>(g.below(vocab));
+      targets.data()[i] = i % 5 == 2 ? -100 : static_cast<std::int32_t>(g.below(vocab));
+    }
+    e->zero_grad();
+    seen.push_back(e->forward_backward(ids.to(d), targets.to(d)));
+    seen.push_back(e->clip_grad_norm_(0.5));
+    e->step(opt);
+  }
+  auto values = e->parameters().values().to_vector();
+  comm.barrier();  // Note [Group teardown]
+  return {seen, values};
+}
+
+}  // namespace
+
+TEST_CASE("the context-parallel engine on staged device tensors equals it on CPU tensors bit for bit",
+          "[staged][cp]") {
+  auto& comm = world();
+  const int n = comm.size(), r = comm.rank();
+  using CP = parallel::ContextParallelPlan;
+  using TP = parallel::TensorParallelPlan;
+  struct Case {
+    std::string name;
+    int cp;
+    parallel::Plan<Real> cpu, dev;  // the engine on the CPU, on the device (the same but TP's .device)
+  };
+  std::vector<Case> cases = {{"cp all", n, CP{.cp = n}, CP{.cp = n}},
+                             {"cp all, FSDP", n, CP{.cp = n, .fsdp = true}, CP{.cp = n, .fsdp = true}}};
+  if (n == 4) cases.push_back({"dp 2 x cp 2", 2, CP{.cp = 2}, CP{.cp = 2}});
+  if (n % 2 == 0)  // inside tensor parallelism: tp n / 2 x cp 2, the shards moved to the device by the plan
+    cases.push_back({"cp 2 x tp n / 2", 2, TP{.tp = n / 2, .cp = 2}, TP{.tp = n / 2, .device = kGpu, .cp = 2}});
+  FakeCuda fake;
+  dist::StagedCommunicator staged(comm.split(0, r), kGpu);
+  for (const auto& c : cases) {
+    INFO(c.name << " on " << n << " ranks, " << comm.backend());
+    const std::int64_t S = 2 * c.cp * 3;
+    // The model on d: the engine's device, or the CPU where the plan moves the shards.
+    const Device built = std::holds_alternative<TP>(c.dev) ? Device::cpu() : kGpu;
+    auto compare = [&](auto make, std::int32_t vocab) {
+      const auto want = train_cp(make(Device::cpu()), comm, c.cpu, Device::cpu(), vocab, S);
+      const long copies = gpu().to_host;
+      const auto got = train_cp(make(built), staged, c.dev, kGpu, vocab, S);
+      CHECK(got.first == want.first);
+      CHECK(got.second == want.second);
+      CHECK(gpu().to_host > copies);
+    };
+    const nn::GPTConfig gpt{.vocab_size = 13, .block_size = S, .n_layer = 2, .n_head = 2, .n_embd = 8};
+    const nn::LlamaConfig llama{.vocab_size = 17, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16,
+                                .intermediate_size = 24, .document_token = kDocument};
+    {
+      INFO("GPT");
+      compare([&](Device d) { Generator g(3); return on(std::make_shared<nn::GPT<Real>>(gpt, g), d); }, 13);
+    }
+    {
+      INFO("Llama on packed documents");
+      compare([&](Device d) { Generator g(5); return on(std::make_shared<nn::Llama<Real>>(llama, g), d); }, 17);
+    }
+  }
+  // The copies of the packed qkv come from the kernel table, like the ring's blocks (a group of one).
   dist::SelfCommunicator self;
   Generator g(5);
-  nn::GPT<Real> gpt({.vocab_size = 13, .block_size = 12, .n_layer = 1, .n_head = 2, .n_embd = 8}, g);
-  gpt.to(kGpu);
-  CHECK_THROWS_WITH(parallel::ContextParallel<Real>(gpt, self, parallel::ContextParallelPlan{.cp = 1}),
-                    Catch::Contains("[ptrain.cp.device]"));
+  auto small = std::make_shared<nn::GPT<Real>>(nn::GPTConfig{.vocab_size = 13, .block_size = 12, .n_layer = 1,
+                                                             .n_head = 2, .n_embd = 8}, g);
+  small->to(kGpu);
+  parallel::ContextParallel<Real> one(*small, self, parallel::ContextParallelPlan{.cp = 1});
+  auto ids = Tensor<std::int32_t>::zeros({1, 6}, kGpu), targets = Tensor<std::int32_t>::zeros({6}, kGpu);
+  fake.table.f64.copy_strided_rows = nullptr;
+  CHECK_THROWS_WITH(one.forward_backward(ids, targets),
+                    Catch::Contains("[ptrain.cuda.unsupported] copy_strided_rows"));
+  fake.table.f64.copy_strided_rows = &kernels::cpu::copy_strided_rows<Real>;
+  // The engine on a device is gated with its kernels (the ring's, copy_strided_rows).
+  ::unsetenv("PTRAIN_UNVERIFIED_CUDA");
+  CHECK_THROWS_WITH(one.forward_backward(ids, targets), Catch::Contains("[ptrain.cuda.unverified]"));
+  ::setenv("PTRAIN_UNVERIFIED_CUDA", "1", 1);
+  // A communicator that cannot move device memory is refused when the engine is built.
+  if (n > 1)
+    CHECK_THROWS_WITH(parallel::ContextParallel<Real>(*small, comm, parallel::ContextParallelPlan{.cp = n}),
+                      Catch::Contains("[ptrain.comm.device]") && Catch::Contains("context parallelism"));
 }
 
 }  // namespace test_staged_engines
