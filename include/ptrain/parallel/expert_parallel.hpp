@@ -269,6 +269,20 @@ std::vector<nn::MoE<T>*> moe_layers(nn::Module<T>& model) {
   return out;
 }
 
+/// Appends to `out` the global name (under `prefix`) of every expert parameter of every MoE
+/// layer of `model`, whether or not this rank holds that expert: experts.{e}.w1.weight and so
+/// on for e = 0 .. num_experts - 1, what a checkpoint of the whole model holds.
+template <class T>
+void all_expert_names(nn::Module<T>& model, const std::string& prefix, std::vector<std::string>& out) {
+  if (auto* moe = dynamic_cast<nn::MoE<T>*>(&model)) {
+    const auto inside = moe->experts().expert(0).named_parameters();  // w1.weight, w2.weight, w3.weight
+    for (std::int64_t e = 0; e < moe->config().num_experts; ++e)
+      for (const auto& p : inside) out.push_back(prefix + "experts." + std::to_string(e) + "." + p.name);
+    return;
+  }
+  for (auto& [name, child] : model.children()) all_expert_names(*child, prefix + name + ".", out);
+}
+
 /// Keeps in every MoE layer of `model` only the experts of this rank's expert-parallel
 /// index and routes their rows over mesh.expert_group() (which must outlive the model).
 /// Every rank must have built the same model. Returns the number of layers sharded.

@@ -132,11 +132,11 @@ Reference<T> reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze
 }
 
 // Steps [from, to) of the engine on this rank's rows of the global batches; returns the
-// token slots the MoE layers dropped on this rank. Each step's gradient norm (clipping
-// at a bound it never reaches) goes to *norms.
+// token slots the MoE layers of `model` (default: the engine's local module) dropped on
+// this rank. Each step's gradient norm (clipping at a bound it never reaches) goes to *norms.
 template <class T>
 std::int64_t train(parallel::Engine<T>& engine, optim::AdamW<T>& opt, std::int64_t from, std::int64_t to,
-                   std::vector<double>* norms = nullptr) {
+                   std::vector<double>* norms = nullptr, nn::Module<T>* model = nullptr) {
   const int n = engine.communicator().size(), r = engine.communicator().rank();
   std::int64_t dropped = 0;
   for (std::int64_t s = from; s < to; ++s) {
@@ -146,7 +146,7 @@ std::int64_t train(parallel::Engine<T>& engine, optim::AdamW<T>& opt, std::int64
     const double norm = engine.clip_grad_norm_(1e9);
     if (norms) norms->push_back(norm);
     engine.step(opt);
-    for (auto* moe : parallel::moe_layers(engine.local_module())) dropped += moe->stats().dropped;
+    for (auto* moe : parallel::moe_layers(model ? *model : engine.local_module())) dropped += moe->stats().dropped;
   }
   return dropped;
 }
@@ -243,6 +243,83 @@ TEST_CASE("Expert-parallel Llama MoE trains like one process", "[ep]") {
 // The float bound: 2e-4 relative after the same AdamW steps.
 TEST_CASE("Expert-parallel Llama MoE trains like one process in float", "[ep][float]") {
   trains_like_one_process<float>("ptrain_ep_float_");
+}
+
+// FSDP with expert parallelism (Note [FSDP with expert parallelism] in parallel/fsdp.hpp):
+// the dense parameters sharded over the world, each rank's experts over the dp ranks that
+// hold them; every ep degree that divides the world, dropless and with a capacity factor,
+// against the same one process as DDP's (clip norms included). The engine keeps 1/n of the
+// model (values and gradients: its live bytes), and full_parameters() with gather_experts
+// gives rank 0 the whole trained model.
+template <class T>
+void fsdp_trains_like_one_process(const char* tmp_prefix) {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, tmp_prefix);
+  for (bool capacity : {false, true}) {
+    const nn::LlamaConfig c = config(capacity);
+    const auto ref = reference<T>(c, n, kSteps);
+    const std::int64_t whole = nn::FlatParameters<T>(*make_llama<T>(c)).numel();
+    for (int ep : ep_degrees(n)) {
+      INFO((capacity ? "capacity" : "dropless") << ", fsdp, ep " << ep << " x dp " << n / ep << ", "
+                                                << comm.backend() << (std::is_same_v<T, float> ? ", float" : ", double"));
+      const std::int64_t before = memory_stats().live_bytes;
+      auto model = make_llama<T>(c);
+      auto engine = parallel::make_engine<T>(model, comm, parallel::FSDPOptions{.expert_parallel = ep});
+      const std::int64_t kept = memory_stats().live_bytes - before;
+      auto& fsdp = static_cast<parallel::FSDP<T>&>(engine->local_module());
+      auto layers = parallel::moe_layers(*model);
+      REQUIRE(layers.size() == 2);
+      CHECK(layers[0]->experts().size() == 4 / ep);
+      CHECK(layers[0]->experts().first() == fsdp.expert_mesh()->ep_rank() * (4 / ep));
+      // Sharding: a shard of each group (padded to its group's size) per rank, 1/n of the
+      // model; the shards of all ranks hold it once. Values and gradients, nothing else kept
+      // (the model's full tensors and the other ranks' experts are released).
+      const std::int64_t local = engine->parameters().numel();
+      std::int64_t total = local, buffers = 0;
+      comm.all_reduce(&total, 1, DType::I64, dist::ReduceOp::Sum);
+      CHECK(local <= whole / n + static_cast<std::int64_t>(fsdp.num_groups()));
+      CHECK((total >= whole && total <= whole + n * static_cast<std::int64_t>(fsdp.num_groups())));
+      for (const auto& b : engine->parameters().buffers()) buffers += b.buffer->numel();
+      CHECK(kept == static_cast<std::int64_t>(sizeof(T)) * (2 * local + buffers));
+      optim::AdamW<T> opt(engine->parameters(), kAdam);
+      std::vector<double> norms;
+      std::int64_t dropped = train(*engine, opt, 0, kSteps, &norms, model.get());
+      comm.all_reduce(&dropped, 1, DType::I64, dist::ReduceOp::Sum);
+      CHECK((dropped > 0) == capacity);
+      // Clipping sees the whole model's gradient norm: every shard's squares once, over the world.
+      for (std::size_t s = 0; s < norms.size(); ++s)
+        CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<T> * ref.norms[s]);
+      // The sharded checkpoint read back in one process.
+      CHECK(rel_diff(whole_parameters(*engine, opt, c, dir / ("fsdp" + std::to_string(ep))), ref.params.back()) <
+            kTol<T>);
+      // As gpt_char: the model's own parameters bound to full_parameters() (the dense ones and
+      // this rank's experts), then gather_experts gives rank 0 every expert.
+      std::map<std::string, Tensor<T>> full;
+      for (auto& [name, value] : fsdp.full_parameters()) full[name] = value;
+      for (auto& p : model->named_parameters()) p.param->value = full.at(p.name);
+      parallel::gather_experts(*model, *fsdp.expert_mesh(), comm);
+      if (comm.rank() == 0) {
+        std::vector<T> got;
+        for (auto& p : model->named_parameters()) {
+          const auto v = p.param->value.to_vector();
+          got.insert(got.end(), v.begin(), v.end());
+        }
+        CHECK(static_cast<std::int64_t>(got.size()) == whole);
+        CHECK(rel_diff(got, ref.params.back()) < kTol<T>);
+      }
+    }
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("FSDP with expert parallelism trains a Llama MoE like one process", "[ep][fsdp]") {
+  fsdp_trains_like_one_process<double>("ptrain_ep_fsdp_");
+}
+
+TEST_CASE("FSDP with expert parallelism trains a Llama MoE like one process in float", "[ep][fsdp][float]") {
+  fsdp_trains_like_one_process<float>("ptrain_ep_fsdp_float_");
 }
 
 // The routing statistics after all_reduce_moe_stats describe the step over all ranks, as
