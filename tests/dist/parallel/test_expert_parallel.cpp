@@ -484,6 +484,10 @@ TEST_CASE("Expert-parallel Llama MoE with frozen experts and layers trains like 
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Saved at ep 2 under DDP and under FSDP (whose pieces keep the experts' global names), the
+// checkpoint loads in one process (whole_parameters), and resumes under DDP and FSDP at
+// ep 1 (every rank all experts), ep 2 in the other engine and ep 4 (on 4 ranks), one more
+// step equal to one process's.
 TEST_CASE("An expert-parallel checkpoint resumes at another ep degree", "[ep]") {
   auto& comm = world();
   const int n = comm.size();
@@ -491,26 +495,36 @@ TEST_CASE("An expert-parallel checkpoint resumes at another ep degree", "[ep]") 
   const nn::LlamaConfig c = config(false);
   const auto ref = reference(c, n, kSteps + 1);
   const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_ep_ckpt_");
-  const auto saved = dir / "ep2";
-  {
-    auto engine = parallel::make_engine<Real>(make_llama(c), comm, parallel::DDPOptions{.expert_parallel = 2});
-    optim::AdamW<Real> opt(engine->parameters(), kAdam);
-    train(*engine, opt, 0, kSteps);
-    CHECK(rel_diff(whole_parameters(*engine, opt, c, saved), ref.params[kSteps - 1]) < kTol<Real>);
-  }
-  std::vector<int> targets{1};
+  auto plan = [](bool fsdp, int ep) {
+    return fsdp ? parallel::Plan<Real>{parallel::FSDPOptions{.expert_parallel = ep}}
+                : parallel::Plan<Real>{parallel::DDPOptions{.expert_parallel = ep}};
+  };
+  std::vector<int> targets{1, 2};
   if (n % 4 == 0) targets.push_back(4);
-  for (int ep : targets) {
-    INFO("saved at ep 2, resumed at ep " << ep << " on " << n << " ranks");
-    auto engine = parallel::make_engine<Real>(make_llama(config(false)), comm,
-                                              parallel::DDPOptions{.expert_parallel = ep});
-    optim::AdamW<Real> opt(engine->parameters(), kAdam);
-    ckpt::CheckpointManager mgr(saved, &comm);
-    ckpt::load(mgr, mgr.latest().path, *engine, &opt);
-    CHECK(opt.steps() == kSteps);
-    train(*engine, opt, kSteps, kSteps + 1);
-    const auto got = whole_parameters(*engine, opt, c, dir / ("resumed" + std::to_string(ep)));
-    CHECK(rel_diff(got, ref.params[kSteps]) < kTol<Real>);
+  for (bool saved_fsdp : {false, true}) {
+    const auto saved = dir / (saved_fsdp ? "fsdp_ep2" : "ddp_ep2");
+    {
+      auto model = make_llama(c);
+      auto engine = parallel::make_engine<Real>(model, comm, plan(saved_fsdp, 2));
+      optim::AdamW<Real> opt(engine->parameters(), kAdam);
+      train(*engine, opt, 0, kSteps, nullptr, model.get());
+      CHECK(rel_diff(whole_parameters(*engine, opt, c, saved), ref.params[kSteps - 1]) < kTol<Real>);
+    }
+    for (bool fsdp : {false, true})
+      for (int ep : targets) {
+        if (fsdp == saved_fsdp && ep == 2) continue;
+        INFO("saved at ep 2 under " << (saved_fsdp ? "FSDP" : "DDP") << ", resumed at ep " << ep << " under "
+                                    << (fsdp ? "FSDP" : "DDP") << " on " << n << " ranks");
+        auto model = make_llama(c);
+        auto engine = parallel::make_engine<Real>(model, comm, plan(fsdp, ep));
+        optim::AdamW<Real> opt(engine->parameters(), kAdam);
+        ckpt::CheckpointManager mgr(saved, &comm);
+        ckpt::load(mgr, mgr.latest().path, *engine, &opt);
+        CHECK(opt.steps() == kSteps);
+        train(*engine, opt, kSteps, kSteps + 1, nullptr, model.get());
+        const auto got = whole_parameters(*engine, opt, c, dir / "resumed");
+        CHECK(rel_diff(got, ref.params[kSteps]) < kTol<Real>);
+      }
   }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
@@ -541,6 +555,16 @@ TEST_CASE("Expert parallelism refuses bad plans on every rank", "[ep]") {
   if (n % 2 == 0)
     CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(dense), comm, parallel::DDPOptions{.expert_parallel = 2}),
                       Contains("[ptrain.ep.model]"));
+  // FSDP: the same, and the strategies whose replicas would average different experts.
+  if (n % 2 == 0) {
+    CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(dense), comm, parallel::FSDPOptions{.expert_parallel = 2}),
+                      Contains("[ptrain.ep.model]"));
+    for (auto st : {parallel::ShardingStrategy::NoShard, parallel::ShardingStrategy::Hybrid})
+      CHECK_THROWS_WITH(
+          parallel::make_engine<Real>(make_llama(config(false)), comm,
+                                      parallel::FSDPOptions{.strategy = st, .hybrid_shard_size = 1, .expert_parallel = 2}),
+          Contains("[ptrain.ep.strategy]"));
+  }
   comm.barrier();
 }
 
