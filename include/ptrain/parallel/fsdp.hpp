@@ -288,9 +288,9 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       if (reshard_) {
         wait_works(grp);
         if (grp.full.defined()) release(static_cast<int>(g));
-      } else if (size_of(grp) > 1 && grp.shard > 0) {
-        comm_of(grp)->all_gather(local_values_.data() + grp.local_offset, grp.full.data(),
-                                 static_cast<std::size_t>(grp.shard), dtype_of<T>());
+      } else if (grp.shard > 0 && local_values_.data() + grp.local_offset != grp.full.data()) {
+        // Not under NoShard, whose shard is the full buffer; an expert group whose dp is 1 copies.
+        gather(grp, local_values_, grp.local_offset, grp.full, grp.shard);
       }
     }
   }
