@@ -408,7 +408,7 @@ TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][met
   comm.barrier();
 }
 
-// Frozen parameters, frozen experts among them, under expert parallelism: only trainable
+// Frozen parameters, frozen experts among them, under expert parallelism (DDP and FSDP): only trainable
 // gradients are reduced, and the checkpoint holds every frozen tensor (each expert from
 // the rank that holds it), unchanged bit for bit.
 // The Trainer's records carry the routing over all ranks: plain DDP and ep 2 (even worlds),
@@ -472,23 +472,30 @@ TEST_CASE("Expert-parallel Llama MoE with frozen experts and layers trains like 
   const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_ep_frozen_");
   const nn::LlamaConfig c = config(false);
   const auto ref = reference(c, n, kSteps, true);
-  for (int ep : ep_degrees(n)) {
-    INFO("frozen, ep " << ep << " x dp " << n / ep << ", " << comm.backend());
-    auto engine = parallel::make_engine<Real>(make_llama(c, true), comm,
-                                              parallel::DDPOptions{.first_bucket_bytes = 256, .expert_parallel = ep});
-    auto& ddp = static_cast<parallel::DDP<Real>&>(*engine);
-    std::int64_t frozen_experts = 0;
-    for (std::size_t i = 0; i < ddp.parameters().frozen_entries().size(); ++i) frozen_experts += ddp.is_frozen_expert(i);
-    comm.all_reduce(&frozen_experts, 1, DType::I64, dist::ReduceOp::Sum);
-    CHECK(frozen_experts == 2 * 3 * (n / ep));  // 2 layers x w1, w2, w3, on each replica
-    optim::AdamW<Real> opt(engine->parameters(), kAdam);
-    std::vector<double> norms;
-    train(*engine, opt, 0, kSteps, &norms);
-    for (std::size_t s = 0; s < norms.size(); ++s)
-      CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<Real> * ref.norms[s]);
-    const auto got = whole_parameters(*engine, opt, c, dir / ("ep" + std::to_string(ep)), true);
-    CHECK(rel_diff(got, ref.params.back()) < kTol<Real>);
-  }
+  for (int ep : ep_degrees(n))
+    for (bool fsdp : {false, true}) {
+      INFO("frozen, ep " << ep << " x dp " << n / ep << (fsdp ? ", fsdp, " : ", ddp, ") << comm.backend());
+      auto model = make_llama(c, true);
+      auto engine = parallel::make_engine<Real>(
+          model, comm,
+          fsdp ? parallel::Plan<Real>{parallel::FSDPOptions{.expert_parallel = ep}}
+               : parallel::Plan<Real>{parallel::DDPOptions{.first_bucket_bytes = 256, .expert_parallel = ep}});
+      if (!fsdp) {
+        auto& ddp = static_cast<parallel::DDP<Real>&>(*engine);
+        std::int64_t frozen_experts = 0;
+        for (std::size_t i = 0; i < ddp.parameters().frozen_entries().size(); ++i)
+          frozen_experts += ddp.is_frozen_expert(i);
+        comm.all_reduce(&frozen_experts, 1, DType::I64, dist::ReduceOp::Sum);
+        CHECK(frozen_experts == 2 * 3 * (n / ep));  // 2 layers x w1, w2, w3, on each replica
+      }
+      optim::AdamW<Real> opt(engine->parameters(), kAdam);
+      std::vector<double> norms;
+      train(*engine, opt, 0, kSteps, &norms, model.get());
+      for (std::size_t s = 0; s < norms.size(); ++s)
+        CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<Real> * ref.norms[s]);
+      const auto got = whole_parameters(*engine, opt, c, dir / ("ep" + std::to_string(ep)), true);
+      CHECK(rel_diff(got, ref.params.back()) < kTol<Real>);
+    }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
