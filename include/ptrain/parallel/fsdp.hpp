@@ -360,8 +360,6 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   }
   /// The expert-parallel groups (FSDPOptions::expert_parallel > 1), or null.
   ExpertMesh* expert_mesh() { return experts_.get(); }
-  /// Whether group g holds routed experts, sharded over expert_mesh()->expert_data_group().
-  bool is_expert_group(std::size_t g) const { return groups_.at(g).expert; }
   /// With expert parallelism: the global name of every expert parameter of every MoE layer,
   /// held here or not (what a checkpoint of the whole model holds for its experts).
   std::vector<std::string> expert_names() {
