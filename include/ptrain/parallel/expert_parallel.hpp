@@ -336,6 +336,23 @@ void gather_experts(nn::Module<T>& model, ExpertMesh& mesh, dist::Communicator& 
   }
 }
 
+/// Global-batch load balancing (Megatron-Core's global auxiliary loss): the load-balancing
+/// loss of every MoE layer of `model` takes its token fractions f_e over all ranks of `comm`
+/// (the data-parallel ranks: the world under DDP and FSDP, with or without expert
+/// parallelism) instead of each rank's own tokens: one all-reduce of E + 1 numbers per layer
+/// and forward, collective over `comm` (so every rank must run every forward). The mean over
+/// the ranks of their losses is then one process's on the global batch (equal tokens per
+/// rank; dropless, or plain DDP's per-rank capacity: the fractions count the slots each rank
+/// keeps). Call it once, after make_engine.
+template <class T>
+void global_load_balance(nn::Module<T>& model, dist::Communicator& comm) {
+  for (nn::MoE<T>* moe : moe_layers(model))
+    moe->router().set_count_reducer([&comm](std::vector<double>& counts) {
+      dist::CollectiveLabel label("moe.balance");
+      comm.all_reduce(counts.data(), counts.size(), DType::F64, dist::ReduceOp::Sum);
+    });
+}
+
 /// Makes every MoE layer of `model` report (stats(), Module::named_metrics()) its latest
 /// forward over all ranks of `comm` instead of this rank's: tokens_per_expert and dropped
 /// summed, max_load and mean_load (so the load imbalance) from the summed counts, aux_loss,

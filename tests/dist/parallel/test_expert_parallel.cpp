@@ -101,9 +101,11 @@ struct Reference {
   std::vector<std::vector<T>> params;
   std::vector<double> norms;
 };
+// With global_aux (parallel::global_load_balance) the batch in one call also with the
+// load-balancing loss.
 template <class T = Real>
-Reference<T> reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze = false) {
-  const bool per_rank = c.moe_aux_loss_coef > 0;
+Reference<T> reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze = false, bool global_aux = false) {
+  const bool per_rank = c.moe_aux_loss_coef > 0 && !global_aux;
   if (per_rank) {
     c.moe_aux_loss_coef /= n;
     c.moe_z_loss_coef /= n;
@@ -362,6 +364,39 @@ TEST_CASE("FSDP with expert parallelism builds its units one at a time", "[ep][f
   for (const auto& [name, values] : got)
     if (want.count(name)) CHECK(rel_diff(values, want.at(name)) < 1e-14);
   comm.barrier();
+}
+
+// parallel::global_load_balance: the load-balancing loss's fractions over all ranks, so
+// plain DDP and FSDP and both at every ep degree, dropless with the load-balancing loss,
+// equal one process taking the global batch in one call (each rank's own fractions give
+// the other reference, one micro-batch per rank: the two differ).
+TEST_CASE("Global load balancing trains like one process on the global batch", "[ep][aux]") {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_ep_aux_");
+  const nn::LlamaConfig c = config(false);
+  const auto ref = reference(c, n, kSteps, false, true);
+  if (n > 1) CHECK(rel_diff(reference(c, n, kSteps).params.back(), ref.params.back()) > 1e-6);
+  std::vector<int> degrees{1};
+  for (int ep : ep_degrees(n)) degrees.push_back(ep);
+  for (int ep : degrees)
+    for (bool fsdp : {false, true}) {
+      INFO("global aux, ep " << ep << " x dp " << n / ep << (fsdp ? ", fsdp, " : ", ddp, ") << comm.backend());
+      auto model = make_llama(c);
+      auto engine = parallel::make_engine<Real>(
+          model, comm,
+          fsdp ? parallel::Plan<Real>{parallel::FSDPOptions{.expert_parallel = ep}}
+               : parallel::Plan<Real>{parallel::DDPOptions{.expert_parallel = ep}});
+      parallel::global_load_balance(*model, comm);
+      optim::AdamW<Real> opt(engine->parameters(), kAdam);
+      std::vector<double> norms;
+      train(*engine, opt, 0, kSteps, &norms, model.get());
+      for (std::size_t s = 0; s < norms.size(); ++s)
+        CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<Real> * ref.norms[s]);
+      CHECK(rel_diff(whole_parameters(*engine, opt, c, dir / "aux"), ref.params.back()) < kTol<Real>);
+    }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 // The routing statistics after all_reduce_moe_stats describe the step over all ranks, as
