@@ -36,7 +36,8 @@
 //   replicas before its own sent to that expert (a sum over the group and an all-gather
 //   over the replicas per forward) and returns zeros for the rest. So, dropless or not,
 //   expert parallelism equals one process on the global batch; the load-balancing loss
-//   stays each rank's (one process taking one micro-batch per rank).
+//   stays each rank's (one process taking one micro-batch per rank) unless
+//   global_load_balance() takes its token fractions over the ranks.
 // - Checkpoints keep each expert's global name (experts.{e}.w1.weight): world rank 0
 //   writes the dense tensors, replica 0 of each expert-parallel index its experts
 //   (ckpt/engine_checkpoint.hpp), so any ep (or one process) loads them by name.
