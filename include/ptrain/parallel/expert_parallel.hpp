@@ -2,7 +2,8 @@
 // Expert parallelism (GShard, Megatron-Core, DeepSpeed-MoE): the E experts of each
 // nn::MoE layer are split over an expert-parallel group of ep ranks, rank e of the
 // group holding experts [e E/ep, (e+1) E/ep); the router, the shared experts and
-// every dense layer stay whole on every rank. Used through DDP:
+// every dense layer stay whole on every rank (under FSDP: sharded, Note [FSDP with expert
+// parallelism] in fsdp.hpp). Used through DDP or FSDP:
 //
 //   auto engine = parallel::make_engine<double>(llama, *world, parallel::DDPOptions{.expert_parallel = 2});
 //   engine->forward_backward(my_ids, my_targets);     // every rank its own slice of the global batch

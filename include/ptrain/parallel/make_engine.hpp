@@ -7,6 +7,7 @@
 //                                                               // TensorParallelPlan, ContextParallelPlan
 //                                                               // (nn::GPT, nn::Llama);
 //                                                               // DDPOptions{.expert_parallel = ep} splits MoE experts
+//                                                               // (FSDPOptions{.expert_parallel = ep}: and shards)
 //   auto engine = parallel::make_engine<float>(model, *world, plan);
 //
 // `model` is a std::shared_ptr to a model whose forward runs its units() in

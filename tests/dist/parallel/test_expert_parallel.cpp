@@ -1,4 +1,5 @@
-// Expert parallelism (parallel/expert_parallel.hpp) through DDP: a Llama whose blocks
+// Expert parallelism (parallel/expert_parallel.hpp) through DDP (and FSDP: the [fsdp] cases,
+// checkpoints across the two, global load balancing [aux]): a Llama whose blocks
 // are mixtures of experts, its experts split over ep ranks (and dp = world / ep copies
 // of each split), trained a few AdamW steps in double (and in float), against one process:
 // - dropless, with the load-balancing loss (computed on each rank's tokens): one process
