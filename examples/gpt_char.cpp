@@ -15,6 +15,7 @@
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --experts 8 --moe-top-k 2   # MoE blocks
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel ddp --expert-parallel 2   # ep 2 x dp 2
 //   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel tp --tp 2 --expert-parallel 2   # tp 2 x dp 2, ep 2
+//   mpirun -np 4 build/examples/gpt_char --model mixtral --parallel fsdp --expert-parallel 2  # and FSDP-sharded
 //
 // Checkpoints, with the flags and behaviour of fashion_mnist: --checkpoint-dir DIR
 // saves every --checkpoint-every steps (in the background), at the end, and when
@@ -270,11 +271,12 @@ std::string parallel_layout(const Options& o, int world) {
     return "cp " + std::to_string(o.context_parallel) + (o.cp_tp ? " x tp " + std::to_string(tp) : "") + " x dp " +
            std::to_string(world / (o.context_parallel * tp)) + (o.cp_fsdp ? " with fsdp" : "");
   }
-  if (o.parallel == "ddp" && o.expert_parallel > 1)
-    return "ddp, ep " + std::to_string(o.expert_parallel) + " x dp " + std::to_string(world / o.expert_parallel);
-  if (o.parallel != "fsdp") return o.parallel;
+  const std::string ep = o.expert_parallel > 1 ? detail::cat(", ep ", o.expert_parallel, " x dp ",
+                                                              world / o.expert_parallel) : "";
+  if (o.parallel != "fsdp") return o.parallel + ep;
   if (o.fsdp_tp) return detail::cat("fsdp ", o.fsdp_strategy, " x tp ", o.tp, " (dp ", world / o.tp, ")");
-  return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "");
+  return "fsdp " + o.fsdp_strategy + (o.fsdp_strategy == "hybrid" ? " " + std::to_string(o.hybrid_shard_size) : "") +
+         ep;
 }
 
 // Flags that a resumed run may change (the run goes on, but is no longer the
@@ -326,10 +328,12 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 // Flags that contradict each other or the world, refused before anything is read.
 void check_parallel_flags(const Options& o, int world) {
   if (o.expert_parallel > 1) {
-    PTRAIN_CHECK(o.model == "mixtral" && (o.parallel == "ddp" || (o.parallel == "tp" && o.stages <= 1)), Error,
+    PTRAIN_CHECK(o.model == "mixtral" && (o.parallel == "ddp" || (o.parallel == "tp" && o.stages <= 1) ||
+                                          (o.parallel == "fsdp" && !o.fsdp_tp)), Error,
                  "[gpt_char.ep] --expert-parallel ", o.expert_parallel, " splits the experts of --model mixtral "
-                 "under --parallel ddp or tp without --stages (got --model ", o.model, " --parallel ", o.parallel,
-                 "); add --model mixtral --parallel ddp (or tp) or leave it out");
+                 "under --parallel ddp, fsdp (without --tp) or tp (without --stages) (got --model ", o.model,
+                 " --parallel ", o.parallel, o.fsdp_tp ? " --tp" : "", "); add --model mixtral --parallel ddp (or "
+                 "fsdp, tp) or leave it out");
     PTRAIN_CHECK(world % o.expert_parallel == 0 && o.experts % o.expert_parallel == 0, Error, "[gpt_char.ep] "
                  "--expert-parallel ", o.expert_parallel, " must divide the world (", world, " ranks) and --experts (",
                  o.experts, "): launch a multiple of it and choose a divisor of --experts");
@@ -586,7 +590,8 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   if (o.parallel == "fsdp") {
     if (o.fsdp_strategy == "hybrid" && o.hybrid_shard_size == 0)
       o.hybrid_shard_size = dist::detect_launch_env().local_world_size;
-    parallel::FSDPOptions fo{.hybrid_shard_size = o.hybrid_shard_size, .device = device};
+    parallel::FSDPOptions fo{.hybrid_shard_size = o.hybrid_shard_size, .device = device,
+                             .expert_parallel = o.expert_parallel};
     for (auto st : {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp,
                     parallel::ShardingStrategy::ShardOptimizer, parallel::ShardingStrategy::NoShard,
                     parallel::ShardingStrategy::Hybrid})
@@ -660,8 +665,17 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   } else if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(&e.engine->local_module())) {  // also cp's (--parallel fsdp)
     e.describe = detail::cat(e.describe.empty() ? "" : e.describe + ", ", fsdp->describe(), " over ", world.size(),
                              " rank(s) (shard groups of ", fsdp->shard_size(), ")");
-    e.gather = [&m, fsdp, lead] {
+    parallel::ExpertMesh* experts = fsdp->expert_mesh();
+    e.gather = [&m, fsdp, lead, experts, &world] {
       auto full = fsdp->full_parameters();
+      if (experts) {
+        // The dense parameters and this rank's experts bound on every rank; then rank 0's
+        // model gets every expert (replica 0 of each expert-parallel index sends its own).
+        std::map<std::string, Tensor<T>> by_name(full.begin(), full.end());
+        for (auto& p : m.named_parameters()) p.param->value = by_name.at(p.name);
+        parallel::gather_experts(m, *experts, world);
+        return;
+      }
       if (!lead) return;
       std::map<std::string, Tensor<T>> by_name(full.begin(), full.end());
       for (auto& p : m.named_parameters()) {
@@ -1177,8 +1191,8 @@ int main(int argc, char** argv) {
                                   "coefficient")->check(non_negative);
   auto* z_coef = app.add_option("--z-loss-coef", opt.z_loss_coef, "--model mixtral: router z-loss coefficient")
                      ->check(non_negative);
-  app.add_option("--expert-parallel", opt.expert_parallel, "--model mixtral --parallel ddp: split each MoE layer's "
-                 "experts over this many ranks (a divisor of the world and of --experts; world / it replicas)")
+  app.add_option("--expert-parallel", opt.expert_parallel, "--model mixtral --parallel ddp or fsdp: split each MoE "
+                 "layer's experts over this many ranks (a divisor of the world and of --experts; world / it replicas)")
       ->check(positive);
   app.add_option("--kv-heads", opt.n_kv_head, "--model llama: key/value heads, dividing --heads (default: --heads)")
       ->check(CLI::NonNegativeNumber);

@@ -13,7 +13,8 @@
 //   DDP with expert parallelism  rank 0 writes the dense tensors, replica 0 of each
 //                expert-parallel index its experts, under their global names
 //   FSDP         every shard group writes its pieces (ckpt/fsdp_checkpoint.hpp); also a
-//                context-parallel engine with ContextParallelPlan::fsdp
+//                context-parallel engine with ContextParallelPlan::fsdp; with expert
+//                parallelism the experts' pieces under their global names
 //   Pipeline     replica 0 of each stage writes its stage (ckpt/stage_checkpoint.hpp)
 //   TensorParallel  rank 0 writes the full tensors, gathered over tp (ckpt/tp_checkpoint.hpp)
 // Loading reads the tensors (or the ranges of them) that this rank holds, from

@@ -53,6 +53,7 @@ TrainerState load_fsdp(const fs::path& path, parallel::FSDP<T>& fsdp,
   std::set<std::string> names;
   for (const auto& [name, shape] : fsdp.parameter_shapes()) names.insert(name);
   for (const auto& b : fsdp.parameters().buffers()) names.insert(b.name);
+  for (auto& n : fsdp.expert_names()) names.insert(std::move(n));  // other ranks' experts: not read here
   for (const auto& n : c.tensor_names("model"))
     PTRAIN_CHECK(names.count(n), CheckpointError, "[ptrain.ckpt.unexpected] ", path.string(), ": tensor '", n,
                  "' is not a parameter or buffer of the model; the checkpoint is from a different model");

@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -125,8 +126,12 @@ class MoeRouter : public Module<T> {
 
     MoeStats s;
     const auto P = ops::moe_mean_probs(r.probs);
+    // The fractions f_e of the load-balancing loss: this call's, or over the ranks (set_count_reducer).
+    std::vector<double> counts(plan.routed.begin(), plan.routed.end());
+    counts.push_back(double(N));
+    if (reduce_counts_) reduce_counts_(counts);
     for (std::int64_t e = 0; e < E; ++e)
-      s.aux_loss += double(plan.routed[e]) / double(N) * P[static_cast<std::size_t>(e)];
+      s.aux_loss += counts[static_cast<std::size_t>(e)] / counts.back() * P[static_cast<std::size_t>(e)];
     s.aux_loss *= double(E);
     s.z_loss = ops::sum_squares(r.lse) / double(N);
     s.loss = cfg_.aux_loss_coef * s.aux_loss + cfg_.z_loss_coef * s.z_loss;
@@ -139,6 +144,12 @@ class MoeRouter : public Module<T> {
 
     cache.tensors = {x, logits, r.weights};
     cache.stats = {r.lse};
+    if (reduce_counts_) {
+      std::vector<A> f;
+      for (std::int64_t e = 0; e < E; ++e)
+        f.push_back(static_cast<A>(counts[static_cast<std::size_t>(e)] / counts.back()));
+      cache.stats.push_back(Tensor<A>::from(f, {E}));  // on the host: backward reads them
+    }
     cache.indices = {r.experts, plan.pos, plan.token_of};
     cache.values.clear();
     for (auto v : plan.routed) cache.values.push_back(static_cast<std::uint64_t>(v));
@@ -153,13 +164,15 @@ class MoeRouter : public Module<T> {
     const std::int64_t N = x.size(0), E = cfg_.num_experts;
     const ops::MoePlan p = plan(cache);
     ops::MoeRouting<T> r{cache.indices[0], cache.tensors[2], {}, cache.stats[0]};
-    // d(aux_loss_coef * E sum_e f_e P_e) / dp_te = aux_loss_coef E f_e / N with f_e = routed_e / N.
+    // d(aux_loss_coef * E sum_e f_e P_e) / dp_te = aux_loss_coef E f_e / N with f_e = routed_e / N
+    // (or the fractions over the ranks, set_count_reducer).
     Tensor<A> aux_grad;
     if (cfg_.aux_loss_coef != 0) {
       std::vector<A> g;
-      for (std::int64_t e = 0; e < E; ++e)
-        g.push_back(static_cast<A>(loss_scale_ * cfg_.aux_loss_coef * double(E) * double(p.routed[e]) /
-                                   (double(N) * double(N))));
+      for (std::int64_t e = 0; e < E; ++e) {
+        const double f = cache.stats.size() > 1 ? double(cache.stats[1].data()[e]) : double(p.routed[e]) / double(N);
+        g.push_back(static_cast<A>(loss_scale_ * cfg_.aux_loss_coef * double(E) * f / double(N)));
+      }
       aux_grad = Tensor<A>::from(g, {E}).to(x.device());
     }
     auto dlogits = ops::moe_route_backward(cache.tensors[1], r, dweights, cfg_.score, cfg_.renormalize,
@@ -190,6 +203,11 @@ class MoeRouter : public Module<T> {
   void set_plan_capacity(bool on) { plan_capacity_ = on; }
   /// Multiplies the auxiliary losses' gradients (not stats()): MoE::set_aux_loss_scale.
   void set_loss_scale(double s) { loss_scale_ = s; }
+  /// Global-batch load balancing (Megatron-Core's global form): `reduce` sums the routed
+  /// counts (E numbers) and the tokens (1 more) over the data-parallel ranks in every
+  /// forward, and the load-balancing loss takes its fractions f_e from those sums
+  /// (parallel::global_load_balance installs it); empty: this call's tokens.
+  void set_count_reducer(std::function<void(std::vector<double>&)> reduce) { reduce_counts_ = std::move(reduce); }
   const MoeConfig& config() const { return cfg_; }
   Parameter<T>& weight() { return *weight_; }
 
@@ -205,6 +223,7 @@ class MoeRouter : public Module<T> {
   MoeStats stats_;
   bool plan_capacity_ = true;
   double loss_scale_ = 1;
+  std::function<void(std::vector<double>&)> reduce_counts_;
 };
 
 /// One routed expert: Mixtral's MixtralBlockSparseTop2MLP, w2(silu(w1 x) * w3 x), no biases.

@@ -2,7 +2,8 @@
 // Expert parallelism (GShard, Megatron-Core, DeepSpeed-MoE): the E experts of each
 // nn::MoE layer are split over an expert-parallel group of ep ranks, rank e of the
 // group holding experts [e E/ep, (e+1) E/ep); the router, the shared experts and
-// every dense layer stay whole on every rank. Used through DDP:
+// every dense layer stay whole on every rank (under FSDP: sharded, Note [FSDP with expert
+// parallelism] in fsdp.hpp). Used through DDP or FSDP:
 //
 //   auto engine = parallel::make_engine<double>(llama, *world, parallel::DDPOptions{.expert_parallel = 2});
 //   engine->forward_backward(my_ids, my_targets);     // every rank its own slice of the global batch
@@ -39,7 +40,8 @@
 //   replicas before its own sent to that expert (a sum over the group and an all-gather
 //   over the replicas per forward) and returns zeros for the rest. So, dropless or not,
 //   expert parallelism equals one process on the global batch; the load-balancing loss
-//   stays each rank's (one process taking one micro-batch per rank).
+//   stays each rank's (one process taking one micro-batch per rank) unless
+//   global_load_balance() takes its token fractions over the ranks.
 // - Checkpoints keep each expert's global name (experts.{e}.w1.weight): world rank 0
 //   writes the dense tensors, replica 0 of each expert-parallel index its experts
 //   (ckpt/engine_checkpoint.hpp), so any ep (or one process) loads them by name.
@@ -272,6 +274,20 @@ std::vector<nn::MoE<T>*> moe_layers(nn::Module<T>& model) {
   return out;
 }
 
+/// Appends to `out` the global name (under `prefix`) of every expert parameter of every MoE
+/// layer of `model`, whether or not this rank holds that expert: experts.{e}.w1.weight and so
+/// on for e = 0 .. num_experts - 1, what a checkpoint of the whole model holds.
+template <class T>
+void all_expert_names(nn::Module<T>& model, const std::string& prefix, std::vector<std::string>& out) {
+  if (auto* moe = dynamic_cast<nn::MoE<T>*>(&model)) {
+    const auto inside = moe->experts().expert(0).named_parameters();  // w1.weight, w2.weight, w3.weight
+    for (std::int64_t e = 0; e < moe->config().num_experts; ++e)
+      for (const auto& p : inside) out.push_back(prefix + "experts." + std::to_string(e) + "." + p.name);
+    return;
+  }
+  for (auto& [name, child] : model.children()) all_expert_names(*child, prefix + name + ".", out);
+}
+
 /// Keeps in every MoE layer of `model` only the experts of this rank's expert-parallel
 /// index and routes their rows over mesh.expert_group() (which must outlive the model).
 /// Every rank must have built the same model. Returns the number of layers sharded.
@@ -323,6 +339,23 @@ void gather_experts(nn::Module<T>& model, ExpertMesh& mesh, dist::Communicator& 
     }
     if (lead) moe->unshard_experts(std::move(all));
   }
+}
+
+/// Global-batch load balancing (Megatron-Core's global auxiliary loss): the load-balancing
+/// loss of every MoE layer of `model` takes its token fractions f_e over all ranks of `comm`
+/// (the data-parallel ranks: the world under DDP and FSDP, with or without expert
+/// parallelism) instead of each rank's own tokens: one all-reduce of E + 1 numbers per layer
+/// and forward, collective over `comm` (so every rank must run every forward). The mean over
+/// the ranks of their losses is then one process's on the global batch (equal tokens per
+/// rank; dropless, or plain DDP's per-rank capacity: the fractions count the slots each rank
+/// keeps). Call it once, after make_engine.
+template <class T>
+void global_load_balance(nn::Module<T>& model, dist::Communicator& comm) {
+  for (nn::MoE<T>* moe : moe_layers(model))
+    moe->router().set_count_reducer([&comm](std::vector<double>& counts) {
+      dist::CollectiveLabel label("moe.balance");
+      comm.all_reduce(counts.data(), counts.size(), DType::F64, dist::ReduceOp::Sum);
+    });
 }
 
 /// Makes every MoE layer of `model` report (stats(), Module::named_metrics()) its latest

@@ -77,8 +77,37 @@
 // passes: accumulating k micro-batches never keeps full gradients between
 // them. ShardOptimizer and NoShard keep full gradients; inside no_sync() they
 // accumulate locally and the next synchronised backward reduces them.
+//
+// Note [FSDP with expert parallelism]
+// FSDPOptions{.expert_parallel = ep} (torchtitan's layout): the world is the dp x ep
+// mesh of Note [Expert-parallel layout] (expert_parallel.hpp). Each rank keeps only its
+// E/ep experts of every nn::MoE layer (parallel::shard_experts, before grouping), which
+// run through the all-to-all dispatch. The dense parameters (attention, norms, router,
+// shared experts, embeddings, head) form the groups above, sharded over the world; each
+// unit's routed experts form a group of their own, sharded over expert_data_group() (the
+// dp ranks holding the same experts), gathered and released with the unit's group.
+// - Gradients: a dense group's are averaged over the world (reduce-scatter); an expert
+//   group's averaged over the expert-data group and divided by ep, as DDP does (Note
+//   [Expert-parallel layout]): each rank's loss is its own tokens' mean, and expert e's
+//   gradient sums the contributions of its whole expert-parallel group.
+// - Clipping: each element of the model lies in exactly one world rank's shards (a dense
+//   one in one rank's world shard; an expert in one ep index, and there in one dp rank's
+//   shard), so the squared norms add up over the world, each expert counted once.
+// - Checkpoints: pieces keep the experts' global names (experts.{e}.w1.weight), so the
+//   dp ranks of each ep index together write each expert once, and a checkpoint loads at
+//   any ep, under DDP with expert parallelism and in one process; load_fsdp reads this
+//   rank's experts' pieces and accepts the others' names (expert_names()).
+// - Why an FSDPOptions field (as DDPOptions::expert_parallel) and not a separate engine:
+//   the sharding is FSDP's own (units, groups, prefetch, reduce-scatter); experts differ
+//   only in the communicator a group is sharded over and the 1/ep on their gradients.
+// - Strategies: FullShard, ShardGradOp and ShardOptimizer (their shard group is the
+//   world); NoShard and Hybrid are refused ([ptrain.ep.strategy]): their replica
+//   all-reduce would mix different experts. full_parameters() gives the dense parameters
+//   and this rank's experts; parallel::gather_experts then gives world rank 0 every
+//   expert (gpt_char does this to sample and export).
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -96,6 +125,7 @@
 #include "ptrain/ops/vector.hpp"
 #include "ptrain/optim/optimizer.hpp"
 #include "ptrain/parallel/engine.hpp"
+#include "ptrain/parallel/expert_parallel.hpp"
 #include "ptrain/parallel/model_check.hpp"
 
 namespace ptrain::parallel {
@@ -140,6 +170,10 @@ struct FSDPOptions {
   /// A model built on the CPU is moved group by group, each group's copy freed once it
   /// is sharded, so the device never holds the whole model (PyTorch FSDP's device_id).
   std::optional<Device> device = {};
+  /// Split the experts of every nn::MoE layer over groups of this many consecutive ranks
+  /// (Note [FSDP with expert parallelism]); 1: every rank's shards cover all experts.
+  /// FullShard, ShardGradOp and ShardOptimizer (the strategies that shard over the world).
+  int expert_parallel = 1;
 };
 
 /// One entry of the step timeline (steady-clock seconds), for overlap checks.
@@ -158,7 +192,13 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   FSDP(std::vector<std::shared_ptr<nn::Module<T>>> units, dist::Communicator& comm, FSDPOptions opt = {})
       : units_(std::move(units)), world_(comm), opt_(std::move(opt)) {
     check_options();
+    setup_experts();
     setup_communicators();
+    if (experts_) {
+      std::size_t layers = 0;
+      for (auto& u : units_) layers += shard_unit_experts(*u);
+      check_moe_found(layers);
+    }
     build_groups();
     shard_parameters();
     make_view();
@@ -173,6 +213,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   FSDP(std::size_t num_units, const UnitFactory& make_unit, dist::Communicator& comm, FSDPOptions opt = {})
       : world_(comm), opt_(std::move(opt)) {
     check_options();
+    setup_experts();
     setup_communicators();
     if (reshard_) {
       build_and_shard(num_units, make_unit);
@@ -180,11 +221,14 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       return;
     }
     // The strategies that keep the full parameters hold the whole model anyway.
+    std::size_t layers = 0;
     for (std::size_t u = 0; u < num_units; ++u) {
       units_.push_back(make_unit(u));
       PTRAIN_CHECK(units_.back() != nullptr, Error, "[ptrain.fsdp.factory] the unit factory returned no module for "
                    "unit ", u);
+      if (experts_) layers += shard_unit_experts(*units_.back());
     }
+    if (experts_) check_moe_found(layers);
     build_groups();
     shard_parameters();
     make_view();
@@ -210,21 +254,21 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   Tensor<T> backward(const Tensor<T>& dy, nn::Cache<T>& cache) override {
     Tensor<T> d = dy;
     for (std::size_t i = units_.size(); i-- > 0;) {
-      const int g = unit_group_[i];
-      auto* grp = g >= 0 ? &groups_[static_cast<std::size_t>(g)] : nullptr;
-      if (grp && grp->last_unit == static_cast<int>(i)) {
-        wait_gathered(g);
-        bind_grads(*grp);
-      }
+      for (const int g : groups_of(i))
+        if (g >= 0 && groups_[static_cast<std::size_t>(g)].last_unit == static_cast<int>(i)) {
+          wait_gathered(g);
+          bind_grads(groups_[static_cast<std::size_t>(g)]);
+        }
       if (opt_.prefetch) prefetch_after(i, -1);
       record("backward_begin", static_cast<int>(i));
       obs::Span span("fsdp.backward_unit", "fsdp", static_cast<std::int64_t>(i));
       d = units_[i]->backward(d, cache.child(i));
       record("backward_end", static_cast<int>(i));
-      if (grp && grp->first_unit == static_cast<int>(i)) {
-        if (reshard_) release(g);
-        reduce_gradients(g);
-      }
+      for (const int g : groups_of(i))
+        if (g >= 0 && groups_[static_cast<std::size_t>(g)].first_unit == static_cast<int>(i)) {
+          if (reshard_) release(g);
+          reduce_gradients(g);
+        }
     }
     cache.clear();
     return d;
@@ -244,9 +288,9 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       if (reshard_) {
         wait_works(grp);
         if (grp.full.defined()) release(static_cast<int>(g));
-      } else if (shard_size_ > 1 && grp.shard > 0) {
-        shard_comm_->all_gather(local_values_.data() + grp.local_offset, grp.full.data(),
-                                static_cast<std::size_t>(grp.shard), dtype_of<T>());
+      } else if (grp.shard > 0 && local_values_.data() + grp.local_offset != grp.full.data()) {
+        // Not under NoShard, whose shard is the full buffer; an expert group whose dp is 1 copies.
+        gather(grp, local_values_, grp.local_offset, grp.full, grp.shard);
       }
     }
   }
@@ -301,8 +345,8 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       Tensor<T> full = gathered ? grp.full : Tensor<T>::empty({grp.padded}, local_values_.device());
       Tensor<T> frozen = gathered ? grp.full_frozen : Tensor<T>::empty({grp.frozen_padded}, local_values_.device());
       if (!gathered) {
-        gather(local_values_, grp.local_offset, full, grp.shard);
-        gather(local_frozen_, grp.frozen_local_offset, frozen, grp.frozen_shard);
+        gather(grp, local_values_, grp.local_offset, full, grp.shard);
+        gather(grp, local_frozen_, grp.frozen_local_offset, frozen, grp.frozen_shard);
       }
       for (auto& e : grp.entries) out.emplace_back(e.name, full.view(e.offset, e.shape).clone());
       for (auto& e : grp.frozen_entries) out.emplace_back(e.name, frozen.view(e.offset, e.shape).clone());
@@ -311,7 +355,18 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   }
 
   std::string describe() const override {
-    return std::string("FSDP(") + strategy_name(opt_.strategy) + ", " + std::to_string(groups_.size()) + " groups)";
+    return std::string("FSDP(") + strategy_name(opt_.strategy) + ", " + std::to_string(groups_.size()) + " groups" +
+           (experts_ ? ", ep " + std::to_string(experts_->ep_size()) : std::string()) + ")";
+  }
+  /// The expert-parallel groups (FSDPOptions::expert_parallel > 1), or null.
+  ExpertMesh* expert_mesh() { return experts_.get(); }
+  /// With expert parallelism: the global name of every expert parameter of every MoE layer,
+  /// held here or not (what a checkpoint of the whole model holds for its experts).
+  std::vector<std::string> expert_names() {
+    std::vector<std::string> out;
+    if (experts_)
+      for (std::size_t u = 0; u < units_.size(); ++u) all_expert_names(*units_[u], unit_prefix(u), out);
+    return out;
   }
   std::size_t num_groups() const { return groups_.size(); }
   /// Elements of group g: unpadded, padded, and per shard.
@@ -331,7 +386,10 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     return this->run_module(*this, in, targets, grad_scale, training);
   }
   // The squared norms of the shards add up over the shard group, whose shards
-  // together hold every gradient once; replicas (Hybrid) hold the same shards.
+  // together hold every gradient once; replicas (Hybrid) hold the same shards. With
+  // expert parallelism the shard group is the world: its dense shards hold every dense
+  // gradient once, and its expert shards every expert once (the ep ranks hold different
+  // experts, the dp ranks different shards of them; Note [FSDP with expert parallelism]).
   double sum_over_model(double sq) override {
     if (shard_comm_ && shard_comm_->size() > 1) shard_comm_->all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
     return sq;
@@ -355,8 +413,8 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     if constexpr (std::is_same_v<X, Tensor<std::int32_t>>) nn::detail::set_batch_ids(cache, x);
     Tensor<T> h;
     for (std::size_t i = 0; i < units_.size(); ++i) {
-      const int g = unit_group_[i];
-      if (g >= 0) wait_gathered(g);
+      for (const int g : groups_of(i))
+        if (g >= 0) wait_gathered(g);
       if (opt_.prefetch) prefetch_after(i, +1);
       record("forward_begin", static_cast<int>(i));
       obs::Span span("fsdp.forward_unit", "fsdp", static_cast<std::int64_t>(i));
@@ -364,7 +422,8 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       else if constexpr (std::is_same_v<X, Tensor<std::int32_t>>) h = units_[i]->forward_tokens(x, cache.child(i));
       else h = units_[i]->forward(x, cache.child(i));
       record("forward_end", static_cast<int>(i));
-      if (g >= 0 && reshard_ && groups_[static_cast<std::size_t>(g)].last_unit == static_cast<int>(i)) release(g);
+      for (const int g : groups_of(i))
+        if (g >= 0 && reshard_ && groups_[static_cast<std::size_t>(g)].last_unit == static_cast<int>(i)) release(g);
     }
     return h;
   }
@@ -382,6 +441,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     std::int64_t frozen_numel = 0, frozen_padded = 0, frozen_shard = 0;
     std::int64_t frozen_local_offset = 0, frozen_full_offset = 0;
     int first_unit = 0, last_unit = 0;
+    bool expert = false;    // routed experts: sharded over the expert-data group
     Tensor<T> full;         // gathered values (always, when not resharding)
     Tensor<T> full_frozen;  // gathered frozen values
     Tensor<T> full_grad;    // gradients during backward (views of full_grads_ when kept)
@@ -402,6 +462,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     Tensor<bf16> wire_out;
     std::shared_ptr<dist::Work> work;
     bool replicated = false;    // the replica all-reduce was started
+    bool expert = false;        // an expert group's: no replicas, scaled by 1 / ep
   };
 
   void record(const char* what, int index) { events_.push_back({what, index, detail::steady_seconds()}); }
@@ -410,6 +471,50 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     PTRAIN_CHECK(opt_.reduce_dtype == DType::F32 || opt_.reduce_dtype == DType::BF16, Error,
                  "[ptrain.fsdp.options] reduce_dtype must be F32 or BF16");
   }
+
+  // Note [FSDP with expert parallelism]: agrees on the ep degree first (a rank with another
+  // ep would split the world differently and hang), refuses the strategies that do not shard
+  // over the world, then splits the world into the dp x ep mesh.
+  void setup_experts() {
+    const int ep = opt_.expert_parallel;
+    if (ep == 1) return;  // a rank with ep = 1 meets this check in check_same_groups()
+    check_same_model(world_, {::ptrain::detail::cat("FSDPOptions{.expert_parallel = ", ep, "}")});
+    PTRAIN_CHECK(opt_.strategy != ShardingStrategy::NoShard && opt_.strategy != ShardingStrategy::Hybrid, Error,
+                 "[ptrain.ep.strategy] FSDPOptions{.expert_parallel = ", ep, "} shards the dense parameters over the "
+                 "world and the experts over the dp ranks that hold them; strategy ", strategy_name(opt_.strategy),
+                 " is not supported with it: use full_shard, shard_grad_op or shard_optimizer (or DDPOptions{"
+                 ".expert_parallel} for replicated parameters)");
+    experts_ = std::make_unique<ExpertMesh>(world_, ep);
+  }
+  // Keeps this rank's experts of unit's MoE layers and records their parameters; the layers sharded.
+  std::size_t shard_unit_experts(nn::Module<T>& unit) {
+    const std::size_t layers = shard_experts(unit, *experts_);
+    for (auto* moe : moe_layers(unit))
+      for (auto& p : moe->experts().named_parameters()) expert_params_.insert(p.param);
+    return layers;
+  }
+  void check_moe_found(std::size_t layers) const {
+    PTRAIN_CHECK(layers > 0, Error, "[ptrain.ep.model] expert_parallel = ", opt_.expert_parallel,
+                 " but the model has no nn::MoE layer; use expert_parallel = 1");
+  }
+  // Moves the expert parameters out of `owned` and returns them.
+  std::vector<nn::NamedParameter<T>> take_experts(std::vector<nn::NamedParameter<T>>& owned) const {
+    std::vector<nn::NamedParameter<T>> out;
+    std::erase_if(owned, [&](const nn::NamedParameter<T>& p) {
+      if (!expert_params_.count(p.param)) return false;
+      out.push_back(p);
+      return true;
+    });
+    return out;
+  }
+  // The communicator a group is sharded over (null under NoShard), its size and this rank's place.
+  dist::Communicator* comm_of(const Group& grp) const {
+    return grp.expert ? &experts_->expert_data_group() : shard_comm_;
+  }
+  int size_of(const Group& grp) const { return grp.expert ? experts_->dp_size() : shard_size_; }
+  int rank_of(const Group& grp) const { return grp.expert ? experts_->replica() : shard_rank_; }
+  // The groups of unit i: its own (or shared) group and its experts' group; -1 where none.
+  std::array<int, 2> groups_of(std::size_t i) const { return {unit_group_[i], unit_experts_[i]}; }
 
   void setup_communicators() {
     const int n = world_.size(), r = world_.rank();
@@ -449,9 +554,11 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     std::map<nn::Parameter<T>*, std::size_t> owner;
     std::vector<std::vector<nn::NamedParameter<T>>> owned(n);
     check_unit_names(n);
+    std::vector<std::vector<nn::NamedParameter<T>>> experts(n);
     for (std::size_t u = 0; u < n; ++u) {
       owned[u] = units_[u]->named_parameters(unit_prefix(u));
       for (auto& p : owned[u]) owner.emplace(p.param, u);
+      experts[u] = take_experts(owned[u]);
     }
     for (std::size_t u = 0; u < n; ++u)
       for (auto* p : units_[u]->borrowed_parameters()) {
@@ -462,6 +569,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       }
     std::map<std::size_t, int> root_group;
     unit_group_.assign(n, -1);
+    unit_experts_.assign(n, -1);
     for (std::size_t u = 0; u < n; ++u) {
       if (owned[u].empty() && units_[u]->borrowed_parameters().empty()) continue;
       auto [it, fresh] = root_group.emplace(find(u), static_cast<int>(groups_.size()));
@@ -474,6 +582,19 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       unit_group_[u] = it->second;
       add_entries(grp, owned[u]);
     }
+    // Each unit's experts: a group of their own, after the others (Note [FSDP with expert parallelism]).
+    for (std::size_t u = 0; u < n; ++u) {
+      if (experts[u].empty()) continue;
+      unit_experts_[u] = static_cast<int>(groups_.size());
+      groups_.push_back(expert_group(u, experts[u]));
+    }
+  }
+  static Group expert_group(std::size_t u, const std::vector<nn::NamedParameter<T>>& params) {
+    Group grp;
+    grp.expert = true;
+    grp.first_unit = grp.last_unit = static_cast<int>(u);
+    add_entries(grp, params);
+    return grp;
   }
 
   static void add_entries(Group& grp, const std::vector<nn::NamedParameter<T>>& owned) {
@@ -506,12 +627,13 @@ class FSDP : public nn::Module<T>, public Engine<T> {
 
   // Pads and places grp right after the groups in groups_: padded size, shard, offsets.
   void layout(Group& grp) const {
-    grp.padded = (grp.numel + shard_size_ - 1) / shard_size_ * shard_size_;
-    grp.shard = grp.padded / shard_size_;
+    const std::int64_t n = size_of(grp);
+    grp.padded = (grp.numel + n - 1) / n * n;
+    grp.shard = grp.padded / n;
     grp.local_offset = local_total();
     grp.full_offset = full_total();
-    grp.frozen_padded = (grp.frozen_numel + shard_size_ - 1) / shard_size_ * shard_size_;
-    grp.frozen_shard = grp.frozen_padded / shard_size_;
+    grp.frozen_padded = (grp.frozen_numel + n - 1) / n * n;
+    grp.frozen_shard = grp.frozen_padded / n;
     grp.frozen_local_offset = frozen_local_total();
     grp.frozen_full_offset = frozen_full_total();
   }
@@ -525,15 +647,20 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     return groups_.empty() ? 0 : groups_.back().frozen_full_offset + groups_.back().frozen_padded;
   }
 
-  // Collective: checks that every rank has the same entries in `groups`.
+  // Collective: checks that every rank has the same entries in `groups`; with expert
+  // parallelism the dense ones over the world, the experts over the expert-data group.
   void check_same_groups(const std::vector<Group>& groups) {
-    std::vector<std::string> desc;
+    std::vector<std::string> desc, experts;
+    if (experts_) desc.push_back(::ptrain::detail::cat("FSDPOptions{.expert_parallel = ", opt_.expert_parallel, "}"));
     for (auto& grp : groups) {
-      for (auto& e : grp.entries) desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
+      auto& d = grp.expert ? experts : desc;
+      for (auto& e : grp.entries) d.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()));
       for (auto& e : grp.frozen_entries)
-        desc.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()) + " frozen");
+        d.push_back(e.name + " " + e.shape.str() + " " + dtype_name(dtype_of<T>()) + " frozen");
     }
+    if (experts_) desc.push_back(::ptrain::detail::cat(experts.size(), " expert tensors"));
     check_same_model(world_, desc);
+    if (experts_) check_same_model(experts_->expert_data_group(), experts);
   }
 
   // Broadcasts rank 0's values of grp through `full` ([padded], on the shard device) and
@@ -543,8 +670,10 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   std::pair<Tensor<T>, Tensor<T>> scatter_group(Group& grp, Tensor<T> full, Tensor<T> frozen) {
     for (auto& e : grp.entries) full.view(e.offset, e.shape).copy_(e.param->value);
     for (auto& e : grp.frozen_entries) frozen.view(e.offset, e.shape).copy_(e.param->value);
-    if (grp.padded > 0) world_.broadcast(full, 0);
-    if (grp.frozen_padded > 0) world_.broadcast(frozen, 0);
+    // Rank 0's values; experts from rank 0 of the ranks that hold them.
+    dist::Communicator& from = grp.expert ? experts_->expert_data_group() : world_;
+    if (grp.padded > 0 && from.size() > 1) from.broadcast(full, 0);
+    if (grp.frozen_padded > 0 && from.size() > 1) from.broadcast(frozen, 0);
     for (auto* p : grp.params) p->grad = Tensor<T>();
     if (reshard_) {
       for (auto* p : grp.params) p->value = Tensor<T>();
@@ -554,7 +683,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       bind_values(grp);
     }
     // Local pieces of parameters: the overlap of each entry with this rank's range.
-    const std::int64_t lo = static_cast<std::int64_t>(shard_rank_) * grp.shard, hi = lo + grp.shard;
+    const std::int64_t lo = static_cast<std::int64_t>(rank_of(grp)) * grp.shard, hi = lo + grp.shard;
     for (auto& e : grp.entries) {
       const std::int64_t b = std::max(lo, e.offset), en = std::min(hi, e.offset + e.numel());
       if (b >= en) continue;
@@ -562,7 +691,8 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       shard_pieces_.push_back({e.name, e.shape, b - e.offset, grp.local_offset + (b - lo), en - b});
     }
     // Frozen pieces index frozen_values(): the shard, or the whole frozen buffer when kept.
-    const std::int64_t flo = static_cast<std::int64_t>(shard_rank_) * grp.frozen_shard, fhi = flo + grp.frozen_shard;
+    const std::int64_t flo = static_cast<std::int64_t>(rank_of(grp)) * grp.frozen_shard,
+                       fhi = flo + grp.frozen_shard;
     const std::int64_t base = reshard_ ? grp.frozen_local_offset - flo : grp.frozen_full_offset;
     for (auto& e : grp.frozen_entries) {
       const std::int64_t b = std::max(flo, e.offset), en = std::min(fhi, e.offset + e.numel());
@@ -617,6 +747,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     check_unit_names(num_units);
     std::optional<Device> dev;
     std::vector<Tensor<T>> shards, frozen_shards;
+    std::size_t layers = 0;
     for (std::size_t u = 0; u < num_units; ++u) {
       auto unit = make_unit(u);
       PTRAIN_CHECK(unit != nullptr, Error, "[ptrain.fsdp.factory] the unit factory returned no module for "
@@ -624,29 +755,33 @@ class FSDP : public nn::Module<T>, public Engine<T> {
       PTRAIN_CHECK(unit->borrowed_parameters().empty(), Error, "[ptrain.fsdp.borrowed] unit ", u,
                    " uses a parameter of another unit; units built one at a time cannot share one (build the "
                    "model with tie_weights = false, or pass the built units)");
+      if (experts_) layers += shard_unit_experts(*unit);
       units_.push_back(unit);
-      const auto owned = unit->named_parameters(unit_prefix(u));
+      auto owned = unit->named_parameters(unit_prefix(u));
+      const auto experts = take_experts(owned);
       std::vector<Group> added;
       if (!owned.empty()) {
         added.emplace_back();
         added.back().first_unit = added.back().last_unit = static_cast<int>(u);
         add_entries(added.back(), owned);
       }
+      if (!experts.empty()) added.push_back(expert_group(u, experts));
       check_same_groups(added);  // every rank, every unit: the same collectives
-      if (added.empty()) {
-        unit_group_.push_back(-1);
-        continue;
+      unit_group_.push_back(-1);
+      unit_experts_.push_back(-1);
+      for (auto& a : added) {
+        if (!dev) dev = shard_device(a);
+        (a.expert ? unit_experts_ : unit_group_).back() = static_cast<int>(groups_.size());
+        layout(a);
+        groups_.push_back(std::move(a));
+        auto& grp = groups_.back();
+        auto [shard, frozen_shard] =
+            scatter_group(grp, Tensor<T>::zeros({grp.padded}, *dev), Tensor<T>::zeros({grp.frozen_padded}, *dev));
+        shards.push_back(shard.clone());
+        frozen_shards.push_back(frozen_shard.clone());
       }
-      if (!dev) dev = shard_device(added.front());
-      unit_group_.push_back(static_cast<int>(groups_.size()));
-      layout(added.front());
-      groups_.push_back(std::move(added.front()));
-      auto& grp = groups_.back();
-      auto [shard, frozen_shard] =
-          scatter_group(grp, Tensor<T>::zeros({grp.padded}, *dev), Tensor<T>::zeros({grp.frozen_padded}, *dev));
-      shards.push_back(shard.clone());
-      frozen_shards.push_back(frozen_shard.clone());
     }
+    if (experts_) check_moe_found(layers);
     const Device d = dev.value_or(opt_.device.value_or(Device::cpu()));
     local_values_ = Tensor<T>::zeros({local_total()}, d);
     local_frozen_ = Tensor<T>::zeros({frozen_local_total()}, d);
@@ -673,15 +808,17 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     for (auto& e : grp.entries) e.param->grad = grp.full_grad.view(e.offset, e.shape);
   }
 
-  // Synchronous all-gather of `shard` elements at src[offset] into full (nothing when empty).
-  void gather(Tensor<T>& src, std::int64_t offset, Tensor<T>& full, std::int64_t shard) {
+  // Synchronous all-gather over grp's shard group of `shard` elements at src[offset] into
+  // full (nothing when empty).
+  void gather(const Group& grp, Tensor<T>& src, std::int64_t offset, Tensor<T>& full, std::int64_t shard) {
     if (shard > 0)
-      shard_comm_->all_gather(src.data() + offset, full.data(), static_cast<std::size_t>(shard), dtype_of<T>());
+      comm_of(grp)->all_gather(src.data() + offset, full.data(), static_cast<std::size_t>(shard), dtype_of<T>());
   }
-  std::shared_ptr<dist::Work> gather_async(Tensor<T>& src, std::int64_t offset, Tensor<T>& full, std::int64_t shard) {
+  std::shared_ptr<dist::Work> gather_async(const Group& grp, Tensor<T>& src, std::int64_t offset, Tensor<T>& full,
+                                           std::int64_t shard) {
     if (shard == 0) return nullptr;
-    return shard_comm_->all_gather_async(src.data() + offset, full.data(), static_cast<std::size_t>(shard),
-                                         dtype_of<T>());
+    return comm_of(grp)->all_gather_async(src.data() + offset, full.data(), static_cast<std::size_t>(shard),
+                                          dtype_of<T>());
   }
 
   void issue_gather(int g) {
@@ -691,8 +828,9 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     grp.full_frozen = Tensor<T>::empty({grp.frozen_padded}, local_values_.device());
     record("gather", g);
     dist::CollectiveLabel label("fsdp.gather");
-    grp.gather_work = gather_async(local_values_, grp.local_offset, grp.full, grp.shard);
-    grp.frozen_gather_work = gather_async(local_frozen_, grp.frozen_local_offset, grp.full_frozen, grp.frozen_shard);
+    grp.gather_work = gather_async(grp, local_values_, grp.local_offset, grp.full, grp.shard);
+    grp.frozen_gather_work =
+        gather_async(grp, local_frozen_, grp.frozen_local_offset, grp.full_frozen, grp.frozen_shard);
   }
 
   // Waits for group's gathers in flight; whether there were any.
@@ -700,7 +838,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     bool any = false;
     for (auto* w : {&grp.gather_work, &grp.frozen_gather_work})
       if (*w) {
-        (*w)->wait(shard_comm_->timeout());
+        (*w)->wait(comm_of(grp)->timeout());
         w->reset();
         any = true;
       }
@@ -720,9 +858,10 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     const int current = unit_group_[unit];
     for (auto u = static_cast<std::ptrdiff_t>(unit) + dir; u >= 0 && u < static_cast<std::ptrdiff_t>(units_.size());
          u += dir) {
-      const int g = unit_group_[static_cast<std::size_t>(u)];
-      if (g < 0 || g == current) continue;
-      issue_gather(g);
+      const auto [g, experts] = groups_of(static_cast<std::size_t>(u));
+      if ((g < 0 || g == current) && experts < 0) continue;
+      if (g >= 0 && g != current) issue_gather(g);
+      if (experts >= 0) issue_gather(experts);
       return;
     }
   }
@@ -746,17 +885,19 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     record("reduce", g);
     dist::CollectiveLabel label("fsdp.reduce_scatter");
     Pending p{g, grad, {}, {}, {}, {}};
+    p.expert = grp.expert;
     const auto shard = static_cast<std::size_t>(grp.shard);
-    if (shard_size_ > 1) {
+    dist::Communicator* shard_comm = comm_of(grp);
+    if (size_of(grp) > 1) {
       p.out = Tensor<T>::empty({grp.shard}, grad.device());
       if (opt_.reduce_dtype == DType::BF16 && !std::is_same_v<T, bf16>) {
         p.wire = Tensor<bf16>::empty(Shape{grp.padded}, grad.device());
         p.wire_out = Tensor<bf16>::empty(Shape{grp.shard}, grad.device());
         ops::cast_into(grad, p.wire);
-        p.work = shard_comm_->reduce_scatter_async(p.wire.data(), p.wire_out.data(), shard, DType::BF16,
+        p.work = shard_comm->reduce_scatter_async(p.wire.data(), p.wire_out.data(), shard, DType::BF16,
                                                    dist::ReduceOp::Avg);
       } else {
-        p.work = shard_comm_->reduce_scatter_async(grad.data(), p.out.data(), shard, dtype_of<T>(),
+        p.work = shard_comm->reduce_scatter_async(grad.data(), p.out.data(), shard, dtype_of<T>(),
                                                    dist::ReduceOp::Avg);
       }
     } else {
@@ -768,7 +909,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
 
   void start_replication(Pending& p) {
     p.replicated = true;
-    if (replicate_comm_ && replicate_comm_->size() > 1)
+    if (!p.expert && replicate_comm_ && replicate_comm_->size() > 1)
       p.work = replicate_comm_->all_reduce_async(p.out.data(), p.out.data(), static_cast<std::size_t>(p.out.numel()),
                                                  dtype_of<T>(), dist::ReduceOp::Avg);
     else
@@ -780,7 +921,7 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     pending_.erase(pending_.begin());
     auto& grp = groups_[static_cast<std::size_t>(p.group)];
     try {
-      if (p.work) p.work->wait(shard_comm_ && !p.replicated ? shard_comm_->timeout() : replicate_comm_->timeout());
+      if (p.work) p.work->wait(!p.replicated ? comm_of(grp)->timeout() : replicate_comm_->timeout());
       if (!p.replicated) {
         if (p.wire_out.defined()) ops::cast_into(p.wire_out, p.out);
         start_replication(p);
@@ -789,6 +930,12 @@ class FSDP : public nn::Module<T>, public Engine<T> {
     } catch (const CommError& e) {
       PTRAIN_THROW(CommError, "[ptrain.fsdp.reduce] gradient reduction of FSDP group ", p.group, " failed: ",
                    e.what());
+    }
+    if (grp.expert && experts_->ep_size() > 1) {
+      // Note [FSDP with expert parallelism]: the average over the expert-data group, divided by ep
+      // (on a copy where the "shard" is the kept full gradient itself).
+      if (p.out.data() == p.grad.data()) p.out = p.out.clone();
+      ops::scale_(p.out, static_cast<acc_t<T>>(1.0 / experts_->ep_size()));
     }
     auto local = local_grads_.view(grp.local_offset, {grp.shard});
     if (keep_full_grads_) {
@@ -809,6 +956,9 @@ class FSDP : public nn::Module<T>, public Engine<T> {
   bool reshard_ = true, keep_full_grads_ = false;
   std::vector<Group> groups_;
   std::vector<int> unit_group_;
+  std::vector<int> unit_experts_;  // each unit's expert group, or -1
+  std::unique_ptr<ExpertMesh> experts_;  // FSDPOptions::expert_parallel > 1
+  std::set<nn::Parameter<T>*> expert_params_;  // this rank's experts' parameters
   Tensor<T> local_values_, local_grads_, full_values_, full_grads_;
   Tensor<T> local_frozen_;  // Note [Frozen parameters under FSDP]
   std::vector<ShardPiece> frozen_pieces_;  // while sharding; then appended to shard_pieces_

@@ -8,7 +8,8 @@
 //                                                               // (nn::GPT, nn::Llama; TensorParallelPlan{.cp}
 //                                                               // runs context parallelism inside tp);
 //                                                               // DDPOptions{.expert_parallel = ep} splits MoE experts,
-//                                                               // so does TensorParallelPlan{.tp, .expert_parallel}
+//                                                               // so do FSDPOptions{.expert_parallel = ep} (and shards
+//                                                               // them) and TensorParallelPlan{.tp, .expert_parallel}
 //   auto engine = parallel::make_engine<float>(model, *world, plan);
 //
 // `model` is a std::shared_ptr to a model whose forward runs its units() in

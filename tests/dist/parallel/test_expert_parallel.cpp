@@ -1,4 +1,5 @@
-// Expert parallelism (parallel/expert_parallel.hpp) through DDP: a Llama whose blocks
+// Expert parallelism (parallel/expert_parallel.hpp) through DDP (and FSDP: the [fsdp] cases,
+// checkpoints across the two, global load balancing [aux]): a Llama whose blocks
 // are mixtures of experts, its experts split over ep ranks (and dp = world / ep copies
 // of each split), trained a few AdamW steps in double (and in float), against one process:
 // - dropless, with the load-balancing loss (computed on each rank's tokens): one process
@@ -104,9 +105,11 @@ struct Reference {
   std::vector<std::vector<T>> params;
   std::vector<double> norms;
 };
+// With global_aux (parallel::global_load_balance) the batch in one call also with the
+// load-balancing loss.
 template <class T = Real>
-Reference<T> reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze = false) {
-  const bool per_rank = c.moe_aux_loss_coef > 0;
+Reference<T> reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze = false, bool global_aux = false) {
+  const bool per_rank = c.moe_aux_loss_coef > 0 && !global_aux;
   if (per_rank) {
     c.moe_aux_loss_coef /= n;
     c.moe_z_loss_coef /= n;
@@ -135,12 +138,12 @@ Reference<T> reference(nn::LlamaConfig c, int n, std::int64_t steps, bool freeze
 }
 
 // Steps [from, to) of the engine on this rank's rows of the global batches; returns the
-// token slots the MoE layers dropped on this rank. Each step's gradient norm (clipping
-// at a bound it never reaches) goes to *norms.
+// token slots the MoE layers of `model` (default: the engine's local module) dropped on
+// this rank. Each step's gradient norm (clipping at a bound it never reaches) goes to *norms.
 // (Tensor parallelism: the rows of this rank's replica, the same on its tp ranks.)
 template <class T>
 std::int64_t train(parallel::Engine<T>& engine, optim::AdamW<T>& opt, std::int64_t from, std::int64_t to,
-                   std::vector<double>* norms = nullptr) {
+                   std::vector<double>* norms = nullptr, nn::Module<T>* model = nullptr) {
   const int n = engine.communicator().size();
   dist::Communicator* dp = engine.data_parallel_group();
   const std::int64_t rows = kRowsPerRank * n / (dp ? dp->size() : 1), r = dp ? dp->rank() : 0;
@@ -152,7 +155,7 @@ std::int64_t train(parallel::Engine<T>& engine, optim::AdamW<T>& opt, std::int64
     const double norm = engine.clip_grad_norm_(1e9);
     if (norms) norms->push_back(norm);
     engine.step(opt);
-    for (auto* moe : parallel::moe_layers(engine.local_module())) dropped += moe->stats().dropped;
+    for (auto* moe : parallel::moe_layers(model ? *model : engine.local_module())) dropped += moe->stats().dropped;
   }
   return dropped;
 }
@@ -308,6 +311,158 @@ TEST_CASE("Expert-parallel Llama MoE trains like one process in float", "[ep][fl
   trains_like_one_process<float>("ptrain_ep_float_");
 }
 
+// FSDP with expert parallelism (Note [FSDP with expert parallelism] in parallel/fsdp.hpp):
+// the dense parameters sharded over the world, each rank's experts over the dp ranks that
+// hold them; every ep degree that divides the world, dropless and with a capacity factor,
+// against the same one process as DDP's (clip norms included); dropless also under
+// shard_grad_op and shard_optimizer. Under full_shard the engine keeps 1/n of the model
+// (values and gradients: its live bytes), and full_parameters() with gather_experts gives
+// rank 0 the whole trained model.
+template <class T>
+void fsdp_trains_like_one_process(const char* tmp_prefix) {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, tmp_prefix);
+  for (bool capacity : {false, true}) {
+    const nn::LlamaConfig c = config(capacity);
+    const auto ref = reference<T>(c, n, kSteps);
+    const std::int64_t whole = nn::FlatParameters<T>(*make_llama<T>(c)).numel();
+    using parallel::ShardingStrategy;
+    std::vector<std::pair<int, ShardingStrategy>> runs;
+    for (int ep : ep_degrees(n))
+      for (auto st : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::ShardOptimizer})
+        if (!capacity || st == ShardingStrategy::FullShard) runs.emplace_back(ep, st);
+    for (const auto& [ep, st] : runs) {
+      INFO((capacity ? "capacity" : "dropless") << ", fsdp " << parallel::strategy_name(st) << ", ep " << ep << " x dp "
+                                                << n / ep << ", " << comm.backend()
+                                                << (std::is_same_v<T, float> ? ", float" : ", double"));
+      const std::int64_t before = memory_stats().live_bytes;
+      auto model = make_llama<T>(c);
+      auto engine =
+          parallel::make_engine<T>(model, comm, parallel::FSDPOptions{.strategy = st, .expert_parallel = ep});
+      const std::int64_t kept = memory_stats().live_bytes - before;
+      auto& fsdp = static_cast<parallel::FSDP<T>&>(engine->local_module());
+      auto layers = parallel::moe_layers(*model);
+      REQUIRE(layers.size() == 2);
+      CHECK(layers[0]->experts().size() == 4 / ep);
+      CHECK(layers[0]->experts().first() == fsdp.expert_mesh()->ep_rank() * (4 / ep));
+      // Sharding: a shard of each group (padded to its group's size) per rank, 1/n of the
+      // model; the shards of all ranks hold it once. Values and gradients, nothing else kept
+      // (the model's full tensors and the other ranks' experts are released).
+      const std::int64_t local = engine->parameters().numel();
+      std::int64_t total = local, buffers = 0;
+      comm.all_reduce(&total, 1, DType::I64, dist::ReduceOp::Sum);
+      CHECK(local <= whole / n + static_cast<std::int64_t>(fsdp.num_groups()));
+      CHECK((total >= whole && total <= whole + n * static_cast<std::int64_t>(fsdp.num_groups())));
+      for (const auto& b : engine->parameters().buffers()) buffers += b.buffer->numel();
+      if (st == ShardingStrategy::FullShard)
+        CHECK(kept == static_cast<std::int64_t>(sizeof(T)) * (2 * local + buffers));
+      optim::AdamW<T> opt(engine->parameters(), kAdam);
+      std::vector<double> norms;
+      std::int64_t dropped = train(*engine, opt, 0, kSteps, &norms, model.get());
+      comm.all_reduce(&dropped, 1, DType::I64, dist::ReduceOp::Sum);
+      CHECK((dropped > 0) == capacity);
+      // Clipping sees the whole model's gradient norm: every shard's squares once, over the world.
+      for (std::size_t s = 0; s < norms.size(); ++s)
+        CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<T> * ref.norms[s]);
+      // The sharded checkpoint read back in one process.
+      CHECK(rel_diff(whole_parameters(*engine, opt, c, dir / ("fsdp" + std::to_string(ep))), ref.params.back()) <
+            kTol<T>);
+      // As gpt_char: the model's own parameters bound to full_parameters() (the dense ones and
+      // this rank's experts), then gather_experts gives rank 0 every expert.
+      std::map<std::string, Tensor<T>> full;
+      for (auto& [name, value] : fsdp.full_parameters()) full[name] = value;
+      for (auto& p : model->named_parameters()) p.param->value = full.at(p.name);
+      parallel::gather_experts(*model, *fsdp.expert_mesh(), comm);
+      if (comm.rank() == 0) {
+        std::vector<T> got;
+        for (auto& p : model->named_parameters()) {
+          const auto v = p.param->value.to_vector();
+          got.insert(got.end(), v.begin(), v.end());
+        }
+        CHECK(static_cast<std::int64_t>(got.size()) == whole);
+        CHECK(rel_diff(got, ref.params.back()) < kTol<T>);
+      }
+    }
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("FSDP with expert parallelism trains a Llama MoE like one process", "[ep][fsdp]") {
+  fsdp_trains_like_one_process<double>("ptrain_ep_fsdp_");
+}
+
+TEST_CASE("FSDP with expert parallelism trains a Llama MoE like one process in float", "[ep][fsdp][float]") {
+  fsdp_trains_like_one_process<float>("ptrain_ep_fsdp_float_");
+}
+
+// FSDP(num_units, make_unit, ...) shards each unit's experts as it builds it: the same
+// pieces of the same parameters (in another order: its groups follow the units) as
+// make_engine on the built model, and the same after a step (up to rounding).
+TEST_CASE("FSDP with expert parallelism builds its units one at a time", "[ep][fsdp]") {
+  auto& comm = world();
+  if (comm.size() % 2 != 0) return;  // every rank returns alike
+  const nn::LlamaConfig c = config(true);
+  auto whole = make_llama(c);
+  auto engine = parallel::make_engine<Real>(whole, comm, parallel::FSDPOptions{.expert_parallel = 2});
+  auto& fsdp = static_cast<parallel::FSDP<Real>&>(engine->local_module());
+  auto model = make_llama(c);
+  const auto units = model->units();
+  parallel::FSDP<Real> built(
+      units.size(), [&](std::size_t u) { return units[u]; }, comm,
+      parallel::FSDPOptions{.unit_names = model->unit_names(), .expert_parallel = 2});
+  auto pieces = [](parallel::FSDP<Real>& f) {
+    std::map<std::string, std::vector<Real>> out;
+    for (const auto& p : f.shard_pieces())
+      out[p.name + "@" + std::to_string(p.param_offset)] = f.piece_values(p).to_vector();
+    return out;
+  };
+  CHECK(pieces(built) == pieces(fsdp));
+  optim::AdamW<Real> a(engine->parameters(), kAdam), b(built.parameters(), kAdam);
+  train(*engine, a, 0, 1, nullptr, whole.get());
+  train<Real>(built, b, 0, 1, nullptr, model.get());
+  // The same up to rounding: the buffers' other layout moves elements between vector and scalar loops.
+  const auto got = pieces(built), want = pieces(fsdp);
+  CHECK(got.size() == want.size());
+  for (const auto& [name, values] : got)
+    if (want.count(name)) CHECK(rel_diff(values, want.at(name)) < 1e-14);
+  comm.barrier();
+}
+
+// parallel::global_load_balance: the load-balancing loss's fractions over all ranks, so
+// plain DDP and FSDP and both at every ep degree, dropless with the load-balancing loss,
+// equal one process taking the global batch in one call (each rank's own fractions give
+// the other reference, one micro-batch per rank: the two differ).
+TEST_CASE("Global load balancing trains like one process on the global batch", "[ep][aux]") {
+  auto& comm = world();
+  const int n = comm.size();
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_ep_aux_");
+  const nn::LlamaConfig c = config(false);
+  const auto ref = reference(c, n, kSteps, false, true);
+  if (n > 1) CHECK(rel_diff(reference(c, n, kSteps).params.back(), ref.params.back()) > 1e-6);
+  std::vector<int> degrees{1};
+  for (int ep : ep_degrees(n)) degrees.push_back(ep);
+  for (int ep : degrees)
+    for (bool fsdp : {false, true}) {
+      INFO("global aux, ep " << ep << " x dp " << n / ep << (fsdp ? ", fsdp, " : ", ddp, ") << comm.backend());
+      auto model = make_llama(c);
+      auto engine = parallel::make_engine<Real>(
+          model, comm,
+          fsdp ? parallel::Plan<Real>{parallel::FSDPOptions{.expert_parallel = ep}}
+               : parallel::Plan<Real>{parallel::DDPOptions{.expert_parallel = ep}});
+      parallel::global_load_balance(*model, comm);
+      optim::AdamW<Real> opt(engine->parameters(), kAdam);
+      std::vector<double> norms;
+      train(*engine, opt, 0, kSteps, &norms, model.get());
+      for (std::size_t s = 0; s < norms.size(); ++s)
+        CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<Real> * ref.norms[s]);
+      CHECK(rel_diff(whole_parameters(*engine, opt, c, dir / "aux"), ref.params.back()) < kTol<Real>);
+    }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // The routing statistics after all_reduce_moe_stats describe the step over all ranks, as
 // one process sees it: the counts (and so the imbalance) and the drops of one process on
 // the global batch in one call (dropless, and with a capacity under expert parallelism,
@@ -385,7 +540,7 @@ TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][met
   comm.barrier();
 }
 
-// Frozen parameters, frozen experts among them, under expert parallelism: only trainable
+// Frozen parameters, frozen experts among them, under expert parallelism (DDP and FSDP): only trainable
 // gradients are reduced, and the checkpoint holds every frozen tensor (each expert from
 // the rank that holds it), unchanged bit for bit.
 // The Trainer's records carry the routing over all ranks: plain DDP and ep 2 (even worlds),
@@ -449,27 +604,38 @@ TEST_CASE("Expert-parallel Llama MoE with frozen experts and layers trains like 
   const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_ep_frozen_");
   const nn::LlamaConfig c = config(false);
   const auto ref = reference(c, n, kSteps, true);
-  for (int ep : ep_degrees(n)) {
-    INFO("frozen, ep " << ep << " x dp " << n / ep << ", " << comm.backend());
-    auto engine = parallel::make_engine<Real>(make_llama(c, true), comm,
-                                              parallel::DDPOptions{.first_bucket_bytes = 256, .expert_parallel = ep});
-    auto& ddp = static_cast<parallel::DDP<Real>&>(*engine);
-    std::int64_t frozen_experts = 0;
-    for (std::size_t i = 0; i < ddp.parameters().frozen_entries().size(); ++i) frozen_experts += ddp.is_frozen_expert(i);
-    comm.all_reduce(&frozen_experts, 1, DType::I64, dist::ReduceOp::Sum);
-    CHECK(frozen_experts == 2 * 3 * (n / ep));  // 2 layers x w1, w2, w3, on each replica
-    optim::AdamW<Real> opt(engine->parameters(), kAdam);
-    std::vector<double> norms;
-    train(*engine, opt, 0, kSteps, &norms);
-    for (std::size_t s = 0; s < norms.size(); ++s)
-      CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<Real> * ref.norms[s]);
-    const auto got = whole_parameters(*engine, opt, c, dir / ("ep" + std::to_string(ep)), true);
-    CHECK(rel_diff(got, ref.params.back()) < kTol<Real>);
-  }
+  for (int ep : ep_degrees(n))
+    for (bool fsdp : {false, true}) {
+      INFO("frozen, ep " << ep << " x dp " << n / ep << (fsdp ? ", fsdp, " : ", ddp, ") << comm.backend());
+      auto model = make_llama(c, true);
+      auto engine = parallel::make_engine<Real>(
+          model, comm,
+          fsdp ? parallel::Plan<Real>{parallel::FSDPOptions{.expert_parallel = ep}}
+               : parallel::Plan<Real>{parallel::DDPOptions{.first_bucket_bytes = 256, .expert_parallel = ep}});
+      if (!fsdp) {
+        auto& ddp = static_cast<parallel::DDP<Real>&>(*engine);
+        std::int64_t frozen_experts = 0;
+        for (std::size_t i = 0; i < ddp.parameters().frozen_entries().size(); ++i)
+          frozen_experts += ddp.is_frozen_expert(i);
+        comm.all_reduce(&frozen_experts, 1, DType::I64, dist::ReduceOp::Sum);
+        CHECK(frozen_experts == 2 * 3 * (n / ep));  // 2 layers x w1, w2, w3, on each replica
+      }
+      optim::AdamW<Real> opt(engine->parameters(), kAdam);
+      std::vector<double> norms;
+      train(*engine, opt, 0, kSteps, &norms, model.get());
+      for (std::size_t s = 0; s < norms.size(); ++s)
+        CHECK(std::abs(norms[s] - ref.norms[s]) < kTol<Real> * ref.norms[s]);
+      const auto got = whole_parameters(*engine, opt, c, dir / ("ep" + std::to_string(ep)), true);
+      CHECK(rel_diff(got, ref.params.back()) < kTol<Real>);
+    }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Saved at ep 2 under DDP and under FSDP (whose pieces keep the experts' global names), the
+// checkpoint loads in one process (whole_parameters), and resumes under DDP and FSDP at
+// ep 1 (every rank all experts), ep 2 in the other engine and ep 4 (on 4 ranks), one more
+// step equal to one process's.
 TEST_CASE("An expert-parallel checkpoint resumes at another ep degree", "[ep]") {
   auto& comm = world();
   const int n = comm.size();
@@ -477,26 +643,36 @@ TEST_CASE("An expert-parallel checkpoint resumes at another ep degree", "[ep]") 
   const nn::LlamaConfig c = config(false);
   const auto ref = reference(c, n, kSteps + 1);
   const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_ep_ckpt_");
-  const auto saved = dir / "ep2";
-  {
-    auto engine = parallel::make_engine<Real>(make_llama(c), comm, parallel::DDPOptions{.expert_parallel = 2});
-    optim::AdamW<Real> opt(engine->parameters(), kAdam);
-    train(*engine, opt, 0, kSteps);
-    CHECK(rel_diff(whole_parameters(*engine, opt, c, saved), ref.params[kSteps - 1]) < kTol<Real>);
-  }
-  std::vector<int> targets{1};
+  auto plan = [](bool fsdp, int ep) {
+    return fsdp ? parallel::Plan<Real>{parallel::FSDPOptions{.expert_parallel = ep}}
+                : parallel::Plan<Real>{parallel::DDPOptions{.expert_parallel = ep}};
+  };
+  std::vector<int> targets{1, 2};
   if (n % 4 == 0) targets.push_back(4);
-  for (int ep : targets) {
-    INFO("saved at ep 2, resumed at ep " << ep << " on " << n << " ranks");
-    auto engine = parallel::make_engine<Real>(make_llama(config(false)), comm,
-                                              parallel::DDPOptions{.expert_parallel = ep});
-    optim::AdamW<Real> opt(engine->parameters(), kAdam);
-    ckpt::CheckpointManager mgr(saved, &comm);
-    ckpt::load(mgr, mgr.latest().path, *engine, &opt);
-    CHECK(opt.steps() == kSteps);
-    train(*engine, opt, kSteps, kSteps + 1);
-    const auto got = whole_parameters(*engine, opt, c, dir / ("resumed" + std::to_string(ep)));
-    CHECK(rel_diff(got, ref.params[kSteps]) < kTol<Real>);
+  for (bool saved_fsdp : {false, true}) {
+    const auto saved = dir / (saved_fsdp ? "fsdp_ep2" : "ddp_ep2");
+    {
+      auto model = make_llama(c);
+      auto engine = parallel::make_engine<Real>(model, comm, plan(saved_fsdp, 2));
+      optim::AdamW<Real> opt(engine->parameters(), kAdam);
+      train(*engine, opt, 0, kSteps, nullptr, model.get());
+      CHECK(rel_diff(whole_parameters(*engine, opt, c, saved), ref.params[kSteps - 1]) < kTol<Real>);
+    }
+    for (bool fsdp : {false, true})
+      for (int ep : targets) {
+        if (fsdp == saved_fsdp && ep == 2) continue;
+        INFO("saved at ep 2 under " << (saved_fsdp ? "FSDP" : "DDP") << ", resumed at ep " << ep << " under "
+                                    << (fsdp ? "FSDP" : "DDP") << " on " << n << " ranks");
+        auto model = make_llama(c);
+        auto engine = parallel::make_engine<Real>(model, comm, plan(fsdp, ep));
+        optim::AdamW<Real> opt(engine->parameters(), kAdam);
+        ckpt::CheckpointManager mgr(saved, &comm);
+        ckpt::load(mgr, mgr.latest().path, *engine, &opt);
+        CHECK(opt.steps() == kSteps);
+        train(*engine, opt, kSteps, kSteps + 1, nullptr, model.get());
+        const auto got = whole_parameters(*engine, opt, c, dir / "resumed");
+        CHECK(rel_diff(got, ref.params[kSteps]) < kTol<Real>);
+      }
   }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
@@ -545,6 +721,17 @@ TEST_CASE("Expert parallelism refuses bad plans on every rank", "[ep]") {
     const Batch b = make_batch(1, 5);
     CHECK_THROWS_WITH(engine->forward_backward(b.ids.view(0, {1, 7}), b.targets.view(0, {7})),
                       Contains("[ptrain.tp.moe_tokens]"));
+    if (n % 4 == 0) CHECK_THROWS_WITH(tp(config(false), {.tp = 2, .cp = 2}), Contains("[ptrain.tp.moe]"));
+  }
+  // FSDP: the same, and the strategies whose replicas would average different experts.
+  if (n % 2 == 0) {
+    CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(dense), comm, parallel::FSDPOptions{.expert_parallel = 2}),
+                      Contains("[ptrain.ep.model]"));
+    for (auto st : {parallel::ShardingStrategy::NoShard, parallel::ShardingStrategy::Hybrid})
+      CHECK_THROWS_WITH(parallel::make_engine<Real>(
+                            make_llama(config(false)), comm,
+                            parallel::FSDPOptions{.strategy = st, .hybrid_shard_size = 1, .expert_parallel = 2}),
+                        Contains("[ptrain.ep.strategy]"));
   }
   comm.barrier();
 }
