@@ -537,7 +537,8 @@ TEST_CASE("sampler reshape: N ranks then M ranks see every sample exactly once",
           for (int r = 0; r < N; ++r) {
             DistributedSampler s(n, r, N, 5);
             s.set_epoch(3);
-            for (auto i : s.next(p)) ++seen[static_cast<std::size_t>(i)];
+            const std::vector<std::int64_t> batch = s.next(p);
+            for (auto i : batch) ++seen[static_cast<std::size_t>(i)];
             if (r == 0) st = ckpt::sampler_state(s, N);
           }
           const bool exact = st.consumed % M == 0;
