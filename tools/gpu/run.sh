@@ -9,8 +9,9 @@
 # Run from the repository root with $OUT set (default build-gpu/out). Writes to $OUT:
 #   env.txt          nvidia-smi, nvcc, cmake, torch versions
 #   build.log        configure and build of ptrain_gpu and gpu_bench
-#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu (the [nccl] cases in a second run; the
-#                    [multirank] cases, several ranks sharing the GPU over Gloo, only in their
+#   gpu_tests.log    build-gpu/tests/gpu/ptrain_gpu (its XML report's failures, slowest cases
+#                    and gate verdicts, from tools/gpu/gate_results.py; the [nccl] cases in a
+#                    second run; the [multirank] cases, several ranks sharing the GPU over Gloo, only in their
 #                    gate step), then examples/gpt_char_cuda trained on the GPU for 300 steps
 #                    in fp32 and in bf16
 #   gpu_bench.jsonl  one JSON line per measurement, "impl": "ptrain" and "pytorch"
@@ -204,22 +205,30 @@ gated_names() {
 if want test; then
   : >"$OUT/gpu_tests.log"
   if [[ -x $tests_bin ]]; then
-    # --durations yes: the time of each test case, to see what a session's budget goes to.
-    # The NCCL cases run on their own: one that hangs (a collective, the init
-    # timeout) then costs only its own cap, not the kernels' results.
-    step gpu_tests 150 300 "$OUT/gpu_tests.log" "$tests_bin" "~[nccl]~[.]~[multirank]" --durations yes
+    # One run of every case but the NCCL and multi-rank ones, reported as XML
+    # (tools/gpu/gate_results.py prints its failures and slowest cases into the log
+    # and tells which gated names passed there). The NCCL cases run on their own:
+    # one that hangs (a collective, the init timeout) then costs only its own cap.
+    xml=$build/gpu_tests.xml
+    rm -f "$xml"
+    step gpu_tests 150 300 "$OUT/gpu_tests.log" "$tests_bin" "~[nccl]~[.]~[multirank]" -r xml -o "$xml" --durations yes
     step gpu_tests_nccl 90 240 "$OUT/gpu_tests.log" "$tests_bin" "[nccl]" --durations yes
-    # The verification gate (Note [The verification gate]): per gated name, its
-    # [cuda:<name>] test cases again on their own, so the summary says which
-    # names passed and may leave include/ptrain/kernels/cuda_unverified.hpp.
-    # A name whose cases include [multirank] ones (ranks of ptrain_gpu started by the
-    # case itself, sharing the GPU) gets a longer cap.
-    for name in $(gated_names); do
-      cases=$("$tests_bin" --list-test-names-only "[cuda:$name]" 2>/dev/null | grep -v '^$')
+    # The verification gate (Note [The verification gate]): the summary says which
+    # names passed and may leave include/ptrain/kernels/cuda_unverified.hpp. A name
+    # whose cases did not all run and pass in the XML report ([nccl] or [multirank]
+    # cases: ranks of ptrain_gpu started by the case itself, sharing the GPU; a run cut
+    # short; a failure, perhaps left by an earlier case's sticky CUDA error) runs its
+    # [cuda:<name>] cases again in a process of their own, multi-rank ones with a longer cap.
+    mapfile -t verdicts < <(python3 tools/gpu/gate_results.py "$tests_bin" "$xml" $(gated_names) |
+      tee -a "$OUT/gpu_tests.log" | sed -n 's/^gate //p')
+    for line in "${verdicts[@]}"; do
+      read -r name verdict <<<"$line"
       multirank=$("$tests_bin" --list-test-names-only "[cuda:$name][multirank]" 2>/dev/null | grep -v '^$')
       cap=60
       [[ -n $multirank ]] && cap=200
-      if [[ -z $cases ]]; then
+      if [[ $verdict == passed ]]; then
+        summary+=("gate $name: passed")
+      elif [[ $verdict == none ]]; then
         summary+=("gate $name: no test tagged [cuda:$name]")
       elif step "gate_$name" "$cap" 240 "$OUT/gpu_tests.log" "$tests_bin" "[cuda:$name]" >/dev/null; then
         summary+=("gate $name: passed")
