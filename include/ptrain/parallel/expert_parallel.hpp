@@ -121,9 +121,7 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
       dist::CollectiveLabel label("ep.counts");
       group_.all_to_all(send.data(), recv.data(), static_cast<std::size_t>(L), DType::I64);
     }
-    std::vector<std::int64_t> rows(static_cast<std::size_t>(L), 0);  // my experts' rows, from every rank
-    for (std::int64_t l = 0; l < L; ++l)
-      for (int s = 0; s < P; ++s) rows[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(s * L + l)];
+    const std::vector<std::int64_t> rows = expert_rows(recv);
     const std::vector<std::int64_t> keep = factor_ > 0 ? budgets(send, rows) : rows;
     cache.values.assign(send.begin(), send.end());
     cache.values.insert(cache.values.end(), recv.begin(), recv.end());
@@ -142,10 +140,7 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
     const std::vector<std::int64_t> send(cache.values.begin(), cache.values.begin() + E_),
         recv(cache.values.begin() + E_, cache.values.begin() + 2 * E_),
         keep(cache.values.begin() + 2 * E_, cache.values.end());
-    std::vector<std::int64_t> rows(static_cast<std::size_t>(L), 0);
-    for (std::int64_t l = 0; l < L; ++l)
-      for (int s = 0; s < group_.size(); ++s)
-        rows[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(s * L + l)];
+    const std::vector<std::int64_t> rows = expert_rows(recv);
     const auto dyl = regroup(exchange(dyp, send, recv, "ep.dispatch_grad"), recv, true);
     const auto dxl = resegment(local.backward(resegment(dyl, rows, keep), cache.child(0)), keep, rows);
     auto dxp = exchange(regroup(dxl, recv, false), recv, send, "ep.combine_grad");
@@ -154,6 +149,16 @@ class ExpertParallelDispatch : public nn::MoeDispatch<T> {
   }
 
  private:
+  // My experts' rows from every rank: rows[l] = sum over ranks s of recv[s * L + l].
+  std::vector<std::int64_t> expert_rows(const std::vector<std::int64_t>& recv) const {
+    const std::int64_t L = E_ / group_.size();
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(L), 0);
+    for (std::int64_t l = 0; l < L; ++l)
+      for (int s = 0; s < group_.size(); ++s)
+        rows[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(s * L + l)];
+    return rows;
+  }
+
   // One process's capacity over the global batch: capacity = ceil(factor * S / E) for the S
   // slots of every rank, and each expert keeps its first `capacity` slots in world-rank order
   // (replica-major, so replicas before mine use prefix[l] of expert l's budget; within my
