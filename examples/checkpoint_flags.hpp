@@ -3,8 +3,10 @@
 // defaults and meaning in each program.
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 
 #include "cli_checks.hpp"
+#include "observe_flags.hpp"
 
 /// Adds --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --resume,
 /// --start-over and --preempt-exit-code, bound to opt.checkpoint_dir,
@@ -26,4 +28,22 @@ void add_checkpoint_flags(CLI::App& app, Options& opt) {
                  "exit status after a signal-triggered checkpoint (0; Kubernetes manifests use 75 so that "
                  "the Job restarts the pods instead of counting them as finished)")
       ->check(CLI::Range(0, 125));
+}
+
+/// Adds the checkpoint and observability flags (after the program's own, so --help lists them
+/// last), parses the command line, applies --run-dir (opt.metrics, opt.checkpoint_dir) and
+/// refuses --resume without a checkpoint folder. Returns -1 to go on, else the exit code (0
+/// after --help, 2 for a usage error).
+template <class Options>
+int parse_training_flags(const char* program, CLI::App& app, int argc, char** argv, Options& opt,
+                         ObserveFlags& observe) {
+  add_checkpoint_flags(app, opt);
+  add_observe_flags(app, observe);
+  if (const int rc = parse_command_line(app, argc, argv); rc >= 0) return rc;
+  if (!apply_run_dir(program, app, observe, opt.metrics, opt.checkpoint_dir)) return 2;
+  if (opt.resume && opt.checkpoint_dir.empty()) {
+    std::fprintf(stderr, "%s: --resume needs --checkpoint-dir (or --run-dir)\n", program);
+    return 2;
+  }
+  return -1;
 }

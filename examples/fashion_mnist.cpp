@@ -115,15 +115,8 @@ int main(int argc, char** argv) {
   app.add_option("--parallel", opt.parallel,
                  "none (one process), ddp (data parallel) or fsdp (fully sharded) over the launched ranks")
       ->check(CLI::IsMember({"none", "ddp", "fsdp"}));
-  add_checkpoint_flags(app, opt);
   ObserveFlags observe;
-  add_observe_flags(app, observe);
-  if (const int rc = parse_command_line(app, argc, argv); rc >= 0) return rc;
-  if (!apply_run_dir("fashion_mnist", app, observe, opt.metrics, opt.checkpoint_dir)) return 2;
-  if (opt.resume && opt.checkpoint_dir.empty()) {
-    std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir (or --run-dir)\n");
-    return 2;
-  }
+  if (const int rc = parse_training_flags("fashion_mnist", app, argc, argv, opt, observe); rc >= 0) return rc;
   apply_observe_flags(observe);
 
   try {

@@ -158,15 +158,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--metrics", opt.metrics, "write JSON-lines metrics to this file");
   app.add_option("--log-every", opt.log_every, "progress line and metrics record every N steps (0: none)");
-  add_checkpoint_flags(app, opt);
   ObserveFlags observe;
-  add_observe_flags(app, observe);
-  if (const int rc = parse_command_line(app, argc, argv); rc >= 0) return rc;
-  if (!apply_run_dir("finetune", app, observe, opt.metrics, opt.checkpoint_dir)) return 2;
-  if (opt.resume && opt.checkpoint_dir.empty()) {
-    std::fprintf(stderr, "finetune: --resume needs --checkpoint-dir (or --run-dir)\n");
-    return 2;
-  }
+  if (const int rc = parse_training_flags("finetune", app, argc, argv, opt, observe); rc >= 0) return rc;
   if (opt.lora_r == 0 && !opt.out.empty()) {
     std::fprintf(stderr, "finetune: --out writes a LoRA adapter, and --lora-r 0 trains without one; use --merged\n");
     return 2;

@@ -1,4 +1,5 @@
-"""Reads ptrain checkpoints independently of ptrain (for the cluster tests).
+"""What the cluster tests that train share: ptrain checkpoints read independently of
+ptrain, the work folder kept after a failure, and main's FAILED line.
 
 A checkpoint is DIR/step-NNNNNNNN/ with model.safetensors, optimizer.safetensors,
 index.json, trainer.json and a COMMITTED marker written last
@@ -6,7 +7,9 @@ index.json, trainer.json and a COMMITTED marker written last
 """
 
 import json
+import shutil
 import struct
+import sys
 
 
 def committed_steps(ckpt):
@@ -63,3 +66,20 @@ def compare_final(ref_dir, run_dir):
                 raise AssertionError(f"{fname}: tensor {name} differs after resume (max |diff| {diff})")
             compared += 1
     return step, compared
+
+
+def finish_work(work, passed, log):
+    """Removes the test's work folder after a pass; after a failure keeps it and says where."""
+    if passed:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        log(f"logs and checkpoints kept in {work}")
+
+
+def run_main(main):
+    """Runs a test's main: an AssertionError prints FAILED and the reason, and exits 1."""
+    try:
+        main()
+    except AssertionError as e:
+        print(f"FAILED: {e}", flush=True)
+        sys.exit(1)

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ckpt_compare import committed_steps  # noqa: E402
+from ckpt_compare import committed_steps, finish_work, run_main  # noqa: E402
 
 SKIP = 77
 PROG = Path(sys.argv[1] if len(sys.argv) > 1 else "build/examples/fashion_mnist").resolve()
@@ -162,16 +162,9 @@ def main():
         case_launcher(work)
         ok = True
     finally:
-        if ok:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            log(f"logs and checkpoints kept in {work}")
+        finish_work(work, ok, log)
     print("mpi-entrypoint: 3 passed, 0 failed", flush=True)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except AssertionError as e:
-        print(f"FAILED: {e}", flush=True)
-        sys.exit(1)
+    run_main(main)

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ckpt_compare import committed_steps, compare_final  # noqa: E402
+from ckpt_compare import committed_steps, compare_final, finish_work, run_main  # noqa: E402
 
 SKIP = 77
 PODS = 4                             # replaced by the manifest's completions
@@ -455,16 +455,9 @@ def main():
             Path("/etc/netns").rmdir()      # only when no other namespace config is left
         except OSError:
             pass
-        if ok:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            log(f"logs and checkpoints kept in {work}")
+        finish_work(work, ok, log)
     print("multipod: 1 passed, 0 failed", flush=True)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except AssertionError as e:
-        print(f"FAILED: {e}", flush=True)
-        sys.exit(1)
+    run_main(main)

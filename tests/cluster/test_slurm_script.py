@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ckpt_compare import committed_steps, compare_final  # noqa: E402
+from ckpt_compare import committed_steps, compare_final, finish_work, run_main  # noqa: E402
 
 RANKS = 2
 RUN_LIMIT_S = 240
@@ -174,16 +174,9 @@ def main():
     finally:
         for r in runs:
             r.stop()
-        if ok:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            log(f"logs and checkpoints kept in {work}")
+        finish_work(work, ok, log)
     print("slurm_script: 1 passed, 0 failed", flush=True)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except AssertionError as e:
-        print(f"FAILED: {e}", flush=True)
-        sys.exit(1)
+    run_main(main)

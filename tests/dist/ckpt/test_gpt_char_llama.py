@@ -20,46 +20,14 @@ usage: test_gpt_char_llama.py GPT_CHAR [MPIRUN]
              the flag"""
 import json
 import os
-import re
-import struct
-import subprocess
 import sys
 import tempfile
 
-TIMEOUT_S = 240
+from gpt_char_util import Failure, final, run, run_main, safetensors_names
+
 SHAPE = ["--layers", "2", "--embd", "48", "--heads", "4", "--kv-heads", "2", "--block", "48"]
 TRAIN = ["--model", "llama", "--batch", "8", "--lr", "3e-3", "--warmup", "10", "--eval-every", "0",
          "--eval-batches", "4", "--log-every", "0", "--sample-tokens", "20", "--seed", "5"]
-
-
-class Failure(Exception):
-    pass
-
-
-def run(argv, what, expect=0):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=TIMEOUT_S, env=env)
-    except subprocess.TimeoutExpired:
-        raise Failure(f"{what}: no exit within {TIMEOUT_S} s (hang)")
-    if p.returncode != expect:
-        raise Failure(f"{what}: exit code {p.returncode}, expected {expect}\n{p.stdout}\n{p.stderr}")
-    return p.stdout + p.stderr
-
-
-def final(out, what):
-    m = re.search(r"final val_loss ([0-9.]+) nats/char = ([0-9.]+) x unigram entropy", out)
-    if not m:
-        raise Failure(f"{what}: no final line\n{out}")
-    return float(m.group(1)), float(m.group(2))
-
-
-def safetensors_names(path):
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
 def main():
@@ -155,8 +123,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Failure as e:
-        print(f"FAILED: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main(main)

@@ -26,14 +26,12 @@ usage: test_gpt_char_mixtral.py GPT_CHAR [MPIRUN]
 import json
 import math
 import os
-import re
 import shutil
-import struct
-import subprocess
 import sys
 import tempfile
 
-TIMEOUT_S = 240
+from gpt_char_util import Failure, final, run, run_main, safetensors_names
+
 BATCH, BLOCK, EXPERTS, TOP_K, CAPACITY, AUX = 8, 32, 4, 2, 1.25, 0.01
 SHAPE = ["--layers", "2", "--embd", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "32",
          "--block", str(BLOCK)]
@@ -41,29 +39,6 @@ MOE = ["--model", "mixtral", "--experts", str(EXPERTS), "--moe-top-k", str(TOP_K
        str(CAPACITY), "--aux-loss-coef", str(AUX)]
 TRAIN = ["--batch", str(BATCH), "--lr", "1e-2", "--warmup", "10", "--eval-every", "0", "--eval-batches", "4",
          "--log-every", "0", "--sample-tokens", "20", "--seed", "5"]
-
-
-class Failure(Exception):
-    pass
-
-
-def run(argv, what, expect=0):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=TIMEOUT_S, env=env)
-    except subprocess.TimeoutExpired:
-        raise Failure(f"{what}: no exit within {TIMEOUT_S} s (hang)")
-    if p.returncode != expect:
-        raise Failure(f"{what}: exit code {p.returncode}, expected {expect}\n{p.stdout}\n{p.stderr}")
-    return p.stdout + p.stderr
-
-
-def final(out, what):
-    m = re.search(r"final val_loss ([0-9.]+) nats/char = ([0-9.]+) x unigram entropy", out)
-    if not m:
-        raise Failure(f"{what}: no final line\n{out}")
-    return float(m.group(1)), float(m.group(2))
 
 
 def check_routing(rec, ranks):
@@ -112,13 +87,6 @@ def check_ep_resume(exe, launch, work):
     for step in (4, 5):
         if step not in got or abs(got[step] - want[step]) > 1e-4 * want[step]:
             raise Failure(f"ep resume: step {step} loss {got.get(step)} at ep 1, {want[step]} at ep 2")
-
-
-def safetensors_names(path):
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
 def main():
@@ -183,8 +151,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Failure as e:
-        print(f"FAILED: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main(main)

@@ -74,6 +74,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from gpt_char_util import Failure  # noqa: E402
 from ports import free_port_pair  # noqa: E402
 from safetensors_io import read as read_safetensors, write as write_safetensors  # noqa: E402
 
@@ -86,10 +87,6 @@ FSDP_LONG_STEPS = 400  # fsdp's steps cost about 3 ddp steps here (more, smaller
 LONG_EVERY = 50
 TOL = 1e-5  # relative, where the number of ranks or the reduction order changes
 SAMPLE = ["--sample-tokens", "40", "--temperature", "0"]
-
-
-class Failure(Exception):
-    pass
 
 
 def write_corpus(path):

@@ -12,9 +12,7 @@
 namespace test_bpe {
 
 using namespace ptrain;
-using test::read_file;
-using test::read_json;
-using test::write_file;
+using namespace ptrain::test;  // reference_files.hpp: read_file, read_json, write_file
 namespace fs = std::filesystem;
 
 namespace {
