@@ -24,6 +24,7 @@
 //   nn::MoE<float> moe(c);
 //   auto y = moe.forward(x, cache);          // x [B, S, 256]
 //   moe.stats().aux_loss;                    // the latest forward's routing statistics
+//   moe.window_stats().tokens_per_expert;    // summed over the training forwards since reset_window()
 //
 // Note [The dispatch seam]
 // forward() runs three steps, and expert parallelism cuts between them:
@@ -41,8 +42,32 @@
 // the plan; step 2 needs only its segments' row counts. Step 2 is a MoeDispatch
 // when one is set (MoE::shard_experts; parallel::ExpertParallelDispatch does the
 // all-to-alls); docs/moe.md gives the traffic per layer.
+//
+// Note [MoE metrics window]
+// stats() is the latest forward call's routing, whatever the mode; a step of several
+// micro-batches (gradient accumulation, pipeline micro-batches) or an evaluation after it
+// would leave only the last one there. So each layer also keeps a window (MoeWindow): sums
+// over the training forwards since reset_window(), what named_metrics() reports and what
+// the Trainer writes at each report before resetting (Megatron-Core's MoE aux-loss tracker
+// does the same over an iteration's micro-batches):
+// - Which forwards: those run in training mode (Module::training()) whose backward has run.
+//   forward() keeps its statistics in its cache and backward() adds them, so an evaluation
+//   forward counts nothing and a forward that Recompute replays in backward counts once.
+// - tokens_per_expert and dropped are summed over the window's forwards (the step's token
+//   slots), load_imbalance is max / mean of those sums, capacity is the latest counted
+//   forward's. aux_loss, z_loss and loss are the mean over the forwards, each forward
+//   weighing 1 whatever its tokens: each is a per-forward quantity (the load-balancing loss
+//   is a product of two means over the call's tokens, not a sum over tokens) that backward
+//   differentiates once per forward, as Megatron-Core averages over micro-batches.
+// - parallel::all_reduce_moe_stats ends the window (end_window) with its sums over the
+//   ranks (one all-reduce); the next counted forward starts a new one rather than adding
+//   this rank's tokens to every rank's sums, so a loop that reduces after every step (or
+//   every report) reports each step (or report window) without a reset of its own. A model
+//   that never resets nor reduces reports everything since its construction.
+// Cost: E + 5 host numbers per training forward in its cache, E + 5 additions per backward.
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -81,6 +106,43 @@ struct MoeStats {
   std::int64_t dropped = 0;  ///< slots beyond their expert's capacity (they add nothing to the output)
   double max_load = 0;       ///< max over experts of tokens_per_expert
   double mean_load = 0;      ///< mean over experts of tokens_per_expert (N * k / E)
+};
+
+/// Sums over the counted forwards of a metrics window (Note [MoE metrics window]);
+/// stats() summarises them as one MoeStats.
+struct MoeWindow {
+  std::int64_t forwards = 0;                    ///< training forwards counted (summed over ranks when reduced)
+  std::vector<std::int64_t> tokens_per_expert;  ///< summed; empty while forwards == 0
+  std::int64_t dropped = 0;                     ///< summed
+  double aux_loss = 0, z_loss = 0, loss = 0;    ///< summed over the forwards (stats() takes their mean)
+  std::int64_t capacity = 0;                    ///< the latest counted forward's
+
+  void add(const MoeStats& s) {
+    tokens_per_expert.resize(s.tokens_per_expert.size(), 0);
+    for (std::size_t e = 0; e < s.tokens_per_expert.size(); ++e) tokens_per_expert[e] += s.tokens_per_expert[e];
+    dropped += s.dropped;
+    aux_loss += s.aux_loss;
+    z_loss += s.z_loss;
+    loss += s.loss;
+    capacity = s.capacity;
+    ++forwards;
+  }
+  /// The window as one MoeStats: counts and drops summed, losses averaged over the
+  /// forwards, max_load and mean_load from the summed counts; empty when nothing counted.
+  MoeStats stats() const {
+    MoeStats s;
+    if (forwards == 0 || tokens_per_expert.empty()) return s;
+    s.tokens_per_expert = tokens_per_expert;
+    s.dropped = dropped;
+    s.capacity = capacity;
+    s.aux_loss = aux_loss / double(forwards);
+    s.z_loss = z_loss / double(forwards);
+    s.loss = loss / double(forwards);
+    s.max_load = double(*std::max_element(tokens_per_expert.begin(), tokens_per_expert.end()));
+    for (auto n : tokens_per_expert) s.mean_load += double(n);
+    s.mean_load /= double(tokens_per_expert.size());
+    return s;
+  }
 };
 
 namespace detail {
@@ -418,6 +480,8 @@ class MoE : public Module<T> {
       s.dropped = dispatch_->dropped();
       router_->set_stats(std::move(s));
     }
+    cache.values.clear();
+    if (this->training()) keep_stats(router_->stats(), cache);  // backward counts them
     // 3. Combine each token's k outputs, weighted, in token order.
     auto y = ops::moe_combine(yp, plan.pos, w);
     cache.tensors = {w, yp};
@@ -435,6 +499,7 @@ class MoE : public Module<T> {
 
   Tensor<T> backward(const Tensor<T>& dy, Cache<T>& cache) override {
     PTRAIN_CHECK(cache.tensors.size() >= 2, Error, "[ptrain.backward] MoE::backward without a forward");
+    count_stats(cache);
     const auto dy2 = dy.reshape({-1, cfg_.n_embd});
     Cache<T>& rc = cache.child(0);
     const ops::MoePlan plan = router_->plan(rc);
@@ -462,8 +527,23 @@ class MoE : public Module<T> {
            ", top_k=" + std::to_string(cfg_.top_k) + ", hidden=" + std::to_string(cfg_.expert_hidden) +
            (shared_ ? ", shared=" + std::to_string(cfg_.shared_hidden) : std::string()) + ")";
   }
-  /// The latest forward call's routing statistics.
+  /// The latest forward call's routing statistics (training or evaluation).
   const MoeStats& stats() const { return router_->stats(); }
+  /// The sums over the training forwards of the metrics window (Note [MoE metrics window]).
+  const MoeWindow& window() const { return window_; }
+  /// window() as one MoeStats (what named_metrics() reports); empty when nothing counted.
+  MoeStats window_stats() const { return window_.stats(); }
+  /// Starts a new, empty window (parallel::reset_moe_metrics: every layer of a model).
+  void reset_window() {
+    window_ = {};
+    window_ended_ = false;
+  }
+  /// Ends the window with `over` as its sums (parallel::all_reduce_moe_stats: the sums over
+  /// the ranks): window() reports them until the next counted forward starts a new window.
+  void end_window(MoeWindow over) {
+    window_ = std::move(over);
+    window_ended_ = true;
+  }
   const MoeConfig& config() const { return cfg_; }
   MoeRouter<T>& router() { return *router_; }
   MoeExperts<T>& experts() { return *experts_; }
@@ -500,9 +580,6 @@ class MoE : public Module<T> {
     dispatch_.reset();
     router_->set_plan_capacity(true);
   }
-  /// Replaces what stats() and named_metrics() report of the latest forward (backward does
-  /// not read them): parallel::all_reduce_moe_stats puts the step over all ranks there.
-  void set_stats(MoeStats s) { router_->set_stats(std::move(s)); }
   /// Backward differentiates s times the auxiliary losses (stats() still reports them
   /// unscaled): a layer that routes 1/tp of its replica's tokens under tensor parallelism
   /// takes 1/tp, so the replica's losses are the mean over its tp slices
@@ -512,12 +589,13 @@ class MoE : public Module<T> {
   Linear<T>* shared_expert_gate() { return shared_gate_.get(); }
 
  protected:
-  /// The latest forward's routing for Module::named_metrics(): aux_loss and z_loss
-  /// (before their coefficients), moe_loss (stats().loss), dropped slots,
-  /// load_imbalance (max_load / mean_load) and tokens_per_expert.{e}.
+  /// The window's routing (window_stats(), Note [MoE metrics window]) for
+  /// Module::named_metrics(): aux_loss and z_loss (before their coefficients) and moe_loss
+  /// (loss), averaged over the forwards; dropped slots and tokens_per_expert.{e}, summed;
+  /// load_imbalance (max_load / mean_load of the sums).
   void own_metrics(const std::string& prefix, std::vector<std::pair<std::string, double>>& out) override {
-    const MoeStats& s = stats();
-    if (s.tokens_per_expert.empty()) return;  // no forward yet
+    const MoeStats s = window_stats();
+    if (s.tokens_per_expert.empty()) return;  // nothing counted yet
     out.insert(out.end(), {{prefix + "aux_loss", s.aux_loss},
                            {prefix + "z_loss", s.z_loss},
                            {prefix + "moe_loss", s.loss},
@@ -528,12 +606,36 @@ class MoE : public Module<T> {
   }
 
  private:
+  // A training forward's statistics in its cache (E counts, then 5 doubles' bits), which
+  // backward adds to the window (Note [MoE metrics window]).
+  static void keep_stats(const MoeStats& s, Cache<T>& cache) {
+    for (auto n : s.tokens_per_expert) cache.values.push_back(static_cast<std::uint64_t>(n));
+    for (double v : {double(s.dropped), double(s.capacity), s.aux_loss, s.z_loss, s.loss})
+      cache.values.push_back(std::bit_cast<std::uint64_t>(v));
+  }
+  void count_stats(const Cache<T>& cache) {
+    const auto E = static_cast<std::size_t>(cfg_.num_experts);
+    if (cache.values.size() != E + 5) return;  // an evaluation forward
+    auto at = [&](std::size_t i) { return std::bit_cast<double>(cache.values[E + i]); };
+    MoeStats s;
+    for (std::size_t e = 0; e < E; ++e) s.tokens_per_expert.push_back(static_cast<std::int64_t>(cache.values[e]));
+    s.dropped = static_cast<std::int64_t>(at(0));
+    s.capacity = static_cast<std::int64_t>(at(1));
+    s.aux_loss = at(2);
+    s.z_loss = at(3);
+    s.loss = at(4);
+    if (window_ended_) reset_window();
+    window_.add(s);
+  }
+
   MoeConfig cfg_;
   std::shared_ptr<MoeRouter<T>> router_;
   std::shared_ptr<MoeExperts<T>> experts_, retired_;  // retired_: the shards before unshard_experts()
   std::shared_ptr<MoeDispatch<T>> dispatch_;
   std::shared_ptr<SwiGLU<T>> shared_;
   std::shared_ptr<Linear<T>> shared_gate_;
+  MoeWindow window_;
+  bool window_ended_ = false;  // end_window(): the next counted forward starts a new window
 };
 
 }  // namespace ptrain::nn

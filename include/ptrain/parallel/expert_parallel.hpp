@@ -363,26 +363,31 @@ void global_load_balance(nn::Module<T>& model, dist::Communicator& comm) {
     });
 }
 
-/// Makes every MoE layer of `model` report (stats(), Module::named_metrics()) its latest
-/// forward over all ranks of `comm` instead of this rank's: tokens_per_expert and dropped
-/// summed, max_load and mean_load (so the load imbalance) from the summed counts, aux_loss,
-/// z_loss and loss averaged over the ranks (capacity stays this rank's). One all-reduce of
-/// E + 5 numbers per layer; collective over `comm`, whose ranks must hold the same MoE
-/// layers (every rank under Local, DDP with any expert_parallel, FSDP, context
-/// parallelism and tensor parallelism, where each tp rank routes its own slice; not
-/// pipeline stages). Backward does not read the statistics, so this may
-/// run between steps.
+/// Ends the metrics window (Note [MoE metrics window] in nn/moe.hpp) of every MoE layer of
+/// `model` with its sums over all ranks of `comm`, what window_stats() and
+/// Module::named_metrics() then report: tokens_per_expert, dropped and the forwards counted
+/// summed, so max_load and mean_load (the load imbalance) from the summed counts;
+/// aux_loss, z_loss and loss the mean over every counted forward of every rank (capacity
+/// stays this rank's). The next counted forward starts a new window, so a loop that calls
+/// this before each record reports the forwards since the previous one. One all-reduce of
+/// E + 5 numbers per layer (none on one rank); collective over `comm`, whose ranks must
+/// hold the same MoE layers (every rank under Local, DDP with any expert_parallel, FSDP,
+/// context parallelism and tensor parallelism, where each tp rank routes its own slice;
+/// not pipeline stages). Backward does not read the window, so this may run between steps.
 template <class T>
 void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {
   const auto layers = moe_layers(model);
-  if (comm.size() == 1 || layers.empty()) return;
+  if (comm.size() == 1) {
+    for (nn::MoE<T>* moe : layers) moe->end_window(moe->window());
+    return;
+  }
+  if (layers.empty()) return;
   std::vector<double> v;
   for (nn::MoE<T>* moe : layers) {
-    const nn::MoeStats& s = moe->stats();
-    const bool ran = !s.tokens_per_expert.empty();
+    const nn::MoeWindow& w = moe->window();
     for (std::int64_t e = 0; e < moe->config().num_experts; ++e)
-      v.push_back(ran ? double(s.tokens_per_expert[static_cast<std::size_t>(e)]) : 0.0);
-    v.insert(v.end(), {double(s.dropped), s.aux_loss, s.z_loss, s.loss, ran ? 1.0 : 0.0});
+      v.push_back(w.forwards > 0 ? double(w.tokens_per_expert[static_cast<std::size_t>(e)]) : 0.0);
+    v.insert(v.end(), {double(w.dropped), w.aux_loss, w.z_loss, w.loss, double(w.forwards)});
   }
   {
     dist::CollectiveLabel label("moe.stats");
@@ -391,25 +396,25 @@ void all_reduce_moe_stats(nn::Module<T>& model, dist::Communicator& comm) {
   std::size_t at = 0;
   for (nn::MoE<T>* moe : layers) {
     const auto E = static_cast<std::size_t>(moe->config().num_experts);
-    nn::MoeStats s;
-    s.capacity = moe->stats().capacity;
-    for (std::size_t e = 0; e < E; ++e) s.tokens_per_expert.push_back(static_cast<std::int64_t>(v[at + e]));
-    at += E;
-    const double ranks = v[at + 4];
-    s.dropped = static_cast<std::int64_t>(v[at]);
-    s.aux_loss = ranks > 0 ? v[at + 1] / ranks : 0.0;
-    s.z_loss = ranks > 0 ? v[at + 2] / ranks : 0.0;
-    s.loss = ranks > 0 ? v[at + 3] / ranks : 0.0;
-    at += 5;
-    if (ranks == 0) s.tokens_per_expert.clear();  // no forward anywhere yet
-    if (!s.tokens_per_expert.empty()) {
-      s.max_load = double(*std::max_element(s.tokens_per_expert.begin(), s.tokens_per_expert.end()));
-      s.mean_load = 0;
-      for (auto n : s.tokens_per_expert) s.mean_load += double(n);
-      s.mean_load /= double(E);
-    }
-    moe->set_stats(std::move(s));
+    nn::MoeWindow w;
+    w.forwards = static_cast<std::int64_t>(v[at + E + 4]);
+    if (w.forwards > 0)  // empty: no forward counted on any rank
+      for (std::size_t e = 0; e < E; ++e) w.tokens_per_expert.push_back(static_cast<std::int64_t>(v[at + e]));
+    w.dropped = static_cast<std::int64_t>(v[at + E]);
+    w.aux_loss = v[at + E + 1];
+    w.z_loss = v[at + E + 2];
+    w.loss = v[at + E + 3];
+    w.capacity = moe->window().capacity;
+    at += E + 5;
+    moe->end_window(std::move(w));
   }
+}
+
+/// Starts a new, empty metrics window in every MoE layer of `model` (nn::MoE::reset_window;
+/// the Trainer calls it after each record, on every rank).
+template <class T>
+void reset_moe_metrics(nn::Module<T>& model) {
+  for (nn::MoE<T>* moe : moe_layers(model)) moe->reset_window();
 }
 
 }  // namespace ptrain::parallel

@@ -236,6 +236,7 @@ class Trainer {
     Progress progress(total, lead ? o_.log_every : 0, std::cout, result.step);
     Stopwatch clock;
     ReportWindow window{clock.seconds()};  // a resumed run's first window holds only the steps run here
+    parallel::reset_moe_metrics(engine_.local_module());  // so do the MoE layers' (Note [MoE metrics window])
     auto run_eval = [&](int epoch) {
       if (!evaluate) return;
       engine_.train(false);
@@ -300,11 +301,13 @@ class Trainer {
                                 {"samples_per_s", window.samples_per_s(now)}, {"world_size", data_world}};
           rec.update(straggler_report(engine_.communicator(), times));  // every rank, same steps
           rec.update(memory_fields());
-          // MoE routing over every rank's latest forward (pipeline stages hold different layers).
+          // MoE routing over the window's training forwards, of every rank (pipeline stages hold
+          // different layers: rank 0's stage, its own micro-batches); a new window after the record.
           if (engine_.mode() != parallel::Mode::Pipeline)
             parallel::all_reduce_moe_stats(engine_.local_module(), engine_.communicator());  // every rank
           for (const auto& [name, value] : engine_.local_module().named_metrics()) rec[name] = value;
           metrics.write(rec);
+          parallel::reset_moe_metrics(engine_.local_module());
           window.reset(now);
           times = {};
         }

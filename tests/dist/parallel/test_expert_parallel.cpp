@@ -533,7 +533,8 @@ TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][met
           CHECK(got.at(p + "aux_loss") == Approx(per_rank[l].aux_loss).epsilon(1e-12));
           CHECK(got.at(p + "moe_loss") == Approx(per_rank[l].loss).epsilon(1e-12));
         }
-        CHECK(layers[l]->stats().mean_load == double(total) / 4);
+        CHECK(layers[l]->window_stats().mean_load == double(total) / 4);
+        CHECK(layers[l]->window().forwards == n);
       }
     }
   }
@@ -543,13 +544,31 @@ TEST_CASE("MoE routing statistics over all ranks equal one process's", "[ep][met
 // Frozen parameters, frozen experts among them, under expert parallelism (DDP and FSDP): only trainable
 // gradients are reduced, and the checkpoint holds every frozen tensor (each expert from
 // the rank that holds it), unchanged bit for bit.
-// The Trainer's records carry the routing over all ranks: plain DDP and ep 2 (even worlds),
-// an MoE layer with a capacity over 6 features; the last record's counts add up to every
-// rank's tokens (rank 0 alone routes 1 / n of them) and equal what stats() reports.
+// The Trainer's records carry the routing of every micro-batch of the steps since the previous
+// record, over all ranks (Note [MoE metrics window] in nn/moe.hpp): plain DDP and ep 2 (even
+// worlds), an MoE layer with a capacity over 6 features, 2 micro-batches per step, a record
+// every 2 steps, an evaluation every step. The reference is what stats() said after each
+// training forward on each rank (a wrapper keeps them): each record equals those of its
+// window summed (counts, drops) or averaged (losses) over the forwards and the ranks (the
+// test's own all-reduce); the counts add up to every rank's tokens of the window times k.
 TEST_CASE("Trainer records MoE routing over all ranks", "[ep][metrics]") {
+  // nn::MoE as it is (no level added to the names), keeping each training forward's stats().
+  struct MoeSpy : nn::Module<Real> {
+    explicit MoeSpy(std::shared_ptr<nn::MoE<Real>> m) : moe(std::move(m)) { this->register_module("", moe); }
+    Tensor<Real> forward(const Tensor<Real>& x, nn::Cache<Real>& cache) override {
+      auto y = moe->forward(x, cache);
+      if (this->training()) seen.push_back(moe->stats());
+      return y;
+    }
+    Tensor<Real> backward(const Tensor<Real>& dy, nn::Cache<Real>& cache) override { return moe->backward(dy, cache); }
+    std::string describe() const override { return "MoeSpy(" + moe->describe() + ")"; }
+    std::shared_ptr<nn::MoE<Real>> moe;
+    std::vector<nn::MoeStats> seen;
+  };
   auto& comm = world();
   const int n = comm.size();
-  constexpr std::int64_t kBatch = 4, kFeatures = 6, kSteps = 3;
+  constexpr std::int64_t kBatch = 4, kFeatures = 6, kSteps = 4, kAccum = 2, kEvery = 2;
+  constexpr std::int64_t kWindow = kEvery * kAccum;  // a record's forwards on each rank
   Generator gd(21);
   auto x = Tensor<Real>::empty({kBatch * n * kSteps, kFeatures});
   auto y = Tensor<std::int32_t>::empty({kBatch * n * kSteps});
@@ -565,34 +584,61 @@ TEST_CASE("Trainer records MoE routing over all ranks", "[ep][metrics]") {
     INFO("ep " << ep << " x dp " << n / ep << ", " << comm.backend());
     Generator g(9);
     auto model = std::make_shared<nn::Sequential<Real>>();
-    const auto moe = model->add(std::make_shared<nn::MoE<Real>>(
+    const auto spy = model->add(std::make_shared<MoeSpy>(std::make_shared<nn::MoE<Real>>(
         nn::MoeConfig{.n_embd = kFeatures, .num_experts = 4, .top_k = 2, .expert_hidden = 4, .capacity_factor = 0.7,
-                      .aux_loss_coef = 0.1},
-        g));
+                      .aux_loss_coef = 0.1, .z_loss_coef = 0.01},
+        g)));
     model->add(std::make_shared<nn::Linear<Real>>(kFeatures, 3, true, g));
     auto engine = parallel::make_engine<Real>(model, comm, parallel::DDPOptions{.expert_parallel = ep});
     optim::AdamW<Real> opt(engine->parameters(), kAdam);
     const std::string metrics = (dir / ("m" + std::to_string(ep) + ".jsonl")).string();
-    train::Trainer<Real> trainer(*engine, opt, data, {.batch = kBatch, .log_every = 1, .metrics = metrics});
+    train::Trainer<Real> trainer(*engine, opt, data,
+                                 {.batch = kBatch, .grad_accum = kAccum, .log_every = kEvery, .eval_every = 1,
+                                  .metrics = metrics});
+    trainer.evaluate = [&](parallel::Engine<Real>& e) {  // collective: under ep its forward is an all-to-all
+      return nlohmann::json{{"eval_loss", e.eval_loss(x.narrow(0, 3), y.narrow(0, 3))}};
+    };
     CHECK(trainer.run().step == kSteps);
+    CHECK(spy->seen.size() == std::size_t(kSteps * kAccum));  // evaluations left out
+    // Per record: 4 counts, dropped, aux_loss, z_loss, loss; summed over its forwards and the ranks.
+    std::vector<double> want(std::size_t(kSteps / kEvery * 8), 0.0);
+    for (std::size_t f = 0; f < spy->seen.size() && f < std::size_t(kSteps * kAccum); ++f) {
+      const nn::MoeStats& s = spy->seen[f];
+      double* w = want.data() + f / kWindow * 8;
+      for (std::size_t e = 0; e < 4; ++e) w[e] += double(s.tokens_per_expert[e]);
+      w[4] += double(s.dropped);
+      w[5] += s.aux_loss;
+      w[6] += s.z_loss;
+      w[7] += s.loss;
+    }
+    comm.all_reduce(want.data(), want.size(), DType::F64, dist::ReduceOp::Sum);
     if (comm.rank() != 0) continue;
     std::ifstream in(metrics);
-    nlohmann::json rec;
+    std::vector<nlohmann::json> recs;
     for (std::string line; std::getline(in, line);)
-      if (auto j = nlohmann::json::parse(line); j.contains("0.tokens_per_expert.0")) rec = j;
-    REQUIRE(rec.value("step", 0) == kSteps);
-    const nn::MoeStats& s = moe->stats();
-    double total = 0, most = 0;
-    for (std::size_t e = 0; e < 4; ++e) {
-      const double c = rec.at("0.tokens_per_expert." + std::to_string(e)).get<double>();
-      CHECK(c == double(s.tokens_per_expert[e]));
-      total += c;
-      most = std::max(most, c);
+      if (auto j = nlohmann::json::parse(line); j.contains("loss")) recs.push_back(j);
+    REQUIRE(recs.size() == std::size_t(kSteps / kEvery));
+    for (std::size_t r = 0; r < recs.size(); ++r) {
+      const nlohmann::json& rec = recs[r];
+      const double* w = want.data() + r * 8;
+      INFO("record at step " << rec.value("step", 0));
+      CHECK(rec.value("step", 0) == std::int64_t(r + 1) * kEvery);
+      double total = 0, most = 0;
+      for (std::size_t e = 0; e < 4; ++e) {
+        const double c = rec.at("0.tokens_per_expert." + std::to_string(e)).get<double>();
+        CHECK(c == w[e]);
+        total += c;
+        most = std::max(most, c);
+      }
+      CHECK(total == double(kBatch * n * kEvery * 2));  // every rank's rows of the window, k = 2 slots each
+      CHECK(rec.at("0.load_imbalance").get<double>() == most / (total / 4));
+      CHECK(rec.at("0.dropped").get<double>() == w[4]);
+      CHECK(w[4] > 0);
+      const double forwards = double(n * kWindow);
+      CHECK(rec.at("0.aux_loss").get<double>() == Approx(w[5] / forwards).epsilon(1e-12));
+      CHECK(rec.at("0.z_loss").get<double>() == Approx(w[6] / forwards).epsilon(1e-12));
+      CHECK(rec.at("0.moe_loss").get<double>() == Approx(w[7] / forwards).epsilon(1e-12));
     }
-    CHECK(total == double(kBatch * n * 2));
-    CHECK(rec.at("0.load_imbalance").get<double>() == most / (total / 4));
-    CHECK(rec.at("0.dropped").get<double>() == double(s.dropped));
-    CHECK(rec.at("0.aux_loss").get<double>() == s.aux_loss);
   }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);

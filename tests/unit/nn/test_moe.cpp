@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <optional>
 #include <numeric>
 #include <type_traits>
@@ -23,7 +24,11 @@
 #include <ptrain/nn/loss.hpp>
 #include <ptrain/nn/models/llama.hpp>
 #include <ptrain/nn/moe.hpp>
+#include <ptrain/nn/recompute.hpp>
+#include <ptrain/nn/sequential.hpp>
+#include <ptrain/dist/self_communicator.hpp>
 #include <ptrain/optim/adamw.hpp>
+#include <ptrain/parallel/expert_parallel.hpp>
 #include <vector>
 
 #include "unit/gradcheck.hpp"
@@ -600,6 +605,96 @@ TEST_CASE("moe: the layer against a per-token loop, forward and gradients", "[mo
         },
         3);
   }
+}
+
+// Note [MoE metrics window]: the window sums the training forwards whose backward ran
+// (counts and drops summed, losses averaged over the forwards), against the per-token
+// reference's routing of each batch; evaluation forwards, a training forward without a
+// backward and Recompute's replay add nothing; end_window and reset_window start anew.
+TEST_CASE("moe: the metrics window sums the step's training forwards, not evaluation ones", "[moe][metrics]") {
+  auto c = base_config();
+  c.capacity_factor = 0.75;
+  c.aux_loss_coef = 0.3;
+  c.z_loss_coef = 0.2;
+  auto moe = std::make_shared<nn::MoE<double>>(c);
+  randomize(*moe, 51);
+  CHECK(moe->named_metrics().empty());  // nothing counted yet
+  // Forward (and backward when `backward`) of x; the reference's routing when it counts.
+  auto run = [&](const Tensor<double>& x, bool train, bool backward) {
+    moe->train(train);
+    nn::Cache<double> cache;
+    const auto y = moe->forward(x, cache);
+    if (backward) moe->backward(Tensor<double>::full(y.shape(), 0.5), cache);
+    const Reference ref = naive_moe(*moe, x);
+    REQUIRE(moe->stats().tokens_per_expert == ref.routed);  // stats(): the latest forward, any mode
+    return ref;
+  };
+  std::vector<Reference> counted;
+  counted.push_back(run(random_tensor({3, 3, 6}, 52), true, true));
+  const auto before = moe->window().tokens_per_expert;
+  run(random_tensor({5, 6}, 53), false, false);  // evaluation
+  run(random_tensor({4, 6}, 54), false, true);   // evaluation, even with a backward
+  CHECK(moe->window().tokens_per_expert == before);
+  counted.push_back(run(random_tensor({2, 4, 6}, 55), true, true));
+  run(random_tensor({6, 6}, 56), true, false);  // no backward: not trained on
+  counted.push_back(run(random_tensor({7, 6}, 57), true, true));
+
+  std::vector<std::int64_t> routed(4, 0);
+  std::int64_t dropped = 0;
+  double aux = 0, z = 0;
+  for (const Reference& r : counted) {
+    for (std::size_t e = 0; e < 4; ++e) routed[e] += r.routed[e];
+    dropped += r.dropped;
+    aux += r.aux / 3;
+    z += r.z / 3;
+  }
+  REQUIRE(moe->window().forwards == 3);
+  const nn::MoeStats w = moe->window_stats();
+  CHECK(w.tokens_per_expert == routed);
+  CHECK(std::accumulate(routed.begin(), routed.end(), std::int64_t(0)) == (9 + 8 + 7) * 2);
+  CHECK(w.dropped == dropped);
+  CHECK(dropped > 0);
+  CHECK(w.capacity == 3);  // the latest counted forward's: ceil(0.75 * 7 * 2 / 4)
+  CHECK(w.aux_loss == Approx(aux).epsilon(1e-13));
+  CHECK(w.z_loss == Approx(z).epsilon(1e-13));
+  CHECK(w.loss == Approx(0.3 * aux + 0.2 * z).epsilon(1e-13));
+  CHECK(w.mean_load == Approx(24.0 * 2 / 4));
+  std::map<std::string, double> got;
+  for (const auto& [name, value] : moe->named_metrics()) got[name] = value;
+  for (std::size_t e = 0; e < 4; ++e) CHECK(got.at("tokens_per_expert." + std::to_string(e)) == double(routed[e]));
+  CHECK(got.at("dropped") == double(dropped));
+  CHECK(got.at("load_imbalance") ==
+        Approx(double(*std::max_element(routed.begin(), routed.end())) / (24.0 * 2 / 4)).epsilon(1e-15));
+  CHECK(got.at("aux_loss") == Approx(aux).epsilon(1e-13));
+  CHECK(got.at("z_loss") == Approx(z).epsilon(1e-13));
+  CHECK(got.at("moe_loss") == Approx(0.3 * aux + 0.2 * z).epsilon(1e-13));
+
+  // all_reduce_moe_stats on one rank ends the window: it still reports the same sums, and
+  // the next counted forward starts a new window instead of adding to them.
+  dist::SelfCommunicator self;
+  parallel::all_reduce_moe_stats(*moe, self);
+  CHECK(moe->window().tokens_per_expert == routed);
+  CHECK(moe->window().forwards == 3);
+  const Reference next = run(random_tensor({3, 6}, 58), true, true);
+  CHECK(moe->window().forwards == 1);
+  CHECK(moe->window().tokens_per_expert == next.routed);
+  CHECK(moe->window_stats().aux_loss == Approx(next.aux).epsilon(1e-13));
+  // A reset (the model-level helper) empties it.
+  nn::Sequential<double> model;
+  model.add(moe);
+  parallel::reset_moe_metrics(model);
+  CHECK(moe->window().forwards == 0);
+  CHECK(moe->window_stats().tokens_per_expert.empty());
+  CHECK(model.named_metrics().empty());
+
+  // Under activation checkpointing backward replays the forward; the window counts it once.
+  nn::Recompute<double> wrapped(moe);
+  wrapped.train(true);
+  const auto x = random_tensor({5, 6}, 59);
+  nn::Cache<double> cache;
+  wrapped.backward(Tensor<double>::full(wrapped.forward(x, cache).shape(), 0.5), cache);
+  CHECK(moe->window().forwards == 1);
+  CHECK(moe->window().tokens_per_expert == naive_moe(*moe, x).routed);
 }
 
 TEST_CASE("moe: names, float against double, and bad configurations", "[moe]") {

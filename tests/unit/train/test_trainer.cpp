@@ -12,6 +12,7 @@
 #include <ptrain/ckpt/sampler_state.hpp>
 #include <ptrain/data/sampler.hpp>
 #include <ptrain/dist/self_communicator.hpp>
+#include <ptrain/nn/models/llama.hpp>
 #include <ptrain/nn/models/mlp.hpp>
 #include <ptrain/nn/moe.hpp>
 #include <ptrain/nn/sequential.hpp>
@@ -290,6 +291,76 @@ TEST_CASE("Trainer: a model's named_metrics (an MoE layer's routing) join its re
   }
   CHECK(events.find("0.load_imbalance") != std::string::npos);
   CHECK(events.find("0.tokens_per_expert.2") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+// Note [MoE metrics window]: with gradient accumulation each record holds the routing of every
+// micro-batch of every step since the previous record (a small Mixtral, dropless: each
+// layer's counts add up to the window's tokens times top-k), not the last micro-batch's, and
+// the evaluations between records add nothing.
+TEST_CASE("Trainer: MoE metrics cover every micro-batch of the steps since the previous record",
+          "[train][trainer][moe]") {
+  constexpr std::int64_t kSeq = 6, kRows = 24, kTopK = 2;
+  struct Tokens : Dataset<double> {
+    Tensor<std::int32_t> ids = Tensor<std::int32_t>::empty({kRows, kSeq + 1});
+    std::int64_t size() const override { return kRows; }
+    Batch<double> get(const std::vector<std::int64_t>& idx) override {
+      const auto n = static_cast<std::int64_t>(idx.size());
+      Batch<double> b{{}, Tensor<std::int32_t>::empty({n, kSeq}), Tensor<std::int32_t>::empty({n, kSeq})};
+      for (std::int64_t r = 0; r < n; ++r)
+        for (std::int64_t t = 0; t < kSeq; ++t) {
+          b.ids.data()[r * kSeq + t] = ids.data()[idx[std::size_t(r)] * (kSeq + 1) + t];
+          b.targets.ids().data()[r * kSeq + t] = ids.data()[idx[std::size_t(r)] * (kSeq + 1) + t + 1];
+        }
+      return b;
+    }
+  } data;
+  Generator gd(5);
+  for (std::int64_t i = 0; i < data.ids.numel(); ++i) data.ids.data()[i] = static_cast<std::int32_t>(gd.below(11));
+  nn::LlamaConfig c{.vocab_size = 11, .n_layer = 2, .n_head = 2, .n_kv_head = 1, .n_embd = 8, .intermediate_size = 12};
+  c.num_experts = 4;
+  c.top_k = kTopK;
+  c.moe_intermediate_size = 6;
+  c.moe_aux_loss_coef = 0.01;
+  Generator g(7);
+  auto model = std::make_shared<nn::Llama<double>>(c, g);
+  const fs::path dir = fresh_dir("ptrain_trainer_moe_accum_");
+  fs::create_directories(dir);
+  dist::SelfCommunicator self;
+  auto engine = parallel::make_engine<double>(model, self, parallel::LocalOptions{});
+  optim::AdamW<double> opt(engine->parameters(), optim::AdamWOptions{.lr = 0.01});
+  const std::string metrics = (dir / "m.jsonl").string();
+  // 6 steps of 4 rows in 2 micro-batches each, a record every 3 steps, an evaluation every step.
+  train::Trainer<double> trainer(*engine, opt, data,
+                                 {.batch = 4, .grad_accum = 2, .log_every = 3, .eval_every = 1, .metrics = metrics});
+  const Batch<double> held_out = data.get({0, 1, 2, 3, 4});
+  trainer.evaluate = [&](parallel::Engine<double>& e) {
+    return nlohmann::json{{"eval_loss", e.eval_loss(held_out.ids, held_out.targets)}};
+  };
+  CHECK(trainer.run().step == 6);
+  CHECK(model->named_metrics().empty());  // the Trainer starts a new window after each record
+
+  int records = 0;
+  for (const nlohmann::json& rec : read_lines(metrics)) {
+    if (!rec.contains("loss")) continue;  // an evaluation's record
+    ++records;
+    INFO("step " << rec.at("step"));
+    for (int l = 0; l < 2; ++l) {
+      const std::string p = "layers." + std::to_string(l) + ".block_sparse_moe.";
+      double routed = 0, most = 0;
+      for (int e = 0; e < 4; ++e) {
+        const double n = rec.at(p + "tokens_per_expert." + std::to_string(e)).get<double>();
+        routed += n;
+        most = std::max(most, n);
+      }
+      CHECK(routed == double(3 * 4 * kSeq * kTopK));  // 3 steps of 4 rows of kSeq tokens, k slots each
+      CHECK(rec.at(p + "load_imbalance").get<double>() == Approx(most / (routed / 4)).epsilon(1e-15));
+      CHECK(rec.at(p + "dropped").get<double>() == 0);
+      CHECK(rec.at(p + "moe_loss").get<double>() == Approx(0.01 * rec.at(p + "aux_loss").get<double>()));
+      CHECK(rec.at(p + "aux_loss").get<double>() >= 1.0);  // E sum_e f_e P_e >= 1, k when balanced
+    }
+  }
+  CHECK(records == 2);
   fs::remove_all(dir);
 }
 
