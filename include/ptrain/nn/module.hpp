@@ -199,7 +199,8 @@ class Module {
     return out;
   }
 
-  /// Scalars this module and its children report about their latest forward call,
+  /// Scalars this module and its children report (an MoE layer: its routing over the
+  /// training forwards since its window was last reset, Note [MoE metrics window]),
   /// depth-first, each named by its module's path as parameters are (e.g. an MoE
   /// layer's "layers.1.block_sparse_moe.aux_loss"); empty for most models. The
   /// Trainer and gpt_char add them to their metrics records (and TensorBoard).
