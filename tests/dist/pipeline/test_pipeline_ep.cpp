@@ -1,0 +1,258 @@
+// Expert parallelism inside pipeline stages (PipelineOptions::expert_parallel, Note
+// [Pipeline expert parallelism] in parallel/pipeline.hpp), in the pipeline test
+// executable: a Mixtral-shaped Llama (2 MoE layers of 4 experts, top-2, dropless, with
+// the load-balancing and z losses) cut into pp stages by make_engine, each stage
+// replicated dp times with its experts split over ep replicas; 1F1B with m = 2
+// micro-batches, 3 AdamW steps in double, clipped at a norm below the gradients'.
+// Layouts: pp 2 x dp 2 x ep 2 on four ranks, and pp 1 x dp 4 x ep 2 and ep 4 (the
+// experts' average over their dp / ep copies); on two ranks pp 1 x dp 2 x ep 2.
+// Reference: one process on the global batch taking the dp x m micro-batches one at a
+// time (the cross-entropy scaled by 1/(dp m); each micro-batch's auxiliary losses at
+// the coefficients / dp, as the pipeline adds them per micro-batch and averages over
+// the replicas). Checked within 1e-9: every clip norm, every rank's parameters by
+// name, the checkpoint read back into one process, and one more step after resuming
+// that checkpoint at ep 1. Bad options are refused with their ids.
+// Every rank runs every case in the same order; checks use CHECK so no rank skips collectives.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+
+#include <ptrain/ckpt/engine_checkpoint.hpp>
+#include <ptrain/nn/models/llama.hpp>
+#include <ptrain/optim/adamw.hpp>
+#include <ptrain/optim/clip.hpp>
+#include <ptrain/parallel/make_engine.hpp>
+
+#include "dist/world.hpp"
+
+namespace test_pipeline_ep {
+
+using namespace ptrain;
+using ptrain::testing::world;
+
+namespace {
+
+using Real = double;
+constexpr double kTol = 1e-9;  // a lost token, a wrong expert or a missing 1/ep moves parameters by > 1e-4
+constexpr std::int64_t kSeq = 12, kRowsPerReplica = 4, kSteps = 3;
+constexpr int kMicro = 2;
+constexpr double kMaxNorm = 0.3;  // below every step's norm: clipping scales each step
+const optim::AdamWOptions kAdam{.lr = 0.01, .eps = 1e-6, .weight_decay = 0.1};
+
+nn::LlamaConfig config() {
+  nn::LlamaConfig c{.vocab_size = 17, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 16,
+                    .intermediate_size = 24};
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.moe_intermediate_size = 12;
+  c.moe_aux_loss_coef = 0.05;
+  c.moe_z_loss_coef = 1e-2;
+  return c;
+}
+
+std::shared_ptr<nn::Llama<Real>> make_llama(const nn::LlamaConfig& c) {
+  Generator g(11);
+  return std::make_shared<nn::Llama<Real>>(c, g);
+}
+
+struct Batch {
+  Tensor<std::int32_t> ids, targets;
+};
+Batch rows_of(const Batch& b, std::int64_t first, std::int64_t rows) {
+  return {b.ids.narrow(first, rows), b.targets.narrow(first * kSeq, rows * kSeq)};
+}
+Batch global_batch(int dp, std::int64_t step) {
+  Generator g(500 + static_cast<std::uint64_t>(step));
+  const std::int64_t rows = kRowsPerReplica * dp;
+  Batch b{Tensor<std::int32_t>::empty({rows, kSeq}), Tensor<std::int32_t>::empty({rows * kSeq})};
+  for (std::int64_t i = 0; i < rows * kSeq; ++i) {
+    b.ids.data()[i] = static_cast<std::int32_t>(g.below(17));
+    b.targets.data()[i] = static_cast<std::int32_t>(g.below(17));
+  }
+  return b;
+}
+
+// One process, `steps` steps: each the dp x m micro-batches of the global batch in turn.
+struct Reference {
+  std::map<std::string, std::vector<Real>> params;  // after the last step, by name
+  std::vector<Real> values;                         // the same, flat
+  std::vector<double> norms;                        // each step's norm before clipping
+};
+Reference reference(int dp, std::int64_t steps) {
+  nn::LlamaConfig c = config();
+  c.moe_aux_loss_coef /= dp;
+  c.moe_z_loss_coef /= dp;
+  auto model = make_llama(c);
+  nn::FlatParameters<Real> params(*model);
+  optim::AdamW<Real> opt(params, kAdam);
+  Reference out;
+  const std::int64_t rows = kRowsPerReplica / kMicro, calls = dp * kMicro;
+  for (std::int64_t s = 0; s < steps; ++s) {
+    const Batch global = global_batch(dp, s);
+    params.zero_grad();
+    for (std::int64_t k = 0; k < calls; ++k) {  // replica k / m, its micro-batch k % m
+      const Batch b = rows_of(global, k * rows, rows);
+      nn::CrossEntropyLoss<Real> ce;
+      nn::Cache<Real> cache, lc;
+      auto logits = model->forward_tokens(b.ids, cache);
+      ce.forward(logits.reshape({-1, logits.size(-1)}), b.targets, lc);
+      model->backward(ce.backward(lc, 1.0 / double(calls)).reshape(logits.shape()), cache);
+    }
+    out.norms.push_back(optim::clip_grad_norm_(params.grads(), kMaxNorm));
+    opt.step();
+  }
+  for (auto& p : model->named_parameters()) out.params[p.name] = p.param->value.to_vector();
+  out.values = params.values().to_vector();
+  return out;
+}
+
+double rel_diff(const std::vector<Real>& got, const std::vector<Real>& ref) {
+  REQUIRE(got.size() == ref.size());
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    diff = std::max(diff, std::abs(got[i] - ref[i]));
+    scale = std::max(scale, std::abs(ref[i]));
+  }
+  return diff / scale;
+}
+
+std::unique_ptr<parallel::Engine<Real>> make_pipeline(int pp, int ep) {
+  return parallel::make_engine<Real>(
+      make_llama(config()), world(),
+      parallel::PipelinePlan<Real>{.stages = pp, .options = {.micro_batches = kMicro, .expert_parallel = ep}});
+}
+
+// Steps [from, to) on this replica's rows; each step's clip norm to `norms`.
+void train(parallel::Engine<Real>& engine, optim::AdamW<Real>& opt, std::int64_t from, std::int64_t to,
+           std::vector<double>& norms) {
+  dist::Communicator* dp = engine.data_parallel_group();
+  const int replicas = dp ? dp->size() : 1, r = dp ? dp->rank() : 0;
+  for (std::int64_t s = from; s < to; ++s) {
+    const Batch mine = rows_of(global_batch(replicas, s), r * kRowsPerReplica, kRowsPerReplica);
+    engine.zero_grad();
+    engine.forward_backward(mine.ids, mine.targets);
+    norms.push_back(engine.clip_grad_norm_(kMaxNorm));
+    engine.step(opt);
+  }
+}
+
+// This rank's parameters (its stage's dense ones and its experts, by global name) against the reference.
+double stage_diff(parallel::Engine<Real>& engine, const Reference& ref) {
+  double worst = 0;
+  for (auto& e : engine.parameters().entries()) {
+    const auto it = ref.params.find(e.name);
+    CHECK(it != ref.params.end());
+    if (it != ref.params.end()) worst = std::max(worst, rel_diff(e.param->value.to_vector(), it->second));
+  }
+  return worst;
+}
+
+struct Layout {
+  int pp, dp, ep;
+};
+std::vector<Layout> layouts(int n) {
+  if (n == 2) return {{1, 2, 2}};
+  if (n == 4) return {{2, 2, 2}, {1, 4, 2}, {1, 4, 4}};
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("pipeline x expert parallelism trains like one process; its checkpoint loads in one process and "
+          "resumes at ep 1",
+          "[pipeline][ep]") {
+  auto& comm = world();
+  const auto cases = layouts(comm.size());
+  if (cases.empty()) return;  // every rank returns alike
+  const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_pipe_ep_");
+  for (const Layout& l : cases) {
+    INFO("pp " << l.pp << " x dp " << l.dp << " x ep " << l.ep << ", rank " << comm.rank() << ", "
+               << comm.backend());
+    const Reference ref = reference(l.dp, kSteps + 1);
+    const Reference ref_before = reference(l.dp, kSteps);
+    auto engine = make_pipeline(l.pp, l.ep);
+    auto& pipe = static_cast<parallel::Pipeline<Real>&>(*engine);
+    REQUIRE(pipe.expert_mesh() != nullptr);
+    for (auto* moe : parallel::moe_layers(pipe.module())) {  // this replica's E / ep experts
+      CHECK(moe->experts().size() == 4 / l.ep);
+      CHECK(moe->experts().first() == pipe.expert_mesh()->ep_rank() * (4 / l.ep));
+    }
+    optim::AdamW<Real> opt(engine->parameters(), kAdam);
+    std::vector<double> norms;
+    train(*engine, opt, 0, kSteps, norms);
+    REQUIRE(norms.size() == static_cast<std::size_t>(kSteps));
+    for (std::size_t s = 0; s < norms.size(); ++s) {
+      CHECK(ref_before.norms[s] > kMaxNorm);  // clipping did scale the step
+      CHECK(std::abs(norms[s] - ref_before.norms[s]) < kTol * ref_before.norms[s]);
+    }
+    CHECK(stage_diff(*engine, ref_before) < kTol);
+
+    // The checkpoint holds every tensor once under its global name: one process reads the whole model.
+    const auto where = dir / ("pp" + std::to_string(l.pp) + "ep" + std::to_string(l.ep));
+    if (comm.rank() == 0) std::filesystem::remove_all(where);
+    comm.barrier();
+    {
+      ckpt::CheckpointManager mgr(where, &comm);
+      ckpt::save(mgr, kSteps, *engine, &opt);
+    }
+    {
+      auto whole = make_llama(config());
+      nn::FlatParameters<Real> back(*whole);
+      ckpt::CheckpointManager reader(where);
+      reader.load(reader.latest().path, back);
+      CHECK(rel_diff(back.values().to_vector(), ref_before.values) < kTol);
+    }
+    // Resumed at ep 1 (same cut and dp): one more step equals the reference's fourth.
+    comm.barrier();
+    {
+      auto again = make_pipeline(l.pp, 1);
+      CHECK(static_cast<parallel::Pipeline<Real>&>(*again).expert_mesh() == nullptr);
+      optim::AdamW<Real> opt1(again->parameters(), kAdam);
+      ckpt::CheckpointManager mgr(where, &comm);
+      ckpt::load(mgr, mgr.latest().path, *again, &opt1);
+      CHECK(stage_diff(*again, ref_before) < kTol);
+      std::vector<double> more;
+      train(*again, opt1, kSteps, kSteps + 1, more);
+      CHECK(std::abs(more.at(0) - ref.norms.at(kSteps)) < kTol * ref.norms.at(kSteps));
+      CHECK(stage_diff(*again, ref) < kTol);
+    }
+    comm.barrier();
+  }
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("pipeline x expert parallelism: bad options are refused on every rank", "[pipeline][ep]") {
+  auto& comm = world();
+  const int n = comm.size();
+  // Without a data-parallel group (every rank a stage): nothing to split the experts over.
+  CHECK_THROWS_WITH(make_pipeline(n, 2), Catch::Contains("[ptrain.ep.pipeline]"));
+  if (n % 2 != 0) return;
+  const int dp = 2, pp = n / 2;
+  // ep not dividing dp (3), virtual stages, a capacity factor, a model without MoE layers.
+  CHECK_THROWS_WITH(make_pipeline(pp, 3), Catch::Contains("[ptrain.ep.pipeline]"));
+  if (pp >= 2)  // interleaving needs two stages
+  CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(config()), comm,
+                                                parallel::PipelinePlan<Real>{
+                                                    .stages = pp,
+                                                    .options = {.schedule = parallel::Schedule::Interleaved,
+                                                                .micro_batches = 2 * pp,
+                                                                .virtual_stages = 2,
+                                                                .expert_parallel = dp}}),
+                    Catch::Contains("[ptrain.ep.pipeline]"));
+  nn::LlamaConfig capped = config();
+  capped.moe_capacity_factor = 1.0;
+  CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(capped), comm,
+                                                parallel::PipelinePlan<Real>{
+                                                    .stages = pp, .options = {.micro_batches = 2, .expert_parallel = dp}}),
+                    Catch::Contains("[ptrain.ep.pipeline]"));
+  nn::LlamaConfig dense = config();
+  dense.num_experts = 0;
+  CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(dense), comm,
+                                                parallel::PipelinePlan<Real>{
+                                                    .stages = pp, .options = {.micro_batches = 2, .expert_parallel = dp}}),
+                    Catch::Contains("[ptrain.ep.model]"));
+}
+
+}  // namespace test_pipeline_ep
