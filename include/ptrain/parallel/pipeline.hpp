@@ -94,7 +94,10 @@
 // gradient is scaled by 1/m, so the accumulated gradient is the gradient of
 // the mean over micro-batches, which equals the full-batch mean when every
 // micro-batch counts the same number of targets (no ignore_index rows). The
-// returned loss is the mean of the micro-batch losses.
+// returned loss is the mean of the micro-batch losses. The auxiliary losses of
+// the stage's MoE layers (load balancing, z-loss) are scaled alike
+// (MoE::set_aux_loss_scale(grad_scale / m)), so a batch adds the mean of its
+// micro-batches' auxiliary losses, as Megatron-Core does, whatever m.
 //
 // Note [Pipeline expert parallelism]
 // With options.expert_parallel = ep > 1 (Megatron-Core's PP x EP) the replicas of a
@@ -424,6 +427,7 @@ class Pipeline : public Engine<T> {
     if (is_last()) check_batch(targets, "targets");
     if (training && zero) zero_grad();
     training_ = training;
+    for (nn::MoE<T>* moe : moe_layers<T>(module_)) moe->set_aux_loss_scale(grad_scale_ / m);  // Note [Loss scaling]
     events_.clear();
     caches_.clear();
     peak_live_ = backwards_done_ = 0;

@@ -7,11 +7,14 @@
 // Layouts: pp 2 x dp 2 x ep 2 on four ranks, and pp 1 x dp 4 x ep 2 and ep 4 (the
 // experts' average over their dp / ep copies); on two ranks pp 1 x dp 2 x ep 2.
 // Reference: one process on the global batch taking the dp x m micro-batches one at a
-// time (the cross-entropy scaled by 1/(dp m); each micro-batch's auxiliary losses at
-// the coefficients / dp, as the pipeline adds them per micro-batch and averages over
-// the replicas). Checked within 1e-9: every clip norm, every rank's parameters by
+// time, the cross-entropy and the auxiliary losses (load balancing, z-loss) of each
+// scaled by 1/(dp m): a pipeline scales a micro-batch's auxiliary losses by 1/m as its
+// cross-entropy (Note [Loss scaling]) and averages over the replicas. Checked within 1e-9: every clip norm, every rank's parameters by
 // name, the checkpoint read back into one process, and one more step after resuming
 // that checkpoint at ep 1. Bad options are refused with their ids.
+// With global_load_balance over the replicas (the token fractions of each micro-batch
+// index over the dp replicas): one process taking, for each j, the replicas' j-th
+// micro-batches together in one call, the cross-entropy and the auxiliary losses / m.
 // Every rank runs every case in the same order; checks use CHECK so no rank skips collectives.
 #include <catch2/catch.hpp>
 
@@ -80,20 +83,38 @@ struct Reference {
   std::vector<Real> values;                         // the same, flat
   std::vector<double> norms;                        // each step's norm before clipping
 };
-Reference reference(int dp, std::int64_t steps) {
+// The rows [first, first + rows) of `b` for each first in `firsts`, in that order.
+Batch cat_rows(const Batch& b, const std::vector<std::int64_t>& firsts, std::int64_t rows) {
+  const auto n = static_cast<std::int64_t>(firsts.size()) * rows;
+  Batch out{Tensor<std::int32_t>::empty({n, kSeq}), Tensor<std::int32_t>::empty({n * kSeq})};
+  std::int64_t at = 0;
+  for (std::int64_t f : firsts)
+    for (std::int64_t i = 0; i < rows * kSeq; ++i, ++at) {
+      out.ids.data()[at] = b.ids.data()[f * kSeq + i];
+      out.targets.data()[at] = b.targets.data()[f * kSeq + i];
+    }
+  return out;
+}
+
+Reference reference(int dp, std::int64_t steps, bool global_aux) {
+  const std::int64_t rows = kRowsPerReplica / kMicro, calls = global_aux ? kMicro : dp * kMicro;
   nn::LlamaConfig c = config();
-  c.moe_aux_loss_coef /= dp;
-  c.moe_z_loss_coef /= dp;
+  c.moe_aux_loss_coef /= double(calls);
+  c.moe_z_loss_coef /= double(calls);
   auto model = make_llama(c);
   nn::FlatParameters<Real> params(*model);
   optim::AdamW<Real> opt(params, kAdam);
   Reference out;
-  const std::int64_t rows = kRowsPerReplica / kMicro, calls = dp * kMicro;
   for (std::int64_t s = 0; s < steps; ++s) {
     const Batch global = global_batch(dp, s);
     params.zero_grad();
-    for (std::int64_t k = 0; k < calls; ++k) {  // replica k / m, its micro-batch k % m
-      const Batch b = rows_of(global, k * rows, rows);
+    for (std::int64_t k = 0; k < calls; ++k) {
+      std::vector<std::int64_t> firsts;  // replica k / m's micro-batch k % m, or micro-batch k of every replica
+      if (global_aux)
+        for (int r = 0; r < dp; ++r) firsts.push_back(r * kRowsPerReplica + k * rows);
+      else
+        firsts.push_back(k * rows);
+      const Batch b = cat_rows(global, firsts, rows);
       nn::CrossEntropyLoss<Real> ce;
       nn::Cache<Real> cache, lc;
       auto logits = model->forward_tokens(b.ids, cache);
@@ -118,10 +139,12 @@ double rel_diff(const std::vector<Real>& got, const std::vector<Real>& ref) {
   return diff / scale;
 }
 
-std::unique_ptr<parallel::Engine<Real>> make_pipeline(int pp, int ep) {
-  return parallel::make_engine<Real>(
+std::unique_ptr<parallel::Engine<Real>> make_pipeline(int pp, int ep, bool global_aux = false) {
+  auto engine = parallel::make_engine<Real>(
       make_llama(config()), world(),
       parallel::PipelinePlan<Real>{.stages = pp, .options = {.micro_batches = kMicro, .expert_parallel = ep}});
+  if (global_aux) parallel::global_load_balance(engine->local_module(), *engine->data_parallel_group());
+  return engine;
 }
 
 // Steps [from, to) on this replica's rows; each step's clip norm to `norms`.
@@ -151,10 +174,11 @@ double stage_diff(parallel::Engine<Real>& engine, const Reference& ref) {
 
 struct Layout {
   int pp, dp, ep;
+  bool global_aux = false;  // parallel::global_load_balance over the replicas
 };
 std::vector<Layout> layouts(int n) {
-  if (n == 2) return {{1, 2, 2}};
-  if (n == 4) return {{2, 2, 2}, {1, 4, 2}, {1, 4, 4}};
+  if (n == 2) return {{1, 2, 2}, {1, 2, 2, true}};
+  if (n == 4) return {{2, 2, 2}, {2, 2, 2, true}, {1, 4, 2}, {1, 4, 4}};
   return {};
 }
 
@@ -168,11 +192,11 @@ TEST_CASE("pipeline x expert parallelism trains like one process; its checkpoint
   if (cases.empty()) return;  // every rank returns alike
   const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_pipe_ep_");
   for (const Layout& l : cases) {
-    INFO("pp " << l.pp << " x dp " << l.dp << " x ep " << l.ep << ", rank " << comm.rank() << ", "
+    INFO("pp " << l.pp << " x dp " << l.dp << " x ep " << l.ep << (l.global_aux ? ", global balance" : "") << ", rank " << comm.rank() << ", "
                << comm.backend());
-    const Reference ref = reference(l.dp, kSteps + 1);
-    const Reference ref_before = reference(l.dp, kSteps);
-    auto engine = make_pipeline(l.pp, l.ep);
+    const Reference ref = reference(l.dp, kSteps + 1, l.global_aux);
+    const Reference ref_before = reference(l.dp, kSteps, l.global_aux);
+    auto engine = make_pipeline(l.pp, l.ep, l.global_aux);
     auto& pipe = static_cast<parallel::Pipeline<Real>&>(*engine);
     REQUIRE(pipe.expert_mesh() != nullptr);
     for (auto* moe : parallel::moe_layers(pipe.module())) {  // this replica's E / ep experts
@@ -190,7 +214,7 @@ TEST_CASE("pipeline x expert parallelism trains like one process; its checkpoint
     CHECK(stage_diff(*engine, ref_before) < kTol);
 
     // The checkpoint holds every tensor once under its global name: one process reads the whole model.
-    const auto where = dir / ("pp" + std::to_string(l.pp) + "ep" + std::to_string(l.ep));
+    const auto where = dir / ("pp" + std::to_string(l.pp) + "ep" + std::to_string(l.ep) + (l.global_aux ? "g" : ""));
     if (comm.rank() == 0) std::filesystem::remove_all(where);
     comm.barrier();
     {
@@ -207,7 +231,7 @@ TEST_CASE("pipeline x expert parallelism trains like one process; its checkpoint
     // Resumed at ep 1 (same cut and dp): one more step equals the reference's fourth.
     comm.barrier();
     {
-      auto again = make_pipeline(l.pp, 1);
+      auto again = make_pipeline(l.pp, 1, l.global_aux);
       CHECK(static_cast<parallel::Pipeline<Real>&>(*again).expert_mesh() == nullptr);
       optim::AdamW<Real> opt1(again->parameters(), kAdam);
       ckpt::CheckpointManager mgr(where, &comm);
