@@ -113,7 +113,7 @@
 // clip_grad_norm_() sums the experts' squares over the expert-parallel group and the
 // dense ones once, then over the stages. The step equals one process on the global
 // batch that takes the dp x m micro-batches one at a time (each MoE layer's auxiliary
-// losses are those of its micro-batch, as without expert parallelism). Refused: ep not
+// losses are those of its micro-batch, scaled by 1/m as in Note [Loss scaling]). Refused: ep not
 // dividing dp or a layer's E, no data_parallel group, virtual stages (untested with the
 // all-to-alls between the chunks' transfers), a capacity factor (its rule would span
 // the replicas' micro-batch of one index: not built), and a pipeline without any MoE
@@ -300,6 +300,11 @@ class Pipeline : public Engine<T> {
   void broadcast_parameters() {
     dist::Communicator* dp = opt_.data_parallel;
     if (!dp || dp->size() == 1) return;
+    if (!experts_) {
+      if (flat_->values().numel() > 0) dp->broadcast(flat_->values(), 0);
+      if (flat_->frozen_values().numel() > 0) dp->broadcast(flat_->frozen_values(), 0);
+      return;
+    }
     for_each_run([&](Tensor<T> values, Tensor<T>, bool expert) { group_of(expert).broadcast(values, 0); });
     const auto& frozen = flat_->frozen_entries();
     for (std::size_t i = 0; i < frozen.size(); ++i) group_of(is_frozen_expert(i)).broadcast(frozen[i].param->value, 0);
@@ -451,10 +456,11 @@ class Pipeline : public Engine<T> {
       }
       reap_sends(true);
       shapes_agreed_ = true;
-      if (!dp_work_.empty()) {
+      if (syncing_grads_) {
         doing_ = "averaging gradients over the data-parallel group";
         for (auto& w : dp_work_) w->wait();
         dp_work_.clear();
+        syncing_grads_ = false;
         if (experts_)  // Note [Pipeline expert parallelism]: the experts' average over their copies, / ep
           for_each_run([&](Tensor<T>, Tensor<T> grads, bool expert) {
             if (expert) ops::scale_(grads, static_cast<acc_t<T>>(1.0 / experts_->ep_size()));
@@ -709,6 +715,7 @@ class Pipeline : public Engine<T> {
     sends_.clear();
     sends_int_.clear();
     dp_work_.clear();
+    syncing_grads_ = false;
   }
 
   // Averages the stage's gradients over its replicas: the whole flat buffer over the dp
@@ -716,6 +723,7 @@ class Pipeline : public Engine<T> {
   // group (or the expert-data group; its 1/ep follows when the step waits). Every
   // replica has the same runs, so each group sees its all-reduces in one order.
   void start_gradient_sync() {
+    syncing_grads_ = true;
     if (!experts_) {
       dp_work_.push_back(opt_.data_parallel->all_reduce_async(flat_->grads(), dist::ReduceOp::Avg));
       return;
@@ -801,6 +809,7 @@ class Pipeline : public Engine<T> {
   std::deque<std::array<std::int64_t, detail::kMaxShapeDims + 1>> shape_msgs_;
   std::array<std::int64_t, detail::kMaxShapeDims + 1> shape_in_{};
   std::vector<std::shared_ptr<dist::Work>> dp_work_;
+  bool syncing_grads_ = false;  // start_gradient_sync() ran in this step (the experts' 1/ep is still due)
   std::vector<PipelineEvent> events_;
   double step_start_ = 0;
   // The communication in progress, for error messages (doing(); a literal, so nothing is allocated per action).
