@@ -765,15 +765,22 @@ class Pipeline : public Engine<T> {
     PTRAIN_CHECK(opt_.virtual_stages == 1, Error, "[ptrain.ep.pipeline] expert_parallel = ", ep, " with ",
                  opt_.virtual_stages, " virtual stages is not supported (the experts' all-to-alls between the "
                  "chunks' transfers are not verified); use Schedule::OneFOneB or GPipe with virtual_stages = 1");
-    const auto layers = moe_layers<T>(module_);
-    for (nn::MoE<T>* moe : layers)
-      PTRAIN_CHECK(moe->config().capacity_factor <= 0, Error, "[ptrain.ep.pipeline] ", moe->describe(),
-                   " has capacity_factor = ", moe->config().capacity_factor, "; a pipeline with expert_parallel > 1 "
-                   "runs dropless MoE layers only (capacity_factor = 0), or use DDPOptions{.expert_parallel}");
-    std::int64_t count = static_cast<std::int64_t>(layers.size());
-    if (comm_.size() > 1) comm_.all_reduce(&count, 1, DType::I64, dist::ReduceOp::Sum);
-    PTRAIN_CHECK(count > 0, Error, "[ptrain.ep.model] expert_parallel = ", ep, " but no stage of the pipeline "
+    // Counted over the stages, so that every rank refuses alike: MoE layers, layers whose
+    // experts ep does not divide, layers with a capacity factor.
+    std::int64_t counts[3] = {0, 0, 0};
+    for (nn::MoE<T>* moe : moe_layers<T>(module_)) {
+      ++counts[0];
+      counts[1] += moe->config().num_experts % ep != 0;
+      counts[2] += moe->config().capacity_factor > 0;
+    }
+    if (comm_.size() > 1) comm_.all_reduce(counts, 3, DType::I64, dist::ReduceOp::Sum);
+    PTRAIN_CHECK(counts[0] > 0, Error, "[ptrain.ep.model] expert_parallel = ", ep, " but no stage of the pipeline "
                  "holds an nn::MoE layer; use expert_parallel = 1");
+    PTRAIN_CHECK(counts[1] == 0, Error, "[ptrain.ep.experts] expert_parallel = ", ep, " does not divide the experts "
+                 "of ", counts[1], " MoE layers of the pipeline; choose an ep degree that divides num_experts");
+    PTRAIN_CHECK(counts[2] == 0, Error, "[ptrain.ep.pipeline] ", counts[2], " MoE layers of the pipeline have a "
+                 "capacity factor; a pipeline with expert_parallel > 1 runs dropless MoE layers only "
+                 "(capacity_factor = 0), or use DDPOptions{.expert_parallel}");
     experts_ = std::make_unique<ExpertMesh>(*dp, ep);  // collective over the dp group
     shard_experts(module_, *experts_);
   }

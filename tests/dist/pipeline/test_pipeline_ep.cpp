@@ -254,7 +254,7 @@ TEST_CASE("pipeline x expert parallelism: bad options are refused on every rank"
   CHECK_THROWS_WITH(make_pipeline(n, 2), Catch::Contains("[ptrain.ep.pipeline]"));
   if (n % 2 != 0) return;
   const int dp = 2, pp = n / 2;
-  // ep not dividing dp (3), virtual stages, a capacity factor, a model without MoE layers.
+  // ep not dividing dp (3), virtual stages, a capacity factor, ep not dividing E, a model without MoE layers.
   CHECK_THROWS_WITH(make_pipeline(pp, 3), Catch::Contains("[ptrain.ep.pipeline]"));
   if (pp >= 2)  // interleaving needs two stages
   CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(config()), comm,
@@ -271,6 +271,12 @@ TEST_CASE("pipeline x expert parallelism: bad options are refused on every rank"
                                                 parallel::PipelinePlan<Real>{
                                                     .stages = pp, .options = {.micro_batches = 2, .expert_parallel = dp}}),
                     Catch::Contains("[ptrain.ep.pipeline]"));
+  nn::LlamaConfig three = config();  // 3 experts: ep 2 does not divide them
+  three.num_experts = 3;
+  CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(three), comm,
+                                                parallel::PipelinePlan<Real>{
+                                                    .stages = pp, .options = {.micro_batches = 2, .expert_parallel = dp}}),
+                    Catch::Contains("[ptrain.ep.experts]"));
   nn::LlamaConfig dense = config();
   dense.num_experts = 0;
   CHECK_THROWS_WITH(parallel::make_engine<Real>(make_llama(dense), comm,
