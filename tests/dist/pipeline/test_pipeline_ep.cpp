@@ -2,8 +2,8 @@
 // [Pipeline expert parallelism] in parallel/pipeline.hpp), in the pipeline test
 // executable: a Mixtral-shaped Llama (2 MoE layers of 4 experts, top-2, dropless, with
 // the load-balancing and z losses) cut into pp stages by make_engine, each stage
-// replicated dp times with its experts split over ep replicas; 1F1B with m = 2
-// micro-batches, 3 AdamW steps in double, clipped at a norm below the gradients'.
+// replicated dp times with its experts split over ep replicas; 1F1B (and GPipe once) with
+// m = 2 micro-batches, 3 AdamW steps in double, clipped at a norm below the gradients'.
 // Layouts: pp 2 x dp 2 x ep 2 on four ranks, and pp 1 x dp 4 x ep 2 and ep 4 (the
 // experts' average over their dp / ep copies); on two ranks pp 1 x dp 2 x ep 2.
 // Reference: one process on the global batch taking the dp x m micro-batches one at a
@@ -139,10 +139,12 @@ double rel_diff(const std::vector<Real>& got, const std::vector<Real>& ref) {
   return diff / scale;
 }
 
-std::unique_ptr<parallel::Engine<Real>> make_pipeline(int pp, int ep, bool global_aux = false) {
+std::unique_ptr<parallel::Engine<Real>> make_pipeline(int pp, int ep, bool global_aux = false,
+                                                      parallel::Schedule schedule = parallel::Schedule::OneFOneB) {
   auto engine = parallel::make_engine<Real>(
       make_llama(config()), world(),
-      parallel::PipelinePlan<Real>{.stages = pp, .options = {.micro_batches = kMicro, .expert_parallel = ep}});
+      parallel::PipelinePlan<Real>{.stages = pp,
+                                   .options = {.schedule = schedule, .micro_batches = kMicro, .expert_parallel = ep}});
   if (global_aux) parallel::global_load_balance(engine->local_module(), *engine->data_parallel_group());
   return engine;
 }
@@ -175,10 +177,11 @@ double stage_diff(parallel::Engine<Real>& engine, const Reference& ref) {
 struct Layout {
   int pp, dp, ep;
   bool global_aux = false;  // parallel::global_load_balance over the replicas
+  parallel::Schedule schedule = parallel::Schedule::OneFOneB;
 };
 std::vector<Layout> layouts(int n) {
   if (n == 2) return {{1, 2, 2}, {1, 2, 2, true}};
-  if (n == 4) return {{2, 2, 2}, {2, 2, 2, true}, {1, 4, 2}, {1, 4, 4}};
+  if (n == 4) return {{2, 2, 2}, {2, 2, 2, true}, {2, 2, 2, false, parallel::Schedule::GPipe}, {1, 4, 2}, {1, 4, 4}};
   return {};
 }
 
@@ -192,11 +195,12 @@ TEST_CASE("pipeline x expert parallelism trains like one process; its checkpoint
   if (cases.empty()) return;  // every rank returns alike
   const auto dir = ptrain::testing::shared_tmp_dir(comm, "ptrain_pipe_ep_");
   for (const Layout& l : cases) {
-    INFO("pp " << l.pp << " x dp " << l.dp << " x ep " << l.ep << (l.global_aux ? ", global balance" : "") << ", rank " << comm.rank() << ", "
+    INFO("pp " << l.pp << " x dp " << l.dp << " x ep " << l.ep << (l.global_aux ? ", global balance" : "")
+               << ", " << parallel::schedule_name(l.schedule) << ", rank " << comm.rank() << ", "
                << comm.backend());
     const Reference ref = reference(l.dp, kSteps + 1, l.global_aux);
     const Reference ref_before = reference(l.dp, kSteps, l.global_aux);
-    auto engine = make_pipeline(l.pp, l.ep, l.global_aux);
+    auto engine = make_pipeline(l.pp, l.ep, l.global_aux, l.schedule);
     auto& pipe = static_cast<parallel::Pipeline<Real>&>(*engine);
     REQUIRE(pipe.expert_mesh() != nullptr);
     for (auto* moe : parallel::moe_layers(pipe.module())) {  // this replica's E / ep experts
@@ -214,7 +218,8 @@ TEST_CASE("pipeline x expert parallelism trains like one process; its checkpoint
     CHECK(stage_diff(*engine, ref_before) < kTol);
 
     // The checkpoint holds every tensor once under its global name: one process reads the whole model.
-    const auto where = dir / ("pp" + std::to_string(l.pp) + "ep" + std::to_string(l.ep) + (l.global_aux ? "g" : ""));
+    const auto where = dir / ("pp" + std::to_string(l.pp) + "ep" + std::to_string(l.ep) + (l.global_aux ? "g" : "") +
+                              parallel::schedule_name(l.schedule));
     if (comm.rank() == 0) std::filesystem::remove_all(where);
     comm.barrier();
     {
