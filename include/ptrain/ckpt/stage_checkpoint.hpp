@@ -41,9 +41,20 @@
 // gathered and saved as rng["default.stage<S>.replica<R>"], rng["default"] is
 // world rank 0's, and load_stage() restores each rank's own. Other named
 // generators in TrainerState::rng are the caller's, saved and returned as given.
+//
+// Note [Stage checkpoints with expert parallelism]
+// With PipelineOptions::expert_parallel = ep > 1 (Note [Pipeline expert parallelism] in
+// parallel/pipeline.hpp) replica 0 of each stage writes the dense tensors and replicas
+// 0 .. ep - 1 (the first copy of the experts, expert-data rank 0) each its own experts,
+// every one under its global name (experts.{e}.w1.weight) with its optimizer state, as
+// DDP with expert parallelism does (ckpt/engine_checkpoint.hpp). So every tensor is
+// written once: one process loads the whole model, and the same cut and dp resume at
+// any ep (load_stage reads this replica's experts by name). The layout records ep
+// (informational).
 
 #include <bit>
 #include <exception>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -128,6 +139,7 @@ nlohmann::json pipeline_layout(const parallel::Pipeline<T>& pipe) {
           {"bounds", part.bounds()},
           {"partition", part.str()},
           {"data_parallel", detail::dp_size_of(pipe)},
+          {"expert_parallel", pipe.options().expert_parallel},
           {"micro_batches", pipe.options().micro_batches},
           {"schedule", parallel::schedule_name(pipe.options().schedule)}};
 }
@@ -183,7 +195,29 @@ StageSnapshot stage_snapshot(dist::Communicator* world, parallel::Pipeline<T>& p
   StageSnapshot snap;
   snap.state = std::move(state);
   // Note [Stage checkpoints]: the other replicas hold the same tensors.
-  if (detail::replica_of(pipe) == 0 && pipe.has_parameters()) snap.tensors = whole_tensors(pipe.parameters(), opt);
+  if (!pipe.has_parameters()) return snap;
+  if (!pipe.expert_mesh()) {
+    if (detail::replica_of(pipe) == 0) snap.tensors = whole_tensors(pipe.parameters(), opt);
+    return snap;
+  }
+  // Note [Stage checkpoints with expert parallelism]: dense tensors from replica 0, experts from their first copy.
+  snap.tensors = whole_tensors(pipe.parameters(), opt);
+  std::set<std::string> experts;
+  const auto& entries = pipe.parameters().entries();
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    if (pipe.is_expert(i)) experts.insert(entries[i].name);
+  const auto& frozen = pipe.parameters().frozen_entries();
+  for (std::size_t i = 0; i < frozen.size(); ++i)
+    if (pipe.is_frozen_expert(i)) experts.insert(frozen[i].name);
+  const bool dense_writer = detail::replica_of(pipe) == 0, expert_writer = pipe.expert_mesh()->replica() == 0;
+  auto keep = [&](std::vector<TensorPiece>& pieces, bool state) {  // optimizer state: "<param>.<kind>"
+    std::erase_if(pieces, [&](const TensorPiece& p) {
+      const std::string param = state ? p.name.substr(0, p.name.rfind('.')) : p.name;
+      return !(experts.count(param) ? expert_writer : dense_writer);
+    });
+  };
+  keep(snap.tensors.model, false);
+  keep(snap.tensors.optimizer, true);
   return snap;
 }
 

@@ -49,7 +49,8 @@ struct PipelinePlan {
   /// Relative cost of each unit (e.g. forward FLOPs) for balancing the stages; empty: equal.
   std::vector<double> unit_costs = {};
   /// Schedule, micro-batches, virtual stages (the units are balanced into stages * virtual_stages
-  /// chunks) and loss; data_parallel and unit_names are set by make_engine.
+  /// chunks), loss and expert_parallel (the experts split over ep of the dp replicas of each
+  /// stage, Note [Pipeline expert parallelism]); data_parallel and unit_names are set by make_engine.
   PipelineOptions<T> options = {};
 };
 
@@ -132,7 +133,8 @@ std::unique_ptr<Engine<T>> make_engine(std::shared_ptr<M> model, dist::Communica
   auto pipe = std::make_unique<detail::Owned<Pipeline<T>>>(
       held, *mesh, units.size(), [units](std::size_t u) { return units[u]; },
       partition_balanced(costs, stages * std::max(1, po.virtual_stages)), po);
-  if (pipe->has_parameters()) mesh->broadcast_parameters(pipe->parameters());  // replica 0's values, as DDP
+  // Replica 0's values, as DDP (with expert parallelism each expert from the first replica holding it).
+  if (pipe->has_parameters()) pipe->broadcast_parameters();
   return pipe;
 }
 

@@ -94,7 +94,30 @@
 // gradient is scaled by 1/m, so the accumulated gradient is the gradient of
 // the mean over micro-batches, which equals the full-batch mean when every
 // micro-batch counts the same number of targets (no ignore_index rows). The
-// returned loss is the mean of the micro-batch losses.
+// returned loss is the mean of the micro-batch losses. The auxiliary losses of
+// the stage's MoE layers (load balancing, z-loss) are scaled alike
+// (MoE::set_aux_loss_scale(grad_scale / m)), so a batch adds the mean of its
+// micro-batches' auxiliary losses, as Megatron-Core does, whatever m.
+//
+// Note [Pipeline expert parallelism]
+// With options.expert_parallel = ep > 1 (Megatron-Core's PP x EP) the replicas of a
+// stage (options.data_parallel, dp ranks) play the part DDP's world plays in Note
+// [Expert-parallel layout] (parallel/expert_parallel.hpp): an ExpertMesh over the dp
+// group (replica r is expert-parallel index r % ep of expert-data copy r / ep), each
+// MoE layer of the stage keeps E / ep experts (shard_experts) and sends its tokens to
+// the experts' ranks by all-to-all inside the dp group, in every micro-batch's forward
+// and backward. The replicas of a stage run the same schedule, so they issue these
+// collectives in one order. After the stage's last backward the dense gradients are
+// averaged over the dp group, the experts' over the dp / ep replicas that hold the
+// same experts and divided by ep (one contiguous run of the flat buffer at a time);
+// clip_grad_norm_() sums the experts' squares over the expert-parallel group and the
+// dense ones once, then over the stages. The step equals one process on the global
+// batch that takes the dp x m micro-batches one at a time (each MoE layer's auxiliary
+// losses are those of its micro-batch, scaled by 1/m as in Note [Loss scaling]). Refused: ep not
+// dividing dp or a layer's E, no data_parallel group, virtual stages (untested with the
+// all-to-alls between the chunks' transfers), a capacity factor (its rule would span
+// the replicas' micro-batch of one index: not built), and a pipeline without any MoE
+// layer. Checkpoints: ckpt/stage_checkpoint.hpp.
 
 #include <algorithm>
 #include <array>
@@ -118,6 +141,7 @@
 #include "ptrain/nn/module.hpp"
 #include "ptrain/nn/sequential.hpp"
 #include "ptrain/parallel/engine.hpp"
+#include "ptrain/parallel/expert_parallel.hpp"
 #include "ptrain/parallel/mesh.hpp"
 #include "ptrain/parallel/pipeline_schedule.hpp"
 
@@ -141,6 +165,10 @@ struct PipelineOptions {
   bool zero_grad = true;
   /// Broadcast the loss from the last stage so train_step returns it on every stage.
   bool broadcast_loss = true;
+  /// ep: split the experts of the stage's nn::MoE layers over groups of ep replicas of the stage
+  /// (Note [Pipeline expert parallelism]); needs data_parallel, ep must divide its size. 1: every
+  /// replica holds all experts.
+  int expert_parallel = 1;
 };
 
 namespace detail {
@@ -220,6 +248,7 @@ class Pipeline : public Engine<T> {
     in_shape_.resize(static_cast<std::size_t>(v));
     out_shape_.resize(static_cast<std::size_t>(v));
     reject_borrowed_across_stages();
+    if (opt_.expert_parallel != 1) shard_experts_over_replicas();
     // A stage without parameters has empty flat buffers, so an optimizer is built
     // (and stepped) on every stage alike.
     if (!module_.named_parameters().empty()) flat_ = std::make_unique<nn::FlatParameters<T>>(module_);
@@ -234,6 +263,7 @@ class Pipeline : public Engine<T> {
     if (opt_.data_parallel) opt_.data_parallel->check_serves(device_, "Pipeline (data-parallel group)");
     if (opt_.loss) this->set_loss(opt_.loss);
     detail::attach_replica_sum(module_, opt_.data_parallel);
+    if (experts_) mark_experts();
   }
 
   /// This rank's stage on a dp x pp mesh: the pipeline of its replica, with
@@ -256,6 +286,29 @@ class Pipeline : public Engine<T> {
   }
   /// The data-parallel average ends inside forward_backward(): nothing is outstanding after it.
   void finish_gradient_sync() override {}
+
+  /// The expert-parallel groups over the stage's replicas (options.expert_parallel > 1), or null.
+  ExpertMesh* expert_mesh() { return experts_.get(); }
+  const ExpertMesh* expert_mesh() const { return experts_.get(); }
+  /// Whether entry i of parameters() is an expert's (distinct on each expert-parallel rank).
+  bool is_expert(std::size_t i) const { return !expert_.empty() && expert_.at(i); }
+  /// The same for entry i of parameters().frozen_entries().
+  bool is_frozen_expert(std::size_t i) const { return !frozen_expert_.empty() && frozen_expert_.at(i); }
+  /// Replica 0's values on every replica of the stage (collective over options.data_parallel);
+  /// with expert parallelism each expert from the first replica that holds it. What
+  /// make_engine does after building the pipeline; call it when building one by hand.
+  void broadcast_parameters() {
+    dist::Communicator* dp = opt_.data_parallel;
+    if (!dp || dp->size() == 1) return;
+    if (!experts_) {
+      if (flat_->values().numel() > 0) dp->broadcast(flat_->values(), 0);
+      if (flat_->frozen_values().numel() > 0) dp->broadcast(flat_->frozen_values(), 0);
+      return;
+    }
+    for_each_run([&](Tensor<T> values, Tensor<T>, bool expert) { group_of(expert).broadcast(values, 0); });
+    const auto& frozen = flat_->frozen_entries();
+    for (std::size_t i = 0; i < frozen.size(); ++i) group_of(is_frozen_expert(i)).broadcast(frozen[i].param->value, 0);
+  }
 
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
@@ -355,8 +408,19 @@ class Pipeline : public Engine<T> {
     grad_scale_ = grad_scale;
     return in.ids ? run_step(*in.ids, targets, training, false) : run_step(*in.x, targets, training, false);
   }
-  // The stages hold distinct parameters: their squared norms add up.
+  // The stages hold distinct parameters: their squared norms add up. With expert parallelism
+  // (Note [Pipeline expert parallelism]) the experts' squares are first summed over the
+  // expert-parallel group (each expert once), the dense ones counted once, as DDP does.
   double sum_over_model(double sq) override {
+    if (experts_) {
+      double mine = 0;
+      for_each_run([&](Tensor<T>, Tensor<T> grads, bool expert) {
+        if (expert) mine += ops::sum_squares(grads);
+      });
+      double all = mine;
+      experts_->expert_group().all_reduce(&all, 1, DType::F64, dist::ReduceOp::Sum);
+      sq += all - mine;
+    }
     if (comm_.size() > 1) comm_.all_reduce(&sq, 1, DType::F64, dist::ReduceOp::Sum);
     return sq;
   }
@@ -368,6 +432,7 @@ class Pipeline : public Engine<T> {
     if (is_last()) check_batch(targets, "targets");
     if (training && zero) zero_grad();
     training_ = training;
+    for (nn::MoE<T>* moe : moe_layers<T>(module_)) moe->set_aux_loss_scale(grad_scale_ / m);  // Note [Loss scaling]
     events_.clear();
     caches_.clear();
     peak_live_ = backwards_done_ = 0;
@@ -391,10 +456,15 @@ class Pipeline : public Engine<T> {
       }
       reap_sends(true);
       shapes_agreed_ = true;
-      if (dp_work_) {
+      if (syncing_grads_) {
         doing_ = "averaging gradients over the data-parallel group";
-        dp_work_->wait();
-        dp_work_.reset();
+        for (auto& w : dp_work_) w->wait();
+        dp_work_.clear();
+        syncing_grads_ = false;
+        if (experts_)  // Note [Pipeline expert parallelism]: the experts' average over their copies, / ep
+          for_each_run([&](Tensor<T>, Tensor<T> grads, bool expert) {
+            if (expert) ops::scale_(grads, static_cast<acc_t<T>>(1.0 / experts_->ep_size()));
+          });
       }
     } catch (const CommError& e) {
       abandon();
@@ -608,7 +678,7 @@ class Pipeline : public Engine<T> {
     // earlier stages still run their backwards.
     if (++backwards_done_ == opt_.micro_batches * opt_.virtual_stages && this->syncing() && opt_.data_parallel &&
         opt_.data_parallel->size() > 1 && flat_->numel() > 0)  // trainable gradients only
-      dp_work_ = opt_.data_parallel->all_reduce_async(flat_->grads(), dist::ReduceOp::Avg);
+      start_gradient_sync();
     record(a, t0);
     if (holds_input(a.chunk)) return {};
     const Shape& in = in_shape_[static_cast<std::size_t>(a.chunk)];
@@ -644,7 +714,83 @@ class Pipeline : public Engine<T> {
     incoming_.clear();
     sends_.clear();
     sends_int_.clear();
-    dp_work_.reset();
+    dp_work_.clear();
+    syncing_grads_ = false;
+  }
+
+  // Averages the stage's gradients over its replicas: the whole flat buffer over the dp
+  // group, or with expert parallelism each run of dense (or expert) entries over the dp
+  // group (or the expert-data group; its 1/ep follows when the step waits). Every
+  // replica has the same runs, so each group sees its all-reduces in one order.
+  void start_gradient_sync() {
+    syncing_grads_ = true;
+    if (!experts_) {
+      dp_work_.push_back(opt_.data_parallel->all_reduce_async(flat_->grads(), dist::ReduceOp::Avg));
+      return;
+    }
+    for_each_run([&](Tensor<T>, Tensor<T> grads, bool expert) {
+      dist::Communicator& g = group_of(expert);
+      if (g.size() == 1) return;
+      dist::CollectiveLabel label(expert ? "pipeline.expert_grads" : "pipeline.grads");
+      dp_work_.push_back(g.all_reduce_async(grads, dist::ReduceOp::Avg));
+    });
+  }
+  dist::Communicator& group_of(bool expert) {
+    return expert ? experts_->expert_data_group() : *opt_.data_parallel;
+  }
+  // Calls fn(values, grads, expert) for each run of consecutive trainable entries that are
+  // all experts or all dense (the whole buffer as one dense run without expert parallelism).
+  template <class Fn>
+  void for_each_run(Fn&& fn) {
+    const auto& entries = flat_->entries();
+    for (std::size_t i = 0; i < entries.size();) {
+      std::size_t j = i + 1;
+      while (j < entries.size() && is_expert(j) == is_expert(i)) ++j;
+      const std::int64_t begin = entries[i].offset, end = entries[j - 1].offset + entries[j - 1].numel();
+      fn(flat_->values().narrow(begin, end - begin), flat_->grads().narrow(begin, end - begin), is_expert(i));
+      i = j;
+    }
+  }
+
+  // Note [Pipeline expert parallelism]: checks the options and keeps this replica's experts.
+  void shard_experts_over_replicas() {
+    const int ep = opt_.expert_parallel;
+    dist::Communicator* dp = opt_.data_parallel;
+    PTRAIN_CHECK(ep >= 1, Error, "[ptrain.ep.pipeline] expert_parallel = ", ep, " must be >= 1");
+    PTRAIN_CHECK(dp != nullptr, Error, "[ptrain.ep.pipeline] expert_parallel = ", ep, " splits the experts over the "
+                 "replicas of a stage, but the pipeline has no data_parallel group; build it on a dp x pp Mesh "
+                 "(or make_engine's PipelinePlan on dp * pp ranks) with ep dividing dp");
+    PTRAIN_CHECK(dp->size() % ep == 0, Error, "[ptrain.ep.pipeline] expert_parallel = ", ep, " does not divide the ",
+                 dp->size(), " replicas of stage ", stage_, " (data_parallel); choose an ep that divides dp");
+    PTRAIN_CHECK(opt_.virtual_stages == 1, Error, "[ptrain.ep.pipeline] expert_parallel = ", ep, " with ",
+                 opt_.virtual_stages, " virtual stages is not supported (the experts' all-to-alls between the "
+                 "chunks' transfers are not verified); use Schedule::OneFOneB or GPipe with virtual_stages = 1");
+    // Counted over the stages, so that every rank refuses alike: MoE layers, layers whose
+    // experts ep does not divide, layers with a capacity factor.
+    std::int64_t counts[3] = {0, 0, 0};
+    for (nn::MoE<T>* moe : moe_layers<T>(module_)) {
+      ++counts[0];
+      counts[1] += moe->config().num_experts % ep != 0;
+      counts[2] += moe->config().capacity_factor > 0;
+    }
+    if (comm_.size() > 1) comm_.all_reduce(counts, 3, DType::I64, dist::ReduceOp::Sum);
+    PTRAIN_CHECK(counts[0] > 0, Error, "[ptrain.ep.model] expert_parallel = ", ep, " but no stage of the pipeline "
+                 "holds an nn::MoE layer; use expert_parallel = 1");
+    PTRAIN_CHECK(counts[1] == 0, Error, "[ptrain.ep.experts] expert_parallel = ", ep, " does not divide the experts "
+                 "of ", counts[1], " MoE layers of the pipeline; choose an ep degree that divides num_experts");
+    PTRAIN_CHECK(counts[2] == 0, Error, "[ptrain.ep.pipeline] ", counts[2], " MoE layers of the pipeline have a "
+                 "capacity factor; a pipeline with expert_parallel > 1 runs dropless MoE layers only "
+                 "(capacity_factor = 0), or use DDPOptions{.expert_parallel}");
+    experts_ = std::make_unique<ExpertMesh>(*dp, ep);  // collective over the dp group
+    shard_experts(module_, *experts_);
+  }
+  // Which trainable and frozen entries of flat_ are this replica's experts.
+  void mark_experts() {
+    std::set<nn::Parameter<T>*> mine;
+    for (nn::MoE<T>* moe : moe_layers<T>(module_))
+      for (auto& p : moe->experts().named_parameters()) mine.insert(p.param);
+    for (const auto& e : flat_->entries()) expert_.push_back(mine.count(e.param) ? 1 : 0);
+    for (const auto& e : flat_->frozen_entries()) frozen_expert_.push_back(mine.count(e.param) ? 1 : 0);
   }
 
   dist::Communicator& comm_;
@@ -654,6 +800,8 @@ class Pipeline : public Engine<T> {
   int stage_ = 0;
   detail::StageModule<T> module_;  // every unit of the stage (parameters, names, train())
   std::vector<std::unique_ptr<detail::StageModule<T>>> chunks_;  // the same units by chunk (forward, backward)
+  std::unique_ptr<ExpertMesh> experts_;  // options.expert_parallel > 1
+  std::vector<char> expert_, frozen_expert_;  // per trainable and frozen entry of flat_, with experts_
   std::unique_ptr<nn::FlatParameters<T>> flat_;
   std::map<std::pair<int, int>, MicroBatch> caches_;  // by (chunk, micro-batch)
   Device device_ = Device::cpu();  // of the parameters, where activations are received
@@ -667,7 +815,8 @@ class Pipeline : public Engine<T> {
   std::vector<std::shared_ptr<dist::Work>> sends_int_;
   std::deque<std::array<std::int64_t, detail::kMaxShapeDims + 1>> shape_msgs_;
   std::array<std::int64_t, detail::kMaxShapeDims + 1> shape_in_{};
-  std::shared_ptr<dist::Work> dp_work_;
+  std::vector<std::shared_ptr<dist::Work>> dp_work_;
+  bool syncing_grads_ = false;  // start_gradient_sync() ran in this step (the experts' 1/ep is still due)
   std::vector<PipelineEvent> events_;
   double step_start_ = 0;
   // The communication in progress, for error messages (doing(); a literal, so nothing is allocated per action).
