@@ -25,6 +25,7 @@
 // piece's copy at a time beyond what a checkpoint save of its layout gathers (tp
 // rank 0's full tensors under tensor parallelism).
 
+#include <cstring>
 #include <exception>
 #include <map>
 #include <string>
@@ -91,18 +92,24 @@ std::map<std::string, Tensor<T>> assemble(dist::Communicator& world, Device via,
   if (n > 1) world.all_gather(&my_size, sizes.data(), 1, DType::I64);
   else sizes[0] = my_size;
   std::vector<nlohmann::json> described(static_cast<std::size_t>(n), nlohmann::json::array());
+  // As 8-byte words: not every backend moves bytes (MPI's has no U8).
+  auto words = [](std::int64_t bytes) { return static_cast<std::size_t>((bytes + 7) / 8); };
   if (me == root) {
     for (int r = 0; r < n; ++r) {
-      if (sizes[static_cast<std::size_t>(r)] == 0) continue;
+      const std::int64_t bytes = sizes[static_cast<std::size_t>(r)];
+      if (bytes == 0) continue;
       std::string text = mine;
       if (r != root) {
-        text.resize(static_cast<std::size_t>(sizes[static_cast<std::size_t>(r)]));
-        world.recv(text.data(), text.size(), DType::U8, r);
+        std::vector<std::int64_t> buf(words(bytes));
+        world.recv(buf.data(), buf.size(), DType::I64, r);
+        text.assign(reinterpret_cast<const char*>(buf.data()), static_cast<std::size_t>(bytes));
       }
       described[static_cast<std::size_t>(r)] = nlohmann::json::parse(text);
     }
   } else if (my_size > 0) {
-    world.send(mine.data(), mine.size(), DType::U8, root);
+    std::vector<std::int64_t> buf(words(my_size), 0);
+    std::memcpy(buf.data(), mine.data(), mine.size());
+    world.send(buf.data(), buf.size(), DType::I64, root);
   }
   // 2. The root checks that the pieces tile every tensor exactly, and `check`; every rank agrees.
   std::map<std::string, Tensor<T>> full;
