@@ -196,7 +196,8 @@ std::map<std::string, Tensor<T>> full_state_dict(parallel::Engine<T>& engine, in
 /// full_state_dict() copied into `model` on rank `root` (collective): each of
 /// model's parameters (frozen ones too) and buffers gets the tensor of its name, on
 /// the device it lives on, as loading a checkpoint of the engine into one process
-/// would; the other ranks leave `model` untouched. A name missing on either side or
+/// would; a parameter whose tensor the engine released (FSDP frees the model's own)
+/// gets a new one on the engine's device. The other ranks leave `model` untouched. A name missing on either side or
 /// a shape that differs throws [ptrain.ckpt.gather] on every rank before anything
 /// changes. A tied weight is one parameter under one name (GPT's "wte.weight"); a
 /// model whose head is untied (a pipeline's) needs an engine of an untied model.
@@ -215,7 +216,7 @@ void gather_full_model(parallel::Engine<T>& engine, nn::Module<T>& model, int ro
       const auto it = shapes.find(name);
       PTRAIN_CHECK(it != shapes.end(), CheckpointError, "[ptrain.ckpt.gather] the model has '", name,
                    "' but the engine's model does not; gather into a model of the same architecture as the engine's");
-      PTRAIN_CHECK(it->second == t->shape(), CheckpointError, "[ptrain.ckpt.gather] '", name, "' is ", it->second,
+      PTRAIN_CHECK(!t->defined() || it->second == t->shape(), CheckpointError, "[ptrain.ckpt.gather] '", name, "' is ", it->second,
                    " in the engine's model but ", t->shape(), " in the model to fill; build it with the same config");
     }
     for (const auto& [name, shape] : shapes)
@@ -223,9 +224,11 @@ void gather_full_model(parallel::Engine<T>& engine, nn::Module<T>& model, int ro
                    "' but the model to fill does not (a tied weight there, untied in the engine?); build it with the "
                    "same config");
   });
+  const Device released = engine.has_parameters() ? engine.parameters().values().device() : Device::cpu();
   for (auto& [name, t] : targets) {
-    t->copy_(full.at(name));
-    full.erase(name);  // the host copy goes as soon as the model holds it
+    if (t->defined()) t->copy_(full.at(name));
+    else *t = released.is_cpu() ? full.at(name) : full.at(name).to(released);  // released by the engine (FSDP)
+    full.erase(name);                       // the host copy goes as soon as the model holds it
   }
 }
 
