@@ -60,11 +60,12 @@ struct Model {
   }
 };
 
-std::unique_ptr<parallel::Engine<Real>> build(const Model& m, dist::Communicator& comm,
-                                              const parallel::Plan<Real>& plan) {
+// The engine of `plan` on `model` (made by m.make()).
+std::unique_ptr<parallel::Engine<Real>> build(const Model& m, const std::shared_ptr<nn::Module<Real>>& model,
+                                              dist::Communicator& comm, const parallel::Plan<Real>& plan) {
   if (m.kind == "moe")
-    return parallel::make_engine<Real>(std::static_pointer_cast<nn::Llama<Real>>(m.make(5)), comm, plan);
-  return parallel::make_engine<Real>(std::static_pointer_cast<nn::GPT<Real>>(m.make(5)), comm, plan);
+    return parallel::make_engine<Real>(std::static_pointer_cast<nn::Llama<Real>>(model), comm, plan);
+  return parallel::make_engine<Real>(std::static_pointer_cast<nn::GPT<Real>>(model), comm, plan);
 }
 
 struct Batch {
@@ -117,7 +118,7 @@ double max_rel_error(const std::map<std::string, std::vector<Real>>& a,
 // One process: the model of seed 5, one step on the whole global batch.
 std::map<std::string, std::vector<Real>> one_process(const Model& m) {
   dist::SelfCommunicator self;
-  auto e = build(m, self, parallel::LocalOptions{});
+  auto e = build(m, m.make(5), self, parallel::LocalOptions{});
   optim::AdamW<Real> opt(e->parameters(), kAdam);
   train_step(*e, opt);
   return values_of(e->local_module());
@@ -169,7 +170,8 @@ TEST_CASE("gather_full_model brings every layout's trained model to rank 0", "[c
     INFO(layout.name << " on " << n << " ranks, " << comm.backend());
     const Model& m = layout.model;
     if (!reference.count(m.kind)) reference[m.kind] = one_process(m);
-    auto engine = build(m, comm, layout.plan);
+    const auto own = m.make(5);
+    auto engine = build(m, own, comm, layout.plan);
     optim::AdamW<Real> opt(engine->parameters(), kAdam);
     train_step(*engine, opt);
     dist::Communicator& ec = engine->communicator();  // a Local engine: a world of one per rank
@@ -198,6 +200,13 @@ TEST_CASE("gather_full_model brings every layout's trained model to rank 0", "[c
       CHECK(values_of(*got) == before);
     }
 
+    // The engine's own model, whose tensors FSDP released: rank 0's gets new ones (with
+    // expert parallelism the model keeps only its rank's experts: not a whole model).
+    if (engine->mode() == parallel::Mode::FSDP && m.kind != "moe") {
+      ckpt::gather_full_model(*engine, *own);
+      if (ec.rank() == 0) CHECK(values_of(*own) == values_of(*from_ckpt));
+    }
+
     // full_state_dict: the same tensors, by name, on the root only; here root 1 where there is one.
     const int root = ec.size() > 1 ? 1 : 0;
     const auto full = ckpt::full_state_dict(*engine, root);
@@ -222,7 +231,7 @@ TEST_CASE("gather_full_model refuses a model that differs, on every rank, and ch
   for (const auto& layout : layouts(n)) {
     if (layout.name != "fsdp full_shard" && layout.name != "pipeline 1f1b" && layout.name != "tp 2") continue;
     INFO(layout.name << " on " << n << " ranks");
-    auto engine = build(layout.model, comm, layout.plan);
+    auto engine = build(layout.model, layout.model.make(5), comm, layout.plan);
     const bool tied = layout.model.kind == "gpt";
     // A name on one side only: the head tied where the engine's is not, or the reverse.
     auto other_head = Model{tied ? "gpt untied" : "gpt"}.make(77);
