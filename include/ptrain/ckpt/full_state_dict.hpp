@@ -91,20 +91,21 @@ std::map<std::string, Tensor<T>> assemble(dist::Communicator& world, Device via,
   const std::int64_t my_size = pieces.empty() ? 0 : static_cast<std::int64_t>(mine.size());
   if (n > 1) world.all_gather(&my_size, sizes.data(), 1, DType::I64);
   else sizes[0] = my_size;
-  std::vector<nlohmann::json> described(static_cast<std::size_t>(n), nlohmann::json::array());
+  std::vector<std::string> texts(static_cast<std::size_t>(n));
   // As 8-byte words: not every backend moves bytes (MPI's has no U8).
   auto words = [](std::int64_t bytes) { return static_cast<std::size_t>((bytes + 7) / 8); };
   if (me == root) {
     for (int r = 0; r < n; ++r) {
       const std::int64_t bytes = sizes[static_cast<std::size_t>(r)];
       if (bytes == 0) continue;
-      std::string text = mine;
-      if (r != root) {
-        std::vector<std::int64_t> buf(words(bytes));
-        world.recv(buf.data(), buf.size(), DType::I64, r);
-        text.assign(reinterpret_cast<const char*>(buf.data()), static_cast<std::size_t>(bytes));
+      if (r == root) {
+        texts[static_cast<std::size_t>(r)] = mine;
+        continue;
       }
-      described[static_cast<std::size_t>(r)] = nlohmann::json::parse(text);
+      std::vector<std::int64_t> buf(words(bytes));
+      world.recv(buf.data(), buf.size(), DType::I64, r);
+      texts[static_cast<std::size_t>(r)].assign(reinterpret_cast<const char*>(buf.data()),
+                                                static_cast<std::size_t>(bytes));
     }
   } else if (my_size > 0) {
     std::vector<std::int64_t> buf(words(my_size), 0);
@@ -113,11 +114,15 @@ std::map<std::string, Tensor<T>> assemble(dist::Communicator& world, Device via,
   }
   // 2. The root checks that the pieces tile every tensor exactly, and `check`; every rank agrees.
   std::map<std::string, Tensor<T>> full;
+  std::vector<nlohmann::json> described(static_cast<std::size_t>(n), nlohmann::json::array());
   gather_agree(world, [&] {
     for (const auto& p : pieces)
       PTRAIN_CHECK(p.data.dtype == dtype_of<T>(), CheckpointError, "[ptrain.ckpt.gather] piece of '", p.name, "' is ",
                    dtype_name(p.data.dtype), " but the engine's model is ", dtype_name(dtype_of<T>()));
     if (me != root) return;
+    for (int r = 0; r < n; ++r)
+      if (!texts[static_cast<std::size_t>(r)].empty())
+        described[static_cast<std::size_t>(r)] = nlohmann::json::parse(texts[static_cast<std::size_t>(r)]);
     nlohmann::json index = nlohmann::json::object();
     for (int r = 0; r < n; ++r)
       for (const auto& d : described[static_cast<std::size_t>(r)])
