@@ -67,6 +67,7 @@
 #include <optional>
 #include <functional>
 #include <ptrain/ckpt/engine_checkpoint.hpp>
+#include <ptrain/ckpt/full_state_dict.hpp>
 #include <ptrain/nn/models/gpt2_weights.hpp>
 #include <ptrain/ckpt/preemption.hpp>
 #include <ptrain/data/tokenizer.hpp>
@@ -507,8 +508,11 @@ template <class T>
 struct GptEngine {
   std::unique_ptr<parallel::Mesh> mesh;  // pipeline: the dp x pp mesh (declared first: outlives the engine)
   std::unique_ptr<parallel::Engine<T>> engine;
-  std::string describe;         // the "parallel: ..." line (fsdp, pipeline)
-  std::function<void()> gather;  // collective: the whole parameters into rank 0's model
+  std::string describe;  // the "parallel: ..." line (fsdp, pipeline)
+  // Whether rank 0's model lacks trained parameters that other ranks hold (every mode
+  // but none, ddp and cp without FSDP, whose model is the engine's): then the sample and
+  // --export first gather them (ckpt::gather_full_model, collective).
+  bool gather = false;
 };
 
 // Note [gpt_char engines]
@@ -521,16 +525,17 @@ struct GptEngine {
 // - fsdp: make_engine shards every unit (embedding, blocks, head) under the
 //   model's parameter names and moves the shards to --device (the GPU never
 //   holds the whole model); the model object and its tied head stay intact.
-//   For the sample and --export every rank gathers full_parameters() and rank 0
-//   binds the model's own Parameters to the copies (FSDP is not used after).
 // - pipeline: a world / stages x stages Mesh; each rank keeps the units of its
 //   stage (its --virtual-stages chunks; moved to --device), stages (chunks)
 //   balanced by forward FLOPs (unit_costs);
-//   the model is untied (one weight cannot live on two stages). For the sample
-//   and --export, stages 1.. of replica 0 send their parameters, in the model's
-//   order, into rank 0's copy of the model, on the training device.
+//   the model is untied (one weight cannot live on two stages).
 // - cp (--context-parallel): make_engine shares the model's modules (every rank
 //   holds the whole model, as DDP) and splits each sequence over the cp ranks.
+// - tp, ddp/fsdp with --expert-parallel: rank 0's model lacks the other ranks' parts.
+// For the sample and --export, where rank 0's model is not the engine's whole model
+// (GptEngine::gather), ckpt::gather_full_model copies the trained tensors into it:
+// the pieces a checkpoint of the engine would hold, each sent once (FSDP: onto new
+// tensors on --device; a pipeline: its other stages' units moved to --device first).
 // A model too large for one host builds each rank's units alone instead
 // (FSDP(num_units, nn::gpt_unit, ...), Pipeline(mesh, num_units, nn::gpt_unit, ...)).
 template <class T, class M>
@@ -538,7 +543,6 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
                           dist::Communicator& world, Device device) {
   GptEngine<T> e;
   M& m = *model;
-  const bool lead = world.rank() == 0;
   if (o.parallel == "pipeline") {
     const int pp = o.stages > 0 ? o.stages : world.size();
     e.mesh = std::make_unique<parallel::Mesh>(world, world.size() / pp, pp);
@@ -557,20 +561,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
     e.describe = detail::cat("pipeline of ", pp, " stages", v > 1 ? detail::cat(" x ", v, " chunks") : "",
                              " (units ", pipe->partition().str(), ") x ", e.mesh->dp_size(), " replica(s), ",
                              o.micro_batches, " micro-batches, ", schedule_label(o));
-    e.gather = [&m, &stage = *pipe, &mesh = *e.mesh, device, lead] {
-      if (mesh.replica() != 0) return;
-      dist::Communicator& stages = mesh.pipeline_group();
-      for (int s = 1; s < stages.size(); ++s) {
-        if (!lead && stages.rank() != s) continue;
-        for (std::size_t u : stage.units_of(s)) {
-          if (lead && !device.is_cpu()) m.units()[u]->to(device);
-          for (auto& p : m.units()[u]->named_parameters()) {
-            if (lead) stages.recv(p.param->value, s);
-            else stages.send(p.param->value, 0);
-          }
-        }
-      }
-    };
+    e.gather = true;
     e.engine = std::move(pipe);
     return e;
   }
@@ -605,15 +596,13 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
   }
   e.engine = parallel::make_engine<T>(model, world, plan);
   if (auto* ddp = dynamic_cast<parallel::DDP<T>*>(e.engine.get()); ddp && ddp->expert_mesh()) {
-    // The sample and --export: rank 0's model gets every expert back.
     parallel::ExpertMesh& mesh = *ddp->expert_mesh();
     e.describe = detail::cat("expert parallel, ep ", mesh.ep_size(), " x dp ", mesh.dp_size());
-    e.gather = [&m, &mesh, &world] { parallel::gather_experts(m, mesh, world); };
+    e.gather = true;  // rank 0's model lacks the other ranks' experts
   }
   if (auto* cp = dynamic_cast<parallel::ContextParallel<T>*>(e.engine.get()))
     e.describe = detail::cat("context parallel, cp ", cp->mesh().cp_size(), " x dp ", cp->mesh().dp_size());
   if (auto* tp = dynamic_cast<parallel::TensorParallel<T>*>(e.engine.get())) {
-    // The sample and --export: every rank gathers the full tensors, rank 0 keeps them.
     parallel::Mesh& mesh = tp->mesh();
     const bool cp = mesh.cp_size() > 1;  // --context-parallel with --tp
     e.describe = detail::cat(cp ? detail::cat("context parallel, cp ", mesh.cp_size(), " x ") : "tensor parallel, ",
@@ -622,70 +611,32 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
                              tp->fsdp() ? ", fsdp " + o.fsdp_strategy + (cp ? " over dp x cp" : " over dp") : "",
                              tp->pipeline() ? " (units " + tp->pipeline()->partition().str() + ")" : "",
                              tp->expert_mesh() ? detail::cat(", ep ", tp->expert_mesh()->ep_size()) : "");
-    // Every rank gathers its stage's full tensors over its tp group; tp rank 0 of
-    // each stage of replica 0 sends them to world rank 0, unit by unit in the model's order.
-    // With MoE layers world ranks 0 .. ep-1 hold every expert once (Note [Expert parallelism x
-    // TP]): they send the experts rank 0 lacks, in the model's order.
-    e.gather = [&m, tp, &mesh, lead, E = o.experts] {
-      const auto& entries = tp->parameters().entries();
-      std::map<std::string, Tensor<T>> full;
-      if (auto* f = tp->fsdp()) {  // FSDP x TP: the tp shards gathered over dp first
-        for (auto& [name, shard] : f->full_parameters())
-          full[name] = parallel::detail::gather_full(shard, tp->spec_of(name), tp->group());
-      } else {
-        for (std::size_t i = 0; i < entries.size(); ++i)
-          full[entries[i].name] = parallel::detail::gather_full(entries[i].param->value, tp->spec(i), tp->group());
-      }
-      parallel::ExpertMesh* em = tp->expert_mesh();
-      if (em && em->replica() == 0 && !lead)
-        for (std::size_t i = 0; i < entries.size(); ++i)
-          if (tp->is_expert(i)) mesh.world().send(entries[i].param->value, 0);
-      if (mesh.replica() != 0 || mesh.cp_rank() != 0 || mesh.tp_rank() != 0) return;
-      dist::Communicator& stages = mesh.pipeline_group();
-      const auto names = m.unit_names();
-      for (std::size_t u = 0; u < names.size(); ++u) {
-        // The rank of the stage that holds unit u (chunk c of an interleaved pipeline runs on stage c % pp).
-        const int s = tp->pipeline() ? tp->pipeline()->partition().stage_of(u) % mesh.pp_size() : 0;
-        if (!lead && stages.rank() != s) continue;
-        for (auto& p : m.units()[u]->named_parameters()) {
-          const std::string name = names[u] + "." + p.name;
-          if (lead && s == 0 && em && !full.count(name)) {  // another rank's expert
-            const std::int64_t expert = std::stoll(name.substr(name.find(".experts.") + 9));
-            mesh.world().recv(p.param->value, static_cast<int>(expert / (E / em->ep_size())));
-          } else if (lead && s == 0) {
-            p.param->value.copy_(full.at(name));
-          } else if (lead) {
-            stages.recv(p.param->value, s);
-          } else {
-            stages.send(full.at(name), 0);
-          }
-        }
-      }
-    };
+    e.gather = true;
   } else if (auto* fsdp = dynamic_cast<parallel::FSDP<T>*>(&e.engine->local_module())) {  // also cp's (--parallel fsdp)
     e.describe = detail::cat(e.describe.empty() ? "" : e.describe + ", ", fsdp->describe(), " over ", world.size(),
                              " rank(s) (shard groups of ", fsdp->shard_size(), ")");
-    parallel::ExpertMesh* experts = fsdp->expert_mesh();
-    e.gather = [&m, fsdp, lead, experts, &world] {
-      auto full = fsdp->full_parameters();
-      if (experts) {
-        // The dense parameters and this rank's experts bound on every rank; then rank 0's
-        // model gets every expert (replica 0 of each expert-parallel index sends its own).
-        std::map<std::string, Tensor<T>> by_name(full.begin(), full.end());
-        for (auto& p : m.named_parameters()) p.param->value = by_name.at(p.name);
-        parallel::gather_experts(m, *experts, world);
-        return;
-      }
-      if (!lead) return;
-      std::map<std::string, Tensor<T>> by_name(full.begin(), full.end());
-      for (auto& p : m.named_parameters()) {
-        const auto it = by_name.find(p.name);
-        PTRAIN_CHECK(it != by_name.end(), Error, "[ptrain.example.fsdp] FSDP has no parameter '", p.name, "'");
-        p.param->value = it->second;
-      }
-    };
+    e.gather = true;
   }
   return e;
+}
+
+// Gives rank 0's model, before ckpt::gather_full_model fills it, every tensor on
+// `device`: a pipeline's rank 0 holds only its own stage's units there, and expert
+// parallelism under ddp and fsdp keeps only this rank's experts in the model's MoE
+// layers (each gets all of them back, their values from the gather).
+template <class T, class M>
+void make_whole(M& m, const GptEngine<T>& built, Device device) {
+  if (built.mesh && !device.is_cpu())
+    for (auto& unit : m.units())
+      if (auto ps = unit->named_parameters(); !ps.empty() && !(ps[0].param->value.device() == device)) unit->to(device);
+  for (nn::MoE<T>* moe : parallel::moe_layers(m)) {
+    const nn::MoeConfig& c = moe->config();
+    if (moe->experts().size() == c.num_experts) continue;
+    Generator scratch(0);  // every value is overwritten
+    auto all = std::make_shared<nn::MoeExperts<T>>(c.num_experts, c.n_embd, c.expert_hidden, scratch);
+    if (!device.is_cpu()) all->to(device);
+    moe->unshard_experts(std::move(all));
+  }
 }
 
 // Everything a checkpoint must capture to resume this loop exactly (Note [gpt_char resume state]).
@@ -1154,8 +1105,10 @@ int run(Options opt) {
     checkpoints.finish();
     validate();
     // Sampling and --export need the whole parameters in rank 0's model (Note [gpt_char engines]).
-    if (built.gather && (opt.sample_tokens > 0 || !opt.export_path.empty() || !opt.export_hf.empty()))
-      built.gather();
+    if (built.gather && (opt.sample_tokens > 0 || !opt.export_path.empty() || !opt.export_hf.empty())) {
+      if (lead) make_whole<T>(*model, built, device);
+      ckpt::gather_full_model(*built.engine, *model);
+    }
     if (lead) {
       export_model<K, T>(opt, *model, corpus, state.step);
       if (opt.sample_tokens > 0) print_sample(opt, *model, corpus);

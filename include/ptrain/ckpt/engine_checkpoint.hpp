@@ -76,11 +76,12 @@ parallel::FSDP<T>& fsdp_of(parallel::Engine<T>& engine) {
 }
 
 // Hands this rank's part of a checkpoint of `engine` to `replicated(params, state)`
-// (the whole model, written by rank 0) or `sharded(pieces, state)`.
+// (the whole model, written by rank 0) or `sharded(pieces, state)`; collective over
+// `world` (the engine's ranks; a pipeline gathers its stages' state over it). The
+// pieces live only during the call.
 template <class T, class Replicated, class Sharded>
-void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Optimizer<T>* opt, TrainerState state,
-                Replicated&& replicated, Sharded&& sharded) {
-  check_same_world(mgr, engine.communicator());
+void engine_parts(dist::Communicator* world, parallel::Engine<T>& engine, optim::Optimizer<T>* opt,
+                  TrainerState state, Replicated&& replicated, Sharded&& sharded) {
   switch (engine.mode()) {
     case parallel::Mode::Local:
       replicated(engine.parameters(), std::move(state));
@@ -95,8 +96,7 @@ void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Opti
       sharded(fsdp_state(fsdp_of(engine), opt), std::move(state));
       return;
     case parallel::Mode::Pipeline: {
-      StageSnapshot snap =
-          stage_snapshot(mgr.communicator(), static_cast<parallel::Pipeline<T>&>(engine), opt, std::move(state));
+      StageSnapshot snap = stage_snapshot(world, static_cast<parallel::Pipeline<T>&>(engine), opt, std::move(state));
       sharded(snap.tensors, std::move(snap.state));
       return;
     }
@@ -106,6 +106,15 @@ void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Opti
       return;
     }
   }
+}
+
+// engine_parts() for a checkpoint saved through `mgr`, which must span the engine's ranks.
+template <class T, class Replicated, class Sharded>
+void save_parts(CheckpointManager& mgr, parallel::Engine<T>& engine, optim::Optimizer<T>* opt, TrainerState state,
+                Replicated&& replicated, Sharded&& sharded) {
+  check_same_world(mgr, engine.communicator());
+  engine_parts(mgr.communicator(), engine, opt, std::move(state), std::forward<Replicated>(replicated),
+               std::forward<Sharded>(sharded));
 }
 }  // namespace detail
 
