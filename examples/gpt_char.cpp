@@ -330,11 +330,11 @@ std::string check_checkpoint_config(const nlohmann::json& user, const nlohmann::
 void check_parallel_flags(const Options& o, int world) {
   if (o.expert_parallel > 1) {
     PTRAIN_CHECK(o.model == "mixtral" && (o.parallel == "ddp" || (o.parallel == "tp" && o.stages <= 1) ||
-                                          (o.parallel == "fsdp" && !o.fsdp_tp)), Error,
+                                          (o.parallel == "fsdp" && !o.fsdp_tp) || o.parallel == "pipeline"), Error,
                  "[gpt_char.ep] --expert-parallel ", o.expert_parallel, " splits the experts of --model mixtral "
-                 "under --parallel ddp, fsdp (without --tp) or tp (without --stages) (got --model ", o.model,
+                 "under --parallel ddp, fsdp (without --tp), tp (without --stages) or pipeline (got --model ", o.model,
                  " --parallel ", o.parallel, o.fsdp_tp ? " --tp" : "", "); add --model mixtral --parallel ddp (or "
-                 "fsdp, tp) or leave it out");
+                 "fsdp, tp, pipeline) or leave it out");
     PTRAIN_CHECK(world % o.expert_parallel == 0 && o.experts % o.expert_parallel == 0, Error, "[gpt_char.ep] "
                  "--expert-parallel ", o.expert_parallel, " must divide the world (", world, " ranks) and --experts (",
                  o.experts, "): launch a multiple of it and choose a divisor of --experts");
@@ -531,7 +531,7 @@ struct GptEngine {
 //   the model is untied (one weight cannot live on two stages).
 // - cp (--context-parallel): make_engine shares the model's modules (every rank
 //   holds the whole model, as DDP) and splits each sequence over the cp ranks.
-// - tp, ddp/fsdp with --expert-parallel: rank 0's model lacks the other ranks' parts.
+// - tp, ddp/fsdp/pipeline with --expert-parallel: rank 0's model lacks the other ranks' parts.
 // For the sample and --export, where rank 0's model is not the engine's whole model
 // (GptEngine::gather), ckpt::gather_full_model copies the trained tensors into it:
 // the pieces a checkpoint of the engine would hold, each sent once (FSDP: onto new
@@ -557,10 +557,12 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
             .schedule = v > 1                  ? parallel::Schedule::Interleaved
                         : o.schedule == "gpipe" ? parallel::Schedule::GPipe
                                                 : parallel::Schedule::OneFOneB,
-            .micro_batches = o.micro_batches, .virtual_stages = v, .unit_names = m.unit_names()});
+            .micro_batches = o.micro_batches, .virtual_stages = v, .unit_names = m.unit_names(),
+            .expert_parallel = o.expert_parallel});
     e.describe = detail::cat("pipeline of ", pp, " stages", v > 1 ? detail::cat(" x ", v, " chunks") : "",
                              " (units ", pipe->partition().str(), ") x ", e.mesh->dp_size(), " replica(s), ",
-                             o.micro_batches, " micro-batches, ", schedule_label(o));
+                             o.micro_batches, " micro-batches, ", schedule_label(o),
+                             o.expert_parallel > 1 ? detail::cat(", ep ", o.expert_parallel) : "");
     e.gather = true;
     e.engine = std::move(pipe);
     return e;
@@ -622,7 +624,7 @@ GptEngine<T> build_engine(Options& o, const std::shared_ptr<M>& model, const std
 
 // Gives rank 0's model, before ckpt::gather_full_model fills it, every tensor on
 // `device`: a pipeline's rank 0 holds only its own stage's units there, and expert
-// parallelism under ddp and fsdp keeps only this rank's experts in the model's MoE
+// parallelism under ddp, fsdp and pipeline keeps only this rank's experts in the model's MoE
 // layers (each gets all of them back, their values from the gather).
 template <class T, class M>
 void make_whole(M& m, const GptEngine<T>& built, Device device) {
@@ -1093,7 +1095,7 @@ int run(Options opt) {
       if (lead) {
         nlohmann::json rec = {{"step", state.step}, {"loss", loss}, {"lr", optimizer.lr()}, {"grad_norm", norm},
                               {"data_position", train_windows.position()}};
-        // What the model reports of its latest forward (MoE routing: every rank's, summed above).
+        // What the model reports (MoE routing since the previous record: every rank's, summed above).
         for (const auto& [name, value] : model->named_metrics()) rec[name] = value;
         metrics.write(rec);
       }
@@ -1144,8 +1146,8 @@ int main(int argc, char** argv) {
                                   "coefficient")->check(non_negative);
   auto* z_coef = app.add_option("--z-loss-coef", opt.z_loss_coef, "--model mixtral: router z-loss coefficient")
                      ->check(non_negative);
-  app.add_option("--expert-parallel", opt.expert_parallel, "--model mixtral --parallel ddp or fsdp: split each MoE "
-                 "layer's experts over this many ranks (a divisor of the world and of --experts; world / it replicas)")
+  app.add_option("--expert-parallel", opt.expert_parallel, "--model mixtral --parallel ddp, fsdp, tp or pipeline: "
+                 "split each MoE layer's experts over this many ranks (a divisor of the world and of --experts; world / it replicas)")
       ->check(positive);
   app.add_option("--kv-heads", opt.n_kv_head, "--model llama: key/value heads, dividing --heads (default: --heads)")
       ->check(CLI::NonNegativeNumber);
@@ -1284,11 +1286,11 @@ int main(int argc, char** argv) {
                  "--z-loss-coef are for --model mixtral\n");
     return 2;
   }
-  if (opt.model == "mixtral" && (opt.parallel == "pipeline" || opt.parallel == "cp" || opt.fsdp_tp ||
+  if (opt.model == "mixtral" && (opt.parallel == "cp" || opt.fsdp_tp ||
                                   (opt.parallel == "tp" && (opt.stages > 1 || opt.sequence_parallel)))) {
-    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp, tp (--expert-parallel N splits "
-                 "the experts; tp without --stages and --sequence-parallel) or fsdp without --tp (context and "
-                 "pipeline parallelism of MoE blocks are not built in gpt_char)\n");
+    std::fprintf(stderr, "gpt_char: --model mixtral runs with --parallel none, ddp, pipeline, tp (--expert-parallel N "
+                 "splits the experts; tp without --stages and --sequence-parallel) or fsdp without --tp (context "
+                 "parallelism of MoE blocks is not built in gpt_char)\n");
     return 2;
   }
   if (opt.model == "llama" || opt.model == "mixtral") {

@@ -91,6 +91,7 @@
 #include "ptrain/ckpt/checkpoint.hpp"
 #include "ptrain/ckpt/engine_checkpoint.hpp"
 #include "ptrain/ckpt/fsdp_checkpoint.hpp"
+#include "ptrain/ckpt/full_state_dict.hpp"
 #include "ptrain/ckpt/preemption.hpp"
 #include "ptrain/ckpt/stage_checkpoint.hpp"
 #include "ptrain/ckpt/tp_checkpoint.hpp"

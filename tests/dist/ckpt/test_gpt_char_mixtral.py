@@ -20,7 +20,7 @@ usage: test_gpt_char_mixtral.py GPT_CHAR [MPIRUN]
              parallelism to the global batch) --expert-parallel 2 (ep 2 x dp 2) checkpoints at
              step 3 of 5; resumed from there at ep 1 (plain DDP), steps 4 and 5 have the ep 2
              run's losses (1e-4 relative)
-  refused    MoE flags without --model mixtral, --model mixtral under --parallel pipeline, and
+  refused    MoE flags without --model mixtral, --model mixtral with --context-parallel, and
              --expert-parallel without --parallel ddp or not dividing the world, fail before
              training, naming the flag"""
 import json
@@ -134,7 +134,7 @@ def main():
 
     # refused
     for argv, flag in [(["--experts", "4"], "--experts"),
-                       (["--model", "mixtral", "--parallel", "pipeline"], "--parallel")]:
+                       (["--model", "mixtral", "--context-parallel", "2"], "--parallel")]:
         err = run([exe] + argv + ["--steps", "1"], f"{argv}", expect=2)
         if flag not in err:
             raise Failure(f"refused: {argv} did not name {flag}\n{err}")
