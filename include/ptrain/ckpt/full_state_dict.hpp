@@ -28,6 +28,7 @@
 #include <cstring>
 #include <exception>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -202,10 +203,11 @@ std::map<std::string, Tensor<T>> full_state_dict(parallel::Engine<T>& engine, in
 /// model's parameters (frozen ones too) and buffers gets the tensor of its name, on
 /// the device it lives on, as loading a checkpoint of the engine into one process
 /// would; a parameter whose tensor the engine released (FSDP frees the model's own)
-/// gets a new one on the engine's device. The other ranks leave `model` untouched. A name missing on either side or
-/// a shape that differs throws [ptrain.ckpt.gather] on every rank before anything
-/// changes. A tied weight is one parameter under one name (GPT's "wte.weight"); a
-/// model whose head is untied (a pipeline's) needs an engine of an untied model.
+/// gets a new one on the engine's device. The other ranks leave `model` untouched.
+/// A name missing on either side or a shape that differs throws [ptrain.ckpt.gather]
+/// on every rank before anything changes. A tied weight is one parameter under one
+/// name (GPT's "wte.weight"); a model whose head is untied (a pipeline's) needs an
+/// engine of an untied model.
 template <class T>
 void gather_full_model(parallel::Engine<T>& engine, nn::Module<T>& model, int root = 0) {
   const bool mine = engine.communicator().rank() == root;
@@ -215,14 +217,15 @@ void gather_full_model(parallel::Engine<T>& engine, nn::Module<T>& model, int ro
     for (auto& b : model.named_buffers()) targets.emplace_back(b.name, b.buffer);
   }
   auto full = detail::full_state_dict_checked(engine, root, [&](const std::map<std::string, Shape>& shapes) {
-    std::map<std::string, int> known;
+    std::set<std::string> known;
     for (const auto& [name, t] : targets) {
-      known[name] = 1;
+      known.insert(name);
       const auto it = shapes.find(name);
       PTRAIN_CHECK(it != shapes.end(), CheckpointError, "[ptrain.ckpt.gather] the model has '", name,
                    "' but the engine's model does not; gather into a model of the same architecture as the engine's");
-      PTRAIN_CHECK(!t->defined() || it->second == t->shape(), CheckpointError, "[ptrain.ckpt.gather] '", name, "' is ", it->second,
-                   " in the engine's model but ", t->shape(), " in the model to fill; build it with the same config");
+      PTRAIN_CHECK(!t->defined() || it->second == t->shape(), CheckpointError, "[ptrain.ckpt.gather] '", name,
+                   "' is ", it->second, " in the engine's model but ", t->shape(),
+                   " in the model to fill; build it with the same config");
     }
     for (const auto& [name, shape] : shapes)
       PTRAIN_CHECK(known.count(name), CheckpointError, "[ptrain.ckpt.gather] the engine's model has '", name,
