@@ -279,6 +279,18 @@ std::vector<nn::MoE<T>*> moe_layers(nn::Module<T>& model) {
   return out;
 }
 
+/// Which of `entries` (a FlatParameters' trainable or frozen entries) belong to this rank's
+/// experts in `model`'s MoE layers: one flag per entry.
+template <class T, class Entries>
+std::vector<char> expert_flags(nn::Module<T>& model, const Entries& entries) {
+  std::vector<nn::Parameter<T>*> mine;
+  for (nn::MoE<T>* moe : moe_layers(model))
+    for (auto& p : moe->experts().named_parameters()) mine.push_back(p.param);
+  std::vector<char> flags;
+  for (const auto& e : entries) flags.push_back(std::find(mine.begin(), mine.end(), e.param) != mine.end());
+  return flags;
+}
+
 /// Appends to `out` the global name (under `prefix`) of every expert parameter of every MoE
 /// layer of `model`, whether or not this rank holds that expert: experts.{e}.w1.weight and so
 /// on for e = 0 .. num_experts - 1, what a checkpoint of the whole model holds.

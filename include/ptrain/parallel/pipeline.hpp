@@ -786,11 +786,8 @@ class Pipeline : public Engine<T> {
   }
   // Which trainable and frozen entries of flat_ are this replica's experts.
   void mark_experts() {
-    std::set<nn::Parameter<T>*> mine;
-    for (nn::MoE<T>* moe : moe_layers<T>(module_))
-      for (auto& p : moe->experts().named_parameters()) mine.insert(p.param);
-    for (const auto& e : flat_->entries()) expert_.push_back(mine.count(e.param) ? 1 : 0);
-    for (const auto& e : flat_->frozen_entries()) frozen_expert_.push_back(mine.count(e.param) ? 1 : 0);
+    expert_ = expert_flags(module_, flat_->entries());
+    frozen_expert_ = expert_flags(module_, flat_->frozen_entries());
   }
 
   dist::Communicator& comm_;
